@@ -1,0 +1,151 @@
+"""``swarm-coordinator``: start a coordinator node, show a run's status, ban or unban a peer.
+
+Examples::
+
+    swarm-coordinator start --config run.toml --port 31330
+    swarm-coordinator status --coordinator 127.0.0.1:31330 --json
+    swarm-coordinator ban 12D3KooW... --data-dir ~/.swarm/coordinator --reason "sent NaN gradients"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.config import CoordinatorConfig
+from coordinator.node import STORE_FILE, CoordinatorNode
+from coordinator.store import ban_sync, unban_sync
+from protocols.errors import ConfigError, ProtocolError, SwarmError
+from protocols.keys import PublicKey
+from swarm import runtime
+from swarm.cliargs import add_config_arguments, config_from_args
+from swarm.config import RunConfig
+from swarm.coordinator_client import CoordinatorClient
+
+
+class StatusConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    coordinator: str = Field(description="coordinator address HOST:PORT")
+    as_json: bool = Field(False, description="print machine-readable JSON", json_schema_extra={"cli_flag": "--json"})
+    timeout_s: float = Field(10.0, gt=0, le=300, description="give up after this many seconds")
+
+
+class BanConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    peer_id: str = Field(description="peer ID to ban or unban")
+    data_dir: Path = Field(Path("~/.swarm/coordinator"), description="the coordinator's data dir")
+    reason: str = Field("banned by the organizer", max_length=256, description="why (shown to the peer)")
+
+
+async def _start(config: CoordinatorConfig) -> None:
+    run = RunConfig.from_toml(config.config) if config.config else RunConfig.demo()
+    stop = runtime.stop_event_on_signals()
+    node = CoordinatorNode(config, run)
+    await node.start()
+    print(f"coordinator of run {run.run_id!r} listening on {node.address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await node.stop()
+
+
+async def _fetch_status(config: StatusConfig) -> dict:
+    async with CoordinatorClient(config.coordinator, timeout_s=config.timeout_s) as client:
+        status = await client.status()
+    return {
+        "run_id": status.run_id,
+        "protocol_version": status.protocol_version,
+        "coordinator_peer_id": status.coordinator_peer_id,
+        "dht_initial_peers": list(status.dht_initial_peers),
+        "server_time": status.server_time,
+        "peers": [
+            {
+                "peer_id": p.peer_id,
+                "name": p.name,
+                "state": p.state,
+                "device": p.device,
+                "role": p.role,
+                "last_seen": p.last_seen,
+                "joined_at": p.joined_at,
+                "ban_reason": p.ban_reason,
+                "metrics": dict(p.metrics),
+            }
+            for p in status.peers
+        ],
+    }
+
+
+def format_status(status: dict) -> str:
+    lines = [
+        f"run {status['run_id']!r}  coordinator {status['coordinator_peer_id']}",
+        f"DHT initial peers: {' '.join(status['dht_initial_peers'])}",
+        f"{len(status['peers'])} peers:",
+    ]
+    now = status["server_time"]
+    for p in status["peers"]:
+        seen = f"{max(0.0, now - p['last_seen']):.0f}s ago"
+        extra = f"  ({p['ban_reason']})" if p["ban_reason"] else ""
+        lines.append(f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:24]:24} {seen}{extra}")
+    return "\n".join(lines)
+
+
+def _ban(config: BanConfig, *, unban: bool) -> str:
+    try:
+        PublicKey.from_peer_id(config.peer_id)
+    except ProtocolError as e:
+        raise ConfigError(str(e)) from None
+    path = config.data_dir.expanduser() / STORE_FILE
+    if not path.is_file():
+        raise ConfigError(f"no coordinator store at {path}; pass the coordinator's --data-dir")
+    db = sqlite3.connect(path, timeout=10)
+    try:
+        if unban:
+            return f"unbanned {config.peer_id}" if unban_sync(db, config.peer_id) else f"{config.peer_id} was not banned"
+        ban_sync(db, config.peer_id, config.reason)
+        return f"banned {config.peer_id}: {config.reason}"
+    finally:
+        db.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm-coordinator", description="Run and inspect a swarm coordinator node.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_config_arguments(commands.add_parser("start", help="start a coordinator node"), CoordinatorConfig)
+    add_config_arguments(commands.add_parser("status", help="show a run's peers and DHT addresses"), StatusConfig)
+    for name in ("ban", "unban"):
+        add_config_arguments(commands.add_parser(name, help=f"{name} a peer (offline edit of the store)"), BanConfig, positional=("peer_id",))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "start":
+            config = config_from_args(CoordinatorConfig, args)
+            runtime.setup_logging(config.log_level)
+            runtime.run(_start(config))
+        elif args.command == "status":
+            config = config_from_args(StatusConfig, args)
+            status = asyncio.run(_fetch_status(config))
+            print(json.dumps(status, indent=2) if config.as_json else format_status(status))
+        else:
+            print(_ban(config_from_args(BanConfig, args), unban=args.command == "unban"))
+    except SwarmError as e:
+        print(f"swarm-coordinator: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The coordinator node: DHT bootstrap peer, gRPC service, SQLite record and the liveness sweeper.
+
+Example::
+
+    node = CoordinatorNode(CoordinatorConfig(host="127.0.0.1", port=0, dht_port=0), RunConfig.demo())
+    await node.start()
+    print(node.address, node.dht_initial_peers)
+    await node.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import time
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.service import CoordinatorService
+from coordinator.store import Store
+from protocols.errors import ConfigError, NetworkError
+from swarm.config import RunConfig
+from swarm.dht import start_dht, visible_maddrs
+from swarm.identity import load_or_create_identity
+from swarm.rpc import CHANNEL_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+STORE_FILE = "coordinator.db"
+ENDPOINT_FILE = "endpoint.json"
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class CoordinatorNode:
+    def __init__(self, config: CoordinatorConfig, run: RunConfig):
+        self.config = config
+        self.run = run
+        self.address = ""
+        self.dht_initial_peers: list[str] = []
+        self._dht = None
+        self._store: Store | None = None
+        self._server: grpc.aio.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        config, run = self.config, self.run
+        data_dir = config.data_path
+        key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
+        if run.coordinator_key is not None and run.coordinator_key != key.peer_id:
+            raise ConfigError(
+                f"run config pins coordinator_key {run.coordinator_key}, but identity {config.identity_path} "
+                f"is {key.peer_id}"
+            )
+        self._store = await asyncio.to_thread(Store.open_sync, data_dir / STORE_FILE, run.run_id)
+        try:
+            self._dht = await asyncio.to_thread(
+                start_dht,
+                key,
+                config.identity_path,
+                host=config.host,
+                port=config.dht_port,
+                initial_peers=[],
+                upnp=config.upnp,
+            )
+            self.dht_initial_peers = visible_maddrs(self._dht)
+            service = CoordinatorService(run, key, self._store, self.dht_initial_peers)
+            self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            self._server.add_generic_rpc_handlers((service.generic_handler(),))
+            bind = _host_port(config.host, config.port)
+            try:
+                port = self._server.add_insecure_port(bind)
+            except RuntimeError as e:
+                port, reason = 0, str(e)
+            else:
+                reason = "the port is in use or the address is not local"
+            if port == 0:
+                raise NetworkError(f"cannot serve gRPC on {bind}: {reason}")
+            await self._server.start()
+        except BaseException:
+            await self.stop()
+            raise
+        unspecified = ipaddress.ip_address(config.host).is_unspecified
+        self.address = _host_port("127.0.0.1" if unspecified else config.host, port)
+        self._sweeper = asyncio.create_task(self._sweep_offline())
+        self._write_endpoint(key.peer_id)
+        logger.info(f"coordinator {key.peer_id} serves run {run.run_id!r} on {_host_port(config.host, port)}")
+        logger.info(f"DHT initial peers: {' '.join(self.dht_initial_peers)}")
+
+    def _write_endpoint(self, peer_id: str) -> None:
+        endpoint = {
+            "address": self.address,
+            "run_id": self.run.run_id,
+            "coordinator_peer_id": peer_id,
+            "dht_initial_peers": self.dht_initial_peers,
+            "pid": os.getpid(),
+        }
+        path = self.config.data_path / ENDPOINT_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(endpoint, indent=2))
+        tmp.replace(path)
+
+    async def _sweep_offline(self) -> None:
+        membership = self.run.membership
+        interval_s = min(1.0, membership.heartbeat_interval_s)
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                for peer_id in await self._store.mark_offline(time.time() - membership.offline_after_s):
+                    logger.info(f"{peer_id} is offline: no heartbeat for {membership.offline_after_s:.0f}s")
+            except Exception:
+                logger.exception("liveness sweep failed; retrying")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
+        if self._dht is not None:
+            await asyncio.to_thread(self._dht.shutdown)
+            self._dht = None
+        if self._store is not None:
+            await asyncio.to_thread(self._store.close)
+            self._store = None
+        endpoint = self.config.data_path / ENDPOINT_FILE
+        with contextlib.suppress(OSError):
+            endpoint.unlink()

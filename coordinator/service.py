@@ -1,0 +1,278 @@
+"""The coordinator's gRPC service: admission, heartbeats, leave and status.
+
+Each handler receives raw bytes, so a malformed payload is answered with a clear INVALID_ARGUMENT
+instead of grpc's generic deserialization failure. Everything is validated before the store is
+touched: a refused request changes nothing and costs one log line naming the sender and the reason.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any, Awaitable, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from coordinator.store import PeerRecord, Store
+from protocols import coordinator_pb2 as pb
+from protocols.certificates import issue_certificate
+from protocols.envelope import Envelope, open_envelope, seal
+from protocols.errors import (
+    AdmissionDenied,
+    Banned,
+    NetworkError,
+    ProtocolError,
+    ReplayError,
+    SwarmError,
+    UnknownRun,
+    VersionMismatch,
+)
+from protocols.keys import SigningKey
+from protocols.messages import (
+    HEARTBEAT,
+    JOIN,
+    JOIN_ANSWER,
+    LEAVE,
+    HeartbeatBody,
+    JoinBody,
+    LeaveBody,
+    parse_body,
+    token_proof,
+)
+from protocols.version import PROTOCOL_VERSION
+from swarm.config import RunConfig
+from swarm.rpc import ERROR_METADATA_KEY, status_code_for
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "swarm.coordinator.v1.Coordinator"
+MAX_OPEN_CHALLENGES = 10_000
+# A heartbeat or leave older than this is refused as a replay even if its sequence number were new.
+MAX_REQUEST_AGE_S = 120.0
+
+
+class CoordinatorService:
+    def __init__(self, config: RunConfig, key: SigningKey, store: Store, dht_initial_peers: list[str]):
+        self.config = config
+        self.key = key
+        self.store = store
+        self.dht_initial_peers = dht_initial_peers
+        self._challenges: OrderedDict[bytes, float] = OrderedDict()
+
+    @property
+    def run_id(self) -> str:
+        return self.config.run_id
+
+    # --- checks shared by the handlers -------------------------------------------------------------
+
+    def _check_header(self, header: pb.Header, *, allow_any_run: bool = False) -> None:
+        if header.protocol_version != PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"protocol version {header.protocol_version} is not supported; this coordinator speaks "
+                f"{PROTOCOL_VERSION}: upgrade swarm"
+            )
+        if header.run_id != self.run_id and not (allow_any_run and not header.run_id):
+            raise UnknownRun(f"unknown run {header.run_id!r}; this coordinator serves run {self.run_id!r}")
+
+    def _open(self, data: bytes, purpose: str, what: str, max_age_s: float) -> Envelope:
+        return open_envelope(data, purpose=purpose, run_id=self.run_id, max_age_s=max_age_s, what=what)
+
+    async def _check_not_banned(self, peer_id: str) -> None:
+        reason = await self.store.ban_reason(peer_id)
+        if reason is not None:
+            raise Banned(f"peer {peer_id} is banned from run {self.run_id!r}: {reason}")
+
+    async def _known_peer(self, envelope: Envelope) -> PeerRecord:
+        await self._check_not_banned(envelope.sender)
+        record = await self.store.get_peer(envelope.sender)
+        if record is None or record.public_key != envelope.signer.raw:
+            raise AdmissionDenied(f"peer {envelope.sender} has not joined run {self.run_id!r}; join first")
+        if record.state == "left":
+            raise AdmissionDenied(f"peer {envelope.sender} has left run {self.run_id!r}; join again")
+        return record
+
+    def _check_admission(self, body: JoinBody, envelope: Envelope) -> None:
+        admission = self.config.admission
+        if admission.policy == "allowlist" and envelope.sender not in admission.allowlist:
+            raise AdmissionDenied(f"peer {envelope.sender} is not on the allowlist of run {self.run_id!r}")
+        if admission.policy == "token":
+            expected = token_proof(admission.join_token or "", body.challenge, envelope.signer.raw)
+            if not hmac.compare_digest(expected, body.token_proof):
+                raise AdmissionDenied(f"peer {envelope.sender} did not present the run's join token")
+
+    def _take_challenge(self, challenge: bytes, sender: str) -> None:
+        expires_at = self._challenges.pop(challenge, None)
+        if expires_at is None or expires_at < time.time():
+            raise ReplayError(
+                f"join challenge from {sender} is unknown, expired or already used; request a new challenge"
+            )
+
+    # --- handlers ------------------------------------------------------------------------------------
+
+    async def challenge(self, request: pb.ChallengeRequest, peer: str) -> pb.ChallengeResponse:
+        self._check_header(request.header)
+        now = time.time()
+        while self._challenges and next(iter(self._challenges.values())) < now:
+            self._challenges.popitem(last=False)
+        if len(self._challenges) >= MAX_OPEN_CHALLENGES:
+            raise NetworkError("too many joins in progress; retry in a few seconds")
+        challenge = secrets.token_bytes(32)
+        expires_at = now + self.config.membership.challenge_ttl_s
+        self._challenges[challenge] = expires_at
+        return pb.ChallengeResponse(
+            challenge=challenge, expires_at=expires_at, coordinator_public_key=self.key.public_key.raw
+        )
+
+    async def join(self, request: pb.JoinRequest, peer: str) -> pb.JoinResponse:
+        self._check_header(request.header)
+        membership = self.config.membership
+        envelope = self._open(request.envelope, JOIN, "join request", membership.challenge_ttl_s)
+        body = parse_body(JoinBody, envelope.body, sender=envelope.sender, what="join request")
+        self._take_challenge(body.challenge, envelope.sender)
+        await self._check_not_banned(envelope.sender)
+        self._check_admission(body, envelope)
+
+        role = "data" if body.role == "auto" else body.role
+        now = time.time()
+        certificate = issue_certificate(
+            self.key,
+            public_key=envelope.signer,
+            run_id=self.run_id,
+            role=role,
+            name=body.name,
+            serial=await self.store.next_serial(),
+            ttl_s=membership.certificate_ttl_s,
+            now=now,
+        )
+        await self.store.admit(
+            PeerRecord(
+                peer_id=envelope.sender,
+                public_key=envelope.signer.raw,
+                name=body.name,
+                device=body.device,
+                role=role,
+                state="online",
+                joined_at=now,
+                last_seen=now,
+                last_seq=0,
+                cert_serial=certificate.serial,
+                cert_expires_at=certificate.expires_at,
+            )
+        )
+        logger.info(f"admitted {envelope.sender} ({body.name!r}, {body.device}, role {role}) from {peer}")
+        answer = {
+            "challenge": body.challenge,
+            "certificate": certificate.encoded,
+            "run_spec": self.config.to_spec(),
+            "dht_initial_peers": self.dht_initial_peers,
+            "heartbeat_interval_s": membership.heartbeat_interval_s,
+        }
+        return pb.JoinResponse(envelope=seal(self.key, JOIN_ANSWER, self.run_id, answer))
+
+    async def heartbeat(self, request: pb.HeartbeatRequest, peer: str) -> pb.HeartbeatResponse:
+        self._check_header(request.header)
+        envelope = self._open(request.envelope, HEARTBEAT, "heartbeat", MAX_REQUEST_AGE_S)
+        body = parse_body(HeartbeatBody, envelope.body, sender=envelope.sender, what="heartbeat")
+        record = await self._known_peer(envelope)
+        now = time.time()
+        if not await self.store.record_heartbeat(envelope.sender, seq=body.seq, seen_at=now, metrics=body.metrics):
+            raise ReplayError(f"heartbeat from {envelope.sender} repeats an old sequence number")
+        if record.state == "offline":
+            logger.info(f"{envelope.sender} ({record.name!r}) is back online")
+        renewed = b""
+        ttl_s = self.config.membership.certificate_ttl_s
+        if record.cert_expires_at - now < ttl_s / 2:
+            certificate = issue_certificate(
+                self.key,
+                public_key=envelope.signer,
+                run_id=self.run_id,
+                role=record.role,
+                name=record.name,
+                serial=await self.store.next_serial(),
+                ttl_s=ttl_s,
+                now=now,
+            )
+            await self.store.renew_certificate(envelope.sender, certificate.serial, certificate.expires_at)
+            renewed = certificate.encoded
+        return pb.HeartbeatResponse(state="online", certificate=renewed, server_time=now)
+
+    async def leave(self, request: pb.LeaveRequest, peer: str) -> pb.LeaveResponse:
+        self._check_header(request.header)
+        envelope = self._open(request.envelope, LEAVE, "leave request", MAX_REQUEST_AGE_S)
+        body = parse_body(LeaveBody, envelope.body, sender=envelope.sender, what="leave request")
+        record = await self._known_peer(envelope)
+        if not await self.store.record_leave(envelope.sender, seq=body.seq, seen_at=time.time()):
+            raise ReplayError(f"leave request from {envelope.sender} repeats an old sequence number")
+        logger.info(f"{envelope.sender} ({record.name!r}) left" + (f": {body.reason}" if body.reason else ""))
+        return pb.LeaveResponse(state="left")
+
+    async def status(self, request: pb.StatusRequest, peer: str) -> pb.StatusResponse:
+        self._check_header(request.header, allow_any_run=True)
+        peers = [
+            pb.PeerStatus(
+                peer_id=r.peer_id,
+                name=r.name,
+                state=r.state,
+                device=r.device,
+                role=r.role,
+                last_seen=r.last_seen,
+                joined_at=r.joined_at,
+                ban_reason=r.ban_reason,
+                metrics=r.metrics,
+            )
+            for r in await self.store.list_peers()
+        ]
+        return pb.StatusResponse(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=self.run_id,
+            coordinator_peer_id=self.key.peer_id,
+            dht_initial_peers=self.dht_initial_peers,
+            peers=peers,
+            server_time=time.time(),
+        )
+
+    # --- wiring into grpc ----------------------------------------------------------------------------
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        methods: dict[str, tuple[Any, Callable[[Any, str], Awaitable[Any]]]] = {
+            "Challenge": (pb.ChallengeRequest, self.challenge),
+            "Join": (pb.JoinRequest, self.join),
+            "Heartbeat": (pb.HeartbeatRequest, self.heartbeat),
+            "Leave": (pb.LeaveRequest, self.leave),
+            "Status": (pb.StatusRequest, self.status),
+        }
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                _guarded(name, request_type, handler),
+                request_deserializer=None,
+                response_serializer=lambda message: message.SerializeToString(),
+            )
+            for name, (request_type, handler) in methods.items()
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _guarded(method: str, request_type: Any, handler: Callable[[Any, str], Awaitable[Any]]):
+    async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        peer = context.peer()
+        try:
+            try:
+                request = request_type.FromString(raw)
+            except (DecodeError, RuntimeWarning) as e:
+                raise ProtocolError(f"malformed {request_type.__name__}: {e}") from None
+            return await handler(request, peer)
+        except SwarmError as e:
+            logger.warning(f"refused {method} from {peer}: {e}")
+            error = e
+        except Exception:
+            logger.exception(f"internal error in {method} from {peer}")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error at the coordinator; see its log")
+        await context.abort(
+            status_code_for(error), str(error), trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),)
+        )
+
+    return call

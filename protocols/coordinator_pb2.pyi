@@ -1,0 +1,128 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Header(_message.Message):
+    __slots__ = ("protocol_version", "run_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class ChallengeRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+
+class ChallengeResponse(_message.Message):
+    __slots__ = ("challenge", "expires_at", "coordinator_public_key")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    challenge: bytes
+    expires_at: float
+    coordinator_public_key: bytes
+    def __init__(self, challenge: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., coordinator_public_key: _Optional[bytes] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("header", "envelope")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    envelope: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., envelope: _Optional[bytes] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("envelope",)
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    envelope: bytes
+    def __init__(self, envelope: _Optional[bytes] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("header", "envelope")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    envelope: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., envelope: _Optional[bytes] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("state", "certificate", "server_time")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    certificate: bytes
+    server_time: float
+    def __init__(self, state: _Optional[str] = ..., certificate: _Optional[bytes] = ..., server_time: _Optional[float] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("header", "envelope")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    envelope: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., envelope: _Optional[bytes] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    def __init__(self, state: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("peer_id", "name", "state", "device", "role", "last_seen", "joined_at", "ban_reason", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_FIELD_NUMBER: _ClassVar[int]
+    BAN_REASON_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    name: str
+    state: str
+    device: str
+    role: str
+    last_seen: float
+    joined_at: float
+    ban_reason: str
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, peer_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., role: _Optional[str] = ..., last_seen: _Optional[float] = ..., joined_at: _Optional[float] = ..., ban_reason: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("protocol_version", "run_id", "coordinator_peer_id", "dht_initial_peers", "peers", "server_time")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    coordinator_peer_id: str
+    dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    server_time: float
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., coordinator_peer_id: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., server_time: _Optional[float] = ...) -> None: ...

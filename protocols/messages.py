@@ -1,0 +1,85 @@
+"""The bodies of the signed messages between peers and the coordinator, checked field by field.
+
+Each body is a pydantic model in strict mode that forbids unknown fields, so a malformed message is
+refused with the name of the offending field before anything in it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from protocols.errors import ProtocolError
+
+JOIN = "join"
+JOIN_ANSWER = "join-answer"
+HEARTBEAT = "heartbeat"
+LEAVE = "leave"
+
+CHALLENGE_BYTES = 32
+MAX_METRICS = 64
+PEER_STATES = ("online", "offline", "left", "banned")
+REQUESTED_ROLES = ("auto", "data", "stage", "trainer")
+
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class JoinBody(_Body):
+    challenge: bytes = Field(min_length=CHALLENGE_BYTES, max_length=CHALLENGE_BYTES)
+    name: Name
+    device: Name
+    role: Literal["auto", "data", "stage", "trainer"]
+    token_proof: bytes = Field(default=b"", max_length=32)
+
+
+class JoinAnswerBody(_Body):
+    challenge: bytes = Field(min_length=CHALLENGE_BYTES, max_length=CHALLENGE_BYTES)
+    certificate: bytes = Field(max_length=4096)
+    run_spec: dict[str, Any]
+    dht_initial_peers: list[Annotated[str, Field(max_length=512)]] = Field(max_length=64)
+    heartbeat_interval_s: float = Field(gt=0, le=3600)
+
+
+class HeartbeatBody(_Body):
+    seq: int = Field(gt=0)
+    state: Literal["online", "paused"]
+    metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(default_factory=dict, max_length=MAX_METRICS)
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite(cls, metrics: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, v in metrics.items() if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"metric {bad[0]!r} is not a finite number")
+        return metrics
+
+
+class LeaveBody(_Body):
+    seq: int = Field(gt=0)
+    reason: str = Field(default="", max_length=256)
+
+
+Body = TypeVar("Body", bound=_Body)
+
+
+def parse_body(model: type[Body], body: dict[str, Any], *, sender: str, what: str) -> Body:
+    """Validate a decoded body; ProtocolError names the field and the sender."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ProtocolError(f"{what} from {sender}: field {field!r}: {first['msg']}") from None
+
+
+def token_proof(join_token: str, challenge: bytes, public_key: bytes) -> bytes:
+    """Proof of knowing the run's join token, bound to one challenge and key; the token never crosses the wire."""
+    return hmac.new(join_token.encode(), b"swarm/join-token/v1" + challenge + public_key, hashlib.sha256).digest()

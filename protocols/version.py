@@ -1,0 +1,13 @@
+"""Protocol version and the size limits that every side enforces on what it reads."""
+
+PROTOCOL_VERSION = 1
+
+# Domain separator mixed into every signature, so a swarm signature is never valid for anything else.
+SIGNATURE_DOMAIN = b"swarm/signed/v1"
+
+MAX_GRPC_MESSAGE_BYTES = 1 << 20  # coordinator messages are small; tensors never go through it
+MAX_ENVELOPE_BYTES = 256 << 10
+MAX_STRING_CHARS = 4096
+MAX_BINARY_BYTES = 256 << 10
+MAX_CONTAINER_ITEMS = 4096
+MAX_NESTING_DEPTH = 16

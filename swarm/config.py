@@ -1,0 +1,156 @@
+"""The typed definition of a collaborative run, and its TOML form.
+
+``RunConfig`` is what an organizer writes (in Python or ``run.toml``) and what the coordinator hands to
+every peer that joins (``to_spec``: the same config minus admission secrets). Every field is validated;
+a bad file gets a ``ConfigError`` naming the field and the allowed values.
+
+Example::
+
+    from swarm import RunConfig
+    config = RunConfig(run_id="my-run", admission={"policy": "token", "join_token": "s3cret"})
+    config.to_toml("run.toml")
+    assert RunConfig.from_toml("run.toml") == config
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from protocols.errors import ConfigError, ProtocolError
+from protocols.keys import PublicKey
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+DEMO_RUN_ID = "demo"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _check_peer_id(value: str, field: str) -> str:
+    try:
+        PublicKey.from_peer_id(value)
+    except ProtocolError as e:
+        raise ValueError(f"{field}: {e}") from None
+    return value
+
+
+class AdmissionConfig(_Section):
+    """Who may join the run."""
+
+    policy: Literal["open", "allowlist", "token"] = Field(
+        "open", description="open: anyone; allowlist: only the listed peer IDs; token: anyone with join_token"
+    )
+    allowlist: list[str] = Field(default_factory=list, description="peer IDs admitted under policy 'allowlist'")
+    join_token: str | None = Field(None, repr=False, description="shared secret for policy 'token'")
+
+    @field_validator("allowlist")
+    @classmethod
+    def _peer_ids(cls, values: list[str]) -> list[str]:
+        return [_check_peer_id(v, "allowlist") for v in values]
+
+    @model_validator(mode="after")
+    def _policy_needs_its_field(self) -> AdmissionConfig:
+        if self.policy == "allowlist" and not self.allowlist:
+            raise ValueError("policy 'allowlist' needs a non-empty allowlist")
+        if self.policy == "token" and not self.join_token:
+            raise ValueError("policy 'token' needs join_token")
+        return self
+
+
+class MembershipConfig(_Section):
+    """How peers prove they are alive, and how long admission lasts."""
+
+    heartbeat_interval_s: float = Field(5.0, ge=0.1, le=300, description="seconds between a peer's heartbeats")
+    offline_after_s: float = Field(15.0, ge=0.3, le=3600, description="silence after which a peer shows offline")
+    certificate_ttl_s: float = Field(3600.0, ge=10, le=7 * 86400, description="lifetime of a peer certificate")
+    challenge_ttl_s: float = Field(60.0, ge=1, le=600, description="how long a join challenge stays valid")
+
+    @model_validator(mode="after")
+    def _offline_after_heartbeats(self) -> MembershipConfig:
+        if self.offline_after_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError("offline_after_s must exceed two heartbeat intervals")
+        return self
+
+
+class ComponentSpec(_Section):
+    """A named component from a registry plus its config dict: nothing executable crosses the network."""
+
+    name: str = Field(min_length=1, max_length=64, description="registered name")
+    config: dict[str, Any] = Field(default_factory=dict, description="keyword config for the component")
+
+
+class RunConfig(_Section):
+    """A collaborative run: what is trained, on what data, and who may take part."""
+
+    run_id: str = Field(pattern=RUN_ID_PATTERN, description="unique name of the run; every signature is bound to it")
+    description: str = Field("", max_length=1000, description="free text shown to volunteers")
+    coordinator_key: str | None = Field(
+        None, description="peer ID of the coordinator's key; peers that read this config pin it"
+    )
+    model: ComponentSpec = Field(
+        default_factory=lambda: ComponentSpec(name="gpt"), description="architecture from the model registry"
+    )
+    dataset: ComponentSpec = Field(
+        default_factory=lambda: ComponentSpec(name="stdlib"), description="dataset from the dataset registry"
+    )
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="who may join")
+    membership: MembershipConfig = Field(default_factory=MembershipConfig, description="liveness and admission")
+
+    @field_validator("coordinator_key")
+    @classmethod
+    def _coordinator_key(cls, value: str | None) -> str | None:
+        return None if value is None else _check_peer_id(value, "coordinator_key")
+
+    @classmethod
+    def demo(cls) -> RunConfig:
+        """The built-in demo run: a small byte-level GPT on the Python standard library's source."""
+        return cls(
+            run_id=DEMO_RUN_ID,
+            description="A small GPT-style byte-level LM trained on the Python standard library's source text.",
+        )
+
+    @classmethod
+    def parse(cls, data: dict[str, Any], *, source: str = "run config") -> RunConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(f"{source}: " + _describe(e)) from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read run config {path}: {e.strerror or e}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        return cls.parse(data, source=str(path))
+
+    def to_toml(self, path: str | Path) -> None:
+        Path(path).write_text(tomli_w.dumps(self.model_dump(mode="json", exclude_none=True)))
+
+    def to_spec(self) -> dict[str, Any]:
+        """The part of the config sent to every peer: everything but admission secrets."""
+        return self.model_dump(mode="json", exclude={"admission"}, exclude_none=True)
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "config"
+        got = item.get("input")
+        shown = "" if isinstance(got, (dict, list)) or item["type"] == "missing" else f" (got {got!r})"
+        parts.append(f"{field}: {item['msg']}{shown}")
+    return "; ".join(parts)

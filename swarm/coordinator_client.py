@@ -1,0 +1,167 @@
+"""A client for the coordinator's gRPC API: challenge-response join, heartbeats, leave and status.
+
+Every call is bounded by ``timeout_s`` and raises only ``SwarmError`` subclasses. A join verifies the
+coordinator's signed answer and the certificate in it against the coordinator key the caller pins.
+
+Example::
+
+    client = CoordinatorClient("127.0.0.1:31330")
+    status = await client.status()
+    print(status.run_id, [p.peer_id for p in status.peers])
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protocols import coordinator_pb2 as pb
+from protocols.certificates import PeerCertificate, verify_certificate
+from protocols.envelope import open_envelope, seal
+from protocols.errors import ProtocolError, SecurityError, SwarmError
+from protocols.keys import PublicKey, SigningKey
+from protocols.messages import HEARTBEAT, JOIN, JOIN_ANSWER, LEAVE, JoinAnswerBody, parse_body, token_proof
+from protocols.version import PROTOCOL_VERSION
+from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
+
+SERVICE = "/swarm.coordinator.v1.Coordinator/"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a successful join returns."""
+
+    certificate: PeerCertificate
+    run_spec: dict[str, Any]
+    dht_initial_peers: list[str]
+    heartbeat_interval_s: float
+    coordinator_key: PublicKey
+
+
+@dataclass(frozen=True)
+class HeartbeatAnswer:
+    state: str
+    certificate: PeerCertificate | None
+    server_time: float
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (or ``[IPv6]:PORT``); raises ProtocolError naming the bad part."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ProtocolError(f"coordinator address {address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, *, timeout_s: float = 10.0):
+        parse_address(address)
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._last_seq = 0
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _header(self, run_id: str) -> pb.Header:
+        return pb.Header(protocol_version=PROTOCOL_VERSION, run_id=run_id)
+
+    def _next_seq(self) -> int:
+        # Wall-clock based so the sequence keeps growing across restarts of the peer process.
+        self._last_seq = max(self._last_seq + 1, time.time_ns())
+        return self._last_seq
+
+    async def _call(self, method: str, request: Any, response_type: Any) -> Any:
+        rpc = self._channel.unary_unary(
+            SERVICE + method,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=response_type.FromString,
+        )
+        try:
+            return await rpc(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.address) from None
+
+    async def challenge(self, run_id: str) -> pb.ChallengeResponse:
+        return await self._call("Challenge", pb.ChallengeRequest(header=self._header(run_id)), pb.ChallengeResponse)
+
+    async def join(
+        self,
+        key: SigningKey,
+        run_id: str,
+        *,
+        name: str,
+        device: str,
+        role: str = "auto",
+        join_token: str | None = None,
+        coordinator_key: PublicKey | None = None,
+    ) -> Admission:
+        """Prove possession of ``key`` and get admitted; ``coordinator_key`` pins whom to trust."""
+        challenge = await self.challenge(run_id)
+        offered = PublicKey(challenge.coordinator_public_key)
+        if coordinator_key is not None and offered != coordinator_key:
+            raise SecurityError(
+                f"coordinator at {self.address} presents key {offered.peer_id}, "
+                f"but this run's coordinator is {coordinator_key.peer_id}; refusing to join"
+            )
+        proof = token_proof(join_token, challenge.challenge, key.public_key.raw) if join_token else b""
+        body = {"challenge": challenge.challenge, "name": name, "device": device, "role": role, "token_proof": proof}
+        request = pb.JoinRequest(header=self._header(run_id), envelope=seal(key, JOIN, run_id, body))
+        response = await self._call("Join", request, pb.JoinResponse)
+        try:
+            envelope = open_envelope(
+                response.envelope, purpose=JOIN_ANSWER, run_id=run_id, signer=offered, what="join answer"
+            )
+        except SwarmError as e:
+            raise SecurityError(f"coordinator at {self.address} sent an invalid join answer: {e}") from None
+        answer = parse_body(JoinAnswerBody, envelope.body, sender=offered.peer_id, what="join answer")
+        if answer.challenge != challenge.challenge:
+            raise SecurityError(f"coordinator at {self.address} answered a different join challenge")
+        certificate = verify_certificate(answer.certificate, issuer=offered, run_id=run_id)
+        if certificate.public_key != key.public_key:
+            raise SecurityError(f"coordinator at {self.address} issued a certificate for another key")
+        return Admission(
+            certificate=certificate,
+            run_spec=answer.run_spec,
+            dht_initial_peers=list(answer.dht_initial_peers),
+            heartbeat_interval_s=answer.heartbeat_interval_s,
+            coordinator_key=offered,
+        )
+
+    async def heartbeat(
+        self,
+        key: SigningKey,
+        run_id: str,
+        coordinator_key: PublicKey,
+        *,
+        state: str = "online",
+        metrics: dict[str, float] | None = None,
+    ) -> HeartbeatAnswer:
+        body = {"seq": self._next_seq(), "state": state, "metrics": dict(metrics or {})}
+        request = pb.HeartbeatRequest(header=self._header(run_id), envelope=seal(key, HEARTBEAT, run_id, body))
+        response = await self._call("Heartbeat", request, pb.HeartbeatResponse)
+        certificate = None
+        if response.certificate:
+            certificate = verify_certificate(response.certificate, issuer=coordinator_key, run_id=run_id)
+            if certificate.public_key != key.public_key:
+                raise SecurityError(f"coordinator at {self.address} renewed a certificate for another key")
+        return HeartbeatAnswer(response.state, certificate, response.server_time)
+
+    async def leave(self, key: SigningKey, run_id: str, *, reason: str = "") -> str:
+        body = {"seq": self._next_seq(), "reason": reason[:256]}
+        request = pb.LeaveRequest(header=self._header(run_id), envelope=seal(key, LEAVE, run_id, body))
+        return (await self._call("Leave", request, pb.LeaveResponse)).state
+
+    async def status(self, run_id: str = "") -> pb.StatusResponse:
+        return await self._call("Status", pb.StatusRequest(header=self._header(run_id)), pb.StatusResponse)

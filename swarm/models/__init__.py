@@ -1,0 +1,39 @@
+"""Named model architectures: a run names an architecture and a plain config dict, never code.
+
+- registry.py: the generic name -> (pydantic config, factory) registry, shared with :mod:`swarm.data`
+- builder.py: the model registry: ``register_model``, ``build_model``, ``available_models``, ``model_config``
+- gpt.py: ``gpt``, the built-in byte-level GPT (``embed`` -> ``blocks`` -> ``head``)
+
+Example::
+
+    from swarm.models import build_model
+    model = build_model("gpt", {"d_model": 128, "n_layer": 2}, seed=0)
+
+Adding an architecture
+----------------------
+An organizer ships it in an installed package and names it in the ``swarm.models`` entry point group::
+
+    [project.entry-points."swarm.models"]
+    mlp = "my_models:build_mlp"
+
+The entry point is either a factory decorated with :func:`register_model` (importing it registers it)
+or a zero-argument function that calls :func:`register_model` when invoked. Entry points are loaded
+lazily, the first time a name is not found among the built-ins or :func:`available_models` is called;
+a broken one is logged and skipped, and naming it gives a ConfigError with the cause. Every peer of a
+run must have the same package installed: only the name and config travel.
+"""
+
+from swarm.models.builder import MODELS, ModelFactory, available_models, build_model, model_config, register_model
+from swarm.models.gpt import GPT, VOCAB_SIZE, GPTConfig
+
+__all__ = [
+    "GPT",
+    "MODELS",
+    "VOCAB_SIZE",
+    "GPTConfig",
+    "ModelFactory",
+    "available_models",
+    "build_model",
+    "model_config",
+    "register_model",
+]
