@@ -53,6 +53,7 @@ class CoordinatorNode:
     async def start(self) -> None:
         config, run = self.config, self.run
         data_dir = config.data_path
+        await asyncio.to_thread(run.check_components)
         key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
         if run.coordinator_key is not None and run.coordinator_key != key.peer_id:
             raise ConfigError(

@@ -141,6 +141,18 @@ class RunConfig(_Section):
     def to_toml(self, path: str | Path) -> None:
         Path(path).write_text(tomli_w.dumps(self.model_dump(mode="json", exclude_none=True)))
 
+    def check_components(self) -> None:
+        """Check the model and dataset against the installed registries (imports torch)."""
+        from swarm.data import dataset_config
+        from swarm.models import model_config
+
+        for section, check in (("model", model_config), ("dataset", dataset_config)):
+            spec = getattr(self, section)
+            try:
+                check(spec.name, spec.config)
+            except ConfigError as e:
+                raise ConfigError(f"run {self.run_id!r}: {section}: {e}") from None
+
     def to_spec(self) -> dict[str, Any]:
         """The part of the config sent to every peer: everything but admission secrets."""
         return self.model_dump(mode="json", exclude={"admission"}, exclude_none=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -23,6 +24,8 @@ def setup_logging(level: str = "INFO") -> None:
         stream=sys.stderr,
         force=True,
     )
+    # grpc core notes at INFO each time hivemind forks its DHT process; nothing for a user to act on.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     # hivemind logs every connection at INFO; keep the volunteer's screen about the run.
     logging.getLogger("hivemind").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 

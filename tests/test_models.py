@@ -111,7 +111,7 @@ def test_model_config_returns_typed_defaults() -> None:
         build_model("gpt", TINY, seed=-1)
 
 
-PLUGIN = '''
+PLUGIN = """
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from swarm.models import register_model
@@ -137,7 +137,7 @@ def register_more():
 
 def broken():
     raise RuntimeError("plugin exploded")
-'''
+"""
 
 
 def test_entry_point_models_load_lazily(tmp_path, monkeypatch) -> None:
@@ -153,7 +153,7 @@ def test_entry_point_models_load_lazily(tmp_path, monkeypatch) -> None:
         EntryPoint("plugin-broken", "swarm_test_plugin_models:broken", "swarm.models"),
     ]
     monkeypatch.setattr(
-        "swarm.models.registry.entry_points", lambda group: points if group == "swarm.models" else []
+        "swarm.registry.entry_points", lambda group: points if group == "swarm.models" else []
     )
 
     assert {"gpt", "plugin-linear", "plugin-hooked"} <= set(available_models())
@@ -190,5 +190,4 @@ def test_a_few_dozen_adam_steps_lower_validation_loss() -> None:
         optimizer.step()
     after = validation_loss()
     assert before > 5.0
-    print(f'validation loss {before:.3f} -> {after:.3f}')
     assert after < before - 1.5, (before, after)

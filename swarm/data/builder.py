@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from swarm.data.corpus import ByteDataset
-from swarm.models.registry import Registry
+from swarm.registry import Registry
 
 DatasetFactory = Callable[[Any], ByteDataset]
 

@@ -52,7 +52,7 @@ class ByteDataset:
         docs = sorted(documents, key=lambda doc: doc[0])
         paths = [path for path, _ in docs]
         if len(set(paths)) != len(paths):
-            duplicate = next(p for p, q in zip(paths, paths[1:]) if p == q)
+            duplicate = next(p for p, q in zip(paths, paths[1:], strict=False) if p == q)
             raise ConfigError(f"dataset '{name}' has two files with the relative path {duplicate!r}")
         if not docs:
             raise ConfigError(f"dataset '{name}' has no files")
@@ -147,9 +147,7 @@ class ByteDataset:
         count = min(available, batch_size * max_batches)
         last_start = data.size - seq_len - 1
         starts = [i * last_start // (count - 1) for i in range(count)] if count > 1 else [0]
-        return [
-            _windows(data, starts[i : i + batch_size], seq_len) for i in range(0, count, batch_size)
-        ]
+        return [_windows(data, starts[i : i + batch_size], seq_len) for i in range(0, count, batch_size)]
 
     def __repr__(self) -> str:
         return (

@@ -97,7 +97,11 @@ def build_text_files(config: TextFilesConfig) -> ByteDataset:
     for given in config.paths:
         path = Path(given).expanduser()
         if path.is_dir():
-            found = [(rel, p) for rel, p in scan(path, config.glob, skip=_skip_hidden) if not p.name.startswith(".")]
+            found = [
+                (rel, p)
+                for rel, p in scan(path, config.glob, skip=_skip_hidden)
+                if not p.name.startswith(".")
+            ]
             if not found:
                 raise ConfigError(f"text-files path {given!r} has no files matching {config.glob!r}")
         elif path.is_file():

@@ -1,6 +1,6 @@
 """Named model architectures: a run names an architecture and a plain config dict, never code.
 
-- registry.py: the generic name -> (pydantic config, factory) registry, shared with :mod:`swarm.data`
+- (the generic name -> config + factory registry lives in :mod:`swarm.registry`, shared with :mod:`swarm.data`)
 - builder.py: the model registry: ``register_model``, ``build_model``, ``available_models``, ``model_config``
 - gpt.py: ``gpt``, the built-in byte-level GPT (``embed`` -> ``blocks`` -> ``head``)
 
@@ -23,7 +23,14 @@ a broken one is logged and skipped, and naming it gives a ConfigError with the c
 run must have the same package installed: only the name and config travel.
 """
 
-from swarm.models.builder import MODELS, ModelFactory, available_models, build_model, model_config, register_model
+from swarm.models.builder import (
+    MODELS,
+    ModelFactory,
+    available_models,
+    build_model,
+    model_config,
+    register_model,
+)
 from swarm.models.gpt import GPT, VOCAB_SIZE, GPTConfig
 
 __all__ = [

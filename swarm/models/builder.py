@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel
 
 from protocols.errors import ConfigError
-from swarm.models.registry import Registry
+from swarm.registry import Registry
 
 #: A factory gets its validated config and a seeded generator, and must draw every random initial value
 #: from that generator, so that two peers building with one seed hold bit-identical weights.

@@ -30,7 +30,9 @@ class GPTConfig(BaseModel):
     n_head: int = Field(8, ge=1, le=256, description="Attention heads per block; must divide d_model.")
     seq_len: int = Field(256, ge=2, le=65536, description="Longest input sequence (learned positions).")
     mlp_ratio: float = Field(4.0, ge=1.0, le=16.0, description="MLP hidden width as a multiple of d_model.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention and residuals while training.")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on attention and residuals while training."
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> GPTConfig:
@@ -80,7 +82,9 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v)
+        )
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout_p if self.training else 0.0, is_causal=True
         )
@@ -129,6 +133,8 @@ class Head(nn.Module):
 
 class GPT(nn.Module):
     """Byte-level GPT: ``forward(input_ids[B, T]) -> logits[B, T, 256]``.
+
+    Every initial value is drawn from ``generator`` (seed 0 when none is given), never the global RNG.
 
     Example::
 

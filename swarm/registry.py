@@ -102,7 +102,9 @@ class Registry(Generic[F]):
         try:
             return entry.config_cls.model_validate(dict(config))
         except ValidationError as exc:
-            raise ConfigError(describe_validation_error(f"{self.kind} '{name}'", entry.config_cls, exc)) from None
+            raise ConfigError(
+                describe_validation_error(f"{self.kind} '{name}'", entry.config_cls, exc)
+            ) from None
 
     def _load_entry_points(self) -> None:
         with self._lock:

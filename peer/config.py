@@ -1,0 +1,52 @@
+"""Settings of a volunteer peer; the flags of ``swarm-peer join`` are derived from these fields."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from swarm.config import RUN_ID_PATTERN
+from swarm.identity import DEFAULT_IDENTITY
+
+
+class PeerConfig(BaseModel):
+    """How to take part in a run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coordinator: str = Field(description="coordinator address HOST:PORT")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto",
+        description="where to compute; auto picks a usable GPU, else the CPU",
+        json_schema_extra={"cli_aliases": {"--gpu": "gpu", "--cpu": "cpu"}},
+    )
+    name: str = Field(
+        default_factory=lambda: socket.gethostname()[:64] or "peer",
+        min_length=1,
+        max_length=64,
+        description="display name shown to the organizer (default: host name)",
+    )
+    identity: Path = Field(DEFAULT_IDENTITY, description="key file; created with mode 0600 if missing")
+    role: Literal["auto", "data", "stage"] = Field("auto", description="what this peer does in the run")
+    run_id: str | None = Field(None, pattern=RUN_ID_PATTERN, description="run to join (default: the coordinator's)")
+    coordinator_key: str | None = Field(
+        None, description="peer ID of the coordinator's key, to trust no other (default: pin on first join)"
+    )
+    join_token: str | None = Field(None, description="the run's join token (or set SWARM_JOIN_TOKEN)")
+    host: str = Field("0.0.0.0", description="address the DHT listens on")
+    port: int = Field(0, ge=0, le=65535, description="DHT (libp2p) port (0: any free port)")
+    upnp: bool = Field(False, description="ask the router to forward the DHT port (UPnP)")
+    known_coordinators: Path = Field(
+        Path("~/.swarm/known_coordinators.json"), description="where pinned coordinator keys are kept"
+    )
+    join_timeout_s: float = Field(120.0, gt=0, le=86400, description="give up joining after this many seconds")
+    rpc_timeout_s: float = Field(10.0, gt=0, le=300, description="timeout of one call to the coordinator")
+    max_retry_interval_s: float = Field(30.0, ge=1, le=3600, description="longest wait between retries")
+    log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="log verbosity")
+
+    @property
+    def identity_path(self) -> Path:
+        return self.identity.expanduser()

@@ -1,0 +1,52 @@
+"""Pinned coordinator keys: a peer trusts the key a run's coordinator first showed it, and no other.
+
+Like SSH's known_hosts: ``--coordinator-key`` (or the run config's ``coordinator_key``) pins up front;
+otherwise the first successful join pins, and a later different key for the same run is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from protocols.errors import ConfigError, ProtocolError
+from protocols.keys import PublicKey
+
+logger = logging.getLogger(__name__)
+
+
+class KnownCoordinators:
+    def __init__(self, path: Path):
+        self.path = path.expanduser()
+
+    def _load(self) -> dict[str, str]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read pinned coordinator keys {self.path}: {e}; fix or remove the file") from None
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ConfigError(f"{self.path} is not a map of run ID to coordinator peer ID; fix or remove it")
+        return data
+
+    def pinned(self, run_id: str) -> PublicKey | None:
+        peer_id = self._load().get(run_id)
+        if peer_id is None:
+            return None
+        try:
+            return PublicKey.from_peer_id(peer_id)
+        except ProtocolError as e:
+            raise ConfigError(f"{self.path}: entry for run {run_id!r}: {e}") from None
+
+    def pin(self, run_id: str, key: PublicKey) -> None:
+        data = self._load()
+        if data.get(run_id) == key.peer_id:
+            return
+        data[run_id] = key.peer_id
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        tmp.replace(self.path)
+        logger.info(f"pinned coordinator key {key.peer_id} for run {run_id!r} in {self.path}")

@@ -1,0 +1,202 @@
+"""The volunteer process: join the run, enter its DHT, heartbeat, and leave cleanly.
+
+Losing the coordinator does not end the peer's part in the run: it keeps its DHT membership, retries
+with exponential backoff and says so, and re-joins if the coordinator has forgotten it. Only a ban or a
+stop signal ends it; a stop signal first tells the coordinator the peer left.
+
+Example::
+
+    stop = asyncio.Event()
+    exit_code = await Volunteer(PeerConfig(coordinator="127.0.0.1:31330", device="cpu")).run(stop)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from peer.config import PeerConfig
+from peer.device import describe_device, resolve_device
+from peer.trust import KnownCoordinators
+from protocols.certificates import PeerCertificate
+from protocols.errors import (
+    AdmissionDenied,
+    Banned,
+    ConfigError,
+    NetworkError,
+    ProtocolError,
+    ReplayError,
+    SecurityError,
+    SwarmError,
+)
+from protocols.keys import PublicKey, SigningKey
+from swarm.config import RunConfig
+from swarm.coordinator_client import Admission, CoordinatorClient
+from swarm.dht import start_dht
+from swarm.identity import load_or_create_identity
+from swarm.membership import fetch_members, publish_certificate
+
+logger = logging.getLogger("swarm.peer")
+
+EXIT_OK = 0
+EXIT_BANNED = 3
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to ``seconds``; True if ``stop`` was set meanwhile."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+class Volunteer:
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        self.join_token = config.join_token or os.environ.get("SWARM_JOIN_TOKEN") or None
+        self.known = KnownCoordinators(config.known_coordinators)
+        self.state = "starting"
+        self.key: SigningKey | None = None
+        self.device = ""
+        self.run_config: RunConfig | None = None
+        self.certificate: PeerCertificate | None = None
+        self.coordinator_key: PublicKey | None = None
+        self._dht = None
+        self._started = time.monotonic()
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        if state != self.state:
+            self.state = state
+            logger.info(f"peer {self.key.peer_id if self.key else '?'} state: {state}" + (f" ({detail})" if detail else ""))
+
+    def _expected_coordinator_key(self, run_id: str) -> PublicKey | None:
+        if self.config.coordinator_key:
+            try:
+                return PublicKey.from_peer_id(self.config.coordinator_key)
+            except ProtocolError as e:
+                raise ConfigError(f"--coordinator-key: {e}") from None
+        return self.known.pinned(run_id)
+
+    async def _join(self, client: CoordinatorClient, stop: asyncio.Event) -> Admission | None:
+        config = self.config
+        deadline = time.monotonic() + config.join_timeout_s
+        delay = 1.0
+        while True:
+            try:
+                run_id = config.run_id or (await client.status()).run_id
+                admission = await client.join(
+                    self.key,
+                    run_id,
+                    name=config.name,
+                    device=self.device,
+                    role=config.role,
+                    join_token=self.join_token,
+                    coordinator_key=self._expected_coordinator_key(run_id),
+                )
+                break
+            except NetworkError as e:
+                if time.monotonic() + delay > deadline:
+                    raise NetworkError(f"could not join within {config.join_timeout_s:.0f}s: {e}") from None
+                logger.warning(f"{e}; retrying in {delay:.0f}s")
+                if await _wait(stop, delay):
+                    return None
+                delay = min(2 * delay, config.max_retry_interval_s)
+        try:
+            run = RunConfig.parse(admission.run_spec, source="run spec from the coordinator")
+        except ConfigError as e:
+            raise ProtocolError(str(e)) from None
+        await asyncio.to_thread(run.check_components)  # this peer must have the run's model and data
+        if run.coordinator_key and run.coordinator_key != admission.coordinator_key.peer_id:
+            raise SecurityError(f"the run spec names coordinator {run.coordinator_key}, but it signed with another key")
+        self.known.pin(run.run_id, admission.coordinator_key)
+        self.run_config, self.certificate, self.coordinator_key = run, admission.certificate, admission.coordinator_key
+        logger.info(
+            f"peer {self.key.peer_id} joined run {run.run_id!r} as {admission.certificate.role} "
+            f"on {self.device}; certificate valid for {admission.certificate.expires_in() / 60:.0f} min"
+        )
+        return admission
+
+    async def _announce(self) -> int:
+        """Refresh our DHT member record and count the verified members; DHT trouble is logged, not fatal."""
+        run = self.run_config
+        try:
+            await publish_certificate(self._dht, self.certificate, ttl_s=run.membership.offline_after_s)
+            return len(await fetch_members(self._dht, run.run_id, self.coordinator_key))
+        except Exception as e:
+            logger.warning(f"DHT announce failed: {e}")
+            return 0
+
+    async def _heartbeats(self, client: CoordinatorClient, stop: asyncio.Event) -> int:
+        interval_s = self.run_config.membership.heartbeat_interval_s
+        failures = 0
+        while True:
+            members = await self._announce()
+            delay = interval_s
+            try:
+                answer = await client.heartbeat(
+                    self.key,
+                    self.run_config.run_id,
+                    self.coordinator_key,
+                    metrics={"uptime_s": time.monotonic() - self._started, "dht_members": float(members)},
+                )
+                if failures:
+                    logger.info(f"reconnected to the coordinator at {client.address}")
+                failures = 0
+                self._set_state("online")
+                if answer.certificate is not None:
+                    self.certificate = answer.certificate
+                    logger.info(f"certificate renewed (serial {answer.certificate.serial})")
+            except NetworkError as e:
+                failures += 1
+                delay = min(interval_s * 2**failures, self.config.max_retry_interval_s)
+                self._set_state("online, coordinator unreachable")
+                logger.warning(f"lost the coordinator: {e}; still in the run, retrying in {delay:.0f}s")
+            except AdmissionDenied as e:
+                logger.warning(f"the coordinator does not know this peer ({e}); joining again")
+                if await self._join(client, stop) is None:
+                    return EXIT_OK
+            except ReplayError as e:
+                logger.warning(f"heartbeat refused: {e}")
+            if await _wait(stop, delay):
+                return EXIT_OK
+
+    async def _leave(self, client: CoordinatorClient) -> None:
+        try:
+            await client.leave(self.key, self.run_config.run_id, reason="volunteer stopped")
+            self._set_state("left")
+        except SwarmError as e:
+            logger.warning(f"could not tell the coordinator this peer left ({e}); it will show offline shortly")
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Take part until ``stop`` is set; returns the process exit code."""
+        config = self.config
+        self.key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
+        self.device = await asyncio.to_thread(lambda: describe_device(resolve_device(config.device)))
+        logger.info(f"peer {self.key.peer_id} ({config.name!r}, {self.device}) joining {config.coordinator}")
+        async with CoordinatorClient(config.coordinator, timeout_s=config.rpc_timeout_s) as client:
+            admission = await self._join(client, stop)
+            if admission is None:
+                return EXIT_OK
+            self._dht = await asyncio.to_thread(
+                start_dht,
+                self.key,
+                config.identity_path,
+                host=config.host,
+                port=config.port,
+                initial_peers=admission.dht_initial_peers,
+                upnp=config.upnp,
+            )
+            try:
+                code = await self._heartbeats(client, stop)
+                if code == EXIT_OK:
+                    await self._leave(client)
+                return code
+            except Banned as e:
+                self._set_state("banned", str(e))
+                logger.error(f"this peer is banned: {e}")
+                return EXIT_BANNED
+            finally:
+                await asyncio.to_thread(self._dht.shutdown)

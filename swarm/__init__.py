@@ -1,0 +1,74 @@
+"""swarm: the core library and public Python API of the decentralized training network.
+
+- ``config``: ``RunConfig``, the typed definition of a run, and its TOML form
+- ``identity``: persistent Ed25519 identities (signing key = libp2p peer ID)
+- ``coordinator_client``: ``CoordinatorClient``, the coordinator's gRPC API from the peer side
+- ``membership``: verified peer certificates published in the DHT
+- ``dht``: starting hivemind's DHT under a swarm identity
+- ``registry``: named registries with typed configs (shared by models and datasets)
+- ``models``: the model registry and the built-in byte-level ``gpt``
+- ``data``: the dataset registry (``stdlib``, ``text-files``) and deterministic per-peer sampling
+- ``rpc``: how errors cross the gRPC boundary
+- ``cliargs``: CLI flags derived from typed configs
+- ``runtime``: process entry helpers (uvloop, logging, signals); only CLIs call them
+
+Everything in ``protocols.errors`` is re-exported here. Names not listed in ``__all__`` are internal and
+may change. Importing ``swarm`` does not import torch: the model and dataset names load on first use.
+
+Example::
+
+    import swarm
+    run = swarm.RunConfig(run_id="my-run", model={"name": "gpt", "config": {"n_layer": 4}})
+    run.to_toml("run.toml")
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from protocols.errors import (
+    ConfigError,
+    NetworkError,
+    ProtocolError,
+    SecurityError,
+    SwarmError,
+)
+from swarm.config import AdmissionConfig, ComponentSpec, MembershipConfig, RunConfig
+from swarm.identity import load_or_create_identity
+
+_LAZY = {
+    "build_model": "swarm.models",
+    "register_model": "swarm.models",
+    "available_models": "swarm.models",
+    "build_dataset": "swarm.data",
+    "register_dataset": "swarm.data",
+    "available_datasets": "swarm.data",
+    "CoordinatorClient": "swarm.coordinator_client",
+}
+
+__all__ = [
+    "AdmissionConfig",
+    "ComponentSpec",
+    "ConfigError",
+    "CoordinatorClient",
+    "MembershipConfig",
+    "NetworkError",
+    "ProtocolError",
+    "RunConfig",
+    "SecurityError",
+    "SwarmError",
+    "available_datasets",
+    "available_models",
+    "build_dataset",
+    "build_model",
+    "load_or_create_identity",
+    "register_dataset",
+    "register_model",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'swarm' has no attribute {name!r}")
