@@ -14,7 +14,6 @@ import asyncio
 import json
 import sqlite3
 import sys
-import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,7 +33,9 @@ class StatusConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     coordinator: str = Field(description="coordinator address HOST:PORT")
-    as_json: bool = Field(False, description="print machine-readable JSON", json_schema_extra={"cli_flag": "--json"})
+    as_json: bool = Field(
+        False, description="print machine-readable JSON", json_schema_extra={"cli_flag": "--json"}
+    )
     timeout_s: float = Field(10.0, gt=0, le=300, description="give up after this many seconds")
 
 
@@ -94,7 +95,9 @@ def format_status(status: dict) -> str:
     for p in status["peers"]:
         seen = f"{max(0.0, now - p['last_seen']):.0f}s ago"
         extra = f"  ({p['ban_reason']})" if p["ban_reason"] else ""
-        lines.append(f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:24]:24} {seen}{extra}")
+        lines.append(
+            f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:24]:24} {seen}{extra}"
+        )
     return "\n".join(lines)
 
 
@@ -109,7 +112,11 @@ def _ban(config: BanConfig, *, unban: bool) -> str:
     db = sqlite3.connect(path, timeout=10)
     try:
         if unban:
-            return f"unbanned {config.peer_id}" if unban_sync(db, config.peer_id) else f"{config.peer_id} was not banned"
+            return (
+                f"unbanned {config.peer_id}"
+                if unban_sync(db, config.peer_id)
+                else f"{config.peer_id} was not banned"
+            )
         ban_sync(db, config.peer_id, config.reason)
         return f"banned {config.peer_id}: {config.reason}"
     finally:
@@ -117,12 +124,20 @@ def _ban(config: BanConfig, *, unban: bool) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarm-coordinator", description="Run and inspect a swarm coordinator node.")
+    parser = argparse.ArgumentParser(
+        prog="swarm-coordinator", description="Run and inspect a swarm coordinator node."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     add_config_arguments(commands.add_parser("start", help="start a coordinator node"), CoordinatorConfig)
-    add_config_arguments(commands.add_parser("status", help="show a run's peers and DHT addresses"), StatusConfig)
+    add_config_arguments(
+        commands.add_parser("status", help="show a run's peers and DHT addresses"), StatusConfig
+    )
     for name in ("ban", "unban"):
-        add_config_arguments(commands.add_parser(name, help=f"{name} a peer (offline edit of the store)"), BanConfig, positional=("peer_id",))
+        add_config_arguments(
+            commands.add_parser(name, help=f"{name} a peer (offline edit of the store)"),
+            BanConfig,
+            positional=("peer_id",),
+        )
     return parser
 
 
@@ -132,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "start":
             config = config_from_args(CoordinatorConfig, args)
             runtime.setup_logging(config.log_level)
+            runtime.children_exit_with_parent()
             runtime.run(_start(config))
         elif args.command == "status":
             config = config_from_args(StatusConfig, args)

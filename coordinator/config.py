@@ -18,7 +18,9 @@ class CoordinatorConfig(BaseModel):
     config: Path | None = Field(None, description="run config TOML; without it, the built-in demo run")
     host: str = Field("0.0.0.0", description="address to serve gRPC and the DHT on")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="gRPC port (0: any free port)")
-    dht_port: int = Field(DEFAULT_DHT_PORT, ge=0, le=65535, description="DHT (libp2p) port (0: any free port)")
+    dht_port: int = Field(
+        DEFAULT_DHT_PORT, ge=0, le=65535, description="DHT (libp2p) port (0: any free port)"
+    )
     data_dir: Path = Field(Path("~/.swarm/coordinator"), description="where the store and endpoint file live")
     identity: Path | None = Field(None, description="coordinator key file (default: DATA_DIR/identity.key)")
     upnp: bool = Field(False, description="ask the router to forward the DHT port (UPnP)")

@@ -12,7 +12,8 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -179,7 +180,9 @@ class CoordinatorService:
         body = parse_body(HeartbeatBody, envelope.body, sender=envelope.sender, what="heartbeat")
         record = await self._known_peer(envelope)
         now = time.time()
-        if not await self.store.record_heartbeat(envelope.sender, seq=body.seq, seen_at=now, metrics=body.metrics):
+        if not await self.store.record_heartbeat(
+            envelope.sender, seq=body.seq, seen_at=now, metrics=body.metrics
+        ):
             raise ReplayError(f"heartbeat from {envelope.sender} repeats an old sequence number")
         if record.state == "offline":
             logger.info(f"{envelope.sender} ({record.name!r}) is back online")
@@ -272,7 +275,9 @@ def _guarded(method: str, request_type: Any, handler: Callable[[Any, str], Await
             logger.exception(f"internal error in {method} from {peer}")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error at the coordinator; see its log")
         await context.abort(
-            status_code_for(error), str(error), trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),)
+            status_code_for(error),
+            str(error),
+            trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
         )
 
     return call

@@ -10,10 +10,11 @@ import asyncio
 import json
 import sqlite3
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from protocols.errors import ConfigError
 
@@ -126,7 +127,9 @@ class Store:
         return await self._run(op)
 
     async def list_peers(self) -> list[PeerRecord]:
-        return await self._run(lambda db: [_record(r) for r in db.execute(_SELECT_PEERS + " ORDER BY joined_at")])
+        return await self._run(
+            lambda db: [_record(r) for r in db.execute(_SELECT_PEERS + " ORDER BY joined_at")]
+        )
 
     async def admit(self, record: PeerRecord) -> None:
         """Insert or replace a peer on join; a rejoin keeps its first joined_at."""
@@ -178,7 +181,8 @@ class Store:
     async def renew_certificate(self, peer_id: str, serial: int, expires_at: float) -> None:
         await self._run(
             lambda db: db.execute(
-                "UPDATE peers SET cert_serial=?, cert_expires_at=? WHERE peer_id=?", (serial, expires_at, peer_id)
+                "UPDATE peers SET cert_serial=?, cert_expires_at=? WHERE peer_id=?",
+                (serial, expires_at, peer_id),
             )
         )
 

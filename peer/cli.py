@@ -25,7 +25,9 @@ async def _join(config: PeerConfig) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-peer", description="Take part in a swarm training run.")
     commands = parser.add_subparsers(dest="command", required=True)
-    add_config_arguments(commands.add_parser("join", help="join a run and contribute until stopped"), PeerConfig)
+    add_config_arguments(
+        commands.add_parser("join", help="join a run and contribute until stopped"), PeerConfig
+    )
     return parser
 
 
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(PeerConfig, args)
         runtime.setup_logging(config.log_level)
+        runtime.children_exit_with_parent()
         return runtime.run(_join(config))
     except SwarmError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)

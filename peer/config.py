@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from swarm.config import RUN_ID_PATTERN
 from swarm.identity import DEFAULT_IDENTITY
@@ -27,11 +27,14 @@ class PeerConfig(BaseModel):
         default_factory=lambda: socket.gethostname()[:64] or "peer",
         min_length=1,
         max_length=64,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
         description="display name shown to the organizer (default: host name)",
     )
     identity: Path = Field(DEFAULT_IDENTITY, description="key file; created with mode 0600 if missing")
     role: Literal["auto", "data", "stage"] = Field("auto", description="what this peer does in the run")
-    run_id: str | None = Field(None, pattern=RUN_ID_PATTERN, description="run to join (default: the coordinator's)")
+    run_id: str | None = Field(
+        None, pattern=RUN_ID_PATTERN, description="run to join (default: the coordinator's)"
+    )
     coordinator_key: str | None = Field(
         None, description="peer ID of the coordinator's key, to trust no other (default: pin on first join)"
     )
@@ -42,10 +45,21 @@ class PeerConfig(BaseModel):
     known_coordinators: Path = Field(
         Path("~/.swarm/known_coordinators.json"), description="where pinned coordinator keys are kept"
     )
-    join_timeout_s: float = Field(120.0, gt=0, le=86400, description="give up joining after this many seconds")
+    join_timeout_s: float = Field(
+        120.0, gt=0, le=86400, description="give up joining after this many seconds"
+    )
     rpc_timeout_s: float = Field(10.0, gt=0, le=300, description="timeout of one call to the coordinator")
     max_retry_interval_s: float = Field(30.0, ge=1, le=3600, description="longest wait between retries")
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="log verbosity")
+
+    @field_validator("name")
+    @classmethod
+    def _printable_text(cls, name: str) -> str:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("name must be valid UTF-8 text") from None
+        return name
 
     @property
     def identity_path(self) -> Path:

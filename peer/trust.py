@@ -26,7 +26,9 @@ class KnownCoordinators:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read pinned coordinator keys {self.path}: {e}; fix or remove the file") from None
+            raise ConfigError(
+                f"cannot read pinned coordinator keys {self.path}: {e}; fix or remove the file"
+            ) from None
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
             raise ConfigError(f"{self.path} is not a map of run ID to coordinator peer ID; fix or remove it")
         return data

@@ -70,7 +70,10 @@ class Volunteer:
     def _set_state(self, state: str, detail: str = "") -> None:
         if state != self.state:
             self.state = state
-            logger.info(f"peer {self.key.peer_id if self.key else '?'} state: {state}" + (f" ({detail})" if detail else ""))
+            logger.info(
+                f"peer {self.key.peer_id if self.key else '?'} state: {state}"
+                + (f" ({detail})" if detail else "")
+            )
 
     def _expected_coordinator_key(self, run_id: str) -> PublicKey | None:
         if self.config.coordinator_key:
@@ -110,9 +113,15 @@ class Volunteer:
             raise ProtocolError(str(e)) from None
         await asyncio.to_thread(run.check_components)  # this peer must have the run's model and data
         if run.coordinator_key and run.coordinator_key != admission.coordinator_key.peer_id:
-            raise SecurityError(f"the run spec names coordinator {run.coordinator_key}, but it signed with another key")
+            raise SecurityError(
+                f"the run spec names coordinator {run.coordinator_key}, but it signed with another key"
+            )
         self.known.pin(run.run_id, admission.coordinator_key)
-        self.run_config, self.certificate, self.coordinator_key = run, admission.certificate, admission.coordinator_key
+        self.run_config, self.certificate, self.coordinator_key = (
+            run,
+            admission.certificate,
+            admission.coordinator_key,
+        )
         logger.info(
             f"peer {self.key.peer_id} joined run {run.run_id!r} as {admission.certificate.role} "
             f"on {self.device}; certificate valid for {admission.certificate.expires_in() / 60:.0f} min"
@@ -168,7 +177,9 @@ class Volunteer:
             await client.leave(self.key, self.run_config.run_id, reason="volunteer stopped")
             self._set_state("left")
         except SwarmError as e:
-            logger.warning(f"could not tell the coordinator this peer left ({e}); it will show offline shortly")
+            logger.warning(
+                f"could not tell the coordinator this peer left ({e}); it will show offline shortly"
+            )
 
     async def run(self, stop: asyncio.Event) -> int:
         """Take part until ``stop`` is set; returns the process exit code."""

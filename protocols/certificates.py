@@ -6,6 +6,7 @@ the DHT; anyone holding the coordinator's public key can check it offline with `
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,8 @@ def issue_certificate(
 ) -> PeerCertificate:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if not (math.isfinite(ttl_s) and ttl_s > 0):
+        raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
     issued_at = time.time() if now is None else now
     body = {
         "peer_id": public_key.peer_id,
@@ -80,9 +83,13 @@ def verify_certificate(
         raise CertificateError(f"certificate is missing a field: {e}") from None
     if public_key.peer_id != fields["peer_id"]:
         raise CertificateError("certificate's peer ID does not match its public key")
-    if fields["role"] not in ROLES or not isinstance(fields["name"], str) or not isinstance(fields["serial"], int):
+    if (
+        fields["role"] not in ROLES
+        or not isinstance(fields["name"], str)
+        or not isinstance(fields["serial"], int)
+    ):
         raise CertificateError("certificate has a malformed role, name or serial")
-    if not isinstance(fields["expires_at"], (int, float)):
+    if not isinstance(fields["expires_at"], (int, float)) or not math.isfinite(fields["expires_at"]):
         raise CertificateError("certificate has a malformed expiry")
     current = time.time() if now is None else now
     if fields["expires_at"] <= current:

@@ -36,22 +36,32 @@ def _canonical(obj: Any, depth: int = 0) -> Any:
 
 def pack(obj: Any) -> bytes:
     """Encode plain data canonically (sorted map keys, bin type for bytes)."""
-    return msgpack.packb(_canonical(obj), use_bin_type=True)
+    try:
+        return msgpack.packb(_canonical(obj), use_bin_type=True)
+    except (UnicodeEncodeError, OverflowError, TypeError, ValueError) as e:
+        raise ProtocolError(f"cannot encode message: {e}") from None
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(f"msgpack extension type {code} is not allowed")
 
 
-def _check_depth(obj: Any, depth: int = 0) -> None:
+def _check_structure(obj: Any, what: str, depth: int = 0) -> None:
     if depth > MAX_NESTING_DEPTH:
-        raise ProtocolError(f"data nests deeper than {MAX_NESTING_DEPTH} levels")
+        raise ProtocolError(f"{what} nests deeper than {MAX_NESTING_DEPTH} levels")
     if isinstance(obj, dict):
-        for v in obj.values():
-            _check_depth(v, depth + 1)
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ProtocolError(f"{what} has a map key of type {type(k).__name__}; keys must be strings")
+            _check_structure(v, what, depth + 1)
     elif isinstance(obj, list):
         for v in obj:
-            _check_depth(v, depth + 1)
+            _check_structure(v, what, depth + 1)
+    elif not (obj is None or isinstance(obj, (bool, int, float, str, bytes))):
+        # msgpack decodes its timestamp extension without calling ext_hook
+        raise ProtocolError(
+            f"{what} contains a msgpack extension value ({type(obj).__name__}); it is not allowed"
+        )
 
 
 def unpack(data: bytes, *, max_bytes: int = MAX_ENVELOPE_BYTES, what: str = "message") -> Any:
@@ -70,11 +80,10 @@ def unpack(data: bytes, *, max_bytes: int = MAX_ENVELOPE_BYTES, what: str = "mes
             max_bin_len=MAX_BINARY_BYTES,
             max_array_len=MAX_CONTAINER_ITEMS,
             max_map_len=MAX_CONTAINER_ITEMS,
-            max_ext_len=0,
         )
     except ProtocolError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
         raise ProtocolError(f"malformed {what}: {e}") from None
-    _check_depth(obj)
+    _check_structure(obj, what)
     return obj

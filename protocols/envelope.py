@@ -37,7 +37,9 @@ class Envelope:
         return self.signer.peer_id
 
 
-def seal(key: SigningKey, purpose: str, run_id: str, body: dict[str, Any], *, now: float | None = None) -> bytes:
+def seal(
+    key: SigningKey, purpose: str, run_id: str, body: dict[str, Any], *, now: float | None = None
+) -> bytes:
     """Sign ``body`` for ``purpose`` in ``run_id``; returns the bytes to send."""
     payload = pack(
         {
@@ -104,8 +106,12 @@ def open_envelope(
     if max_age_s is not None:
         current = time.time() if now is None else now
         if issued_at < current - max_age_s:
-            raise ReplayError(f"{what} from {claimed.peer_id} is {current - issued_at:.0f}s old (limit {max_age_s:.0f}s)")
+            raise ReplayError(
+                f"{what} from {claimed.peer_id} is {current - issued_at:.0f}s old (limit {max_age_s:.0f}s)"
+            )
         if issued_at > current + MAX_CLOCK_SKEW_S:
-            raise ReplayError(f"{what} from {claimed.peer_id} is dated {issued_at - current:.0f}s in the future")
+            raise ReplayError(
+                f"{what} from {claimed.peer_id} is dated {issued_at - current:.0f}s in the future"
+            )
     body = _field(inner, "body", dict, what)
     return Envelope(got_purpose, got_run, claimed, issued_at, body, bytes(data))

@@ -71,7 +71,9 @@ class SigningKey:
 
     def __init__(self, private_key: Ed25519PrivateKey):
         self._key = private_key
-        raw = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        raw = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
         self.public_key = PublicKey(raw)
 
     @classmethod
@@ -81,7 +83,9 @@ class SigningKey:
     @classmethod
     def from_libp2p_bytes(cls, data: bytes) -> SigningKey:
         if len(data) != len(_ED25519_PRIVATE_PREFIX) + 64 or not data.startswith(_ED25519_PRIVATE_PREFIX):
-            raise IdentityError("not an Ed25519 key in libp2p format (expected 68 bytes starting 08 01 12 40)")
+            raise IdentityError(
+                "not an Ed25519 key in libp2p format (expected 68 bytes starting 08 01 12 40)"
+            )
         seed, public = data[4:36], data[36:]
         key = cls(Ed25519PrivateKey.from_private_bytes(seed))
         if key.public_key.raw != public:

@@ -51,7 +51,9 @@ class JoinAnswerBody(_Body):
 class HeartbeatBody(_Body):
     seq: int = Field(gt=0)
     state: Literal["online", "paused"]
-    metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(default_factory=dict, max_length=MAX_METRICS)
+    metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(
+        default_factory=dict, max_length=MAX_METRICS
+    )
 
     @field_validator("metrics")
     @classmethod
@@ -82,4 +84,6 @@ def parse_body(model: type[Body], body: dict[str, Any], *, sender: str, what: st
 
 def token_proof(join_token: str, challenge: bytes, public_key: bytes) -> bytes:
     """Proof of knowing the run's join token, bound to one challenge and key; the token never crosses the wire."""
-    return hmac.new(join_token.encode(), b"swarm/join-token/v1" + challenge + public_key, hashlib.sha256).digest()
+    return hmac.new(
+        join_token.encode(), b"swarm/join-token/v1" + challenge + public_key, hashlib.sha256
+    ).digest()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
 
 from protocols.errors import ConfigError
 
@@ -39,7 +40,7 @@ def add_config_arguments(
     for name, info in model.model_fields.items():
         annotation = _unwrap_optional(info.annotation)
         help_text = info.description or ""
-        if not info.is_required() and info.default is not None and annotation is not bool:
+        if info.default not in (None, PydanticUndefined) and annotation is not bool:
             help_text += f" (default: {info.default})"
         kwargs: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS}
         if typing.get_origin(annotation) is Literal:
@@ -58,9 +59,9 @@ def add_config_arguments(
         if aliases:
             group = parser.add_mutually_exclusive_group()
             group.add_argument(flag, dest=name, **kwargs)
-            for flag, value in aliases.items():
+            for alias, value in aliases.items():
                 group.add_argument(
-                    flag, dest=name, action="store_const", const=value, default=argparse.SUPPRESS,
+                    alias, dest=name, action="store_const", const=value, default=argparse.SUPPRESS,
                     help=f"same as {flag} {value}",
                 )  # fmt: skip
         else:

@@ -51,7 +51,9 @@ class AdmissionConfig(_Section):
     policy: Literal["open", "allowlist", "token"] = Field(
         "open", description="open: anyone; allowlist: only the listed peer IDs; token: anyone with join_token"
     )
-    allowlist: list[str] = Field(default_factory=list, description="peer IDs admitted under policy 'allowlist'")
+    allowlist: list[str] = Field(
+        default_factory=list, description="peer IDs admitted under policy 'allowlist'"
+    )
     join_token: str | None = Field(None, repr=False, description="shared secret for policy 'token'")
 
     @field_validator("allowlist")
@@ -71,9 +73,15 @@ class AdmissionConfig(_Section):
 class MembershipConfig(_Section):
     """How peers prove they are alive, and how long admission lasts."""
 
-    heartbeat_interval_s: float = Field(5.0, ge=0.1, le=300, description="seconds between a peer's heartbeats")
-    offline_after_s: float = Field(15.0, ge=0.3, le=3600, description="silence after which a peer shows offline")
-    certificate_ttl_s: float = Field(3600.0, ge=10, le=7 * 86400, description="lifetime of a peer certificate")
+    heartbeat_interval_s: float = Field(
+        5.0, ge=0.1, le=300, description="seconds between a peer's heartbeats"
+    )
+    offline_after_s: float = Field(
+        15.0, ge=0.3, le=3600, description="silence after which a peer shows offline"
+    )
+    certificate_ttl_s: float = Field(
+        3600.0, ge=10, le=7 * 86400, description="lifetime of a peer certificate"
+    )
     challenge_ttl_s: float = Field(60.0, ge=1, le=600, description="how long a join challenge stays valid")
 
     @model_validator(mode="after")
@@ -93,7 +101,9 @@ class ComponentSpec(_Section):
 class RunConfig(_Section):
     """A collaborative run: what is trained, on what data, and who may take part."""
 
-    run_id: str = Field(pattern=RUN_ID_PATTERN, description="unique name of the run; every signature is bound to it")
+    run_id: str = Field(
+        pattern=RUN_ID_PATTERN, description="unique name of the run; every signature is bound to it"
+    )
     description: str = Field("", max_length=1000, description="free text shown to volunteers")
     coordinator_key: str | None = Field(
         None, description="peer ID of the coordinator's key; peers that read this config pin it"
@@ -105,7 +115,9 @@ class RunConfig(_Section):
         default_factory=lambda: ComponentSpec(name="stdlib"), description="dataset from the dataset registry"
     )
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="who may join")
-    membership: MembershipConfig = Field(default_factory=MembershipConfig, description="liveness and admission")
+    membership: MembershipConfig = Field(
+        default_factory=MembershipConfig, description="liveness and admission"
+    )
 
     @field_validator("coordinator_key")
     @classmethod
@@ -139,7 +151,8 @@ class RunConfig(_Section):
         return cls.parse(data, source=str(path))
 
     def to_toml(self, path: str | Path) -> None:
-        Path(path).write_text(tomli_w.dumps(self.model_dump(mode="json", exclude_none=True)))
+        # TOML has no null: a None anywhere means "the default", which is what leaving the key out says.
+        Path(path).write_text(tomli_w.dumps(_drop_none(self.model_dump(mode="json"))))
 
     def check_components(self) -> None:
         """Check the model and dataset against the installed registries (imports torch)."""
@@ -156,6 +169,14 @@ class RunConfig(_Section):
     def to_spec(self) -> dict[str, Any]:
         """The part of the config sent to every peer: everything but admission secrets."""
         return self.model_dump(mode="json", exclude={"admission"}, exclude_none=True)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
 
 
 def _describe(error: ValidationError) -> str:

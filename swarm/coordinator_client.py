@@ -94,7 +94,9 @@ class CoordinatorClient:
             raise error_from_rpc(e, self.address) from None
 
     async def challenge(self, run_id: str) -> pb.ChallengeResponse:
-        return await self._call("Challenge", pb.ChallengeRequest(header=self._header(run_id)), pb.ChallengeResponse)
+        return await self._call(
+            "Challenge", pb.ChallengeRequest(header=self._header(run_id)), pb.ChallengeResponse
+        )
 
     async def join(
         self,
@@ -116,7 +118,13 @@ class CoordinatorClient:
                 f"but this run's coordinator is {coordinator_key.peer_id}; refusing to join"
             )
         proof = token_proof(join_token, challenge.challenge, key.public_key.raw) if join_token else b""
-        body = {"challenge": challenge.challenge, "name": name, "device": device, "role": role, "token_proof": proof}
+        body = {
+            "challenge": challenge.challenge,
+            "name": name,
+            "device": device,
+            "role": role,
+            "token_proof": proof,
+        }
         request = pb.JoinRequest(header=self._header(run_id), envelope=seal(key, JOIN, run_id, body))
         response = await self._call("Join", request, pb.JoinResponse)
         try:
@@ -149,7 +157,9 @@ class CoordinatorClient:
         metrics: dict[str, float] | None = None,
     ) -> HeartbeatAnswer:
         body = {"seq": self._next_seq(), "state": state, "metrics": dict(metrics or {})}
-        request = pb.HeartbeatRequest(header=self._header(run_id), envelope=seal(key, HEARTBEAT, run_id, body))
+        request = pb.HeartbeatRequest(
+            header=self._header(run_id), envelope=seal(key, HEARTBEAT, run_id, body)
+        )
         response = await self._call("Heartbeat", request, pb.HeartbeatResponse)
         certificate = None
         if response.certificate:

@@ -35,7 +35,9 @@ def load_identity(path: str | Path) -> SigningKey:
     try:
         key = SigningKey.from_libp2p_bytes(data)
     except IdentityError as e:
-        raise IdentityError(f"identity {path} is corrupt ({e}); move it away to create a new identity") from None
+        raise IdentityError(
+            f"identity {path} is corrupt ({e}); move it away to create a new identity"
+        ) from None
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         logger.warning(f"identity {path} is readable by other users (mode {mode:o}); run: chmod 600 {path}")
@@ -47,6 +49,11 @@ def create_identity(path: str | Path) -> SigningKey:
     key = SigningKey.generate()
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise IdentityError(
+            f"cannot create the folder {path.parent} for identity {path}: {e.strerror or e}"
+        ) from None
+    try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise IdentityError(f"identity {path} already exists") from None
