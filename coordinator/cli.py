@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.config import CoordinatorConfig
 from coordinator.node import STORE_FILE, CoordinatorNode
 from coordinator.store import ban_sync, unban_sync
+from protocols import coordinator_pb2 as pb
 from protocols.errors import ConfigError, ProtocolError, SwarmError
 from protocols.keys import PublicKey
 from swarm import runtime
@@ -61,7 +62,11 @@ async def _start(config: CoordinatorConfig) -> None:
 
 async def _fetch_status(config: StatusConfig) -> dict:
     async with CoordinatorClient(config.coordinator, timeout_s=config.timeout_s) as client:
-        status = await client.status()
+        return status_to_dict(await client.status())
+
+
+def status_to_dict(status: pb.StatusResponse) -> dict:
+    """The JSON form of a status answer (``swarm-coordinator status --json``)."""
     return {
         "run_id": status.run_id,
         "protocol_version": status.protocol_version,

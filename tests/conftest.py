@@ -1,171 +1,21 @@
-"""Fixtures for tests that run real coordinator and peer processes on loopback.
+"""Fixtures for tests that run real coordinator and peer processes on loopback (see coordinator/localswarm.py).
 
 Every child process is started in its own session and reaped after each test, whatever the outcome.
-All waits are bounded; ports are chosen by the OS or probed free on 127.0.0.1.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
 
-from swarm.config import MembershipConfig, RunConfig
-from swarm.coordinator_client import CoordinatorClient
-
-T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[1]
-
-# Fast liveness so tests see offline peers within seconds; real runs use the defaults.
-FAST_MEMBERSHIP = MembershipConfig(heartbeat_interval_s=0.5, offline_after_s=3.0, certificate_ttl_s=600.0)
-
-
-def wait_until(predicate: Callable[[], T], *, timeout_s: float, what: str, interval_s: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(interval_s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Child:
-    """A child process with its combined output in a log file."""
-
-    name: str
-    process: subprocess.Popen
-    log_path: Path
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def signal(self, signum: int) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-
-    def group_alive(self) -> bool:
-        """Whether any process of this child's process group (its DHT process, p2p daemon) still runs."""
-        try:
-            os.killpg(self.process.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"{self.name} did not exit within {timeout_s:.0f}s:\n{self.output()[-3000:]}"
-            ) from None
-
-
-class Swarm:
-    """Starts coordinators and peers as separate processes; all of them are reaped by the fixture."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.children: list[Child] = []
-        self.env = {**os.environ, "HOME": str(root / "home"), "PYTHONUNBUFFERED": "1"}
-
-    def spawn(self, name: str, args: list[str]) -> Child:
-        log_path = self.root / f"{name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child until it exits
-        process = subprocess.Popen(
-            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
-            start_new_session=True,
-        )  # fmt: skip
-        log.close()
-        child = Child(name, process, log_path)
-        self.children.append(child)
-        return child
-
-    def write_config(self, run: RunConfig, name: str = "run.toml") -> Path:
-        path = self.root / name
-        run.to_toml(path)
-        return path
-
-    def start_coordinator(
-        self,
-        run: RunConfig | None = None,
-        *,
-        name: str = "coordinator",
-        port: int = 0,
-        data_dir: Path | None = None,
-    ) -> Child:
-        run = run or RunConfig(run_id="test-run", membership=FAST_MEMBERSHIP)
-        data_dir = data_dir or self.root / f"{name}-data"
-        endpoint = data_dir / "endpoint.json"
-        endpoint.unlink(missing_ok=True)
-        child = self.spawn(
-            name,
-            ["-m", "coordinator.cli", "start", "--config", str(self.write_config(run, f"{name}.toml")),
-             "--host", "127.0.0.1", "--port", str(port), "--dht-port", "0", "--data-dir", str(data_dir)],
-        )  # fmt: skip
-
-        def ready() -> dict | None:
-            if child.process.poll() is not None:
-                raise AssertionError(f"{name} exited with {child.process.returncode}:\n{child.output()}")
-            return json.loads(endpoint.read_text()) if endpoint.exists() else None
-
-        child.extra.update(wait_until(ready, timeout_s=60, what=f"{name} to serve"), data_dir=data_dir)
-        return child
-
-    def start_peer(self, coordinator_address: str, name: str, *extra_args: str) -> Child:
-        child = self.spawn(
-            name,
-            ["-m", "peer.cli", "join", "--coordinator", coordinator_address, "--cpu", "--host", "127.0.0.1",
-             "--name", name, "--identity", str(self.root / f"{name}.key"),
-             "--known-coordinators", str(self.root / f"{name}-known.json"), *extra_args],
-        )  # fmt: skip
-        child.extra["identity"] = self.root / f"{name}.key"
-        return child
-
-    def kill_all(self) -> None:
-        for child in self.children:
-            # The whole group: a peer's DHT process and p2p daemon may outlive a killed leader.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.process.pid, signal.SIGKILL)
-            child.process.wait(timeout=10)
-
-
-def status(address: str, run_id: str = "") -> Any:
-    async def fetch() -> Any:
-        async with CoordinatorClient(address, timeout_s=5) as client:
-            return await client.status(run_id)
-
-    return asyncio.run(fetch())
-
-
-def peer_states(address: str) -> dict[str, str]:
-    return {p.name: p.state for p in status(address).peers}
+from coordinator.localswarm import LocalSwarm
 
 
 @pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    harness = Swarm(tmp_path)
+def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
+    harness = LocalSwarm(tmp_path)
     try:
         yield harness
     finally:

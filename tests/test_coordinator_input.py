@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import FAST_MEMBERSHIP, Child, Swarm, status, wait_until
 
 from coordinator.config import CoordinatorConfig
+from coordinator.localswarm import FAST_MEMBERSHIP, Child, LocalSwarm, status, wait_until
 from coordinator.node import CoordinatorNode
 from protocols import coordinator_pb2 as pb
 from protocols.codec import pack, unpack
@@ -32,7 +32,7 @@ HEADER = pb.Header(protocol_version=PROTOCOL_VERSION, run_id=RUN)
 
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
-    harness = Swarm(tmp_path_factory.mktemp("coordinator-input"))
+    harness = LocalSwarm(tmp_path_factory.mktemp("coordinator-input"))
     try:
         yield harness.start_coordinator()
     finally:

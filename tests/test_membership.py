@@ -11,8 +11,8 @@ import time
 
 import hivemind
 import pytest
-from conftest import FAST_MEMBERSHIP, Swarm, free_port, peer_states, status, wait_until
 
+from coordinator.localswarm import FAST_MEMBERSHIP, LocalSwarm, free_port, peer_states, status, wait_until
 from protocols.certificates import issue_certificate
 from protocols.keys import PublicKey, SigningKey
 from swarm.config import RunConfig
@@ -26,7 +26,7 @@ def _members_seen(address: str) -> dict[str, float]:
     return {p.name: p.metrics.get("dht_members", 0.0) for p in status(address).peers if p.state == "online"}
 
 
-def test_peers_join_turn_offline_when_killed_and_left_when_stopped(swarm: Swarm):
+def test_peers_join_turn_offline_when_killed_and_left_when_stopped(swarm: LocalSwarm):
     coordinator = swarm.start_coordinator()
     address = coordinator.extra["address"]
     peers = [swarm.start_peer(address, f"peer{i}") for i in range(3)]
@@ -70,7 +70,7 @@ def test_peers_join_turn_offline_when_killed_and_left_when_stopped(swarm: Swarm)
     assert coordinator.process.poll() is None
 
 
-def test_stock_hivemind_dht_joins_and_forged_members_are_ignored(swarm: Swarm):
+def test_stock_hivemind_dht_joins_and_forged_members_are_ignored(swarm: LocalSwarm):
     coordinator = swarm.start_coordinator()
     address = coordinator.extra["address"]
     swarm.start_peer(address, "honest")
@@ -111,7 +111,7 @@ async def _fetch(dht: hivemind.DHT, coordinator_key: PublicKey):
     return await fetch_members(dht, "test-run", coordinator_key)
 
 
-def test_restarted_coordinator_keeps_peers_and_bans(swarm: Swarm):
+def test_restarted_coordinator_keeps_peers_and_bans(swarm: LocalSwarm):
     port = free_port()
     coordinator = swarm.start_coordinator(port=port)
     address, data_dir = coordinator.extra["address"], coordinator.extra["data_dir"]
@@ -147,7 +147,7 @@ def test_restarted_coordinator_keeps_peers_and_bans(swarm: Swarm):
     assert peer_states(address)["rogue"] == "banned"
 
 
-def test_demo_run_is_served_without_a_config(swarm: Swarm, tmp_path):
+def test_demo_run_is_served_without_a_config(swarm: LocalSwarm, tmp_path):
     data_dir = tmp_path / "demo-data"
     child = swarm.spawn(
         "demo",
