@@ -152,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "start":
             config = config_from_args(CoordinatorConfig, args)
             runtime.setup_logging(config.log_level)
-            runtime.children_exit_with_parent()
             runtime.run(_start(config))
         elif args.command == "status":
             config = config_from_args(StatusConfig, args)

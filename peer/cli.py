@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(PeerConfig, args)
         runtime.setup_logging(config.log_level)
-        runtime.children_exit_with_parent()
         return runtime.run(_join(config))
     except SwarmError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)

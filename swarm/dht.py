@@ -1,9 +1,19 @@
-"""Starting hivemind's DHT under a swarm identity, so the DHT peer ID is the ID of the signing key."""
+"""Starting hivemind's DHT under a swarm identity, so the DHT peer ID is the ID of the signing key.
+
+hivemind runs its DHT in a child process. We start that child with ``spawn`` rather than ``fork``:
+our processes already run grpc and executor threads when the DHT starts, and a child forked from a
+threaded process can hang on a lock some other thread held at the moment of the fork.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import signal
+import threading
+import time
+from multiprocessing.popen_spawn_posix import Popen as SpawnPopen
 from pathlib import Path
 
 import hivemind
@@ -23,6 +33,26 @@ def listen_maddr(host: str, port: int) -> str:
     return f"/ip{address.version}/{address}/tcp/{port}"
 
 
+class SpawnedDHT(hivemind.DHT):
+    """hivemind's DHT in a spawned (not forked) child that exits when its parent dies, even by SIGKILL."""
+
+    @staticmethod
+    def _Popen(process_obj: hivemind.DHT) -> SpawnPopen:
+        return SpawnPopen(process_obj)
+
+    def run(self) -> None:
+        parent = os.getppid()
+
+        def watch_parent() -> None:
+            # Without this, a peer killed outright would leave its DHT node and p2p daemon running.
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch_parent, name="swarm-parent-watch", daemon=True).start()
+        super().run()
+
+
 def start_dht(
     key: SigningKey,
     identity_path: Path,
@@ -34,21 +64,22 @@ def start_dht(
     startup_timeout_s: float = 30.0,
 ) -> hivemind.DHT:
     """Start a DHT node whose libp2p identity is ``identity_path`` (which must hold ``key``)."""
+    dht = SpawnedDHT(
+        initial_peers=initial_peers,
+        host_maddrs=[listen_maddr(host, port)],
+        identity_path=str(identity_path),
+        # hivemind's check assumes RSA identities; our Ed25519 peer ID is checked just below.
+        check_if_identity_free=False,
+        nat_port_map=upnp,
+        startup_timeout=startup_timeout_s,
+        start=False,
+    )
     try:
-        dht = hivemind.DHT(
-            initial_peers=initial_peers,
-            host_maddrs=[listen_maddr(host, port)],
-            identity_path=str(identity_path),
-            # hivemind's check assumes RSA identities; our Ed25519 peer ID is checked just below.
-            check_if_identity_free=False,
-            nat_port_map=upnp,
-            startup_timeout=startup_timeout_s,
-            start=True,
-        )
-    except ConfigError:
-        raise
+        dht.run_in_background(await_ready=True, timeout=2 * startup_timeout_s)
     except Exception as e:  # hivemind raises bare P2P/daemon errors with no common base
-        raise NetworkError(f"could not start the DHT on {host}:{port}: {e}") from None
+        if dht.is_alive():
+            dht.terminate()
+        raise NetworkError(f"could not start the DHT on {host}:{port}: {e!r}") from None
     if dht.peer_id.to_base58() != key.peer_id:
         dht.shutdown()
         raise ConfigError(f"the DHT came up as {dht.peer_id}, not as identity {key.peer_id}")

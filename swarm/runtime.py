@@ -10,8 +10,6 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -39,26 +37,6 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
-
-
-def children_exit_with_parent() -> None:
-    """Make every child forked from now on exit when this process dies, even by SIGKILL.
-
-    hivemind runs its DHT in a forked child that owns the p2p daemon; without this, a peer killed
-    outright would leave that DHT node (and its daemon) running on the volunteer's machine.
-    """
-    os.register_at_fork(after_in_child=_exit_with_parent)
-
-
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="swarm-parent-watch", daemon=True).start()
 
 
 def stop_event_on_signals() -> asyncio.Event:
