@@ -91,6 +91,62 @@ class MembershipConfig(_Section):
         return self
 
 
+class OptimizerConfig(_Section):
+    """The optimizer every peer applies, identically, to the averaged gradient."""
+
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optimizer algorithm")
+    lr: float = Field(1e-3, gt=0, le=10, description="peak learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(
+        0.01, ge=0, le=1, description="decoupled weight decay (adamw) or L2 (adam, sgd)"
+    )
+    grad_clip_norm: float | None = Field(
+        1.0, gt=0, description="clip the averaged gradient to this norm; none: off"
+    )
+    schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="learning rate schedule")
+    warmup_steps: int = Field(10, ge=0, le=10**7, description="linear warmup from 0 to lr")
+    total_steps: int = Field(
+        1000, ge=1, le=10**9, description="steps over which cosine/linear decay to min_lr"
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of lr")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("each beta must be in [0, 1)")
+        return betas
+
+
+class TrainingConfig(_Section):
+    """How peers accumulate, average and checkpoint."""
+
+    target_batch_size: int = Field(
+        256, ge=1, le=10**8, description="samples per global step, across all peers"
+    )
+    micro_batch_size: int = Field(8, ge=1, le=65536, description="samples per local forward/backward")
+    seed: int = Field(0, ge=0, lt=2**63, description="seed of the initial weights, the same on every peer")
+    compression: Literal["fp16", "none"] = Field("fp16", description="encoding of tensors on the wire")
+    aggregator: str = Field(
+        "mean", min_length=1, max_length=64, description="rule each reducer applies to its part"
+    )
+    max_group_size: int = Field(64, ge=1, le=1024, description="peers in one averaging group")
+    matchmaking_time_s: float = Field(
+        2.0, ge=0.1, le=300, description="how long peers gather before averaging"
+    )
+    averaging_timeout_s: float = Field(30.0, ge=1, le=3600, description="deadline of one all-reduce round")
+    sender_timeout_s: float = Field(5.0, ge=0.1, le=600, description="drop a groupmate silent for this long")
+    progress_interval_s: float = Field(0.5, ge=0.05, le=60, description="how often peers publish progress")
+    max_steps: int | None = Field(None, ge=1, description="stop training after this many global steps")
+    checkpoint_every_steps: int = Field(50, ge=1, le=10**7, description="coordinator checkpoint period")
+    keep_checkpoints: int = Field(3, ge=1, le=1000, description="how many checkpoints the coordinator keeps")
+    validation_every_steps: int = Field(
+        10, ge=1, le=10**7, description="peers report validation loss this often"
+    )
+    validation_batches: int = Field(4, ge=1, le=1000, description="fixed validation batches per evaluation")
+
+
 class ComponentSpec(_Section):
     """A named component from a registry plus its config dict: nothing executable crosses the network."""
 
@@ -114,6 +170,8 @@ class RunConfig(_Section):
     dataset: ComponentSpec = Field(
         default_factory=lambda: ComponentSpec(name="stdlib"), description="dataset from the dataset registry"
     )
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="optimizer and schedule")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="accumulation and averaging")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="who may join")
     membership: MembershipConfig = Field(
         default_factory=MembershipConfig, description="liveness and admission"
@@ -155,10 +213,15 @@ class RunConfig(_Section):
         Path(path).write_text(tomli_w.dumps(_drop_none(self.model_dump(mode="json"))))
 
     def check_components(self) -> None:
-        """Check the model and dataset against the installed registries (imports torch)."""
+        """Check the model, dataset and aggregator against the installed registries (imports torch)."""
+        from swarm.averaging.aggregators import aggregator_config
         from swarm.data import dataset_config
         from swarm.models import model_config
 
+        try:
+            aggregator_config(self.training.aggregator)
+        except ConfigError as e:
+            raise ConfigError(f"run {self.run_id!r}: training.aggregator: {e}") from None
         for section, check in (("model", model_config), ("dataset", dataset_config)):
             spec = getattr(self, section)
             try:

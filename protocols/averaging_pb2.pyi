@@ -1,0 +1,59 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[Code]
+    BAD_GROUP: _ClassVar[Code]
+    NOT_IN_GROUP: _ClassVar[Code]
+    BAD_CHUNK: _ClassVar[Code]
+    CANCELLED: _ClassVar[Code]
+    INTERNAL: _ClassVar[Code]
+OK: Code
+BAD_GROUP: Code
+NOT_IN_GROUP: Code
+BAD_CHUNK: Code
+CANCELLED: Code
+INTERNAL: Code
+
+class PartChunk(_message.Message):
+    __slots__ = ("group_id", "part_index", "chunk_index", "data", "code", "error")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    part_index: int
+    chunk_index: int
+    data: bytes
+    code: Code
+    error: str
+    def __init__(self, group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("run_id", "min_step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    min_step: int
+    def __init__(self, run_id: _Optional[str] = ..., min_step: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("step", "state_hash", "total_bytes", "data", "error")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    state_hash: str
+    total_bytes: int
+    data: bytes
+    error: str
+    def __init__(self, step: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,261 @@
+"""Butterfly all-reduce in which every peer of the group ends with the same bits.
+
+The vector is cut into one contiguous part per peer. Every peer streams its chunks of part ``k`` to
+peer ``k``, which aggregates them with the run's rule and streams back the *encoded* result: the same
+bytes to every sender, and the reducer decodes those very bytes for itself. hivemind's runner instead
+adds compressed deltas to each peer's own values, which leaves peers differing in the low bits.
+
+Faults: a sender that is silent for ``sender_timeout_s`` or sends a chunk of the wrong part, order, size
+or encoding is dropped from the aggregation with a log line naming it, and the round goes on without
+it. A reducer that fails leaves its part incomplete; the caller sees ``complete=False`` and must not
+apply the round (it retries, or resynchronizes from peers that completed it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P, PeerID, ServicerBase
+from hivemind.utils.asyncio import aiter_with_timeout
+
+from protocols import averaging_pb2 as apb
+from protocols.errors import ProtocolError
+from swarm.averaging.aggregators import AggregatorFn
+from swarm.averaging.compression import Codec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_VALUES = 1 << 18
+
+
+def split_bounds(numel: int, parts: int) -> list[int]:
+    """Boundaries of ``parts`` nearly equal contiguous slices of ``range(numel)``."""
+    return [numel * i // parts for i in range(parts + 1)]
+
+
+def chunk_bounds(numel: int, chunk_values: int) -> list[int]:
+    return [*range(0, numel, chunk_values), numel] if numel else [0, 0]
+
+
+@dataclass
+class RoundResult:
+    """What one peer got from a round: the aggregated vector and whether every part of it arrived."""
+
+    vector: torch.Tensor
+    complete: bool
+    dropped: dict[str, str] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class ButterflyAllReduce:
+    """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult."""
+
+    def __init__(
+        self,
+        *,
+        p2p: P2P,
+        servicer_type: type[ServicerBase],
+        prefix: str,
+        group_id: bytes,
+        peer_ids: Sequence[PeerID],
+        weights: Sequence[float],
+        local: torch.Tensor,
+        aggregator: AggregatorFn,
+        codec: Codec,
+        sender_timeout_s: float,
+        chunk_values: int = DEFAULT_CHUNK_VALUES,
+    ):
+        self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
+        self.group_id, self.peer_ids = group_id, list(peer_ids)
+        self.index = self.peer_ids.index(p2p.peer_id)
+        self.weights = torch.tensor(list(weights), dtype=torch.float64)
+        self.local = local.detach().to(torch.float32).flatten()
+        self.aggregator, self.codec = aggregator, codec
+        self.sender_timeout_s, self.chunk_values = sender_timeout_s, chunk_values
+        self.output = torch.zeros_like(self.local)
+
+        self.part_bounds = split_bounds(self.local.numel(), len(self.peer_ids))
+        self.part_chunks = [
+            chunk_bounds(hi - lo, chunk_values)
+            for lo, hi in zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True)
+        ]
+        self.received = [[False] * (len(c) - 1) for c in self.part_chunks]
+
+        # Reducer state for this peer's own part.
+        my_chunks = self.part_chunks[self.index]
+        self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(len(my_chunks) - 1)]
+        self._results: list[bytes | None] = [None] * (len(my_chunks) - 1)
+        self._reduced = [asyncio.Event() for _ in self._results]
+        self._active = set(range(len(self.peer_ids)))
+        self._changed = asyncio.Event()
+        self.dropped: dict[str, str] = {}
+        self.bytes_sent = self.bytes_received = 0
+
+    # --- helpers -------------------------------------------------------------------------------------
+
+    def _chunk(self, part: int, chunk: int) -> tuple[int, int]:
+        base, bounds = self.part_bounds[part], self.part_chunks[part]
+        return base + bounds[chunk], base + bounds[chunk + 1]
+
+    def _drop(self, sender: int, reason: str) -> None:
+        if sender in self._active and sender != self.index:
+            self._active.discard(sender)
+            peer = self.peer_ids[sender].to_base58()
+            self.dropped[peer] = reason
+            logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
+            self._changed.set()
+
+    def _deliver(self, sender: int, chunk: int, values: torch.Tensor) -> None:
+        if sender in self._active:
+            self._inputs[chunk][sender] = values
+            self._changed.set()
+
+    # --- reducer -------------------------------------------------------------------------------------
+
+    async def _reduce_own_part(self) -> None:
+        try:
+            for chunk in range(len(self._results)):
+                lo, hi = self._chunk(self.index, chunk)
+                own = self.codec.decode(self.codec.encode(self.local[lo:hi]), hi - lo, sender="this peer")
+                self._deliver(self.index, chunk, own)
+        except ProtocolError as e:
+            logger.warning(f"leaving this peer's own values out of round {self.group_id.hex()[:8]}: {e}")
+            self._active.discard(self.index)
+        for chunk in range(len(self._results)):
+            while not self._active.issubset(self._inputs[chunk]):
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=self.sender_timeout_s)
+                except asyncio.TimeoutError:
+                    for sender in self._active - set(self._inputs[chunk]):
+                        self._drop(sender, f"sent nothing for {self.sender_timeout_s:.1f}s")
+            senders = sorted(self._active)
+            if not senders:
+                logger.warning(
+                    f"no valid contribution for part {self.index} in round {self.group_id.hex()[:8]}"
+                )
+                return
+            stacked = torch.stack([self._inputs[chunk][s] for s in senders])
+            weights = self.weights[senders]
+            aggregated = await asyncio.to_thread(self.aggregator, stacked, weights)
+            encoded = self.codec.encode(aggregated)
+            lo, hi = self._chunk(self.index, chunk)
+            self.output[lo:hi] = self.codec.decode(encoded, hi - lo, sender="self")
+            self.received[self.index][chunk] = True
+            self._results[chunk] = encoded
+            self._inputs[chunk].clear()
+            self._reduced[chunk].set()
+
+    async def serve(
+        self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
+    ) -> AsyncIterator[apb.PartChunk]:
+        """Take a groupmate's chunks of our part and stream the aggregated chunks back to it."""
+        if sender not in self.peer_ids or sender == self.p2p.peer_id:
+            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="not a member of this averaging group")
+            return
+        index = self.peer_ids.index(sender)
+        consumer = asyncio.create_task(self._consume(index, first, stream))
+        try:
+            for chunk, event in enumerate(self._reduced):
+                await event.wait()
+                if self._results[chunk] is None:
+                    return
+                yield apb.PartChunk(part_index=self.index, chunk_index=chunk, data=self._results[chunk])
+                self.bytes_sent += len(self._results[chunk])
+        finally:
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+
+    async def _consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
+        expected = 0
+        try:
+            message = first
+            stream = aiter_with_timeout(stream, self.sender_timeout_s)
+            while True:
+                if message.part_index != self.index or message.chunk_index != expected:
+                    raise ProtocolError(
+                        f"sent part {message.part_index} chunk {message.chunk_index}, "
+                        f"expected part {self.index} chunk {expected}"
+                    )
+                lo, hi = self._chunk(self.index, expected)
+                peer = self.peer_ids[sender].to_base58()
+                values = await asyncio.to_thread(self.codec.decode, message.data, hi - lo, sender=peer)
+                self.bytes_received += len(message.data)
+                self._deliver(sender, expected, values)
+                expected += 1
+                if expected == len(self._results):
+                    return
+                message = await stream.__anext__()
+        except ProtocolError as e:
+            self._drop(sender, str(e).removeprefix(f"{self.peer_ids[sender].to_base58()} "))
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            self._drop(sender, f"stopped after {expected} of {len(self._results)} chunks")
+        except Exception as e:
+            self._drop(sender, f"stream failed: {e!r}")
+
+    # --- sender --------------------------------------------------------------------------------------
+
+    def encode_contribution(self, part: int, chunk: int) -> bytes:
+        """This peer's values for one chunk of another peer's part, as sent on the wire."""
+        lo, hi = self._chunk(part, chunk)
+        return self.codec.encode(self.local[lo:hi])
+
+    async def _exchange_with(self, part: int) -> None:
+        peer = self.peer_ids[part]
+        chunks = len(self.part_chunks[part]) - 1
+
+        async def outgoing() -> AsyncIterator[apb.PartChunk]:
+            for chunk in range(chunks):
+                data = await asyncio.to_thread(self.encode_contribution, part, chunk)
+                self.bytes_sent += len(data)
+                yield apb.PartChunk(
+                    group_id=self.group_id if chunk == 0 else b"",
+                    part_index=part,
+                    chunk_index=chunk,
+                    data=data,
+                )
+
+        stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
+        try:
+            stream = await stub.rpc_aggregate_part(outgoing())
+            expected = 0
+            async for message in aiter_with_timeout(stream, 2 * self.sender_timeout_s):
+                if message.code != apb.OK:
+                    raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
+                if message.part_index != part or message.chunk_index != expected or expected >= chunks:
+                    raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
+                lo, hi = self._chunk(part, expected)
+                values = await asyncio.to_thread(
+                    self.codec.decode, message.data, hi - lo, sender=peer.to_base58()
+                )
+                self.output[lo:hi] = values
+                self.bytes_received += len(message.data)
+                self.received[part][expected] = True
+                expected += 1
+        except Exception as e:
+            logger.warning(
+                f"reducer {peer.to_base58()} of part {part} failed in round {self.group_id.hex()[:8]}: {e!r}"
+            )
+            self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
+
+    async def run(self) -> RoundResult:
+        tasks = [asyncio.create_task(self._reduce_own_part())]
+        tasks += [
+            asyncio.create_task(self._exchange_with(part))
+            for part in range(len(self.peer_ids))
+            if part != self.index
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        complete = all(all(part) for part in self.received)
+        return RoundResult(self.output, complete, dict(self.dropped), self.bytes_sent, self.bytes_received)

@@ -1,0 +1,244 @@
+"""Averaging rounds among the peers of a run: hivemind's matchmaking finds the group, our runner reduces.
+
+``Averager`` lives in the peer's own event loop and talks through a replica of the DHT's libp2p
+daemon. It registers three handlers under the run's prefix: matchmaking (hivemind's), the all-reduce
+parts (``ButterflyAllReduce``) and state downloads (answered by a provider the trainer installs).
+
+Example::
+
+    averager = Averager(dht, prefix="my-run", numel=vector.numel(), aggregator="mean", compression="fp16")
+    await averager.start()
+    result = await averager.average(vector, weight=64)
+    if result is not None and result.complete:
+        vector = result.vector
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
+
+import hivemind
+import torch
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
+
+from protocols import averaging_pb2 as apb
+from protocols.codec import pack, unpack
+from protocols.errors import SwarmError
+from swarm.averaging.aggregators import get_aggregator
+from swarm.averaging.allreduce import ButterflyAllReduce, RoundResult
+from swarm.averaging.compression import get_codec
+
+logger = logging.getLogger(__name__)
+
+# Yields the state chunks for a StateRequest; installed by the trainer.
+StateProvider = Callable[[apb.StateRequest, str], AsyncIterator[apb.StateChunk]]
+
+
+@dataclass
+class GroupRound:
+    """A round's group as matchmaking assembled it, with each member's declared weight."""
+
+    group_id: bytes
+    peer_ids: list[PeerID]
+    weights: list[float]
+    extras: list[dict]
+
+
+class AveragingServicer(ServicerBase):
+    """The P2P handlers of an averager (hivemind finds the ``rpc_*`` methods by their annotations)."""
+
+    def __init__(self, averager: Averager):
+        self.averager = averager
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> TypingAsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for message in self.averager.matchmaking.rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: TypingAsyncIterator[apb.PartChunk], context: P2PContext
+    ) -> TypingAsyncIterator[apb.PartChunk]:
+        async for message in self.averager.serve_part(stream, context.remote_id):
+            yield message
+
+    async def rpc_download_state(
+        self, request: apb.StateRequest, context: P2PContext
+    ) -> TypingAsyncIterator[apb.StateChunk]:
+        provider = self.averager.state_provider
+        if provider is None:
+            yield apb.StateChunk(error="this peer does not share state")
+            return
+        async for chunk in provider(request, context.remote_id.to_base58()):
+            yield chunk
+
+
+class Averager:
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        prefix: str,
+        numel: int,
+        aggregator: str = "mean",
+        compression: str = "fp16",
+        max_group_size: int = 64,
+        matchmaking_time_s: float = 2.0,
+        sender_timeout_s: float = 5.0,
+        averaging_timeout_s: float = 30.0,
+        max_weight: float = math.inf,
+        runner_type: type[ButterflyAllReduce] = ButterflyAllReduce,
+    ):
+        self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
+        self.aggregator = get_aggregator(aggregator)
+        self.codec = get_codec(compression)
+        self.max_group_size, self.matchmaking_time_s = max_group_size, matchmaking_time_s
+        self.sender_timeout_s, self.averaging_timeout_s = sender_timeout_s, averaging_timeout_s
+        self.max_weight = max_weight
+        self.runner_type = runner_type
+        self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.name}".encode()).digest()
+        self.state_provider: StateProvider | None = None
+        self.p2p = None
+        self.matchmaking: Matchmaking | None = None
+        self._runners: dict[bytes, ButterflyAllReduce] = {}
+        self._runner_added = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.p2p.peer_id
+
+    async def start(self) -> None:
+        self.p2p = await self.dht.replicate_p2p()
+        self.servicer = AveragingServicer(self)
+        await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
+        self.matchmaking = Matchmaking(
+            self.p2p,
+            self.schema_hash,
+            self.dht,
+            servicer_type=AveragingServicer,
+            prefix=self.prefix,
+            target_group_size=self.max_group_size,
+            min_group_size=2,
+            min_matchmaking_time=self.matchmaking_time_s,
+            request_timeout=max(0.5, self.matchmaking_time_s / 2),
+            client_mode=False,
+        )
+
+    async def shutdown(self) -> None:
+        if self.p2p is not None:
+            with contextlib.suppress(Exception):
+                await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
+
+    def state_stub(self, peer: PeerID):
+        return AveragingServicer.get_stub(self.p2p, peer, namespace=self.prefix)
+
+    async def find_group(self, weight: float, extra: dict | None = None) -> GroupRound | None:
+        """Gather with the peers looking for a group now; None when no group formed in time.
+
+        hivemind's leader assembles as soon as it has ``min_group_size`` members once its window opens,
+        so the minimum is 2: a peer that trains alone uses ``solo_group`` instead of matchmaking.
+        """
+        now = get_dht_time()
+        step = StepControl(
+            scheduled_time=now + self.matchmaking_time_s,
+            deadline=now + self.averaging_timeout_s,
+            allow_retries=False,
+            weight=weight,
+            data_for_gather=pack({"weight": float(weight), "extra": extra or {}}),
+        )
+        step.attach(MPFuture(), MPFuture())
+        step.allow_allreduce()
+        try:
+            info = await self.matchmaking.look_for_group(step)
+        except (MatchmakingException, asyncio.TimeoutError) as e:
+            logger.info(f"no averaging group formed: {e!r}")
+            return None
+        if info is None:
+            return None
+        weights, extras = [], []
+        for peer, gathered in zip(info.peer_ids, info.gathered, strict=True):
+            try:
+                data = unpack(gathered, what=f"group data of {peer}")
+                claimed = float(data["weight"])
+                extra = data.get("extra", {})
+                if not (math.isfinite(claimed) and claimed > 0) or not isinstance(extra, dict):
+                    raise SwarmError("weight must be a positive finite number")
+            except (SwarmError, KeyError, TypeError, ValueError) as e:
+                logger.warning(f"{peer} joined group {info.group_id.hex()[:8]} with bad data ({e}); weight 0")
+                claimed, extra = 0.0, {}
+            weights.append(min(claimed, self.max_weight))
+            extras.append(extra)
+        return GroupRound(info.group_id, list(info.peer_ids), weights, extras)
+
+    def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
+        """A group of this peer alone, for a run with no one else at this step."""
+        return GroupRound(b"solo-" + get_dht_time().hex().encode(), [self.peer_id], [weight], [extra or {}])
+
+    async def average(
+        self, vector: torch.Tensor, weight: float, extra: dict | None = None, *, alone: bool = False
+    ) -> tuple[GroupRound, RoundResult] | None:
+        """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
+
+        Alone, the vector still goes through the wire encoding, so a solo step applies exactly what a
+        group of one would.
+        """
+        async with self._lock:
+            group = self.solo_group(weight, extra) if alone else await self.find_group(weight, extra)
+            if group is None:
+                return None
+            runner = self.runner_type(
+                p2p=self.p2p,
+                servicer_type=AveragingServicer,
+                prefix=self.prefix,
+                group_id=group.group_id,
+                peer_ids=group.peer_ids,
+                weights=group.weights,
+                local=vector,
+                aggregator=self.aggregator,
+                codec=self.codec,
+                sender_timeout_s=self.sender_timeout_s,
+            )
+            self._runners[group.group_id] = runner
+            self._runner_added.set()
+            try:
+                result = await asyncio.wait_for(runner.run(), timeout=self.averaging_timeout_s)
+            except asyncio.TimeoutError:
+                result = RoundResult(
+                    runner.output, False, dict(runner.dropped), runner.bytes_sent, runner.bytes_received
+                )
+            finally:
+                self._runners.pop(group.group_id, None)
+            return group, result
+
+    async def serve_part(
+        self, stream: AsyncIterator[apb.PartChunk], sender: PeerID
+    ) -> AsyncIterator[apb.PartChunk]:
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), timeout=self.sender_timeout_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            return
+        runner = self._runners.get(first.group_id)
+        deadline = asyncio.get_running_loop().time() + self.sender_timeout_s
+        # The sender may have learned of the group a moment before we did.
+        while runner is None and asyncio.get_running_loop().time() < deadline:
+            self._runner_added.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._runner_added.wait(), timeout=0.1)
+            runner = self._runners.get(first.group_id)
+        if runner is None:
+            yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
+            return
+        async for message in runner.serve(first, stream, sender):
+            yield message

@@ -1,0 +1,62 @@
+"""The local, network-free training state: what every peer holds bit for bit, and how it is saved.
+
+- state.py: optimizer and learning-rate schedule from ``OptimizerConfig``; the flat ``name -> tensor``
+  state of model plus optimizer, its hashes, and its safetensors encoding for peers that join late
+- checkpoint.py: atomic on-disk checkpoints with the run config, newest-first loading that skips damaged files
+
+Low-level surface: names may change while the training loop is built on it.
+
+Example::
+
+    from swarm.training import build_optimizer, state_tensors, state_hash
+    optimizer = build_optimizer(model, run.optimizer)
+    print(state_hash(step, state_tensors(model, optimizer)))
+"""
+
+from swarm.training.checkpoint import (
+    Checkpoint,
+    CorruptCheckpoint,
+    checkpoint_name,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from swarm.training.state import (
+    DecodedState,
+    build_optimizer,
+    clip_gradients,
+    decode_state,
+    encode_state,
+    ensure_optimizer_state,
+    learning_rate,
+    load_state_tensors,
+    params_hash,
+    set_learning_rate,
+    state_hash,
+    state_tensors,
+)
+
+__all__ = [
+    "Checkpoint",
+    "CorruptCheckpoint",
+    "DecodedState",
+    "build_optimizer",
+    "checkpoint_name",
+    "clip_gradients",
+    "decode_state",
+    "encode_state",
+    "ensure_optimizer_state",
+    "latest_checkpoint",
+    "learning_rate",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_latest_checkpoint",
+    "load_state_tensors",
+    "params_hash",
+    "save_checkpoint",
+    "set_learning_rate",
+    "state_hash",
+    "state_tensors",
+]

@@ -1,0 +1,143 @@
+"""Butterfly all-reduce among real hivemind DHT peers on loopback: bit-identical results, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import hivemind
+import pytest
+import torch
+
+from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.averaging.averager import Averager
+from swarm.dht import SpawnedDHT
+
+pytestmark = pytest.mark.timeout(120)
+
+NUMEL = 300_007  # not a multiple of the group size or the chunk size
+
+
+class TruncatingAllReduce(ButterflyAllReduce):
+    """A groupmate that sends one value too few in every chunk it contributes to others' parts."""
+
+    def encode_contribution(self, part: int, chunk: int) -> bytes:
+        return super().encode_contribution(part, chunk)[:-2]
+
+
+class VanishingAllReduce(ButterflyAllReduce):
+    """A groupmate that crashes right after the group is formed: it neither sends nor reduces."""
+
+    async def run(self):
+        await asyncio.sleep(3600)
+
+
+def start_dhts(count: int) -> list[hivemind.DHT]:
+    first = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    rest = [
+        SpawnedDHT(start=True, initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        for _ in range(count - 1)
+    ]
+    return [first, *rest]
+
+
+@pytest.fixture
+def dhts():
+    nodes = start_dhts(3)
+    yield nodes
+    for node in nodes:
+        node.shutdown()
+
+
+def vectors(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(NUMEL, generator=generator) for _ in range(count)]
+
+
+async def average_all(averagers, inputs, weights):
+    for averager in averagers:
+        await averager.start()
+    return await asyncio.gather(
+        *[a.average(v, w) for a, v, w in zip(averagers, inputs, weights, strict=True)]
+    )
+
+
+def test_peers_end_bit_identical_at_the_weighted_mean(dhts):
+    averagers = [Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0) for d in dhts]
+    inputs, weights = vectors(3), [1.0, 2.0, 5.0]
+    outcomes = asyncio.run(average_all(averagers, inputs, weights))
+
+    expected = sum(w * v for w, v in zip(weights, inputs, strict=True)) / sum(weights)
+    first = outcomes[0][1].vector
+    for group, result in outcomes:
+        assert len(group.peer_ids) == 3 and result.complete and not result.dropped
+        assert torch.equal(result.vector, first), "every peer must hold exactly the same bits"
+    assert torch.allclose(first, expected, atol=2e-3), "fp16 on the wire keeps the mean within fp16 precision"
+    # Each peer sends (n-1)/n of its vector and the reduced part back to n-1 peers, 2 bytes a value.
+    assert outcomes[0][1].bytes_sent == pytest.approx(2 * 2 * NUMEL * 2 / 3, rel=0.01)
+
+
+def test_mismatched_tensor_is_dropped_and_the_round_completes(dhts, caplog):
+    averagers = [Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0) for d in dhts[:2]]
+    averagers.append(
+        Averager(dhts[2], prefix="run", numel=NUMEL, matchmaking_time_s=1.0, runner_type=TruncatingAllReduce)
+    )
+    inputs = vectors(3)
+    with caplog.at_level(logging.WARNING):
+        outcomes = asyncio.run(average_all(averagers, inputs, [1.0, 1.0, 1.0]))
+
+    bad_peer = dhts[2].peer_id.to_base58()
+    results = [result for _, result in outcomes]
+    assert all(r.complete for r in results), "the honest reducers finish without the bad contribution"
+    assert all(torch.equal(r.vector, results[0].vector) for r in results)
+    assert bad_peer in results[0].dropped and "bytes" in results[0].dropped[bad_peer]
+    assert f"dropped {bad_peer}" in caplog.text
+    # Parts reduced by honest peers hold the mean of the two honest inputs only.
+    honest_mean = (inputs[0] + inputs[1]) / 2
+    group = outcomes[0][0]
+    part = [p.to_base58() for p in group.peer_ids].index(dhts[0].peer_id.to_base58())
+    lo, hi = NUMEL * part // 3, NUMEL * (part + 1) // 3
+    assert torch.allclose(results[0].vector[lo:hi], honest_mean[lo:hi], atol=2e-3)
+
+
+def test_a_peer_vanishing_mid_round_does_not_stall_the_survivors(dhts):
+    def make(d, runner=None):
+        extra = {"runner_type": runner} if runner else {}
+        return Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0, sender_timeout_s=1.0, **extra)
+
+    averagers = [make(dhts[0]), make(dhts[1]), make(dhts[2], VanishingAllReduce)]
+
+    async def scenario():
+        for averager in averagers:
+            await averager.start()
+        inputs = vectors(3)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        tasks = [asyncio.create_task(a.average(v, 1.0)) for a, v in zip(averagers, inputs, strict=True)]
+        first_round = await asyncio.gather(*tasks[:2])
+        tasks[2].cancel()
+        elapsed = loop.time() - started
+        # The vanished reducer's part never arrives: the survivors see an incomplete round, in bounded time.
+        assert all(not result.complete for _, result in first_round)
+        assert elapsed < 10, f"the round took {elapsed:.1f}s"
+        retry = await asyncio.gather(
+            *[a.average(v, 1.0) for a, v in zip(averagers[:2], inputs[:2], strict=True)]
+        )
+        assert all(result.complete and len(group.peer_ids) == 2 for group, result in retry)
+        assert torch.equal(retry[0][1].vector, retry[1][1].vector)
+        assert torch.allclose(retry[0][1].vector, (inputs[0] + inputs[1]) / 2, atol=2e-3)
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_alone_applies_exactly_its_encoded_vector(dhts):
+    averager = Averager(dhts[0], prefix="solo", numel=NUMEL)
+
+    async def scenario():
+        await averager.start()
+        vector = vectors(1)[0]
+        group, result = await averager.average(vector, 4.0, alone=True)
+        assert result.complete and len(group.peer_ids) == 1
+        assert torch.equal(result.vector, vector.to(torch.float16).to(torch.float32))
+
+    asyncio.run(scenario())
