@@ -416,7 +416,9 @@ def decode_state(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Dec
         raise ProtocolError(
             f"state hash mismatch: the metadata says {claimed}, the tensors and step hash to {actual}"
         )
-    return DecodedState(step=step, tensors=tensors, metadata=metadata, state_hash=actual)
+    return DecodedState(
+        step=step, tensors=dict(sorted(tensors.items())), metadata=metadata, state_hash=actual
+    )
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
