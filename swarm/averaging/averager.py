@@ -1,8 +1,8 @@
 """Averaging rounds among the peers of a run: hivemind's matchmaking finds the group, our runner reduces.
 
 ``Averager`` lives in the peer's own event loop and talks through a replica of the DHT's libp2p
-daemon. It registers three handlers under the run's prefix: matchmaking (hivemind's), the all-reduce
-parts (``ButterflyAllReduce``) and state downloads (answered by a provider the trainer installs).
+daemon. It registers two handlers under the run's prefix: matchmaking (hivemind's) and the all-reduce
+parts (``ButterflyAllReduce``).
 
 Example::
 
@@ -20,7 +20,7 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
 
@@ -40,9 +40,6 @@ from swarm.averaging.allreduce import ButterflyAllReduce, RoundResult
 from swarm.averaging.compression import get_codec
 
 logger = logging.getLogger(__name__)
-
-# Yields the state chunks for a StateRequest; installed by the trainer.
-StateProvider = Callable[[apb.StateRequest, str], AsyncIterator[apb.StateChunk]]
 
 
 @dataclass
@@ -73,16 +70,6 @@ class AveragingServicer(ServicerBase):
         async for message in self.averager.serve_part(stream, context.remote_id):
             yield message
 
-    async def rpc_download_state(
-        self, request: apb.StateRequest, context: P2PContext
-    ) -> TypingAsyncIterator[apb.StateChunk]:
-        provider = self.averager.state_provider
-        if provider is None:
-            yield apb.StateChunk(error="this peer does not share state")
-            return
-        async for chunk in provider(request, context.remote_id.to_base58()):
-            yield chunk
-
 
 class Averager:
     def __init__(
@@ -108,7 +95,6 @@ class Averager:
         self.max_weight = max_weight
         self.runner_type = runner_type
         self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.name}".encode()).digest()
-        self.state_provider: StateProvider | None = None
         self.p2p = None
         self.matchmaking: Matchmaking | None = None
         self._runners: dict[bytes, ButterflyAllReduce] = {}
@@ -140,9 +126,6 @@ class Averager:
         if self.p2p is not None:
             with contextlib.suppress(Exception):
                 await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
-
-    def state_stub(self, peer: PeerID):
-        return AveragingServicer.get_stub(self.p2p, peer, namespace=self.prefix)
 
     async def find_group(self, weight: float, extra: dict | None = None) -> GroupRound | None:
         """Gather with the peers looking for a group now; None when no group formed in time.

@@ -1,8 +1,13 @@
-"""The local, network-free training state: what every peer holds bit for bit, and how it is saved.
+"""Collaborative training: the state every peer holds bit for bit, how it is saved, shared and advanced.
 
 - state.py: optimizer and learning-rate schedule from ``OptimizerConfig``; the flat ``name -> tensor``
   state of model plus optimizer, its hashes, and its safetensors encoding for peers that join late
 - checkpoint.py: atomic on-disk checkpoints with the run config, newest-first loading that skips damaged files
+- progress.py: who is at which step with how many samples, shared through the DHT
+- sync.py: downloading the full state from another peer, verified against the agreed hash
+- trainer.py: one peer's training loop: accumulate, average, step, resynchronize
+
+Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).
 
 Low-level surface: names may change while the training loop is built on it.
 

@@ -1,0 +1,331 @@
+"""One peer's part in collaborative data-parallel training.
+
+The loop: compute gradients on local micro-batches (drawn from a seed of run, peer, step and
+micro-batch index, so anyone can recompute them) until the peers at this step together hold the target
+batch; then average with the group and apply the optimizer to the averaged gradient, exactly as every
+other member does. A failed round keeps the accumulated gradient and tries again. A peer that finds the
+run ahead of it, or its own state apart from what most peers hold, downloads the agreed state.
+
+Example::
+
+    trainer = Trainer(run, dht, peer_id=key.peer_id)
+    await trainer.run(stop_event)
+    print(trainer.metrics())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+
+import hivemind
+import torch
+
+from protocols.errors import SwarmError
+from swarm.averaging.averager import Averager
+from swarm.config import RunConfig
+from swarm.data import build_dataset, derive_seed
+from swarm.models import build_model, model_config
+from swarm.training.progress import PeerProgress, agreed_hash, fetch_progress, publish_progress
+from swarm.training.state import (
+    build_optimizer,
+    clip_gradients,
+    encode_state,
+    ensure_optimizer_state,
+    learning_rate,
+    load_state_tensors,
+    params_hash,
+    set_learning_rate,
+    state_hash,
+    state_tensors,
+)
+from swarm.training.sync import EncodedState, StateServicer, download_state, state_namespace
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, dht: hivemind.DHT, *, peer_id: str, device: str = "cpu"):
+        self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
+        training = run.training
+        self.model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
+        self.optimizer = build_optimizer(self.model, run.optimizer)
+        ensure_optimizer_state(self.model, self.optimizer)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.dataset = build_dataset(run.dataset.name, run.dataset.config)
+        self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+        self.numel = sum(p.numel() for p in self.params)
+        self.averager = Averager(
+            dht,
+            prefix=run.run_id,
+            numel=self.numel,
+            aggregator=training.aggregator,
+            compression=training.compression,
+            max_group_size=training.max_group_size,
+            matchmaking_time_s=training.matchmaking_time_s,
+            sender_timeout_s=training.sender_timeout_s,
+            averaging_timeout_s=training.averaging_timeout_s,
+            max_weight=float(training.target_batch_size),
+        )
+        self.step = self.samples = self.micro = 0
+        self.state_hash = ""
+        self.view: dict[str, PeerProgress] = {}
+        self.finished = False
+        self._state_lock = asyncio.Lock()
+        self._encoded: EncodedState | None = None
+        self._validation = None
+        self._stats = dict(
+            train_loss=float("nan"), val_loss=float("nan"), val_step=-1.0, rounds_ok=0.0, rounds_failed=0.0,
+            resyncs=0.0, bytes_sent=0.0, bytes_received=0.0, compute_s=0.0,
+        )  # fmt: skip
+        self._started = time.monotonic()
+        self._sps = 0.0
+        self._views = 0  # progress views fetched so far; a round waits for one taken at its own step
+        self._step_view = 0
+
+    # --- metrics -------------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return {
+            **self._stats,
+            "step": float(self.step),
+            "samples": float(self.samples),
+            "samples_per_s": self._sps,
+            "compute_utilization": self._stats["compute_s"] / wall,
+        }
+
+    def params_hash(self) -> str:
+        return params_hash(self.model)
+
+    # --- local work (runs in a worker thread) --------------------------------------------------------
+
+    def _micro_step(self) -> float:
+        batch = self.config.training.micro_batch_size
+        seed = derive_seed(self.config.run_id, self.peer_id, self.step, self.micro)
+        inputs, targets = self.dataset.sample_batch(seed, batch, self.seq_len)
+        started = time.monotonic()
+        self.model.train()
+        loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
+        (loss * batch).backward()  # gradients of the sum; divided by the sample count when averaged
+        elapsed = time.monotonic() - started
+        self._stats["compute_s"] += elapsed
+        self._sps = (
+            0.8 * self._sps + 0.2 * batch / max(elapsed, 1e-6) if self._sps else batch / max(elapsed, 1e-6)
+        )
+        self.samples += batch
+        self.micro += 1
+        return float(loss.detach())
+
+    def _mean_gradient(self) -> torch.Tensor:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return torch.cat([g.detach().flatten().cpu() for g in grads]) / max(self.samples, 1)
+
+    def _apply(self, averaged: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+            offset += p.numel()
+        clip_gradients(self.model, self.config.optimizer.grad_clip_norm)
+        set_learning_rate(self.optimizer, learning_rate(self.config.optimizer, self.step))
+        self.optimizer.step()
+        self._reset_accumulation()
+        self.step += 1
+
+    def _reset_accumulation(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples = self.micro = 0
+
+    def _rehash(self) -> None:
+        self.state_hash = state_hash(self.step, state_tensors(self.model, self.optimizer))
+        self._encoded = None
+
+    def _validate(self) -> float:
+        if self._validation is None:
+            self._validation = self.dataset.validation_batches(
+                self.config.training.micro_batch_size, self.seq_len, self.config.training.validation_batches
+            )
+        self.model.eval()
+        with torch.no_grad():
+            losses = [
+                float(self.model.loss(x.to(self.device), y.to(self.device))) for x, y in self._validation
+            ]
+        return sum(losses) / len(losses)
+
+    async def _evaluate(self) -> None:
+        self._stats["val_loss"] = await asyncio.to_thread(self._validate)
+        self._stats["val_step"] = float(self.step)
+        logger.info(f"step {self.step}: validation loss {self._stats['val_loss']:.4f}")
+
+    # --- state sharing -------------------------------------------------------------------------------
+
+    async def encoded_state(self) -> EncodedState | None:
+        async with self._state_lock:
+            if self._encoded is None or self._encoded.step != self.step:
+                tensors = state_tensors(self.model, self.optimizer)
+                data = await asyncio.to_thread(
+                    encode_state, self.step, tensors, {"run_id": self.config.run_id}
+                )
+                self._encoded = EncodedState(self.step, self.state_hash, data)
+            return self._encoded
+
+    def max_state_bytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in state_tensors(self.model, self.optimizer).values())
+        return 2 * total + (1 << 20)
+
+    async def resync(self, step: int, expected_hash: str, sources: list[str]) -> bool:
+        """Download the state of ``step`` from one of ``sources`` that matches ``expected_hash``."""
+        random.shuffle(sources)
+        for source in sources:
+            try:
+                decoded = await download_state(
+                    self.averager.p2p, hivemind.PeerID.from_base58(source), namespace=state_namespace(self.config.run_id),
+                    run_id=self.config.run_id, min_step=step, expected_hash=expected_hash,
+                    max_bytes=self.max_state_bytes(), timeout_s=self.config.training.averaging_timeout_s,
+                )  # fmt: skip
+                async with self._state_lock:
+                    await asyncio.to_thread(load_state_tensors, self.model, self.optimizer, decoded.tensors)
+                    self._reset_accumulation()
+                    self.step = decoded.step
+                    await asyncio.to_thread(self._rehash)
+                self._step_view = self._views
+            except SwarmError as e:
+                logger.warning(f"discarding state from {source}: {e}")
+                continue
+            self._stats["resyncs"] += 1
+            logger.info(f"loaded the state of step {self.step} from {source} (hash {self.state_hash[:12]})")
+            return True
+        return False
+
+    def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
+        """The step and hash this peer should move to, with the peers that hold it; None if it is in line.
+
+        It moves when the run is ahead of it, or when most peers at its own step hold another state
+        (ties go to the smaller hash, so every peer decides the same way). A state is taken from a single
+        holder only when that holder is alone at its step: otherwise two peers must vouch for it.
+        """
+        others = {k: v for k, v in self.view.items() if k != self.peer_id}
+        step = max((p.step for p in others.values()), default=-1)
+        if step < self.step:
+            return None
+        expected, count = agreed_hash(others, step)
+        if step == self.step:
+            mine = 1 + sum(1 for p in others.values() if p.step == step and p.state_hash == self.state_hash)
+            if expected == self.state_hash or (mine, expected) > (count, self.state_hash):
+                return None
+        at_step = [p for p in others.values() if p.step == step]
+        if count < 2 and len(at_step) > 1:
+            return None
+        return step, expected, [p.peer_id for p in at_step if p.state_hash == expected]
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def _progress(self) -> PeerProgress:
+        return PeerProgress(self.peer_id, self.step, self.samples, self._sps, self.state_hash, time.time())
+
+    async def _publish_forever(self) -> None:
+        interval = self.config.training.progress_interval_s
+        while True:
+            try:
+                ttl_s = max(3.0, 6 * interval)
+                await publish_progress(self.dht, self.config.run_id, self._progress(), ttl_s=ttl_s)
+                fresh = await fetch_progress(self.dht, self.config.run_id)
+                # A failed read must not make the run look empty: keep records that have not expired yet.
+                recent = {k: v for k, v in self.view.items() if v.updated_at > time.time() - ttl_s}
+                self.view = {**recent, **fresh}
+                self._views += 1
+            except Exception as e:
+                logger.debug(f"progress exchange failed: {e!r}")
+            await asyncio.sleep(interval)
+
+    def _samples_at_step(self) -> int:
+        others = sum(
+            p.samples for p in self.view.values() if p.step == self.step and p.peer_id != self.peer_id
+        )
+        return others + self.samples
+
+    def _ready_for_round(self) -> bool:
+        """The peers at this step hold the target batch, by a view fetched after this step began."""
+        fresh_view = self._views > self._step_view
+        return fresh_view and self._samples_at_step() >= self.config.training.target_batch_size
+
+    async def _round(self) -> None:
+        # Alone only if nobody else is training: peers at another step will soon be at this one.
+        others = [p for p in self.view.values() if p.peer_id != self.peer_id]
+        vector = await asyncio.to_thread(self._mean_gradient)
+        extra = {"step": self.step, "state_hash": self.state_hash}
+        outcome = await self.averager.average(vector, float(self.samples), extra, alone=not others)
+        if outcome is None:
+            self._stats["rounds_failed"] += 1
+            logger.info(f"step {self.step}: no averaging group formed; accumulating further")
+            return
+        group, result = outcome
+        self._stats["bytes_sent"] += result.bytes_sent
+        self._stats["bytes_received"] += result.bytes_received
+        strangers = [str(p) for p, e in zip(group.peer_ids, group.extras, strict=True) if e != extra]
+        if not result.complete:
+            self._stats["rounds_failed"] += 1
+            logger.warning(
+                f"step {self.step}: round incomplete ({len(result.dropped)} peers failed); retrying"
+            )
+            return
+        if strangers:
+            logger.warning(
+                f"step {self.step}: {len(strangers)} groupmates held another state; the majority check follows"
+            )
+        async with self._state_lock:
+            await asyncio.to_thread(self._apply, result.vector)
+            await asyncio.to_thread(self._rehash)
+        self._step_view = self._views
+        self._stats["rounds_ok"] += 1
+        logger.info(
+            f"step {self.step}: averaged with {len(group.peer_ids)} peers, "
+            f"{sum(group.weights):.0f} samples, loss {self._stats['train_loss']:.4f}"
+        )
+        if self.step % self.config.training.validation_every_steps == 0 or self._reached_max():
+            await self._evaluate()
+
+    def _reached_max(self) -> bool:
+        return self.config.training.max_steps is not None and self.step >= self.config.training.max_steps
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Train until ``stop`` is set; after ``max_steps`` keep serving state until then."""
+        await self.averager.start()
+        servicer = StateServicer(self.config.run_id, self.encoded_state)
+        await servicer.add_p2p_handlers(self.averager.p2p, namespace=state_namespace(self.config.run_id))
+        await asyncio.to_thread(self._rehash)
+        publisher = asyncio.create_task(self._publish_forever())
+        try:
+            await self._loop(stop)
+            await stop.wait()
+        finally:
+            publisher.cancel()
+            await self.averager.shutdown()
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
+        if self.step == 0 and not await self._catch_up():
+            await self._evaluate()
+        while not stop.is_set() and not self._reached_max():
+            loss = await asyncio.to_thread(self._micro_step)
+            previous = self._stats["train_loss"]
+            self._stats["train_loss"] = loss if math.isnan(previous) else 0.9 * previous + 0.1 * loss
+            if await self._catch_up():
+                continue
+            if self._ready_for_round():
+                await self._round()
+        self.finished = True
+        await self.encoded_state()
+
+    async def _catch_up(self) -> bool:
+        move = self._ahead_or_apart()
+        if move is None:
+            return False
+        step, expected, holders = move
+        logger.info(
+            f"the run holds step {step} (hash {expected[:12]}) and this peer step {self.step}: resynchronizing"
+        )
+        return await self.resync(step, expected, holders)
