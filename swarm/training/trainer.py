@@ -23,6 +23,7 @@ import time
 
 import hivemind
 import torch
+from hivemind.p2p import PeerID
 
 from protocols.errors import SwarmError
 from swarm.averaging.averager import Averager
@@ -182,7 +183,7 @@ class Trainer:
         for source in sources:
             try:
                 decoded = await download_state(
-                    self.averager.p2p, hivemind.PeerID.from_base58(source), namespace=state_namespace(self.config.run_id),
+                    self.averager.p2p, PeerID.from_base58(source), namespace=state_namespace(self.config.run_id),
                     run_id=self.config.run_id, min_step=step, expected_hash=expected_hash,
                     max_bytes=self.max_state_bytes(), timeout_s=self.config.training.averaging_timeout_s,
                 )  # fmt: skip
