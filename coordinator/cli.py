@@ -84,6 +84,9 @@ def status_to_dict(status: pb.StatusResponse) -> dict:
                 "joined_at": p.joined_at,
                 "ban_reason": p.ban_reason,
                 "metrics": dict(p.metrics),
+                "step": p.step,
+                "param_hash": p.param_hash,
+                "diverged": p.diverged,
             }
             for p in status.peers
         ],
@@ -100,8 +103,10 @@ def format_status(status: dict) -> str:
     for p in status["peers"]:
         seen = f"{max(0.0, now - p['last_seen']):.0f}s ago"
         extra = f"  ({p['ban_reason']})" if p["ban_reason"] else ""
+        extra += "  DIVERGED" if p.get("diverged") else ""
+        step = f"step {p.get('step', 0)}"
         lines.append(
-            f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:24]:24} {seen}{extra}"
+            f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:20]:20} {step:10} {seen}{extra}"
         )
     return "\n".join(lines)
 

@@ -40,6 +40,19 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST_MEMBERSHIP = MembershipConfig(heartbeat_interval_s=0.5, offline_after_s=3.0, certificate_ttl_s=600.0)
 
 
+def tiny_run(run_id: str = "test-run", **training: object) -> RunConfig:
+    """A run small enough that several peers train it on a 2-core machine in seconds per step."""
+    return RunConfig(
+        run_id=run_id,
+        model={"name": "gpt", "config": {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}},
+        dataset={"name": "stdlib", "config": {"max_bytes": 1_000_000}},
+        optimizer={"lr": 3e-3, "warmup_steps": 2, "total_steps": 200},
+        training={"target_batch_size": 32, "micro_batch_size": 4, "matchmaking_time_s": 1.0,
+                  "progress_interval_s": 0.3, "validation_every_steps": 5, **training},
+        membership=FAST_MEMBERSHIP,
+    )  # fmt: skip
+
+
 def wait_until(predicate: Callable[[], T], *, timeout_s: float, what: str, interval_s: float = 0.2) -> T:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -123,7 +136,7 @@ class LocalSwarm:
         port: int = 0,
         data_dir: Path | None = None,
     ) -> Child:
-        run = run or RunConfig(run_id="test-run", membership=FAST_MEMBERSHIP)
+        run = run or tiny_run()
         data_dir = data_dir or self.root / f"{name}-data"
         endpoint = data_dir / "endpoint.json"
         endpoint.unlink(missing_ok=True)
@@ -146,7 +159,7 @@ class LocalSwarm:
             name,
             ["-m", "peer.cli", "join", "--coordinator", coordinator_address, "--cpu", "--host", "127.0.0.1",
              "--name", name, "--identity", str(self.root / f"{name}.key"),
-             "--known-coordinators", str(self.root / f"{name}-known.json"), *extra_args],
+             "--known-coordinators", str(self.root / f"{name}-known.json"), "--max-cpu-threads", "1", *extra_args],
         )  # fmt: skip
         child.extra["identity"] = self.root / f"{name}.key"
         return child

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from coordinator.store import PeerRecord, Store
+from coordinator.store import PeerRecord, Store, diverged_peers
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import issue_certificate
 from protocols.envelope import Envelope, open_envelope, seal
@@ -63,6 +63,7 @@ class CoordinatorService:
         self.store = store
         self.dht_initial_peers = dht_initial_peers
         self._challenges: OrderedDict[bytes, float] = OrderedDict()
+        self._flagged: set[tuple[str, int]] = set()
 
     @property
     def run_id(self) -> str:
@@ -180,10 +181,17 @@ class CoordinatorService:
         body = parse_body(HeartbeatBody, envelope.body, sender=envelope.sender, what="heartbeat")
         record = await self._known_peer(envelope)
         now = time.time()
-        if not await self.store.record_heartbeat(
-            envelope.sender, seq=body.seq, seen_at=now, metrics=body.metrics
-        ):
+        recorded = await self.store.record_heartbeat(
+            envelope.sender,
+            seq=body.seq,
+            seen_at=now,
+            metrics=body.metrics,
+            step=body.step,
+            param_hash=body.param_hash,
+        )
+        if not recorded:
             raise ReplayError(f"heartbeat from {envelope.sender} repeats an old sequence number")
+        await self._flag_divergence(envelope.sender, body.step)
         if record.state == "offline":
             logger.info(f"{envelope.sender} ({record.name!r}) is back online")
         renewed = b""
@@ -203,6 +211,16 @@ class CoordinatorService:
             renewed = certificate.encoded
         return pb.HeartbeatResponse(state="online", certificate=renewed, server_time=now)
 
+    async def _flag_divergence(self, peer_id: str, step: int) -> None:
+        if not step:
+            return
+        diverged = diverged_peers(await self.store.list_peers())
+        if peer_id in diverged and (peer_id, step) not in self._flagged:
+            self._flagged.add((peer_id, step))
+            logger.warning(
+                f"{peer_id} diverged: its parameters at step {step} differ from most peers at that step"
+            )
+
     async def leave(self, request: pb.LeaveRequest, peer: str) -> pb.LeaveResponse:
         self._check_header(request.header)
         envelope = self._open(request.envelope, LEAVE, "leave request", MAX_REQUEST_AGE_S)
@@ -215,6 +233,8 @@ class CoordinatorService:
 
     async def status(self, request: pb.StatusRequest, peer: str) -> pb.StatusResponse:
         self._check_header(request.header, allow_any_run=True)
+        records = await self.store.list_peers()
+        diverged = diverged_peers(records)
         peers = [
             pb.PeerStatus(
                 peer_id=r.peer_id,
@@ -226,8 +246,11 @@ class CoordinatorService:
                 joined_at=r.joined_at,
                 ban_reason=r.ban_reason,
                 metrics=r.metrics,
+                step=r.step,
+                param_hash=r.param_hash,
+                diverged=r.peer_id in diverged,
             )
-            for r in await self.store.list_peers()
+            for r in records
         ]
         return pb.StatusResponse(
             protocol_version=PROTOCOL_VERSION,

@@ -10,6 +10,7 @@ import asyncio
 import json
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ CREATE TABLE IF NOT EXISTS peers (
     last_seq INTEGER NOT NULL DEFAULT 0,
     cert_serial INTEGER NOT NULL,
     cert_expires_at REAL NOT NULL,
-    metrics TEXT NOT NULL DEFAULT '{}'
+    metrics TEXT NOT NULL DEFAULT '{}',
+    step INTEGER NOT NULL DEFAULT 0,
+    param_hash TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS bans (
     peer_id TEXT PRIMARY KEY,
@@ -60,6 +63,8 @@ class PeerRecord:
     cert_serial: int
     cert_expires_at: float
     metrics: dict[str, float] = field(default_factory=dict)
+    step: int = 0
+    param_hash: str = ""
     ban_reason: str = ""
 
 
@@ -152,16 +157,16 @@ class Store:
         await self._run(op)
 
     async def record_heartbeat(
-        self, peer_id: str, *, seq: int, seen_at: float, metrics: dict[str, float]
+        self, peer_id: str, *, seq: int, seen_at: float, metrics: dict[str, float], step: int, param_hash: str
     ) -> bool:
         """Mark the peer online; returns False (and changes nothing) when ``seq`` is not new."""
 
         def op(db: sqlite3.Connection) -> bool:
             with db:
                 cursor = db.execute(
-                    "UPDATE peers SET state='online', last_seen=?, last_seq=?, metrics=? "
+                    "UPDATE peers SET state='online', last_seen=?, last_seq=?, metrics=?, step=?, param_hash=? "
                     "WHERE peer_id=? AND last_seq < ?",
-                    (seen_at, seq, json.dumps(metrics), peer_id, seq),
+                    (seen_at, seq, json.dumps(metrics), step, param_hash, peer_id, seq),
                 )
             return cursor.rowcount == 1
 
@@ -226,11 +231,27 @@ def unban_sync(db: sqlite3.Connection, peer_id: str) -> bool:
 _SELECT_PEERS = (
     "SELECT p.peer_id, p.public_key, p.name, p.device, p.role,"
     " CASE WHEN b.peer_id IS NULL THEN p.state ELSE 'banned' END, p.joined_at, p.last_seen, p.last_seq,"
-    " p.cert_serial, p.cert_expires_at, p.metrics, COALESCE(b.reason, '')"
+    " p.cert_serial, p.cert_expires_at, p.metrics, p.step, p.param_hash, COALESCE(b.reason, '')"
     " FROM peers p LEFT JOIN bans b ON b.peer_id = p.peer_id"
 )
 
 
 def _record(row: Any) -> PeerRecord:
-    *head, metrics, ban_reason = row
-    return PeerRecord(*head, metrics=json.loads(metrics), ban_reason=ban_reason)
+    *head, metrics, step, param_hash, ban_reason = row
+    return PeerRecord(
+        *head, metrics=json.loads(metrics), step=step, param_hash=param_hash, ban_reason=ban_reason
+    )
+
+
+def diverged_peers(records: list[PeerRecord]) -> set[str]:
+    """Online peers whose parameter hash differs from the one most online peers at their step report."""
+    by_step: dict[int, Counter[str]] = {}
+    for r in records:
+        if r.state == "online" and r.param_hash:
+            by_step.setdefault(r.step, Counter())[r.param_hash] += 1
+    majority = {step: min(c.items(), key=lambda item: (-item[1], item[0]))[0] for step, c in by_step.items()}
+    return {
+        r.peer_id
+        for r in records
+        if r.state == "online" and r.param_hash and r.param_hash != majority[r.step]
+    }

@@ -50,6 +50,9 @@ class PeerConfig(BaseModel):
     )
     rpc_timeout_s: float = Field(10.0, gt=0, le=300, description="timeout of one call to the coordinator")
     max_retry_interval_s: float = Field(30.0, ge=1, le=3600, description="longest wait between retries")
+    max_cpu_threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads torch may use (default: all)"
+    )
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="log verbosity")
 
     @field_validator("name")

@@ -13,7 +13,9 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import os
 import time
 
@@ -37,11 +39,15 @@ from swarm.coordinator_client import Admission, CoordinatorClient
 from swarm.dht import start_dht
 from swarm.identity import load_or_create_identity
 from swarm.membership import fetch_members, publish_certificate
+from swarm.training.trainer import Trainer
 
 logger = logging.getLogger("swarm.peer")
 
 EXIT_OK = 0
+EXIT_FAILED = 1
 EXIT_BANNED = 3
+# How long a stopping peer lets a round in flight finish before it leaves.
+STOP_GRACE_S = 10.0
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> bool:
@@ -65,6 +71,7 @@ class Volunteer:
         self.certificate: PeerCertificate | None = None
         self.coordinator_key: PublicKey | None = None
         self._dht = None
+        self.trainer: Trainer | None = None
         self._started = time.monotonic()
 
     def _set_state(self, state: str, detail: str = "") -> None:
@@ -149,7 +156,9 @@ class Volunteer:
                     self.key,
                     self.run_config.run_id,
                     self.coordinator_key,
-                    metrics={"uptime_s": time.monotonic() - self._started, "dht_members": float(members)},
+                    metrics=self._metrics(members),
+                    step=self.trainer.step if self.trainer else 0,
+                    param_hash=self.trainer.param_hash if self.trainer else "",
                 )
                 if failures:
                     logger.info(f"reconnected to the coordinator at {client.address}")
@@ -172,6 +181,12 @@ class Volunteer:
             if await _wait(stop, delay):
                 return EXIT_OK
 
+    def _metrics(self, members: int) -> dict[str, float]:
+        metrics = {"uptime_s": time.monotonic() - self._started, "dht_members": float(members)}
+        if self.trainer is not None:
+            metrics.update(self.trainer.metrics())
+        return {k: v for k, v in metrics.items() if math.isfinite(v)}  # e.g. no loss before the first step
+
     async def _leave(self, client: CoordinatorClient) -> None:
         try:
             await client.leave(self.key, self.run_config.run_id, reason="volunteer stopped")
@@ -184,8 +199,13 @@ class Volunteer:
     async def run(self, stop: asyncio.Event) -> int:
         """Take part until ``stop`` is set; returns the process exit code."""
         config = self.config
+        if config.max_cpu_threads:
+            import torch
+
+            torch.set_num_threads(config.max_cpu_threads)
         self.key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
-        self.device = await asyncio.to_thread(lambda: describe_device(resolve_device(config.device)))
+        compute_device = await asyncio.to_thread(resolve_device, config.device)
+        self.device = await asyncio.to_thread(describe_device, compute_device)
         logger.info(f"peer {self.key.peer_id} ({config.name!r}, {self.device}) joining {config.coordinator}")
         async with CoordinatorClient(config.coordinator, timeout_s=config.rpc_timeout_s) as client:
             admission = await self._join(client, stop)
@@ -200,8 +220,22 @@ class Volunteer:
                 initial_peers=admission.dht_initial_peers,
                 upnp=config.upnp,
             )
+            training: asyncio.Task | None = None
             try:
-                code = await self._heartbeats(client, stop)
+                self.trainer = await asyncio.to_thread(
+                    Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device
+                )
+                training = asyncio.create_task(self.trainer.run(stop))
+                heartbeats = asyncio.create_task(self._heartbeats(client, stop))
+                await asyncio.wait({training, heartbeats}, return_when=asyncio.FIRST_COMPLETED)
+                if training.done() and not stop.is_set():
+                    heartbeats.cancel()
+                    error = training.exception()
+                    logger.error("training stopped unexpectedly", exc_info=error)
+                    return EXIT_FAILED
+                code = await heartbeats
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(training), timeout=STOP_GRACE_S)
                 if code == EXIT_OK:
                     await self._leave(client)
                 return code
@@ -210,4 +244,8 @@ class Volunteer:
                 logger.error(f"this peer is banned: {e}")
                 return EXIT_BANNED
             finally:
+                if training is not None and not training.done():
+                    training.cancel()
+                    with contextlib.suppress(BaseException):
+                        await training
                 await asyncio.to_thread(self._dht.shutdown)

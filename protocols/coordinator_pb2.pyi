@@ -83,7 +83,7 @@ class StatusRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("peer_id", "name", "state", "device", "role", "last_seen", "joined_at", "ban_reason", "metrics")
+    __slots__ = ("peer_id", "name", "state", "device", "role", "last_seen", "joined_at", "ban_reason", "metrics", "step", "param_hash", "diverged")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,9 @@ class PeerStatus(_message.Message):
     JOINED_AT_FIELD_NUMBER: _ClassVar[int]
     BAN_REASON_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARAM_HASH_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     name: str
     state: str
@@ -109,7 +112,10 @@ class PeerStatus(_message.Message):
     joined_at: float
     ban_reason: str
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, peer_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., role: _Optional[str] = ..., last_seen: _Optional[float] = ..., joined_at: _Optional[float] = ..., ban_reason: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    step: int
+    param_hash: str
+    diverged: bool
+    def __init__(self, peer_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., role: _Optional[str] = ..., last_seen: _Optional[float] = ..., joined_at: _Optional[float] = ..., ban_reason: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ..., param_hash: _Optional[str] = ..., diverged: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("protocol_version", "run_id", "coordinator_peer_id", "dht_initial_peers", "peers", "server_time")

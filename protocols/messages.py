@@ -51,6 +51,8 @@ class JoinAnswerBody(_Body):
 class HeartbeatBody(_Body):
     seq: int = Field(gt=0)
     state: Literal["online", "paused"]
+    step: int = Field(default=0, ge=0, lt=2**63)
+    param_hash: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(
         default_factory=dict, max_length=MAX_METRICS
     )

@@ -155,8 +155,13 @@ class CoordinatorClient:
         *,
         state: str = "online",
         metrics: dict[str, float] | None = None,
+        step: int = 0,
+        param_hash: str = "",
     ) -> HeartbeatAnswer:
-        body = {"seq": self._next_seq(), "state": state, "metrics": dict(metrics or {})}
+        body = {
+            "seq": self._next_seq(), "state": state, "metrics": dict(metrics or {}), "step": step,
+            "param_hash": param_hash,
+        }  # fmt: skip
         request = pb.HeartbeatRequest(
             header=self._header(run_id), envelope=seal(key, HEARTBEAT, run_id, body)
         )

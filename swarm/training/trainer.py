@@ -72,7 +72,7 @@ class Trainer:
             max_weight=float(training.target_batch_size),
         )
         self.step = self.samples = self.micro = 0
-        self.state_hash = ""
+        self.state_hash = self.param_hash = ""
         self.view: dict[str, PeerProgress] = {}
         self.finished = False
         self._state_lock = asyncio.Lock()
@@ -98,9 +98,6 @@ class Trainer:
             "samples_per_s": self._sps,
             "compute_utilization": self._stats["compute_s"] / wall,
         }
-
-    def params_hash(self) -> str:
-        return params_hash(self.model)
 
     # --- local work (runs in a worker thread) --------------------------------------------------------
 
@@ -142,6 +139,7 @@ class Trainer:
 
     def _rehash(self) -> None:
         self.state_hash = state_hash(self.step, state_tensors(self.model, self.optimizer))
+        self.param_hash = params_hash(self.model)
         self._encoded = None
 
     def _validate(self) -> float:
