@@ -146,13 +146,13 @@ class OursPeer:
 
 
 class HivemindPeer:
-    """A peer averaging through hivemind's own ``DecentralizedAverager.step``."""
+    """A peer averaging through hivemind's own ``DecentralizedAverager.step`` (synchronous, like its users)."""
 
     def __init__(self, dht, settings: Settings):
         self.dht, self.settings = dht, settings
         self.averager = None
 
-    async def setup(self, rank: int, prefix: str, numel: int, dtype: str, peers: int) -> None:
+    def setup(self, rank: int, prefix: str, numel: int, dtype: str, peers: int) -> None:
         from hivemind.averaging import DecentralizedAverager
         from hivemind.compression import Float16Compression, NoCompression
 
@@ -176,18 +176,15 @@ class HivemindPeer:
             allreduce_timeout=self.settings.averaging_timeout_s,
             compression=Float16Compression() if dtype == "fp16" else NoCompression(),
         )
-        # Shared with hivemind's averager process, which hivemind forks from this one when it starts.
+        # Shared with the averager's own process, which hivemind forks from this one.
         self.averager.timing = mp.get_context("fork").Array("d", 3, lock=False)
-        # On this thread: hivemind sets a signal handler when it starts the averager's process.
         self.averager.run_in_background(await_ready=True, timeout=START_TIMEOUT_S)
 
-    async def round(self) -> dict:
+    def round(self) -> dict:
         self.averager.timing[:] = [0.0, 0.0, 0.0]
         round_start = time.time()
         try:
-            await asyncio.to_thread(
-                self.averager.step, timeout=self.settings.averaging_timeout_s, allow_retries=False
-            )
+            self.averager.step(timeout=self.settings.averaging_timeout_s, allow_retries=False)
         except Exception as e:
             return {"ok": False, "error": repr(e)}
         round_end = time.time()
@@ -197,27 +194,52 @@ class HivemindPeer:
             "round_start": round_start, "round_end": round_end, "bytes_sent": 0, "error": "",
         }  # fmt: skip
 
-    async def teardown(self) -> None:
+    def teardown(self) -> None:
         self.averager.shutdown()
         self.averager = None
 
 
-async def _serve(system: str, rank: int, conn: Connection, initial_peers: list[str], settings: Settings) -> None:
+def _start_dht(conn: Connection, initial_peers: list[str]):
     from swarm.dht import SpawnedDHT
 
     dht = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
-    peer = (OursPeer if system == "ours" else HivemindPeer)(dht, settings)
     conn.send(("ready", [str(m) for m in dht.get_visible_maddrs()]))
+    return dht
+
+
+def _call(peer, command: str, payload: dict | None):
     try:
-        while True:
-            command, payload = await asyncio.to_thread(conn.recv)
-            if command == "exit":
-                break
-            try:
-                reply = await getattr(peer, command)(**payload) if payload else await getattr(peer, command)()
-            except Exception as e:
-                reply = {"ok": False, "error": f"{command} failed: {e!r}"}
-            conn.send(("done", reply))
+        return getattr(peer, command)(**(payload or {}))
+    except Exception as e:
+        return {"ok": False, "error": f"{command} failed: {e!r}"}
+
+
+async def _call_async(peer, command: str, payload: dict | None):
+    try:
+        return await getattr(peer, command)(**(payload or {}))
+    except Exception as e:
+        return {"ok": False, "error": f"{command} failed: {e!r}"}
+
+
+async def _serve_ours(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
+    # The averager's handlers run in this loop, so it keeps running while we wait for the next command.
+    dht = _start_dht(conn, initial_peers)
+    peer = OursPeer(dht, settings)
+    try:
+        while (message := await asyncio.to_thread(conn.recv))[0] != "exit":
+            conn.send(("done", await _call_async(peer, *message)))
+    finally:
+        dht.shutdown()
+
+
+def _serve_hivemind(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
+    # hivemind forks its averager process; outside a bench it is usually started from a forking parent too.
+    mp.set_start_method("fork", force=True)
+    dht = _start_dht(conn, initial_peers)
+    peer = HivemindPeer(dht, settings)
+    try:
+        while (message := conn.recv())[0] != "exit":
+            conn.send(("done", _call(peer, *message)))
     finally:
         dht.shutdown()
 
@@ -225,11 +247,14 @@ async def _serve(system: str, rank: int, conn: Connection, initial_peers: list[s
 def peer_main(system: str, rank: int, conn: Connection, initial_peers: list[str], settings: Settings) -> None:
     import torch
 
-    from swarm.runtime import run
-
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    run(_serve(system, rank, conn, initial_peers, settings))
+    if system == "ours":
+        from swarm.runtime import run
+
+        run(_serve_ours(conn, initial_peers, settings))
+    else:
+        _serve_hivemind(conn, initial_peers, settings)
 
 
 class PeerGroup:
@@ -248,9 +273,7 @@ class PeerGroup:
 
     def _start(self, system: str, rank: int, initial_peers: list[str], settings: Settings) -> Connection:
         parent, child = self.context.Pipe()
-        process = self.context.Process(
-            target=peer_main, args=(system, rank, child, initial_peers, settings)
-        )
+        process = self.context.Process(target=peer_main, args=(system, rank, child, initial_peers, settings))
         process.start()
         self.processes.append(process)
         self.conns.append(parent)
@@ -282,7 +305,9 @@ class PeerGroup:
                 process.join(5)
 
 
-def measure_p2p(system: str, peers: int, configs: list[tuple[int, str]], repeats: int, settings: Settings) -> list[Cell]:
+def measure_p2p(
+    system: str, peers: int, configs: list[tuple[int, str]], repeats: int, settings: Settings
+) -> list[Cell]:
     cells = [Cell(system, peers, numel, dtype) for numel, dtype in configs]
     # One round's bound: matchmaking, the all-reduce, and the reply over the pipe.
     round_timeout_s = settings.matchmaking_time_s + 2 * settings.averaging_timeout_s + 10
@@ -295,7 +320,10 @@ def measure_p2p(system: str, peers: int, configs: list[tuple[int, str]], repeats
     try:
         for index, cell in enumerate(cells):
             prefix = f"bench{index}_{cell.numel}_{cell.dtype}"
-            setup = [dict(rank=r, prefix=prefix, numel=cell.numel, dtype=cell.dtype, peers=peers) for r in range(peers)]
+            setup = [
+                dict(rank=r, prefix=prefix, numel=cell.numel, dtype=cell.dtype, peers=peers)
+                for r in range(peers)
+            ]
             replies = group.ask_all("setup", setup, START_TIMEOUT_S)
             if any(r and not r.get("ok", True) for r in replies):
                 cell.error = next(r["error"] for r in replies if r and not r.get("ok", True))
@@ -313,7 +341,9 @@ def measure_p2p(system: str, peers: int, configs: list[tuple[int, str]], repeats
                 if measured == 1:
                     continue
                 cell.allreduce_s.append(max(r["end"] for r in replies) - min(r["start"] for r in replies))
-                cell.e2e_s.append(max(r["round_end"] for r in replies) - min(r["round_start"] for r in replies))
+                cell.e2e_s.append(
+                    max(r["round_end"] for r in replies) - min(r["round_start"] for r in replies)
+                )
                 cell.bytes_sent_per_peer = int(statistics.mean(r["bytes_sent"] for r in replies))
             if cell.allreduce_s:
                 cell.error = ""
@@ -470,13 +500,19 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", default="2,4", help="comma-separated group sizes")
-    parser.add_argument("--sizes", default="1M,16M", help="comma-separated float32 counts (K, M = 2**10, 2**20)")
+    parser.add_argument(
+        "--sizes", default="1M,16M", help="comma-separated float32 counts (K, M = 2**10, 2**20)"
+    )
     parser.add_argument("--dtypes", default="fp32,fp16", help="on the wire: fp32, fp16")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="which of ours, hivemind, gloo to run")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per cell, after one warmup")
-    parser.add_argument("--matchmaking-time-s", type=float, default=1.5, help="matchmaking window of ours and hivemind")
+    parser.add_argument(
+        "--matchmaking-time-s", type=float, default=1.5, help="matchmaking window of ours and hivemind"
+    )
     parser.add_argument("--averaging-timeout-s", type=float, default=60.0, help="bound on one all-reduce")
-    parser.add_argument("--quick", action="store_true", help="2 peers, 1M values, fp16, one round: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 peers, 1M values, fp16, one round: a smoke test"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -486,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     peer_counts = [int(p) for p in args.peers.split(",")]
     configs = [(parse_size(s), d) for s in args.sizes.split(",") for d in args.dtypes.split(",")]
     systems = [s for s in SYSTEMS if s in args.systems.split(",")]
-    if bad := [d for _, d in configs if d not in DTYPES] + [s for s in args.systems.split(",") if s not in SYSTEMS]:
+    if bad := [d for _, d in configs if d not in DTYPES] + [
+        s for s in args.systems.split(",") if s not in SYSTEMS
+    ]:
         parser.error(f"unknown dtype or system: {', '.join(bad)}")
     if args.repeats < 1 or any(p < 2 for p in peer_counts):
         parser.error("--repeats must be >= 1 and every --peers value >= 2")
@@ -509,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             t0 = time.monotonic()
             if system == "gloo":
-                cells += measure_gloo(peers, configs, args.repeats, timeout_s=START_TIMEOUT_S + 60 * len(configs))
+                cells += measure_gloo(
+                    peers, configs, args.repeats, timeout_s=START_TIMEOUT_S + 60 * len(configs)
+                )
             else:
                 cells += measure_p2p(system, peers, configs, args.repeats, settings)
             print(f"  measured {system} with {peers} peers in {time.monotonic() - t0:.0f}s", flush=True)
@@ -519,8 +559,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"machine": info, "settings": asdict(settings), "repeats": args.repeats,
-                 "cells": [{**asdict(c), "median_s": c.median_s, "median_e2e_s": c.median_e2e_s} for c in cells]},
+                {
+                    "machine": info,
+                    "settings": asdict(settings),
+                    "repeats": args.repeats,
+                    "cells": [
+                        {**asdict(c), "median_s": c.median_s, "median_e2e_s": c.median_e2e_s} for c in cells
+                    ],
+                },
                 indent=2,
             )  # fmt: skip
         )

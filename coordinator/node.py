@@ -20,6 +20,7 @@ import time
 
 import grpc
 
+from coordinator.checkpoints import CheckpointKeeper
 from coordinator.config import CoordinatorConfig
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
@@ -49,6 +50,7 @@ class CoordinatorNode:
         self._store: Store | None = None
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task | None = None
+        self._checkpoints: asyncio.Task | None = None
 
     async def start(self) -> None:
         config, run = self.config, self.run
@@ -72,6 +74,8 @@ class CoordinatorNode:
                 upnp=config.upnp,
             )
             self.dht_initial_peers = visible_maddrs(self._dht)
+            keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")
+            await keeper.start()
             service = CoordinatorService(run, key, self._store, self.dht_initial_peers)
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
             self._server.add_generic_rpc_handlers((service.generic_handler(),))
@@ -91,6 +95,7 @@ class CoordinatorNode:
         unspecified = ipaddress.ip_address(config.host).is_unspecified
         self.address = _host_port("127.0.0.1" if unspecified else config.host, port)
         self._sweeper = asyncio.create_task(self._sweep_offline())
+        self._checkpoints = asyncio.create_task(keeper.run_forever())
         self._write_endpoint(key.peer_id)
         logger.info(f"coordinator {key.peer_id} serves run {run.run_id!r} on {_host_port(config.host, port)}")
         logger.info(f"DHT initial peers: {' '.join(self.dht_initial_peers)}")
@@ -120,11 +125,12 @@ class CoordinatorNode:
                 logger.exception("liveness sweep failed; retrying")
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        for task in (self._sweeper, self._checkpoints):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sweeper = self._checkpoints = None
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None

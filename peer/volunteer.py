@@ -223,8 +223,9 @@ class Volunteer:
             training: asyncio.Task | None = None
             try:
                 self.trainer = await asyncio.to_thread(
-                    Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device
-                )
+                    Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,
+                    coordinator_key=self.coordinator_key,
+                )  # fmt: skip
                 training = asyncio.create_task(self.trainer.run(stop))
                 heartbeats = asyncio.create_task(self._heartbeats(client, stop))
                 await asyncio.wait({training, heartbeats}, return_when=asyncio.FIRST_COMPLETED)

@@ -132,6 +132,7 @@ class TrainingConfig(_Section):
         "mean", min_length=1, max_length=64, description="rule each reducer applies to its part"
     )
     max_group_size: int = Field(64, ge=1, le=1024, description="peers in one averaging group")
+    min_group_size: int = Field(1, ge=1, le=1024, description="a round needs this many peers; fewer wait")
     matchmaking_time_s: float = Field(
         2.0, ge=0.1, le=300, description="how long peers gather before averaging"
     )

@@ -50,6 +50,8 @@ def weighted_mean(config: NoOptions) -> AggregatorFn:
 
     def aggregate(contributions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         weights = weights.to(contributions.dtype)
+        if float(weights.sum()) <= 0:
+            weights = torch.ones_like(weights)
         return (weights[:, None] * contributions).sum(dim=0) / weights.sum()
 
     return aggregate

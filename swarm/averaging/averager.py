@@ -134,9 +134,12 @@ class Averager:
         so the minimum is 2: a peer that trains alone uses ``solo_group`` instead of matchmaking.
         """
         now = get_dht_time()
+        # A group that has not formed within a few windows will not: give up and let the caller re-check
+        # whether the run moved on without this peer.
+        search_s = min(self.averaging_timeout_s, 3 * self.matchmaking_time_s + 2.0)
         step = StepControl(
             scheduled_time=now + self.matchmaking_time_s,
-            deadline=now + self.averaging_timeout_s,
+            deadline=now + search_s,
             allow_retries=False,
             weight=weight,
             data_for_gather=pack({"weight": float(weight), "extra": extra or {}}),
@@ -156,8 +159,9 @@ class Averager:
                 data = unpack(gathered, what=f"group data of {peer}")
                 claimed = float(data["weight"])
                 extra = data.get("extra", {})
-                if not (math.isfinite(claimed) and claimed > 0) or not isinstance(extra, dict):
-                    raise SwarmError("weight must be a positive finite number")
+                # Weight 0 is a peer that computed nothing this round but takes the update to stay in sync.
+                if not (math.isfinite(claimed) and claimed >= 0) or not isinstance(extra, dict):
+                    raise SwarmError("weight must be a non-negative finite number")
             except (SwarmError, KeyError, TypeError, ValueError) as e:
                 logger.warning(f"{peer} joined group {info.group_id.hex()[:8]} with bad data ({e}); weight 0")
                 claimed, extra = 0.0, {}

@@ -14,15 +14,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
 
+import hivemind
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.utils import get_dht_time
 
 from protocols import averaging_pb2 as apb
+from protocols.envelope import open_envelope, seal
 from protocols.errors import NetworkError, ProtocolError, SwarmError
+from protocols.keys import PublicKey, SigningKey
 from swarm.training.state import DecodedState, decode_state
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
+
+
+class StateMovedOn(NetworkError):
+    """The holder trained past the agreed step before the download started; ask again with a fresh view."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,8 @@ async def download_state(
                 raise ProtocolError(f"{peer} refused the state download: {chunk.error}")
             if header is None:
                 header = chunk
+                if header.step > min_step and header.state_hash != expected_hash:
+                    raise StateMovedOn(f"{peer} has moved on to step {header.step}")
                 if header.state_hash != expected_hash:
                     raise ProtocolError(
                         f"{peer} offers state {header.state_hash[:12]}, not the agreed {expected_hash[:12]}"
@@ -121,3 +131,42 @@ async def download_state(
         raise
     except Exception as e:  # libp2p stream errors carry no common base
         raise NetworkError(f"state download from {peer} failed: {e!r}") from None
+
+
+CHECKPOINT_RECORD = "checkpoint-record"
+
+
+def checkpoint_key(run_id: str) -> str:
+    return f"{run_id}.checkpoint"
+
+
+async def publish_checkpoint_record(
+    dht: hivemind.DHT, key: SigningKey, run_id: str, *, step: int, state_hash: str, ttl_s: float
+) -> bool:
+    """Announce, signed by the coordinator, the latest checkpoint it can serve."""
+    record = seal(key, CHECKPOINT_RECORD, run_id, {"step": step, "state_hash": state_hash})
+    return bool(
+        await dht.store(
+            checkpoint_key(run_id), record, expiration_time=get_dht_time() + ttl_s, return_future=True
+        )
+    )
+
+
+async def fetch_checkpoint_record(
+    dht: hivemind.DHT, run_id: str, coordinator_key: PublicKey
+) -> tuple[int, str] | None:
+    """The (step, state hash) of the coordinator's latest checkpoint, if a validly signed record exists."""
+    found = await dht.get(checkpoint_key(run_id), latest=True, return_future=True)
+    if found is None or not isinstance(found.value, bytes):
+        return None
+    try:
+        envelope = open_envelope(
+            found.value, purpose=CHECKPOINT_RECORD, run_id=run_id, signer=coordinator_key
+        )
+        step, expected = envelope.body["step"], envelope.body["state_hash"]
+        if not isinstance(step, int) or step < 0 or not isinstance(expected, str) or len(expected) != 64:
+            raise ProtocolError("malformed step or state hash")
+    except (SwarmError, KeyError) as e:
+        logger.warning(f"ignoring the checkpoint record in the DHT: {e}")
+        return None
+    return step, expected

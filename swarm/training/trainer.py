@@ -26,6 +26,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from protocols.errors import SwarmError
+from protocols.keys import PublicKey
 from swarm.averaging.averager import Averager
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
@@ -43,14 +44,30 @@ from swarm.training.state import (
     state_hash,
     state_tensors,
 )
-from swarm.training.sync import EncodedState, StateServicer, download_state, state_namespace
+from swarm.training.sync import (
+    EncodedState,
+    StateMovedOn,
+    StateServicer,
+    download_state,
+    fetch_checkpoint_record,
+    state_namespace,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, dht: hivemind.DHT, *, peer_id: str, device: str = "cpu"):
+    def __init__(
+        self,
+        run: RunConfig,
+        dht: hivemind.DHT,
+        *,
+        peer_id: str,
+        device: str = "cpu",
+        coordinator_key: PublicKey | None = None,
+    ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
+        self.coordinator_key = coordinator_key
         training = run.training
         self.model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
         self.optimizer = build_optimizer(self.model, run.optimizer)
@@ -86,6 +103,7 @@ class Trainer:
         self._sps = 0.0
         self._views = 0  # progress views fetched so far; a round waits for one taken at its own step
         self._step_view = 0
+        self._next_record_check = 0.0
 
     # --- metrics -------------------------------------------------------------------------------------
 
@@ -191,6 +209,9 @@ class Trainer:
                     self.step = decoded.step
                     await asyncio.to_thread(self._rehash)
                 self._step_view = self._views
+            except StateMovedOn as e:
+                logger.info(f"{e}; will look again")
+                continue
             except SwarmError as e:
                 logger.warning(f"discarding state from {source}: {e}")
                 continue
@@ -219,6 +240,22 @@ class Trainer:
         if count < 2 and len(at_step) > 1:
             return None
         return step, expected, [p.peer_id for p in at_step if p.state_hash == expected]
+
+    async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
+        """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
+        if any(p.step > 0 for p in self.view.values()) or time.monotonic() < self._next_record_check:
+            return None
+        self._next_record_check = time.monotonic() + 2.0
+        try:
+            record = await fetch_checkpoint_record(self.dht, self.config.run_id, self.coordinator_key)
+        except Exception as e:
+            logger.debug(f"could not read the checkpoint record: {e!r}")
+            return None
+        if record is None or record[0] <= self.step:
+            return None
+        step, expected = record
+        logger.info(f"no peer is ahead; resuming from the coordinator's checkpoint of step {step}")
+        return step, expected, [self.coordinator_key.peer_id]
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -254,14 +291,23 @@ class Trainer:
     async def _round(self) -> None:
         # Alone only if nobody else is training: peers at another step will soon be at this one.
         others = [p for p in self.view.values() if p.peer_id != self.peer_id]
+        needed = self.config.training.min_group_size
+        if needed > 1 and len(others) + 1 < needed:
+            return  # not enough peers in the run yet: keep the accumulated gradient and wait
         vector = await asyncio.to_thread(self._mean_gradient)
         extra = {"step": self.step, "state_hash": self.state_hash}
-        outcome = await self.averager.average(vector, float(self.samples), extra, alone=not others)
+        outcome = await self.averager.average(
+            vector, float(self.samples), extra, alone=not others and needed == 1
+        )
         if outcome is None:
             self._stats["rounds_failed"] += 1
             logger.info(f"step {self.step}: no averaging group formed; accumulating further")
             return
         group, result = outcome
+        if len(group.peer_ids) < needed:
+            self._stats["rounds_failed"] += 1
+            logger.info(f"step {self.step}: a group of {len(group.peer_ids)} formed; the run needs {needed}")
+            return
         self._stats["bytes_sent"] += result.bytes_sent
         self._stats["bytes_received"] += result.bytes_received
         strangers = [str(p) for p, e in zip(group.peer_ids, group.extras, strict=True) if e != extra]
@@ -280,9 +326,10 @@ class Trainer:
             await asyncio.to_thread(self._rehash)
         self._step_view = self._views
         self._stats["rounds_ok"] += 1
+        loss = self._stats["train_loss"]
         logger.info(
-            f"step {self.step}: averaged with {len(group.peer_ids)} peers, "
-            f"{sum(group.weights):.0f} samples, loss {self._stats['train_loss']:.4f}"
+            f"step {self.step}: averaged with {len(group.peer_ids)} peers, {sum(group.weights):.0f} samples"
+            + ("" if math.isnan(loss) else f", loss {loss:.4f}")
         )
         if self.step % self.config.training.validation_every_steps == 0 or self._reached_max():
             await self._evaluate()
@@ -308,10 +355,15 @@ class Trainer:
         await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
         if self.step == 0 and not await self._catch_up():
             await self._evaluate()
+        target = self.config.training.target_batch_size
         while not stop.is_set() and not self._reached_max():
-            loss = await asyncio.to_thread(self._micro_step)
-            previous = self._stats["train_loss"]
-            self._stats["train_loss"] = loss if math.isnan(previous) else 0.9 * previous + 0.1 * loss
+            if self._samples_at_step() < target:
+                loss = await asyncio.to_thread(self._micro_step)
+                previous = self._stats["train_loss"]
+                self._stats["train_loss"] = loss if math.isnan(previous) else 0.9 * previous + 0.1 * loss
+            else:
+                # The batch is (nearly) complete: wait for a fresh view rather than pile up more samples.
+                await asyncio.sleep(self.config.training.progress_interval_s / 4)
             if await self._catch_up():
                 continue
             if self._ready_for_round():
@@ -321,6 +373,8 @@ class Trainer:
 
     async def _catch_up(self) -> bool:
         move = self._ahead_or_apart()
+        if move is None and self.step == 0 and self.coordinator_key is not None:
+            move = await self._checkpoint_to_resume()
         if move is None:
             return False
         step, expected, holders = move

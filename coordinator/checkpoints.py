@@ -1,0 +1,131 @@
+"""The coordinator's checkpoints: it fetches the state the peers agree on and keeps it on disk.
+
+Every ``checkpoint_every_steps`` (and at ``max_steps``) the keeper downloads the full state from peers
+that hold the agreed hash, verifies it, and saves a safetensors checkpoint under the data dir. It serves
+the latest checkpoint to peers and announces it in the DHT with a record signed by the coordinator key,
+so a swarm restarted from nothing resumes at the checkpoint's step. No gradient passes through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from pathlib import Path
+
+import hivemind
+from hivemind.p2p import PeerID
+
+from protocols.errors import SwarmError
+from protocols.keys import SigningKey
+from swarm.config import RunConfig
+from swarm.training.checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
+from swarm.training.progress import agreed_hash, fetch_progress
+from swarm.training.state import build_optimizer, encode_state, ensure_optimizer_state, state_tensors
+from swarm.training.sync import (
+    EncodedState,
+    StateServicer,
+    download_state,
+    publish_checkpoint_record,
+    state_namespace,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 2.0
+RECORD_TTL_S = 60.0
+
+
+def state_size_bytes(run: RunConfig) -> int:
+    """Bytes of the run's full state (model + optimizer), from a model built like the peers build it."""
+    from swarm.models import build_model
+
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    optimizer = build_optimizer(model, run.optimizer)
+    ensure_optimizer_state(model, optimizer)
+    return sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer).values())
+
+
+class CheckpointKeeper:
+    def __init__(self, run: RunConfig, dht: hivemind.DHT, key: SigningKey, directory: Path):
+        self.run, self.dht, self.key, self.directory = run, dht, key, directory
+        self.latest: Checkpoint | None = None
+        self._encoded: EncodedState | None = None
+        self._max_bytes = 0
+        self._p2p = None
+
+    async def start(self) -> None:
+        self._max_bytes = 2 * await asyncio.to_thread(state_size_bytes, self.run) + (1 << 20)
+        self.latest = await asyncio.to_thread(load_latest_checkpoint, self.directory)
+        if self.latest is not None:
+            logger.info(f"resuming from checkpoint of step {self.latest.step} ({self.latest.path.name})")
+        self._p2p = await self.dht.replicate_p2p()
+        servicer = StateServicer(self.run.run_id, self._provide)
+        await servicer.add_p2p_handlers(self._p2p, namespace=state_namespace(self.run.run_id))
+
+    async def _provide(self) -> EncodedState | None:
+        latest = self.latest
+        if latest is None:
+            return None
+        if self._encoded is None or self._encoded.step != latest.step:
+            # Only the tensors: the checkpoint file also holds the run config with its admission secrets.
+            data = await asyncio.to_thread(
+                encode_state, latest.step, latest.tensors, {"run_id": self.run.run_id}
+            )
+            self._encoded = EncodedState(latest.step, latest.state_hash, data)
+        return self._encoded
+
+    def _due(self, step: int) -> bool:
+        done = self.latest.step if self.latest else 0
+        training = self.run.training
+        final = training.max_steps is not None and step >= training.max_steps
+        return step > done and (step - done >= training.checkpoint_every_steps or final)
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self._check_once()
+            except Exception:
+                logger.exception("checkpoint check failed; retrying")
+            await asyncio.sleep(CHECK_INTERVAL_S)
+
+    async def _check_once(self) -> None:
+        if self.latest is not None:
+            await publish_checkpoint_record(
+                self.dht, self.key, self.run.run_id, step=self.latest.step, state_hash=self.latest.state_hash,
+                ttl_s=RECORD_TTL_S,
+            )  # fmt: skip
+        view = await fetch_progress(self.dht, self.run.run_id)
+        for step in sorted({p.step for p in view.values()}, reverse=True):
+            expected, count = agreed_hash(view, step)
+            holders = [p.peer_id for p in view.values() if p.step == step and p.state_hash == expected]
+            if count >= 2 or len([p for p in view.values() if p.step == step]) == 1:
+                if self._due(step):
+                    await self._fetch_and_save(step, expected, holders)
+                return
+
+    async def _fetch_and_save(self, step: int, expected: str, holders: list[str]) -> None:
+        random.shuffle(holders)
+        for holder in holders:
+            try:
+                decoded = await download_state(
+                    self._p2p, PeerID.from_base58(holder), namespace=state_namespace(self.run.run_id),
+                    run_id=self.run.run_id, min_step=step, expected_hash=expected, max_bytes=self._max_bytes,
+                    timeout_s=self.run.training.averaging_timeout_s,
+                )  # fmt: skip
+            except SwarmError as e:
+                logger.warning(f"checkpoint of step {step}: discarding state from {holder}: {e}")
+                continue
+            path = await asyncio.to_thread(
+                save_checkpoint, self.directory, decoded.step, decoded.tensors, self.run,
+                keep=self.run.training.keep_checkpoints,
+            )  # fmt: skip
+            self.latest = Checkpoint(decoded.step, decoded.tensors, self.run, decoded.state_hash, path)
+            logger.info(
+                f"saved checkpoint of step {decoded.step} ({path.name}, hash {decoded.state_hash[:12]})"
+            )
+            await publish_checkpoint_record(
+                self.dht, self.key, self.run.run_id, step=decoded.step, state_hash=decoded.state_hash,
+                ttl_s=RECORD_TTL_S,
+            )  # fmt: skip
+            return

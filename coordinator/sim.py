@@ -1,0 +1,240 @@
+"""``swarm-sim``: rehearse a whole collaborative run on one machine, then check it.
+
+It starts a coordinator and N volunteer peers as separate processes on loopback, trains the demo run
+(or a tinier preset) for S steps with a live progress line, optionally kills and restarts peers on the
+way (``--churn``), and then verifies the outcome independently: it loads the coordinator's final
+checkpoint, measures validation loss before and after training, and compares every peer's reported
+parameter hash with the checkpoint's. It exits 0 only when validation loss fell and all peers agree.
+
+Example::
+
+    swarm-sim --peers 3 --steps 20 --json sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.cli import status_to_dict
+from coordinator.localswarm import FAST_MEMBERSHIP, LocalSwarm, status, wait_until
+from protocols.errors import SwarmError
+from swarm import runtime
+from swarm.cliargs import add_config_arguments, config_from_args
+from swarm.config import RunConfig
+
+PRESETS = {
+    "demo": {},  # the built-in demo model
+    "small": {"d_model": 128, "n_layer": 2, "n_head": 4, "seq_len": 128},
+    "tiny": {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32},
+}
+
+
+class SimConfig(BaseModel):
+    """A local rehearsal of a run; the flags of ``swarm-sim`` come from these fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    peers: int = Field(3, ge=1, le=16, description="volunteer processes to start")
+    steps: int = Field(20, ge=1, le=100_000, description="global training steps to run")
+    churn: bool = Field(False, description="kill a peer outright and restart it during the run")
+    json_path: Path | None = Field(
+        None, description="write the results as JSON here", json_schema_extra={"cli_flag": "--json"}
+    )
+    model_size: Literal["demo", "small", "tiny"] = Field(
+        "demo", description="demo: the built-in GPT; small/tiny: faster"
+    )
+    target_batch_size: int = Field(32, ge=1, le=100_000, description="samples per global step")
+    micro_batch_size: int = Field(4, ge=1, le=4096, description="samples per local forward/backward")
+    lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
+    timeout_s: float = Field(900.0, ge=10, le=86_400, description="give up after this many seconds")
+    keep: bool = Field(False, description="keep the logs, checkpoints and data dirs afterwards")
+
+
+def build_run(config: SimConfig) -> RunConfig:
+    steps = config.steps
+    return RunConfig(
+        run_id="swarm-sim",
+        description="A local rehearsal of the demo run.",
+        model={"name": "gpt", "config": PRESETS[config.model_size]},
+        dataset={"name": "stdlib", "config": {}},
+        optimizer={"lr": config.lr, "warmup_steps": min(5, steps), "total_steps": max(steps, 1)},
+        training={
+            "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
+            "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
+            # Every peer takes part in every round (one may be missing while churn restarts it).
+            "min_group_size": max(1, config.peers - 1 if config.churn else config.peers),
+            "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),
+        },
+        membership=FAST_MEMBERSHIP,
+    )  # fmt: skip
+
+
+def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
+    """Validation loss and parameter hash of the run's initial weights, or of a checkpoint's."""
+    import torch
+
+    from swarm.data import build_dataset
+    from swarm.models import build_model, model_config
+    from swarm.training.checkpoint import load_checkpoint
+    from swarm.training.state import build_optimizer, load_state_tensors, params_hash
+
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    if checkpoint is not None:
+        optimizer = build_optimizer(model, run.optimizer)
+        load_state_tensors(model, optimizer, load_checkpoint(checkpoint).tensors)
+    dataset = build_dataset(run.dataset.name, run.dataset.config)
+    seq_len = model_config(run.model.name, run.model.config).seq_len
+    batches = dataset.validation_batches(
+        run.training.micro_batch_size, seq_len, run.training.validation_batches
+    )
+    model.eval()
+    with torch.no_grad():
+        loss = sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
+    return loss, params_hash(model)
+
+
+class Progress:
+    """One status line, rewritten in place on a terminal and printed every few seconds otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.last = 0.0
+
+    def show(self, snapshot: dict, steps: int, started: float) -> None:
+        online = [p for p in snapshot["peers"] if p["state"] == "online"]
+        step = max((p["step"] for p in online), default=0)
+        losses = [p["metrics"].get("train_loss") for p in online if "train_loss" in p["metrics"]]
+        vals = [p["metrics"].get("val_loss") for p in online if "val_loss" in p["metrics"]]
+        rate = sum(p["metrics"].get("samples_per_s", 0.0) for p in online)
+        line = (
+            f"step {step}/{steps}  loss {min(losses) if losses else float('nan'):.3f}  "
+            f"val {min(vals) if vals else float('nan'):.3f}  peers {len(online)}  "
+            f"{rate:.0f} samples/s  {time.monotonic() - started:.0f}s"
+        )
+        if self.tty:
+            print(f"\r{line}   ", end="", flush=True)
+        elif time.monotonic() - self.last > 5:
+            print(line, flush=True)
+            self.last = time.monotonic()
+
+
+def simulate(config: SimConfig) -> int:
+    run = build_run(config)
+    root = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
+    local = LocalSwarm(root)
+    started = time.monotonic()
+    deadline = started + config.timeout_s
+    churn_events: list[dict] = []
+    try:
+        print(f"swarm-sim: coordinator + {config.peers} peers, {config.steps} steps, model {config.model_size} "
+              f"(logs in {root})", flush=True)  # fmt: skip
+        coordinator = local.start_coordinator(run)
+        address = coordinator.extra["address"]
+        checkpoints = coordinator.extra["data_dir"] / "checkpoints"
+        names = [f"peer{i}" for i in range(config.peers)]
+        peers = {name: local.start_peer(address, name) for name in names}
+        initial_loss, _ = evaluate(run, None)
+        progress = Progress()
+        churned = False
+        final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
+        while True:
+            snapshot = status_to_dict(status(address))
+            progress.show(snapshot, config.steps, started)
+            steps = {p["name"]: p["step"] for p in snapshot["peers"] if p["state"] == "online"}
+            if (
+                config.churn
+                and not churned
+                and config.peers > 1
+                and max(steps.values(), default=0) >= config.steps // 3
+            ):
+                victim = names[-1]
+                peers[victim].process.kill()
+                churn_events.append({"killed": victim, "at_step": max(steps.values())})
+                wait_until(
+                    lambda v=victim: _state(address, v) == "offline", timeout_s=30, what=f"{victim} offline"
+                )
+                peers[victim] = local.start_peer(address, victim)
+                churn_events[-1]["restarted"] = True
+                churned = True
+            if (
+                len(steps) == config.peers
+                and all(s >= config.steps for s in steps.values())
+                and final.exists()
+            ):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the run did not reach step {config.steps} within {config.timeout_s:.0f}s"
+                )
+            time.sleep(1.0)
+        print()
+        final_loss, final_hash = evaluate(run, final)
+        snapshot = status_to_dict(status(address))
+        for name in names:
+            peers[name].signal(signal.SIGTERM)
+        for name in names:
+            peers[name].wait(timeout_s=60)
+        duration = time.monotonic() - started
+        peer_rows = [
+            {"peer_id": p["peer_id"], "name": p["name"], "param_hash": p["param_hash"], "step": p["step"],
+             "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"]}
+            for p in snapshot["peers"]
+        ]  # fmt: skip
+        agree = all(row["param_hash"] == final_hash for row in peer_rows)
+        result = {
+            "initial_val_loss": initial_loss,
+            "final_val_loss": final_loss,
+            "steps": config.steps,
+            "peers": peer_rows,
+            "bytes_sent_per_peer": {row["peer_id"]: row["bytes_sent"] for row in peer_rows},
+            "final_param_hash": final_hash,
+            "peers_agree": agree,
+            "churn_events": churn_events,
+            "duration_s": duration,
+            "samples_per_s": config.steps * config.target_batch_size / duration,
+        }
+        if config.json_path:
+            config.json_path.write_text(json.dumps(result, indent=2))
+        ok = final_loss < initial_loss and agree
+        print(f"validation loss {initial_loss:.4f} -> {final_loss:.4f} over {config.steps} steps in {duration:.0f}s; "
+              f"{len(peer_rows)} peers {'hold identical parameters' if agree else 'DISAGREE'} "
+              f"({final_hash[:16]})", flush=True)  # fmt: skip
+        return 0 if ok else 1
+    except (SwarmError, TimeoutError) as e:
+        print(f"\nswarm-sim: failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        local.kill_all()
+        if not config.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _state(address: str, name: str) -> str:
+    return next((p.state for p in status(address).peers if p.name == name), "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="swarm-sim", description=__doc__.splitlines()[0])
+    add_config_arguments(parser, SimConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(SimConfig, args)
+    except SwarmError as e:
+        print(f"swarm-sim: error: {e}", file=sys.stderr)
+        return 2
+    runtime.setup_logging("WARNING")
+    return simulate(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
