@@ -258,18 +258,17 @@ def peer_main(system: str, rank: int, conn: Connection, initial_peers: list[str]
 
 
 class PeerGroup:
-    """``peers`` worker processes of ``system``, the first one bootstrapping the others' DHTs."""
+    """``peers`` worker processes of ``system``, started together, joining the DHT at ``initial_peers``."""
 
-    def __init__(self, system: str, peers: int, settings: Settings):
+    def __init__(self, system: str, peers: int, initial_peers: list[str], settings: Settings):
         self.context = mp.get_context("spawn")
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
-        first = self._start(system, 0, [], settings)
-        _, maddrs = self._recv(first, START_TIMEOUT_S)
-        for rank in range(1, peers):
-            self._start(system, rank, maddrs, settings)
-        for conn in self.conns[1:]:
-            self._recv(conn, START_TIMEOUT_S)
+        for rank in range(peers):
+            self._start(system, rank, initial_peers, settings)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for conn in self.conns:
+            self._recv(conn, max(0.1, deadline - time.monotonic()))
 
     def _start(self, system: str, rank: int, initial_peers: list[str], settings: Settings) -> Connection:
         parent, child = self.context.Pipe()
@@ -306,13 +305,18 @@ class PeerGroup:
 
 
 def measure_p2p(
-    system: str, peers: int, configs: list[tuple[int, str]], repeats: int, settings: Settings
+    system: str,
+    peers: int,
+    configs: list[tuple[int, str]],
+    repeats: int,
+    initial_peers: list[str],
+    settings: Settings,
 ) -> list[Cell]:
     cells = [Cell(system, peers, numel, dtype) for numel, dtype in configs]
     # One round's bound: matchmaking, the all-reduce, and the reply over the pipe.
     round_timeout_s = settings.matchmaking_time_s + 2 * settings.averaging_timeout_s + 10
     try:
-        group = PeerGroup(system, peers, settings)
+        group = PeerGroup(system, peers, initial_peers, settings)
     except Exception as e:
         for cell in cells:
             cell.error = f"peers did not start: {e!r}"
@@ -543,16 +547,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     cells: list[Cell] = []
     started = time.monotonic()
-    for peers in peer_counts:
-        for system in systems:
-            t0 = time.monotonic()
-            if system == "gloo":
-                cells += measure_gloo(
-                    peers, configs, args.repeats, timeout_s=START_TIMEOUT_S + 60 * len(configs)
-                )
-            else:
-                cells += measure_p2p(system, peers, configs, args.repeats, settings)
-            print(f"  measured {system} with {peers} peers in {time.monotonic() - t0:.0f}s", flush=True)
+    bootstrap = None
+    if {"ours", "hivemind"} & set(systems):
+        from swarm.dht import SpawnedDHT
+
+        # A DHT node that only introduces the peers to each other, so that they can all start at once.
+        bootstrap = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        for peers in peer_counts:
+            for system in systems:
+                t0 = time.monotonic()
+                if system == "gloo":
+                    cells += measure_gloo(peers, configs, args.repeats, START_TIMEOUT_S + 60 * len(configs))
+                else:
+                    maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
+                    cells += measure_p2p(system, peers, configs, args.repeats, maddrs, settings)
+                print(f"  measured {system} with {peers} peers in {time.monotonic() - t0:.0f}s", flush=True)
+    finally:
+        if bootstrap is not None:
+            bootstrap.shutdown()
     print()
     print("\n".join(report(cells, systems)))
     print(f"\ntotal {time.monotonic() - started:.0f}s")

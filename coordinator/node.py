@@ -45,6 +45,7 @@ class CoordinatorNode:
         self.config = config
         self.run = run
         self.address = ""
+        self.coordinator_peer_id = ""
         self.dht_initial_peers: list[str] = []
         self._dht = None
         self._store: Store | None = None
@@ -57,6 +58,7 @@ class CoordinatorNode:
         data_dir = config.data_path
         await asyncio.to_thread(run.check_components)
         key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
+        self.coordinator_peer_id = key.peer_id
         if run.coordinator_key is not None and run.coordinator_key != key.peer_id:
             raise ConfigError(
                 f"run config pins coordinator_key {run.coordinator_key}, but identity {config.identity_path} "

@@ -92,6 +92,7 @@ class Trainer:
         self.state_hash = self.param_hash = ""
         self.view: dict[str, PeerProgress] = {}
         self.finished = False
+        self.first_validation: tuple[int, float] | None = None
         self._state_lock = asyncio.Lock()
         self._encoded: EncodedState | None = None
         self._validation = None
@@ -175,6 +176,8 @@ class Trainer:
     async def _evaluate(self) -> None:
         self._stats["val_loss"] = await asyncio.to_thread(self._validate)
         self._stats["val_step"] = float(self.step)
+        if self.first_validation is None:
+            self.first_validation = (self.step, self._stats["val_loss"])
         logger.info(f"step {self.step}: validation loss {self._stats['val_loss']:.4f}")
 
     # --- state sharing -------------------------------------------------------------------------------
@@ -353,8 +356,8 @@ class Trainer:
 
     async def _loop(self, stop: asyncio.Event) -> None:
         await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
-        if self.step == 0 and not await self._catch_up():
-            await self._evaluate()
+        await self._catch_up()
+        await self._evaluate()  # where this peer starts: step 0, or the state it just caught up to
         target = self.config.training.target_batch_size
         while not stop.is_set() and not self._reached_max():
             if self._samples_at_step() < target:

@@ -1,0 +1,321 @@
+"""Compute utilization, samples/s and bytes on the wire of collaborative training with 2 peers.
+
+Each peer is its own process (spawned, ``torch.set_num_threads(1)``: one core each on a 2-core
+machine) running ``swarm.training.Trainer`` on its own ``SpawnedDHT``, all on loopback. They train the
+demo model (the default ``gpt`` config, or ``--model-config``) for ``--steps`` global steps.
+
+Figures are taken over the steady state: from the moment a peer reaches step 1 (its first round done,
+connections warm) to the moment it reaches the last step. Compute utilization is the time spent in
+forward/backward (the trainer's own ``compute_s``) over that wall time, per peer. Samples/s counts the
+samples of every round in the window (the group's summed weights); bytes on the wire are the all-reduce
+payloads every peer sent (DHT traffic and the p2p framing are not counted). The rest of each step's wall
+time is split into matchmaking, the all-reduce itself, and other (the optimizer step, hashing the state,
+waiting for a fresh view of the run's progress).
+
+The target batch is 64 sequences of 256 bytes (16,384 tokens) per global step: the scale of nanoGPT's
+character-level Shakespeare recipe for a model of this size (6 layers, 256-384 wide, batch 64 x 256).
+
+Usage::
+
+    python benchmarks/bench_training.py                          # demo gpt, 2 peers, 5 steps
+    python benchmarks/bench_training.py --quick                  # tiny model, 2 steps (smoke test)
+    python benchmarks/bench_training.py --model-config '{"n_layer": 4}' --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+PEERS = 2
+TARGET_UTILIZATION = 0.90
+START_TIMEOUT_S = 90.0
+SHUTDOWN_TIMEOUT_S = 15.0
+QUICK_MODEL = {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_config: dict
+    target_batch_size: int
+    micro_batch_size: int
+    steps: int
+    matchmaking_time_s: float
+    max_bytes: int
+    threads: int
+
+    def run_config(self):
+        from swarm.config import RunConfig
+
+        return RunConfig(
+            run_id="bench-training",
+            model={"name": "gpt", "config": self.model_config},
+            dataset={"name": "stdlib", "config": {"max_bytes": self.max_bytes}},
+            training={
+                "target_batch_size": self.target_batch_size,
+                "micro_batch_size": self.micro_batch_size,
+                "max_steps": self.steps,
+                "matchmaking_time_s": self.matchmaking_time_s,
+                "validation_batches": 1,
+            },
+        )
+
+
+# --- one peer -------------------------------------------------------------------------------------------
+
+
+def _instrument(trainer, rounds: list[dict]) -> None:
+    """Time each round's all-reduce apart from its matchmaking, through the averager's public hooks."""
+    from swarm.averaging.allreduce import ButterflyAllReduce
+
+    runs: dict[bytes, float] = {}
+
+    class TimedAllReduce(ButterflyAllReduce):
+        async def run(self):
+            started = time.monotonic()
+            try:
+                return await super().run()
+            finally:
+                runs[self.group_id] = time.monotonic() - started
+
+    averager = trainer.averager
+    averager.runner_type = TimedAllReduce
+    average = averager.average
+
+    async def timed_average(vector, weight, extra=None, **kwargs):
+        started = time.monotonic()
+        outcome = await average(vector, weight, extra, **kwargs)
+        record = {"at": time.monotonic(), "round_s": time.monotonic() - started, "ok": False}
+        if outcome is not None:
+            group, result = outcome
+            record.update(
+                ok=result.complete, group=len(group.peer_ids), weight=float(weight),
+                group_weight=float(sum(group.weights)), allreduce_s=runs.pop(group.group_id, 0.0),
+                bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+            )  # fmt: skip
+        rounds.append(record)
+        return outcome
+
+    averager.average = timed_average
+
+
+async def _train(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
+    from swarm.dht import SpawnedDHT
+    from swarm.training.trainer import Trainer
+
+    dht = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
+    try:
+        run = settings.run_config()
+        trainer = await asyncio.to_thread(Trainer, run, dht, peer_id=dht.peer_id.to_base58())
+        rounds: list[dict] = []
+        _instrument(trainer, rounds)
+        conn.send(("ready", {"params": trainer.numel}))
+        await asyncio.to_thread(conn.recv)  # "go": both peers are built, so neither trains alone at first
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(trainer.run(stop))
+        steps: list[dict] = []  # the moment each step was reached, with the compute time up to then
+        deadline = time.monotonic() + settings.steps * 600
+        while not trainer.finished and not task.done() and time.monotonic() < deadline:
+            metrics = trainer.metrics()
+            if not steps or metrics["step"] > steps[-1]["step"]:
+                steps.append({"step": metrics["step"], "at": time.monotonic(), "compute_s": metrics["compute_s"]})
+            await asyncio.sleep(0.02)
+        metrics = trainer.metrics()
+        if metrics["step"] > steps[-1]["step"]:
+            steps.append({"step": metrics["step"], "at": time.monotonic(), "compute_s": metrics["compute_s"]})
+        conn.send(("finished", {"steps": steps, "rounds": rounds, "metrics": metrics, "finished": trainer.finished}))
+        # Keep serving (a slower groupmate may still need this peer) until every peer is done.
+        await asyncio.to_thread(conn.recv)
+        stop.set()
+        await asyncio.wait_for(task, SHUTDOWN_TIMEOUT_S)
+    finally:
+        dht.shutdown()
+
+
+def peer_main(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
+    import torch
+
+    from swarm.runtime import run
+
+    torch.set_num_threads(settings.threads)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(_train(conn, initial_peers, settings))
+    except Exception as e:
+        conn.send(("error", repr(e)))
+        raise
+
+
+# --- the swarm and the report ---------------------------------------------------------------------------
+
+
+def _recv(conn: Connection, timeout_s: float, expect: str):
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"a peer did not report {expect!r} within {timeout_s:.0f}s")
+    kind, payload = conn.recv()
+    if kind != expect:
+        raise RuntimeError(f"a peer failed: {payload}")
+    return payload
+
+
+def train(settings: Settings) -> list[dict]:
+    from swarm.dht import SpawnedDHT
+
+    context = mp.get_context("spawn")
+    bootstrap = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
+    processes, conns = [], []
+    try:
+        for _ in range(PEERS):
+            parent, child = context.Pipe()
+            process = context.Process(target=peer_main, args=(child, maddrs, settings))
+            process.start()
+            processes.append(process)
+            conns.append(parent)
+        for conn in conns:
+            _recv(conn, START_TIMEOUT_S, "ready")
+        for conn in conns:
+            conn.send(("go", None))
+        # Bounded: a step cannot take longer than this on any machine this benchmark is meant for.
+        run_timeout_s = 120.0 + settings.steps * 300.0
+        deadline = time.monotonic() + run_timeout_s
+        return [_recv(conn, max(0.1, deadline - time.monotonic()), "finished") for conn in conns]
+    finally:
+        for conn in conns:
+            try:
+                conn.send(("exit", None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 5
+        for process in processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        bootstrap.shutdown()
+
+
+def summarize(reports: list[dict], settings: Settings) -> dict:
+    peers = []
+    for report in reports:
+        steps = {int(s["step"]): s for s in report["steps"]}
+        first, last = steps.get(1), steps.get(settings.steps)
+        if first is None or last is None or settings.steps < 2:
+            raise RuntimeError(f"a peer did not reach steps 1 and {settings.steps}: {sorted(steps)}")
+        wall = last["at"] - first["at"]
+        rounds = [r for r in report["rounds"] if first["at"] < r["at"] <= last["at"] + 1e-3]
+        done = [r for r in rounds if r["ok"]]
+        matchmaking = sum(r["round_s"] - r.get("allreduce_s", 0.0) for r in rounds)
+        allreduce = sum(r.get("allreduce_s", 0.0) for r in rounds)
+        compute = last["compute_s"] - first["compute_s"]
+        peers.append(
+            {
+                "wall_s": wall, "compute_s": compute, "utilization": compute / wall,
+                "matchmaking_s": matchmaking, "allreduce_s": allreduce,
+                "other_s": wall - compute - matchmaking - allreduce,
+                "samples": sum(r["group_weight"] for r in done), "own_samples": sum(r["weight"] for r in done),
+                "bytes_sent": sum(r["bytes_sent"] for r in done), "rounds": len(rounds), "rounds_ok": len(done),
+                "trainer_utilization": report["metrics"]["compute_utilization"],
+                "group_sizes": sorted({r.get("group", 0) for r in done}),
+            }
+        )  # fmt: skip
+    window_s = statistics.mean(p["wall_s"] for p in peers)
+    samples = statistics.mean(p["samples"] for p in peers)
+    bytes_sent = sum(p["bytes_sent"] for p in peers)
+    steps = settings.steps - 1
+    return {
+        "peers": peers,
+        "steps_in_window": steps,
+        "window_s": window_s,
+        "utilization": statistics.mean(p["utilization"] for p in peers),
+        "samples_per_s": samples / window_s,
+        "tokens_per_s": samples * int(settings.model_config.get("seq_len", 256)) / window_s,
+        "bytes_per_sample": bytes_sent / max(samples, 1),
+        "step_s": window_s / steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", default="{}", help="JSON overrides of the gpt config")
+    parser.add_argument("--target-batch-size", type=int, default=64, help="samples per global step")
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
+    parser.add_argument("--steps", type=int, default=5, help="global steps; the window is steps 1..N")
+    parser.add_argument("--matchmaking-time-s", type=float, default=2.0, help="the run's matchmaking window")
+    parser.add_argument("--max-bytes", type=int, default=4 << 20, help="stdlib corpus cap (bytes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    parser.add_argument("--quick", action="store_true", help="a tiny model for 2 steps: a smoke test")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    model_config = json.loads(args.model_config)
+    if args.quick:
+        model_config = {**QUICK_MODEL, **model_config}
+        args.target_batch_size, args.micro_batch_size, args.steps = 16, 8, 2
+        args.matchmaking_time_s, args.max_bytes = 0.5, 1 << 20
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the window runs from step 1 to the last)")
+    settings = Settings(
+        model_config, args.target_batch_size, args.micro_batch_size, args.steps, args.matchmaking_time_s,
+        args.max_bytes, args.threads,
+    )  # fmt: skip
+    settings.run_config().check_components()
+
+    from bench_allreduce import machine
+
+    info = machine()
+    print(
+        f"machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; python {info['python']}, "
+        f"torch {info['torch']}, hivemind {info['hivemind']}"
+    )
+    print(
+        f"{PEERS} peers, one process each (torch threads {args.threads}); gpt {model_config or 'default config'}; "
+        f"target batch {args.target_batch_size} x micro-batch {args.micro_batch_size}; {args.steps} steps; "
+        f"matchmaking {args.matchmaking_time_s:g}s",
+        flush=True,
+    )
+    started = time.monotonic()
+    try:
+        result = summarize(train(settings), settings)
+    except Exception as e:
+        print(f"training benchmark failed: {e}")
+        return 1
+
+    print(f"\nsteady state, steps 1..{args.steps} ({result['steps_in_window']} steps, {result['window_s']:.1f}s):")
+    print(f"{'peer':>4} {'wall s':>7} {'compute':>8} {'matchmk':>8} {'allred':>7} {'other':>7} {'utilization':>12} {'rounds':>7}")
+    for index, p in enumerate(result["peers"]):
+        print(
+            f"{index:>4} {p['wall_s']:>7.1f} {p['compute_s']:>8.1f} {p['matchmaking_s']:>8.1f} "
+            f"{p['allreduce_s']:>7.2f} {p['other_s']:>7.1f} {p['utilization']:>11.1%} "
+            f"{p['rounds_ok']:>3}/{p['rounds']:<3}"
+        )
+    met = "met" if result["utilization"] >= TARGET_UTILIZATION else "MISSED"
+    print(f"\ncompute utilization: {result['utilization']:.1%} (target >= {TARGET_UTILIZATION:.0%}: {met})")
+    print(f"samples/s: {result['samples_per_s']:.2f} ({result['tokens_per_s']:.0f} tokens/s), {result['step_s']:.1f}s per step")
+    print(f"bytes on the wire per sample: {result['bytes_per_sample']:.0f}")
+    print(
+        f"the trainer's own compute_utilization over its whole life (startup included): "
+        + ", ".join(f"{p['trainer_utilization']:.1%}" for p in result["peers"])
+    )
+    print(f"\ntotal {time.monotonic() - started:.0f}s")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "settings": asdict(settings), **result}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

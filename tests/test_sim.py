@@ -1,0 +1,40 @@
+"""``swarm-sim``, the README's main job: a coordinator and peers as separate processes, with churn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+def test_swarm_sim_trains_with_churn_and_peers_agree(tmp_path: Path):
+    out = tmp_path / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.sim", "--peers", "3", "--steps", "8", "--model-size", "tiny",
+         "--churn", "--json", str(out)],
+        capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["steps"] == 8
+    assert report["final_val_loss"] < report["initial_val_loss"], "validation loss fell"
+    assert len(report["peers"]) == 3
+    hashes = {peer["param_hash"] for peer in report["peers"]}
+    assert hashes == {report["final_param_hash"]}, "every peer holds the parameters of the final checkpoint"
+    assert all(peer["step"] == 8 for peer in report["peers"])
+    assert report["churn_events"] and report["churn_events"][0]["restarted"]
+    assert set(report["bytes_sent_per_peer"]) == {peer["peer_id"] for peer in report["peers"]}
+    assert sum(report["bytes_sent_per_peer"].values()) > 0
+    assert "hold identical parameters" in result.stdout
+
+
+def test_swarm_sim_rejects_bad_flags():
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.sim", "--peers", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "--peers" in result.stderr

@@ -1,0 +1,142 @@
+"""Collaborative training among real peers (each with its own DHT process) on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.localswarm import tiny_run
+from coordinator.node import CoordinatorNode
+from protocols.keys import PublicKey
+from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.dht import SpawnedDHT
+from swarm.training.checkpoint import load_latest_checkpoint
+from swarm.training.trainer import Trainer
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+class VanishingAllReduce(ButterflyAllReduce):
+    """A groupmate that dies right after its group formed: it neither sends nor reduces."""
+
+    async def run(self):
+        await asyncio.sleep(3600)
+
+
+def start_dhts(count: int, initial_peers: list[str] | None = None) -> list[SpawnedDHT]:
+    dhts: list[SpawnedDHT] = []
+    for _ in range(count):
+        peers = initial_peers or ([str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [])
+        dhts.append(SpawnedDHT(start=True, initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    return dhts
+
+
+async def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def trainers_for(run, dhts, **kwargs) -> list[Trainer]:
+    torch.set_num_threads(1)
+    return [Trainer(run, d, peer_id=d.peer_id.to_base58(), **kwargs) for d in dhts]
+
+
+def test_late_joiner_and_a_peer_dying_mid_round():
+    run = tiny_run("faults", max_steps=8, min_group_size=1)
+    dhts = start_dhts(3)
+    trainers = trainers_for(run, dhts)
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        tasks = [asyncio.create_task(t.run(stop)) for t in trainers[:2]]
+        await wait_for(lambda: trainers[0].step >= 3, 120, "two peers to reach step 3")
+        # A late joiner downloads the agreed state and then trains in step with the others.
+        tasks.append(asyncio.create_task(trainers[2].run(stop)))
+        await wait_for(lambda: trainers[2].metrics()["resyncs"] >= 1, 60, "the late joiner to load the state")
+        assert trainers[2].step >= 3
+        # Fault injection: from its next round on, peer 2 vanishes after its group forms.
+        trainers[2].averager.runner_type = VanishingAllReduce
+        stalled_at = trainers[0].step
+        started = time.monotonic()
+        await wait_for(lambda: trainers[0].step > stalled_at + 1 and trainers[1].step > stalled_at + 1, 120,
+                       "the survivors to finish rounds without the vanished peer")  # fmt: skip
+        assert time.monotonic() - started < 90, "a dead groupmate must not stall the run past its timeouts"
+        tasks[2].cancel()
+        await wait_for(lambda: all(t.finished for t in trainers[:2]), 120, "the survivors to reach max_steps")
+        assert trainers[0].param_hash == trainers[1].param_hash, "survivors hold bit-identical parameters"
+        assert trainers[0].state_hash == trainers[1].state_hash
+        assert trainers[0].metrics()["val_loss"] < 5.4, "validation loss fell from about 5.5"
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss(tmp_path: Path):
+    data_dir = tmp_path / "coordinator"
+    config = CoordinatorConfig(host="127.0.0.1", port=0, dht_port=0, data_dir=data_dir)
+
+    async def train_until(run, steps: int) -> tuple[str, float]:
+        """Run a coordinator and two peers to ``steps``; the agreed state hash and validation loss there."""
+        node = CoordinatorNode(config, run)
+        await node.start()
+        key = PublicKey.from_peer_id(node.coordinator_peer_id)
+        dhts = start_dhts(2, node.dht_initial_peers)
+        trainers = trainers_for(run, dhts, coordinator_key=key)
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
+        try:
+            await wait_for(lambda: all(t.finished for t in trainers), 150, f"step {steps}")
+            await wait_for(lambda: (data_dir / "checkpoints" / f"ckpt-{steps:08d}.safetensors").exists(), 30,
+                           "the coordinator's checkpoint")  # fmt: skip
+            assert trainers[0].state_hash == trainers[1].state_hash
+            return trainers[0].state_hash, trainers[0].metrics()["val_loss"]
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for dht in dhts:
+                dht.shutdown()
+            await node.stop()
+
+    async def scenario() -> None:
+        hash_at_4, loss_at_4 = await train_until(tiny_run("resume", max_steps=4, checkpoint_every_steps=2), 4)
+        checkpoint = load_latest_checkpoint(data_dir / "checkpoints")
+        assert checkpoint.step == 4 and checkpoint.state_hash == hash_at_4
+
+        # Everything restarts from nothing: new peer processes, new DHT, the same coordinator data dir.
+        node = CoordinatorNode(config, tiny_run("resume", max_steps=6, checkpoint_every_steps=2))
+        await node.start()
+        dhts = start_dhts(2, node.dht_initial_peers)
+        trainers = trainers_for(
+            node.run, dhts, coordinator_key=PublicKey.from_peer_id(node.coordinator_peer_id)
+        )
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
+        try:
+            await wait_for(lambda: all(t.step >= 4 for t in trainers), 120, "the peers to resume")
+            resumed = trainers[0]
+            assert resumed.metrics()["resyncs"] >= 1 or trainers[1].metrics()["resyncs"] >= 1
+            await wait_for(lambda: all(t.finished for t in trainers), 150, "step 6 after the restart")
+            assert trainers[0].state_hash == trainers[1].state_hash
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for dht in dhts:
+                dht.shutdown()
+            await node.stop()
+        # The resumed peers evaluated the checkpoint's weights: the same loss as before the restart.
+        assert resumed.first_validation == (4, pytest.approx(loss_at_4, abs=1e-6))
+
+    asyncio.run(scenario())
