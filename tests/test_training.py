@@ -16,6 +16,8 @@ from protocols.keys import PublicKey
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.dht import SpawnedDHT
 from swarm.training.checkpoint import load_latest_checkpoint
+from swarm.training.state import encode_state, state_tensors
+from swarm.training.sync import EncodedState
 from swarm.training.trainer import Trainer
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -140,3 +142,49 @@ def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss
         assert resumed.first_validation == (4, pytest.approx(loss_at_4, abs=1e-6))
 
     asyncio.run(scenario())
+
+
+class TamperingTrainer(Trainer):
+    """Serves its state with one weight changed, under the hash of the honest state."""
+
+    async def encoded_state(self):
+        honest = await super().encoded_state()
+        model = self.model
+        with torch.no_grad():
+            original = model.embed.token.weight[0, 0].item()
+            model.embed.token.weight[0, 0] += 1.0
+            tampered = encode_state(
+                self.step, state_tensors(model, self.optimizer), {"run_id": self.config.run_id}
+            )
+            model.embed.token.weight[0, 0] = original
+        return EncodedState(honest.step, honest.state_hash, tampered)
+
+
+def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
+    run = tiny_run("tamper")
+    dhts = start_dhts(3)
+    honest, liar = trainers_for(run, dhts[:1]) + [
+        TamperingTrainer(run, dhts[1], peer_id=dhts[1].peer_id.to_base58())
+    ]
+    joiner = trainers_for(run, dhts[2:])[0]
+    step_gradient = torch.randn(honest.numel, generator=torch.Generator().manual_seed(1))
+
+    async def scenario() -> None:
+        for trainer in (honest, liar, joiner):
+            await trainer.start()
+        for trainer in (honest, liar):  # both take the same step 1; only the liar will misreport it
+            await asyncio.to_thread(trainer._apply, step_gradient)
+            await asyncio.to_thread(trainer._rehash)
+        assert honest.state_hash == liar.state_hash and joiner.step == 0
+        liar_id, honest_id = liar.peer_id, honest.peer_id
+        assert not await joiner.resync(1, honest.state_hash, [liar_id]), "a tampered state must be refused"
+        assert joiner.step == 0, "and nothing of it loaded"
+        assert await joiner.resync(1, honest.state_hash, [liar_id, honest_id, liar_id])
+        assert joiner.step == 1 and joiner.state_hash == honest.state_hash
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    assert f"discarding state from {dhts[1].peer_id.to_base58()}" in caplog.text

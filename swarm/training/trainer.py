@@ -340,12 +340,16 @@ class Trainer:
     def _reached_max(self) -> bool:
         return self.config.training.max_steps is not None and self.step >= self.config.training.max_steps
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Train until ``stop`` is set; after ``max_steps`` keep serving state until then."""
+    async def start(self) -> None:
+        """Join the run's averaging and start serving this peer's state."""
         await self.averager.start()
         servicer = StateServicer(self.config.run_id, self.encoded_state)
         await servicer.add_p2p_handlers(self.averager.p2p, namespace=state_namespace(self.config.run_id))
         await asyncio.to_thread(self._rehash)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Train until ``stop`` is set; after ``max_steps`` keep serving state until then."""
+        await self.start()
         publisher = asyncio.create_task(self._publish_forever())
         try:
             await self._loop(stop)
