@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import logging
 import multiprocessing as mp
@@ -46,7 +47,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 SYSTEMS = ("ours", "hivemind", "gloo")
 DTYPES = ("fp32", "fp16")
 TARGET = {"peers": 4, "numel": 16 << 20, "dtype": "fp16", "vs_hivemind": 1.0, "vs_gloo": 3.0}
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 15.0
 
 
@@ -264,11 +265,15 @@ class PeerGroup:
         self.context = mp.get_context("spawn")
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
-        for rank in range(peers):
-            self._start(system, rank, initial_peers, settings)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for conn in self.conns:
-            self._recv(conn, max(0.1, deadline - time.monotonic()))
+        try:
+            for rank in range(peers):
+                self._start(system, rank, initial_peers, settings)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            for conn in self.conns:
+                self._recv(conn, max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self, system: str, rank: int, initial_peers: list[str], settings: Settings) -> Connection:
         parent, child = self.context.Pipe()
@@ -369,7 +374,13 @@ def gloo_main(rank: int, peers: int, port: int, configs: list[tuple[int, str]], 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=peers)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=peers,
+        timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+    )
     try:
         results = []
         for numel, dtype in configs:

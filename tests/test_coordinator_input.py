@@ -66,8 +66,10 @@ def join_request(key: SigningKey, nonce: bytes, **overrides) -> bytes:
     return pb.JoinRequest(header=HEADER, envelope=seal(key, JOIN, RUN, body)).SerializeToString()
 
 
-def heartbeat_request(key: SigningKey, seq: int, *, run_id: str = RUN, metrics=None) -> bytes:
-    body = {"seq": seq, "state": "online", "metrics": metrics or {}}
+def heartbeat_request(
+    key: SigningKey, seq: int, *, run_id: str = RUN, metrics=None, step=0, param_hash=""
+) -> bytes:
+    body = {"seq": seq, "state": "online", "metrics": metrics or {}, "step": step, "param_hash": param_hash}
     return pb.HeartbeatRequest(header=HEADER, envelope=seal(key, HEARTBEAT, run_id, body)).SerializeToString()
 
 
@@ -173,11 +175,27 @@ def test_client_translates_errors_and_refuses_an_unpinned_coordinator(coordinato
     asyncio.run(scenario())
 
 
+def test_divergent_parameters_are_flagged(coordinator: Child):
+    keys = [SigningKey.generate() for _ in range(3)]
+    for key in keys:
+        call(coordinator, "Join", join_request(key, challenge(coordinator)))
+    for key, param_hash in zip(keys, ["a" * 64, "a" * 64, "b" * 64], strict=True):
+        call(coordinator, "Heartbeat", heartbeat_request(key, 1, step=7, param_hash=param_hash))
+    peers = {p.peer_id: p for p in status(coordinator.extra["address"]).peers}
+    assert [peers[k.peer_id].diverged for k in keys] == [False, False, True]
+    assert peers[keys[2].peer_id].step == 7 and peers[keys[2].peer_id].param_hash == "b" * 64
+    wait_until(
+        lambda: f"{keys[2].peer_id} diverged" in coordinator.output(), timeout_s=10, what="the log line"
+    )
+    error = refused(coordinator, "Heartbeat", heartbeat_request(keys[0], 2, step=7, param_hash="xyz"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "param_hash" in error.details()
+
+
 def test_coordinator_survives_and_stored_only_admitted_peers(coordinator: Child):
     # Runs last in this module: every refused request above left no trace in the record.
     snapshot = status(coordinator.extra["address"])
     assert coordinator.process.poll() is None
-    assert len(snapshot.peers) == 3, "only the three keys that joined properly are recorded"
+    assert len(snapshot.peers) == 6, "only the six keys that joined properly are recorded"
     log = wait_until(lambda: coordinator.output().count("refused") >= 10 and coordinator.output(), timeout_s=10,
                      what="refusals in the coordinator log")  # fmt: skip
     assert "refused Join from ipv4:127.0.0.1" in log
