@@ -23,14 +23,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from protocols.errors import SwarmError
 from swarm.config import MembershipConfig, RunConfig
 from swarm.coordinator_client import CoordinatorClient
+
+if TYPE_CHECKING:
+    from coordinator.node import CoordinatorNode
 
 T = TypeVar("T")
 # The checkout or install that holds the packages, so children import the same code.
@@ -62,6 +65,20 @@ def wait_until(predicate: Callable[[], T], *, timeout_s: float, what: str, inter
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(interval_s)
+
+
+@contextlib.asynccontextmanager
+async def running_coordinator(run: RunConfig, data_dir: Path) -> AsyncIterator[CoordinatorNode]:
+    """A coordinator node in this process on loopback (any free ports), stopped on exit."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.node import CoordinatorNode
+
+    node = CoordinatorNode(CoordinatorConfig(host="127.0.0.1", port=0, dht_port=0, data_dir=data_dir), run)
+    await node.start()
+    try:
+        yield node
+    finally:
+        await node.stop()
 
 
 def free_port() -> int:

@@ -11,9 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.config import CoordinatorConfig
-from coordinator.localswarm import FAST_MEMBERSHIP, Child, LocalSwarm, status, wait_until
-from coordinator.node import CoordinatorNode
+from coordinator.localswarm import FAST_MEMBERSHIP, Child, LocalSwarm, running_coordinator, status, wait_until
 from protocols import coordinator_pb2 as pb
 from protocols.codec import pack, unpack
 from protocols.envelope import seal
@@ -208,24 +206,19 @@ def test_admission_policies(tmp_path: Path, policy: str):
     if policy == "allowlist":
         admission = {"policy": "allowlist", "allowlist": [member.peer_id]}
     run = RunConfig(run_id=RUN, membership=FAST_MEMBERSHIP, admission=admission)
-    config = CoordinatorConfig(host="127.0.0.1", port=0, dht_port=0, data_dir=tmp_path / "data")
 
     async def scenario() -> None:
-        node = CoordinatorNode(config, run)
-        await node.start()
-        try:
-            async with CoordinatorClient(node.address, timeout_s=10) as client:
-                outsider = SigningKey.generate()
-                with pytest.raises(AdmissionDenied, match=outsider.peer_id):
-                    await client.join(outsider, RUN, name="o", device="cpu", join_token="wrong")
-                token = "open-sesame" if policy == "token" else None
-                admitted = await client.join(member, RUN, name="m", device="cpu", join_token=token)
-                assert admitted.certificate.peer_id == member.peer_id
-                assert "join_token" not in str(admitted.run_spec) and "allowlist" not in str(
-                    admitted.run_spec
-                )
-                assert [p.peer_id for p in (await client.status()).peers] == [member.peer_id]
-        finally:
-            await node.stop()
+        async with (
+            running_coordinator(run, tmp_path / "data") as node,
+            CoordinatorClient(node.address, timeout_s=10) as client,
+        ):
+            outsider = SigningKey.generate()
+            with pytest.raises(AdmissionDenied, match=outsider.peer_id):
+                await client.join(outsider, RUN, name="o", device="cpu", join_token="wrong")
+            token = "open-sesame" if policy == "token" else None
+            admitted = await client.join(member, RUN, name="m", device="cpu", join_token=token)
+            assert admitted.certificate.peer_id == member.peer_id
+            assert "join_token" not in str(admitted.run_spec) and "allowlist" not in str(admitted.run_spec)
+            assert [p.peer_id for p in (await client.status()).peers] == [member.peer_id]
 
     asyncio.run(scenario())

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig
-from coordinator.node import CoordinatorNode
+from coordinator.localswarm import running_coordinator
 from protocols.keys import SigningKey
 from swarm.config import MembershipConfig, RunConfig
 from swarm.coordinator_client import CoordinatorClient
@@ -47,24 +46,21 @@ def test_bad_flags_name_the_flag(tmp_path: Path):
 def test_heartbeats_renew_the_certificate_before_it_expires(tmp_path: Path):
     membership = MembershipConfig(heartbeat_interval_s=0.5, offline_after_s=3.0, certificate_ttl_s=10.0)
     run = RunConfig(run_id="renewal", membership=membership)
-    config = CoordinatorConfig(host="127.0.0.1", port=0, dht_port=0, data_dir=tmp_path / "data")
 
     async def scenario() -> None:
-        node = CoordinatorNode(config, run)
-        await node.start()
-        try:
-            async with CoordinatorClient(node.address, timeout_s=10) as client:
-                key = SigningKey.generate()
-                admitted = await client.join(key, "renewal", name="p", device="cpu")
-                first = admitted.certificate
-                answer = await client.heartbeat(key, "renewal", admitted.coordinator_key)
-                assert answer.certificate is None, "a fresh certificate is not renewed"
-                await asyncio.sleep(first.expires_at - time.time() - 4.0)  # past half of the 10 s lifetime
-                answer = await client.heartbeat(key, "renewal", admitted.coordinator_key)
-                renewed = answer.certificate
-                assert renewed is not None and renewed.serial > first.serial
-                assert renewed.expires_at > first.expires_at and renewed.peer_id == key.peer_id
-        finally:
-            await node.stop()
+        async with (
+            running_coordinator(run, tmp_path / "data") as node,
+            CoordinatorClient(node.address, timeout_s=10) as client,
+        ):
+            key = SigningKey.generate()
+            admitted = await client.join(key, "renewal", name="p", device="cpu")
+            first = admitted.certificate
+            answer = await client.heartbeat(key, "renewal", admitted.coordinator_key)
+            assert answer.certificate is None, "a fresh certificate is not renewed"
+            await asyncio.sleep(first.expires_at - time.time() - 4.0)  # past half of the 10 s lifetime
+            answer = await client.heartbeat(key, "renewal", admitted.coordinator_key)
+            renewed = answer.certificate
+            assert renewed is not None and renewed.serial > first.serial
+            assert renewed.expires_at > first.expires_at and renewed.peer_id == key.peer_id
 
     asyncio.run(scenario())

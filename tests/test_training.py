@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig
-from coordinator.localswarm import tiny_run
-from coordinator.node import CoordinatorNode
+from coordinator.localswarm import running_coordinator, tiny_run
 from protocols.keys import PublicKey
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.dht import SpawnedDHT
@@ -86,60 +85,47 @@ def test_late_joiner_and_a_peer_dying_mid_round():
             dht.shutdown()
 
 
-def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss(tmp_path: Path):
-    data_dir = tmp_path / "coordinator"
-    config = CoordinatorConfig(host="127.0.0.1", port=0, dht_port=0, data_dir=data_dir)
-
-    async def train_until(run, steps: int) -> tuple[str, float]:
-        """Run a coordinator and two peers to ``steps``; the agreed state hash and validation loss there."""
-        node = CoordinatorNode(config, run)
-        await node.start()
-        key = PublicKey.from_peer_id(node.coordinator_peer_id)
-        dhts = start_dhts(2, node.dht_initial_peers)
-        trainers = trainers_for(run, dhts, coordinator_key=key)
+@contextlib.asynccontextmanager
+async def coordinated_swarm(run, data_dir: Path, peers: int):
+    """A coordinator and ``peers`` training peers, each with its own DHT process; all stopped on exit."""
+    async with running_coordinator(run, data_dir) as node:
+        dhts = start_dhts(peers, node.dht_initial_peers)
+        trainers = trainers_for(run, dhts, coordinator_key=PublicKey.from_peer_id(node.coordinator_peer_id))
         stop = asyncio.Event()
         tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
         try:
-            await wait_for(lambda: all(t.finished for t in trainers), 150, f"step {steps}")
-            await wait_for(lambda: (data_dir / "checkpoints" / f"ckpt-{steps:08d}.safetensors").exists(), 30,
-                           "the coordinator's checkpoint")  # fmt: skip
-            assert trainers[0].state_hash == trainers[1].state_hash
-            return trainers[0].state_hash, trainers[0].metrics()["val_loss"]
+            yield trainers
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             for dht in dhts:
                 dht.shutdown()
-            await node.stop()
+
+
+def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss(tmp_path: Path):
+    data_dir = tmp_path / "coordinator"
 
     async def scenario() -> None:
-        hash_at_4, loss_at_4 = await train_until(tiny_run("resume", max_steps=4, checkpoint_every_steps=2), 4)
+        async with coordinated_swarm(
+            tiny_run("resume", max_steps=4, checkpoint_every_steps=2), data_dir, 2
+        ) as first:
+            await wait_for(lambda: all(t.finished for t in first), 150, "step 4")
+            await wait_for(lambda: (data_dir / "checkpoints" / f"ckpt-{4:08d}.safetensors").exists(), 30,
+                           "the coordinator's checkpoint")  # fmt: skip
+            assert first[0].state_hash == first[1].state_hash
+            hash_at_4, loss_at_4 = first[0].state_hash, first[0].metrics()["val_loss"]
         checkpoint = load_latest_checkpoint(data_dir / "checkpoints")
         assert checkpoint.step == 4 and checkpoint.state_hash == hash_at_4
 
         # Everything restarts from nothing: new peer processes, new DHT, the same coordinator data dir.
-        node = CoordinatorNode(config, tiny_run("resume", max_steps=6, checkpoint_every_steps=2))
-        await node.start()
-        dhts = start_dhts(2, node.dht_initial_peers)
-        trainers = trainers_for(
-            node.run, dhts, coordinator_key=PublicKey.from_peer_id(node.coordinator_peer_id)
-        )
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
-        try:
-            await wait_for(lambda: all(t.step >= 4 for t in trainers), 120, "the peers to resume")
-            resumed = trainers[0]
-            assert resumed.metrics()["resyncs"] >= 1 or trainers[1].metrics()["resyncs"] >= 1
-            await wait_for(lambda: all(t.finished for t in trainers), 150, "step 6 after the restart")
-            assert trainers[0].state_hash == trainers[1].state_hash
-        finally:
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for dht in dhts:
-                dht.shutdown()
-            await node.stop()
-        # The resumed peers evaluated the checkpoint's weights: the same loss as before the restart.
-        assert resumed.first_validation == (4, pytest.approx(loss_at_4, abs=1e-6))
+        async with coordinated_swarm(
+            tiny_run("resume", max_steps=6, checkpoint_every_steps=2), data_dir, 2
+        ) as second:
+            await wait_for(lambda: all(t.finished for t in second), 200, "step 6 after the restart")
+            assert second[0].state_hash == second[1].state_hash
+            # The resumed peers first evaluated the checkpoint's weights: the same step and loss as before.
+            for trainer in second:
+                assert trainer.first_validation == (4, pytest.approx(loss_at_4, abs=1e-6))
 
     asyncio.run(scenario())
 
