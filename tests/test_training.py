@@ -160,7 +160,7 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
             await trainer.start()
         for trainer in (honest, liar):  # both take the same step 1; only the liar will misreport it
             await asyncio.to_thread(trainer._apply, step_gradient)
-            await asyncio.to_thread(trainer._rehash)
+            await trainer._commit(1)
         assert honest.state_hash == liar.state_hash and joiner.step == 0
         liar_id, honest_id = liar.peer_id, honest.peer_id
         assert not await joiner.resync(1, honest.state_hash, [liar_id]), "a tampered state must be refused"

@@ -150,15 +150,19 @@ class Trainer:
         set_learning_rate(self.optimizer, learning_rate(self.config.optimizer, self.step))
         self.optimizer.step()
         self._reset_accumulation()
-        self.step += 1
 
     def _reset_accumulation(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.samples = self.micro = 0
 
-    def _rehash(self) -> None:
-        self.state_hash = state_hash(self.step, state_tensors(self.model, self.optimizer))
-        self.param_hash = params_hash(self.model)
+    def _hashes(self, step: int) -> tuple[str, str]:
+        return state_hash(step, state_tensors(self.model, self.optimizer)), params_hash(self.model)
+
+    async def _commit(self, step: int) -> None:
+        """Move to ``step`` with the hashes of the state now held. The step and its hashes change together
+        on the event loop, so progress never pairs a new step with an old hash."""
+        hashes = await asyncio.to_thread(self._hashes, step)
+        self.step, (self.state_hash, self.param_hash) = step, hashes
         self._encoded = None
 
     def _validate(self) -> float:
@@ -209,8 +213,7 @@ class Trainer:
                 async with self._state_lock:
                     await asyncio.to_thread(load_state_tensors, self.model, self.optimizer, decoded.tensors)
                     self._reset_accumulation()
-                    self.step = decoded.step
-                    await asyncio.to_thread(self._rehash)
+                    await self._commit(decoded.step)
                 self._step_view = self._views
             except StateMovedOn as e:
                 logger.info(f"{e}; will look again")
@@ -326,7 +329,7 @@ class Trainer:
             )
         async with self._state_lock:
             await asyncio.to_thread(self._apply, result.vector)
-            await asyncio.to_thread(self._rehash)
+            await self._commit(self.step + 1)
         self._step_view = self._views
         self._stats["rounds_ok"] += 1
         loss = self._stats["train_loss"]
@@ -345,7 +348,7 @@ class Trainer:
         await self.averager.start()
         servicer = StateServicer(self.config.run_id, self.encoded_state)
         await servicer.add_p2p_handlers(self.averager.p2p, namespace=state_namespace(self.config.run_id))
-        await asyncio.to_thread(self._rehash)
+        await self._commit(self.step)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until ``stop`` is set; after ``max_steps`` keep serving state until then."""
