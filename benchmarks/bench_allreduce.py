@@ -289,11 +289,13 @@ class PeerGroup:
             raise TimeoutError(f"a peer did not answer within {timeout_s:.0f}s")
         return conn.recv()
 
-    def ask_all(self, command: str, payloads: list[dict], timeout_s: float) -> list[dict]:
-        for conn, payload in zip(self.conns, payloads, strict=True):
+    def ask(self, peers: int, command: str, payloads: list[dict], timeout_s: float) -> list[dict]:
+        """Send ``command`` to the first ``peers`` workers and wait for all their replies."""
+        conns = self.conns[:peers]
+        for conn, payload in zip(conns, payloads, strict=True):
             conn.send((command, payload))
         deadline = time.monotonic() + timeout_s
-        return [self._recv(conn, max(0.1, deadline - time.monotonic()))[1] for conn in self.conns]
+        return [self._recv(conn, max(0.1, deadline - time.monotonic()))[1] for conn in conns]
 
     def close(self) -> None:
         for conn in self.conns:
@@ -309,54 +311,54 @@ class PeerGroup:
                 process.join(5)
 
 
+def _round_cells(cell: Cell, replies: list[dict]) -> None:
+    cell.allreduce_s.append(max(r["end"] for r in replies) - min(r["start"] for r in replies))
+    cell.e2e_s.append(max(r["round_end"] for r in replies) - min(r["round_start"] for r in replies))
+    cell.bytes_sent_per_peer = int(statistics.mean(r["bytes_sent"] for r in replies))
+
+
 def measure_p2p(
     system: str,
-    peers: int,
+    peer_counts: list[int],
     configs: list[tuple[int, str]],
     repeats: int,
     initial_peers: list[str],
     settings: Settings,
 ) -> list[Cell]:
-    cells = [Cell(system, peers, numel, dtype) for numel, dtype in configs]
+    """All cells of ``system``; the same worker processes serve every group size (the first ``n`` of them)."""
+    cells = [Cell(system, n, numel, dtype) for n in peer_counts for numel, dtype in configs]
     # One round's bound: matchmaking, the all-reduce, and the reply over the pipe.
     round_timeout_s = settings.matchmaking_time_s + 2 * settings.averaging_timeout_s + 10
     try:
-        group = PeerGroup(system, peers, initial_peers, settings)
+        group = PeerGroup(system, max(peer_counts), initial_peers, settings)
     except Exception as e:
         for cell in cells:
             cell.error = f"peers did not start: {e!r}"
         return cells
     try:
         for index, cell in enumerate(cells):
-            prefix = f"bench{index}_{cell.numel}_{cell.dtype}"
-            setup = [
-                dict(rank=r, prefix=prefix, numel=cell.numel, dtype=cell.dtype, peers=peers)
-                for r in range(peers)
-            ]
-            replies = group.ask_all("setup", setup, START_TIMEOUT_S)
+            n = cell.peers
+            prefix = f"bench{index}_{n}_{cell.numel}_{cell.dtype}"
+            setup = [dict(rank=r, prefix=prefix, numel=cell.numel, dtype=cell.dtype, peers=n) for r in range(n)]
+            replies = group.ask(n, "setup", setup, START_TIMEOUT_S)
             if any(r and not r.get("ok", True) for r in replies):
                 cell.error = next(r["error"] for r in replies if r and not r.get("ok", True))
                 continue
             measured, attempts = 0, 0
-            # Warmup round first; a round whose group was not the whole set of peers is retried.
+            # A warmup round first; a round whose group was not all n peers is retried, a few times at most.
             while measured < repeats + 1 and attempts < 2 * (repeats + 1) + 1:
                 attempts += 1
-                replies = group.ask_all("round", [{}] * peers, round_timeout_s)
-                if not all(r["ok"] and r["group"] == peers for r in replies):
+                replies = group.ask(n, "round", [{}] * n, round_timeout_s)
+                if not all(r["ok"] and r["group"] == n for r in replies):
                     cell.failed_rounds += 1
                     cell.error = next((r["error"] for r in replies if r.get("error")), "partial group")
                     continue
                 measured += 1
-                if measured == 1:
-                    continue
-                cell.allreduce_s.append(max(r["end"] for r in replies) - min(r["start"] for r in replies))
-                cell.e2e_s.append(
-                    max(r["round_end"] for r in replies) - min(r["round_start"] for r in replies)
-                )
-                cell.bytes_sent_per_peer = int(statistics.mean(r["bytes_sent"] for r in replies))
+                if measured > 1:
+                    _round_cells(cell, replies)
             if cell.allreduce_s:
                 cell.error = ""
-            group.ask_all("teardown", [{}] * peers, SHUTDOWN_TIMEOUT_S)
+            group.ask(n, "teardown", [{}] * n, SHUTDOWN_TIMEOUT_S)
     except Exception as e:
         for cell in cells:
             if not cell.allreduce_s:
@@ -369,31 +371,32 @@ def measure_p2p(
 # --- gloo -----------------------------------------------------------------------------------------------
 
 
-def gloo_main(rank: int, peers: int, port: int, configs: list[tuple[int, str]], repeats: int, queue) -> None:
+def gloo_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]], repeats: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=peers,
-        timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
     )
     try:
+        groups = {n: dist.new_group(list(range(n)), timeout=timeout) for n in sorted({n for n, _, _ in plan})}
         results = []
-        for numel, dtype in configs:
-            tensor = _seeded_vector(rank, numel).to(torch.float16 if dtype == "fp16" else torch.float32)
+        for n, numel, dtype in plan:
             rounds = []
-            for _ in range(repeats + 1):
-                work = tensor.clone()
-                dist.barrier()
-                started = time.time()
-                dist.all_reduce(work)
-                work /= peers
-                rounds.append((started, time.time()))
+            if rank < n:
+                tensor = _seeded_vector(rank, numel).to(torch.float16 if dtype == "fp16" else torch.float32)
+                for _ in range(repeats + 1):
+                    work = tensor.clone()
+                    dist.barrier(group=groups[n])
+                    started = time.time()
+                    dist.all_reduce(work, group=groups[n])
+                    work /= n
+                    rounds.append({"start": started, "end": time.time(), "round_start": started,
+                                   "round_end": time.time(), "bytes_sent": 0})  # fmt: skip
             results.append(rounds[1:])
+            dist.barrier()
         queue.put((rank, results))
     finally:
         dist.destroy_process_group()
@@ -405,25 +408,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_gloo(peers: int, configs: list[tuple[int, str]], repeats: int, timeout_s: float) -> list[Cell]:
-    cells = [Cell("gloo", peers, numel, dtype) for numel, dtype in configs]
+def measure_gloo(peer_counts: list[int], configs: list[tuple[int, str]], repeats: int) -> list[Cell]:
+    cells = [Cell("gloo", n, numel, dtype) for n in peer_counts for numel, dtype in configs]
+    plan = [(c.peers, c.numel, c.dtype) for c in cells]
+    world = max(peer_counts)
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = _free_port()
     processes = [
-        context.Process(target=gloo_main, args=(r, peers, port, configs, repeats, queue), daemon=True)
-        for r in range(peers)
+        context.Process(target=gloo_main, args=(r, world, port, plan, repeats, queue), daemon=True)
+        for r in range(world)
     ]
     for process in processes:
         process.start()
     try:
-        per_rank = dict(queue.get(timeout=timeout_s) for _ in range(peers))
+        deadline = time.monotonic() + START_TIMEOUT_S + 60 * len(plan)
+        per_rank = dict(queue.get(timeout=max(0.1, deadline - time.monotonic())) for _ in range(world))
         for index, cell in enumerate(cells):
             for r in range(repeats):
-                rounds = [per_rank[rank][index][r] for rank in range(peers)]
-                cell.allreduce_s.append(max(e for _, e in rounds) - min(s for s, _ in rounds))
-            cell.e2e_s = list(cell.allreduce_s)
-            cell.bytes_sent_per_peer = 0
+                _round_cells(cell, [per_rank[rank][index][r] for rank in range(cell.peers)])
     except Exception as e:
         for cell in cells:
             cell.error = f"gloo run failed: {e!r}"
@@ -533,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:
         args.peers, args.sizes, args.dtypes, args.repeats = "2", "1M", "fp16", 1
-        args.matchmaking_time_s = min(args.matchmaking_time_s, 1.0)
+        args.matchmaking_time_s = 1.0
     peer_counts = [int(p) for p in args.peers.split(",")]
     configs = [(parse_size(s), d) for s in args.sizes.split(",") for d in args.dtypes.split(",")]
     systems = [s for s in SYSTEMS if s in args.systems.split(",")]
@@ -565,15 +568,14 @@ def main(argv: list[str] | None = None) -> int:
         # A DHT node that only introduces the peers to each other, so that they can all start at once.
         bootstrap = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        for peers in peer_counts:
-            for system in systems:
-                t0 = time.monotonic()
-                if system == "gloo":
-                    cells += measure_gloo(peers, configs, args.repeats, START_TIMEOUT_S + 60 * len(configs))
-                else:
-                    maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
-                    cells += measure_p2p(system, peers, configs, args.repeats, maddrs, settings)
-                print(f"  measured {system} with {peers} peers in {time.monotonic() - t0:.0f}s", flush=True)
+        for system in systems:
+            t0 = time.monotonic()
+            if system == "gloo":
+                cells += measure_gloo(peer_counts, configs, args.repeats)
+            else:
+                maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
+                cells += measure_p2p(system, peer_counts, configs, args.repeats, maddrs, settings)
+            print(f"  measured {system} in {time.monotonic() - t0:.0f}s", flush=True)
     finally:
         if bootstrap is not None:
             bootstrap.shutdown()

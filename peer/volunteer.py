@@ -235,8 +235,12 @@ class Volunteer:
                     logger.error("training stopped unexpectedly", exc_info=error)
                     return EXIT_FAILED
                 code = await heartbeats
-                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                try:
                     await asyncio.wait_for(asyncio.shield(training), timeout=STOP_GRACE_S)
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    pass
+                except Exception:
+                    logger.exception("training failed while stopping")
                 if code == EXIT_OK:
                     await self._leave(client)
                 return code
