@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
 import multiprocessing as mp
 import os
 import platform
+import signal
 import socket
 import statistics
 import sys
@@ -258,6 +260,32 @@ def peer_main(system: str, rank: int, conn: Connection, initial_peers: list[str]
         _serve_hivemind(conn, initial_peers, settings)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Child processes of ``pid``, recursively (Linux /proc; elsewhere none are found)."""
+    children = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(c) for c in path.read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return [d for c in children for d in (*_descendants(c), c)]
+
+
+def reap(processes: list, timeout_s: float) -> None:
+    """Join ``processes``; kill what is left after ``timeout_s``, with its children (DHT, p2pd).
+
+    A DHT child still starting when its parent dies would otherwise outlive it.
+    """
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.1, deadline - time.monotonic()))
+        if process.is_alive():
+            for pid in [*_descendants(process.pid), process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            process.join(5)
+
+
 class PeerGroup:
     """``peers`` worker processes of ``system``, started together, joining the DHT at ``initial_peers``."""
 
@@ -303,12 +331,7 @@ class PeerGroup:
                 conn.send(("exit", None))
             except OSError:
                 pass
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-        for process in self.processes:
-            process.join(max(0.1, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+        reap(self.processes, SHUTDOWN_TIMEOUT_S)
 
 
 def _round_cells(cell: Cell, replies: list[dict]) -> None:
@@ -431,11 +454,7 @@ def measure_gloo(peer_counts: list[int], configs: list[tuple[int, str]], repeats
         for cell in cells:
             cell.error = f"gloo run failed: {e!r}"
     finally:
-        for process in processes:
-            process.join(SHUTDOWN_TIMEOUT_S)
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+        reap(processes, SHUTDOWN_TIMEOUT_S)
     return cells
 
 

@@ -173,6 +173,8 @@ def _recv(conn: Connection, timeout_s: float, expect: str):
 
 
 def train(settings: Settings) -> list[dict]:
+    from bench_allreduce import reap
+
     from swarm.dht import SpawnedDHT
 
     context = mp.get_context("spawn")
@@ -200,12 +202,7 @@ def train(settings: Settings) -> list[dict]:
                 conn.send(("exit", None))
             except OSError:
                 pass
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 5
-        for process in processes:
-            process.join(max(0.1, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+        reap(processes, SHUTDOWN_TIMEOUT_S + 5)
         bootstrap.shutdown()
 
 
