@@ -264,10 +264,8 @@ def _descendants(pid: int) -> list[int]:
     """Child processes of ``pid``, recursively (Linux /proc; elsewhere none are found)."""
     children = []
     for path in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             children += [int(c) for c in path.read_text().split()]
-        except (OSError, ValueError):
-            pass
     return [d for c in children for d in (*_descendants(c), c)]
 
 
@@ -327,10 +325,8 @@ class PeerGroup:
 
     def close(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("exit", None))
-            except OSError:
-                pass
         reap(self.processes, SHUTDOWN_TIMEOUT_S)
 
 
@@ -362,7 +358,9 @@ def measure_p2p(
         for index, cell in enumerate(cells):
             n = cell.peers
             prefix = f"bench{index}_{n}_{cell.numel}_{cell.dtype}"
-            setup = [dict(rank=r, prefix=prefix, numel=cell.numel, dtype=cell.dtype, peers=n) for r in range(n)]
+            setup = [
+                dict(rank=r, prefix=prefix, numel=cell.numel, dtype=cell.dtype, peers=n) for r in range(n)
+            ]
             replies = group.ask(n, "setup", setup, START_TIMEOUT_S)
             if any(r and not r.get("ok", True) for r in replies):
                 cell.error = next(r["error"] for r in replies if r and not r.get("ok", True))
@@ -394,7 +392,9 @@ def measure_p2p(
 # --- gloo -----------------------------------------------------------------------------------------------
 
 
-def gloo_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]], repeats: int, queue) -> None:
+def gloo_main(
+    rank: int, world: int, port: int, plan: list[tuple[int, int, str]], repeats: int, queue
+) -> None:
     import torch
     import torch.distributed as dist
 

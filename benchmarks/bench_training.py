@@ -12,12 +12,14 @@ payloads every peer sent (DHT traffic and the p2p framing are not counted). The 
 time is split into matchmaking, the all-reduce itself, and other (the optimizer step, hashing the state,
 waiting for a fresh view of the run's progress).
 
-The target batch is 64 sequences of 256 bytes (16,384 tokens) per global step: the scale of nanoGPT's
-character-level Shakespeare recipe for a model of this size (6 layers, 256-384 wide, batch 64 x 256).
+The target batch is the run config's default, 256 sequences of 256 bytes (65,536 tokens) per global
+step, in micro-batches of 8: a common size for a 5M-parameter language model (nanoGPT's character-level
+Shakespeare recipe, a model of this size, uses 64 x 256 per step on one GPU; data-parallel runs scale the
+batch with the number of workers). ``--target-batch-size 64`` shows how a smaller batch fares.
 
 Usage::
 
-    python benchmarks/bench_training.py                          # demo gpt, 2 peers, 5 steps
+    python benchmarks/bench_training.py                          # demo gpt, 2 peers, 4 steps
     python benchmarks/bench_training.py --quick                  # tiny model, 2 steps (smoke test)
     python benchmarks/bench_training.py --model-config '{"n_layer": 4}' --json results.json
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -132,12 +135,16 @@ async def _train(conn: Connection, initial_peers: list[str], settings: Settings)
         while not trainer.finished and not task.done() and time.monotonic() < deadline:
             metrics = trainer.metrics()
             if not steps or metrics["step"] > steps[-1]["step"]:
-                steps.append({"step": metrics["step"], "at": time.monotonic(), "compute_s": metrics["compute_s"]})
+                steps.append(
+                    {"step": metrics["step"], "at": time.monotonic(), "compute_s": metrics["compute_s"]}
+                )
             await asyncio.sleep(0.02)
         metrics = trainer.metrics()
         if metrics["step"] > steps[-1]["step"]:
             steps.append({"step": metrics["step"], "at": time.monotonic(), "compute_s": metrics["compute_s"]})
-        conn.send(("finished", {"steps": steps, "rounds": rounds, "metrics": metrics, "finished": trainer.finished}))
+        conn.send(
+            ("finished", {"steps": steps, "rounds": rounds, "metrics": metrics, "finished": trainer.finished})
+        )
         # Keep serving (a slower groupmate may still need this peer) until every peer is done.
         await asyncio.to_thread(conn.recv)
         stop.set()
@@ -198,10 +205,8 @@ def train(settings: Settings) -> list[dict]:
         return [_recv(conn, max(0.1, deadline - time.monotonic()), "finished") for conn in conns]
     finally:
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("exit", None))
-            except OSError:
-                pass
         reap(processes, SHUTDOWN_TIMEOUT_S + 5)
         bootstrap.shutdown()
 
@@ -247,12 +252,30 @@ def summarize(reports: list[dict], settings: Settings) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from swarm.config import TrainingConfig
+
+    run_default = {name: field.default for name, field in TrainingConfig.model_fields.items()}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-config", default="{}", help="JSON overrides of the gpt config")
-    parser.add_argument("--target-batch-size", type=int, default=64, help="samples per global step")
-    parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
-    parser.add_argument("--steps", type=int, default=5, help="global steps; the window is steps 1..N")
-    parser.add_argument("--matchmaking-time-s", type=float, default=2.0, help="the run's matchmaking window")
+    parser.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=run_default["target_batch_size"],
+        help="samples per global step",
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=run_default["micro_batch_size"],
+        help="samples per forward/backward",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="global steps; the window is steps 1..N")
+    parser.add_argument(
+        "--matchmaking-time-s",
+        type=float,
+        default=run_default["matchmaking_time_s"],
+        help="matchmaking window",
+    )
     parser.add_argument("--max-bytes", type=int, default=4 << 20, help="stdlib corpus cap (bytes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument("--quick", action="store_true", help="a tiny model for 2 steps: a smoke test")
@@ -263,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         model_config = {**QUICK_MODEL, **model_config}
         args.target_batch_size, args.micro_batch_size, args.steps = 16, 8, 2
-        args.matchmaking_time_s, args.max_bytes = 0.5, 1 << 20
+        args.matchmaking_time_s, args.max_bytes = 1.0, 1 << 20
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the window runs from step 1 to the last)")
     settings = Settings(
@@ -292,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training benchmark failed: {e}")
         return 1
 
-    print(f"\nsteady state, steps 1..{args.steps} ({result['steps_in_window']} steps, {result['window_s']:.1f}s):")
-    print(f"{'peer':>4} {'wall s':>7} {'compute':>8} {'matchmk':>8} {'allred':>7} {'other':>7} {'utilization':>12} {'rounds':>7}")
+    window = f"steps 1..{args.steps} ({result['steps_in_window']} steps, {result['window_s']:.1f}s)"
+    print(f"\nsteady state, {window}:")
+    columns = ("peer", "wall s", "compute", "matchmk", "allred", "other", "utilization", "rounds")
+    print(" ".join(f"{c:>{w}}" for c, w in zip(columns, (4, 7, 8, 8, 7, 7, 12, 7), strict=True)))
     for index, p in enumerate(result["peers"]):
         print(
             f"{index:>4} {p['wall_s']:>7.1f} {p['compute_s']:>8.1f} {p['matchmaking_s']:>8.1f} "
@@ -302,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     met = "met" if result["utilization"] >= TARGET_UTILIZATION else "MISSED"
     print(f"\ncompute utilization: {result['utilization']:.1%} (target >= {TARGET_UTILIZATION:.0%}: {met})")
-    print(f"samples/s: {result['samples_per_s']:.2f} ({result['tokens_per_s']:.0f} tokens/s), {result['step_s']:.1f}s per step")
+    tokens = f"{result['tokens_per_s']:.0f} tokens/s"
+    print(f"samples/s: {result['samples_per_s']:.2f} ({tokens}), {result['step_s']:.1f}s per step")
     print(f"bytes on the wire per sample: {result['bytes_per_sample']:.0f}")
     print(
-        f"the trainer's own compute_utilization over its whole life (startup included): "
+        "the trainer's own compute_utilization over its whole life (startup included): "
         + ", ".join(f"{p['trainer_utilization']:.1%}" for p in result["peers"])
     )
     print(f"\ntotal {time.monotonic() - started:.0f}s")

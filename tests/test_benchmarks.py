@@ -1,0 +1,70 @@
+"""Smoke runs of the benchmarks (``--quick``) so that they keep running as the code under them changes.
+
+Each script runs in its own process group, which the test kills whole if the run overstays its bound: the
+benchmarks start peers, DHT nodes and p2p daemons that must not outlive the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 150
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 30)]
+
+
+def run_benchmark(script: str, *args: str) -> str:
+    process = subprocess.Popen(
+        [sys.executable, f"benchmarks/{script}", "--quick", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{script} --quick ran past {RUN_TIMEOUT_S}s:\n{output[-4000:]}")
+    finally:
+        # Whatever the script left behind (it should leave nothing) goes with its process group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, f"{script} --quick exited with {process.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def test_allreduce_benchmark_compares_ours_with_hivemind_and_gloo(tmp_path: Path):
+    output = run_benchmark("bench_allreduce.py", "--json", str(tmp_path / "allreduce.json"))
+
+    assert "ours/hivemind" in output and "ours/gloo" in output
+    row = re.search(r"^\s*2\s+1M\s+fp16 \|(?P<seconds>[^|]*)\|\s*(?P<hm>\S+)\s+(?P<gloo>\S+)", output, re.M)
+    assert row, f"no result row for 2 peers x 1M fp16:\n{output[-4000:]}"
+    assert re.fullmatch(r"\d+\.\d+x", row["hm"]) and re.fullmatch(r"\d+\.\d+x", row["gloo"]), row.group(0)
+    cells = json.loads((tmp_path / "allreduce.json").read_text())["cells"]
+    assert {c["system"] for c in cells} == {"ours", "hivemind", "gloo"}
+    assert all(c["median_s"] and c["median_s"] > 0 for c in cells)
+
+
+def test_training_benchmark_reports_utilization_throughput_and_traffic(tmp_path: Path):
+    output = run_benchmark("bench_training.py", "--json", str(tmp_path / "training.json"))
+
+    assert re.search(r"compute utilization: \d+\.\d%", output), output[-4000:]
+    assert re.search(r"samples/s: \d+\.\d+", output), output[-4000:]
+    assert re.search(r"bytes on the wire per sample: \d+", output), output[-4000:]
+    result = json.loads((tmp_path / "training.json").read_text())
+    assert 0 < result["utilization"] <= 1 and result["samples_per_s"] > 0
+    # Two peers average every step, so every sample costs some bytes on the wire.
+    assert result["bytes_per_sample"] > 0 and all(p["rounds_ok"] >= 1 for p in result["peers"])
