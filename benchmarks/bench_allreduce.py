@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                     ],
                 },
                 indent=2,
-            )  # fmt: skip
+            )
         )
     return 0 if all(c.allreduce_s for c in cells) else 1
 

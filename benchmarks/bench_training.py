@@ -73,6 +73,9 @@ class Settings:
                 "max_steps": self.steps,
                 "matchmaking_time_s": self.matchmaking_time_s,
                 "validation_batches": 1,
+                # Both peers take part in every round: neither steps alone, so neither falls behind and
+                # catches up by download, which would hide its compute from the measured window.
+                "min_group_size": 2,
             },
         )
 
@@ -239,13 +242,16 @@ def summarize(reports: list[dict], settings: Settings) -> dict:
     samples = statistics.mean(p["samples"] for p in peers)
     bytes_sent = sum(p["bytes_sent"] for p in peers)
     steps = settings.steps - 1
+    from swarm.models import model_config
+
+    seq_len = int(model_config("gpt", settings.model_config).seq_len)
     return {
         "peers": peers,
         "steps_in_window": steps,
         "window_s": window_s,
         "utilization": statistics.mean(p["utilization"] for p in peers),
         "samples_per_s": samples / window_s,
-        "tokens_per_s": samples * int(settings.model_config.get("seq_len", 256)) / window_s,
+        "tokens_per_s": samples * seq_len / window_s,
         "bytes_per_sample": bytes_sent / max(samples, 1),
         "step_s": window_s / steps,
     }
