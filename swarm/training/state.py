@@ -28,8 +28,9 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import safetensors.torch
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from protocols.errors import MessageTooLarge, ProtocolError
 from swarm.config import OptimizerConfig
@@ -379,7 +380,7 @@ def encode_state(step: int, tensors: Mapping[str, torch.Tensor], metadata: Mappi
         HASH_KEY: state_hash(step, plain),
         FORMAT_KEY: STATE_FORMAT,
     }
-    return safetensors.torch.save(plain, metadata=full)
+    return save_safetensors(plain, metadata=full)
 
 
 def decode_state(data: bytes | bytearray | memoryview, *, max_bytes: int) -> DecodedState:
@@ -396,7 +397,7 @@ def decode_state(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Dec
         raise MessageTooLarge(f"state of {size} bytes exceeds the limit of {max_bytes} bytes")
     data = bytes(data)
     try:
-        tensors = safetensors.torch.load(data)
+        tensors = load_safetensors(data)  # a JSON header and raw buffers: nothing here can run code
         metadata = _read_metadata(data)
     except Exception as e:  # untrusted bytes: whatever the parser raises means the blob is malformed
         raise ProtocolError(f"state is not a valid safetensors blob: {e}") from None
@@ -422,7 +423,7 @@ def decode_state(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Dec
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
-    # safetensors.torch.load has already validated the framing; it does not return the metadata.
+    # load_safetensors has already validated the framing; it does not return the metadata.
     (length,) = struct.unpack_from("<Q", data, 0)
     header = json.loads(data[8 : 8 + length], object_pairs_hook=_no_duplicate_keys)
     metadata = header.get("__metadata__") or {}
