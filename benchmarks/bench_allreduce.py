@@ -529,6 +529,7 @@ def machine() -> dict:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
         "cpu": cpu or platform.processor(), "cores": os.cpu_count(), "memory_gib": round(memory_gib, 1),
+        "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(), "torch": torch.__version__, "hivemind": hivemind.__version__,
         "numpy": numpy.__version__,
     }  # fmt: skip
@@ -570,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(
         f"machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; python {info['python']}, "
-        f"torch {info['torch']}, hivemind {info['hivemind']}, numpy {info['numpy']}"
+        f"torch {info['torch']}, hivemind {info['hivemind']}, numpy {info['numpy']}; load {info['load_1min']}"
     )
     print(
         f"one process per peer (torch threads 1); median of {args.repeats} rounds after 1 warmup; "
@@ -600,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
             bootstrap.shutdown()
     print()
     print("\n".join(report(cells, systems)))
-    print(f"\ntotal {time.monotonic() - started:.0f}s")
+    # Other work on the machine slows every system, unevenly: the load says whether the numbers are clean.
+    print(f"\ntotal {time.monotonic() - started:.0f}s; 1-minute load average now {os.getloadavg()[0]:.1f}")
     if args.json:
         args.json.write_text(
             json.dumps(

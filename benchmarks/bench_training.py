@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(
         f"machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; python {info['python']}, "
-        f"torch {info['torch']}, hivemind {info['hivemind']}"
+        f"torch {info['torch']}, hivemind {info['hivemind']}; load {info['load_1min']}"
     )
     print(
         f"{PEERS} peers, one process each (torch threads {args.threads}); gpt {model_config or 'default config'}; "
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "the trainer's own compute_utilization over its whole life (startup included): "
         + ", ".join(f"{p['trainer_utilization']:.1%}" for p in result["peers"])
     )
-    print(f"\ntotal {time.monotonic() - started:.0f}s")
+    print(f"\ntotal {time.monotonic() - started:.0f}s; 1-minute load average now {os.getloadavg()[0]:.1f}")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "settings": asdict(settings), **result}, indent=2))
     return 0

@@ -21,7 +21,13 @@ def main(path: str) -> None:
         description="An 8-layer byte-level GPT on the Python standard library's source.",
         model={"name": "gpt", "config": {"d_model": 256, "n_layer": 8, "n_head": 8, "seq_len": 256}},
         dataset={"name": "stdlib", "config": {"validation_fraction": 0.02}},
-        optimizer={"name": "adamw", "lr": 6e-4, "warmup_steps": 50, "total_steps": 5000, "schedule": "cosine"},
+        optimizer={
+            "name": "adamw",
+            "lr": 6e-4,
+            "warmup_steps": 50,
+            "total_steps": 5000,
+            "schedule": "cosine",
+        },
         training={
             "target_batch_size": 512,  # samples per global step, summed over all peers
             "micro_batch_size": 8,  # samples per forward/backward on one peer
