@@ -36,6 +36,10 @@ class UnknownRun(ProtocolError):
     """A message names a run that the receiver does not serve."""
 
 
+class InvalidContribution(ProtocolError):
+    """A groupmate's contribution to an aggregation is malformed: wrong size or dtype, non-finite, too large."""
+
+
 class NetworkError(SwarmError):
     """The other side could not be reached, or did not answer in time."""
 
@@ -75,6 +79,7 @@ ERROR_CLASSES: dict[str, type[SwarmError]] = {
         MessageTooLarge,
         VersionMismatch,
         UnknownRun,
+        InvalidContribution,
         NetworkError,
         SecurityError,
         SignatureError,

@@ -129,7 +129,14 @@ class TrainingConfig(_Section):
     seed: int = Field(0, ge=0, lt=2**63, description="seed of the initial weights, the same on every peer")
     compression: Literal["fp16", "none"] = Field("fp16", description="encoding of tensors on the wire")
     aggregator: str = Field(
-        "mean", min_length=1, max_length=64, description="rule each reducer applies to its part"
+        "centered_clip",
+        min_length=1,
+        max_length=64,
+        description="rule each reducer applies to its part: centered_clip, trimmed_mean, coordinate_median, mean",
+    )
+    aggregator_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="options of the aggregator (e.g. tau, iterations, bucket_size); see docs/robustness.md",
     )
     max_group_size: int = Field(64, ge=1, le=1024, description="peers in one averaging group")
     min_group_size: int = Field(1, ge=1, le=1024, description="a round needs this many peers; fewer wait")
@@ -220,7 +227,7 @@ class RunConfig(_Section):
         from swarm.models import model_config
 
         try:
-            aggregator_config(self.training.aggregator)
+            aggregator_config(self.training.aggregator, self.training.aggregator_options)
         except ConfigError as e:
             raise ConfigError(f"run {self.run_id!r}: training.aggregator: {e}") from None
         for section, check in (("model", model_config), ("dataset", dataset_config)):

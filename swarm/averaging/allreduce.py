@@ -143,7 +143,7 @@ class ButterflyAllReduce:
                 return
             stacked = torch.stack([self._inputs[chunk][s] for s in senders])
             weights = self.weights[senders]
-            aggregated = await asyncio.to_thread(self.aggregator, stacked, weights)
+            aggregated = await asyncio.to_thread(self.aggregator, stacked, weights, seed=0)
             encoded = self.codec.encode(aggregated)
             lo, hi = self._chunk(self.index, chunk)
             self.output[lo:hi] = self.codec.decode(encoded, hi - lo, sender="self")
