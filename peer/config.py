@@ -39,8 +39,14 @@ class PeerConfig(BaseModel):
         None, description="peer ID of the coordinator's key, to trust no other (default: pin on first join)"
     )
     join_token: str | None = Field(None, description="the run's join token (or set SWARM_JOIN_TOKEN)")
-    host: str = Field("0.0.0.0", description="address the DHT listens on")
+    host: str = Field("0.0.0.0", description="address the DHT and the averaging data port listen on")
     port: int = Field(0, ge=0, le=65535, description="DHT (libp2p) port (0: any free port)")
+    data_port: int = Field(
+        0, ge=0, le=65535, description="TCP port for averaging data from groupmates (0: any free port)"
+    )
+    public_host: str | None = Field(
+        None, max_length=253, description="address groupmates dial for averaging data (default: detected)"
+    )
     upnp: bool = Field(False, description="ask the router to forward the DHT port (UPnP)")
     known_coordinators: Path = Field(
         Path("~/.swarm/known_coordinators.json"), description="where pinned coordinator keys are kept"
@@ -52,6 +58,15 @@ class PeerConfig(BaseModel):
     max_retry_interval_s: float = Field(30.0, ge=1, le=3600, description="longest wait between retries")
     max_cpu_threads: int | None = Field(
         None, ge=1, le=1024, description="CPU threads torch may use (default: all)"
+    )
+    max_gpu_memory: float | None = Field(
+        None, gt=0, le=4096, description="GiB of GPU memory torch may hold (default: all)"
+    )
+    max_upload_mbps: float | None = Field(
+        None, gt=0, le=1_000_000, description="megabits per second this peer may send (default: no limit)"
+    )
+    status_interval_s: float = Field(
+        30.0, ge=1, le=3600, description="seconds between status lines when stdout is not a terminal"
     )
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="log verbosity")
 

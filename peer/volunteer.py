@@ -20,7 +20,10 @@ import os
 import time
 
 from peer.config import PeerConfig
+from peer.control import PeerControl
 from peer.device import describe_device, resolve_device
+from peer.limits import apply_gpu_memory_limit, upload_limiter
+from peer.panel import Panel
 from peer.trust import KnownCoordinators
 from protocols.certificates import PeerCertificate
 from protocols.errors import (
@@ -73,6 +76,9 @@ class Volunteer:
         self._dht = None
         self.trainer: Trainer | None = None
         self._started = time.monotonic()
+        self.paused = False
+        self.upload_limiter = upload_limiter(config)
+        self._control: PeerControl | None = None
 
     def _set_state(self, state: str, detail: str = "") -> None:
         if state != self.state:
@@ -156,6 +162,7 @@ class Volunteer:
                     self.key,
                     self.run_config.run_id,
                     self.coordinator_key,
+                    state="paused" if self.paused else "online",
                     metrics=self._metrics(members),
                     step=self.trainer.step if self.trainer else 0,
                     param_hash=self.trainer.param_hash if self.trainer else "",
@@ -163,7 +170,7 @@ class Volunteer:
                 if failures:
                     logger.info(f"reconnected to the coordinator at {client.address}")
                 failures = 0
-                self._set_state("online")
+                self._set_state("paused" if self.paused else "online")
                 if answer.certificate is not None:
                     self.certificate = answer.certificate
                     logger.info(f"certificate renewed (serial {answer.certificate.serial})")
@@ -181,6 +188,53 @@ class Volunteer:
             if await _wait(stop, delay):
                 return EXIT_OK
 
+    def pause(self) -> None:
+        """Stop computing but stay in the run (SIGUSR1, ``swarm-peer pause``); credit is kept."""
+        self.paused = True
+        if self.trainer is not None:
+            self.trainer.pause()
+        if self.state in ("online", "paused"):
+            self._set_state("paused", "swarm-peer resume continues")
+        self._publish_control()
+
+    def resume(self) -> None:
+        """Compute again (SIGUSR2, ``swarm-peer resume``)."""
+        self.paused = False
+        if self.trainer is not None:
+            self.trainer.resume()
+        if self.state == "paused":
+            self._set_state("online")
+        self._publish_control()
+
+    def _publish_control(self) -> None:
+        if self._control is not None:
+            status = self.status()
+            self._control.publish(paused=self.paused, state=status["state"], step=status.get("step", 0))
+
+    def status(self) -> dict:
+        """What the panel and ``swarm-peer pause/resume`` show: state, progress and contribution."""
+        status = {
+            "state": self.state, "name": self.config.name, "device": self.device,
+            "peer_id": self.key.peer_id if self.key else "", "paused": self.paused,
+            "run_id": self.run_config.run_id if self.run_config else "",
+        }  # fmt: skip
+        if self.trainer is not None:
+            status.update(self.trainer.metrics())
+        return status
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Take part until ``stop`` is set; returns the process exit code."""
+        self._control = PeerControl(self.config.identity_path)
+        self._control.start(self.pause, self.resume)
+        panel = asyncio.create_task(Panel(self.status, interval_s=self.config.status_interval_s).run(stop))
+        try:
+            return await self._run(stop)
+        finally:
+            panel.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await panel
+            self._control.close()
+
     def _metrics(self, members: int) -> dict[str, float]:
         metrics = {"uptime_s": time.monotonic() - self._started, "dht_members": float(members)}
         if self.trainer is not None:
@@ -196,8 +250,7 @@ class Volunteer:
                 f"could not tell the coordinator this peer left ({e}); it will show offline shortly"
             )
 
-    async def run(self, stop: asyncio.Event) -> int:
-        """Take part until ``stop`` is set; returns the process exit code."""
+    async def _run(self, stop: asyncio.Event) -> int:
         config = self.config
         if config.max_cpu_threads:
             import torch
@@ -206,6 +259,7 @@ class Volunteer:
         self.key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
         compute_device = await asyncio.to_thread(resolve_device, config.device)
         self.device = await asyncio.to_thread(describe_device, compute_device)
+        await asyncio.to_thread(apply_gpu_memory_limit, config, compute_device)
         logger.info(f"peer {self.key.peer_id} ({config.name!r}, {self.device}) joining {config.coordinator}")
         async with CoordinatorClient(config.coordinator, timeout_s=config.rpc_timeout_s) as client:
             admission = await self._join(client, stop)
@@ -224,8 +278,12 @@ class Volunteer:
             try:
                 self.trainer = await asyncio.to_thread(
                     Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,
-                    coordinator_key=self.coordinator_key,
+                    coordinator_key=self.coordinator_key, signing_key=self.key, data_host=config.host,
+                    data_port=config.data_port, data_announce_host=config.public_host,
+                    upload_limiter=self.upload_limiter,
                 )  # fmt: skip
+                if self.paused:
+                    self.trainer.pause()
                 training = asyncio.create_task(self.trainer.run(stop))
                 heartbeats = asyncio.create_task(self._heartbeats(client, stop))
                 await asyncio.wait({training, heartbeats}, return_when=asyncio.FIRST_COMPLETED)

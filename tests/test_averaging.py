@@ -12,6 +12,7 @@ import torch
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.dht import SpawnedDHT
+from swarm.identity import create_identity
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,6 +50,24 @@ def dhts():
         node.shutdown()
 
 
+@pytest.fixture
+def keyed_dhts(tmp_path):
+    """Three DHT peers whose libp2p identities are signing keys we hold, as a volunteer's are."""
+    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
+
+    def start(i: int, initial_peers) -> SpawnedDHT:
+        return SpawnedDHT(
+            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
+        )  # fmt: skip
+
+    first = start(0, [])
+    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
+    yield list(zip(nodes, keys, strict=True))
+    for node in nodes:
+        node.shutdown()
+
+
 def vectors(count: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return [torch.randn(NUMEL, generator=generator) for _ in range(count)]
@@ -75,6 +94,34 @@ def test_peers_end_bit_identical_at_the_weighted_mean(dhts):
     assert torch.allclose(first, expected, atol=2e-3), "fp16 on the wire keeps the mean within fp16 precision"
     # Each peer sends (n-1)/n of its vector and the reduced part back to n-1 peers, 2 bytes a value.
     assert outcomes[0][1].bytes_sent == pytest.approx(2 * 2 * NUMEL * 2 / 3, rel=0.01)
+
+
+def test_rounds_over_the_tcp_data_path_are_bit_identical(keyed_dhts):
+    averagers = [
+        Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0, signing_key=k) for d, k in keyed_dhts
+    ]
+    inputs, weights = vectors(3), [1.0, 2.0, 5.0]
+
+    async def scenario():
+        outcomes = await average_all(averagers, inputs, weights)
+        accepted = [a.data_plane.accepted for a in averagers]
+        # A peer announcing a data address nobody can reach is still averaged with, through libp2p.
+        averagers[2].data_plane.address = "127.0.0.1:1"
+        retry = await asyncio.gather(*[a.average(v, 1.0) for a, v in zip(averagers, inputs, strict=True)])
+        for averager in averagers:
+            await averager.shutdown()
+        return outcomes, accepted, retry
+
+    outcomes, accepted, retry = asyncio.run(scenario())
+    expected = sum(w * v for w, v in zip(weights, inputs, strict=True)) / sum(weights)
+    for group, result in outcomes:
+        assert len(group.peer_ids) == 3 and result.complete and not result.dropped
+        assert torch.equal(result.vector, outcomes[0][1].vector)
+    assert torch.allclose(outcomes[0][1].vector, expected, atol=2e-3)
+    assert accepted == [2, 2, 2], "every part stream went over the data path"
+    assert all(result.complete for _, result in retry)
+    assert all(torch.equal(result.vector, retry[0][1].vector) for _, result in retry)
+    assert torch.allclose(retry[0][1].vector, sum(inputs) / 3, atol=2e-3)
 
 
 def test_mismatched_tensor_is_dropped_and_the_round_completes(dhts, caplog):

@@ -9,6 +9,10 @@ Faults: a sender that is silent for ``sender_timeout_s`` or sends a chunk of the
 or encoding is dropped from the aggregation with a log line naming it, and the round goes on without
 it. A reducer that fails leaves its part incomplete; the caller sees ``complete=False`` and must not
 apply the round (it retries, or resynchronizes from peers that completed it).
+
+Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
+(see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
+messages and reach the same ``serve``.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from protocols import averaging_pb2 as apb
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
+from swarm.averaging.transport import DataPlane
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,8 @@ class ButterflyAllReduce:
         codec: Codec,
         sender_timeout_s: float,
         chunk_values: int = DEFAULT_CHUNK_VALUES,
+        data_plane: DataPlane | None = None,
+        addresses: Sequence[str | None] | None = None,
     ):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
@@ -78,6 +85,8 @@ class ButterflyAllReduce:
         self.local = local.detach().to(torch.float32).flatten()
         self.aggregator, self.codec = aggregator, codec
         self.sender_timeout_s, self.chunk_values = sender_timeout_s, chunk_values
+        self.data_plane = data_plane
+        self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
         self.output = torch.zeros_like(self.local)
 
         self.part_bounds = split_bounds(self.local.numel(), len(self.peer_ids))
@@ -166,8 +175,8 @@ class ButterflyAllReduce:
                 await event.wait()
                 if self._results[chunk] is None:
                     return
-                yield apb.PartChunk(part_index=self.index, chunk_index=chunk, data=self._results[chunk])
                 self.bytes_sent += len(self._results[chunk])
+                yield apb.PartChunk(part_index=self.index, chunk_index=chunk, data=self._results[chunk])
         finally:
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -186,7 +195,7 @@ class ButterflyAllReduce:
                     )
                 lo, hi = self._chunk(self.index, expected)
                 peer = self.peer_ids[sender].to_base58()
-                values = await asyncio.to_thread(self.codec.decode, message.data, hi - lo, sender=peer)
+                values = self.codec.decode(message.data, hi - lo, sender=peer)
                 self.bytes_received += len(message.data)
                 self._deliver(sender, expected, values)
                 expected += 1
@@ -213,7 +222,7 @@ class ButterflyAllReduce:
 
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for chunk in range(chunks):
-                data = await asyncio.to_thread(self.encode_contribution, part, chunk)
+                data = self.encode_contribution(part, chunk)
                 self.bytes_sent += len(data)
                 yield apb.PartChunk(
                     group_id=self.group_id if chunk == 0 else b"",
@@ -222,9 +231,8 @@ class ButterflyAllReduce:
                     data=data,
                 )
 
-        stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
         try:
-            stream = await stub.rpc_aggregate_part(outgoing())
+            stream = await self._open(part, outgoing())
             expected = 0
             async for message in aiter_with_timeout(stream, 2 * self.sender_timeout_s):
                 if message.code != apb.OK:
@@ -232,18 +240,29 @@ class ButterflyAllReduce:
                 if message.part_index != part or message.chunk_index != expected or expected >= chunks:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
                 lo, hi = self._chunk(part, expected)
-                values = await asyncio.to_thread(
-                    self.codec.decode, message.data, hi - lo, sender=peer.to_base58()
-                )
-                self.output[lo:hi] = values
+                self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=peer.to_base58())
                 self.bytes_received += len(message.data)
                 self.received[part][expected] = True
                 expected += 1
+            if expected < chunks:
+                raise ProtocolError(f"reducer ended its stream after {expected} of {chunks} chunks")
         except Exception as e:
             logger.warning(
                 f"reducer {peer.to_base58()} of part {part} failed in round {self.group_id.hex()[:8]}: {e!r}"
             )
             self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
+
+    async def _open(self, part: int, outgoing: AsyncIterator[apb.PartChunk]) -> AsyncIterator[apb.PartChunk]:
+        """The reducer's answer stream: over its data address when it has one that answers, else libp2p."""
+        peer, address = self.peer_ids[part], self.addresses[part]
+        if self.data_plane is not None and address is not None:
+            try:
+                connection = await self.data_plane.connect(address, peer, timeout_s=self.sender_timeout_s / 2)
+                return connection.exchange(outgoing)
+            except SwarmError as e:
+                logger.info(f"reaching {peer.to_base58()} through libp2p: {e}")
+        stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
+        return await stub.rpc_aggregate_part(outgoing)
 
     async def run(self) -> RoundResult:
         tasks = [asyncio.create_task(self._reduce_own_part())]

@@ -2,7 +2,8 @@
 
 ``Averager`` lives in the peer's own event loop and talks through a replica of the DHT's libp2p
 daemon. It registers two handlers under the run's prefix: matchmaking (hivemind's) and the all-reduce
-parts (``ButterflyAllReduce``).
+parts (``ButterflyAllReduce``). Given the peer's signing key it also listens for part streams on a TCP
+data address, announced to its groupmates in the matchmaking data (see ``transport``).
 
 Example::
 
@@ -35,9 +36,11 @@ from hivemind.utils import MPFuture, get_dht_time
 from protocols import averaging_pb2 as apb
 from protocols.codec import pack, unpack
 from protocols.errors import SwarmError
+from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
-from swarm.averaging.allreduce import ButterflyAllReduce, RoundResult
+from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult
 from swarm.averaging.compression import get_codec
+from swarm.averaging.transport import DataPlane, announce_host, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class GroupRound:
     peer_ids: list[PeerID]
     weights: list[float]
     extras: list[dict]
+    addresses: list[str | None]
 
 
 class AveragingServicer(ServicerBase):
@@ -86,6 +90,10 @@ class Averager:
         averaging_timeout_s: float = 30.0,
         max_weight: float = math.inf,
         runner_type: type[ButterflyAllReduce] = ButterflyAllReduce,
+        signing_key: SigningKey | None = None,
+        data_host: str = "127.0.0.1",
+        data_port: int = 0,
+        data_announce_host: str | None = None,
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
         self.aggregator = get_aggregator(aggregator)
@@ -94,6 +102,9 @@ class Averager:
         self.sender_timeout_s, self.averaging_timeout_s = sender_timeout_s, averaging_timeout_s
         self.max_weight = max_weight
         self.runner_type = runner_type
+        self.signing_key, self.data_host, self.data_port = signing_key, data_host, data_port
+        self.data_announce_host = data_announce_host
+        self.data_plane: DataPlane | None = None
         self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.name}".encode()).digest()
         self.p2p = None
         self.matchmaking: Matchmaking | None = None
@@ -121,18 +132,49 @@ class Averager:
             request_timeout=max(0.5, self.matchmaking_time_s / 2),
             client_mode=False,
         )
+        if self.signing_key is not None:
+            await self._start_data_plane()
+
+    async def _start_data_plane(self) -> None:
+        if self.signing_key.peer_id != self.p2p.peer_id.to_base58():
+            raise SwarmError(
+                f"the signing key is {self.signing_key.peer_id}, but the DHT runs as {self.p2p.peer_id}"
+            )
+        host = self.data_announce_host
+        if host is None:
+            maddrs = await self.p2p.get_visible_maddrs()
+            visible = [str(m).split("/")[2] for m in maddrs if str(m).startswith(("/ip4/", "/ip6/"))]
+            host = announce_host(self.data_host, visible)
+        plane = DataPlane(
+            self.signing_key, self.prefix, self.serve_part, max_frame=4 * DEFAULT_CHUNK_VALUES + 4096
+        )
+        try:
+            address = await plane.start(self.data_host, self.data_port, host)
+        except SwarmError as e:
+            logger.warning(f"{e}; groupmates will reach this peer through libp2p only")
+            return
+        self.data_plane = plane
+        logger.info(f"averaging data address {address}")
 
     async def shutdown(self) -> None:
+        if self.data_plane is not None:
+            await self.data_plane.close()
         if self.p2p is not None:
             with contextlib.suppress(Exception):
                 await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
 
-    async def find_group(self, weight: float, extra: dict | None = None) -> GroupRound | None:
+    async def find_group(
+        self, weight: float, extra: dict | None = None, expected_size: int | None = None
+    ) -> GroupRound | None:
         """Gather with the peers looking for a group now; None when no group formed in time.
 
         hivemind's leader assembles as soon as it has ``min_group_size`` members once its window opens,
-        so the minimum is 2: a peer that trains alone uses ``solo_group`` instead of matchmaking.
+        so the minimum is 2: a peer that trains alone uses ``solo_group`` instead of matchmaking. With
+        ``expected_size`` (the peers the caller knows to be ready for this round) a leader assembles the
+        moment that many have joined, rather than waiting out the window.
         """
+        target = self.max_group_size if expected_size is None else expected_size
+        self.matchmaking.target_group_size = max(2, min(self.max_group_size, target))
         now = get_dht_time()
         # A group that has not formed within a few windows will not: give up and let the caller re-check
         # whether the run moved on without this peer.
@@ -142,7 +184,13 @@ class Averager:
             deadline=now + search_s,
             allow_retries=False,
             weight=weight,
-            data_for_gather=pack({"weight": float(weight), "extra": extra or {}}),
+            data_for_gather=pack(
+                {
+                    "weight": float(weight),
+                    "extra": extra or {},
+                    "data": self.data_plane.address if self.data_plane is not None else None,
+                }
+            ),
         )
         step.attach(MPFuture(), MPFuture())
         step.allow_allreduce()
@@ -153,8 +201,9 @@ class Averager:
             return None
         if info is None:
             return None
-        weights, extras = [], []
+        weights, extras, addresses = [], [], []
         for peer, gathered in zip(info.peer_ids, info.gathered, strict=True):
+            address = None
             try:
                 data = unpack(gathered, what=f"group data of {peer}")
                 claimed = float(data["weight"])
@@ -162,19 +211,31 @@ class Averager:
                 # Weight 0 is a peer that computed nothing this round but takes the update to stay in sync.
                 if not (math.isfinite(claimed) and claimed >= 0) or not isinstance(extra, dict):
                     raise SwarmError("weight must be a non-negative finite number")
+                if data.get("data") is not None:
+                    parse_address(data["data"])
+                    address = data["data"]
             except (SwarmError, KeyError, TypeError, ValueError) as e:
                 logger.warning(f"{peer} joined group {info.group_id.hex()[:8]} with bad data ({e}); weight 0")
                 claimed, extra = 0.0, {}
             weights.append(min(claimed, self.max_weight))
             extras.append(extra)
-        return GroupRound(info.group_id, list(info.peer_ids), weights, extras)
+            addresses.append(address)
+        return GroupRound(info.group_id, list(info.peer_ids), weights, extras, addresses)
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
         """A group of this peer alone, for a run with no one else at this step."""
-        return GroupRound(b"solo-" + get_dht_time().hex().encode(), [self.peer_id], [weight], [extra or {}])
+        return GroupRound(
+            b"solo-" + get_dht_time().hex().encode(), [self.peer_id], [weight], [extra or {}], [None]
+        )
 
     async def average(
-        self, vector: torch.Tensor, weight: float, extra: dict | None = None, *, alone: bool = False
+        self,
+        vector: torch.Tensor,
+        weight: float,
+        extra: dict | None = None,
+        *,
+        alone: bool = False,
+        expected_size: int | None = None,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 
@@ -182,7 +243,10 @@ class Averager:
         group of one would.
         """
         async with self._lock:
-            group = self.solo_group(weight, extra) if alone else await self.find_group(weight, extra)
+            if alone:
+                group = self.solo_group(weight, extra)
+            else:
+                group = await self.find_group(weight, extra, expected_size)
             if group is None:
                 return None
             runner = self.runner_type(
@@ -196,6 +260,8 @@ class Averager:
                 aggregator=self.aggregator,
                 codec=self.codec,
                 sender_timeout_s=self.sender_timeout_s,
+                data_plane=self.data_plane,
+                addresses=group.addresses,
             )
             self._runners[group.group_id] = runner
             self._runner_added.set()

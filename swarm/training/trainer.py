@@ -26,11 +26,12 @@ import torch
 from hivemind.p2p import PeerID
 
 from protocols.errors import SwarmError
-from protocols.keys import PublicKey
+from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.averager import Averager
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
+from swarm.ratelimit import RateLimiter
 from swarm.training.progress import PeerProgress, agreed_hash, fetch_progress, publish_progress
 from swarm.training.state import (
     build_optimizer,
@@ -65,9 +66,16 @@ class Trainer:
         peer_id: str,
         device: str = "cpu",
         coordinator_key: PublicKey | None = None,
+        upload_limiter: RateLimiter | None = None,
+        signing_key: SigningKey | None = None,
+        data_host: str = "127.0.0.1",
+        data_port: int = 0,
+        data_announce_host: str | None = None,
     ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         self.coordinator_key = coordinator_key
+        # Shared by everything this peer sends (averaging parts, state downloads): --max-upload-mbps.
+        self.upload_limiter = upload_limiter
         training = run.training
         self.model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
         self.optimizer = build_optimizer(self.model, run.optimizer)
@@ -87,6 +95,10 @@ class Trainer:
             sender_timeout_s=training.sender_timeout_s,
             averaging_timeout_s=training.averaging_timeout_s,
             max_weight=float(training.target_batch_size),
+            signing_key=signing_key,
+            data_host=data_host,
+            data_port=data_port,
+            data_announce_host=data_announce_host,
         )
         self.step = self.samples = self.micro = 0
         self.state_hash = self.param_hash = ""
@@ -105,6 +117,10 @@ class Trainer:
         self._views = 0  # progress views fetched so far; a round waits for one taken at its own step
         self._step_view = 0
         self._next_record_check = 0.0
+        # Samples this peer put into rounds that were applied: its credit, reported to the coordinator.
+        self.contributed_samples = 0
+        self.last_group_size = 0
+        self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
 
     # --- metrics -------------------------------------------------------------------------------------
 
@@ -116,6 +132,9 @@ class Trainer:
             "samples": float(self.samples),
             "samples_per_s": self._sps,
             "compute_utilization": self._stats["compute_s"] / wall,
+            "contributed_samples": float(self.contributed_samples),
+            "last_round_peers": float(self.last_group_size),
+            "paused": float(self.paused),
         }
 
     # --- local work (runs in a worker thread) --------------------------------------------------------
@@ -302,8 +321,11 @@ class Trainer:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
         vector = await asyncio.to_thread(self._mean_gradient)
         extra = {"step": self.step, "state_hash": self.state_hash}
+        # Everyone training at this step is about to look for a group too: assemble once all have joined.
+        fresh = time.time() - 3 * self.config.training.progress_interval_s
+        expected = 1 + sum(1 for p in others if p.step == self.step and p.updated_at >= fresh)
         outcome = await self.averager.average(
-            vector, float(self.samples), extra, alone=not others and needed == 1
+            vector, float(self.samples), extra, alone=not others and needed == 1, expected_size=expected
         )
         if outcome is None:
             self._stats["rounds_failed"] += 1
@@ -327,9 +349,12 @@ class Trainer:
             logger.warning(
                 f"step {self.step}: {len(strangers)} groupmates held another state; the majority check follows"
             )
+        contributed = self.samples
         async with self._state_lock:
             await asyncio.to_thread(self._apply, result.vector)
             await self._commit(self.step + 1)
+        self.contributed_samples += contributed
+        self.last_group_size = len(group.peer_ids)
         self._step_view = self._views
         self._stats["rounds_ok"] += 1
         loss = self._stats["train_loss"]
@@ -367,6 +392,9 @@ class Trainer:
         await self._evaluate()  # where this peer starts: step 0, or the state it just caught up to
         target = self.config.training.target_batch_size
         while not stop.is_set() and not self._reached_max():
+            if self.paused:
+                await self._wait_while_paused(stop)
+                continue
             if self._samples_at_step() < target:
                 loss = await asyncio.to_thread(self._micro_step)
                 previous = self._stats["train_loss"]
@@ -380,6 +408,23 @@ class Trainer:
                 await self._round()
         self.finished = True
         await self.encoded_state()
+
+    def pause(self) -> None:
+        """Stop computing after the current micro-batch or round; the peer keeps serving its state."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    async def _wait_while_paused(self, stop: asyncio.Event) -> None:
+        # Gradients not yet averaged are dropped (they earned no credit) so peers do not count them
+        # towards a batch this peer will not bring to a round.
+        self._reset_accumulation()
+        logger.info(f"paused at step {self.step}")
+        while self.paused and not stop.is_set():
+            await asyncio.sleep(0.2)
+        if not stop.is_set():
+            logger.info(f"resumed at step {self.step}")
 
     async def _catch_up(self) -> bool:
         move = self._ahead_or_apart()
