@@ -155,6 +155,60 @@ class TrainingConfig(_Section):
     validation_batches: int = Field(4, ge=1, le=1000, description="fixed validation batches per evaluation")
 
 
+class PipelineConfig(_Section):
+    """SWARM pipeline parallelism: the model split into stages, each served by several unreliable peers.
+
+    With ``stages = 1`` (the default) the run is data-parallel and nothing here applies.
+    """
+
+    stages: int = Field(1, ge=1, le=64, description="stages the model is split into (1: no pipeline)")
+    layer_split: list[int] | None = Field(
+        None,
+        description="transformer blocks per stage, first to last (default: as even as possible); "
+        "the first stage also holds the embedding and the last the head",
+    )
+    request_timeout_s: float = Field(
+        10.0, ge=0.1, le=600, description="a trainer gives up on one forward or backward call after this long"
+    )
+    forward_state_ttl_s: float = Field(
+        60.0, ge=1, le=3600, description="a server drops a micro-batch's forward state after this long"
+    )
+    max_inflight_microbatches: int = Field(
+        2, ge=1, le=64, description="micro-batches one trainer keeps in flight at once"
+    )
+    max_attempts: int = Field(
+        20, ge=1, le=1000, description="tries of one micro-batch before its trainer pauses it and waits"
+    )
+    failed_server_cooldown_s: float = Field(
+        5.0, ge=0, le=3600, description="a trainer avoids a server that failed it for this long"
+    )
+    announce_interval_s: float = Field(
+        0.5, ge=0.05, le=60, description="how often stage servers and trainers announce themselves"
+    )
+    rebalance_interval_s: float = Field(
+        30.0, ge=1, le=86400, description="how often a stage server considers moving to the bottleneck stage"
+    )
+    rebalance_margin: float = Field(
+        0.2, ge=0, le=10, description="a move must raise the bottleneck's throughput by this fraction"
+    )
+    ban_after_bad_requests: int = Field(
+        20, ge=1, le=10**6, description="a server bans a caller after this many malformed requests"
+    )
+
+    @model_validator(mode="after")
+    def _split_matches_stages(self) -> PipelineConfig:
+        split = self.layer_split
+        if split is None:
+            return self
+        if len(split) != self.stages:
+            raise ValueError(f"layer_split lists {len(split)} stages but stages is {self.stages}")
+        if any(n < 0 for n in split):
+            raise ValueError("layer_split entries must be non-negative block counts")
+        if any(n == 0 for n in split[1:-1]):
+            raise ValueError("every middle stage needs at least one block in layer_split")
+        return self
+
+
 class ComponentSpec(_Section):
     """A named component from a registry plus its config dict: nothing executable crosses the network."""
 
@@ -183,6 +237,9 @@ class RunConfig(_Section):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="who may join")
     membership: MembershipConfig = Field(
         default_factory=MembershipConfig, description="liveness and admission"
+    )
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig, description="pipeline stages (SWARM); 1 stage: data-parallel"
     )
 
     @field_validator("coordinator_key")
@@ -236,6 +293,10 @@ class RunConfig(_Section):
                 check(spec.name, spec.config)
             except ConfigError as e:
                 raise ConfigError(f"run {self.run_id!r}: {section}: {e}") from None
+        if self.pipeline.stages > 1:
+            from swarm.pipeline.layout import stage_layout
+
+            stage_layout(self)  # the split fits the model: a ConfigError names pipeline.layer_split
 
     def to_spec(self) -> dict[str, Any]:
         """The part of the config sent to every peer: everything but admission secrets."""

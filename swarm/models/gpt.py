@@ -1,7 +1,8 @@
 """``gpt``: a small GPT-style decoder-only language model over bytes.
 
-Split into ``embed`` -> ``blocks`` -> ``head`` so that contiguous slices can later be hosted as pipeline
-stages. Input and output embeddings are tied.
+Split into ``embed`` -> ``blocks`` -> ``head`` so that contiguous slices are hosted as pipeline stages
+(:class:`GPTStage`). Input and output embeddings are tied in the whole model; a pipeline's last stage holds
+its own copy of the output projection, equal to the token embedding at initialization.
 """
 
 from __future__ import annotations
@@ -157,22 +158,9 @@ class GPT(nn.Module):
         self.head.proj.weight = self.embed.token.weight
         self.reset_parameters(generator if generator is not None else torch.Generator().manual_seed(0))
 
-    @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator) -> None:
         """GPT-2 initialization, drawn in a fixed order from ``generator`` only."""
-        residual_std = _INIT_STD / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, _INIT_STD, generator=generator)
-            elif isinstance(module, nn.Linear) and module is not self.head.proj:
-                # Projections that write into the residual stream are scaled down with depth.
-                std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else _INIT_STD
-                module.weight.normal_(0.0, std, generator=generator)
-                if module.bias is not None:
-                    module.bias.zero_()
+        _initialize(self, self.config.n_layer, generator, tied=self.head.proj)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -183,6 +171,121 @@ class GPT(nn.Module):
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy (nats) of ``targets[B, T]`` given ``input_ids[B, T]``."""
         logits = self(input_ids)
+        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+
+
+@torch.no_grad()
+def _initialize(
+    root: nn.Module, n_layer: int, generator: torch.Generator, *, tied: nn.Module
+) -> torch.Tensor:
+    """Draw every initial value of ``root``'s modules in ``named_modules`` order; returns the token embedding.
+
+    A module left on the meta device (a part of the model another pipeline stage holds) still has its
+    values drawn, into a scratch tensor that is then dropped, so the generator advances exactly as it does
+    for the whole model and every stage gets the values of its part of the whole model.
+    """
+    residual_std = _INIT_STD / math.sqrt(2 * n_layer)
+    token = torch.empty(0)
+    for name, module in root.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            if not module.weight.is_meta:
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            values = _draw(module.weight, _INIT_STD, generator)
+            if name.endswith("token"):
+                token = values
+        elif isinstance(module, nn.Linear) and module is not tied:
+            # Projections that write into the residual stream are scaled down with depth.
+            std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else _INIT_STD
+            _draw(module.weight, std, generator)
+            if module.bias is not None and not module.bias.is_meta:
+                module.bias.zero_()
+    return token
+
+
+def _draw(parameter: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
+    target = torch.empty(parameter.shape) if parameter.is_meta else parameter
+    return target.normal_(0.0, std, generator=generator)
+
+
+class _Layout(nn.Module):
+    """The whole model's module tree (on the meta device), so that a stage walks it in the same order."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.head = Head(config)
+
+
+class GPTStage(nn.Module):
+    """Blocks ``[first_block, last_block)`` of a :class:`GPT`, with the embedding on the first stage and
+    the head on the last: one stage of a pipeline.
+
+    Its initial values are exactly those of the same part of ``GPT(config, generator=...)`` built from an
+    equal generator; only the stage's own part is ever held in memory. The first stage maps
+    ``input_ids[B, T]`` to hidden states ``[B, T, d_model]``, a middle stage maps hidden states to hidden
+    states, and the last stage maps them to logits ``[B, T, 256]``.
+
+    Example::
+
+        first = GPTStage(config, first_block=0, last_block=3, embed=True, head=False)
+        last = GPTStage(config, first_block=3, last_block=6, embed=False, head=True)
+        loss = last.loss(first(ids[:, :-1]), ids[:, 1:])
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        first_block: int,
+        last_block: int,
+        embed: bool,
+        head: bool,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 <= first_block <= last_block <= config.n_layer:
+            raise ConfigError(
+                f"blocks [{first_block}, {last_block}) do not fit a model of n_layer={config.n_layer}"
+            )
+        self.config, self.first_block, self.last_block = config, first_block, last_block
+        with torch.device("meta"):
+            layout = _Layout(config)
+        owned: list[nn.Module] = list(layout.blocks[first_block:last_block])
+        if embed:
+            owned.append(layout.embed)
+        if head:
+            owned.append(layout.head)
+        for module in owned:
+            module.to_empty(device="cpu")
+        token = _initialize(
+            layout, config.n_layer, generator if generator is not None else torch.Generator().manual_seed(0),
+            tied=layout.head.proj,
+        )  # fmt: skip
+        self.embed = layout.embed if embed else None
+        self.blocks = nn.ModuleList(layout.blocks[first_block:last_block])
+        self.head = layout.head if head else None
+        if self.head is not None:
+            if self.embed is not None:
+                self.head.proj.weight = self.embed.token.weight  # one stage holds it all: tied as in GPT
+            else:
+                with torch.no_grad():
+                    self.head.proj.weight.copy_(token)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy of ``targets[B, T]``; only for a stage that holds the head."""
+        if self.head is None:
+            raise ConfigError("only the last stage (the one with the head) computes the loss")
+        logits = self(inputs)
         return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
 
 

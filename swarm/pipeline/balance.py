@@ -1,0 +1,65 @@
+"""Where throughput is short: which stage a new peer takes, which server a trainer calls, who moves.
+
+All three decisions read only the pipeline view from the DHT, so every peer reasons from the same facts.
+
+- ``choose_stage``: a joining peer takes the stage with the least total throughput among those that fit
+  in its memory (ties: fewer replicas, then the lower index).
+- ``pick_server``: trainers wire micro-batches at random, weighted by each replica's throughput
+  (stochastic wiring): a fast replica gets proportionally more traffic, a slow one still some.
+- ``rebalance_move``: a peer moves from the stage with the most throughput to the bottleneck only when
+  the move raises the pipeline's slowest stage by a margin, and only one peer of a stage moves at a time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from swarm.pipeline.records import PipelineView, StageRecord
+
+# A replica that has not measured itself yet still gets traffic.
+_MIN_WEIGHT = 1e-3
+
+
+def choose_stage(view: PipelineView, num_stages: int, fits: Sequence[bool]) -> int | None:
+    """The stage most short of throughput among those this peer can hold; None if none fits."""
+    candidates = [k for k in range(num_stages) if fits[k]]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda k: (view.throughput(k), len(view.replicas(k)), k))
+
+
+def pick_server(
+    replicas: Sequence[StageRecord], rng: random.Random, *, avoid: set[str] = frozenset()
+) -> StageRecord | None:
+    """One replica at random, weighted by throughput; replicas in ``avoid`` only when nothing else is left."""
+    usable = [r for r in replicas if r.peer_id not in avoid] or list(replicas)
+    if not usable:
+        return None
+    weights = [max(r.samples_per_s * (1.0 - 0.5 * r.load), _MIN_WEIGHT) for r in usable]
+    return rng.choices(usable, weights=weights, k=1)[0]
+
+
+def rebalance_move(
+    view: PipelineView, peer_id: str, stage: int, num_stages: int, margin: float
+) -> int | None:
+    """The stage ``peer_id`` (serving ``stage``) should move to now, or None to stay."""
+    if num_stages < 2:
+        return None
+    mine = view.replicas(stage)
+    me = next((r for r in mine if r.peer_id == peer_id), None)
+    if me is None or len(mine) < 2 or min(r.peer_id for r in mine) != peer_id:
+        return None  # a stage's only replica never leaves it; of the others, one mover per stage at a time
+    totals = {k: view.throughput(k) for k in range(num_stages)}
+    if max(totals, key=lambda k: (totals[k], -k)) != stage:
+        return None
+    bottleneck = min(totals, key=lambda k: (totals[k], k))
+    if bottleneck == stage:
+        return None
+    there = view.replicas(bottleneck)
+    # What this peer would add there: the throughput of a typical replica of that stage, if it has any.
+    gain = sum(r.samples_per_s for r in there) / len(there) if there else me.samples_per_s
+    after = dict(totals)
+    after[stage] -= me.samples_per_s
+    after[bottleneck] += gain
+    return bottleneck if min(after.values()) > (1 + margin) * min(totals.values()) else None

@@ -1,0 +1,305 @@
+"""One replica of one pipeline stage: its part of the model, optimizer, and the micro-batches it serves.
+
+Compute runs on one worker thread per replica, so requests from many trainers are served in turn and
+the event loop never blocks. A forward keeps the micro-batch's graph (keyed by micro-batch ID, dropped
+after ``forward_state_ttl_s``) until its backward arrives. A backward adds the micro-batch's gradient
+to the replica's accumulated gradient once per micro-batch ID and step: a retried micro-batch that
+reaches the same replica again gets the same answer back and is not counted twice.
+
+Gradients are of the summed loss over the micro-batch's samples; the replica divides by the samples it
+counted when it averages with the other replicas of its stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from protocols import pipeline_pb2 as ppb
+from protocols.errors import ProtocolError
+from swarm.averaging.compression import get_codec
+from swarm.config import RunConfig
+from swarm.models import model_config
+from swarm.models.gpt import VOCAB_SIZE
+from swarm.pipeline.layout import build_stage, stage_layout
+from swarm.pipeline.wire import decode_floats, decode_ids, encode_floats
+from swarm.training.state import (
+    build_optimizer,
+    clip_gradients,
+    ensure_optimizer_state,
+    learning_rate,
+    load_state_tensors,
+    params_hash,
+    set_learning_rate,
+    state_hash,
+    state_tensors,
+)
+
+T = TypeVar("T")
+
+#: Forward states one replica keeps at most; past it a new forward is refused (BUSY) until some expire.
+MAX_FORWARD_STATES = 512
+
+
+class Refusal(Exception):
+    """A request this replica will not serve: a code and a message for the caller."""
+
+    def __init__(self, code: int, message: str, step: int):
+        super().__init__(message)
+        self.code, self.message, self.step = code, message, step
+
+
+@dataclass
+class _Forward:
+    inputs: torch.Tensor | None  # the leaf whose gradient goes back (None on the first stage)
+    outputs: torch.Tensor | None  # hidden states with their graph, until the backward
+    samples: int
+    created: float
+    compute_s: float
+    reply: ppb.Tensor | None = None  # the encoded outputs, answered again to a repeated forward
+    result: ppb.Tensor | None = None  # grad_inputs once counted, answered again to a repeated backward
+    loss: float = math.nan
+
+
+class StageReplica:
+    """Stage ``index`` of ``run``, as one peer holds it.
+
+    Example::
+
+        replica = StageReplica(run, 0)
+        reply = await replica.forward(request)        # a ForwardReply, or raises Refusal
+    """
+
+    def __init__(self, run: RunConfig, index: int, *, device: str = "cpu"):
+        self.run, self.index, self.device = run, index, device
+        self.spec = stage_layout(run)[index]
+        self.num_stages = run.pipeline.stages
+        self.model = build_stage(run, index).to(device)
+        self.optimizer = build_optimizer(self.model, run.optimizer)
+        ensure_optimizer_state(self.model, self.optimizer)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.codec = get_codec(run.training.compression)
+        config = model_config(run.model.name, run.model.config)
+        self.d_model, self.seq_len = config.d_model, config.seq_len
+        self.max_batch = run.training.micro_batch_size
+        self.step = 0
+        self.samples = 0
+        self.counted: set[int] = set()
+        self.forwards: dict[int, _Forward] = {}
+        self.closing = False  # the step's gradient is being averaged: no more work for this step
+        self.state_hash = self.param_hash = ""
+        self.samples_per_s = 0.0
+        self.busy_s = 0.0
+        self.stats = {"forwards": 0, "backwards": 0, "repeats": 0, "refused": 0}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{index}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.spec.embed
+
+    @property
+    def is_last(self) -> bool:
+        return self.spec.head
+
+    async def compute(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- hashes, throughput --------------------------------------------------------------------------
+
+    def _hashes(self) -> tuple[str, str]:
+        return state_hash(self.step, state_tensors(self.model, self.optimizer)), params_hash(self.model)
+
+    async def commit(self) -> None:
+        self.state_hash, self.param_hash = await self.compute(self._hashes)
+
+    def _rate(self, samples: int, seconds: float) -> None:
+        rate = samples / max(seconds, 1e-6)
+        self.samples_per_s = rate if not self.samples_per_s else 0.8 * self.samples_per_s + 0.2 * rate
+
+    def _measure(self) -> None:
+        """One forward and backward of a full micro-batch of random data: this replica's measured speed."""
+        shape = (self.max_batch, self.seq_len)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, VOCAB_SIZE, shape, generator=generator)
+        started = time.monotonic()
+        x = ids if self.is_first else torch.randn(*shape, self.d_model, generator=generator).requires_grad_()
+        out = self.model(x)
+        out.float().square().mean().backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._rate(self.max_batch, time.monotonic() - started)
+
+    async def measure(self) -> float:
+        await self.compute(self._measure)
+        return self.samples_per_s
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def _refuse(self, code: int, message: str) -> Refusal:
+        self.stats["refused"] += 1
+        return Refusal(code, message, self.step)
+
+    def _check_request(self, run_id: str, stage: int, step: int, inference: bool) -> None:
+        if run_id != self.run.run_id:
+            raise self._refuse(ppb.BAD_REQUEST, f"this server serves run {self.run.run_id!r}, not {run_id!r}")
+        if stage != self.index:
+            raise self._refuse(ppb.BAD_REQUEST, f"this server serves stage {self.index}, not stage {stage}")
+        if step != self.step:
+            raise self._refuse(ppb.WRONG_STEP, f"this server is at step {self.step}, not {step}")
+        if self.closing and not inference:
+            raise self._refuse(ppb.BUSY, f"step {self.step} is closed: its gradients are being averaged")
+
+    def _inputs(self, request: ppb.ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length = (1, self.max_batch), (1, self.seq_len)
+        if self.is_first:
+            inputs = decode_ids(request.inputs, [batch, length], what="inputs (token IDs)")
+        else:
+            inputs = decode_floats(
+                request.inputs, self.codec, [batch, length, self.d_model], what="inputs (activations)"
+            )
+        targets = None
+        if self.is_last and not (request.inference and not request.HasField("targets")):
+            if not request.HasField("targets"):
+                raise ProtocolError("the last stage needs targets to compute the loss")
+            targets = decode_ids(request.targets, list(inputs.shape[:2]), what="targets")
+        elif request.HasField("targets"):
+            raise ProtocolError(
+                f"targets go to the last stage ({self.num_stages - 1}), not stage {self.index}"
+            )
+        return inputs, targets
+
+    def _purge(self, now: float) -> None:
+        ttl = self.run.pipeline.forward_state_ttl_s
+        for key in [k for k, f in self.forwards.items() if f.result is None and now - f.created > ttl]:
+            del self.forwards[key]
+
+    def forward(self, request: ppb.ForwardRequest) -> ppb.ForwardReply:
+        """Serve a forward (on the last stage: forward, loss and backward); runs on the worker thread."""
+        self._check_request(request.run_id, request.stage, request.step, request.inference)
+        try:
+            inputs, targets = self._inputs(request)
+        except ProtocolError as e:
+            raise self._refuse(ppb.BAD_REQUEST, str(e)) from None
+        if request.inference:
+            return self._infer(inputs, targets)
+        key = request.microbatch_id
+        known = self.forwards.get(key)
+        if known is not None and known.result is not None:
+            self.stats["repeats"] += 1  # a retried micro-batch: same answer, counted once
+            return ppb.ForwardReply(
+                step=self.step, outputs=known.reply, grad_inputs=known.result, loss=known.loss
+            )
+        now = time.monotonic()
+        self._purge(now)
+        if len(self.forwards) >= MAX_FORWARD_STATES and key not in self.forwards:
+            raise self._refuse(
+                ppb.BUSY, f"{len(self.forwards)} micro-batches are waiting for their backward here"
+            )
+        started = time.monotonic()
+        leaf = None if self.is_first else inputs.to(self.device).requires_grad_()
+        self.model.train()
+        x = inputs.to(self.device) if leaf is None else leaf
+        self.stats["forwards"] += 1
+        if self.is_last:
+            loss = self.model.loss(x, targets.to(self.device))
+            (loss * inputs.shape[0]).backward()  # gradient of the sum; divided by the count when averaged
+            entry = _Forward(leaf, None, inputs.shape[0], now, 0.0, loss=float(loss.detach()))
+            entry.result = self._grad_reply(leaf)
+            self._count(key, entry, time.monotonic() - started)
+            return ppb.ForwardReply(step=self.step, grad_inputs=entry.result, loss=entry.loss)
+        outputs = self.model(x)
+        entry = _Forward(leaf, outputs, inputs.shape[0], now, time.monotonic() - started)
+        entry.reply = encode_floats(outputs.detach(), self.codec)
+        self.forwards[key] = entry
+        return ppb.ForwardReply(step=self.step, outputs=entry.reply)
+
+    def _infer(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> ppb.ForwardReply:
+        self.model.eval()
+        with torch.no_grad():
+            outputs = self.model(inputs.to(self.device))
+            if self.is_last and targets is not None:
+                loss = F.cross_entropy(outputs.reshape(-1, VOCAB_SIZE), targets.to(self.device).reshape(-1))
+                return ppb.ForwardReply(step=self.step, loss=float(loss))
+        return ppb.ForwardReply(step=self.step, outputs=encode_floats(outputs, self.codec))
+
+    def _grad_reply(self, leaf: torch.Tensor | None) -> ppb.Tensor:
+        if leaf is None or leaf.grad is None:
+            return ppb.Tensor()
+        return encode_floats(leaf.grad, self.codec)
+
+    def _count(self, key: int, entry: _Forward, seconds: float) -> None:
+        entry.inputs = entry.outputs = None  # the graph is spent; keep only the answer
+        entry.compute_s += seconds
+        self.forwards[key] = entry
+        self.counted.add(key)
+        self.samples += entry.samples
+        self.busy_s += entry.compute_s
+        self._rate(entry.samples, entry.compute_s)
+
+    def backward(self, request: ppb.BackwardRequest) -> ppb.BackwardReply:
+        """Backward of a micro-batch this replica ran forward at this step; runs on the worker thread."""
+        self._check_request(request.run_id, request.stage, request.step, inference=False)
+        if self.is_last:
+            raise self._refuse(ppb.BAD_REQUEST, "the last stage runs its backward with the forward")
+        entry = self.forwards.get(request.microbatch_id)
+        if entry is None:
+            raise self._refuse(
+                ppb.UNKNOWN_MICROBATCH,
+                f"no forward of micro-batch {request.microbatch_id} at step {self.step} here (expired or never sent)",
+            )
+        if entry.result is not None:
+            self.stats["repeats"] += 1
+            return ppb.BackwardReply(step=self.step, grad_inputs=entry.result)
+        try:
+            grad = decode_floats(
+                request.grad_outputs, self.codec, list(entry.outputs.shape), what="grad_outputs (gradients)"
+            )
+        except ProtocolError as e:
+            raise self._refuse(ppb.BAD_REQUEST, str(e)) from None
+        started = time.monotonic()
+        torch.autograd.backward(entry.outputs, grad.to(self.device, entry.outputs.dtype))
+        self.stats["backwards"] += 1
+        entry.result = self._grad_reply(entry.inputs)
+        self._count(request.microbatch_id, entry, time.monotonic() - started)
+        return ppb.BackwardReply(step=self.step, grad_inputs=entry.result)
+
+    # --- the step ------------------------------------------------------------------------------------
+
+    def mean_gradient(self) -> torch.Tensor:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return torch.cat([g.detach().flatten().cpu() for g in grads]) / max(self.samples, 1)
+
+    def apply(self, averaged: torch.Tensor) -> None:
+        """Apply the stage's averaged gradient, exactly as every other replica of the stage does."""
+        offset = 0
+        for p in self.params:
+            p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+            offset += p.numel()
+        clip_gradients(self.model, self.run.optimizer.grad_clip_norm)
+        set_learning_rate(self.optimizer, learning_rate(self.run.optimizer, self.step))
+        self.optimizer.step()
+        self.step += 1
+        self.reset()
+
+    def reset(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples = 0
+        self.counted.clear()
+        self.forwards.clear()
+        self.closing = False
+
+    def load(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        load_state_tensors(self.model, self.optimizer, tensors)
+        self.step = step
+        self.reset()

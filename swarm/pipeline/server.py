@@ -1,0 +1,65 @@
+"""The P2P handlers of a stage server: admit the caller, check the request, compute, answer.
+
+Every answer carries a code. Anything but OK comes with a message naming what was wrong (the field, the
+expected and received shape or dtype, the step), so the trainer can log it and retry the micro-batch on
+another replica. A bad request never raises past the handler: the server stays up and keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hivemind.p2p import P2PContext, ServicerBase
+
+from protocols import pipeline_pb2 as ppb
+from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.replica import Refusal, StageReplica
+
+logger = logging.getLogger(__name__)
+
+
+def pipeline_namespace(run_id: str, stage: int) -> str:
+    return f"{run_id.replace('.', '_')}_pipeline_stage{stage}"
+
+
+class StageServicer(ServicerBase):
+    """Serves one replica's forward and backward to trainers (hivemind finds ``rpc_*`` by annotations).
+
+    Example::
+
+        servicer = StageServicer(replica, gate)
+        await servicer.add_p2p_handlers(p2p, namespace=pipeline_namespace(run_id, replica.index))
+    """
+
+    def __init__(self, replica: StageReplica, gate: PeerGate):
+        self.replica, self.gate = replica, gate
+
+    async def _serve(self, kind: str, request, context: P2PContext, reply_type: type):
+        caller = context.remote_id.to_base58()
+        refusal = await self.gate.check(caller)
+        if refusal is not None:
+            code, message = refusal
+            logger.info(f"stage {self.replica.index}: refused {kind} from {caller}: {message}")
+            return reply_type(code=code, error=message, step=self.replica.step)
+        method = self.replica.forward if kind == "forward" else self.replica.backward
+        try:
+            return await self.replica.compute(method, request)
+        except Refusal as e:
+            if e.code == ppb.BAD_REQUEST:
+                logger.warning(f"stage {self.replica.index}: bad {kind} from {caller}: {e.message}")
+                self.gate.note_bad_request(caller, e.message)
+            return reply_type(code=e.code, error=e.message, step=e.step)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug or an exhausted device must not take the server down
+            logger.exception(f"stage {self.replica.index}: {kind} from {caller} failed")
+            return reply_type(
+                code=ppb.INTERNAL, error=f"{kind} failed on the server: {e!r}", step=self.replica.step
+            )
+
+    async def rpc_forward(self, request: ppb.ForwardRequest, context: P2PContext) -> ppb.ForwardReply:
+        return await self._serve("forward", request, context, ppb.ForwardReply)
+
+    async def rpc_backward(self, request: ppb.BackwardRequest, context: P2PContext) -> ppb.BackwardReply:
+        return await self._serve("backward", request, context, ppb.BackwardReply)

@@ -1,0 +1,353 @@
+"""A pipeline trainer: streams micro-batches through one server per stage, forward then backward.
+
+For each micro-batch (its ID is the sampling seed of run, trainer, step and index, so anyone can
+recompute its data) the trainer picks one replica per stage at random, weighted by throughput
+(stochastic wiring), sends the activations forward stage by stage, lets the last stage compute the loss
+and its backward, and sends the gradients back stage by stage. A refusal, an error or a timeout at any
+stage retries the whole micro-batch from the first stage, avoiding the server that failed; stages whose
+backward already counted the micro-batch are asked again (they answer without counting it twice). A
+micro-batch counts once, when the first stage's backward completes. Nothing is dropped: a micro-batch
+that the run outran is issued again at the new step with the same ID.
+
+The trainers together stop at the target batch of a step; the stage servers then average and step, and
+the trainers follow. ``lost_microbatches`` counts micro-batches issued and never completed.
+
+Example::
+
+    trainer = PipelineTrainer(run, dht, peer_id=key.peer_id)
+    await trainer.run(stop_event)
+    print(trainer.metrics()["microbatches_lost"])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import hivemind
+from hivemind.p2p import PeerID
+
+from protocols import pipeline_pb2 as ppb
+from swarm.config import RunConfig
+from swarm.data import build_dataset, derive_seed
+from swarm.models import model_config
+from swarm.pipeline.balance import pick_server
+from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
+from swarm.pipeline.server import StageServicer, pipeline_namespace
+from swarm.pipeline.wire import encode_ids
+
+logger = logging.getLogger(__name__)
+
+CODE_NAMES = {v: k for k, v in ppb.Code.items()}
+
+
+class StageFailure(Exception):
+    def __init__(self, stage: int, peer: str, code: int, message: str, server_step: int | None = None):
+        super().__init__(f"stage {stage} server {peer[-8:]}: {CODE_NAMES.get(code, code)}: {message}")
+        self.stage, self.peer, self.code, self.server_step = stage, peer, code, server_step
+
+
+@dataclass
+class MicroBatch:
+    id: int
+    step: int  # the step it is (re)issued at
+    inputs: object
+    targets: object
+    attempts: int = 0
+    # Stages whose server counted this micro-batch at ``step``: retries go back to them.
+    counted_by: dict[int, str] = field(default_factory=dict)
+
+
+class PipelineTrainer:
+    def __init__(self, run: RunConfig, dht: hivemind.DHT, *, peer_id: str, seed: int | None = None):
+        self.config, self.dht, self.peer_id = run, dht, peer_id
+        self.num_stages = run.pipeline.stages
+        self.dataset = build_dataset(run.dataset.name, run.dataset.config)
+        self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+        self.batch = run.training.micro_batch_size
+        self.rng = random.Random(seed if seed is not None else hash(peer_id))
+        self.p2p = None
+        self.view = PipelineView()
+        self.step = 0
+        self.samples = 0  # completed at this step
+        self.micro = 0
+        self.in_flight: set[int] = set()
+        self.pending: deque[MicroBatch] = deque()
+        self.issued: set[int] = set()
+        self.completed: set[int] = set()
+        self.avoid: dict[str, float] = {}
+        self.finished = False
+        self.first_validation: tuple[int, float] | None = None
+        self._views = 0
+        self._started = time.monotonic()
+        self._samples_total = 0
+        self._stats = {"train_loss": math.nan, "val_loss": math.nan, "val_step": -1.0, "retries": 0.0,
+                       "failures": 0.0, "compute_wait_s": 0.0}  # fmt: skip
+        self._failures_by_code: dict[str, int] = {}
+
+    @property
+    def param_hash(self) -> str:
+        return ""  # a trainer holds no parameters
+
+    def metrics(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self._started, 1e-9)
+        lost = len(self.issued - self.completed)
+        return {
+            **self._stats, "step": float(self.step), "samples": float(self.samples),
+            "samples_per_s": self._samples_total / wall, "microbatches_issued": float(len(self.issued)),
+            "microbatches_completed": float(len(self.completed)), "microbatches_lost": float(lost),
+            "finished": float(self.finished),
+            "val_loss_initial": self.first_validation[1] if self.first_validation else math.nan,
+        }  # fmt: skip
+
+    # --- DHT -----------------------------------------------------------------------------------------
+
+    def _record(self) -> TrainerRecord:
+        return TrainerRecord(self.peer_id, self.step, self.samples, len(self.in_flight), time.time())
+
+    async def _publish(self) -> None:
+        ttl_s = max(3.0, 6 * self.config.pipeline.announce_interval_s)
+        await publish_record(self.dht, self.config.run_id, self._record(), ttl_s=ttl_s)
+
+    async def _announce_forever(self) -> None:
+        while True:
+            try:
+                await self._publish()
+                self.view = await fetch_view(self.dht, self.config.run_id, self.num_stages)
+                self._views += 1
+            except Exception as e:
+                logger.debug(f"pipeline announce failed: {e!r}")
+            await asyncio.sleep(self.config.pipeline.announce_interval_s)
+
+    def _samples_at_step(self) -> int:
+        others = sum(
+            t.samples for t in self.view.trainers if t.step == self.step and t.peer_id != self.peer_id
+        )
+        return others + self.samples
+
+    # --- calls ---------------------------------------------------------------------------------------
+
+    def _choose(self, stage: int, step: int) -> str | None:
+        now = time.monotonic()
+        avoid = {p for p, until in self.avoid.items() if until > now}
+        record = pick_server(self.view.replicas(stage, step), self.rng, avoid=avoid)
+        return record.peer_id if record else None
+
+    async def _call(self, stage: int, peer: str, method: str, request):
+        stub = StageServicer.get_stub(
+            self.p2p, PeerID.from_base58(peer), namespace=pipeline_namespace(self.config.run_id, stage)
+        )
+        timeout = self.config.pipeline.request_timeout_s
+        try:
+            reply = await getattr(stub, method)(request, timeout=timeout)
+        except asyncio.TimeoutError:
+            raise StageFailure(stage, peer, -1, f"no answer within {timeout:.1f}s") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # libp2p errors share no base class
+            raise StageFailure(stage, peer, -1, f"call failed: {e!r}"[:300]) from None
+        if reply.code != ppb.OK:
+            raise StageFailure(stage, peer, reply.code, reply.error[:500], reply.step)
+        return reply
+
+    async def _attempt(self, mb: MicroBatch) -> float:
+        route = []
+        for stage in range(self.num_stages):
+            peer = mb.counted_by.get(stage) or self._choose(stage, mb.step)
+            if peer is None:
+                raise StageFailure(stage, "-", ppb.BUSY, f"no replica of stage {stage} serves step {mb.step}")
+            route.append(peer)
+        base = dict(run_id=self.config.run_id, step=mb.step, microbatch_id=mb.id)
+        hidden = encode_ids(mb.inputs)
+        last = self.num_stages - 1
+        for stage in range(last):
+            reply = await self._call(
+                stage, route[stage], "rpc_forward", ppb.ForwardRequest(stage=stage, inputs=hidden, **base)
+            )
+            hidden = reply.outputs
+        reply = await self._call(last, route[last], "rpc_forward",
+                                 ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets), **base))  # fmt: skip
+        mb.counted_by[last] = route[last]
+        loss, grad = reply.loss, reply.grad_inputs
+        for stage in range(last - 1, -1, -1):
+            reply = await self._call(
+                stage,
+                route[stage],
+                "rpc_backward",
+                ppb.BackwardRequest(stage=stage, grad_outputs=grad, **base),
+            )
+            mb.counted_by[stage] = route[stage]
+            grad = reply.grad_inputs
+        return loss
+
+    async def _process(self, mb: MicroBatch) -> None:
+        """Run ``mb`` until it completes, the run moves past its step (it is then issued again), or stop."""
+        self.in_flight.add(mb.id)
+        try:
+            while mb.step == self.step and self.view.run_step(self.num_stages) <= mb.step:
+                try:
+                    loss = await self._attempt(mb)
+                except StageFailure as f:
+                    mb.attempts += 1
+                    self._stats["failures"] += 1
+                    name = CODE_NAMES.get(f.code, "NETWORK")
+                    self._failures_by_code[name] = self._failures_by_code.get(name, 0) + 1
+                    if f.code == ppb.WRONG_STEP and f.server_step is not None and f.server_step > mb.step:
+                        await self._wait_for_views(1)
+                        continue  # the run is moving on; the loop re-checks the step
+                    if f.code in (
+                        -1,
+                        ppb.BAD_REQUEST,
+                        ppb.INTERNAL,
+                        ppb.WRONG_STEP,
+                        ppb.UNKNOWN_PEER,
+                        ppb.BANNED,
+                    ):
+                        self.avoid[f.peer] = time.monotonic() + self.config.pipeline.failed_server_cooldown_s
+                        if mb.counted_by.get(f.stage) == f.peer:
+                            del mb.counted_by[f.stage]  # that replica is gone; its count went with it
+                        if f.code == ppb.BAD_REQUEST and f.stage > 0:
+                            # The request carried the previous stage's output: that server may be at fault.
+                            logger.warning(f"micro-batch {mb.id}: {f}")
+                    level = logging.INFO if mb.attempts < 3 else logging.WARNING
+                    logger.log(level, f"micro-batch {mb.id} attempt {mb.attempts} failed ({f}); retrying")
+                    self._stats["retries"] += 1
+                    if mb.attempts % self.config.pipeline.max_attempts == 0:
+                        logger.warning(
+                            f"micro-batch {mb.id}: {mb.attempts} attempts failed; waiting for the view to change"
+                        )
+                        await self._wait_for_views(2)
+                    else:
+                        await asyncio.sleep(min(0.05 * mb.attempts, 1.0))
+                    continue
+                self.completed.add(mb.id)
+                self.samples += self.batch
+                self._samples_total += self.batch
+                previous = self._stats["train_loss"]
+                self._stats["train_loss"] = loss if math.isnan(previous) else 0.9 * previous + 0.1 * loss
+                return
+            mb.counted_by = {}
+            self.pending.append(mb)  # outrun by the run: issue it again at the new step, same ID
+        finally:
+            self.in_flight.discard(mb.id)
+
+    async def _wait_for_views(self, count: int) -> None:
+        target = self._views + count
+        deadline = time.monotonic() + 10 * self.config.pipeline.announce_interval_s * count + 5
+        while self._views < target and time.monotonic() < deadline:
+            await asyncio.sleep(self.config.pipeline.announce_interval_s / 4)
+
+    # --- validation ----------------------------------------------------------------------------------
+
+    async def validate(self) -> float:
+        """Mean loss on the fixed validation batches, forwarded through the stages (no state kept)."""
+        batches = await asyncio.to_thread(
+            self.dataset.validation_batches, self.batch, self.seq_len, self.config.training.validation_batches
+        )
+        losses = []
+        for inputs, targets in batches:
+            for attempt in range(self.config.pipeline.max_attempts):
+                try:
+                    losses.append(await self._infer(inputs, targets))
+                    break
+                except StageFailure as f:
+                    logger.info(f"validation attempt {attempt + 1} failed ({f}); retrying")
+                    await self._wait_for_views(1)
+            else:
+                return math.nan
+        loss = sum(losses) / len(losses)
+        self._stats["val_loss"], self._stats["val_step"] = loss, float(self.step)
+        if self.first_validation is None:
+            self.first_validation = (self.step, loss)
+        logger.info(f"step {self.step}: validation loss {loss:.4f}")
+        return loss
+
+    async def _infer(self, inputs, targets) -> float:
+        hidden = encode_ids(inputs)
+        for stage in range(self.num_stages):
+            peer = self._choose(stage, self.step)
+            if peer is None:
+                raise StageFailure(
+                    stage, "-", ppb.BUSY, f"no replica of stage {stage} serves step {self.step}"
+                )
+            request = ppb.ForwardRequest(
+                run_id=self.config.run_id, stage=stage, step=self.step, inputs=hidden, inference=True
+            )
+            if stage == self.num_stages - 1:
+                request.targets.CopyFrom(encode_ids(targets))
+            reply = await self._call(stage, peer, "rpc_forward", request)
+            hidden = reply.outputs
+        return reply.loss
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def _reached_max(self) -> bool:
+        max_steps = self.config.training.max_steps
+        return max_steps is not None and self.step >= max_steps
+
+    def _new_microbatch(self) -> MicroBatch:
+        seed = derive_seed(self.config.run_id, self.peer_id, self.step, self.micro)
+        self.micro += 1
+        inputs, targets = self.dataset.sample_batch(seed, self.batch, self.seq_len)
+        self.issued.add(seed)
+        return MicroBatch(seed, self.step, inputs, targets)
+
+    async def _advance(self, step: int) -> None:
+        logger.info(f"the stages are at step {step}; trainer moves from step {self.step}")
+        self.step, self.samples, self.micro = step, 0, 0
+        with contextlib.suppress(Exception):
+            await self._publish()
+        every = self.config.training.validation_every_steps
+        if step % every == 0 or self._reached_max():
+            await self.validate()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Train until ``stop`` is set or the run reaches ``max_steps``."""
+        self.p2p = await self.dht.replicate_p2p()
+        announcer = asyncio.create_task(self._announce_forever())
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set() and not all(self.view.replicas(k) for k in range(self.num_stages)):
+                await asyncio.sleep(self.config.pipeline.announce_interval_s)  # every stage needs a server
+            if stop.is_set():
+                return
+            self.step = self.view.run_step(self.num_stages)
+            await self.validate()
+            target = self.config.training.target_batch_size
+            limit = self.config.pipeline.max_inflight_microbatches
+            self._started = time.monotonic()
+            while not stop.is_set() and not self._reached_max():
+                run_step = self.view.run_step(self.num_stages)
+                if run_step > self.step and not tasks:
+                    await self._advance(run_step)
+                    continue
+                wanted = self._samples_at_step() + len(self.in_flight) * self.batch < target
+                if len(tasks) < limit and run_step == self.step and (self.pending or wanted):
+                    mb = self.pending.popleft() if self.pending else self._new_microbatch()
+                    mb.step = self.step
+                    tasks.add(asyncio.create_task(self._process(mb)))
+                    continue
+                if tasks:
+                    done, tasks = await asyncio.wait(tasks, timeout=self.config.pipeline.announce_interval_s / 2,
+                                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    for task in done:
+                        task.result()
+                else:
+                    await asyncio.sleep(self.config.pipeline.announce_interval_s / 4)
+            self.finished = self._reached_max()
+            if self.finished:
+                logger.info(f"reached step {self.step}: {len(self.completed)} micro-batches completed, "
+                            f"{len(self.issued - self.completed)} lost")  # fmt: skip
+                with contextlib.suppress(Exception):
+                    await self._publish()
+                await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            announcer.cancel()

@@ -1,0 +1,353 @@
+"""A peer that hosts a pipeline stage: serve it, step with the stage's other replicas, catch up, move.
+
+The loop of one stage replica:
+
+1. Announce itself in the DHT (stage, step, measured throughput, load, state and parameter hashes).
+2. Serve forward and backward calls from trainers (``StageServicer``).
+3. When the trainers together completed the target batch at this step and have nothing left in flight,
+   close the step: average the accumulated gradient with the stage's other replicas through the
+   project's all-reduce (one averager per stage, prefix ``<run_id>.stage<k>``) and apply the optimizer,
+   so that every replica of the stage holds bit-identical parameters.
+4. A replica that finds the others of its stage ahead of it, or holding another state than most of them
+   at its step, downloads the agreed state (verified against its hash) before serving again.
+5. Every ``rebalance_interval_s`` a replica of the stage with the most spare throughput may move to the
+   bottleneck stage: it downloads that stage's current state first, then serves it.
+
+Example::
+
+    worker = StageWorker(run, dht, peer_id=key.peer_id, stage=None)   # None: the stage most short of throughput
+    await worker.run(stop_event)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+
+import hivemind
+from hivemind.p2p import PeerID
+
+from protocols.errors import SwarmError
+from protocols.keys import PublicKey
+from swarm.averaging.averager import Averager
+from swarm.config import RunConfig
+from swarm.pipeline.balance import choose_stage, rebalance_move
+from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.layout import stage_bytes
+from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publish_record
+from swarm.pipeline.replica import StageReplica
+from swarm.pipeline.server import StageServicer, pipeline_namespace
+from swarm.training.state import encode_state, state_tensors
+from swarm.training.sync import EncodedState, StateMovedOn, StateServicer, download_state, state_namespace
+
+logger = logging.getLogger(__name__)
+
+
+def stage_prefix(run_id: str, stage: int) -> str:
+    return f"{run_id}.stage{stage}"
+
+
+class StageWorker:
+    def __init__(
+        self,
+        run: RunConfig,
+        dht: hivemind.DHT,
+        *,
+        peer_id: str,
+        stage: int | None = None,
+        device: str = "cpu",
+        coordinator_key: PublicKey | None = None,
+        members: set[str] | None = None,
+        memory_bytes: int | None = None,
+        rebalance: bool = True,
+    ):
+        self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
+        self.wanted_stage, self.memory_bytes, self.rebalance = stage, memory_bytes, rebalance
+        self.num_stages = run.pipeline.stages
+        self.gate = PeerGate(
+            dht, run.run_id, coordinator_key, allowed=members,
+            ban_after_bad_requests=run.pipeline.ban_after_bad_requests,
+        )  # fmt: skip
+        self.replica: StageReplica | None = None
+        self.averager: Averager | None = None
+        self.view = PipelineView()
+        self._views = 0
+        self._step_view = 0
+        self._encoded: EncodedState | None = None
+        self._busy_mark = (time.monotonic(), 0.0)
+        self._load = 0.0
+        self.moves: list[dict] = []
+        self._stats = {"rounds_ok": 0.0, "rounds_failed": 0.0, "resyncs": 0.0, "moves": 0.0}
+        self.finished = False
+
+    # --- what the volunteer reports ------------------------------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        return self.replica.index if self.replica else -1
+
+    @property
+    def step(self) -> int:
+        return self.replica.step if self.replica else 0
+
+    @property
+    def param_hash(self) -> str:
+        # Stages hold different parameters at one step: reported to the coordinator they would look
+        # divergent, so the per-stage hash is announced in the pipeline's DHT records instead.
+        return ""
+
+    def metrics(self) -> dict[str, float]:
+        r = self.replica
+        extra = {} if r is None else {
+            "stage": float(r.index), "samples_per_s": r.samples_per_s, "load": self._load,
+            "microbatches_served": float(r.stats["backwards"] + (r.stats["forwards"] if r.is_last else 0)),
+            "requests_refused": float(r.stats["refused"]),
+        }  # fmt: skip
+        return {**self._stats, **extra}
+
+    # --- DHT -----------------------------------------------------------------------------------------
+
+    def _record(self) -> StageRecord:
+        r = self.replica
+        now = time.monotonic()
+        started, busy = self._busy_mark
+        if now - started >= 1.0:
+            self._load = min(1.0, (r.busy_s - busy) / (now - started))
+            self._busy_mark = (now, r.busy_s)
+        return StageRecord(self.peer_id, r.index, r.step, r.samples_per_s, self._load, r.state_hash,
+                           r.param_hash, time.time())  # fmt: skip
+
+    def _ttl_s(self) -> float:
+        return max(3.0, 6 * self.config.pipeline.announce_interval_s)
+
+    async def _refresh_view(self) -> None:
+        self.view = await fetch_view(self.dht, self.config.run_id, self.num_stages)
+        self._views += 1
+
+    async def _announce_forever(self) -> None:
+        while True:
+            try:
+                if self.replica is not None and self.replica.state_hash:
+                    await publish_record(self.dht, self.config.run_id, self._record(), ttl_s=self._ttl_s())
+                await self._refresh_view()
+            except Exception as e:
+                logger.debug(f"pipeline announce failed: {e!r}")
+            await asyncio.sleep(self.config.pipeline.announce_interval_s)
+
+    # --- serving a stage -----------------------------------------------------------------------------
+
+    def _fits(self) -> list[bool]:
+        if self.memory_bytes is None:
+            return [True] * self.num_stages
+        return [stage_bytes(self.config, k) <= self.memory_bytes for k in range(self.num_stages)]
+
+    async def _pick_stage(self) -> int:
+        if self.wanted_stage is not None:
+            return self.wanted_stage
+        await self._refresh_view()
+        # Peers that start together would all see the same empty view: a random pause spreads them out.
+        await asyncio.sleep(random.uniform(0, 3 * self.config.pipeline.announce_interval_s))
+        await self._refresh_view()
+        stage = choose_stage(self.view, self.num_stages, self._fits())
+        if stage is None:
+            raise SwarmError(f"no stage of this run fits in {self.memory_bytes / 2**30:.1f} GiB of memory")
+        logger.info(f"taking stage {stage}, the one most short of throughput "
+                    f"({self.view.throughput(stage):.1f} samples/s from {len(self.view.replicas(stage))} replicas)")  # fmt: skip
+        return stage
+
+    async def _serve(self, index: int) -> None:
+        """Build stage ``index``, catch up with its replicas, then serve it and announce it."""
+        replica = await asyncio.to_thread(StageReplica, self.config, index, device=self.device)
+        training = self.config.training
+        averager = Averager(
+            self.dht, prefix=stage_prefix(self.config.run_id, index), numel=replica.numel,
+            aggregator=training.aggregator, compression=training.compression,
+            max_group_size=training.max_group_size, matchmaking_time_s=training.matchmaking_time_s,
+            sender_timeout_s=training.sender_timeout_s, averaging_timeout_s=training.averaging_timeout_s,
+            max_weight=4.0 * training.target_batch_size,  # trainers overshoot the target a little
+        )  # fmt: skip
+        await averager.start()
+        self.replica, self.averager, self._encoded = replica, averager, None
+        await replica.measure()
+        await replica.commit()
+        state = StateServicer(self.config.run_id, self.encoded_state)
+        await state.add_p2p_handlers(
+            averager.p2p, namespace=state_namespace(stage_prefix(self.config.run_id, index))
+        )
+        await self._refresh_view()
+        await self._catch_up()  # a joining or moving replica takes the stage's current state first
+        self.servicer = StageServicer(replica, self.gate)
+        await self.servicer.add_p2p_handlers(
+            averager.p2p, namespace=pipeline_namespace(self.config.run_id, index)
+        )
+        self._step_view = self._views
+        logger.info(f"serving stage {index} (blocks {replica.spec.first_block}..{replica.spec.last_block - 1}"
+                    f"{', embedding' if replica.is_first else ''}{', head' if replica.is_last else ''}) at step "
+                    f"{replica.step}, {replica.samples_per_s:.1f} samples/s")  # fmt: skip
+
+    async def _unserve(self) -> None:
+        replica, averager = self.replica, self.averager
+        if replica is None:
+            return
+        with contextlib.suppress(Exception):
+            await self.servicer.remove_p2p_handlers(
+                averager.p2p, namespace=pipeline_namespace(self.config.run_id, replica.index)
+            )
+        with contextlib.suppress(Exception):
+            await averager.shutdown()
+        replica.close()
+        self.replica = self.averager = None
+
+    async def encoded_state(self) -> EncodedState | None:
+        r = self.replica
+        if r is None or not r.state_hash:
+            return None
+        if self._encoded is None or self._encoded.step != r.step or self._encoded.state_hash != r.state_hash:
+            tensors = await r.compute(state_tensors, r.model, r.optimizer)
+            metadata = {"run_id": self.config.run_id, "stage": str(r.index)}
+            data = await asyncio.to_thread(encode_state, r.step, tensors, metadata)
+            self._encoded = EncodedState(r.step, r.state_hash, data)
+        return self._encoded
+
+    # --- catching up ---------------------------------------------------------------------------------
+
+    def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
+        """The step and hash to move to, with the replicas that hold it; None when in line (as Trainer)."""
+        r = self.replica
+        others = [x for x in self.view.replicas(r.index) if x.peer_id != self.peer_id]
+        step = max((x.step for x in others), default=-1)
+        if step < r.step:
+            return None
+        expected, count = self.view.agreed_hash(r.index, step)
+        if step == r.step:
+            mine = 1 + sum(1 for x in others if x.step == step and x.state_hash == r.state_hash)
+            if expected == r.state_hash or (mine, expected) > (count, r.state_hash):
+                return None
+        at_step = [x for x in others if x.step == step]
+        if count < 2 and len(at_step) > 1:
+            return None
+        return step, expected, [x.peer_id for x in at_step if x.state_hash == expected]
+
+    async def _catch_up(self) -> bool:
+        move = self._ahead_or_apart()
+        if move is None:
+            return False
+        step, expected, holders = move
+        r = self.replica
+        logger.info(f"stage {r.index}: replicas hold step {step} ({expected[:12]}), this one step {r.step}: "
+                    "downloading their state")  # fmt: skip
+        random.shuffle(holders)
+        for holder in holders:
+            try:
+                decoded = await download_state(
+                    self.averager.p2p, PeerID.from_base58(holder),
+                    namespace=state_namespace(stage_prefix(self.config.run_id, r.index)), run_id=self.config.run_id,
+                    min_step=step, expected_hash=expected, max_bytes=2 * stage_bytes(self.config, r.index) + (1 << 20),
+                    timeout_s=self.config.training.averaging_timeout_s,
+                )  # fmt: skip
+            except StateMovedOn as e:
+                logger.info(f"{e}; will look again")
+                continue
+            except SwarmError as e:
+                logger.warning(f"discarding stage {r.index} state from {holder}: {e}")
+                continue
+            await r.compute(r.load, decoded.step, decoded.tensors)
+            await r.commit()
+            self._step_view = self._views
+            self._stats["resyncs"] += 1
+            logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder}")
+            return True
+        return False
+
+    # --- closing a step ------------------------------------------------------------------------------
+
+    def _reached_max(self) -> bool:
+        max_steps = self.config.training.max_steps
+        return max_steps is not None and self.replica.step >= max_steps
+
+    def _ready_to_step(self) -> bool:
+        r = self.replica
+        if self._views <= self._step_view or self._reached_max():
+            return False
+        trainers = [t for t in self.view.trainers if t.step == r.step]
+        done = sum(t.samples for t in trainers)
+        return (
+            bool(trainers)
+            and done >= self.config.training.target_batch_size
+            and not any(t.in_flight for t in trainers)
+        )
+
+    async def _step_round(self) -> None:
+        r = self.replica
+        r.closing = True  # new work for this step is refused from now on
+        vector = await r.compute(r.mean_gradient)
+        others = [x for x in self.view.replicas(r.index) if x.peer_id != self.peer_id and x.step >= r.step]
+        extra = {"step": r.step, "state_hash": r.state_hash}
+        outcome = await self.averager.average(vector, float(r.samples), extra, alone=not others)
+        if outcome is None or not outcome[1].complete:
+            self._stats["rounds_failed"] += 1
+            logger.info(f"stage {r.index} step {r.step}: averaging did not complete; trying again")
+            return
+        group, result = outcome
+        if r.step != extra["step"]:
+            return  # a catch-up replaced the state meanwhile
+        await r.compute(r.apply, result.vector)
+        await r.commit()
+        self._step_view = self._views
+        self._stats["rounds_ok"] += 1
+        logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
+                    f"{sum(group.weights):.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
+        with contextlib.suppress(Exception):
+            await publish_record(self.dht, self.config.run_id, self._record(), ttl_s=self._ttl_s())
+
+    # --- rebalancing ---------------------------------------------------------------------------------
+
+    async def _maybe_move(self) -> None:
+        r = self.replica
+        target = rebalance_move(
+            self.view, self.peer_id, r.index, self.num_stages, self.config.pipeline.rebalance_margin
+        )
+        if target is None or not self._fits()[target]:
+            return
+        before = {k: round(self.view.throughput(k), 1) for k in range(self.num_stages)}
+        logger.info(f"rebalancing: moving from stage {r.index} to the bottleneck stage {target} "
+                    f"(samples/s by stage: {before})")  # fmt: skip
+        self.moves.append({"from": r.index, "to": target, "at_step": r.step, "throughput": before})
+        self._stats["moves"] += 1
+        await self._unserve()
+        await self._serve(target)
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve a stage until ``stop`` is set."""
+        announcer = asyncio.create_task(self._announce_forever())
+        try:
+            await self._serve(await self._pick_stage())
+            next_rebalance = time.monotonic() + self.config.pipeline.rebalance_interval_s
+            interval = self.config.pipeline.announce_interval_s
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=interval / 2)
+                if stop.is_set():
+                    break
+                if await self._catch_up():
+                    continue
+                self.finished = self._reached_max()
+                # Once a step is closed its round is retried until it completes or a catch-up replaces it.
+                if self.replica.closing or self._ready_to_step():
+                    await self._step_round()
+                elif self.rebalance and time.monotonic() > next_rebalance and not self.replica.closing:
+                    next_rebalance = time.monotonic() + self.config.pipeline.rebalance_interval_s
+                    await self._maybe_move()
+        finally:
+            announcer.cancel()
+            await self._unserve()
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.replica.samples_per_s if self.replica else math.nan
