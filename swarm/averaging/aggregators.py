@@ -46,7 +46,7 @@ from typing import Any, Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from protocols.errors import ProtocolError
+from protocols.errors import InvalidContribution
 from swarm.averaging.validation import fair_weights
 from swarm.registry import Registry
 
@@ -260,7 +260,7 @@ def _usable(
     # amax/amin propagate NaN and are exact in any order; much cheaper than isfinite(...).all(dim=1).
     finite = torch.isfinite(contributions.amax(dim=1)) & torch.isfinite(contributions.amin(dim=1))
     if not bool(finite.any()):
-        raise ProtocolError("every contribution to aggregate has a non-finite value")
+        raise InvalidContribution("every contribution to aggregate has a non-finite value")
     positive = torch.isfinite(weights) & (weights > 0)
     keep = finite & positive
     if not bool(keep.any()):

@@ -1,0 +1,11 @@
+"""Misbehaving peers for rehearsal: what a Byzantine volunteer can send, as a library of named attacks.
+
+- ``attacks``: ``Attack`` (hooks on the batch, the contribution, the claimed weight and, as reducer, the
+  aggregate) and the registry of named attacks (``sign_flip``, ``alie``, ``ipm``, ... ``bad_reducer``)
+
+These exist to test defenses (``swarm-sim --byzantine K --attack NAME``); an honest peer never builds one.
+"""
+
+from swarm.byzantine.attacks import Attack, AttackContext, attack_names, attack_options, make_attack
+
+__all__ = ["Attack", "AttackContext", "attack_names", "attack_options", "make_attack"]

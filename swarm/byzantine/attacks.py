@@ -1,0 +1,359 @@
+"""Named attacks a Byzantine peer can mount, each a small object with four hooks.
+
+The trainer and the all-reduce of a peer playing attacker call the hooks of its :class:`Attack` at the
+four points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
+otherwise:
+
+- ``batch(inputs, targets) -> (inputs, targets)``: the data the peer trains on (``label_flip``);
+- ``contribution(honest, step, *, peers=None) -> Tensor``: the gradient it sends, given the honest one
+  it computed (``sign_flip``, ``random_direction``, ``delayed_gradient``, ``alie``, ``ipm``, ``nan``);
+- ``weight(claimed) -> float``: the weight (sample count) it claims (``huge_weight``);
+- ``reduce(aggregate) -> Tensor``: what it returns as the reducer of a part (``bad_reducer``).
+
+Attacks that model collusion (``alie``, ``ipm``) need an estimate of the honest gradients' mean and
+spread. Colluding attackers know their own honest gradients: pass them stacked as ``peers`` (this
+attacker's included) when the attackers share them; without ``peers`` the attack estimates from this
+attacker's own honest gradients of its last ``window`` steps. Everything random is drawn from a
+generator seeded with the attack's seed and the step, so a rehearsal replays exactly.
+
+Example::
+
+    attack = make_attack("alie", group_size=8, attackers=2, seed=1)
+    sent = attack.contribution(honest_gradient, step)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from protocols.errors import ConfigError
+from swarm.registry import Registry
+
+
+@dataclass(frozen=True)
+class AttackContext:
+    """What an attacker knows of the run: its group's size, how many attackers collude, its seed."""
+
+    group_size: int
+    attackers: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or not 0 <= self.attackers <= self.group_size:
+            raise ConfigError(
+                f"attack context needs 1 <= group_size and 0 <= attackers <= group_size, "
+                f"got group_size={self.group_size}, attackers={self.attackers}"
+            )
+
+
+class AttackOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Attack:
+    """Honest at every hook; each named attack overrides the hooks it lies at."""
+
+    name = "honest"
+
+    def __init__(self, options: AttackOptions, context: AttackContext) -> None:
+        self.options, self.context = options, context
+
+    def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs, targets
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return honest
+
+    def weight(self, claimed: float) -> float:
+        return claimed
+
+    def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
+        return aggregate
+
+    def generator(self, step: int) -> torch.Generator:
+        """A CPU generator for ``step``: the same draws for the same seed and step, on every run."""
+        return torch.Generator(device="cpu").manual_seed((self.context.seed * 1_000_003 + step) % (1 << 63))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r}, {self.context!r})"
+
+
+AttackFactory = Callable[[Any, AttackContext], Attack]
+ATTACKS: Registry[AttackFactory] = Registry(kind="attack", group="swarm.attacks")
+
+
+def register_attack(name: str, options_cls: type[BaseModel] = AttackOptions) -> Callable:
+    """Register an :class:`Attack` subclass (or any ``factory(options, context)``) under ``name``."""
+    return ATTACKS.register(name, options_cls)
+
+
+def attack_names() -> list[str]:
+    return ATTACKS.names()
+
+
+def attack_options(name: str, options: Mapping[str, Any] | None = None) -> BaseModel:
+    """The typed options of attack ``name``; a ConfigError names the bad field and the known attacks."""
+    return ATTACKS.validate(name, options)
+
+
+def make_attack(
+    name: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    group_size: int,
+    attackers: int,
+    seed: int = 0,
+) -> Attack:
+    """The attack ``name`` for an attacker in groups of ``group_size`` with ``attackers`` colluders."""
+    context = AttackContext(group_size=group_size, attackers=attackers, seed=seed)
+    attack = ATTACKS.get(name).factory(ATTACKS.validate(name, options), context)
+    attack.name = name
+    return attack
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+class _History:
+    """This attacker's honest gradients of its last ``window`` steps (one per step, latest kept)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.by_step: dict[int, torch.Tensor] = {}
+
+    def add(self, step: int, honest: torch.Tensor) -> None:
+        self.by_step[step] = honest.detach().clone()
+        for old in sorted(self.by_step)[: -self.window]:
+            del self.by_step[old]
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack([self.by_step[s] for s in sorted(self.by_step)])
+
+
+def _estimate(
+    history: _History, honest: torch.Tensor, step: int, peers: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinate-wise mean and standard deviation of the honest gradients, as the attackers see them."""
+    if peers is not None:
+        samples = peers.to(torch.float32).reshape(-1, honest.numel())
+    else:
+        history.add(step, honest.flatten().to(torch.float32))
+        samples = history.stacked()
+    mean = samples.mean(dim=0)
+    std = samples.std(dim=0, correction=0) if samples.shape[0] > 1 else torch.zeros_like(mean)
+    return mean.reshape(honest.shape).to(honest.dtype), std.reshape(honest.shape).to(honest.dtype)
+
+
+def alie_z(group_size: int, attackers: int) -> float:
+    """ALIE's z_max for ``attackers`` of ``group_size``: the deviation the majority does not notice.
+
+    s = floor(n/2 + 1) - f senders must be won over; z is the standard normal quantile at (n - s) / n.
+    """
+    n, f = group_size, attackers
+    s = math.floor(n / 2 + 1) - f
+    p = min(max((n - s) / n, 1e-6), 1 - 1e-6)
+    return statistics.NormalDist().inv_cdf(p)
+
+
+# --- the attacks ---------------------------------------------------------------------------------------
+
+
+class SignFlipOptions(AttackOptions):
+    scale: float = Field(1.0, gt=0, le=1e6, description="send -scale times the honest gradient")
+
+
+@register_attack("sign_flip", SignFlipOptions)
+class SignFlip(Attack):
+    """Sends the honest gradient reversed (times ``scale``): ascent instead of descent."""
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return honest * -self.options.scale
+
+
+class RandomDirectionOptions(AttackOptions):
+    norm_ratio: float = Field(
+        10.0, gt=0, le=1e6, description="norm of the random vector, as a multiple of the honest norm"
+    )
+
+
+@register_attack("random_direction", RandomDirectionOptions)
+class RandomDirection(Attack):
+    """Sends a uniformly random direction with ``norm_ratio`` times the honest gradient's norm."""
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        noise = torch.randn(honest.shape, generator=self.generator(step), dtype=torch.float32)
+        norm = float(torch.linalg.vector_norm(honest.to(torch.float32))) or 1.0
+        scale = self.options.norm_ratio * norm / max(float(torch.linalg.vector_norm(noise)), 1e-30)
+        return (noise * scale).to(honest.dtype)
+
+
+class LabelFlipOptions(AttackOptions):
+    num_classes: int = Field(256, ge=2, le=10**7, description="targets are class ids in [0, num_classes)")
+
+
+@register_attack("label_flip", LabelFlipOptions)
+class LabelFlip(Attack):
+    """Trains on flipped labels, ``y -> num_classes - 1 - y``, then sends that gradient honestly."""
+
+    def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+            raise ConfigError(f"label_flip needs integer class targets, got {targets.dtype}")
+        last = self.options.num_classes - 1
+        # Targets outside [0, num_classes) (padding such as -100) are left as they are.
+        valid = (targets >= 0) & (targets <= last)
+        return inputs, torch.where(valid, last - targets, targets)
+
+
+class DelayedGradientOptions(AttackOptions):
+    delay: int = Field(10, ge=1, le=10_000, description="send the honest gradient of this many steps ago")
+
+
+@register_attack("delayed_gradient", DelayedGradientOptions)
+class DelayedGradient(Attack):
+    """Sends its honest gradient from ``delay`` steps ago (the oldest it has until then): a stale peer."""
+
+    def __init__(self, options: DelayedGradientOptions, context: AttackContext) -> None:
+        super().__init__(options, context)
+        self.history = _History(options.delay + 1)
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self.history.add(step, honest)
+        wanted = step - self.options.delay
+        kept = sorted(self.history.by_step)
+        return self.history.by_step.get(wanted, self.history.by_step[kept[0]]).clone()
+
+
+class EstimateOptions(AttackOptions):
+    window: int = Field(
+        8, ge=1, le=1000, description="own honest gradients of this many steps estimate the honest spread"
+    )
+
+
+class AlieOptions(EstimateOptions):
+    z: float | None = Field(
+        None, ge=-100, le=100, description="deviation in standard deviations; default: z_max of the paper"
+    )
+
+
+@register_attack("alie", AlieOptions)
+class Alie(Attack):
+    """A little is enough (Baruch et al., 2019): every coordinate at mean + z * std of the honest ones.
+
+    ``z`` defaults to z_max for the group: the largest deviation that still leaves the attackers'
+    values inside the majority's spread, so median- and trimming-based rules keep them.
+    """
+
+    def __init__(self, options: AlieOptions, context: AttackContext) -> None:
+        super().__init__(options, context)
+        self.history = _History(options.window)
+        self.z = options.z if options.z is not None else alie_z(context.group_size, context.attackers)
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        mean, std = _estimate(self.history, honest, step, peers)
+        return mean + self.z * std
+
+
+class IpmOptions(EstimateOptions):
+    epsilon: float = Field(0.1, gt=0, le=1e6, description="send -epsilon times the honest mean")
+
+
+@register_attack("ipm", IpmOptions)
+class InnerProductManipulation(Attack):
+    """Inner product manipulation (Xie et al., 2019): sends ``-epsilon`` times the honest mean.
+
+    A small epsilon stays close to the honest values yet turns the aggregate's inner product with the
+    true gradient negative once enough attackers join; a large one overwhelms a plain mean.
+    """
+
+    def __init__(self, options: IpmOptions, context: AttackContext) -> None:
+        super().__init__(options, context)
+        self.history = _History(options.window)
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        mean, _ = _estimate(self.history, honest, step, peers)
+        return mean * -self.options.epsilon
+
+
+class NanOptions(AttackOptions):
+    value: Literal["nan", "inf", "-inf"] = Field("nan", description="the non-finite value sent")
+    fraction: float = Field(1.0, gt=0, le=1, description="fraction of the values replaced (random ones)")
+
+
+@register_attack("nan", NanOptions)
+class NonFinite(Attack):
+    """Sends NaN (or an infinity) in place of a ``fraction`` of the values: validation must refuse it."""
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        poisoned = honest.clone()
+        value = float(self.options.value)
+        if self.options.fraction >= 1:
+            return poisoned.fill_(value)
+        flat = poisoned.view(-1)
+        count = max(1, math.floor(self.options.fraction * flat.numel()))
+        flat[torch.randperm(flat.numel(), generator=self.generator(step))[:count]] = value
+        return poisoned
+
+
+class HugeWeightOptions(AttackOptions):
+    weight: float = Field(1e6, gt=0, le=1e30, description="the weight claimed, whatever the honest one")
+    flip_sign: bool = Field(
+        True, description="also send the reversed gradient, so that the weight does harm under a mean"
+    )
+
+
+@register_attack("huge_weight", HugeWeightOptions)
+class HugeWeight(Attack):
+    """Claims an enormous weight (sample count) so a weighted mean follows this sender alone."""
+
+    def contribution(
+        self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return -honest if self.options.flip_sign else honest
+
+    def weight(self, claimed: float) -> float:
+        return self.options.weight
+
+
+class BadReducerOptions(AttackOptions):
+    shift: float = Field(
+        1.0, gt=0, le=1e6, description="added to every value, as a multiple of the aggregate's RMS"
+    )
+
+    @model_validator(mode="after")
+    def _finite(self) -> BadReducerOptions:
+        if not math.isfinite(self.shift):
+            raise ValueError("shift must be finite")
+        return self
+
+
+@register_attack("bad_reducer", BadReducerOptions)
+class BadReducer(Attack):
+    """As the reducer of a part, returns the aggregate shifted by ``shift`` times its RMS on every value.
+
+    Its own contributions are honest: only a check of the reducers' outputs catches it.
+    """
+
+    def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
+        rms = float(torch.sqrt(torch.mean(aggregate.to(torch.float64) ** 2))) if aggregate.numel() else 0.0
+        return aggregate + self.options.shift * (rms if rms > 0 else 1.0)

@@ -1,0 +1,167 @@
+"""The attack library: each attack lies exactly where it says it does, the same way for the same seed."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from protocols.errors import ConfigError
+from swarm.byzantine import attack_names, attack_options, make_attack
+from swarm.byzantine.attacks import alie_z
+
+pytestmark = pytest.mark.timeout(60)
+
+ALL = ["alie", "bad_reducer", "delayed_gradient", "huge_weight", "ipm", "label_flip", "nan", "random_direction", "sign_flip"]  # fmt: skip
+HOOKS = ("batch", "contribution", "weight", "reduce")
+# The hooks at which each attack lies; at every other hook it is honest.
+LIES_AT = {
+    "sign_flip": {"contribution"},
+    "random_direction": {"contribution"},
+    "label_flip": {"batch"},
+    "delayed_gradient": {"contribution"},
+    "alie": {"contribution"},
+    "ipm": {"contribution"},
+    "nan": {"contribution"},
+    "huge_weight": {"contribution", "weight"},
+    "bad_reducer": {"reduce"},
+}
+
+
+def _gradient(step: int) -> torch.Tensor:
+    return torch.randn(64, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _hooks_changed(name: str) -> set[str]:
+    """Which hooks return something other than their input, over a few steps."""
+    attack = make_attack(name, group_size=8, attackers=3, seed=5)
+    changed = set()
+    inputs, targets = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))
+    new_inputs, new_targets = attack.batch(inputs, targets)
+    if not (torch.equal(new_inputs, inputs) and torch.equal(new_targets, targets)):
+        changed.add("batch")
+    for step in range(12):
+        honest = _gradient(step)
+        sent = attack.contribution(honest.clone(), step)
+        if sent.shape != honest.shape or not torch.equal(sent, honest):
+            changed.add("contribution")
+    if attack.weight(16.0) != 16.0:
+        changed.add("weight")
+    aggregate = _gradient(99)
+    if not torch.equal(attack.reduce(aggregate.clone()), aggregate):
+        changed.add("reduce")
+    return changed
+
+
+def test_every_issue_attack_is_registered():
+    assert set(ALL) <= set(attack_names())
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_attack_lies_exactly_where_it_says(name: str):
+    assert _hooks_changed(name) == LIES_AT[name]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_attacks_replay_exactly_for_the_same_seed(name: str):
+    def run(seed: int) -> list[torch.Tensor]:
+        attack = make_attack(name, group_size=8, attackers=3, seed=seed)
+        return [attack.contribution(_gradient(s), s) for s in range(4)] + [attack.reduce(_gradient(9))]
+
+    first, again = run(1), run(1)
+    assert all(
+        torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(first, again, strict=True)
+    )
+    if name == "random_direction":
+        assert not torch.equal(run(1)[0], run(2)[0])
+
+
+def test_sign_flip_and_huge_weight():
+    honest = _gradient(0)
+    assert torch.equal(
+        make_attack("sign_flip", {"scale": 4}, group_size=4, attackers=1).contribution(honest, 0), -4 * honest
+    )
+    huge = make_attack("huge_weight", {"weight": 1e9}, group_size=4, attackers=1)
+    assert huge.weight(3.0) == 1e9 and torch.equal(huge.contribution(honest, 0), -honest)
+    assert torch.equal(make_attack("huge_weight", {"flip_sign": False}, group_size=4, attackers=1).contribution(honest, 0), honest)  # fmt: skip
+
+
+def test_random_direction_has_the_asked_norm_and_no_relation_to_the_gradient():
+    honest = _gradient(0)
+    sent = make_attack("random_direction", {"norm_ratio": 3.0}, group_size=4, attackers=1).contribution(
+        honest, 0
+    )
+    assert float(sent.norm()) == pytest.approx(3.0 * float(honest.norm()), rel=1e-5)
+    cosine = float(torch.nn.functional.cosine_similarity(sent, honest, dim=0))
+    assert abs(cosine) < 0.5
+
+
+def test_label_flip_flips_class_targets_and_keeps_inputs_and_padding():
+    attack = make_attack("label_flip", {"num_classes": 10}, group_size=4, attackers=1)
+    inputs = torch.arange(6)
+    targets = torch.tensor([0, 1, 9, 4, -100, 12])
+    new_inputs, new_targets = attack.batch(inputs, targets)
+    assert new_inputs is inputs
+    assert new_targets.tolist() == [9, 8, 0, 5, -100, 12]
+    with pytest.raises(ConfigError, match="integer class targets"):
+        attack.batch(inputs, torch.zeros(6))
+
+
+def test_delayed_gradient_sends_the_gradient_of_delay_steps_ago():
+    attack = make_attack("delayed_gradient", {"delay": 3}, group_size=4, attackers=1)
+    sent = [attack.contribution(_gradient(step), step) for step in range(8)]
+    # Until it has a gradient that old it sends its oldest one, then always the one from 3 steps back.
+    assert all(torch.equal(sent[s], _gradient(0)) for s in range(4))
+    assert all(torch.equal(sent[s], _gradient(s - 3)) for s in range(4, 8))
+    assert len(attack.history.by_step) <= 4  # bounded memory
+
+
+def test_alie_uses_the_published_z_and_the_colluders_statistics():
+    # z_max = Phi^-1((n - s) / n) with s = floor(n/2 + 1) - f.
+    assert alie_z(50, 24) == pytest.approx(statistics.NormalDist().inv_cdf(48 / 50))  # 1.75
+    assert alie_z(8, 2) == pytest.approx(statistics.NormalDist().inv_cdf(5 / 8))
+    assert alie_z(4, 1) == pytest.approx(0.0)
+    peers = torch.stack([_gradient(s) for s in range(3)])
+    attack = make_attack("alie", group_size=8, attackers=3, seed=0)
+    sent = attack.contribution(peers[0], 0, peers=peers)
+    expected = peers.mean(dim=0) + alie_z(8, 3) * peers.std(dim=0, correction=0)
+    assert torch.allclose(sent, expected, atol=1e-6)
+    # Alone, it estimates from its own recent honest gradients.
+    alone = make_attack("alie", {"z": 1.0, "window": 2}, group_size=8, attackers=1)
+    alone.contribution(_gradient(0), 0)
+    own = torch.stack([_gradient(0), _gradient(1)])
+    expected = own.mean(dim=0) + own.std(dim=0, correction=0)
+    assert torch.allclose(alone.contribution(_gradient(1), 1), expected, atol=1e-6)
+
+
+def test_ipm_sends_minus_epsilon_times_the_honest_mean():
+    peers = torch.stack([_gradient(s) for s in range(3)])
+    attack = make_attack("ipm", {"epsilon": 0.5}, group_size=8, attackers=3)
+    sent = attack.contribution(peers[1], 0, peers=peers)
+    assert torch.allclose(sent, -0.5 * peers.mean(dim=0), atol=1e-6)
+    assert float(sent @ peers.mean(dim=0)) < 0
+
+
+def test_nan_poisons_the_asked_fraction():
+    honest = torch.ones(100)
+    sent = make_attack("nan", {"fraction": 0.25}, group_size=4, attackers=1).contribution(honest, 0)
+    assert int(sent.isnan().sum()) == 25 and torch.equal(sent[~sent.isnan()], torch.ones(75))
+    assert torch.equal(honest, torch.ones(100)), "the honest gradient must not be modified in place"
+    inf = make_attack("nan", {"value": "-inf"}, group_size=4, attackers=1).contribution(honest, 0)
+    assert bool((inf == float("-inf")).all())
+
+
+def test_bad_reducer_shifts_the_aggregate_by_its_rms():
+    aggregate = torch.tensor([3.0, -4.0, 0.0, 0.0])  # RMS 2.5
+    shifted = make_attack("bad_reducer", {"shift": 0.4}, group_size=4, attackers=1).reduce(aggregate)
+    assert torch.allclose(shifted, aggregate + 1.0)
+
+
+def test_bad_options_and_contexts_are_config_errors():
+    with pytest.raises(ConfigError, match="field 'epsilon'"):
+        attack_options("ipm", {"epsilon": -1})
+    with pytest.raises(ConfigError, match="unknown attack 'krum_breaker'; available: alie"):
+        make_attack("krum_breaker", group_size=4, attackers=1)
+    with pytest.raises(ConfigError, match="attackers <= group_size"):
+        make_attack("sign_flip", group_size=2, attackers=3)
