@@ -54,6 +54,8 @@ async def _start(config: CoordinatorConfig) -> None:
     node = CoordinatorNode(config, run)
     await node.start()
     print(f"coordinator of run {run.run_id!r} listening on {node.address}", flush=True)
+    if node.dashboard is not None:
+        print(f"dashboard: {node.dashboard.url}", flush=True)
     try:
         await stop.wait()
     finally:

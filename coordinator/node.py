@@ -1,4 +1,5 @@
-"""The coordinator node: DHT bootstrap peer, gRPC service, SQLite record and the liveness sweeper.
+"""The coordinator node: DHT bootstrap peer, gRPC service, SQLite record, the liveness sweeper, the
+metrics history and (with ``dashboard_port``) the web dashboard.
 
 Example::
 
@@ -22,6 +23,9 @@ import grpc
 
 from coordinator.checkpoints import CheckpointKeeper
 from coordinator.config import CoordinatorConfig
+from coordinator.dashboard import Dashboard
+from coordinator.dialback import DialBackService
+from coordinator.metrics import MetricsLogger, history_point, run_snapshot
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from protocols.errors import ConfigError, NetworkError
@@ -52,6 +56,9 @@ class CoordinatorNode:
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task | None = None
         self._checkpoints: asyncio.Task | None = None
+        self._history: asyncio.Task | None = None
+        self._metrics_logger: MetricsLogger | None = None
+        self.dashboard: Dashboard | None = None
 
     async def start(self) -> None:
         config, run = self.config, self.run
@@ -64,7 +71,13 @@ class CoordinatorNode:
                 f"run config pins coordinator_key {run.coordinator_key}, but identity {config.identity_path} "
                 f"is {key.peer_id}"
             )
-        self._store = await asyncio.to_thread(Store.open_sync, data_dir / STORE_FILE, run.run_id)
+        self._store = await asyncio.to_thread(
+            Store.open_sync,
+            data_dir / STORE_FILE,
+            run.run_id,
+            # A peer may overshoot the target batch by up to one micro-batch before its round starts.
+            max_samples_per_step=float(run.training.target_batch_size + run.training.micro_batch_size),
+        )
         try:
             self._dht = await asyncio.to_thread(
                 start_dht,
@@ -80,7 +93,9 @@ class CoordinatorNode:
             await keeper.start()
             service = CoordinatorService(run, key, self._store, self.dht_initial_peers)
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
-            self._server.add_generic_rpc_handlers((service.generic_handler(),))
+            self._server.add_generic_rpc_handlers(
+                (service.generic_handler(), DialBackService().generic_handler())
+            )
             bind = _host_port(config.host, config.port)
             try:
                 port = self._server.add_insecure_port(bind)
@@ -91,6 +106,15 @@ class CoordinatorNode:
             if port == 0:
                 raise NetworkError(f"cannot serve gRPC on {bind}: {reason}")
             await self._server.start()
+            if config.log_to != "none":
+                self._metrics_logger = await asyncio.to_thread(
+                    MetricsLogger, config.log_to, config.log_path, run.run_id
+                )
+            if config.dashboard_port is not None:
+                self.dashboard = Dashboard(
+                    self.snapshot, host=config.dashboard_host or config.host, port=config.dashboard_port
+                )
+                await self.dashboard.start()
         except BaseException:
             await self.stop()
             raise
@@ -98,6 +122,7 @@ class CoordinatorNode:
         self.address = _host_port("127.0.0.1" if unspecified else config.host, port)
         self._sweeper = asyncio.create_task(self._sweep_offline())
         self._checkpoints = asyncio.create_task(keeper.run_forever())
+        self._history = asyncio.create_task(self._record_history())
         self._write_endpoint(key.peer_id)
         logger.info(f"coordinator {key.peer_id} serves run {run.run_id!r} on {_host_port(config.host, port)}")
         logger.info(f"DHT initial peers: {' '.join(self.dht_initial_peers)}")
@@ -109,6 +134,7 @@ class CoordinatorNode:
             "coordinator_peer_id": peer_id,
             "dht_initial_peers": self.dht_initial_peers,
             "pid": os.getpid(),
+            "dashboard_url": self.dashboard.url if self.dashboard else None,
         }
         path = self.config.data_path / ENDPOINT_FILE
         tmp = path.with_suffix(".tmp")
@@ -126,13 +152,35 @@ class CoordinatorNode:
             except Exception:
                 logger.exception("liveness sweep failed; retrying")
 
+    async def snapshot(self) -> dict:
+        """The run as ``/api/status`` serves it."""
+        return await run_snapshot(self._store, self.run, self.coordinator_peer_id)
+
+    async def _record_history(self) -> None:
+        """Sample the run (loss, throughput, peers online) from the peers' latest heartbeats."""
+        while True:
+            await asyncio.sleep(self.config.history_interval_s)
+            try:
+                point = history_point(await self._store.list_peers(), time.time())
+                await self._store.append_history(point)
+                if self._metrics_logger is not None:
+                    await asyncio.to_thread(self._metrics_logger.log, point)
+            except Exception:
+                logger.exception("recording the metrics history failed; retrying")
+
     async def stop(self) -> None:
-        for task in (self._sweeper, self._checkpoints):
+        for task in (self._sweeper, self._checkpoints, self._history):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._sweeper = self._checkpoints = None
+        self._sweeper = self._checkpoints = self._history = None
+        if self.dashboard is not None:
+            await self.dashboard.stop()
+            self.dashboard = None
+        if self._metrics_logger is not None:
+            await asyncio.to_thread(self._metrics_logger.close)
+            self._metrics_logger = None
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None

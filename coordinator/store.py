@@ -1,4 +1,5 @@
-"""The coordinator's record of the run in SQLite: peers, their certificates and metrics, and bans.
+"""The coordinator's record of the run in SQLite: peers, their certificates and metrics, bans, each peer's
+credit (contributed samples) and a history of the run's metrics for the dashboard.
 
 One connection, used from one worker thread, so SQLite calls never block the event loop and never race.
 The file survives restarts; a data directory belongs to one run ID and refuses to serve another.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sqlite3
 import time
 from collections import Counter
@@ -45,8 +47,28 @@ CREATE TABLE IF NOT EXISTS bans (
     banned_at REAL NOT NULL,
     evidence BLOB
 );
+CREATE TABLE IF NOT EXISTS credit (
+    peer_id TEXT PRIMARY KEY,
+    samples REAL NOT NULL DEFAULT 0,
+    reported REAL NOT NULL DEFAULT 0,
+    step INTEGER NOT NULL DEFAULT 0,
+    refused REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS history (
+    t REAL NOT NULL,
+    step INTEGER NOT NULL,
+    train_loss REAL,
+    val_loss REAL,
+    samples_per_s REAL NOT NULL,
+    peers_online INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS history_by_time ON history (t);
 """
 SCHEMA_VERSION = "1"
+# The history keeps this many samples (a week at one sample per 5 s); older ones are dropped.
+MAX_HISTORY_ROWS = 120_000
+# The peer metric that carries its cumulative count of samples in applied rounds (see ``Credit``).
+CONTRIBUTED = "contributed_samples"
 
 
 @dataclass
@@ -66,20 +88,43 @@ class PeerRecord:
     step: int = 0
     param_hash: str = ""
     ban_reason: str = ""
+    banned_at: float = 0.0
+    contributed_samples: float = 0.0
+
+
+@dataclass(frozen=True)
+class HistoryPoint:
+    """The run at one moment, sampled from the latest heartbeats of the peers online then."""
+
+    t: float
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    samples_per_s: float
+    peers_online: int
+
+
+@dataclass(frozen=True)
+class Ban:
+    peer_id: str
+    reason: str
+    banned_at: float
+    evidence: bytes | None
 
 
 class Store:
     """Async facade over one SQLite file; every method runs on the store's own thread."""
 
-    def __init__(self, path: Path, run_id: str):
+    def __init__(self, path: Path, run_id: str, *, max_samples_per_step: float = math.inf):
         self.path = path
         self.run_id = run_id
+        self.max_samples_per_step = max_samples_per_step
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-store")
         self._db: sqlite3.Connection | None = None
 
     @classmethod
-    def open_sync(cls, path: Path, run_id: str) -> Store:
-        store = cls(path, run_id)
+    def open_sync(cls, path: Path, run_id: str, *, max_samples_per_step: float = math.inf) -> Store:
+        store = cls(path, run_id, max_samples_per_step=max_samples_per_step)
         store._executor.submit(store._open).result()
         return store
 
@@ -159,7 +204,8 @@ class Store:
     async def record_heartbeat(
         self, peer_id: str, *, seq: int, seen_at: float, metrics: dict[str, float], step: int, param_hash: str
     ) -> bool:
-        """Mark the peer online; returns False (and changes nothing) when ``seq`` is not new."""
+        """Mark the peer online and credit its contribution; returns False (and changes nothing) when
+        ``seq`` is not new."""
 
         def op(db: sqlite3.Connection) -> bool:
             with db:
@@ -168,6 +214,8 @@ class Store:
                     "WHERE peer_id=? AND last_seq < ?",
                     (seen_at, seq, json.dumps(metrics), step, param_hash, peer_id, seq),
                 )
+                if cursor.rowcount == 1 and CONTRIBUTED in metrics:
+                    _credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
             return cursor.rowcount == 1
 
         return await self._run(op)
@@ -214,6 +262,54 @@ class Store:
     async def ban(self, peer_id: str, reason: str, evidence: bytes | None = None) -> None:
         await self._run(lambda db: ban_sync(db, peer_id, reason, evidence))
 
+    async def list_bans(self) -> list[Ban]:
+        return await self._run(
+            lambda db: [
+                Ban(*row)
+                for row in db.execute(
+                    "SELECT peer_id, reason, banned_at, evidence FROM bans ORDER BY banned_at"
+                )
+            ]
+        )
+
+    async def credit_refused(self) -> dict[str, float]:
+        """Samples each peer claimed beyond what its progress allows (only peers with such claims)."""
+        return await self._run(
+            lambda db: dict(db.execute("SELECT peer_id, refused FROM credit WHERE refused > 0").fetchall())
+        )
+
+    async def append_history(self, point: HistoryPoint) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            with db:
+                db.execute(
+                    "INSERT INTO history VALUES (?, ?, ?, ?, ?, ?)",
+                    (point.t, point.step, point.train_loss, point.val_loss, point.samples_per_s,
+                     point.peers_online),
+                )  # fmt: skip
+                db.execute(
+                    "DELETE FROM history WHERE rowid <= (SELECT MAX(rowid) FROM history) - ?",
+                    (MAX_HISTORY_ROWS,),
+                )
+
+        await self._run(op)
+
+    async def history(self, *, since: float = 0.0, max_points: int = 500) -> list[HistoryPoint]:
+        """Samples taken after ``since``, oldest first, thinned evenly to at most ``max_points`` (the
+        latest sample is always kept)."""
+
+        def op(db: sqlite3.Connection) -> list[HistoryPoint]:
+            rows = db.execute(
+                "SELECT rowid, t, step, train_loss, val_loss, samples_per_s, peers_online FROM history"
+                " WHERE t > ? ORDER BY rowid",
+                (since,),
+            ).fetchall()
+            if len(rows) > max_points:
+                stride = math.ceil(len(rows) / max_points)
+                rows = rows[len(rows) - 1 :: -stride][::-1]
+            return [HistoryPoint(*row[1:]) for row in rows]
+
+        return await self._run(op)
+
 
 def ban_sync(db: sqlite3.Connection, peer_id: str, reason: str, evidence: bytes | None = None) -> None:
     with db:
@@ -221,6 +317,36 @@ def ban_sync(db: sqlite3.Connection, peer_id: str, reason: str, evidence: bytes 
             "INSERT OR REPLACE INTO bans (peer_id, reason, banned_at, evidence) VALUES (?, ?, ?, ?)",
             (peer_id, reason, time.time(), evidence),
         )
+
+
+def _credit(db: sqlite3.Connection, peer_id: str, reported: float, step: int, max_per_step: float) -> None:
+    """Merge a peer's reported cumulative ``contributed_samples`` into its durable credit.
+
+    The counter lives in the peer's trainer and starts again from 0 when the trainer restarts, so a
+    report below the previous one is a restart: the whole new count is new work. Credit never falls.
+    Growth is capped by the peer's own progress: at most ``max_per_step`` samples (the run's target
+    batch) per step the peer advanced since its credit last grew, so neither a counter that jumps nor
+    one that keeps "restarting" earns more than real rounds could hold; the excess is kept as
+    ``refused`` for the organizer to see.
+    """
+    if not math.isfinite(reported) or reported < 0:
+        return
+    row = db.execute("SELECT reported, step FROM credit WHERE peer_id=?", (peer_id,)).fetchone()
+    if row is None:
+        # The first report is the baseline: work before it was done where the coordinator saw no progress.
+        db.execute(
+            "INSERT INTO credit (peer_id, samples, reported, step, refused) VALUES (?, 0, ?, ?, 0)",
+            (peer_id, reported, step),
+        )
+        return
+    previous, credited_step = row
+    claimed = reported - previous if reported >= previous else reported
+    allowed = max(0, step - credited_step) * max_per_step
+    granted = min(claimed, allowed)
+    db.execute(
+        "UPDATE credit SET samples = samples + ?, reported = ?, refused = refused + ?, step = ? WHERE peer_id=?",
+        (granted, reported, claimed - granted, max(step, credited_step), peer_id),
+    )
 
 
 def unban_sync(db: sqlite3.Connection, peer_id: str) -> bool:
@@ -231,16 +357,18 @@ def unban_sync(db: sqlite3.Connection, peer_id: str) -> bool:
 _SELECT_PEERS = (
     "SELECT p.peer_id, p.public_key, p.name, p.device, p.role,"
     " CASE WHEN b.peer_id IS NULL THEN p.state ELSE 'banned' END, p.joined_at, p.last_seen, p.last_seq,"
-    " p.cert_serial, p.cert_expires_at, p.metrics, p.step, p.param_hash, COALESCE(b.reason, '')"
-    " FROM peers p LEFT JOIN bans b ON b.peer_id = p.peer_id"
+    " p.cert_serial, p.cert_expires_at, p.metrics, p.step, p.param_hash, COALESCE(b.reason, ''),"
+    " COALESCE(b.banned_at, 0), COALESCE(c.samples, 0)"
+    " FROM peers p LEFT JOIN bans b ON b.peer_id = p.peer_id LEFT JOIN credit c ON c.peer_id = p.peer_id"
 )
 
 
 def _record(row: Any) -> PeerRecord:
-    *head, metrics, step, param_hash, ban_reason = row
+    *head, metrics, step, param_hash, ban_reason, banned_at, contributed = row
     return PeerRecord(
-        *head, metrics=json.loads(metrics), step=step, param_hash=param_hash, ban_reason=ban_reason
-    )
+        *head, metrics=json.loads(metrics), step=step, param_hash=param_hash, ban_reason=ban_reason,
+        banned_at=banned_at, contributed_samples=contributed,
+    )  # fmt: skip
 
 
 def diverged_peers(records: list[PeerRecord]) -> set[str]:

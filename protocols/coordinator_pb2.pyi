@@ -132,3 +132,29 @@ class StatusResponse(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
     server_time: float
     def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., coordinator_peer_id: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., server_time: _Optional[float] = ...) -> None: ...
+
+class DialBackRequest(_message.Message):
+    __slots__ = ("header", "ports")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DialBackResult(_message.Message):
+    __slots__ = ("port", "reachable", "detail")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    reachable: bool
+    detail: str
+    def __init__(self, port: _Optional[int] = ..., reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class DialBackResponse(_message.Message):
+    __slots__ = ("address", "results")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    results: _containers.RepeatedCompositeFieldContainer[DialBackResult]
+    def __init__(self, address: _Optional[str] = ..., results: _Optional[_Iterable[_Union[DialBackResult, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=protocols_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protocols_dot_coordinator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/swarm.coordinator.v1.Coordinator/DialBack',
+                request_serializer=protocols_dot_coordinator__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=protocols_dot_coordinator__pb2.DialBackResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -94,6 +99,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DialBack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protocols_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=protocols_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=protocols_dot_coordinator__pb2.DialBackRequest.FromString,
+                    response_serializer=protocols_dot_coordinator__pb2.DialBackResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Coordinator:
             '/swarm.coordinator.v1.Coordinator/Status',
             protocols_dot_coordinator__pb2.StatusRequest.SerializeToString,
             protocols_dot_coordinator__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.coordinator.v1.Coordinator/DialBack',
+            protocols_dot_coordinator__pb2.DialBackRequest.SerializeToString,
+            protocols_dot_coordinator__pb2.DialBackResponse.FromString,
             options,
             channel_credentials,
             insecure,

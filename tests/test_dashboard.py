@@ -1,0 +1,242 @@
+"""The coordinator's dashboard over a real 2-peer run: the JSON API, Prometheus metrics, bad paths,
+no secrets, the page in a headless browser, and how reported contributions become durable credit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from coordinator.localswarm import Child, LocalSwarm, tiny_run, wait_until
+from coordinator.store import PeerRecord, Store
+from swarm.config import RunConfig
+from swarm.identity import load_identity
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+JOIN_TOKEN = "dashboard-test-secret-token"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@dataclass
+class Run:
+    swarm: LocalSwarm
+    coordinator: Child
+    peers: list[Child]
+    url: str
+    address: str
+    data_dir: Path
+
+
+def start_coordinator(swarm: LocalSwarm, run, *extra: str, name: str = "coordinator") -> tuple[Child, dict]:
+    data_dir = swarm.root / f"{name}-data"
+    child = swarm.spawn(
+        name,
+        ["-m", "coordinator.cli", "start", "--config", str(swarm.write_config(run, f"{name}.toml")),
+         "--host", "127.0.0.1", "--port", "0", "--dht-port", "0", "--data-dir", str(data_dir),
+         "--dashboard-port", "0", "--history-interval-s", "0.5", *extra],
+    )  # fmt: skip
+    endpoint = data_dir / "endpoint.json"
+
+    def ready() -> dict | None:
+        assert child.process.poll() is None, child.output()
+        return json.loads(endpoint.read_text()) if endpoint.exists() else None
+
+    return child, wait_until(ready, timeout_s=90, what="the coordinator to serve")
+
+
+def get(url: str) -> tuple[int, str, str]:
+    """Status, content type and body of a GET (error statuses included)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def api(run: Run) -> dict:
+    return json.loads(get(run.url + "api/status")[2])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    swarm = LocalSwarm(tmp_path_factory.mktemp("dashboard"))
+    try:
+        spec = tiny_run("dashboard", max_steps=6).model_dump()
+        config = RunConfig.model_validate(
+            {**spec, "admission": {"policy": "token", "join_token": JOIN_TOKEN}}
+        )
+        coordinator, endpoint = start_coordinator(swarm, config)
+        peers = [
+            swarm.start_peer(
+                endpoint["address"], f"peer{i}", "--join-token", JOIN_TOKEN, "--status-interval-s", "1"
+            )
+            for i in range(2)
+        ]
+        result = Run(swarm, coordinator, peers, endpoint["dashboard_url"], endpoint["address"],
+                     swarm.root / "coordinator-data")  # fmt: skip
+
+        def trained() -> bool:
+            status = api(result)
+            steps = [p["step"] for p in status["peers"] if p["state"] == "online"]
+            return steps == [6, 6] and len(status["leaderboard"]) == 2 and status["history"][-1]["step"] == 6
+
+        wait_until(trained, timeout_s=180, what="2 peers to train 6 steps")
+        yield result
+    finally:
+        swarm.kill_all()
+
+
+def test_api_status_reflects_the_two_peer_run(run: Run):
+    status = api(run)
+    assert status["run_id"] == "dashboard"
+    peers = {p["name"]: p for p in status["peers"]}
+    assert set(peers) == {"peer0", "peer1"}
+    for child in run.peers:
+        peer = peers[child.name]
+        assert peer["peer_id"] == load_identity(child.extra["identity"]).peer_id
+        assert peer["state"] == "online" and not peer["paused"]
+        assert peer["role"] == "data" and peer["device"].startswith("cpu")
+        assert peer["step"] == 6
+        # Credit: the samples each put into the 6 applied rounds, at most a full batch (plus one
+        # micro-batch of overshoot) per step, and nothing refused for an honest peer.
+        assert 0 < peer["contributed_samples"] <= 6 * (32 + 4)
+        assert peer["credit_refused"] == 0
+        assert peer["metrics"]["train_loss"] < 6
+    assert status["contributed_samples"] == sum(p["contributed_samples"] for p in status["peers"])
+    board = status["leaderboard"]
+    assert [e["rank"] for e in board] == [1, 2]
+    assert board[0]["contributed_samples"] >= board[1]["contributed_samples"]
+    assert abs(sum(e["share"] for e in board) - 1.0) < 1e-9
+    # The history the loss plot draws: the loss fell, both peers were online, the step advanced.
+    history = status["history"]
+    losses = [p["train_loss"] for p in history if p["train_loss"] is not None]
+    assert len(losses) >= 2 and min(losses) < losses[0]
+    assert max(p["peers_online"] for p in history) == 2
+    assert history[-1]["step"] == 6 and any(p["val_loss"] is not None for p in history)
+    assert status["bans"] == []
+
+
+def test_metrics_expose_swarm_metrics_for_prometheus(run: Run):
+    code, content_type, body = get(run.url + "metrics")
+    assert code == 200 and content_type.startswith("text/plain")
+    samples = [line for line in body.splitlines() if line and not line.startswith("#")]
+    assert samples and all(line.startswith("swarm_") for line in samples), samples
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in samples}
+    assert values["swarm_step"] == 6
+    assert values['swarm_peers{state="online"}'] == 2
+    assert values["swarm_contributed_samples_total"] > 0
+    credited = [k for k in values if k.startswith("swarm_peer_contributed_samples_total{")]
+    assert len(credited) == 2 and all(values[k] > 0 for k in credited)
+    assert 'run_id="dashboard"' in body
+
+
+def test_unknown_paths_get_json_errors_and_no_secret_is_served(run: Run):
+    for path in ("api/nope", "api/status/extra", "static/../coordinator-data/identity.key", "admin"):
+        code, content_type, body = get(run.url + path)
+        assert code == 404 and content_type.startswith("application/json"), (path, code)
+        assert json.loads(body)["error"].startswith("no such page")
+    request = urllib.request.Request(run.url + "api/status", method="POST", data=b"{}")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 405 and "use GET" in json.loads(refused.value.read())["error"]
+
+    served = "".join(
+        get(run.url + path)[2]
+        for path in ("", "static/dashboard.js", "static/dashboard.css", "api/status", "metrics")
+    )
+    assert JOIN_TOKEN not in served, "the join token must never be served"
+    for key_file in [run.data_dir / "identity.key"] + [p.extra["identity"] for p in run.peers]:
+        seed = key_file.read_bytes()[4:36]  # libp2p's Ed25519 key file: a 4-byte header, then the seed
+        assert seed.hex() not in served and seed.hex().upper() not in served
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary (apt-get install chromium); .ci/run installs it"
+)
+def test_the_page_renders_live_peers_and_the_loss_plot_in_a_browser(run: Run, tmp_path: Path):
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--hide-scrollbars", "--window-size=1400,1250", "--virtual-time-budget=6000",
+             f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    dom = subprocess.run([*flags, "--dump-dom", run.url], capture_output=True, text=True, timeout=120).stdout
+    assert 'data-loaded="1"' in dom, "the page fetched /api/status and rendered it"
+    for child in run.peers:
+        peer_id = load_identity(child.extra["identity"]).peer_id
+        assert re.search(rf'<tr data-peer-id="{peer_id}" data-state="online">\s*<td>{child.name}</td>', dom)
+    train = re.search(r'<path d="(M[^"]+)" class="line train" data-series="train" data-count="(\d+)"', dom)
+    assert train and int(train.group(2)) >= 2, "the loss plot draws the training loss over time"
+    assert train.group(1).count("L") == int(train.group(2)) - 1
+    assert re.search(r'id="kpi-step">6<', dom) and re.search(r'id="kpi-peers">2<', dom)
+
+    shot = tmp_path / "dashboard.png"
+    subprocess.run([*flags, f"--screenshot={shot}", run.url], capture_output=True, timeout=120)
+    png = shot.read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000, "a screenshot of a rendered page"
+
+
+def test_a_ban_shows_with_its_reason(run: Run):
+    rogue = run.peers[1]
+    peer_id = load_identity(rogue.extra["identity"]).peer_id
+    subprocess.run(
+        ["swarm-coordinator", "ban", peer_id, "--data-dir", str(run.data_dir), "--reason", "sent NaN gradients"],
+        check=True, capture_output=True, timeout=30, env=run.swarm.env,
+    )  # fmt: skip
+    status = api(run)
+    assert [(b["peer_id"], b["name"], b["reason"]) for b in status["bans"]] == [
+        (peer_id, "peer1", "sent NaN gradients")
+    ]
+    assert {p["name"]: p["state"] for p in status["peers"]}["peer1"] == "banned"
+    assert "swarm_bans 1.0" in get(run.url + "metrics")[2]
+
+
+def test_reported_contributions_become_durable_credit(tmp_path: Path):
+    """How a peer's cumulative counter is merged: growth counts, a restart (a lower value) starts a new
+    count, credit never falls, and claims beyond a full batch per step advanced are refused."""
+
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "credit", max_samples_per_step=32)
+        seq = iter(range(1, 100))
+
+        async def beat(step: int, reported: float) -> float:
+            await store.record_heartbeat(
+                "p",
+                seq=next(seq),
+                seen_at=0.0,
+                metrics={"contributed_samples": reported},
+                step=step,
+                param_hash="",
+            )
+            return (await store.get_peer("p")).contributed_samples
+
+        await store.admit(PeerRecord("p", b"k", "p", "cpu", "data", "online", 0.0, 0.0, 0, 1, 1e12))
+        try:
+            assert await beat(0, 0) == 0  # the baseline
+            assert await beat(2, 60) == 60  # two rounds
+            assert await beat(2, 60) == 60  # paused: nothing new
+            assert await beat(3, 20) == 80, "a restarted trainer counts from 0 again; credit does not fall"
+            assert await beat(3, 10_000) == 80, "no step advanced: nothing more can be credited"
+            assert await beat(4, 10_100) == 112, "one step advanced: at most one batch (32)"
+            assert (await store.credit_refused())["p"] == 10_000 - 20 + (100 - 32)
+            # A replayed heartbeat (old sequence number) changes nothing.
+            assert not await store.record_heartbeat(
+                "p", seq=1, seen_at=0.0, metrics={"contributed_samples": 1e9}, step=99, param_hash=""
+            )
+            assert (await store.get_peer("p")).contributed_samples == 112
+        finally:
+            store.close()
+        reopened = Store.open_sync(tmp_path / "c.db", "credit", max_samples_per_step=32)
+        try:
+            assert (await reopened.get_peer("p")).contributed_samples == 112, "credit survives a restart"
+        finally:
+            reopened.close()
+
+    asyncio.run(scenario())
