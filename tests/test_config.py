@@ -175,6 +175,40 @@ def test_check_components_accepts_the_demo() -> None:
     RunConfig.demo().check_components()
 
 
+def test_robust_aggregation_is_the_default_and_its_options_round_trip(tmp_path: Path) -> None:
+    assert RunConfig.demo().training.aggregator == "centered_clip"
+    options = {"tau": 2.5, "tau_mode": "absolute", "iterations": 8, "tolerance": 0.0, "bucket_size": 2}
+    config = RunConfig(run_id="r", training={"aggregator": "centered_clip", "aggregator_options": options})
+    config.to_toml(tmp_path / "run.toml")
+    loaded = RunConfig.from_toml(tmp_path / "run.toml")
+    assert loaded == config and loaded.training.aggregator_options == options
+    loaded.check_components()
+
+
+@pytest.mark.parametrize(
+    "training, named",
+    [
+        ({"aggregator_options": {"tau": -1}}, "field 'tau'"),
+        ({"aggregator_options": {"tau_mode": "scaled"}}, "'relative' or 'absolute'"),
+        (
+            {"aggregator": "trimmed_mean", "aggregator_options": {"tau": 1}},
+            "unknown field 'tau' (known fields",
+        ),
+        ({"aggregator": "krum"}, "available: centered_clip, coordinate_median, mean, trimmed_mean"),
+    ],
+)
+def test_check_components_names_the_bad_aggregator_option(training: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match="training.aggregator") as info:
+        RunConfig(run_id="r", training=training).check_components()
+    assert named in str(info.value)
+
+
+def test_example_run_file_uses_robust_aggregation() -> None:
+    config = RunConfig.from_toml(Path(__file__).resolve().parents[1] / "examples" / "run.toml")
+    config.check_components()
+    assert config.training.aggregator == "centered_clip" and "tau" in config.training.aggregator_options
+
+
 # CLI flags derived from a model
 
 

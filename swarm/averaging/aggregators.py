@@ -167,8 +167,9 @@ def centered_clip(config: CenteredClipOptions) -> AggregatorFn:
             # One sender: its values. Two: nothing tells the honest one apart; the midpoint is the median.
             return v
         weights = w / _ordered_sum(w)
-        diff = x - v
-        norms = _row_norms(diff)
+        # Two scratch buffers of the contributions' size serve every iteration: no allocation per step.
+        diff, scratch = torch.sub(x, v), torch.empty_like(x)
+        norms = _row_norms(diff, scratch)
         if config.tau_mode == "absolute":
             radius = config.tau
         else:
@@ -177,8 +178,8 @@ def centered_clip(config: CenteredClipOptions) -> AggregatorFn:
                 return v
         for iteration in range(config.iterations):
             if iteration:
-                diff = x - v
-                norms = _row_norms(diff)
+                torch.sub(x, v, out=diff)
+                norms = _row_norms(diff, scratch)
             scale = torch.where(norms > radius, radius / norms, torch.ones_like(norms))
             step = _weighted_row_sum(diff, (weights * scale).to(torch.float32))
             v = v + step
@@ -292,8 +293,9 @@ def _buckets(x: torch.Tensor, w: torch.Tensor, size: int, seed: int) -> tuple[to
 def _weighted_row_sum(rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
     """``sum_i coefficients[i] * rows[i]``, row by row in a fixed order (no fused multiply-add)."""
     total = rows[0] * coefficients[0]
+    product = torch.empty_like(total)
     for i in range(1, rows.shape[0]):
-        total.add_(rows[i] * coefficients[i])
+        total.add_(torch.mul(rows[i], coefficients[i], out=product))
     return total
 
 
@@ -302,17 +304,21 @@ def _ordered_sum(values: torch.Tensor) -> float:
     return math.fsum(values.tolist())
 
 
-def _row_norms(rows: torch.Tensor) -> torch.Tensor:
-    """Euclidean norm of each row (float64), summed in a fixed pairwise tree: the same bits anywhere."""
-    squares = rows * rows
-    while squares.shape[1] > 1:
-        half = squares.shape[1] // 2
-        folded = squares[:, :half] + squares[:, half : 2 * half]
-        if squares.shape[1] % 2:
-            folded[:, 0] += squares[:, 2 * half]
-        squares = folded
-    if squares.shape[1] == 0:
+def _row_norms(rows: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Euclidean norm of each row (float64), summed in a fixed pairwise tree: the same bits anywhere.
+
+    ``scratch``, a tensor shaped like ``rows``, is overwritten instead of allocating one.
+    """
+    if rows.shape[1] == 0:
         return torch.zeros(rows.shape[0], dtype=torch.float64)
+    squares = torch.mul(rows, rows, out=scratch) if scratch is not None else rows * rows
+    width = squares.shape[1]
+    while width > 1:
+        half = width // 2
+        squares[:, :half].add_(squares[:, half : 2 * half])
+        if width % 2:
+            squares[:, 0].add_(squares[:, 2 * half])
+        width = half
     return squares[:, 0].to(torch.float64).sqrt()
 
 
