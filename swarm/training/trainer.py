@@ -292,7 +292,8 @@ class Trainer:
         while True:
             try:
                 ttl_s = max(3.0, 6 * interval)
-                await publish_progress(self.dht, self.config.run_id, self._progress(), ttl_s=ttl_s)
+                if not self.paused:  # a paused peer must not look like a groupmate the others wait for
+                    await publish_progress(self.dht, self.config.run_id, self._progress(), ttl_s=ttl_s)
                 fresh = await fetch_progress(self.dht, self.config.run_id)
                 # A failed read must not make the run look empty: keep records that have not expired yet.
                 recent = {k: v for k, v in self.view.items() if v.updated_at > time.time() - ttl_s}
