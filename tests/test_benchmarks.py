@@ -68,3 +68,18 @@ def test_training_benchmark_reports_utilization_throughput_and_traffic(tmp_path:
     assert 0 < result["utilization"] <= 1 and result["samples_per_s"] > 0
     # Two peers average every step, so every sample costs some bytes on the wire.
     assert result["bytes_per_sample"] > 0 and all(p["rounds_ok"] >= 1 for p in result["peers"])
+
+
+def test_aggregation_benchmark_prices_robust_rules_against_mean(tmp_path: Path):
+    output = run_benchmark("bench_aggregation.py", "--json", str(tmp_path / "aggregation.json"))
+
+    assert re.search(r"^\s*4\s+256K chunk \|.*\d+\.\d+x", output, re.M), output[-4000:]
+    row = re.search(r"^\s*3\s+1M \|\s+(\d+\.\d+)\s+(\d+\.\d+) \|\s+(\d+\.\d+)x", output, re.M)
+    assert row, f"no round row for 3 peers x 1M:\n{output[-4000:]}"
+    result = json.loads((tmp_path / "aggregation.json").read_text())
+    assert {s["case"] for s in result["steps"]} == {"chunk", "vector"}
+    for step in result["steps"]:
+        assert set(step["seconds"]) >= {"mean", "centered_clip", "trimmed_mean", "coordinate_median"}
+        assert all(seconds > 0 for seconds in step["seconds"].values())
+    assert {r["system"] for r in result["rounds"]} == {"mean", "centered_clip"}
+    assert all(r["median_s"] and r["median_s"] > 0 for r in result["rounds"])
