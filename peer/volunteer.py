@@ -191,8 +191,7 @@ class Volunteer:
     def pause(self) -> None:
         """Stop computing but stay in the run (SIGUSR1, ``swarm-peer pause``); credit is kept."""
         self.paused = True
-        if self.trainer is not None:
-            self.trainer.pause()
+        self._pass_pause()
         if self.state in ("online", "paused"):
             self._set_state("paused", "swarm-peer resume continues")
         self._publish_control()
@@ -200,11 +199,21 @@ class Volunteer:
     def resume(self) -> None:
         """Compute again (SIGUSR2, ``swarm-peer resume``)."""
         self.paused = False
-        if self.trainer is not None:
-            self.trainer.resume()
+        self._pass_pause()
         if self.state == "paused":
             self._set_state("online")
         self._publish_control()
+
+    def _pass_pause(self) -> None:
+        if self.trainer is None:
+            return  # the trainer starts paused (see _run)
+        if not hasattr(self.trainer, "pause"):
+            logger.warning(f"{type(self.trainer).__name__} cannot pause; it keeps working")
+            return
+        if self.paused:
+            self.trainer.pause()
+        else:
+            self.trainer.resume()
 
     def _publish_control(self) -> None:
         if self._control is not None:
@@ -282,8 +291,7 @@ class Volunteer:
                     data_port=config.data_port, data_announce_host=config.public_host,
                     upload_limiter=self.upload_limiter,
                 )  # fmt: skip
-                if self.paused:
-                    self.trainer.pause()
+                self._pass_pause()
                 training = asyncio.create_task(self.trainer.run(stop))
                 heartbeats = asyncio.create_task(self._heartbeats(client, stop))
                 await asyncio.wait({training, heartbeats}, return_when=asyncio.FIRST_COMPLETED)

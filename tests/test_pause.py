@@ -1,0 +1,97 @@
+"""``swarm-peer pause`` / ``resume`` on a real 2-peer run: the paused peer stays a member, computes
+nothing, does not hold the other back, and keeps its credit, which grows again after resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from coordinator.localswarm import LocalSwarm, tiny_run, wait_until
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def control(swarm: LocalSwarm, command: str, identity: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", command, "--identity", str(identity), "--timeout-s", "20"],
+        capture_output=True, text=True, timeout=60, env=swarm.env,
+    )  # fmt: skip
+
+
+def test_pause_and_resume_keep_the_peer_in_the_run_and_its_credit(swarm: LocalSwarm):
+    data_dir = swarm.root / "coordinator-data"
+    swarm.spawn(
+        "coordinator",
+        ["-m", "coordinator.cli", "start", "--config", str(swarm.write_config(tiny_run("pause"))),
+         "--host", "127.0.0.1", "--port", "0", "--dht-port", "0", "--data-dir", str(data_dir),
+         "--dashboard-port", "0", "--history-interval-s", "0.5"],
+    )  # fmt: skip
+    endpoint_file = data_dir / "endpoint.json"
+    endpoint = wait_until(
+        lambda: json.loads(endpoint_file.read_text()) if endpoint_file.exists() else None,
+        timeout_s=90, what="the coordinator",
+    )  # fmt: skip
+    peers = [swarm.start_peer(endpoint["address"], f"peer{i}") for i in range(2)]
+    seen_credit: list[float] = []
+
+    def peers_now() -> dict[str, dict]:
+        with urllib.request.urlopen(endpoint["dashboard_url"] + "api/status", timeout=10) as response:
+            status = json.load(response)
+        by_name = {p["name"]: p for p in status["peers"]}
+        if "peer0" in by_name:
+            seen_credit.append(by_name["peer0"]["contributed_samples"])
+        return by_name
+
+    wait_until(
+        lambda: all(p["contributed_samples"] > 0 and p["step"] >= 3 for p in peers_now().values())
+        and len(peers_now()) == 2,
+        timeout_s=150, what="both peers to earn credit",
+    )  # fmt: skip
+
+    paused = control(swarm, "pause", peers[0].extra["identity"])
+    assert paused.returncode == 0, paused.stderr
+    assert "paused peer (pid" in paused.stdout and "it stays in the run" in paused.stdout
+    wait_until(
+        lambda: peers_now()["peer0"]["paused"], timeout_s=30, what="the coordinator to show peer0 paused"
+    )
+
+    # Let a round in flight at the moment of the pause be credited before taking the baseline.
+    def settled() -> bool:
+        peers_now()
+        return len(seen_credit) > 6 and len(set(seen_credit[-6:])) == 1
+
+    wait_until(settled, timeout_s=30, what="peer0's credit to settle", interval_s=0.5)
+    credit, step = peers_now()["peer0"]["contributed_samples"], peers_now()["peer0"]["step"]
+    other_step = peers_now()["peer1"]["step"]
+
+    # The other peer goes on training alone; the paused one stays online, computes nothing, loses nothing.
+    wait_until(lambda: peers_now()["peer1"]["step"] >= other_step + 3, timeout_s=90,
+               what="peer1 to keep training while peer0 is paused")  # fmt: skip
+    now = peers_now()["peer0"]
+    assert now["state"] == "online" and now["paused"], "a paused peer is still a member of the run"
+    assert now["contributed_samples"] == credit and now["step"] == step
+    assert f"paused at step {step}" in peers[0].output()
+    assert peers[0].process.poll() is None
+
+    resumed = control(swarm, "resume", peers[0].extra["identity"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed peer (pid" in resumed.stdout
+    wait_until(lambda: peers_now()["peer0"]["contributed_samples"] > credit, timeout_s=120,
+               what="peer0 to contribute again after resuming")  # fmt: skip
+    assert not peers_now()["peer0"]["paused"]
+    assert all(b >= a for a, b in zip(seen_credit, seen_credit[1:], strict=False)), "credit never fell"
+    assert "resumed at step" in peers[0].output()
+
+
+def test_pause_without_a_running_peer_says_so(tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "pause", "--identity", str(tmp_path / "nobody.key")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "no running peer uses identity" in result.stderr and "nobody.key" in result.stderr
