@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import time
 from collections import OrderedDict
 
@@ -49,8 +50,9 @@ async def dial(host: str, port: int, timeout_s: float = DIAL_TIMEOUT_S) -> pb.Di
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=timeout_s)
     except asyncio.TimeoutError:
         return pb.DialBackResult(port=port, reachable=False, detail=f"no answer within {timeout_s:.0f}s")
-    except OSError as e:
-        return pb.DialBackResult(port=port, reachable=False, detail=e.strerror or str(e))
+    except OSError as e:  # asyncio words a refusal as "Connect call failed"; the errno says why
+        detail = os.strerror(e.errno) if e.errno else str(e)
+        return pb.DialBackResult(port=port, reachable=False, detail=detail)
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()

@@ -1,0 +1,151 @@
+"""``swarm-peer doctor``: a healthy setup passes; an unreachable or wrong-protocol coordinator fails
+plainly with its fix; the coordinator's dial-back reports closed ports and cannot be abused."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import socket
+import socketserver
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.dialback import DialBackService, caller_host
+from coordinator.localswarm import free_port, running_coordinator, tiny_run
+from protocols import coordinator_pb2 as pb
+from protocols.errors import NetworkError, ProtocolError
+from protocols.version import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def doctor(*args: str, home: Path) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "peer.cli", "doctor", "--cpu", "--host", "127.0.0.1",
+        "--identity", str(home / "id.key"), "--timeout-s", "5", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=90)
+    return process.returncode, out.decode()
+
+
+def run_doctor(*args: str, home: Path) -> tuple[int, str]:
+    return asyncio.run(doctor(*args, home=home))
+
+
+@pytest.fixture
+def http_server() -> Iterator[int]:
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = socketserver.TCPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def mute_server() -> Iterator[int]:
+    """Accepts connections and closes them without a word: something that is not a coordinator."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+
+
+def test_an_unreachable_coordinator_fails_clearly(tmp_path: Path):
+    port = free_port()
+    code, out = run_doctor("--coordinator", f"127.0.0.1:{port}", home=tmp_path)
+    assert code == 1, out
+    assert f"[FAIL] coordinator   cannot reach 127.0.0.1:{port}: Connection refused" in out
+    assert "fix: check the address and port with the organizer" in out
+    assert "joining would fail: 1 problem(s)" in out
+    assert "[ok  ] python" in out and "[ok  ] device" in out, "the local checks still run"
+
+
+def test_a_bad_address_fails_clearly(tmp_path: Path):
+    code, out = run_doctor("--coordinator", "no-port-here", home=tmp_path)
+    assert code == 1 and "coordinator address 'no-port-here' is not HOST:PORT" in out
+
+
+def test_a_web_server_is_not_taken_for_a_coordinator(tmp_path: Path, http_server: int):
+    code, out = run_doctor("--coordinator", f"127.0.0.1:{http_server}", home=tmp_path)
+    assert code == 1, out
+    assert (
+        f"127.0.0.1:{http_server} is a web server (HTTP/1.0 200 OK), not a swarm coordinator's gRPC port"
+        in out
+    )
+
+
+def test_a_server_of_another_protocol_is_named_as_such(tmp_path: Path, mute_server: int):
+    code, out = run_doctor("--coordinator", f"127.0.0.1:{mute_server}", home=tmp_path)
+    assert code == 1, out
+    assert f"127.0.0.1:{mute_server} accepts connections but does not answer as a swarm coordinator" in out
+
+
+def test_a_healthy_setup_is_ready_to_join(tmp_path: Path):
+    async def scenario() -> tuple[int, str, int]:
+        async with running_coordinator(tiny_run("doctor"), tmp_path / "coordinator") as node:
+            port = free_port()
+            code, out = await doctor("--coordinator", node.address, "--port", str(port), home=tmp_path)
+            return code, out, port
+
+    code, out, port = asyncio.run(scenario())
+    assert code == 0, out
+    assert "[ok  ] coordinator   run 'doctor' at 127.0.0.1:" in out
+    assert "[ok  ] clock" in out
+    assert (
+        f"[ok  ] reachability  the coordinator opened a TCP connection to this machine at 127.0.0.1:{port}"
+        in out
+    )
+    assert out.rstrip().endswith("ready to join")
+
+
+def test_dial_back_reports_closed_ports_and_refuses_abuse():
+    service = DialBackService()
+    header = pb.Header(protocol_version=PROTOCOL_VERSION)
+    closed = free_port()
+
+    async def scenario() -> None:
+        answer = await service.dial_back(
+            pb.DialBackRequest(header=header, ports=[closed]), "ipv4:127.0.0.1:5000"
+        )
+        assert answer.address == "127.0.0.1"
+        assert not answer.results[0].reachable and "refused" in answer.results[0].detail.lower()
+        with pytest.raises(NetworkError, match="less than"):
+            await service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), "ipv4:127.0.0.1:5001")
+        with pytest.raises(ProtocolError, match="1 to 4 ports"):
+            await service.dial_back(
+                pb.DialBackRequest(header=header, ports=[1, 2, 3, 4, 5]), "ipv4:10.0.0.1:1"
+            )
+        with pytest.raises(ProtocolError, match="1 to 4 ports"):
+            await service.dial_back(pb.DialBackRequest(header=header, ports=[0]), "ipv4:10.0.0.2:1")
+
+    asyncio.run(scenario())
+    assert caller_host("ipv6:[::1]:4444") == "::1"
+    with pytest.raises(ProtocolError):
+        caller_host("unix:/tmp/socket")
