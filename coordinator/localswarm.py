@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from protocols.errors import SwarmError
 from swarm.config import MembershipConfig, RunConfig
@@ -171,10 +171,12 @@ class LocalSwarm:
         child.extra.update(wait_until(ready, timeout_s=60, what=f"{name} to serve"), data_dir=data_dir)
         return child
 
-    def start_peer(self, coordinator_address: str, name: str, *extra_args: str) -> Child:
+    def start_peer(
+        self, coordinator_address: str, name: str, *extra_args: str, device: Literal["cpu", "gpu"] = "cpu"
+    ) -> Child:
         child = self.spawn(
             name,
-            ["-m", "peer.cli", "join", "--coordinator", coordinator_address, "--cpu", "--host", "127.0.0.1",
+            ["-m", "peer.cli", "join", "--coordinator", coordinator_address, f"--{device}", "--host", "127.0.0.1",
              "--name", name, "--identity", str(self.root / f"{name}.key"),
              "--known-coordinators", str(self.root / f"{name}-known.json"), "--max-cpu-threads", "1", *extra_args],
         )  # fmt: skip

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -382,10 +383,18 @@ class Trainer:
         publisher = asyncio.create_task(self._publish_forever())
         try:
             await self._loop(stop)
-            await stop.wait()
+            await self._settle(stop)
         finally:
             publisher.cancel()
             await self.averager.shutdown()
+
+    async def _settle(self, stop: asyncio.Event) -> None:
+        """After ``max_steps``: serve state, and still move to the state most peers hold. A last step that
+        came out apart (another kind of device rounds differently) must not leave this peer apart."""
+        while not stop.is_set():
+            await self._catch_up()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.config.training.progress_interval_s)
 
     async def _loop(self, stop: asyncio.Event) -> None:
         await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
