@@ -92,7 +92,7 @@ class CenteredClipOptions(AggregatorOptions):
     )
     iterations: int = Field(5, ge=1, le=100, description="at most this many clipping iterations")
     tolerance: float = Field(
-        1e-3, ge=0, le=1, description="stop early once a step is shorter than tolerance * radius"
+        0.01, ge=0, le=1, description="stop early once a step is shorter than tolerance * radius"
     )
 
 
