@@ -165,7 +165,9 @@ function render(s) {
     row.appendChild(el("td", { title: e.peer_id }, e.name));
     row.appendChild(el("td", { class: "num" }, fmt(e.contributed_samples, 0)));
     const share = el("td");
-    share.appendChild(el("span", { class: "share", style: `width:${Math.max(2, Math.round(e.share * 120))}px` }));
+    const bar = el("span", { class: "share" });
+    bar.style.width = `${Math.max(2, Math.round(e.share * 120))}px`; // CSSOM: the page's CSP forbids style attributes
+    share.appendChild(bar);
     share.appendChild(document.createTextNode(`${fmt(e.share * 100, 1)}%`));
     row.appendChild(share);
     return row;
