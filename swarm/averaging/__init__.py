@@ -1,7 +1,8 @@
 """Averaging among the peers of a run: fault-tolerant butterfly all-reduce with bit-identical results.
 
 - ``compression``: fp16/fp32 encodings of vectors on the wire, with checked decoding
-- ``aggregators``: the pluggable rule each reducer applies to its part (``mean``, ...)
+- ``validation``: checks on a groupmate's contribution (size, dtype, finite, norm) and fair weights
+- ``aggregators``: the pluggable rule each reducer applies to its part (``centered_clip``, ``mean``, ...)
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits
 - ``averager``: ``Averager``: hivemind's matchmaking plus our all-reduce and state-download handlers
 """
