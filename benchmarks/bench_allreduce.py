@@ -2,7 +2,10 @@
 
 Every peer is its own process (spawned, ``torch.set_num_threads(1)``), all on loopback:
 
-- ``ours``: ``swarm.averaging.Averager.average`` on a ``SpawnedDHT`` per peer;
+- ``ours``: ``swarm.averaging.Averager.average`` on a ``SpawnedDHT`` per peer, part streams over the
+  direct TCP data path (what dialable volunteers use);
+- ``ours-p2p`` (only when named in ``--systems``): the same with part streams over libp2p, the path of
+  peers that cannot be dialed directly;
 - ``hivemind``: ``hivemind.averaging.DecentralizedAverager.step`` on a DHT per peer (hivemind runs the
   averager in a further child process of each peer, as it always does);
 - ``gloo``: ``torch.distributed.all_reduce`` (sum, then divide: the mean) in a gloo process group.
@@ -46,7 +49,8 @@ from pathlib import Path
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-SYSTEMS = ("ours", "hivemind", "gloo")
+SYSTEMS = ("ours", "ours-p2p", "hivemind", "gloo")
+DEFAULT_SYSTEMS = ("ours", "hivemind", "gloo")
 DTYPES = ("fp32", "fp16")
 TARGET = {"peers": 4, "numel": 16 << 20, "dtype": "fp16", "vs_hivemind": 1.0, "vs_gloo": 3.0}
 START_TIMEOUT_S = 120.0
@@ -96,7 +100,7 @@ def _seeded_vector(rank: int, numel: int):
 class OursPeer:
     """A peer averaging through ``swarm.averaging.Averager``; the runner subclass times the all-reduce."""
 
-    def __init__(self, dht, settings: Settings):
+    def __init__(self, dht, settings: Settings, key=None):
         from swarm.averaging.allreduce import ButterflyAllReduce
 
         timings: dict[bytes, tuple[float, float]] = {}
@@ -110,6 +114,7 @@ class OursPeer:
                     timings[self.group_id] = (started, time.time())
 
         self.dht, self.settings, self.timings, self.runner_type = dht, settings, timings, TimedAllReduce
+        self.key = key
         self.averager = self.vector = None
 
     async def setup(self, rank: int, prefix: str, numel: int, dtype: str, peers: int) -> None:
@@ -126,6 +131,7 @@ class OursPeer:
             sender_timeout_s=self.settings.averaging_timeout_s,
             averaging_timeout_s=self.settings.averaging_timeout_s,
             runner_type=self.runner_type,
+            signing_key=self.key,
         )
         await self.averager.start()
 
@@ -202,10 +208,13 @@ class HivemindPeer:
         self.averager = None
 
 
-def _start_dht(conn: Connection, initial_peers: list[str]):
+def _start_dht(conn: Connection, initial_peers: list[str], identity_path: str | None = None):
     from swarm.dht import SpawnedDHT
 
-    dht = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
+    identity = {"identity_path": identity_path, "check_if_identity_free": False} if identity_path else {}
+    dht = SpawnedDHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers, **identity
+    )
     conn.send(("ready", [str(m) for m in dht.get_visible_maddrs()]))
     return dht
 
@@ -224,15 +233,22 @@ async def _call_async(peer, command: str, payload: dict | None):
         return {"ok": False, "error": f"{command} failed: {e!r}"}
 
 
-async def _serve_ours(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
+async def _serve_ours(conn: Connection, initial_peers: list[str], settings: Settings, tcp: bool) -> None:
+    import tempfile
+
+    from swarm.identity import create_identity
+
     # The averager's handlers run in this loop, so it keeps running while we wait for the next command.
-    dht = _start_dht(conn, initial_peers)
-    peer = OursPeer(dht, settings)
-    try:
-        while (message := await asyncio.to_thread(conn.recv))[0] != "exit":
-            conn.send(("done", await _call_async(peer, *message)))
-    finally:
-        dht.shutdown()
+    with tempfile.TemporaryDirectory(prefix="swarm-bench-") as home:
+        # The data path needs the peer's signing key, which is also its DHT identity (as for a volunteer).
+        key = create_identity(Path(home) / "peer.key") if tcp else None
+        dht = _start_dht(conn, initial_peers, str(Path(home) / "peer.key") if tcp else None)
+        peer = OursPeer(dht, settings, key)
+        try:
+            while (message := await asyncio.to_thread(conn.recv))[0] != "exit":
+                conn.send(("done", await _call_async(peer, *message)))
+        finally:
+            dht.shutdown()
 
 
 def _serve_hivemind(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
@@ -252,10 +268,10 @@ def peer_main(system: str, rank: int, conn: Connection, initial_peers: list[str]
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    if system == "ours":
+    if system in ("ours", "ours-p2p"):
         from swarm.runtime import run
 
-        run(_serve_ours(conn, initial_peers, settings))
+        run(_serve_ours(conn, initial_peers, settings, tcp=system == "ours"))
     else:
         _serve_hivemind(conn, initial_peers, settings)
 
@@ -542,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         "--sizes", default="1M,16M", help="comma-separated float32 counts (K, M = 2**10, 2**20)"
     )
     parser.add_argument("--dtypes", default="fp32,fp16", help="on the wire: fp32, fp16")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="which of ours, hivemind, gloo to run")
+    parser.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"which of {', '.join(SYSTEMS)} to run"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per cell, after one warmup")
     parser.add_argument(
         "--matchmaking-time-s", type=float, default=1.5, help="matchmaking window of ours and hivemind"
@@ -582,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[Cell] = []
     started = time.monotonic()
     bootstrap = None
-    if {"ours", "hivemind"} & set(systems):
+    if {"ours", "ours-p2p", "hivemind"} & set(systems):
         from swarm.dht import SpawnedDHT
 
         # A DHT node that only introduces the peers to each other, so that they can all start at once.

@@ -188,3 +188,45 @@ def test_a_peer_alone_applies_exactly_its_encoded_vector(dhts):
         assert torch.equal(result.vector, vector.to(torch.float16).to(torch.float32))
 
     asyncio.run(scenario())
+
+
+def test_an_upload_limit_holds_a_peer_to_its_rate(dhts):
+    from swarm.ratelimit import RateLimiter
+
+    rate, burst = 200_000, 50_000  # bytes/s; each peer of two sends half its vector, then its reduced half
+    limited = Averager(
+        dhts[0], prefix="slow", numel=NUMEL, matchmaking_time_s=1.0,
+        upload_limiter=RateLimiter(rate, burst_bytes=burst),
+    )  # fmt: skip
+    other = Averager(dhts[1], prefix="slow", numel=NUMEL, matchmaking_time_s=1.0)
+
+    async def scenario():
+        for averager in (limited, other):
+            await averager.start()
+        inputs = vectors(2)
+        loop = asyncio.get_running_loop()
+        done = {}
+
+        async def timed_average(name, averager, vector):
+            outcome = await averager.average(vector, 1.0)
+            done[name] = loop.time()
+            return outcome
+
+        started = loop.time()
+        outcomes = await asyncio.gather(
+            timed_average("limited", limited, inputs[0]), timed_average("other", other, inputs[1])
+        )
+        for _ in range(200):  # the limited reducer may still be sending its part back
+            if limited.traffic.sent >= 2 * NUMEL:
+                break
+            await asyncio.sleep(0.05)
+        return outcomes, {k: v - started for k, v in done.items()}, loop.time() - started
+
+    outcomes, done, drained = asyncio.run(scenario())
+    (_, mine), (_, theirs) = outcomes
+    assert mine.complete and theirs.complete and torch.equal(mine.vector, theirs.vector)
+    half = NUMEL  # half of the vector in fp16 bytes
+    assert limited.traffic.sent == pytest.approx(2 * half, rel=0.01)
+    # The other peer needs the limited peer's half before it can reduce: no sooner than the rate allows.
+    assert done["other"] >= (half - burst) / rate
+    assert drained >= (2 * half - burst) / rate

@@ -32,6 +32,7 @@ from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
 from swarm.averaging.transport import DataPlane
+from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,20 @@ def chunk_bounds(numel: int, chunk_values: int) -> list[int]:
 
 
 @dataclass
+class Traffic:
+    """Bytes of tensor data a peer sent and received, over all its rounds."""
+
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass
 class RoundResult:
-    """What one peer got from a round: the aggregated vector and whether every part of it arrived."""
+    """What one peer got from a round: the aggregated vector and whether every part of it arrived.
+
+    The byte counts are those of the moment the vector was complete; a reducer may still be sending
+    its part to slower groupmates then (``Traffic`` counts those bytes too).
+    """
 
     vector: torch.Tensor
     complete: bool
@@ -77,6 +90,8 @@ class ButterflyAllReduce:
         chunk_values: int = DEFAULT_CHUNK_VALUES,
         data_plane: DataPlane | None = None,
         addresses: Sequence[str | None] | None = None,
+        upload_limiter: RateLimiter | None = None,
+        traffic: Traffic | None = None,
     ):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
@@ -85,7 +100,8 @@ class ButterflyAllReduce:
         self.local = local.detach().to(torch.float32).flatten()
         self.aggregator, self.codec = aggregator, codec
         self.sender_timeout_s, self.chunk_values = sender_timeout_s, chunk_values
-        self.data_plane = data_plane
+        self.data_plane, self.upload_limiter = data_plane, upload_limiter
+        self.traffic = traffic if traffic is not None else Traffic()
         self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
         self.output = torch.zeros_like(self.local)
 
@@ -111,6 +127,16 @@ class ButterflyAllReduce:
     def _chunk(self, part: int, chunk: int) -> tuple[int, int]:
         base, bounds = self.part_bounds[part], self.part_chunks[part]
         return base + bounds[chunk], base + bounds[chunk + 1]
+
+    def _count(self, *, sent: int = 0, received: int = 0) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.traffic.sent += sent
+        self.traffic.received += received
+
+    async def _throttle(self, nbytes: int) -> None:
+        if self.upload_limiter is not None:
+            await self.upload_limiter.acquire(nbytes)
 
     def _drop(self, sender: int, reason: str) -> None:
         if sender in self._active and sender != self.index:
@@ -175,7 +201,8 @@ class ButterflyAllReduce:
                 await event.wait()
                 if self._results[chunk] is None:
                     return
-                self.bytes_sent += len(self._results[chunk])
+                await self._throttle(len(self._results[chunk]))
+                self._count(sent=len(self._results[chunk]))
                 yield apb.PartChunk(part_index=self.index, chunk_index=chunk, data=self._results[chunk])
         finally:
             consumer.cancel()
@@ -196,7 +223,7 @@ class ButterflyAllReduce:
                 lo, hi = self._chunk(self.index, expected)
                 peer = self.peer_ids[sender].to_base58()
                 values = self.codec.decode(message.data, hi - lo, sender=peer)
-                self.bytes_received += len(message.data)
+                self._count(received=len(message.data))
                 self._deliver(sender, expected, values)
                 expected += 1
                 if expected == len(self._results):
@@ -223,7 +250,8 @@ class ButterflyAllReduce:
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for chunk in range(chunks):
                 data = self.encode_contribution(part, chunk)
-                self.bytes_sent += len(data)
+                await self._throttle(len(data))
+                self._count(sent=len(data))
                 yield apb.PartChunk(
                     group_id=self.group_id if chunk == 0 else b"",
                     part_index=part,
@@ -241,7 +269,7 @@ class ButterflyAllReduce:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
                 lo, hi = self._chunk(part, expected)
                 self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=peer.to_base58())
-                self.bytes_received += len(message.data)
+                self._count(received=len(message.data))
                 self.received[part][expected] = True
                 expected += 1
             if expected < chunks:

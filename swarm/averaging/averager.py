@@ -38,9 +38,10 @@ from protocols.codec import pack, unpack
 from protocols.errors import SwarmError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
-from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult
+from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
 from swarm.averaging.compression import get_codec
 from swarm.averaging.transport import DataPlane, announce_host, parse_address
+from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Averager:
         data_host: str = "127.0.0.1",
         data_port: int = 0,
         data_announce_host: str | None = None,
+        upload_limiter: RateLimiter | None = None,
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
         self.aggregator = get_aggregator(aggregator)
@@ -105,6 +107,8 @@ class Averager:
         self.signing_key, self.data_host, self.data_port = signing_key, data_host, data_port
         self.data_announce_host = data_announce_host
         self.data_plane: DataPlane | None = None
+        self.upload_limiter = upload_limiter
+        self.traffic = Traffic()
         self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.name}".encode()).digest()
         self.p2p = None
         self.matchmaking: Matchmaking | None = None
@@ -262,6 +266,8 @@ class Averager:
                 sender_timeout_s=self.sender_timeout_s,
                 data_plane=self.data_plane,
                 addresses=group.addresses,
+                upload_limiter=self.upload_limiter,
+                traffic=self.traffic,
             )
             self._runners[group.group_id] = runner
             self._runner_added.set()

@@ -147,7 +147,7 @@ class DataPlane:
 
     async def start(self, host: str, port: int, announce_host: str) -> str:
         try:
-            self._server = await asyncio.start_server(self._accept, host, port, limit=1 << 16)
+            self._server = await asyncio.start_server(self._accept, host, port, limit=1 << 22)
         except OSError as e:
             raise NetworkError(
                 f"could not listen for averaging data on {format_address(host, port)}: {e}"
@@ -219,7 +219,7 @@ class DataPlane:
         writer = None
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=1 << 16), timeout_s
+                asyncio.open_connection(host, port, limit=1 << 22), timeout_s
             )
             await asyncio.wait_for(self._client_handshake(reader, writer, peer), HANDSHAKE_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, SwarmError) as e:

@@ -100,6 +100,7 @@ class Trainer:
             data_host=data_host,
             data_port=data_port,
             data_announce_host=data_announce_host,
+            upload_limiter=upload_limiter,
         )
         self.step = self.samples = self.micro = 0
         self.state_hash = self.param_hash = ""
@@ -111,7 +112,7 @@ class Trainer:
         self._validation = None
         self._stats = dict(
             train_loss=float("nan"), val_loss=float("nan"), val_step=-1.0, rounds_ok=0.0, rounds_failed=0.0,
-            resyncs=0.0, bytes_sent=0.0, bytes_received=0.0, compute_s=0.0,
+            resyncs=0.0, compute_s=0.0,
         )  # fmt: skip
         self._started = time.monotonic()
         self._sps = 0.0
@@ -129,6 +130,8 @@ class Trainer:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {
             **self._stats,
+            "bytes_sent": float(self.averager.traffic.sent),
+            "bytes_received": float(self.averager.traffic.received),
             "step": float(self.step),
             "samples": float(self.samples),
             "samples_per_s": self._sps,
@@ -338,8 +341,6 @@ class Trainer:
             self._stats["rounds_failed"] += 1
             logger.info(f"step {self.step}: a group of {len(group.peer_ids)} formed; the run needs {needed}")
             return
-        self._stats["bytes_sent"] += result.bytes_sent
-        self._stats["bytes_received"] += result.bytes_received
         strangers = [str(p) for p, e in zip(group.peer_ids, group.extras, strict=True) if e != extra]
         if not result.complete:
             self._stats["rounds_failed"] += 1
