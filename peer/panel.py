@@ -137,14 +137,15 @@ class Panel:
             table.add_row(label, f"[bold {colour}]{value}[/]" if label == "state" else value)
         title = f"swarm peer [bold]{status.get('name', '')}[/]  {status.get('peer_id', '')[:16]}…"
         subtitle = f"{status.get('device', '')} · run {status.get('run_id') or '?'} · Ctrl-C leaves cleanly"
-        return RichPanel(table, title=title, subtitle=subtitle, box=box.ROUNDED, expand=False)
+        width = max(56, len(title), len(subtitle) + 8)  # the title's 8 columns of markup pay for its frame
+        return RichPanel(table, title=title, subtitle=subtitle, box=box.ROUNDED, expand=True, width=width)
 
     async def _live(self, stop: asyncio.Event) -> None:
         from rich.console import Console
         from rich.live import Live
         from rich.logging import RichHandler
 
-        console = Console(file=self.stream)
+        console = Console(file=self.stream, force_terminal=True)  # live is chosen: draw every frame
         root = logging.getLogger()
         saved = root.handlers[:]
         # Log records print above the panel instead of tearing through it.

@@ -124,6 +124,9 @@ def test_api_status_reflects_the_two_peer_run(run: Run):
     assert max(p["peers_online"] for p in history) == 2
     assert history[-1]["step"] == 6 and any(p["val_loss"] is not None for p in history)
     assert status["bans"] == []
+    # Without a terminal, the volunteer's panel becomes a plain status line in its log.
+    assert re.search(r"state: online \| step: \d+ \| samples/s \(local\): [\d,.]+ \| my contribution: [\d,]+ samples",
+                     run.peers[0].output())  # fmt: skip
 
 
 def test_metrics_expose_swarm_metrics_for_prometheus(run: Run):

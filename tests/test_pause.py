@@ -3,7 +3,10 @@ nothing, does not hold the other back, and keeps its credit, which grows again a
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.localswarm import LocalSwarm, tiny_run, wait_until
+from peer.panel import Panel
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -95,3 +99,35 @@ def test_pause_without_a_running_peer_says_so(tmp_path: Path):
     )  # fmt: skip
     assert result.returncode == 2
     assert "no running peer uses identity" in result.stderr and "nobody.key" in result.stderr
+
+
+def test_the_live_panel_shows_progress_contribution_and_the_last_round():
+    """The terminal panel, rendered into a file: state, contribution, and the outcome of the last round
+    read from the trainer's round counters."""
+    statuses = iter(
+        [
+            {"state": "online", "step": 4, "rounds_ok": 4, "rounds_failed": 0, "contributed_samples": 96},
+            {"state": "online", "step": 5, "rounds_ok": 5, "rounds_failed": 0, "contributed_samples": 128,
+             "last_round_peers": 3, "samples_per_s": 812.5},
+            {"state": "paused", "step": 5, "rounds_ok": 5, "rounds_failed": 1, "contributed_samples": 128},
+        ]
+    )  # fmt: skip
+    latest: dict = {}
+
+    def status() -> dict:
+        latest.update(next(statuses, latest))
+        return dict(latest)
+
+    screen = io.StringIO()
+    panel = Panel(status, stream=screen, live=True)
+    stop = asyncio.Event()
+
+    async def show() -> None:
+        asyncio.get_running_loop().call_later(1.8, stop.set)
+        await panel.run(stop)
+
+    asyncio.run(show())
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())  # without the terminal's colours
+    assert "my contribution  128 samples" in text and "812.5" in text
+    assert "(ok, 3 peers)" in text, "the round that moved the step to 5 succeeded with 3 peers"
+    assert "(failed, will retry)" in text and "paused" in text
