@@ -1,8 +1,11 @@
 """The coordinator node, its store, and the ``swarm-coordinator`` CLI. It is not a parameter server.
 
 - ``config``: ``CoordinatorConfig``, the typed settings behind ``swarm-coordinator start``'s flags
-- ``store``: the run's record in SQLite (peers, certificates, metrics, bans)
+- ``store``: the run's record in SQLite (peers, certificates, metrics, bans, credit, metrics history)
 - ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status
 - ``node``: ``CoordinatorNode``, which runs the DHT bootstrap peer, the service and the liveness sweep
+- ``metrics``: the run as the dashboard sees it (``/api/status`` JSON, Prometheus text, wandb/tensorboard)
+- ``dashboard``: the web dashboard (aiohttp): the page in ``static/``, ``/api/status``, ``/metrics``
+- ``dialback``: the DialBack RPC with which ``swarm-peer doctor`` learns whether peers can reach it
 - ``cli``: the ``swarm-coordinator`` entry point (start, status, ban, unban)
 """

@@ -9,6 +9,7 @@
 - ``models``: the model registry and the built-in byte-level ``gpt``
 - ``data``: the dataset registry (``stdlib``, ``text-files``) and deterministic per-peer sampling
 - ``rpc``: how errors cross the gRPC boundary
+- ``ratelimit``: ``RateLimiter``, the token bucket behind a peer's ``--max-upload-mbps``
 - ``cliargs``: CLI flags derived from typed configs
 - ``runtime``: process entry helpers (uvloop, logging, signals); only CLIs call them
 
