@@ -1,12 +1,19 @@
-"""The upload limiter holds a peer to its --max-upload-mbps, however many senders share it."""
+"""Politeness: the upload limiter holds a peer to its --max-upload-mbps however many senders share it,
+and the limit flags are checked before a peer joins."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from peer.config import PeerConfig
+from peer.limits import upload_limiter
 from protocols.errors import ConfigError
 from swarm.ratelimit import RateLimiter
 
@@ -64,3 +71,27 @@ def test_negative_sizes_are_refused():
     limiter = RateLimiter(1000)
     with pytest.raises(ValueError, match="negative"):
         asyncio.run(limiter.acquire(-1))
+
+
+def _join(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", "join", "--coordinator", "127.0.0.1:9", "--identity",
+         str(tmp_path / "id.key"), *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)},
+    )  # fmt: skip
+
+
+def test_politeness_flags_are_checked_before_joining(tmp_path: Path):
+    result = _join(tmp_path, "--cpu", "--max-gpu-memory", "4")
+    assert result.returncode == 2
+    assert "--max-gpu-memory limits GPU memory, but --cpu was given" in result.stderr
+    result = _join(tmp_path, "--cpu", "--max-upload-mbps", "0")
+    assert result.returncode == 2 and "--max-upload-mbps" in result.stderr
+    result = _join(tmp_path, "--cpu", "--max-gpu-memory", "-1")
+    assert result.returncode == 2 and "--max-gpu-memory" in result.stderr
+
+
+def test_the_peer_gets_one_limiter_of_its_rate():
+    limiter = upload_limiter(PeerConfig(coordinator="127.0.0.1:9", max_upload_mbps=8))
+    assert limiter is not None and limiter.rate_bytes_per_s == 1_000_000
+    assert upload_limiter(PeerConfig(coordinator="127.0.0.1:9")) is None
