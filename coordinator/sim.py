@@ -58,6 +58,12 @@ class SimConfig(BaseModel):
     lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
     timeout_s: float = Field(900.0, ge=10, le=86_400, description="give up after this many seconds")
     keep: bool = Field(False, description="keep the logs, checkpoints and data dirs afterwards")
+    stages: int = Field(0, ge=0, le=8, description="pipeline stages (SWARM); 0: data-parallel peers only")
+    peers_per_stage: int = Field(2, ge=1, le=8, description="stage servers per pipeline stage")
+    trainers: int = Field(2, ge=1, le=8, description="pipeline trainers that stream micro-batches")
+    kill_stage_peer_at: int | None = Field(
+        None, ge=0, description="kill one server of the last pipeline stage outright at this step"
+    )
 
 
 def build_run(config: SimConfig) -> RunConfig:
@@ -130,6 +136,10 @@ class Progress:
 
 def simulate(config: SimConfig) -> int:
     run = build_run(config)
+    if config.stages:
+        from coordinator.pipeline_sim import simulate_pipeline
+
+        return simulate_pipeline(config, run)
     root = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
     local = LocalSwarm(root)
     started = time.monotonic()

@@ -31,7 +31,15 @@ class PeerConfig(BaseModel):
         description="display name shown to the organizer (default: host name)",
     )
     identity: Path = Field(DEFAULT_IDENTITY, description="key file; created with mode 0600 if missing")
-    role: Literal["auto", "data", "stage"] = Field("auto", description="what this peer does in the run")
+    role: Literal["auto", "data", "stage", "trainer"] = Field(
+        "auto",
+        description="what this peer does: data-parallel training (data), host a pipeline stage (stage), "
+        "stream micro-batches through the stages (trainer); auto: data, or in a pipeline run the stage most "
+        "short of throughput",
+    )
+    stage: int | None = Field(
+        None, ge=0, le=63, description="pipeline stage to host (default: the one most short of throughput)"
+    )
     run_id: str | None = Field(
         None, pattern=RUN_ID_PATTERN, description="run to join (default: the coordinator's)"
     )

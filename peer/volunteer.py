@@ -42,6 +42,8 @@ from swarm.coordinator_client import Admission, CoordinatorClient
 from swarm.dht import start_dht
 from swarm.identity import load_or_create_identity
 from swarm.membership import fetch_members, publish_certificate
+from swarm.pipeline.trainer import PipelineTrainer
+from swarm.pipeline.worker import StageWorker, available_memory_bytes
 from swarm.training.trainer import Trainer
 
 logger = logging.getLogger("swarm.peer")
@@ -250,6 +252,27 @@ class Volunteer:
             metrics.update(self.trainer.metrics())
         return {k: v for k, v in metrics.items() if math.isfinite(v)}  # e.g. no loss before the first step
 
+    async def _pipeline_role(self, device: str) -> PipelineTrainer | StageWorker:
+        """This peer's part in a run split into pipeline stages: a stage server or a trainer (``--role``)."""
+        run, role = self.run_config, self.config.role
+        if run.pipeline.stages < 2:
+            raise ConfigError(f"--role {role}: run {run.run_id!r} has no pipeline stages; use --role data")
+        if role == "data":
+            raise ConfigError(
+                f"run {run.run_id!r} is split into {run.pipeline.stages} pipeline stages: "
+                "join with --role stage, --role trainer or --role auto"
+            )
+        if role == "trainer":
+            return await asyncio.to_thread(PipelineTrainer, run, self._dht, peer_id=self.key.peer_id)
+        last = run.pipeline.stages - 1
+        if self.config.stage is not None and self.config.stage > last:
+            raise ConfigError(f"--stage {self.config.stage}: run {run.run_id!r} has stages 0..{last}")
+        memory = await asyncio.to_thread(available_memory_bytes, device)
+        return StageWorker(
+            run, self._dht, peer_id=self.key.peer_id, stage=self.config.stage, device=device,
+            coordinator_key=self.coordinator_key, memory_bytes=memory,
+        )  # fmt: skip
+
     async def _leave(self, client: CoordinatorClient) -> None:
         try:
             await client.leave(self.key, self.run_config.run_id, reason="volunteer stopped")
@@ -285,12 +308,15 @@ class Volunteer:
             )
             training: asyncio.Task | None = None
             try:
-                self.trainer = await asyncio.to_thread(
-                    Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,
-                    coordinator_key=self.coordinator_key, signing_key=self.key, data_host=config.host,
-                    data_port=config.data_port, data_announce_host=config.public_host,
-                    upload_limiter=self.upload_limiter,
-                )  # fmt: skip
+                if self.run_config.pipeline.stages > 1 or config.role in ("stage", "trainer"):
+                    self.trainer = await self._pipeline_role(compute_device)
+                else:
+                    self.trainer = await asyncio.to_thread(
+                        Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,
+                        coordinator_key=self.coordinator_key, signing_key=self.key, data_host=config.host,
+                        data_port=config.data_port, data_announce_host=config.public_host,
+                        upload_limiter=self.upload_limiter,
+                    )  # fmt: skip
                 self._pass_pause()
                 training = asyncio.create_task(self.trainer.run(stop))
                 heartbeats = asyncio.create_task(self._heartbeats(client, stop))

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from protocols.errors import ConfigError, ProtocolError
 from protocols.keys import PublicKey
@@ -195,18 +203,19 @@ class PipelineConfig(_Section):
         20, ge=1, le=10**6, description="a server bans a caller after this many malformed requests"
     )
 
-    @model_validator(mode="after")
-    def _split_matches_stages(self) -> PipelineConfig:
-        split = self.layer_split
-        if split is None:
-            return self
-        if len(split) != self.stages:
-            raise ValueError(f"layer_split lists {len(split)} stages but stages is {self.stages}")
+    @field_validator("layer_split")
+    @classmethod
+    def _split_matches_stages(cls, split: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        stages = info.data.get("stages")
+        if split is None or stages is None:
+            return split
+        if len(split) != stages:
+            raise ValueError(f"lists {len(split)} stages but pipeline.stages is {stages}")
         if any(n < 0 for n in split):
-            raise ValueError("layer_split entries must be non-negative block counts")
+            raise ValueError("entries must be non-negative block counts")
         if any(n == 0 for n in split[1:-1]):
-            raise ValueError("every middle stage needs at least one block in layer_split")
-        return self
+            raise ValueError("every middle stage needs at least one block")
+        return split
 
 
 class ComponentSpec(_Section):

@@ -96,6 +96,7 @@ class StageReplica:
         self.counted: set[int] = set()
         self.forwards: dict[int, _Forward] = {}
         self.closing = False  # the step's gradient is being averaged: no more work for this step
+        self.paused = False  # the volunteer paused: no new micro-batches
         self.state_hash = self.param_hash = ""
         self.samples_per_s = 0.0
         self.busy_s = 0.0
@@ -159,6 +160,8 @@ class StageReplica:
             raise self._refuse(ppb.WRONG_STEP, f"this server is at step {self.step}, not {step}")
         if self.closing and not inference:
             raise self._refuse(ppb.BUSY, f"step {self.step} is closed: its gradients are being averaged")
+        if self.paused:
+            raise self._refuse(ppb.BUSY, "this server is paused by its volunteer")
 
     def _inputs(self, request: ppb.ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length = (1, self.max_batch), (1, self.seq_len)

@@ -83,6 +83,7 @@ class PipelineTrainer:
         self.completed: set[int] = set()
         self.avoid: dict[str, float] = {}
         self.finished = False
+        self.paused = False  # set by pause(): no new micro-batches; those in flight complete
         self.first_validation: tuple[int, float] | None = None
         self._views = 0
         self._started = time.monotonic()
@@ -90,6 +91,12 @@ class PipelineTrainer:
         self._stats = {"train_loss": math.nan, "val_loss": math.nan, "val_step": -1.0, "retries": 0.0,
                        "failures": 0.0, "compute_wait_s": 0.0}  # fmt: skip
         self._failures_by_code: dict[str, int] = {}
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
 
     @property
     def param_hash(self) -> str:
@@ -328,7 +335,12 @@ class PipelineTrainer:
                     await self._advance(run_step)
                     continue
                 wanted = self._samples_at_step() + len(self.in_flight) * self.batch < target
-                if len(tasks) < limit and run_step == self.step and (self.pending or wanted):
+                if (
+                    len(tasks) < limit
+                    and run_step == self.step
+                    and (self.pending or wanted)
+                    and not self.paused
+                ):
                     mb = self.pending.popleft() if self.pending else self._new_microbatch()
                     mb.step = self.step
                     tasks.add(asyncio.create_task(self._process(mb)))

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
 import time
 
@@ -49,6 +50,15 @@ logger = logging.getLogger(__name__)
 
 def stage_prefix(run_id: str, stage: int) -> str:
     return f"{run_id}.stage{stage}"
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory of ``device`` ("cpu" or "cuda..."): what a stage's state must fit in."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class StageWorker:
@@ -83,6 +93,18 @@ class StageWorker:
         self.moves: list[dict] = []
         self._stats = {"rounds_ok": 0.0, "rounds_failed": 0.0, "resyncs": 0.0, "moves": 0.0}
         self.finished = False
+        self.paused = False
+
+    def pause(self) -> None:
+        """Refuse new micro-batches (trainers go to other replicas); keep averaging to stay in sync."""
+        self.paused = True
+        if self.replica is not None:
+            self.replica.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        if self.replica is not None:
+            self.replica.paused = False
 
     # --- what the volunteer reports ------------------------------------------------------------------
 
@@ -171,6 +193,7 @@ class StageWorker:
             max_weight=4.0 * training.target_batch_size,  # trainers overshoot the target a little
         )  # fmt: skip
         await averager.start()
+        replica.paused = self.paused
         self.replica, self.averager, self._encoded = replica, averager, None
         await replica.measure()
         await replica.commit()

@@ -1,0 +1,183 @@
+"""``swarm-sim --stages S``: rehearse a SWARM pipeline run on one machine, then check it.
+
+It starts a coordinator, ``peers_per_stage`` stage servers for each of the S stages and ``trainers``
+trainer peers, all as separate processes on loopback; optionally kills one replica of the last stage
+outright at a given step (``--kill-stage-peer-at``). It follows the run through the coordinator's status
+and the pipeline records in the DHT, and at the end checks that validation loss fell, that no
+micro-batch was lost, and that the surviving replicas of every stage hold identical parameters.
+
+Example::
+
+    swarm-sim --stages 2 --peers-per-stage 2 --trainers 2 --kill-stage-peer-at 3 --steps 8 --model-size tiny
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coordinator.cli import status_to_dict
+from coordinator.localswarm import LocalSwarm, status
+from protocols.errors import SwarmError
+from swarm.config import RunConfig
+
+if TYPE_CHECKING:
+    from coordinator.sim import SimConfig
+
+
+def build_pipeline_run(config: SimConfig, base: RunConfig) -> RunConfig:
+    """The sim's run with its model split into ``config.stages`` stages (at least one block per stage)."""
+    model = dict(base.model.config)
+    model["n_layer"] = max(model.get("n_layer", 6), config.stages)
+    data = base.model_dump(mode="json")
+    data["model"]["config"] = model
+    data["training"].update(min_group_size=1)
+    data["pipeline"] = {"stages": config.stages, "request_timeout_s": 5.0, "announce_interval_s": 0.3,
+                        "failed_server_cooldown_s": 3.0, "rebalance_interval_s": 20.0}  # fmt: skip
+    return RunConfig.parse(data, source="swarm-sim pipeline run")
+
+
+class _Observer:
+    """Reads the pipeline's records from the DHT, as a client node of the run's DHT."""
+
+    def __init__(self, initial_peers: list[str], run: RunConfig):
+        from swarm.dht import SpawnedDHT
+
+        self.run = run
+        self.dht = SpawnedDHT(start=True, client_mode=True, initial_peers=initial_peers)
+
+    def view(self):
+        from swarm.pipeline.records import fetch_view
+
+        async def fetch():
+            return await fetch_view(self.dht, self.run.run_id, self.run.pipeline.stages)
+
+        return asyncio.run(fetch())
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+
+def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
+    run = build_pipeline_run(config, base)
+    root = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
+    local = LocalSwarm(root)
+    observer: _Observer | None = None
+    started = time.monotonic()
+    deadline = started + config.timeout_s
+    killed: list[dict] = []
+    try:
+        print(f"swarm-sim: coordinator + {config.stages} stages x {config.peers_per_stage} servers + "
+              f"{config.trainers} trainers, {config.steps} steps, model {config.model_size} (logs in {root})",
+              flush=True)  # fmt: skip
+        coordinator = local.start_coordinator(run)
+        address = coordinator.extra["address"]
+        servers = {}
+        for stage in range(config.stages):
+            for replica in range(config.peers_per_stage):
+                name = f"stage{stage}-{replica}"
+                servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(stage))
+        trainers = {f"trainer{i}": local.start_peer(address, f"trainer{i}", "--role", "trainer")
+                    for i in range(config.trainers)}  # fmt: skip
+        observer = _Observer(coordinator.extra["dht_initial_peers"], run)
+        last_line = 0.0
+        while True:
+            snapshot = status_to_dict(status(address))
+            rows = {p["name"]: p for p in snapshot["peers"]}
+            for name, child in {**servers, **trainers}.items():
+                if child.process.poll() is not None and not any(k["name"] == name for k in killed):
+                    raise SwarmError(
+                        f"{name} exited with {child.process.returncode}:\n{child.output()[-3000:]}"
+                    )
+            steps = [rows[n]["step"] for n in trainers if n in rows]
+            step = min(steps) if len(steps) == len(trainers) else 0
+            if time.monotonic() - last_line > 5:
+                rate = sum(rows[n]["metrics"].get("samples_per_s", 0.0) for n in trainers if n in rows)
+                print(f"step {step}/{config.steps}  {rate:.1f} samples/s  {time.monotonic() - started:.0f}s",
+                      flush=True)  # fmt: skip
+                last_line = time.monotonic()
+            # Mid-step, so that micro-batches are in flight through the victim when it dies.
+            done = [rows[n]["metrics"].get("samples", 0.0) for n in trainers if n in rows]
+            mid_step = step > (config.kill_stage_peer_at or 0) or (done and min(done) > 0)
+            if (
+                config.kill_stage_peer_at is not None
+                and not killed
+                and step >= config.kill_stage_peer_at
+                and mid_step
+            ):
+                victim = f"stage{config.stages - 1}-{config.peers_per_stage - 1}"
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(servers[victim].process.pid, signal.SIGKILL)
+                killed.append({"name": victim, "stage": config.stages - 1, "at_step": step})
+                print(f"killed {victim} (a replica of stage {config.stages - 1}) at step {step}", flush=True)
+            finished = [rows[n]["metrics"].get("finished", 0.0) == 1.0 for n in trainers if n in rows]
+            if len(finished) == len(trainers) and all(finished):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the run did not reach step {config.steps} within {config.timeout_s:.0f}s"
+                )
+            time.sleep(1.0)
+        duration = time.monotonic() - started
+        time.sleep(2 * run.membership.heartbeat_interval_s)  # the trainers' final metrics reach the record
+        rows = {p["name"]: p for p in status_to_dict(status(address))["peers"]}
+        by_id = {p["peer_id"]: p["name"] for p in rows.values()}
+        view = observer.view()
+        stages = []
+        for stage in range(config.stages):
+            replicas = [{"name": by_id.get(r.peer_id, "?"), "peer_id": r.peer_id, "step": r.step,
+                         "param_hash": r.param_hash, "state_hash": r.state_hash}
+                        for r in sorted(view.replicas(stage), key=lambda r: by_id.get(r.peer_id, ""))]  # fmt: skip
+            stages.append({"stage": stage, "replicas": replicas})
+        trainer_rows = [{"name": n, "peer_id": rows[n]["peer_id"], **{k: rows[n]["metrics"].get(k, math.nan) for k in (
+            "step", "samples_per_s", "microbatches_issued", "microbatches_completed", "microbatches_lost",
+            "retries", "val_loss", "val_loss_initial")}} for n in trainers]  # fmt: skip
+        for name in [*servers, *trainers]:
+            (servers.get(name) or trainers[name]).signal(signal.SIGTERM)
+        agree = all(
+            len(s["replicas"]) >= 1
+            and len({r["param_hash"] for r in s["replicas"]}) == 1
+            and all(r["step"] == config.steps for r in s["replicas"])
+            for s in stages
+        )
+        lost = int(sum(t["microbatches_lost"] for t in trainer_rows))
+        initial = trainer_rows[0]["val_loss_initial"]
+        final = trainer_rows[0]["val_loss"]
+        result = {
+            "initial_val_loss": initial,
+            "final_val_loss": final,
+            "steps": config.steps,
+            "stages": stages,
+            "stages_agree": agree,
+            "lost_microbatches": lost,
+            "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
+            "trainers": trainer_rows,
+            "killed": killed,
+            "duration_s": duration,
+        }
+        if config.json_path:
+            config.json_path.write_text(json.dumps(result, indent=2))
+        ok = final < initial and lost == 0 and agree
+        print(f"validation loss {initial:.4f} -> {final:.4f} over {config.steps} steps in {duration:.0f}s; "
+              f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost; replicas of every stage "
+              f"{'hold identical parameters' if agree else 'DISAGREE'}", flush=True)  # fmt: skip
+        return 0 if ok else 1
+    except (SwarmError, TimeoutError) as e:
+        print(f"\nswarm-sim: failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if observer is not None:
+            observer.close()
+        local.kill_all()
+        if not config.keep:
+            shutil.rmtree(root, ignore_errors=True)
