@@ -4,6 +4,7 @@ no secrets, the page in a headless browser, and how reported contributions becom
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import shutil
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.localswarm import Child, LocalSwarm, tiny_run, wait_until
-from coordinator.store import PeerRecord, Store
+from coordinator.metrics import MetricsLogger
+from coordinator.store import HistoryPoint, PeerRecord, Store
+from protocols.errors import ConfigError
 from swarm.config import RunConfig
 from swarm.identity import load_identity
 
@@ -243,3 +246,31 @@ def test_reported_contributions_become_durable_credit(tmp_path: Path):
             reopened.close()
 
     asyncio.run(scenario())
+
+
+def test_history_goes_to_tensorboard_when_asked(tmp_path: Path):
+    pytest.importorskip("tensorboard", reason="tensorboard is optional: pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger("tensorboard", tmp_path, "tb-run")
+    for step, loss in ((1, 5.0), (2, 4.5), (3, 4.1)):
+        logger.log(HistoryPoint(t=1000.0 + step, step=step, train_loss=loss, val_loss=None, samples_per_s=10.0,
+                                peers_online=2))  # fmt: skip
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb-run"))
+    events.Reload()
+    scalars = events.Scalars("run/train_loss")
+    assert [e.step for e in scalars] == [1, 2, 3]
+    assert [e.value for e in scalars] == pytest.approx([5.0, 4.5, 4.1])  # stored as float32
+    assert [e.value for e in events.Scalars("run/peers_online")] == [2.0, 2.0, 2.0]
+    assert "run/val_loss" not in events.Tags()["scalars"], "an unknown loss is not logged as a number"
+
+
+def test_logging_to_a_package_that_is_not_installed_says_what_to_install(tmp_path: Path):
+    missing = [kind for kind in ("wandb", "tensorboard") if importlib.util.find_spec(kind) is None]
+    if not missing:
+        pytest.skip("both wandb and tensorboard are installed here")
+    with pytest.raises(
+        ConfigError, match=f"--log-to {missing[0]} needs the {missing[0]} package: pip install"
+    ):
+        MetricsLogger(missing[0], tmp_path, "run")
