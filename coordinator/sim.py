@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from coordinator.cli import status_to_dict
 from coordinator.localswarm import FAST_MEMBERSHIP, LocalSwarm, status, wait_until
@@ -45,6 +45,9 @@ class SimConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     peers: int = Field(3, ge=1, le=16, description="volunteer processes to start")
+    gpu_peers: int = Field(
+        0, ge=0, le=16, description="how many of the peers join with --gpu (the others with --cpu)"
+    )
     steps: int = Field(20, ge=1, le=100_000, description="global training steps to run")
     churn: bool = Field(False, description="kill a peer outright and restart it during the run")
     json_path: Path | None = Field(
@@ -64,6 +67,14 @@ class SimConfig(BaseModel):
     kill_stage_peer_at: int | None = Field(
         None, ge=0, description="kill one server of the last pipeline stage outright at this step"
     )
+
+    @field_validator("gpu_peers")
+    @classmethod
+    def _gpu_peers_are_peers(cls, gpu_peers: int, info: ValidationInfo) -> int:
+        peers = info.data.get("peers")
+        if peers is not None and gpu_peers > peers:
+            raise ValueError(f"{gpu_peers} is more than --peers ({peers})")
+        return gpu_peers
 
 
 def build_run(config: SimConfig) -> RunConfig:
@@ -146,13 +157,15 @@ def simulate(config: SimConfig) -> int:
     deadline = started + config.timeout_s
     churn_events: list[dict] = []
     try:
-        print(f"swarm-sim: coordinator + {config.peers} peers, {config.steps} steps, model {config.model_size} "
+        gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
+        print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model {config.model_size} "
               f"(logs in {root})", flush=True)  # fmt: skip
         coordinator = local.start_coordinator(run)
         address = coordinator.extra["address"]
         checkpoints = coordinator.extra["data_dir"] / "checkpoints"
         names = [f"peer{i}" for i in range(config.peers)]
-        peers = {name: local.start_peer(address, name) for name in names}
+        devices = {name: "gpu" if i < config.gpu_peers else "cpu" for i, name in enumerate(names)}
+        peers = {name: local.start_peer(address, name, device=devices[name]) for name in names}
         initial_loss, _ = evaluate(run, None)
         progress = Progress()
         churned = False
@@ -173,7 +186,7 @@ def simulate(config: SimConfig) -> int:
                 wait_until(
                     lambda v=victim: _state(address, v) == "offline", timeout_s=30, what=f"{victim} offline"
                 )
-                peers[victim] = local.start_peer(address, victim)
+                peers[victim] = local.start_peer(address, victim, device=devices[victim])
                 churn_events[-1]["restarted"] = True
                 churned = True
             if (
@@ -182,6 +195,11 @@ def simulate(config: SimConfig) -> int:
                 and final.exists()
             ):
                 break
+            for name, child in peers.items():
+                if child.process.poll() is not None:  # a peer that cannot start must not leave us waiting
+                    raise SwarmError(
+                        f"{name} exited with code {child.process.returncode}:\n{child.output()[-2000:]}"
+                    )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the run did not reach step {config.steps} within {config.timeout_s:.0f}s"
@@ -197,7 +215,7 @@ def simulate(config: SimConfig) -> int:
         duration = time.monotonic() - started
         peer_rows = [
             {"peer_id": p["peer_id"], "name": p["name"], "param_hash": p["param_hash"], "step": p["step"],
-             "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"]}
+             "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"], "device": p["device"]}
             for p in snapshot["peers"]
         ]  # fmt: skip
         agree = all(row["param_hash"] == final_hash for row in peer_rows)

@@ -172,6 +172,19 @@ def test_state_moves_between_devices_and_hashes_the_same(source: str, target: st
             torch.testing.assert_close(after_joiner[name], after_sender[name], rtol=1e-5, atol=1e-7)
 
 
+def test_swarm_sim_with_gpu_peers_and_no_gpu_fails_fast_naming_the_cause(tmp_path: Path) -> None:
+    if HAS_CUDA:
+        pytest.skip("checks the message shown on machines without a GPU")
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.sim", "--peers", "1", "--gpu-peers", "1", "--model-size", "tiny",
+         "--steps", "1", "--timeout-s", "100"],
+        capture_output=True, text=True, timeout=110, cwd=ROOT, env={**os.environ, "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "peer0 exited with code 2" in result.stderr
+    assert "--gpu was given but no CUDA device is usable" in result.stderr
+
+
 # --- a swarm of mixed device kinds -------------------------------------------------------------------
 
 
