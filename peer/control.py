@@ -110,13 +110,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _is_peer(pid: int) -> bool:
+    """Whether ``pid`` runs swarm-peer, where /proc can tell (a killed peer's pid may be reused)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
+    except OSError:
+        return True
+    return pid == os.getpid() or any(
+        marker in cmdline for marker in (b"swarm-peer", b"peer.cli", b"peer/cli")
+    )
+
+
 def _running_pid(path: Path) -> int | None:
-    """The pid in ``path`` if that process still runs (a stale file from a killed peer reads as None)."""
+    """The pid in ``path`` if a peer still runs under it (a stale file from a killed peer reads as None)."""
     try:
         pid = int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-    return pid if pid > 0 and _alive(pid) else None
+    return pid if pid > 0 and _alive(pid) and _is_peer(pid) else None
 
 
 def read_state(identity_path: Path) -> dict[str, Any] | None:
