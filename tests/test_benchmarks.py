@@ -83,3 +83,17 @@ def test_aggregation_benchmark_prices_robust_rules_against_mean(tmp_path: Path):
         assert all(seconds > 0 for seconds in step["seconds"].values())
     assert {r["system"] for r in result["rounds"]} == {"mean", "centered_clip"}
     assert all(r["median_s"] and r["median_s"] > 0 for r in result["rounds"])
+
+
+def test_pipeline_benchmark_reports_throughput_under_failure_and_the_square_cube_ratio(tmp_path: Path):
+    output = run_benchmark("bench_pipeline.py", "--json", str(tmp_path / "pipeline.json"))
+
+    assert re.search(r"all alive: \d+\.\d samples/s", output), output[-4000:]
+    assert re.search(r"one replica of stage 1 killed: \d+\.\d samples/s", output), output[-4000:]
+    result = json.loads((tmp_path / "pipeline.json").read_text())
+    assert result["throughput"]["lost_microbatches"] == 0
+    assert result["throughput"]["one_killed_samples_per_s"] > 0
+    rows = result["square_cube"]
+    assert [r["d_model"] for r in rows] == [64, 128, 256]
+    # Traffic doubles with d while compute more than doubles: the ratio falls from the first to the last.
+    assert rows[-1]["comm_to_compute"] < rows[0]["comm_to_compute"]

@@ -47,6 +47,8 @@ from swarm.training.sync import EncodedState, StateMovedOn, StateServicer, downl
 
 logger = logging.getLogger(__name__)
 
+UNSERVE_TIMEOUT_S = 5.0
+
 
 def stage_prefix(run_id: str, stage: int) -> str:
     return f"{run_id}.stage{stage}"
@@ -216,12 +218,16 @@ class StageWorker:
         replica, averager = self.replica, self.averager
         if replica is None:
             return
+        # Bounded: the daemon may already be gone (a killed peer), and then these never answer.
         with contextlib.suppress(Exception):
-            await self.servicer.remove_p2p_handlers(
-                averager.p2p, namespace=pipeline_namespace(self.config.run_id, replica.index)
+            await asyncio.wait_for(
+                self.servicer.remove_p2p_handlers(
+                    averager.p2p, namespace=pipeline_namespace(self.config.run_id, replica.index)
+                ),
+                timeout=UNSERVE_TIMEOUT_S,
             )
         with contextlib.suppress(Exception):
-            await averager.shutdown()
+            await asyncio.wait_for(averager.shutdown(), timeout=UNSERVE_TIMEOUT_S)
         replica.close()
         self.replica = self.averager = None
 
