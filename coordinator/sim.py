@@ -182,6 +182,8 @@ def simulate(config: SimConfig) -> int:
             ):
                 victim = names[-1]
                 peers[victim].process.kill()
+                # Reaped at once: an unreaped (zombie) victim still looks alive to its restart's pid check.
+                peers[victim].wait(timeout_s=30)
                 churn_events.append({"killed": victim, "at_step": max(steps.values())})
                 wait_until(
                     lambda v=victim: _state(address, v) == "offline", timeout_s=30, what=f"{victim} offline"
