@@ -13,28 +13,64 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BAD_CHUNK: _ClassVar[Code]
     CANCELLED: _ClassVar[Code]
     INTERNAL: _ClassVar[Code]
+    BAD_SIGNATURE: _ClassVar[Code]
+    NO_EVIDENCE: _ClassVar[Code]
 OK: Code
 BAD_GROUP: Code
 NOT_IN_GROUP: Code
 BAD_CHUNK: Code
 CANCELLED: Code
 INTERNAL: Code
+BAD_SIGNATURE: Code
+NO_EVIDENCE: Code
 
 class PartChunk(_message.Message):
-    __slots__ = ("group_id", "part_index", "chunk_index", "data", "code", "error")
+    __slots__ = ("group_id", "part_index", "chunk_index", "data", "code", "error", "signature", "weight", "included", "reveal")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PART_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    REVEAL_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     part_index: int
     chunk_index: int
     data: bytes
     code: Code
     error: str
-    def __init__(self, group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    weight: float
+    included: bytes
+    reveal: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., signature: _Optional[bytes] = ..., weight: _Optional[float] = ..., included: _Optional[bytes] = ..., reveal: _Optional[bytes] = ...) -> None: ...
+
+class InputsRequest(_message.Message):
+    __slots__ = ("group_id", "chunk_index")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    chunk_index: int
+    def __init__(self, group_id: _Optional[bytes] = ..., chunk_index: _Optional[int] = ...) -> None: ...
+
+class SignedInput(_message.Message):
+    __slots__ = ("sender_index", "data", "signature", "weight", "code", "error")
+    SENDER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sender_index: int
+    data: bytes
+    signature: bytes
+    weight: float
+    code: Code
+    error: str
+    def __init__(self, sender_index: _Optional[int] = ..., data: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., weight: _Optional[float] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("run_id", "min_step")

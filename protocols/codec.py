@@ -64,7 +64,13 @@ def _check_structure(obj: Any, what: str, depth: int = 0) -> None:
         )
 
 
-def unpack(data: bytes, *, max_bytes: int = MAX_ENVELOPE_BYTES, what: str = "message") -> Any:
+def unpack(
+    data: bytes,
+    *,
+    max_bytes: int = MAX_ENVELOPE_BYTES,
+    what: str = "message",
+    max_binary: int = MAX_BINARY_BYTES,
+) -> Any:
     """Decode msgpack from an untrusted source; raises ProtocolError naming ``what`` on anything off."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{what} must be bytes, got {type(data).__name__}")
@@ -77,7 +83,7 @@ def unpack(data: bytes, *, max_bytes: int = MAX_ENVELOPE_BYTES, what: str = "mes
             strict_map_key=True,
             ext_hook=_refuse_ext,
             max_str_len=MAX_STRING_CHARS,
-            max_bin_len=MAX_BINARY_BYTES,
+            max_bin_len=max_binary,
             max_array_len=MAX_CONTAINER_ITEMS,
             max_map_len=MAX_CONTAINER_ITEMS,
         )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import hivemind
 import pytest
 import torch
 
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
+from swarm.averaging.evidence import contribution_message, round_digest
 from swarm.dht import SpawnedDHT
 from swarm.identity import create_identity
 
@@ -26,28 +26,33 @@ class TruncatingAllReduce(ButterflyAllReduce):
         return super().encode_contribution(part, chunk)[:-2]
 
 
+class ReplayingAllReduce(ButterflyAllReduce):
+    """A groupmate that sends contributions signed for another run (as if replayed from there)."""
+
+    def _contribution(self, part, chunk):
+        message = super()._contribution(part, chunk)
+        digest = round_digest("another-run", self.group_id, self.members)
+        signed = contribution_message(
+            digest, part, chunk, self.members[self.index], self.weight, message.data
+        )
+        message.signature = self.key.sign(signed)
+        return message
+
+
+class UnsignedAllReduce(ButterflyAllReduce):
+    """A groupmate that sends its contributions unsigned."""
+
+    def _contribution(self, part, chunk):
+        message = super()._contribution(part, chunk)
+        message.signature = b""
+        return message
+
+
 class VanishingAllReduce(ButterflyAllReduce):
     """A groupmate that crashes right after the group is formed: it neither sends nor reduces."""
 
     async def run(self):
         await asyncio.sleep(3600)
-
-
-def start_dhts(count: int) -> list[hivemind.DHT]:
-    first = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    rest = [
-        SpawnedDHT(start=True, initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        for _ in range(count - 1)
-    ]
-    return [first, *rest]
-
-
-@pytest.fixture
-def dhts():
-    nodes = start_dhts(3)
-    yield nodes
-    for node in nodes:
-        node.shutdown()
 
 
 @pytest.fixture
@@ -68,6 +73,26 @@ def keyed_dhts(tmp_path):
         node.shutdown()
 
 
+@pytest.fixture
+def dhts(keyed_dhts):
+    return [d for d, _ in keyed_dhts]
+
+
+@pytest.fixture
+def keys(keyed_dhts, request):
+    keys = {d.peer_id.to_base58(): k for d, k in keyed_dhts}
+    keys["prefix"] = "run-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[-60:]
+    return keys
+
+
+def make(d, keys, **kwargs):
+    """An averager that signs with the peer's key, over libp2p only unless told otherwise."""
+    kwargs.setdefault("matchmaking_time_s", 1.0)
+    kwargs.setdefault("prefix", keys["prefix"])
+    kwargs.setdefault("data_plane", False)
+    return Averager(d, numel=NUMEL, signing_key=keys[d.peer_id.to_base58()], **kwargs)
+
+
 def vectors(count: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return [torch.randn(NUMEL, generator=generator) for _ in range(count)]
@@ -81,12 +106,14 @@ async def average_all(averagers, inputs, weights):
     )
 
 
-def test_peers_end_bit_identical_at_the_weighted_mean(dhts):
-    averagers = [Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0) for d in dhts]
+def test_peers_end_bit_identical_at_the_weighted_mean(dhts, keys):
+    averagers = [make(d, keys) for d in dhts]
     inputs, weights = vectors(3), [1.0, 2.0, 5.0]
     outcomes = asyncio.run(average_all(averagers, inputs, weights))
 
-    expected = sum(w * v for w, v in zip(weights, inputs, strict=True)) / sum(weights)
+    # No sender weighs more than the lower median of the claims: 5 counts as 2 (a fair share).
+    fair = [1.0, 2.0, 2.0]
+    expected = sum(w * v for w, v in zip(fair, inputs, strict=True)) / sum(fair)
     first = outcomes[0][1].vector
     for group, result in outcomes:
         assert len(group.peer_ids) == 3 and result.complete and not result.dropped
@@ -98,7 +125,8 @@ def test_peers_end_bit_identical_at_the_weighted_mean(dhts):
 
 def test_rounds_over_the_tcp_data_path_are_bit_identical(keyed_dhts):
     averagers = [
-        Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0, signing_key=k) for d, k in keyed_dhts
+        Averager(d, prefix="tcp-run", numel=NUMEL, matchmaking_time_s=1.0, signing_key=k)
+        for d, k in keyed_dhts
     ]
     inputs, weights = vectors(3), [1.0, 2.0, 5.0]
 
@@ -113,7 +141,8 @@ def test_rounds_over_the_tcp_data_path_are_bit_identical(keyed_dhts):
         return outcomes, accepted, retry
 
     outcomes, accepted, retry = asyncio.run(scenario())
-    expected = sum(w * v for w, v in zip(weights, inputs, strict=True)) / sum(weights)
+    fair = [1.0, 2.0, 2.0]  # weights clipped to the lower median claim
+    expected = sum(w * v for w, v in zip(fair, inputs, strict=True)) / sum(fair)
     for group, result in outcomes:
         assert len(group.peer_ids) == 3 and result.complete and not result.dropped
         assert torch.equal(result.vector, outcomes[0][1].vector)
@@ -124,11 +153,14 @@ def test_rounds_over_the_tcp_data_path_are_bit_identical(keyed_dhts):
     assert torch.allclose(retry[0][1].vector, sum(inputs) / 3, atol=2e-3)
 
 
-def test_mismatched_tensor_is_dropped_and_the_round_completes(dhts, caplog):
-    averagers = [Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0) for d in dhts[:2]]
-    averagers.append(
-        Averager(dhts[2], prefix="run", numel=NUMEL, matchmaking_time_s=1.0, runner_type=TruncatingAllReduce)
-    )
+@pytest.mark.parametrize(
+    "runner, reason",
+    [("truncating", "bytes"), ("replaying", "signature does not verify"), ("unsigned", "signature")],
+)
+def test_a_bad_contribution_is_dropped_and_the_round_completes(dhts, keys, caplog, runner, reason):
+    bad = {"truncating": TruncatingAllReduce, "replaying": ReplayingAllReduce, "unsigned": UnsignedAllReduce}
+    averagers = [make(d, keys) for d in dhts[:2]]
+    averagers.append(make(dhts[2], keys, runner_type=bad[runner]))
     inputs = vectors(3)
     with caplog.at_level(logging.WARNING):
         outcomes = asyncio.run(average_all(averagers, inputs, [1.0, 1.0, 1.0]))
@@ -137,7 +169,7 @@ def test_mismatched_tensor_is_dropped_and_the_round_completes(dhts, caplog):
     results = [result for _, result in outcomes]
     assert all(r.complete for r in results), "the honest reducers finish without the bad contribution"
     assert all(torch.equal(r.vector, results[0].vector) for r in results)
-    assert bad_peer in results[0].dropped and "bytes" in results[0].dropped[bad_peer]
+    assert bad_peer in results[0].dropped and reason in results[0].dropped[bad_peer]
     assert f"dropped {bad_peer}" in caplog.text
     # Parts reduced by honest peers hold the mean of the two honest inputs only.
     honest_mean = (inputs[0] + inputs[1]) / 2
@@ -147,12 +179,9 @@ def test_mismatched_tensor_is_dropped_and_the_round_completes(dhts, caplog):
     assert torch.allclose(results[0].vector[lo:hi], honest_mean[lo:hi], atol=2e-3)
 
 
-def test_a_peer_vanishing_mid_round_does_not_stall_the_survivors(dhts):
-    def make(d, runner=None):
-        extra = {"runner_type": runner} if runner else {}
-        return Averager(d, prefix="run", numel=NUMEL, matchmaking_time_s=1.0, sender_timeout_s=1.0, **extra)
-
-    averagers = [make(dhts[0]), make(dhts[1]), make(dhts[2], VanishingAllReduce)]
+def test_a_peer_vanishing_mid_round_does_not_stall_the_survivors(dhts, keys):
+    averagers = [make(d, keys, sender_timeout_s=1.0) for d in dhts[:2]]
+    averagers.append(make(dhts[2], keys, sender_timeout_s=1.0, runner_type=VanishingAllReduce))
 
     async def scenario():
         for averager in averagers:
@@ -177,8 +206,8 @@ def test_a_peer_vanishing_mid_round_does_not_stall_the_survivors(dhts):
     asyncio.run(scenario())
 
 
-def test_a_peer_alone_applies_exactly_its_encoded_vector(dhts):
-    averager = Averager(dhts[0], prefix="solo", numel=NUMEL)
+def test_a_peer_alone_applies_exactly_its_encoded_vector(dhts, keys):
+    averager = make(dhts[0], keys, prefix="solo")
 
     async def scenario():
         await averager.start()
@@ -190,15 +219,12 @@ def test_a_peer_alone_applies_exactly_its_encoded_vector(dhts):
     asyncio.run(scenario())
 
 
-def test_an_upload_limit_holds_a_peer_to_its_rate(dhts):
+def test_an_upload_limit_holds_a_peer_to_its_rate(dhts, keys):
     from swarm.ratelimit import RateLimiter
 
     rate, burst = 200_000, 50_000  # bytes/s; each peer of two sends half its vector, then its reduced half
-    limited = Averager(
-        dhts[0], prefix="slow", numel=NUMEL, matchmaking_time_s=1.0,
-        upload_limiter=RateLimiter(rate, burst_bytes=burst),
-    )  # fmt: skip
-    other = Averager(dhts[1], prefix="slow", numel=NUMEL, matchmaking_time_s=1.0)
+    limited = make(dhts[0], keys, prefix="slow", upload_limiter=RateLimiter(rate, burst_bytes=burst))
+    other = make(dhts[1], keys, prefix="slow")
 
     async def scenario():
         for averager in (limited, other):

@@ -10,6 +10,11 @@ or encoding is dropped from the aggregation with a log line naming it, and the r
 it. A reducer that fails leaves its part incomplete; the caller sees ``complete=False`` and must not
 apply the round (it retries, or resynchronizes from peers that completed it).
 
+Signatures: given the peer's key, every contribution and every aggregate chunk is signed (see
+``evidence``); a reducer drops a sender whose signature, weight or commitment reveal does not hold, and
+a sender refuses an aggregate whose signature fails or that leaves out most of the group. The reducer
+keeps the signed inputs of its part (``evidence``) so that a validator can recompute it.
+
 Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
 (see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
 messages and reach the same ``serve``.
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -29,8 +36,19 @@ from hivemind.utils.asyncio import aiter_with_timeout
 
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError, SwarmError
+from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
+from swarm.averaging.evidence import (
+    SignedInput,
+    aggregate_message,
+    aggregation_seed,
+    contribution_message,
+    included_mask,
+    mask_indices,
+    reduce_chunk,
+    round_digest,
+)
 from swarm.averaging.transport import DataPlane
 from swarm.ratelimit import RateLimiter
 
@@ -82,7 +100,7 @@ class ButterflyAllReduce:
         prefix: str,
         group_id: bytes,
         peer_ids: Sequence[PeerID],
-        weights: Sequence[float],
+        weight: float,
         local: torch.Tensor,
         aggregator: AggregatorFn,
         codec: Codec,
@@ -92,11 +110,20 @@ class ButterflyAllReduce:
         addresses: Sequence[str | None] | None = None,
         upload_limiter: RateLimiter | None = None,
         traffic: Traffic | None = None,
+        key: SigningKey | None = None,
+        nonce: bytes = b"",
+        commitments: Sequence[bytes | None] | None = None,
+        attack=None,
     ):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
         self.index = self.peer_ids.index(p2p.peer_id)
-        self.weights = torch.tensor(list(weights), dtype=torch.float64)
+        self.weight = float(weight)
+        self.key, self.nonce, self.attack = key, nonce, attack
+        self.commitments = list(commitments) if commitments is not None else [None] * len(self.peer_ids)
+        self.members = [p.to_base58() for p in self.peer_ids]
+        self.digest = round_digest(prefix, group_id, self.members)
+        self.reveals: dict[int, bytes] = {self.index: nonce}
         self.local = local.detach().to(torch.float32).flatten()
         self.aggregator, self.codec = aggregator, codec
         self.sender_timeout_s, self.chunk_values = sender_timeout_s, chunk_values
@@ -114,8 +141,14 @@ class ButterflyAllReduce:
 
         # Reducer state for this peer's own part.
         my_chunks = self.part_chunks[self.index]
-        self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(len(my_chunks) - 1)]
-        self._results: list[bytes | None] = [None] * (len(my_chunks) - 1)
+        self._inputs: list[dict[int, tuple[torch.Tensor, SignedInput]]] = [
+            {} for _ in range(len(my_chunks) - 1)
+        ]
+        self._weights: dict[int, float] = {}
+        self._results: list[apb.PartChunk | None] = [None] * (len(my_chunks) - 1)
+        # What a validator needs: the signed inputs of each chunk of our part, and the aggregates we got.
+        self.evidence: list[list[SignedInput]] = [[] for _ in self._results]
+        self.answers: list[dict[int, apb.PartChunk]] = [{} for _ in self.peer_ids]
         self._reduced = [asyncio.Event() for _ in self._results]
         self._active = set(range(len(self.peer_ids)))
         self._changed = asyncio.Event()
@@ -146,10 +179,42 @@ class ButterflyAllReduce:
             logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
             self._changed.set()
 
-    def _deliver(self, sender: int, chunk: int, values: torch.Tensor) -> None:
+    def _deliver(self, sender: int, chunk: int, values: torch.Tensor, signed: SignedInput) -> None:
         if sender in self._active:
-            self._inputs[chunk][sender] = values
+            self._inputs[chunk][sender] = (values, signed)
             self._changed.set()
+
+    def _sign(self, message: bytes) -> bytes:
+        return self.key.sign(message) if self.key is not None else b""
+
+    def _check_contribution(self, sender: int, message: apb.PartChunk, chunk: int) -> None:
+        """Refuse a chunk whose signature, weight or (chunk 0) commitment reveal does not hold up."""
+        peer = self.members[sender]
+        if self.key is not None:
+            PublicKey.from_peer_id(peer).verify(
+                message.signature,
+                contribution_message(self.digest, self.index, chunk, peer, message.weight, message.data),
+            )
+        weight = message.weight
+        if not math.isfinite(weight) or weight < 0:
+            raise ProtocolError(f"claims weight {weight!r}; a weight is a finite number >= 0")
+        if chunk == 0:
+            commitment = self.commitments[sender]
+            if commitment is not None and hashlib.sha256(message.reveal).digest() != commitment:
+                raise ProtocolError("revealed a nonce that does not match its matchmaking commitment")
+            self.reveals[sender] = message.reveal
+            self._weights[sender] = weight
+        elif weight != self._weights.get(sender):
+            raise ProtocolError(f"changed its weight from {self._weights.get(sender)} to {weight} mid-round")
+        return weight
+
+    @property
+    def shared_seed(self) -> bytes:
+        """The group's random draw for this round: every member's revealed nonce, in member order."""
+        reveals = b"".join(
+            hashlib.sha256(self.reveals.get(i, b"")).digest() for i in range(len(self.members))
+        )
+        return hashlib.sha256(b"shared|" + self.digest + reveals).digest()
 
     # --- reducer -------------------------------------------------------------------------------------
 
@@ -157,8 +222,10 @@ class ButterflyAllReduce:
         try:
             for chunk in range(len(self._results)):
                 lo, hi = self._chunk(self.index, chunk)
-                own = self.codec.decode(self.codec.encode(self.local[lo:hi]), hi - lo, sender="this peer")
-                self._deliver(self.index, chunk, own)
+                message = self._contribution(self.index, chunk)
+                own = self.codec.decode(message.data, hi - lo, sender="this peer")
+                signed = SignedInput(self.index, message.data, message.signature, message.weight)
+                self._deliver(self.index, chunk, own, signed)
         except ProtocolError as e:
             logger.warning(f"leaving this peer's own values out of round {self.group_id.hex()[:8]}: {e}")
             self._active.discard(self.index)
@@ -176,14 +243,27 @@ class ButterflyAllReduce:
                     f"no valid contribution for part {self.index} in round {self.group_id.hex()[:8]}"
                 )
                 return
-            stacked = torch.stack([self._inputs[chunk][s] for s in senders])
-            weights = self.weights[senders]
-            aggregated = await asyncio.to_thread(self.aggregator, stacked, weights, seed=0)
-            encoded = self.codec.encode(aggregated)
+            inputs = [self._inputs[chunk][s] for s in senders]
+            # Claimed weights go in as signed; the rule clips them to a fair share (see reduce_chunk).
+            weights = [signed.weight for _, signed in inputs]
+            seed = aggregation_seed(self.group_id, self.index, chunk)
+            encoded = await asyncio.to_thread(
+                reduce_chunk, self.aggregator, self.codec, [v for v, _ in inputs], weights, seed
+            )
             lo, hi = self._chunk(self.index, chunk)
+            if self.attack is not None:  # a rehearsed bad reducer returns something else, signed as usual
+                honest = self.codec.decode(encoded, hi - lo, sender="self")
+                encoded = self.codec.encode(self.attack.reduce(honest))
+            included = included_mask(senders, len(self.members))
+            signature = self._sign(
+                aggregate_message(self.digest, self.index, chunk, self.members[self.index], included, encoded)
+            )
             self.output[lo:hi] = self.codec.decode(encoded, hi - lo, sender="self")
             self.received[self.index][chunk] = True
-            self._results[chunk] = encoded
+            self._results[chunk] = apb.PartChunk(
+                part_index=self.index, chunk_index=chunk, data=encoded, signature=signature, included=included
+            )
+            self.evidence[chunk] = [signed for _, signed in inputs]
             self._inputs[chunk].clear()
             self._reduced[chunk].set()
 
@@ -199,11 +279,12 @@ class ButterflyAllReduce:
         try:
             for chunk, event in enumerate(self._reduced):
                 await event.wait()
-                if self._results[chunk] is None:
+                result = self._results[chunk]
+                if result is None:
                     return
-                await self._throttle(len(self._results[chunk]))
-                self._count(sent=len(self._results[chunk]))
-                yield apb.PartChunk(part_index=self.index, chunk_index=chunk, data=self._results[chunk])
+                await self._throttle(len(result.data))
+                self._count(sent=len(result.data))
+                yield result
         finally:
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -221,10 +302,12 @@ class ButterflyAllReduce:
                         f"expected part {self.index} chunk {expected}"
                     )
                 lo, hi = self._chunk(self.index, expected)
-                peer = self.peer_ids[sender].to_base58()
-                values = self.codec.decode(message.data, hi - lo, sender=peer)
+                peer = self.members[sender]
                 self._count(received=len(message.data))
-                self._deliver(sender, expected, values)
+                self._check_contribution(sender, message, expected)
+                values = self.codec.decode(message.data, hi - lo, sender=peer)
+                signed = SignedInput(sender, message.data, message.signature, message.weight)
+                self._deliver(sender, expected, values, signed)
                 expected += 1
                 if expected == len(self._results):
                     return
@@ -243,21 +326,41 @@ class ButterflyAllReduce:
         lo, hi = self._chunk(part, chunk)
         return self.codec.encode(self.local[lo:hi])
 
+    def _contribution(self, part: int, chunk: int) -> apb.PartChunk:
+        data = self.encode_contribution(part, chunk)
+        me = self.members[self.index]
+        return apb.PartChunk(
+            group_id=self.group_id if chunk == 0 else b"",
+            part_index=part,
+            chunk_index=chunk,
+            data=data,
+            weight=self.weight,
+            reveal=self.nonce if chunk == 0 else b"",
+            signature=self._sign(contribution_message(self.digest, part, chunk, me, self.weight, data)),
+        )
+
+    def _check_answer(self, part: int, chunk: int, message: apb.PartChunk) -> None:
+        """A reducer's aggregate must be signed by it and cover more than half of the group."""
+        reducer = self.members[part]
+        if self.key is not None:
+            PublicKey.from_peer_id(reducer).verify(
+                message.signature,
+                aggregate_message(self.digest, part, chunk, reducer, message.included, message.data),
+            )
+            included = mask_indices(message.included, len(self.members))
+            if 2 * len(included) <= len(self.members):
+                raise ProtocolError(f"aggregated only {len(included)} of {len(self.members)} members")
+
     async def _exchange_with(self, part: int) -> None:
         peer = self.peer_ids[part]
         chunks = len(self.part_chunks[part]) - 1
 
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for chunk in range(chunks):
-                data = self.encode_contribution(part, chunk)
-                await self._throttle(len(data))
-                self._count(sent=len(data))
-                yield apb.PartChunk(
-                    group_id=self.group_id if chunk == 0 else b"",
-                    part_index=part,
-                    chunk_index=chunk,
-                    data=data,
-                )
+                message = self._contribution(part, chunk)
+                await self._throttle(len(message.data))
+                self._count(sent=len(message.data))
+                yield message
 
         try:
             stream = await self._open(part, outgoing())
@@ -268,8 +371,10 @@ class ButterflyAllReduce:
                 if message.part_index != part or message.chunk_index != expected or expected >= chunks:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
                 lo, hi = self._chunk(part, expected)
-                self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=peer.to_base58())
                 self._count(received=len(message.data))
+                self._check_answer(part, expected, message)
+                self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=peer.to_base58())
+                self.answers[part][expected] = message
                 self.received[part][expected] = True
                 expected += 1
             if expected < chunks:

@@ -21,8 +21,10 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
 
 import hivemind
@@ -41,6 +43,7 @@ from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
 from swarm.averaging.compression import get_codec
 from swarm.averaging.transport import DataPlane, announce_host, parse_address
+from swarm.averaging.verification import Accuser, assignments, check_reducer, serve_inputs
 from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class GroupRound:
     weights: list[float]
     extras: list[dict]
     addresses: list[str | None]
+    commitments: list[bytes | None] = field(default_factory=list)
 
 
 class AveragingServicer(ServicerBase):
@@ -74,6 +78,31 @@ class AveragingServicer(ServicerBase):
     ) -> TypingAsyncIterator[apb.PartChunk]:
         async for message in self.averager.serve_part(stream, context.remote_id):
             yield message
+
+    async def rpc_round_inputs(
+        self, request: apb.InputsRequest, context: P2PContext
+    ) -> TypingAsyncIterator[apb.SignedInput]:
+        runner = self.averager.recent.get(request.group_id)
+        async for message in serve_inputs(runner, request, context.remote_id):
+            yield message
+
+
+class RunMatchmaking(Matchmaking):
+    """hivemind's matchmaking that neither leads nor follows a peer on the run's ban list."""
+
+    def __init__(self, *args, banned: set[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.banned = banned
+
+    def _check_reasons_to_reject(self, request, context):
+        if context.remote_id.to_base58() in self.banned:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return super()._check_reasons_to_reject(request, context)
+
+    async def _request_join_group(self, leader: PeerID):
+        if leader.to_base58() in self.banned:
+            return None
+        return await super()._request_join_group(leader)
 
 
 class Averager:
@@ -96,9 +125,14 @@ class Averager:
         data_port: int = 0,
         data_announce_host: str | None = None,
         upload_limiter: RateLimiter | None = None,
+        aggregator_options: dict | None = None,
+        verify_probability: float = 0.0,
+        accuse: Accuser | None = None,
+        attack=None,
+        data_plane: bool = True,
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
-        self.aggregator = get_aggregator(aggregator)
+        self.aggregator = get_aggregator(aggregator, aggregator_options)
         self.codec = get_codec(compression)
         self.max_group_size, self.matchmaking_time_s = max_group_size, matchmaking_time_s
         self.sender_timeout_s, self.averaging_timeout_s = sender_timeout_s, averaging_timeout_s
@@ -107,8 +141,14 @@ class Averager:
         self.signing_key, self.data_host, self.data_port = signing_key, data_host, data_port
         self.data_announce_host = data_announce_host
         self.data_plane: DataPlane | None = None
+        self.use_data_plane = data_plane
         self.upload_limiter = upload_limiter
         self.traffic = Traffic()
+        self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
+        self.banned: set[str] = set()  # peer IDs on the run's ban list: refused in rounds
+        self.recent: OrderedDict[bytes, ButterflyAllReduce] = OrderedDict()  # evidence of recent rounds
+        self._verifications: set[asyncio.Task] = set()
+        self._nonce = b""
         self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.name}".encode()).digest()
         self.p2p = None
         self.matchmaking: Matchmaking | None = None
@@ -124,7 +164,7 @@ class Averager:
         self.p2p = await self.dht.replicate_p2p()
         self.servicer = AveragingServicer(self)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
-        self.matchmaking = Matchmaking(
+        self.matchmaking = RunMatchmaking(
             self.p2p,
             self.schema_hash,
             self.dht,
@@ -135,8 +175,9 @@ class Averager:
             min_matchmaking_time=self.matchmaking_time_s,
             request_timeout=max(0.5, self.matchmaking_time_s / 2),
             client_mode=False,
+            banned=self.banned,
         )
-        if self.signing_key is not None:
+        if self.signing_key is not None and self.use_data_plane:
             await self._start_data_plane()
 
     async def _start_data_plane(self) -> None:
@@ -161,6 +202,8 @@ class Averager:
         logger.info(f"averaging data address {address}")
 
     async def shutdown(self) -> None:
+        for task in list(self._verifications):
+            task.cancel()
         if self.data_plane is not None:
             await self.data_plane.close()
         if self.p2p is not None:
@@ -177,6 +220,7 @@ class Averager:
         ``expected_size`` (the peers the caller knows to be ready for this round) a leader assembles the
         moment that many have joined, rather than waiting out the window.
         """
+        self._nonce = os.urandom(32)
         target = self.max_group_size if expected_size is None else expected_size
         self.matchmaking.target_group_size = max(2, min(self.max_group_size, target))
         now = get_dht_time()
@@ -193,6 +237,7 @@ class Averager:
                     "weight": float(weight),
                     "extra": extra or {},
                     "data": self.data_plane.address if self.data_plane is not None else None,
+                    "commit": hashlib.sha256(self._nonce).digest(),
                 }
             ),
         )
@@ -205,9 +250,9 @@ class Averager:
             return None
         if info is None:
             return None
-        weights, extras, addresses = [], [], []
+        weights, extras, addresses, commitments = [], [], [], []
         for peer, gathered in zip(info.peer_ids, info.gathered, strict=True):
-            address = None
+            address = commitment = None
             try:
                 data = unpack(gathered, what=f"group data of {peer}")
                 claimed = float(data["weight"])
@@ -218,18 +263,22 @@ class Averager:
                 if data.get("data") is not None:
                     parse_address(data["data"])
                     address = data["data"]
+                commitment = data.get("commit")
+                if not isinstance(commitment, bytes) or len(commitment) != 32:
+                    raise SwarmError("the nonce commitment must be 32 bytes")
             except (SwarmError, KeyError, TypeError, ValueError) as e:
                 logger.warning(f"{peer} joined group {info.group_id.hex()[:8]} with bad data ({e}); weight 0")
                 claimed, extra = 0.0, {}
             weights.append(min(claimed, self.max_weight))
             extras.append(extra)
             addresses.append(address)
-        return GroupRound(info.group_id, list(info.peer_ids), weights, extras, addresses)
+            commitments.append(commitment)
+        return GroupRound(info.group_id, list(info.peer_ids), weights, extras, addresses, commitments)
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
         """A group of this peer alone, for a run with no one else at this step."""
         return GroupRound(
-            b"solo-" + get_dht_time().hex().encode(), [self.peer_id], [weight], [extra or {}], [None]
+            b"solo-" + get_dht_time().hex().encode(), [self.peer_id], [weight], [extra or {}], [None], [None]
         )
 
     async def average(
@@ -253,13 +302,17 @@ class Averager:
                 group = await self.find_group(weight, extra, expected_size)
             if group is None:
                 return None
+            banned = [p.to_base58() for p in group.peer_ids if p.to_base58() in self.banned]
+            if banned:
+                logger.warning(f"leaving group {group.group_id.hex()[:8]}: it holds banned peers {banned}")
+                return None
             runner = self.runner_type(
                 p2p=self.p2p,
                 servicer_type=AveragingServicer,
                 prefix=self.prefix,
                 group_id=group.group_id,
                 peer_ids=group.peer_ids,
-                weights=group.weights,
+                weight=weight,
                 local=vector,
                 aggregator=self.aggregator,
                 codec=self.codec,
@@ -268,6 +321,10 @@ class Averager:
                 addresses=group.addresses,
                 upload_limiter=self.upload_limiter,
                 traffic=self.traffic,
+                key=self.signing_key,
+                nonce=self._nonce,
+                commitments=group.commitments or None,
+                attack=self.attack,
             )
             self._runners[group.group_id] = runner
             self._runner_added.set()
@@ -279,7 +336,37 @@ class Averager:
                 )
             finally:
                 self._runners.pop(group.group_id, None)
+            self._keep(runner)
+            if result.complete and len(group.peer_ids) > 1:
+                self._verify_later(runner)
             return group, result
+
+    def _keep(self, runner: ButterflyAllReduce, rounds: int = 4) -> None:
+        """Hold the evidence of the last few rounds for validators, who ask right after a round."""
+        self.recent[runner.group_id] = runner
+        while len(self.recent) > rounds:
+            self.recent.popitem(last=False)
+
+    def _verify_later(self, runner: ButterflyAllReduce) -> None:
+        chunks = [len(c) - 1 for c in runner.part_chunks]
+        mine = assignments(
+            runner.shared_seed, len(runner.peer_ids), runner.index, self.verify_probability, chunks
+        )
+        for assignment in mine:
+            task = asyncio.create_task(self._verify(runner, assignment))
+            self._verifications.add(task)
+            task.add_done_callback(self._verifications.discard)
+
+    async def _verify(self, runner: ButterflyAllReduce, assignment) -> None:
+        verdict, evidence = await check_reducer(
+            runner, assignment, servicer_type=AveragingServicer, p2p=self.p2p, aggregator=self.aggregator,
+            codec=self.codec, timeout_s=self.averaging_timeout_s,
+        )  # fmt: skip
+        if verdict is not None and self.accuse is not None:
+            try:
+                await self.accuse(evidence.reducer, evidence, verdict)
+            except Exception as e:
+                logger.warning(f"could not file the accusation against {evidence.reducer}: {e!r}")
 
     async def serve_part(
         self, stream: AsyncIterator[apb.PartChunk], sender: PeerID
@@ -298,6 +385,9 @@ class Averager:
             runner = self._runners.get(first.group_id)
         if runner is None:
             yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
+            return
+        if sender.to_base58() in self.banned:
+            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="this peer is banned from the run")
             return
         async for message in runner.serve(first, stream, sender):
             yield message
