@@ -29,6 +29,7 @@ from coordinator.metrics import MetricsLogger, history_point, run_snapshot
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from protocols.errors import ConfigError, NetworkError
+from swarm.bans import publish_ban_list
 from swarm.config import RunConfig
 from swarm.dht import start_dht, visible_maddrs
 from swarm.identity import load_or_create_identity
@@ -44,6 +45,9 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+BAN_LIST_INTERVAL_S = 2.0
+
+
 class CoordinatorNode:
     def __init__(self, config: CoordinatorConfig, run: RunConfig):
         self.config = config
@@ -57,6 +61,7 @@ class CoordinatorNode:
         self._sweeper: asyncio.Task | None = None
         self._checkpoints: asyncio.Task | None = None
         self._history: asyncio.Task | None = None
+        self._bans: asyncio.Task | None = None
         self._metrics_logger: MetricsLogger | None = None
         self.dashboard: Dashboard | None = None
 
@@ -123,6 +128,7 @@ class CoordinatorNode:
         self._sweeper = asyncio.create_task(self._sweep_offline())
         self._checkpoints = asyncio.create_task(keeper.run_forever())
         self._history = asyncio.create_task(self._record_history())
+        self._bans = asyncio.create_task(self._publish_bans(key))
         self._write_endpoint(key.peer_id)
         logger.info(f"coordinator {key.peer_id} serves run {run.run_id!r} on {_host_port(config.host, port)}")
         logger.info(f"DHT initial peers: {' '.join(self.dht_initial_peers)}")
@@ -152,6 +158,17 @@ class CoordinatorNode:
             except Exception:
                 logger.exception("liveness sweep failed; retrying")
 
+    async def _publish_bans(self, key) -> None:
+        """Keep the signed ban list in the DHT current, bans made by `swarm-coordinator ban` included."""
+        interval_s = min(BAN_LIST_INTERVAL_S, self.run.membership.heartbeat_interval_s)
+        while True:
+            try:
+                banned = [ban.peer_id for ban in await self._store.list_bans()]
+                await publish_ban_list(self._dht, key, self.run.run_id, banned, ttl_s=10 * interval_s + 30)
+            except Exception:
+                logger.exception("publishing the ban list failed; retrying")
+            await asyncio.sleep(interval_s)
+
     async def snapshot(self) -> dict:
         """The run as ``/api/status`` serves it."""
         return await run_snapshot(self._store, self.run, self.coordinator_peer_id)
@@ -169,12 +186,12 @@ class CoordinatorNode:
                 logger.exception("recording the metrics history failed; retrying")
 
     async def stop(self) -> None:
-        for task in (self._sweeper, self._checkpoints, self._history):
+        for task in (self._sweeper, self._checkpoints, self._history, self._bans):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._sweeper = self._checkpoints = self._history = None
+        self._sweeper = self._checkpoints = self._history = self._bans = None
         if self.dashboard is not None:
             await self.dashboard.stop()
             self.dashboard = None

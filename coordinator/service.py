@@ -1,4 +1,4 @@
-"""The coordinator's gRPC service: admission, heartbeats, leave and status.
+"""The coordinator's gRPC service: admission, heartbeats, leave, status and accusations.
 
 Each handler receives raw bytes, so a malformed payload is answered with a clear INVALID_ARGUMENT
 instead of grpc's generic deserialization failure. Everything is validated before the store is
@@ -7,12 +7,14 @@ touched: a refused request changes nothing and costs one log line naming the sen
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -34,10 +36,12 @@ from protocols.errors import (
 )
 from protocols.keys import SigningKey
 from protocols.messages import (
+    ACCUSE,
     HEARTBEAT,
     JOIN,
     JOIN_ANSWER,
     LEAVE,
+    AccuseBody,
     HeartbeatBody,
     JoinBody,
     LeaveBody,
@@ -45,6 +49,9 @@ from protocols.messages import (
     token_proof,
 )
 from protocols.version import PROTOCOL_VERSION
+from swarm.averaging.aggregators import get_aggregator
+from swarm.averaging.compression import get_codec
+from swarm.averaging.evidence import BadAggregateEvidence
 from swarm.config import RunConfig
 from swarm.rpc import ERROR_METADATA_KEY, status_code_for
 
@@ -64,6 +71,7 @@ class CoordinatorService:
         self.dht_initial_peers = dht_initial_peers
         self._challenges: OrderedDict[bytes, float] = OrderedDict()
         self._flagged: set[tuple[str, int]] = set()
+        self._judging = asyncio.Lock()  # one accusation's evidence in memory at a time
 
     @property
     def run_id(self) -> str:
@@ -261,6 +269,58 @@ class CoordinatorService:
             server_time=time.time(),
         )
 
+    async def accuse(self, parts: AsyncIterator[bytes], peer: str) -> pb.AccuseResponse:
+        """Judge an accusation by recomputing the aggregate from the signed evidence; ban whoever lied."""
+        first = await _next_part(parts)
+        self._check_header(first.header)
+        envelope = self._open(first.envelope, ACCUSE, "accusation", MAX_REQUEST_AGE_S)
+        await self._known_peer(envelope)
+        body = parse_body(AccuseBody, envelope.body, sender=envelope.sender, what="accusation")
+        async with self._judging:
+            evidence = bytearray(first.evidence)
+            while len(evidence) < body.evidence_bytes:
+                piece = await _next_part(parts, required=False)
+                if piece is None:
+                    break
+                evidence += piece.evidence
+                if len(evidence) > body.evidence_bytes:
+                    break
+            if len(evidence) != body.evidence_bytes:
+                raise ProtocolError(
+                    f"accusation from {envelope.sender} carried {len(evidence)} evidence bytes, "
+                    f"not the {body.evidence_bytes} it signed for"
+                )
+            if hashlib.sha256(evidence).digest() != body.evidence_sha256:
+                raise ProtocolError(
+                    f"accusation from {envelope.sender}: evidence does not match its signed hash"
+                )
+            verdict, guilty = await asyncio.to_thread(
+                self._judge, bytes(evidence), body.accused, envelope.sender
+            )
+            reason = (
+                verdict if guilty == body.accused else f"false accusation against {body.accused}: {verdict}"
+            )
+            await self.store.ban(guilty, reason[:512], bytes(evidence))
+        logger.warning(f"accusation by {envelope.sender} against {body.accused}: banned {guilty} ({reason})")
+        return pb.AccuseResponse(verdict=reason[:512], banned_peer=guilty)
+
+    def _judge(self, data: bytes, accused: str, accuser: str) -> tuple[str, str]:
+        """(what was found, who is guilty): the accused if the evidence proves it, else the accuser."""
+        training = self.config.training
+        try:
+            evidence = BadAggregateEvidence.from_bytes(data)
+            if evidence.prefix != self.run_id.replace(".", "_"):
+                raise ProtocolError(f"the evidence is of run prefix {evidence.prefix!r}, not of this run")
+            if evidence.reducer != accused or accuser not in evidence.members:
+                raise ProtocolError("the evidence names another reducer, or a round the accuser was not in")
+            aggregator = get_aggregator(training.aggregator, training.aggregator_options)
+            verdict = evidence.judge(aggregator, get_codec(training.compression))
+        except SwarmError as e:
+            return f"the evidence does not hold: {e}", accuser
+        if verdict is None:
+            return "the aggregate is exactly what the rule gives", accuser
+        return verdict, accused
+
     # --- wiring into grpc ----------------------------------------------------------------------------
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -279,7 +339,45 @@ class CoordinatorService:
             )
             for name, (request_type, handler) in methods.items()
         }
+        handlers["Accuse"] = grpc.stream_unary_rpc_method_handler(
+            _guarded_stream("Accuse", self.accuse),
+            request_deserializer=None,
+            response_serializer=lambda message: message.SerializeToString(),
+        )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+async def _next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> pb.AccusationPart | None:
+    try:
+        raw = await parts.__anext__()
+    except StopAsyncIteration:
+        if required:
+            raise ProtocolError("accusation stream is empty") from None
+        return None
+    try:
+        return pb.AccusationPart.FromString(raw)
+    except (DecodeError, RuntimeWarning) as e:
+        raise ProtocolError(f"malformed AccusationPart: {e}") from None
+
+
+def _guarded_stream(method: str, handler: Callable[[AsyncIterator[bytes], str], Awaitable[Any]]):
+    async def call(parts: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        peer = context.peer()
+        try:
+            return await handler(parts.__aiter__(), peer)
+        except SwarmError as e:
+            logger.warning(f"refused {method} from {peer}: {e}")
+            error = e
+        except Exception:
+            logger.exception(f"internal error in {method} from {peer}")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error at the coordinator; see its log")
+        await context.abort(
+            status_code_for(error),
+            str(error),
+            trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
+        )
+
+    return call
 
 
 def _guarded(method: str, request_type: Any, handler: Callable[[Any, str], Awaitable[Any]]):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from coordinator.cli import status_to_dict
 from coordinator.localswarm import FAST_MEMBERSHIP, LocalSwarm, status, wait_until
@@ -67,6 +67,14 @@ class SimConfig(BaseModel):
     kill_stage_peer_at: int | None = Field(
         None, ge=0, description="kill one server of the last pipeline stage outright at this step"
     )
+    byzantine: int = Field(0, ge=0, le=15, description="how many peers play the attacker named by --attack")
+    attack: str | None = Field(None, max_length=64, description="the attack the --byzantine peers mount")
+    aggregator: str | None = Field(
+        None, max_length=64, description="aggregation rule for the run (default: the run's, centered_clip)"
+    )
+    verify_probability: float = Field(
+        0.5, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
+    )
 
     @field_validator("gpu_peers")
     @classmethod
@@ -75,6 +83,23 @@ class SimConfig(BaseModel):
         if peers is not None and gpu_peers > peers:
             raise ValueError(f"{gpu_peers} is more than --peers ({peers})")
         return gpu_peers
+
+    @field_validator("attack")
+    @classmethod
+    def _known_attack(cls, attack: str | None) -> str | None:
+        from swarm.byzantine.attacks import attack_names
+
+        if attack is not None and attack not in attack_names():
+            raise ValueError(f"unknown attack {attack!r}; known: {', '.join(attack_names())}")
+        return attack
+
+    @model_validator(mode="after")
+    def _attackers_are_a_minority(self) -> SimConfig:
+        if self.byzantine and self.attack is None:
+            raise ValueError("--byzantine needs --attack NAME")
+        if 2 * self.byzantine >= self.peers:
+            raise ValueError(f"--byzantine {self.byzantine} must be fewer than half of --peers {self.peers}")
+        return self
 
 
 def build_run(config: SimConfig) -> RunConfig:
@@ -89,7 +114,9 @@ def build_run(config: SimConfig) -> RunConfig:
             "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             # Every peer takes part in every round (one may be missing while churn restarts it).
-            "min_group_size": max(1, config.peers - 1 if config.churn else config.peers),
+            "min_group_size": max(1, config.peers - config.byzantine - (1 if config.churn else 0)),
+            "verify_probability": config.verify_probability,
+            **({"aggregator": config.aggregator} if config.aggregator else {}),
             "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),
         },
         membership=FAST_MEMBERSHIP,
@@ -165,7 +192,16 @@ def simulate(config: SimConfig) -> int:
         checkpoints = coordinator.extra["data_dir"] / "checkpoints"
         names = [f"peer{i}" for i in range(config.peers)]
         devices = {name: "gpu" if i < config.gpu_peers else "cpu" for i, name in enumerate(names)}
-        peers = {name: local.start_peer(address, name, device=devices[name]) for name in names}
+        # Attackers are peer1.. (the churn victim is the last peer, always honest).
+        byzantine = set(names[1 : 1 + config.byzantine])
+        rehearsal = ["--rehearse-attack", str(config.attack), "--rehearse-attackers", str(config.byzantine),
+                     "--rehearse-group-size", str(config.peers)]  # fmt: skip
+        peers = {
+            name: local.start_peer(
+                address, name, *(rehearsal if name in byzantine else ()), device=devices[name]
+            )
+            for name in names
+        }
         initial_loss, _ = evaluate(run, None)
         progress = Progress()
         churned = False
@@ -173,7 +209,11 @@ def simulate(config: SimConfig) -> int:
         while True:
             snapshot = status_to_dict(status(address))
             progress.show(snapshot, config.steps, started)
-            steps = {p["name"]: p["step"] for p in snapshot["peers"] if p["state"] == "online"}
+            steps = {
+                p["name"]: p["step"]
+                for p in snapshot["peers"]
+                if p["state"] == "online" and p["name"] not in byzantine
+            }
             if (
                 config.churn
                 and not churned
@@ -192,13 +232,14 @@ def simulate(config: SimConfig) -> int:
                 churn_events[-1]["restarted"] = True
                 churned = True
             if (
-                len(steps) == config.peers
+                len(steps) == config.peers - len(byzantine)
                 and all(s >= config.steps for s in steps.values())
                 and final.exists()
             ):
                 break
             for name, child in peers.items():
-                if child.process.poll() is not None:  # a peer that cannot start must not leave us waiting
+                # A peer that cannot start must not leave us waiting (an attacker may be banned and leave).
+                if name not in byzantine and child.process.poll() is not None:
                     raise SwarmError(
                         f"{name} exited with code {child.process.returncode}:\n{child.output()[-2000:]}"
                     )
@@ -211,16 +252,20 @@ def simulate(config: SimConfig) -> int:
         final_loss, final_hash = evaluate(run, final)
         snapshot = status_to_dict(status(address))
         for name in names:
-            peers[name].signal(signal.SIGTERM)
+            if peers[name].process.poll() is None:
+                peers[name].signal(signal.SIGTERM)
         for name in names:
             peers[name].wait(timeout_s=60)
         duration = time.monotonic() - started
         peer_rows = [
             {"peer_id": p["peer_id"], "name": p["name"], "param_hash": p["param_hash"], "step": p["step"],
-             "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"], "device": p["device"]}
+             "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"], "device": p["device"],
+             "byzantine": p["name"] in byzantine, "banned": p["state"] == "banned" or bool(p["ban_reason"]),
+             "ban_reason": p["ban_reason"]}
             for p in snapshot["peers"]
         ]  # fmt: skip
-        agree = all(row["param_hash"] == final_hash for row in peer_rows)
+        # Attackers may hold anything; the run is healthy when the honest peers agree with the checkpoint.
+        agree = all(row["param_hash"] == final_hash for row in peer_rows if not row["byzantine"])
         result = {
             "initial_val_loss": initial_loss,
             "final_val_loss": final_loss,
@@ -230,6 +275,8 @@ def simulate(config: SimConfig) -> int:
             "final_param_hash": final_hash,
             "peers_agree": agree,
             "churn_events": churn_events,
+            "attack": config.attack,
+            "aggregator": run.training.aggregator,
             "duration_s": duration,
             "samples_per_s": config.steps * config.target_batch_size / duration,
         }

@@ -77,6 +77,17 @@ class PeerConfig(BaseModel):
         30.0, ge=1, le=3600, description="seconds between status lines when stdout is not a terminal"
     )
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="log verbosity")
+    rehearse_attack: str | None = Field(
+        None,
+        max_length=64,
+        description="REHEARSAL ONLY: behave as this named attacker (see docs/robustness.md), to test a run",
+    )
+    rehearse_attackers: int = Field(
+        1, ge=1, le=1024, description="rehearsal: how many attackers collude (for alie and ipm)"
+    )
+    rehearse_group_size: int = Field(
+        2, ge=2, le=1024, description="rehearsal: the averaging group size the attackers expect"
+    )
 
     @field_validator("name")
     @classmethod
@@ -85,6 +96,15 @@ class PeerConfig(BaseModel):
             name.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("name must be valid UTF-8 text") from None
+        return name
+
+    @field_validator("rehearse_attack")
+    @classmethod
+    def _known_attack(cls, name: str | None) -> str | None:
+        from swarm.byzantine.attacks import attack_names
+
+        if name is not None and name not in attack_names():
+            raise ValueError(f"unknown attack {name!r}; known: {', '.join(attack_names())}")
         return name
 
     @property

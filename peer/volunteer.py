@@ -37,8 +37,10 @@ from protocols.errors import (
     SwarmError,
 )
 from protocols.keys import PublicKey, SigningKey
+from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.coordinator_client import Admission, CoordinatorClient
+from swarm.data import derive_seed
 from swarm.dht import start_dht
 from swarm.identity import load_or_create_identity
 from swarm.membership import fetch_members, publish_certificate
@@ -206,6 +208,36 @@ class Volunteer:
             self._set_state("online")
         self._publish_control()
 
+    def _accuser(self, client: CoordinatorClient):
+        """Files a validator's evidence against a reducer with the coordinator, which judges it."""
+
+        async def accuse(accused: str, evidence, verdict: str) -> None:
+            answer = await client.accuse(
+                self.key,
+                self.run_config.run_id,
+                accused=accused,
+                reason=verdict,
+                evidence=evidence.to_bytes(),
+            )
+            logger.warning(
+                f"accused {accused}; the coordinator banned {answer.banned_peer}: {answer.verdict}"
+            )
+
+        return accuse
+
+    def _rehearsed_attack(self):
+        config = self.config
+        if config.rehearse_attack is None:
+            return None
+        attack = make_attack(
+            config.rehearse_attack,
+            group_size=config.rehearse_group_size,
+            attackers=min(config.rehearse_attackers, config.rehearse_group_size),
+            seed=derive_seed(self.run_config.run_id, self.key.peer_id, 0, 0),
+        )
+        logger.warning(f"REHEARSAL: this peer plays the {config.rehearse_attack!r} attacker")
+        return attack
+
     def _pass_pause(self) -> None:
         if self.trainer is None:
             return  # the trainer starts paused (see _run)
@@ -315,7 +347,8 @@ class Volunteer:
                         Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,
                         coordinator_key=self.coordinator_key, signing_key=self.key, data_host=config.host,
                         data_port=config.data_port, data_announce_host=config.public_host,
-                        upload_limiter=self.upload_limiter,
+                        upload_limiter=self.upload_limiter, accuse=self._accuser(client),
+                        attack=self._rehearsed_attack(),
                     )  # fmt: skip
                 self._pass_pause()
                 training = asyncio.create_task(self.trainer.run(stop))

@@ -158,3 +158,21 @@ class DialBackResponse(_message.Message):
     address: str
     results: _containers.RepeatedCompositeFieldContainer[DialBackResult]
     def __init__(self, address: _Optional[str] = ..., results: _Optional[_Iterable[_Union[DialBackResult, _Mapping]]] = ...) -> None: ...
+
+class AccusationPart(_message.Message):
+    __slots__ = ("header", "envelope", "evidence")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    envelope: bytes
+    evidence: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., envelope: _Optional[bytes] = ..., evidence: _Optional[bytes] = ...) -> None: ...
+
+class AccuseResponse(_message.Message):
+    __slots__ = ("verdict", "banned_peer")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    BANNED_PEER_FIELD_NUMBER: _ClassVar[int]
+    verdict: str
+    banned_peer: str
+    def __init__(self, verdict: _Optional[str] = ..., banned_peer: _Optional[str] = ...) -> None: ...

@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=protocols_dot_coordinator__pb2.DialBackRequest.SerializeToString,
                 response_deserializer=protocols_dot_coordinator__pb2.DialBackResponse.FromString,
                 _registered_method=True)
+        self.Accuse = channel.stream_unary(
+                '/swarm.coordinator.v1.Coordinator/Accuse',
+                request_serializer=protocols_dot_coordinator__pb2.AccusationPart.SerializeToString,
+                response_deserializer=protocols_dot_coordinator__pb2.AccuseResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -105,6 +110,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Accuse(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DialBack,
                     request_deserializer=protocols_dot_coordinator__pb2.DialBackRequest.FromString,
                     response_serializer=protocols_dot_coordinator__pb2.DialBackResponse.SerializeToString,
+            ),
+            'Accuse': grpc.stream_unary_rpc_method_handler(
+                    servicer.Accuse,
+                    request_deserializer=protocols_dot_coordinator__pb2.AccusationPart.FromString,
+                    response_serializer=protocols_dot_coordinator__pb2.AccuseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Coordinator:
             '/swarm.coordinator.v1.Coordinator/DialBack',
             protocols_dot_coordinator__pb2.DialBackRequest.SerializeToString,
             protocols_dot_coordinator__pb2.DialBackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Accuse(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarm.coordinator.v1.Coordinator/Accuse',
+            protocols_dot_coordinator__pb2.AccusationPart.SerializeToString,
+            protocols_dot_coordinator__pb2.AccuseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,8 @@ JOIN = "join"
 JOIN_ANSWER = "join-answer"
 HEARTBEAT = "heartbeat"
 LEAVE = "leave"
+ACCUSE = "accuse"
+BAN_LIST = "ban-list"
 
 CHALLENGE_BYTES = 32
 MAX_METRICS = 64
@@ -69,6 +71,17 @@ class HeartbeatBody(_Body):
 class LeaveBody(_Body):
     seq: int = Field(gt=0)
     reason: str = Field(default="", max_length=256)
+
+
+class AccuseBody(_Body):
+    accused: str = Field(min_length=1, max_length=128)
+    reason: str = Field(max_length=512)
+    evidence_sha256: bytes = Field(min_length=32, max_length=32)
+    evidence_bytes: int = Field(gt=0, le=64 << 20)
+
+
+class BanListBody(_Body):
+    banned: list[Annotated[str, Field(max_length=128)]] = Field(max_length=4000)
 
 
 Body = TypeVar("Body", bound=_Body)

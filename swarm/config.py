@@ -146,6 +146,9 @@ class TrainingConfig(_Section):
         default_factory=dict,
         description="options of the aggregator (e.g. tau, iterations, bucket_size); see docs/robustness.md",
     )
+    verify_probability: float = Field(
+        0.25, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
+    )
     max_group_size: int = Field(64, ge=1, le=1024, description="peers in one averaging group")
     min_group_size: int = Field(1, ge=1, le=1024, description="a round needs this many peers; fewer wait")
     matchmaking_time_s: float = Field(

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,21 @@ from protocols.certificates import PeerCertificate, verify_certificate
 from protocols.envelope import open_envelope, seal
 from protocols.errors import ProtocolError, SecurityError, SwarmError
 from protocols.keys import PublicKey, SigningKey
-from protocols.messages import HEARTBEAT, JOIN, JOIN_ANSWER, LEAVE, JoinAnswerBody, parse_body, token_proof
+from protocols.messages import (
+    ACCUSE,
+    HEARTBEAT,
+    JOIN,
+    JOIN_ANSWER,
+    LEAVE,
+    JoinAnswerBody,
+    parse_body,
+    token_proof,
+)
 from protocols.version import PROTOCOL_VERSION
 from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
 
 SERVICE = "/swarm.coordinator.v1.Coordinator/"
+EVIDENCE_PIECE_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,27 @@ class CoordinatorClient:
         body = {"seq": self._next_seq(), "reason": reason[:256]}
         request = pb.LeaveRequest(header=self._header(run_id), envelope=seal(key, LEAVE, run_id, body))
         return (await self._call("Leave", request, pb.LeaveResponse)).state
+
+    async def accuse(
+        self, key: SigningKey, run_id: str, *, accused: str, reason: str, evidence: bytes
+    ) -> pb.AccuseResponse:
+        """File signed evidence that ``accused`` misbehaved; the coordinator judges it and bans someone."""
+        body = {
+            "accused": accused, "reason": reason[:512], "evidence_sha256": hashlib.sha256(evidence).digest(),
+            "evidence_bytes": len(evidence),
+        }  # fmt: skip
+        piece = EVIDENCE_PIECE_BYTES
+        parts = [pb.AccusationPart(header=self._header(run_id), envelope=seal(key, ACCUSE, run_id, body))]
+        parts += [pb.AccusationPart(evidence=evidence[i : i + piece]) for i in range(0, len(evidence), piece)]
+        rpc = self._channel.stream_unary(
+            SERVICE + "Accuse",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.AccuseResponse.FromString,
+        )
+        try:
+            return await rpc(iter(parts), timeout=self.timeout_s + len(evidence) / 1e6)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.address) from None
 
     async def status(self, run_id: str = "") -> pb.StatusResponse:
         return await self._call("Status", pb.StatusRequest(header=self._header(run_id)), pb.StatusResponse)

@@ -82,7 +82,8 @@ class AveragingServicer(ServicerBase):
     async def rpc_round_inputs(
         self, request: apb.InputsRequest, context: P2PContext
     ) -> TypingAsyncIterator[apb.SignedInput]:
-        runner = self.averager.recent.get(request.group_id)
+        # A validator may ask while this reducer still serves slower groupmates: look at live rounds too.
+        runner = self.averager.recent.get(request.group_id) or self.averager._runners.get(request.group_id)
         async for message in serve_inputs(runner, request, context.remote_id):
             yield message
 

@@ -29,6 +29,9 @@ from hivemind.p2p import PeerID
 from protocols.errors import SwarmError
 from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.averager import Averager
+from swarm.averaging.verification import Accuser
+from swarm.bans import fetch_ban_list
+from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
@@ -72,6 +75,8 @@ class Trainer:
         data_host: str = "127.0.0.1",
         data_port: int = 0,
         data_announce_host: str | None = None,
+        accuse: Accuser | None = None,
+        attack: Attack | None = None,
     ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         self.coordinator_key = coordinator_key
@@ -85,11 +90,17 @@ class Trainer:
         self.dataset = build_dataset(run.dataset.name, run.dataset.config)
         self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
         self.numel = sum(p.numel() for p in self.params)
+        self.attack = attack
+        self._ban_list_at = 0.0
         self.averager = Averager(
             dht,
             prefix=run.run_id,
             numel=self.numel,
             aggregator=training.aggregator,
+            aggregator_options=training.aggregator_options,
+            verify_probability=training.verify_probability,
+            accuse=accuse,
+            attack=attack,
             compression=training.compression,
             max_group_size=training.max_group_size,
             matchmaking_time_s=training.matchmaking_time_s,
@@ -147,6 +158,8 @@ class Trainer:
         batch = self.config.training.micro_batch_size
         seed = derive_seed(self.config.run_id, self.peer_id, self.step, self.micro)
         inputs, targets = self.dataset.sample_batch(seed, batch, self.seq_len)
+        if self.attack is not None:
+            inputs, targets = self.attack.batch(inputs, targets)
         started = time.monotonic()
         self.model.train()
         loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
@@ -303,9 +316,24 @@ class Trainer:
                 recent = {k: v for k, v in self.view.items() if v.updated_at > time.time() - ttl_s}
                 self.view = {**recent, **fresh}
                 self._views += 1
+                await self._refresh_bans()
             except Exception as e:
                 logger.debug(f"progress exchange failed: {e!r}")
             await asyncio.sleep(interval)
+
+    async def _refresh_bans(self) -> None:
+        """Take the coordinator's newest signed ban list; the averager refuses those peers from then on."""
+        if self.coordinator_key is None:
+            return
+        found = await fetch_ban_list(self.dht, self.config.run_id, self.coordinator_key)
+        if found is None or found[0] <= self._ban_list_at:
+            return
+        self._ban_list_at, banned = found
+        added = banned - self.averager.banned
+        self.averager.banned.clear()
+        self.averager.banned.update(banned)  # in place: matchmaking holds the same set
+        if added:
+            logger.warning(f"the coordinator banned {sorted(added)}; refusing them in rounds")
 
     def _samples_at_step(self) -> int:
         others = sum(
@@ -325,12 +353,16 @@ class Trainer:
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
         vector = await asyncio.to_thread(self._mean_gradient)
+        weight = float(self.samples)
+        if self.attack is not None:  # a rehearsed attacker sends something else, and may lie about its weight
+            vector = await asyncio.to_thread(self.attack.contribution, vector, self.step)
+            weight = self.attack.weight(weight)
         extra = {"step": self.step, "state_hash": self.state_hash}
         # Everyone training at this step is about to look for a group too: assemble once all have joined.
         fresh = time.time() - 3 * self.config.training.progress_interval_s
         expected = 1 + sum(1 for p in others if p.step == self.step and p.updated_at >= fresh)
         outcome = await self.averager.average(
-            vector, float(self.samples), extra, alone=not others and needed == 1, expected_size=expected
+            vector, weight, extra, alone=not others and needed == 1, expected_size=expected
         )
         if outcome is None:
             self._stats["rounds_failed"] += 1
