@@ -119,13 +119,22 @@ def _instrument(trainer, rounds: list[dict]) -> None:
 
 
 async def _train(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
+    import tempfile
+
     from swarm.dht import SpawnedDHT
+    from swarm.identity import create_identity
     from swarm.training.trainer import Trainer
 
-    dht = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
+    home = tempfile.TemporaryDirectory(prefix="swarm-bench-")
+    identity = Path(home.name) / "peer.key"
+    key = create_identity(identity)  # signed rounds over the TCP data path, as a volunteer's
+    dht = SpawnedDHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers,
+        identity_path=str(identity), check_if_identity_free=False,
+    )  # fmt: skip
     try:
         run = settings.run_config()
-        trainer = await asyncio.to_thread(Trainer, run, dht, peer_id=dht.peer_id.to_base58())
+        trainer = await asyncio.to_thread(Trainer, run, dht, peer_id=key.peer_id, signing_key=key)
         rounds: list[dict] = []
         _instrument(trainer, rounds)
         conn.send(("ready", {"params": trainer.numel}))
@@ -154,6 +163,7 @@ async def _train(conn: Connection, initial_peers: list[str], settings: Settings)
         await asyncio.wait_for(task, SHUTDOWN_TIMEOUT_S)
     finally:
         dht.shutdown()
+        home.cleanup()
 
 
 def peer_main(conn: Connection, initial_peers: list[str], settings: Settings) -> None:
