@@ -118,9 +118,12 @@ class OursPeer:
         self.averager = self.vector = None
 
     async def setup(self, rank: int, prefix: str, numel: int, dtype: str, peers: int) -> None:
+        import torch
+
         from swarm.averaging.averager import Averager
 
         self.vector = _seeded_vector(rank, numel)
+        self.out = torch.empty(numel)  # reused every round, as the trainer does
         self.averager = Averager(
             self.dht,
             prefix=prefix,
@@ -137,7 +140,7 @@ class OursPeer:
 
     async def round(self) -> dict:
         round_start = time.time()
-        outcome = await self.averager.average(self.vector, weight=1.0)
+        outcome = await self.averager.average(self.vector, weight=1.0, out=self.out)
         round_end = time.time()
         if outcome is None:
             return {"ok": False, "error": "no group formed"}

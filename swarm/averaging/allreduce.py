@@ -114,6 +114,7 @@ class ButterflyAllReduce:
         nonce: bytes = b"",
         commitments: Sequence[bytes | None] | None = None,
         attack=None,
+        out: torch.Tensor | None = None,
     ):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
@@ -130,7 +131,9 @@ class ButterflyAllReduce:
         self.data_plane, self.upload_limiter = data_plane, upload_limiter
         self.traffic = traffic if traffic is not None else Traffic()
         self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
-        self.output = torch.zeros_like(self.local)
+        # Every value is written before a complete round returns; a caller's reused buffer spares a fresh
+        # allocation (and its page faults) per round.
+        self.output = out if out is not None else torch.empty_like(self.local)
 
         self.part_bounds = split_bounds(self.local.numel(), len(self.peer_ids))
         self.part_chunks = [

@@ -290,11 +290,13 @@ class Averager:
         *,
         alone: bool = False,
         expected_size: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 
         Alone, the vector still goes through the wire encoding, so a solo step applies exactly what a
-        group of one would.
+        group of one would. ``out`` (float32, ``numel`` values) receives the result instead of a new
+        tensor; it holds garbage where parts of an incomplete round are missing.
         """
         async with self._lock:
             if alone:
@@ -326,6 +328,7 @@ class Averager:
                 nonce=self._nonce,
                 commitments=group.commitments or None,
                 attack=self.attack,
+                out=out,
             )
             self._runners[group.group_id] = runner
             self._runner_added.set()

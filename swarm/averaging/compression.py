@@ -6,6 +6,8 @@ raises ProtocolError naming the sender; a reducer drops such a sender from the r
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +16,11 @@ import torch
 from protocols.errors import ConfigError, ProtocolError
 
 FP16_MAX = float(np.finfo(np.float16).max)
+# torch's own conversions (vectorized) when the machine's byte order is the wire's, numpy's otherwise.
+_NATIVE = sys.byteorder == "little"
+_TORCH_DTYPES = {"<f2": torch.float16, "<f4": torch.float32}
+# Decoding reads the received bytes in place and converts into a new tensor, so nothing writes to them.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,12 @@ class Codec:
 
     def encode(self, values: torch.Tensor) -> bytes:
         """Encode a 1-D float tensor; fp16 saturates at its largest finite value instead of overflowing."""
-        array = values.detach().to(torch.float32).cpu().numpy()
+        values = values.detach().to(torch.float32).cpu()
         if self.clamp is not None:
-            array = np.clip(array, -self.clamp, self.clamp)
-        return array.astype(self.dtype).tobytes()
+            values = values.clamp(-self.clamp, self.clamp)
+        if _NATIVE:
+            return values.to(_TORCH_DTYPES[self.dtype.str]).numpy().tobytes()
+        return values.numpy().astype(self.dtype).tobytes()
 
     def decode(self, data: bytes, numel: int, *, sender: str) -> torch.Tensor:
         """Decode exactly ``numel`` finite values into a float32 tensor."""
@@ -40,10 +49,15 @@ class Codec:
             raise ProtocolError(
                 f"{sender} sent {len(data)} bytes where {numel} {self.name} values ({expected} bytes) were expected"
             )
-        array = np.frombuffer(data, dtype=self.dtype).astype(np.float32)
-        if not np.isfinite(array).all():
+        raw = np.frombuffer(data, dtype=self.dtype)
+        values = (
+            torch.from_numpy(raw).to(torch.float32, copy=True)
+            if _NATIVE
+            else torch.from_numpy(raw.astype(np.float32))
+        )
+        if not np.isfinite(values.numpy()).all():
             raise ProtocolError(f"{sender} sent non-finite values (NaN or Inf)")
-        return torch.from_numpy(array)
+        return values
 
 
 CODECS = {

@@ -91,6 +91,7 @@ class Trainer:
         self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
         self.numel = sum(p.numel() for p in self.params)
         self.attack = attack
+        self._averaged = torch.empty(self.numel)  # each round's result lands here (applied at once)
         self._ban_list_at = 0.0
         self.averager = Averager(
             dht,
@@ -362,7 +363,12 @@ class Trainer:
         fresh = time.time() - 3 * self.config.training.progress_interval_s
         expected = 1 + sum(1 for p in others if p.step == self.step and p.updated_at >= fresh)
         outcome = await self.averager.average(
-            vector, weight, extra, alone=not others and needed == 1, expected_size=expected
+            vector,
+            weight,
+            extra,
+            alone=not others and needed == 1,
+            expected_size=expected,
+            out=self._averaged,
         )
         if outcome is None:
             self._stats["rounds_failed"] += 1
