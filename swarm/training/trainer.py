@@ -359,9 +359,9 @@ class Trainer:
             vector = await asyncio.to_thread(self.attack.contribution, vector, self.step)
             weight = self.attack.weight(weight)
         extra = {"step": self.step, "state_hash": self.state_hash}
-        # Everyone training at this step is about to look for a group too: assemble once all have joined.
-        fresh = time.time() - 3 * self.config.training.progress_interval_s
-        expected = 1 + sum(1 for p in others if p.step == self.step and p.updated_at >= fresh)
+        # Everyone training at this step is about to look for a group too: assemble once all have joined
+        # (never fewer than the run needs; a peer that left only makes the leader wait out its window).
+        expected = max(needed, 1 + sum(1 for p in others if p.step == self.step))
         outcome = await self.averager.average(
             vector,
             weight,
