@@ -114,7 +114,12 @@ def build_run(config: SimConfig) -> RunConfig:
             "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             # Every peer takes part in every round (one may be missing while churn restarts it).
-            "min_group_size": max(1, config.peers - config.byzantine - (1 if config.churn else 0)),
+            # With attackers, every group must hold an honest majority (2f + 1 peers at least); banned
+            # peers no longer count towards the minimum (see Trainer._round).
+            "min_group_size": max(
+                2 * config.byzantine + 1 if config.byzantine else 1,
+                config.peers - config.byzantine - (1 if config.churn else 0),
+            ),
             "verify_probability": config.verify_probability,
             **({"aggregator": config.aggregator} if config.aggregator else {}),
             "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),

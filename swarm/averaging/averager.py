@@ -249,6 +249,9 @@ class Averager:
         except (MatchmakingException, asyncio.TimeoutError) as e:
             logger.info(f"no averaging group formed: {e!r}")
             return None
+        except Exception as e:  # a leader that vanished mid-request breaks its stream with no common base
+            logger.warning(f"matchmaking failed: {e!r}; will try again")
+            return None
         if info is None:
             return None
         weights, extras, addresses, commitments = [], [], [], []

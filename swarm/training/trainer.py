@@ -350,7 +350,8 @@ class Trainer:
     async def _round(self) -> None:
         # Alone only if nobody else is training: peers at another step will soon be at this one.
         others = [p for p in self.view.values() if p.peer_id != self.peer_id]
-        needed = self.config.training.min_group_size
+        # A banned peer can never be in a group: the run's minimum counts the peers that can.
+        needed = max(1, self.config.training.min_group_size - len(self.averager.banned))
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
         vector = await asyncio.to_thread(self._mean_gradient)
