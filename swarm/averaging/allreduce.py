@@ -209,7 +209,6 @@ class ButterflyAllReduce:
             self._weights[sender] = weight
         elif weight != self._weights.get(sender):
             raise ProtocolError(f"changed its weight from {self._weights.get(sender)} to {weight} mid-round")
-        return weight
 
     @property
     def shared_seed(self) -> bytes:
