@@ -360,45 +360,40 @@ async def _next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> p
         raise ProtocolError(f"malformed AccusationPart: {e}") from None
 
 
+async def _answer(method: str, context: grpc.aio.ServicerContext, handle: Awaitable[Any]) -> Any:
+    """Await a handler; a SwarmError becomes its gRPC status and a log line naming the caller."""
+    peer = context.peer()
+    try:
+        return await handle
+    except SwarmError as e:
+        logger.warning(f"refused {method} from {peer}: {e}")
+        error = e
+    except Exception:
+        logger.exception(f"internal error in {method} from {peer}")
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error at the coordinator; see its log")
+    await context.abort(
+        status_code_for(error),
+        str(error),
+        trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
+    )
+
+
 def _guarded_stream(method: str, handler: Callable[[AsyncIterator[bytes], str], Awaitable[Any]]):
     async def call(parts: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-        peer = context.peer()
-        try:
-            return await handler(parts.__aiter__(), peer)
-        except SwarmError as e:
-            logger.warning(f"refused {method} from {peer}: {e}")
-            error = e
-        except Exception:
-            logger.exception(f"internal error in {method} from {peer}")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error at the coordinator; see its log")
-        await context.abort(
-            status_code_for(error),
-            str(error),
-            trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
-        )
+        return await _answer(method, context, handler(parts.__aiter__(), context.peer()))
 
     return call
 
 
 def _guarded(method: str, request_type: Any, handler: Callable[[Any, str], Awaitable[Any]]):
-    async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        peer = context.peer()
+    async def parse_and_handle(raw: bytes, peer: str) -> Any:
         try:
-            try:
-                request = request_type.FromString(raw)
-            except (DecodeError, RuntimeWarning) as e:
-                raise ProtocolError(f"malformed {request_type.__name__}: {e}") from None
-            return await handler(request, peer)
-        except SwarmError as e:
-            logger.warning(f"refused {method} from {peer}: {e}")
-            error = e
-        except Exception:
-            logger.exception(f"internal error in {method} from {peer}")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error at the coordinator; see its log")
-        await context.abort(
-            status_code_for(error),
-            str(error),
-            trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
-        )
+            request = request_type.FromString(raw)
+        except (DecodeError, RuntimeWarning) as e:
+            raise ProtocolError(f"malformed {request_type.__name__}: {e}") from None
+        return await handler(request, peer)
+
+    async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await _answer(method, context, parse_and_handle(raw, context.peer()))
 
     return call
