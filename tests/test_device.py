@@ -26,17 +26,15 @@ from swarm.dht import SpawnedDHT
 from swarm.models import build_model
 from swarm.training import (
     build_optimizer,
-    clip_gradients,
     decode_state,
     encode_state,
     ensure_optimizer_state,
-    learning_rate,
     load_state_tensors,
     params_hash,
-    set_learning_rate,
     state_hash,
     state_tensors,
 )
+from swarm.training.state import apply_flat_gradient
 from swarm.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,13 +115,7 @@ def _averaged_gradient(seed: int) -> torch.Tensor:
 
 def _apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, flat: torch.Tensor) -> None:
     """The trainer's step: the averaged gradient onto the device, clipped, then the optimizer."""
-    offset = 0
-    for p in model.parameters():
-        p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
-        offset += p.numel()
-    clip_gradients(model, CONFIG.grad_clip_norm)
-    set_learning_rate(optimizer, learning_rate(CONFIG, step))
-    optimizer.step()
+    apply_flat_gradient(model, list(model.parameters()), optimizer, CONFIG, step, flat)
     optimizer.zero_grad(set_to_none=True)
 
 

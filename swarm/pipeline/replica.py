@@ -32,13 +32,12 @@ from swarm.models.gpt import VOCAB_SIZE
 from swarm.pipeline.layout import build_stage, stage_layout
 from swarm.pipeline.wire import decode_floats, decode_ids, encode_floats
 from swarm.training.state import (
+    apply_flat_gradient,
     build_optimizer,
-    clip_gradients,
     ensure_optimizer_state,
-    learning_rate,
+    flat_mean_gradient,
     load_state_tensors,
     params_hash,
-    set_learning_rate,
     state_hash,
     state_tensors,
 )
@@ -280,18 +279,11 @@ class StageReplica:
     # --- the step ------------------------------------------------------------------------------------
 
     def mean_gradient(self) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        return torch.cat([g.detach().flatten().cpu() for g in grads]) / max(self.samples, 1)
+        return flat_mean_gradient(self.params, self.samples)
 
     def apply(self, averaged: torch.Tensor) -> None:
         """Apply the stage's averaged gradient, exactly as every other replica of the stage does."""
-        offset = 0
-        for p in self.params:
-            p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
-            offset += p.numel()
-        clip_gradients(self.model, self.run.optimizer.grad_clip_norm)
-        set_learning_rate(self.optimizer, learning_rate(self.run.optimizer, self.step))
-        self.optimizer.step()
+        apply_flat_gradient(self.model, self.params, self.optimizer, self.run.optimizer, self.step, averaged)
         self.step += 1
         self.reset()
 

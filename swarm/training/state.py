@@ -156,6 +156,31 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
 
 
+def flat_mean_gradient(params: list[torch.nn.Parameter], samples: int) -> torch.Tensor:
+    """The accumulated gradients of ``params`` (sums over ``samples``) as one flat CPU vector of means."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return torch.cat([g.detach().flatten().cpu() for g in grads]) / max(samples, 1)
+
+
+def apply_flat_gradient(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    config: OptimizerConfig,
+    step: int,
+    averaged: torch.Tensor,
+) -> None:
+    """One optimizer step with a round's averaged flat gradient: onto each parameter's device, clipped,
+    at the learning rate of ``step``. Every peer given the same bits takes the same step."""
+    offset = 0
+    for p in params:
+        p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+        offset += p.numel()
+    clip_gradients(model, config.grad_clip_norm)
+    set_learning_rate(optimizer, learning_rate(config, step))
+    optimizer.step()
+
+
 def ensure_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create every missing per-parameter optimizer state, exactly as the optimizer's first step would.
 

@@ -38,14 +38,13 @@ from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.training.progress import PeerProgress, agreed_hash, fetch_progress, publish_progress
 from swarm.training.state import (
+    apply_flat_gradient,
     build_optimizer,
-    clip_gradients,
     encode_state,
     ensure_optimizer_state,
-    learning_rate,
+    flat_mean_gradient,
     load_state_tensors,
     params_hash,
-    set_learning_rate,
     state_hash,
     state_tensors,
 )
@@ -175,17 +174,12 @@ class Trainer:
         return float(loss.detach())
 
     def _mean_gradient(self) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        return torch.cat([g.detach().flatten().cpu() for g in grads]) / max(self.samples, 1)
+        return flat_mean_gradient(self.params, self.samples)
 
     def _apply(self, averaged: torch.Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
-            offset += p.numel()
-        clip_gradients(self.model, self.config.optimizer.grad_clip_norm)
-        set_learning_rate(self.optimizer, learning_rate(self.config.optimizer, self.step))
-        self.optimizer.step()
+        apply_flat_gradient(
+            self.model, self.params, self.optimizer, self.config.optimizer, self.step, averaged
+        )
         self._reset_accumulation()
 
     def _reset_accumulation(self) -> None:
