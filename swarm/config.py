@@ -102,12 +102,21 @@ class MembershipConfig(_Section):
 class OptimizerConfig(_Section):
     """The optimizer every peer applies, identically, to the averaged gradient."""
 
-    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optimizer algorithm")
+    name: Literal["adamw", "adam", "sgd", "lamb", "lars"] = Field(
+        "adamw", description="optimizer algorithm; lamb and lars adapt each layer's step for large batches"
+    )
     lr: float = Field(1e-3, gt=0, le=10, description="peak learning rate")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam and LAMB betas")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD and LARS momentum")
     weight_decay: float = Field(
-        0.01, ge=0, le=1, description="decoupled weight decay (adamw) or L2 (adam, sgd)"
+        0.01, ge=0, le=1, description="decoupled weight decay (adamw, lamb, lars) or L2 (adam, sgd)"
+    )
+    eps: float = Field(1e-6, gt=0, le=1, description="LAMB's term added to the root of the second moment")
+    max_trust_ratio: float = Field(
+        10.0, gt=0, le=1e4, description="LAMB and LARS clamp each layer's trust ratio to [0, this]"
+    )
+    trust_coefficient: float = Field(
+        0.001, gt=0, le=1, description="LARS: eta in eta * ||w|| / (||g|| + weight_decay * ||w||)"
     )
     grad_clip_norm: float | None = Field(
         1.0, gt=0, description="clip the averaged gradient to this norm; none: off"
@@ -164,6 +173,11 @@ class TrainingConfig(_Section):
         10, ge=1, le=10**7, description="peers report validation loss this often"
     )
     validation_batches: int = Field(4, ge=1, le=1000, description="fixed validation batches per evaluation")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="forward/backward compute dtype (autocast; fp16 adds loss scaling and needs a GPU); "
+        "weights, optimizer state and the averaged gradient stay fp32",
+    )
 
 
 class PipelineConfig(_Section):

@@ -34,6 +34,7 @@ from safetensors.torch import save as save_safetensors
 
 from protocols.errors import MessageTooLarge, ProtocolError
 from swarm.config import OptimizerConfig
+from swarm.training.optimizers import Lamb, Lars
 
 __all__ = [
     "DecodedState",
@@ -90,6 +91,16 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
         return cls(groups, lr=lr, betas=config.betas, foreach=False, fused=False)
     if config.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, foreach=False, fused=False)
+    if config.name == "lamb":
+        return Lamb(groups, lr=lr, betas=config.betas, eps=config.eps, max_trust_ratio=config.max_trust_ratio)
+    if config.name == "lars":
+        return Lars(
+            groups,
+            lr=lr,
+            momentum=config.momentum,
+            trust_coefficient=config.trust_coefficient,
+            max_trust_ratio=config.max_trust_ratio,
+        )
     raise ValueError(f"unknown optimizer {config.name!r}")
 
 
@@ -186,7 +197,7 @@ def ensure_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
     A fresh peer then holds the same set of tensors as one that has trained, and its next step is
     bit-identical to the first step of an optimizer that never had this called. Existing state is kept.
-    Supports Adam, AdamW and SGD.
+    Supports Adam, AdamW, SGD, LAMB and LARS.
     """
     _parameter_names(model, optimizer)  # every optimized parameter must belong to the model
     for group in optimizer.param_groups:
@@ -196,7 +207,9 @@ def ensure_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
             state = optimizer.state[p]
             if state:
                 continue
-            if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam subclass
+            if isinstance(optimizer, (Lamb, Lars)):
+                state.update(optimizer.initial_state(p))
+            elif isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam subclass
                 state.update(_adam_initial_state(p, group))
             elif isinstance(optimizer, torch.optim.SGD):
                 if group["momentum"] != 0:
