@@ -68,7 +68,16 @@ class PeerConfig(BaseModel):
         None, ge=1, le=1024, description="CPU threads torch may use (default: all)"
     )
     max_gpu_memory: float | None = Field(
-        None, gt=0, le=4096, description="GiB of GPU memory torch may hold (default: all)"
+        None,
+        gt=0,
+        le=4096,
+        description="GiB of GPU memory torch may hold (default: all); running out turns on activation "
+        "checkpointing, then halves the micro-batch, instead of ending the peer",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each model block's activations in backward: less memory, about one more "
+        "forward pass of compute",
     )
     max_upload_mbps: float | None = Field(
         None, gt=0, le=1_000_000, description="megabits per second this peer may send (default: no limit)"

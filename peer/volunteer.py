@@ -46,6 +46,7 @@ from swarm.identity import load_or_create_identity
 from swarm.membership import fetch_members, publish_certificate
 from swarm.pipeline.trainer import PipelineTrainer
 from swarm.pipeline.worker import StageWorker, available_memory_bytes
+from swarm.training.precision import check_precision
 from swarm.training.trainer import Trainer
 
 logger = logging.getLogger("swarm.peer")
@@ -74,6 +75,7 @@ class Volunteer:
         self.state = "starting"
         self.key: SigningKey | None = None
         self.device = ""
+        self.compute_device = "cpu"
         self.run_config: RunConfig | None = None
         self.certificate: PeerCertificate | None = None
         self.coordinator_key: PublicKey | None = None
@@ -129,6 +131,7 @@ class Volunteer:
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
         await asyncio.to_thread(run.check_components)  # this peer must have the run's model and data
+        check_precision(run.training.precision, self.compute_device)  # e.g. fp16 on a CPU: say so now
         if run.coordinator_key and run.coordinator_key != admission.coordinator_key.peer_id:
             raise SecurityError(
                 f"the run spec names coordinator {run.coordinator_key}, but it signed with another key"
@@ -321,7 +324,7 @@ class Volunteer:
 
             torch.set_num_threads(config.max_cpu_threads)
         self.key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
-        compute_device = await asyncio.to_thread(resolve_device, config.device)
+        compute_device = self.compute_device = await asyncio.to_thread(resolve_device, config.device)
         self.device = await asyncio.to_thread(describe_device, compute_device)
         await asyncio.to_thread(apply_gpu_memory_limit, config, compute_device)
         logger.info(f"peer {self.key.peer_id} ({config.name!r}, {self.device}) joining {config.coordinator}")
@@ -349,6 +352,8 @@ class Volunteer:
                         data_port=config.data_port, data_announce_host=config.public_host,
                         upload_limiter=self.upload_limiter, accuse=self._accuser(client),
                         attack=self._rehearsed_attack(),
+                        activation_checkpointing=config.activation_checkpointing,
+                        fit_memory=config.max_gpu_memory is not None,
                     )  # fmt: skip
                 self._pass_pause()
                 training = asyncio.create_task(self.trainer.run(stop))

@@ -3,6 +3,7 @@
 - (the generic name -> config + factory registry lives in :mod:`swarm.registry`, shared with :mod:`swarm.data`)
 - builder.py: the model registry: ``register_model``, ``build_model``, ``available_models``, ``model_config``
 - gpt.py: ``gpt``, the built-in byte-level GPT (``embed`` -> ``blocks`` -> ``head``)
+- checkpointing.py: activation checkpointing of the blocks a model declares (``activation_blocks()``)
 
 Example::
 
@@ -21,6 +22,10 @@ or a zero-argument function that calls :func:`register_model` when invoked. Entr
 lazily, the first time a name is not found among the built-ins or :func:`available_models` is called;
 a broken one is logged and skipped, and naming it gives a ConfigError with the cause. Every peer of a
 run must have the same package installed: only the name and config travel.
+
+A model that defines ``activation_blocks() -> list[nn.Module]`` (its repeated blocks, each called with
+the hidden state) can be trained with activation checkpointing (``swarm-peer join
+--activation-checkpointing``); a model without it trains as usual and the flag is logged as ignored.
 """
 
 from swarm.models.builder import (
@@ -31,6 +36,11 @@ from swarm.models.builder import (
     model_config,
     register_model,
 )
+from swarm.models.checkpointing import (
+    activation_blocks,
+    set_activation_checkpointing,
+    supports_activation_checkpointing,
+)
 from swarm.models.gpt import GPT, VOCAB_SIZE, GPTConfig
 
 __all__ = [
@@ -39,8 +49,11 @@ __all__ = [
     "VOCAB_SIZE",
     "GPTConfig",
     "ModelFactory",
+    "activation_blocks",
     "available_models",
     "build_model",
     "model_config",
     "register_model",
+    "set_activation_checkpointing",
+    "supports_activation_checkpointing",
 ]

@@ -158,6 +158,10 @@ class GPT(nn.Module):
         self.head.proj.weight = self.embed.token.weight
         self.reset_parameters(generator if generator is not None else torch.Generator().manual_seed(0))
 
+    def activation_blocks(self) -> list[nn.Module]:
+        """The transformer blocks, each recomputed in backward under activation checkpointing."""
+        return list(self.blocks)
+
     def reset_parameters(self, generator: torch.Generator) -> None:
         """GPT-2 initialization, drawn in a fixed order from ``generator`` only."""
         _initialize(self, self.config.n_layer, generator, tied=self.head.proj)
@@ -273,6 +277,9 @@ class GPTStage(nn.Module):
             else:
                 with torch.no_grad():
                     self.head.proj.weight.copy_(token)
+
+    def activation_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

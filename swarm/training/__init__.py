@@ -5,6 +5,10 @@
 - checkpoint.py: atomic on-disk checkpoints with the run config, newest-first loading that skips damaged files
 - progress.py: who is at which step with how many samples, shared through the DHT
 - sync.py: downloading the full state from another peer, verified against the agreed hash
+- optimizers.py: LAMB and LARS, the layer-wise adaptive optimizers for large global batches
+- precision.py: autocast for ``training.precision`` (fp32, bf16, fp16) and fp16's deterministic loss scale
+- memory.py: a peer's peak memory (GPU or RSS) and recognizing out-of-memory errors
+- microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
 - trainer.py: one peer's training loop: accumulate, average, step, resynchronize
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).

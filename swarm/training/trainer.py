@@ -36,6 +36,7 @@ from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
+from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.progress import PeerProgress, agreed_hash, fetch_progress, publish_progress
 from swarm.training.state import (
     apply_flat_gradient,
@@ -76,6 +77,8 @@ class Trainer:
         data_announce_host: str | None = None,
         accuse: Accuser | None = None,
         attack: Attack | None = None,
+        activation_checkpointing: bool = False,
+        fit_memory: bool = False,
     ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         self.coordinator_key = coordinator_key
@@ -84,6 +87,11 @@ class Trainer:
         training = run.training
         self.model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
         self.optimizer = build_optimizer(self.model, run.optimizer)
+        # Precision, checkpointing and running out of memory are this peer's own: see microbatch.py.
+        self.runner = MicroBatchRunner(
+            self.model, device=device, precision=training.precision,
+            activation_checkpointing=activation_checkpointing, fit_memory=fit_memory,
+        )  # fmt: skip
         ensure_optimizer_state(self.model, self.optimizer)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.dataset = build_dataset(run.dataset.name, run.dataset.config)
@@ -150,6 +158,7 @@ class Trainer:
             "contributed_samples": float(self.contributed_samples),
             "last_round_peers": float(self.last_group_size),
             "paused": float(self.paused),
+            "peak_memory_bytes": float(self.runner.peak_memory_bytes()),
         }
 
     # --- local work (runs in a worker thread) --------------------------------------------------------
@@ -162,8 +171,7 @@ class Trainer:
             inputs, targets = self.attack.batch(inputs, targets)
         started = time.monotonic()
         self.model.train()
-        loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
-        (loss * batch).backward()  # gradients of the sum; divided by the sample count when averaged
+        loss = self.runner.run(inputs, targets)  # gradients of the sum; divided by the count when averaged
         elapsed = time.monotonic() - started
         self._stats["compute_s"] += elapsed
         self._sps = (
@@ -171,7 +179,7 @@ class Trainer:
         )
         self.samples += batch
         self.micro += 1
-        return float(loss.detach())
+        return loss
 
     def _mean_gradient(self) -> torch.Tensor:
         return flat_mean_gradient(self.params, self.samples)
@@ -202,7 +210,7 @@ class Trainer:
                 self.config.training.micro_batch_size, self.seq_len, self.config.training.validation_batches
             )
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.runner.evaluation():
             losses = [
                 float(self.model.loss(x.to(self.device), y.to(self.device))) for x, y in self._validation
             ]
