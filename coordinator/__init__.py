@@ -9,3 +9,5 @@
 - ``dialback``: the DialBack RPC with which ``swarm-peer doctor`` learns whether peers can reach it
 - ``cli``: the ``swarm-coordinator`` entry point (start, status, ban, unban)
 """
+
+import swarm.hivemind_import  # noqa: F401  (first hivemind import: see its docstring)

@@ -120,13 +120,66 @@ class Child:
             ) from None
 
 
+# Run by the reaper: it learns each child's process group on stdin; when stdin closes without "done"
+# (the rehearsal died, even by SIGKILL), it kills them all.
+_REAPER = """
+import os, signal, sys
+groups = []
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    groups.append(int(line))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+"""
+
+
+class Reaper:
+    """A watchdog process that kills every registered process group if this process dies first.
+
+    Children run in their own sessions (so a group kill also takes their DHT process and p2p daemon),
+    which means they would outlive a rehearsal killed outright. The reaper runs in a session of its own
+    too, holding the read end of a pipe only this process writes to: the pipe closes when this process
+    dies, however it dies, and the reaper then kills every group it was told about."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+
+    def watch(self, group: int) -> None:
+        if self._process is None or self._process.poll() is not None:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _REAPER], stdin=subprocess.PIPE, start_new_session=True, text=True
+            )
+        assert self._process.stdin is not None
+        self._process.stdin.write(f"{group}\n")
+        self._process.stdin.flush()
+
+    def release(self) -> None:
+        """Every group is already reaped: let the reaper exit without killing anything."""
+        if self._process is None:
+            return
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            assert self._process.stdin is not None
+            self._process.stdin.write("done\n")
+            self._process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=10)
+        self._process = None
+
+
 class LocalSwarm:
-    """Starts coordinators and peers as separate processes under ``root``; ``kill_all`` reaps them."""
+    """Starts coordinators and peers as separate processes under ``root``; ``kill_all`` reaps them.
+
+    Every child dies with this process, even when it is killed outright (see :class:`Reaper`)."""
 
     def __init__(self, root: Path):
         self.root = root
         self.children: list[Child] = []
         self.env = {**os.environ, "HOME": str(root / "home"), "PYTHONUNBUFFERED": "1"}
+        self.reaper = Reaper()
 
     def spawn(self, name: str, args: list[str]) -> Child:
         log_path = self.root / f"{name}.log"
@@ -136,6 +189,7 @@ class LocalSwarm:
             start_new_session=True,
         )  # fmt: skip
         log.close()
+        self.reaper.watch(process.pid)
         child = Child(name, process, log_path)
         self.children.append(child)
         return child
@@ -189,6 +243,7 @@ class LocalSwarm:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.process.pid, signal.SIGKILL)
             child.process.wait(timeout=10)
+        self.reaper.release()
 
 
 def status(address: str, run_id: str = "") -> Any:

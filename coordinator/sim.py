@@ -114,8 +114,8 @@ def build_run(config: SimConfig) -> RunConfig:
             "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             # Every peer takes part in every round (one may be missing while churn restarts it).
-            # With attackers, every group must hold an honest majority (2f + 1 peers at least); banned
-            # peers no longer count towards the minimum (see Trainer._round).
+            # With attackers, every group must hold an honest majority (2f + 1 peers at least), and the
+            # honest peers alone must reach the minimum: bans never lower it (see Trainer._round).
             "min_group_size": max(
                 2 * config.byzantine + 1 if config.byzantine else 1,
                 config.peers - config.byzantine - (1 if config.churn else 0),
@@ -152,29 +152,78 @@ def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
     return loss, params_hash(model)
 
 
+def throughput(steps: int, target_batch_size: int, seconds: float) -> float:
+    """The run's samples/s, as the live line and the JSON both report it: samples of completed global
+    steps (``steps * target_batch_size``) per second since the first peer came online (start-up and
+    the final evaluation excluded). A peer's own ``samples/s (local)`` counts its forward/backward
+    passes instead, and is higher."""
+    return steps * target_batch_size / seconds if seconds > 0 else 0.0
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 class Progress:
-    """One status line, rewritten in place on a terminal and printed every few seconds otherwise."""
+    """A progress bar with ETA on a terminal (rich); a plain line every few seconds otherwise.
 
-    def __init__(self) -> None:
-        self.tty = sys.stdout.isatty()
-        self.last = 0.0
+    ``peers`` counts the peers the rehearsal started that are running and have joined, so a late
+    heartbeat on a loaded machine does not show as a peer lost."""
 
-    def show(self, snapshot: dict, steps: int, started: float) -> None:
-        online = [p for p in snapshot["peers"] if p["state"] == "online"]
-        step = max((p["step"] for p in online), default=0)
-        losses = [p["metrics"].get("train_loss") for p in online if "train_loss" in p["metrics"]]
-        vals = [p["metrics"].get("val_loss") for p in online if "val_loss" in p["metrics"]]
-        rate = sum(p["metrics"].get("samples_per_s", 0.0) for p in online)
-        line = (
-            f"step {step}/{steps}  loss {min(losses) if losses else float('nan'):.3f}  "
-            f"val {min(vals) if vals else float('nan'):.3f}  peers {len(online)}  "
-            f"{rate:.0f} samples/s  {time.monotonic() - started:.0f}s"
+    def __init__(self, steps: int, target_batch_size: int) -> None:
+        self.steps = steps
+        self.target_batch_size = target_batch_size
+        self.training_started: float | None = None
+        self.last_plain = 0.0
+        self.bar = None
+        if sys.stdout.isatty():
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(
+                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[line]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
+            )  # fmt: skip
+            self.task = self.bar.add_task("train", total=steps, line="starting peers")
+            self.bar.start()
+
+    def rate(self, step: int) -> float:
+        if self.training_started is None:
+            return 0.0
+        return throughput(step, self.target_batch_size, time.monotonic() - self.training_started)
+
+    def show(self, snapshot: dict, running: set[str], started: float) -> int:
+        """Draw the line for a status ``snapshot``; returns the step shown."""
+        joined = [
+            p for p in snapshot["peers"] if p["name"] in running and p["state"] not in ("left", "banned")
+        ]
+        online = [p for p in joined if p["state"] == "online"]
+        if online and self.training_started is None:
+            self.training_started = time.monotonic()
+        step = max((p["step"] for p in joined), default=0)
+        losses = [p["metrics"]["train_loss"] for p in joined if "train_loss" in p["metrics"]]
+        vals = [p["metrics"]["val_loss"] for p in joined if "val_loss" in p["metrics"]]
+        fields = (
+            f"loss {_fmt(min(losses, default=None))}  val {_fmt(min(vals, default=None))}  "
+            f"peers {len(joined)}  {self.rate(step):.1f} samples/s"
         )
-        if self.tty:
-            print(f"\r{line}   ", end="", flush=True)
-        elif time.monotonic() - self.last > 5:
-            print(line, flush=True)
-            self.last = time.monotonic()
+        if self.bar is not None:
+            self.bar.update(self.task, completed=min(step, self.steps), line=fields)
+        elif time.monotonic() - self.last_plain > 5:
+            print(f"step {step}/{self.steps}  {fields}  {time.monotonic() - started:.0f}s", flush=True)
+            self.last_plain = time.monotonic()
+        return step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
 
 def simulate(config: SimConfig) -> int:
@@ -188,10 +237,11 @@ def simulate(config: SimConfig) -> int:
     started = time.monotonic()
     deadline = started + config.timeout_s
     churn_events: list[dict] = []
+    gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
+    print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model {config.model_size} "
+          f"(logs in {root})", flush=True)  # fmt: skip
+    progress = Progress(config.steps, config.target_batch_size)
     try:
-        gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
-        print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model {config.model_size} "
-              f"(logs in {root})", flush=True)  # fmt: skip
         coordinator = local.start_coordinator(run)
         address = coordinator.extra["address"]
         checkpoints = coordinator.extra["data_dir"] / "checkpoints"
@@ -208,12 +258,11 @@ def simulate(config: SimConfig) -> int:
             for name in names
         }
         initial_loss, _ = evaluate(run, None)
-        progress = Progress()
         churned = False
         final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
         while True:
             snapshot = status_to_dict(status(address))
-            progress.show(snapshot, config.steps, started)
+            progress.show(snapshot, {n for n, c in peers.items() if c.process.poll() is None}, started)
             steps = {
                 p["name"]: p["step"]
                 for p in snapshot["peers"]
@@ -253,7 +302,8 @@ def simulate(config: SimConfig) -> int:
                     f"the run did not reach step {config.steps} within {config.timeout_s:.0f}s"
                 )
             time.sleep(1.0)
-        print()
+        progress.close()
+        samples_per_s = progress.rate(config.steps)
         final_loss, final_hash = evaluate(run, final)
         snapshot = status_to_dict(status(address))
         for name in names:
@@ -283,7 +333,7 @@ def simulate(config: SimConfig) -> int:
             "attack": config.attack,
             "aggregator": run.training.aggregator,
             "duration_s": duration,
-            "samples_per_s": config.steps * config.target_batch_size / duration,
+            "samples_per_s": samples_per_s,
         }
         if config.json_path:
             config.json_path.write_text(json.dumps(result, indent=2))
@@ -293,9 +343,11 @@ def simulate(config: SimConfig) -> int:
               f"({final_hash[:16]})", flush=True)  # fmt: skip
         return 0 if ok else 1
     except (SwarmError, TimeoutError) as e:
+        progress.close()
         print(f"\nswarm-sim: failed: {e}", file=sys.stderr)
         return 1
     finally:
+        progress.close()
         local.kill_all()
         if not config.keep:
             shutil.rmtree(root, ignore_errors=True)

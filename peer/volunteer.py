@@ -55,7 +55,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BANNED = 3
 # How long a stopping peer lets a round in flight finish before it leaves.
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 5.0
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> bool:

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -39,16 +40,30 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-def stop_event_on_signals() -> asyncio.Event:
-    """An event set on the first SIGINT or SIGTERM; a second signal ends the process at once."""
+def stop_event_on_signals(*, exit_deadline_s: float = 10.0) -> asyncio.Event:
+    """An event set on the first SIGINT or SIGTERM; a second signal ends the process at once.
+
+    A process still running ``exit_deadline_s`` after the first signal ends itself anyway: a clean
+    leave is worth a few seconds, never a process that lingers on a loaded machine (the timer is a
+    thread, so it fires even when the event loop is stuck)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def force_exit(signum: int) -> None:
+        logging.getLogger("swarm").warning(
+            f"still running {exit_deadline_s:.0f}s after the stop signal; exiting now"
+        )
+        logging.shutdown()
+        os._exit(128 + signum)
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
             raise SystemExit(128 + signum)
         logging.getLogger("swarm").info(f"received {signal.Signals(signum).name}; shutting down")
         stop.set()
+        timer = threading.Timer(exit_deadline_s, force_exit, args=(signum,))
+        timer.daemon = True
+        timer.start()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
