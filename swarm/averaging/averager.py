@@ -3,7 +3,10 @@
 ``Averager`` lives in the peer's own event loop and talks through a replica of the DHT's libp2p
 daemon. It registers two handlers under the run's prefix: matchmaking (hivemind's) and the all-reduce
 parts (``ButterflyAllReduce``). Given the peer's signing key it also listens for part streams on a TCP
-data address, announced to its groupmates in the matchmaking data (see ``transport``).
+data address, announced to its groupmates in the matchmaking data (see ``transport``), and signs its
+matchmaking entry. Its ``PeerPolicy`` says whom it may meet: matchmaking neither leads nor follows a
+peer the policy refuses, and every group is checked before its round (``groups.check_group``). Build
+one with ``factory.build_averager`` rather than by hand.
 
 Example::
 
@@ -36,13 +39,14 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from protocols import averaging_pb2 as apb
-from protocols.codec import pack, unpack
 from protocols.errors import SwarmError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
 from swarm.averaging.compression import get_codec
-from swarm.averaging.transport import DataPlane, announce_host, parse_address
+from swarm.averaging.groups import GroupEntryBody, GroupRefused, VerifiedGroup, check_group, make_entry
+from swarm.averaging.policy import PeerPolicy
+from swarm.averaging.transport import DataPlane, announce_host
 from swarm.averaging.verification import Accuser, assignments, check_reducer, serve_inputs
 from swarm.ratelimit import RateLimiter
 
@@ -89,24 +93,47 @@ class AveragingServicer(ServicerBase):
 
 
 class RunMatchmaking(Matchmaking):
-    """hivemind's matchmaking that neither leads nor follows a peer on the run's ban list."""
+    """hivemind's matchmaking that neither leads nor follows a peer its ``PeerPolicy`` refuses
+    (uncertified, banned or suspect), and remembers who led the last group it was in."""
 
-    def __init__(self, *args, banned: set[str], **kwargs):
+    def __init__(self, *args, policy: PeerPolicy, **kwargs):
         super().__init__(*args, **kwargs)
-        self.banned = banned
+        self.policy = policy
+        self.leader: PeerID | None = None
+
+    async def rpc_join_group(self, request, context):
+        # Bounded well inside the follower's wait for our first answer.
+        await self.policy.admit([context.remote_id.to_base58()], timeout_s=self.request_timeout / 2)
+        async for message in super().rpc_join_group(request, context):
+            yield message
 
     def _check_reasons_to_reject(self, request, context):
-        if context.remote_id.to_base58() in self.banned:
+        reason = self.policy.refusal(context.remote_id.to_base58())
+        if reason is not None:
+            logger.debug(f"refusing {context.remote_id} as a follower: {reason}")
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
         return super()._check_reasons_to_reject(request, context)
 
     async def _request_join_group(self, leader: PeerID):
-        if leader.to_base58() in self.banned:
+        await self.policy.admit([leader.to_base58()], timeout_s=self.request_timeout)
+        reason = self.policy.refusal(leader.to_base58())
+        if reason is not None:
+            logger.debug(f"not following {leader}: {reason}")
             return None
         return await super()._request_join_group(leader)
 
+    async def leader_assemble_group(self):
+        self.leader = self.peer_id
+        return await super().leader_assemble_group()
+
+    async def follower_assemble_group(self, leader: PeerID, msg):
+        self.leader = leader
+        return await super().follower_assemble_group(leader, msg)
+
 
 class Averager:
+    matchmaking_type: type[RunMatchmaking] = RunMatchmaking
+
     def __init__(
         self,
         dht: hivemind.DHT,
@@ -127,6 +154,7 @@ class Averager:
         data_announce_host: str | None = None,
         upload_limiter: RateLimiter | None = None,
         aggregator_options: dict | None = None,
+        policy: PeerPolicy | None = None,
         verify_probability: float = 0.0,
         accuse: Accuser | None = None,
         attack=None,
@@ -146,10 +174,12 @@ class Averager:
         self.upload_limiter = upload_limiter
         self.traffic = Traffic()
         self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
-        self.banned: set[str] = set()  # peer IDs on the run's ban list: refused in rounds
+        # Without a policy the averager admits anyone: only local benchmarks and tests build it so.
+        self.policy = policy if policy is not None else PeerPolicy(None, prefix)
         self.recent: OrderedDict[bytes, ButterflyAllReduce] = OrderedDict()  # evidence of recent rounds
         self._verifications: set[asyncio.Task] = set()
         self._nonce = b""
+        self._entry = b""
         self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.name}".encode()).digest()
         self.p2p = None
         self.matchmaking: Matchmaking | None = None
@@ -161,11 +191,16 @@ class Averager:
     def peer_id(self) -> PeerID:
         return self.p2p.peer_id
 
+    @property
+    def banned(self) -> frozenset[str]:
+        """Peer IDs on the run's ban list (change them through ``policy.set_bans``)."""
+        return self.policy.banned
+
     async def start(self) -> None:
         self.p2p = await self.dht.replicate_p2p()
         self.servicer = AveragingServicer(self)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
-        self.matchmaking = RunMatchmaking(
+        self.matchmaking = self.matchmaking_type(
             self.p2p,
             self.schema_hash,
             self.dht,
@@ -176,7 +211,7 @@ class Averager:
             min_matchmaking_time=self.matchmaking_time_s,
             request_timeout=max(0.5, self.matchmaking_time_s / 2),
             client_mode=False,
-            banned=self.banned,
+            policy=self.policy,
         )
         if self.signing_key is not None and self.use_data_plane:
             await self._start_data_plane()
@@ -222,6 +257,14 @@ class Averager:
         moment that many have joined, rather than waiting out the window.
         """
         self._nonce = os.urandom(32)
+        body = GroupEntryBody(
+            schema_hash=self.schema_hash,
+            weight=float(weight),
+            commit=hashlib.sha256(self._nonce).digest(),
+            data=self.data_plane.address if self.data_plane is not None else None,
+            extra=extra or {},
+        )
+        self._entry = make_entry(self.signing_key, self.prefix, body)
         target = self.max_group_size if expected_size is None else expected_size
         self.matchmaking.target_group_size = max(2, min(self.max_group_size, target))
         now = get_dht_time()
@@ -233,14 +276,7 @@ class Averager:
             deadline=now + search_s,
             allow_retries=False,
             weight=weight,
-            data_for_gather=pack(
-                {
-                    "weight": float(weight),
-                    "extra": extra or {},
-                    "data": self.data_plane.address if self.data_plane is not None else None,
-                    "commit": hashlib.sha256(self._nonce).digest(),
-                }
-            ),
+            data_for_gather=self._entry,
         )
         step.attach(MPFuture(), MPFuture())
         step.allow_allreduce()
@@ -254,30 +290,40 @@ class Averager:
             return None
         if info is None:
             return None
-        weights, extras, addresses, commitments = [], [], [], []
-        for peer, gathered in zip(info.peer_ids, info.gathered, strict=True):
-            address = commitment = None
-            try:
-                data = unpack(gathered, what=f"group data of {peer}")
-                claimed = float(data["weight"])
-                extra = data.get("extra", {})
-                # Weight 0 is a peer that computed nothing this round but takes the update to stay in sync.
-                if not (math.isfinite(claimed) and claimed >= 0) or not isinstance(extra, dict):
-                    raise SwarmError("weight must be a non-negative finite number")
-                if data.get("data") is not None:
-                    parse_address(data["data"])
-                    address = data["data"]
-                commitment = data.get("commit")
-                if not isinstance(commitment, bytes) or len(commitment) != 32:
-                    raise SwarmError("the nonce commitment must be 32 bytes")
-            except (SwarmError, KeyError, TypeError, ValueError) as e:
-                logger.warning(f"{peer} joined group {info.group_id.hex()[:8]} with bad data ({e}); weight 0")
-                claimed, extra = 0.0, {}
-            weights.append(min(claimed, self.max_weight))
-            extras.append(extra)
-            addresses.append(address)
-            commitments.append(commitment)
-        return GroupRound(info.group_id, list(info.peer_ids), weights, extras, addresses, commitments)
+        return await self._checked(info)
+
+    async def _checked(self, info) -> GroupRound | None:
+        """The group with only members whose signed entries hold; None when it must be left."""
+        peers = {p.to_base58(): p for p in info.peer_ids}
+        names = [p.to_base58() for p in info.peer_ids]
+        leader = self.matchmaking.leader.to_base58() if self.matchmaking.leader else "unknown"
+        short = info.group_id.hex()[:8]
+        await self.policy.admit(names)
+        try:
+            group: VerifiedGroup = check_group(
+                names, info.gathered, me=self.peer_id.to_base58(), my_entry=self._entry, leader=leader,
+                prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
+                refusal=self.policy.refusal, max_age_s=self.averaging_timeout_s + 3 * self.matchmaking_time_s,
+            )  # fmt: skip
+        except GroupRefused as e:
+            logger.warning(f"leaving group {short}: {e.reason}; retrying without {e.culprit}")
+            if e.culprit != self.peer_id.to_base58():
+                self.policy.suspect(e.culprit, e.reason)
+            return None
+        for peer, reason in group.excluded.items():
+            logger.warning(f"excluding {peer} from group {short}: {reason}")
+        if len(group.peer_ids) < 2:
+            logger.info(f"leaving group {short}: fewer than 2 members with valid entries")
+            return None
+        entries = group.entries
+        return GroupRound(
+            info.group_id,
+            [peers[p] for p in group.peer_ids],
+            [min(e.weight, self.max_weight) for e in entries],
+            [dict(e.extra) for e in entries],
+            [e.data for e in entries],
+            [e.commit for e in entries],
+        )
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
         """A group of this peer alone, for a run with no one else at this step."""
@@ -307,10 +353,6 @@ class Averager:
             else:
                 group = await self.find_group(weight, extra, expected_size)
             if group is None:
-                return None
-            banned = [p.to_base58() for p in group.peer_ids if p.to_base58() in self.banned]
-            if banned:
-                logger.warning(f"leaving group {group.group_id.hex()[:8]}: it holds banned peers {banned}")
                 return None
             runner = self.runner_type(
                 p2p=self.p2p,

@@ -1,0 +1,144 @@
+"""Who may be in an averaging group: signed gathered entries and the checks on a group before its round.
+
+Each member signs its own matchmaking entry (its weight, its nonce commitment, its data address, what
+the caller adds, the averaging schema) with its peer key, in an envelope bound to the averaging prefix
+and dated, so a leader can forward it but not rewrite it, and cannot pass it off in another run or
+stage. Before a round every member checks the group the leader announced (``check_group``):
+
+- every peer ID appears once (a repeated ID is the leader's doing: the group is left);
+- this peer's own entry is the one it sent (else the leader altered it: the group is left);
+- every other member is admitted (certified by the coordinator, not banned, not under suspicion);
+  one that is not makes the group be left, naming it;
+- every entry opens: signed by its member, fresh, with a 32-byte commitment and sane fields. A member
+  whose entry fails is excluded from the round (every honest member excludes the same ones, since they
+  all see the same bytes), not kept with weight 0.
+
+A group that is left raises ``GroupRefused`` with the culprit, whom the caller avoids in its retry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocols.codec import pack, unpack
+from protocols.envelope import open_envelope, seal
+from protocols.errors import SwarmError
+from protocols.keys import SigningKey
+from swarm.averaging.transport import parse_address
+
+GROUP_ENTRY = "group-entry"
+COMMITMENT_BYTES = 32
+MAX_EXTRA_KEYS = 32
+
+
+class GroupEntryBody(BaseModel):
+    """What one member declares for a round, signed by that member."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    schema_hash: bytes = Field(min_length=32, max_length=32, description="the averaging schema it joins")
+    weight: float = Field(ge=0, allow_inf_nan=False, description="samples behind its contribution")
+    commit: bytes = Field(
+        min_length=COMMITMENT_BYTES, max_length=COMMITMENT_BYTES, description="SHA-256 of its round nonce"
+    )
+    data: str | None = Field(default=None, max_length=256, description="its TCP data address, if any")
+    extra: dict[str, Any] = Field(default_factory=dict, max_length=MAX_EXTRA_KEYS, description="caller's")
+
+
+class GroupRefused(SwarmError):
+    """The group as announced cannot be used; ``culprit`` is the peer to avoid in the retry."""
+
+    def __init__(self, culprit: str, reason: str):
+        super().__init__(reason)
+        self.culprit, self.reason = culprit, reason
+
+
+@dataclass
+class VerifiedGroup:
+    """The members kept for the round, in the leader's order, with what each one signed."""
+
+    peer_ids: list[str]
+    entries: list[GroupEntryBody]
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
+def make_entry(key: SigningKey | None, prefix: str, body: GroupEntryBody) -> bytes:
+    """This peer's entry: signed when it has a key (every volunteer does), a bare map otherwise."""
+    fields = body.model_dump()
+    return pack(fields) if key is None else seal(key, GROUP_ENTRY, prefix, fields)
+
+
+def open_entry(
+    data: bytes, *, peer_id: str, prefix: str, schema_hash: bytes, signed: bool, max_age_s: float
+) -> GroupEntryBody:
+    """The entry of ``peer_id`` as gathered; raises a SwarmError saying what is wrong with it."""
+    what = f"group entry of {peer_id}"
+    if signed:
+        envelope = open_envelope(data, purpose=GROUP_ENTRY, run_id=prefix, max_age_s=max_age_s, what=what)
+        if envelope.sender != peer_id:
+            raise SwarmError(f"{what} is signed by {envelope.sender}")
+        fields = envelope.body
+    else:
+        fields = unpack(data, what=what)
+        if not isinstance(fields, dict):
+            raise SwarmError(f"{what} is not a map")
+    try:
+        body = GroupEntryBody.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise SwarmError(f"{what}: field {'.'.join(map(str, first['loc']))!r}: {first['msg']}") from None
+    if body.schema_hash != schema_hash:
+        raise SwarmError(f"{what} is for another averaging schema")
+    if body.data is not None:
+        parse_address(body.data)
+    return body
+
+
+def check_group(
+    peer_ids: Sequence[str],
+    gathered: Sequence[bytes],
+    *,
+    me: str,
+    my_entry: bytes,
+    leader: str,
+    prefix: str,
+    schema_hash: bytes,
+    signed: bool,
+    refusal: Callable[[str], str | None],
+    max_age_s: float,
+) -> VerifiedGroup:
+    """Check a group as its leader announced it (see the module docstring); raises ``GroupRefused``."""
+    if len(peer_ids) != len(gathered):
+        raise GroupRefused(
+            leader, f"leader {leader} sent {len(gathered)} entries for {len(peer_ids)} members"
+        )
+    seen: set[str] = set()
+    for peer in peer_ids:
+        if peer in seen:
+            times = sum(1 for p in peer_ids if p == peer)
+            raise GroupRefused(leader, f"leader {leader} listed {peer} {times} times in one group")
+        seen.add(peer)
+    if me not in seen:
+        raise GroupRefused(leader, f"leader {leader} sent a group without this peer")
+    if gathered[list(peer_ids).index(me)] != my_entry:
+        raise GroupRefused(leader, f"leader {leader} altered this peer's signed entry")
+    for peer in peer_ids:
+        reason = None if peer == me else refusal(peer)
+        if reason is not None:
+            raise GroupRefused(peer, f"group member {peer} (leader {leader}): {reason}")
+    group = VerifiedGroup([], [])
+    for peer, data in zip(peer_ids, gathered, strict=True):
+        try:
+            entry = open_entry(
+                data, peer_id=peer, prefix=prefix, schema_hash=schema_hash, signed=signed, max_age_s=max_age_s
+            )
+        except SwarmError as e:
+            group.excluded[peer] = str(e)
+            continue
+        group.peer_ids.append(peer)
+        group.entries.append(entry)
+    return group
