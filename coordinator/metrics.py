@@ -23,15 +23,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from coordinator.store import HistoryPoint, PeerRecord, Store, diverged_peers
+from coordinator.store import EVIDENCE_PREVIEW_BYTES, Ban, HistoryPoint, PeerRecord, Store, diverged_peers
 from protocols.errors import ConfigError
 from protocols.version import PROTOCOL_VERSION
 from swarm.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
-# Bytes of ban evidence shown on the dashboard; the whole blob stays in the store.
-EVIDENCE_PREVIEW_BYTES = 512
 # Peer metrics shown per peer (all floats the peer reported; this list only fixes the order).
 PEER_METRICS = (
     "train_loss",
@@ -72,15 +70,20 @@ def history_point(records: list[PeerRecord], now: float) -> HistoryPoint:
     )
 
 
-def _evidence(blob: bytes | None) -> dict[str, Any] | None:
-    if not blob:
+def _evidence(ban: Ban) -> dict[str, Any] | None:
+    if not ban.evidence_bytes:
         return None
-    preview = blob[:EVIDENCE_PREVIEW_BYTES]
+    preview = ban.evidence_preview[:EVIDENCE_PREVIEW_BYTES]
     try:
         text, kind = preview.decode("utf-8"), "text"
     except UnicodeDecodeError:
         text, kind = preview.hex(), "hex"
-    return {"bytes": len(blob), "kind": kind, "preview": text, "truncated": len(blob) > len(preview)}
+    return {
+        "bytes": ban.evidence_bytes,
+        "kind": kind,
+        "preview": text,
+        "truncated": ban.evidence_bytes > len(preview),
+    }
 
 
 async def run_snapshot(
@@ -155,7 +158,7 @@ async def run_snapshot(
                 "name": names.get(b.peer_id, ""),
                 "reason": b.reason,
                 "banned_at": b.banned_at,
-                "evidence": _evidence(b.evidence),
+                "evidence": _evidence(b),
             }
             for b in bans
         ],

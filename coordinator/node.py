@@ -25,11 +25,12 @@ from coordinator.checkpoints import CheckpointKeeper
 from coordinator.config import CoordinatorConfig
 from coordinator.dashboard import Dashboard
 from coordinator.dialback import DialBackService
+from coordinator.limits import ServiceLimits
 from coordinator.metrics import MetricsLogger, history_point, run_snapshot
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from protocols.errors import ConfigError, NetworkError
-from swarm.bans import publish_ban_list
+from swarm.bans import MAX_BANNED, publish_ban_list
 from swarm.config import RunConfig
 from swarm.dht import start_dht, visible_maddrs
 from swarm.identity import load_or_create_identity
@@ -46,12 +47,16 @@ def _host_port(host: str, port: int) -> str:
 
 
 BAN_LIST_INTERVAL_S = 2.0
+# A banned peer's certificate is never renewed; once it has expired by this much (clock skew between
+# peers), no peer accepts it and the published list no longer needs to name it.
+BAN_CERT_GRACE_S = 600.0
 
 
 class CoordinatorNode:
-    def __init__(self, config: CoordinatorConfig, run: RunConfig):
+    def __init__(self, config: CoordinatorConfig, run: RunConfig, limits: ServiceLimits | None = None):
         self.config = config
         self.run = run
+        self.limits = limits or ServiceLimits()
         self.address = ""
         self.coordinator_peer_id = ""
         self.dht_initial_peers: list[str] = []
@@ -96,7 +101,7 @@ class CoordinatorNode:
             self.dht_initial_peers = visible_maddrs(self._dht)
             keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")
             await keeper.start()
-            service = CoordinatorService(run, key, self._store, self.dht_initial_peers)
+            service = CoordinatorService(run, key, self._store, self.dht_initial_peers, self.limits)
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
             self._server.add_generic_rpc_handlers(
                 (service.generic_handler(), DialBackService().generic_handler())
@@ -159,12 +164,28 @@ class CoordinatorNode:
                 logger.exception("liveness sweep failed; retrying")
 
     async def _publish_bans(self, key) -> None:
-        """Keep the signed ban list in the DHT current, bans made by `swarm-coordinator ban` included."""
+        """Keep the signed ban list in the DHT current, bans made by `swarm-coordinator ban` included.
+
+        It names every banned peer that may still hold a valid certificate, the earliest bans first if
+        there are more than a list can hold (so a flood of new bans cannot push an old one out); ``changed_at`` moves only when the names do."""
         interval_s = min(BAN_LIST_INTERVAL_S, self.run.membership.heartbeat_interval_s)
+        published: frozenset[str] | None = None
+        changed_at = time.time()
         while True:
             try:
-                banned = [ban.peer_id for ban in await self._store.list_bans()]
-                await publish_ban_list(self._dht, key, self.run.run_id, banned, ttl_s=10 * interval_s + 30)
+                banned = await self._store.enforced_bans(time.time(), grace_s=BAN_CERT_GRACE_S)
+                if len(banned) > MAX_BANNED:
+                    logger.error(
+                        f"{len(banned)} banned peers hold unexpired certificates; the ban list names the "
+                        f"{MAX_BANNED} banned first (a shorter certificate_ttl_s shortens the list)"
+                    )
+                    banned = banned[:MAX_BANNED]
+                if published is not None and frozenset(banned) != published:
+                    changed_at = max(time.time(), changed_at + 1e-3)
+                published = frozenset(banned)
+                await publish_ban_list(
+                    self._dht, key, self.run.run_id, banned, changed_at=changed_at, ttl_s=10 * interval_s + 30
+                )
             except Exception:
                 logger.exception("publishing the ban list failed; retrying")
             await asyncio.sleep(interval_s)

@@ -3,6 +3,8 @@
 Each handler receives raw bytes, so a malformed payload is answered with a clear INVALID_ARGUMENT
 instead of grpc's generic deserialization failure. Everything is validated before the store is
 touched: a refused request changes nothing and costs one log line naming the sender and the reason.
+What one caller may take (challenges, accusations, evidence bytes) is bounded by ``ServiceLimits``; an
+accusation's evidence is read in full, under a deadline, before it waits for the judge.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from coordinator.limits import ByteBudget, KeyedBuckets, ServiceLimits, caller_key
 from coordinator.store import PeerRecord, Store, diverged_peers
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import issue_certificate
@@ -58,20 +61,42 @@ from swarm.rpc import ERROR_METADATA_KEY, status_code_for
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "swarm.coordinator.v1.Coordinator"
-MAX_OPEN_CHALLENGES = 10_000
 # A heartbeat or leave older than this is refused as a replay even if its sequence number were new.
 MAX_REQUEST_AGE_S = 120.0
 
 
 class CoordinatorService:
-    def __init__(self, config: RunConfig, key: SigningKey, store: Store, dht_initial_peers: list[str]):
+    def __init__(
+        self,
+        config: RunConfig,
+        key: SigningKey,
+        store: Store,
+        dht_initial_peers: list[str],
+        limits: ServiceLimits | None = None,
+    ):
         self.config = config
         self.key = key
         self.store = store
         self.dht_initial_peers = dht_initial_peers
-        self._challenges: OrderedDict[bytes, float] = OrderedDict()
-        self._flagged: set[tuple[str, int]] = set()
-        self._judging = asyncio.Lock()  # one accusation's evidence in memory at a time
+        self.limits = limits = limits or ServiceLimits()
+        # challenge -> (expires at, caller); insertion order is expiry order (one TTL for all)
+        self._challenges: OrderedDict[bytes, tuple[float, str]] = OrderedDict()
+        self._open_by_caller: dict[str, int] = {}
+        self._challenge_buckets = KeyedBuckets(
+            burst=limits.challenge_burst_per_caller,
+            refill_s=limits.challenge_refill_s,
+            max_keys=limits.max_tracked_callers,
+        )
+        self._accusation_buckets = KeyedBuckets(
+            burst=limits.accusation_burst_per_peer,
+            refill_s=limits.accusation_refill_s,
+            max_keys=limits.max_tracked_callers,
+        )
+        self._evidence_budget = ByteBudget(limits.evidence_budget_bytes)
+        self._accusing: set[str] = set()
+        # peer -> the last step at which it was reported diverged (one log line per peer and step)
+        self._flagged: OrderedDict[str, int] = OrderedDict()
+        self._judging = asyncio.Lock()  # held only while recomputing an aggregate from evidence in memory
 
     @property
     def run_id(self) -> str:
@@ -115,24 +140,50 @@ class CoordinatorService:
                 raise AdmissionDenied(f"peer {envelope.sender} did not present the run's join token")
 
     def _take_challenge(self, challenge: bytes, sender: str) -> None:
-        expires_at = self._challenges.pop(challenge, None)
-        if expires_at is None or expires_at < time.time():
+        entry = self._challenges.pop(challenge, None)
+        if entry is not None:
+            self._close_challenge(entry[1])
+        if entry is None or entry[0] < time.time():
             raise ReplayError(
                 f"join challenge from {sender} is unknown, expired or already used; request a new challenge"
             )
 
+    def _close_challenge(self, caller: str) -> None:
+        left = self._open_by_caller.pop(caller, 1) - 1
+        if left > 0:
+            self._open_by_caller[caller] = left
+
+    def _expire_challenges(self, now: float) -> None:
+        while self._challenges:
+            challenge, (expires_at, caller) = next(iter(self._challenges.items()))
+            if expires_at >= now:
+                return
+            del self._challenges[challenge]
+            self._close_challenge(caller)
+
     # --- handlers ------------------------------------------------------------------------------------
 
     async def challenge(self, request: pb.ChallengeRequest, peer: str) -> pb.ChallengeResponse:
+        """Anyone may ask, so each caller address gets a token bucket and a cap on open challenges; the
+        global cap is then far more than one caller can hold."""
         self._check_header(request.header)
         now = time.time()
-        while self._challenges and next(iter(self._challenges.values())) < now:
-            self._challenges.popitem(last=False)
-        if len(self._challenges) >= MAX_OPEN_CHALLENGES:
+        self._expire_challenges(now)
+        caller, limits = caller_key(peer), self.limits
+        if not self._challenge_buckets.take(caller):
+            retry_s = self._challenge_buckets.retry_after_s(caller)
+            raise NetworkError(f"too many join challenges from {caller}; retry in {retry_s:.0f}s")
+        if self._open_by_caller.get(caller, 0) >= limits.open_challenges_per_caller:
+            raise NetworkError(
+                f"{caller} holds {limits.open_challenges_per_caller} unanswered join challenges; "
+                "answer one or wait for them to expire"
+            )
+        if len(self._challenges) >= limits.max_open_challenges:
             raise NetworkError("too many joins in progress; retry in a few seconds")
         challenge = secrets.token_bytes(32)
         expires_at = now + self.config.membership.challenge_ttl_s
-        self._challenges[challenge] = expires_at
+        self._challenges[challenge] = (expires_at, caller)
+        self._open_by_caller[caller] = self._open_by_caller.get(caller, 0) + 1
         return pb.ChallengeResponse(
             challenge=challenge, expires_at=expires_at, coordinator_public_key=self.key.public_key.raw
         )
@@ -223,8 +274,11 @@ class CoordinatorService:
         if not step:
             return
         diverged = diverged_peers(await self.store.list_peers())
-        if peer_id in diverged and (peer_id, step) not in self._flagged:
-            self._flagged.add((peer_id, step))
+        if peer_id in diverged and self._flagged.get(peer_id) != step:
+            self._flagged.pop(peer_id, None)
+            self._flagged[peer_id] = step
+            while len(self._flagged) > self.limits.max_tracked_callers:
+                self._flagged.popitem(last=False)
             logger.warning(
                 f"{peer_id} diverged: its parameters at step {step} differ from most peers at that step"
             )
@@ -270,39 +324,60 @@ class CoordinatorService:
         )
 
     async def accuse(self, parts: AsyncIterator[bytes], peer: str) -> pb.AccuseResponse:
-        """Judge an accusation by recomputing the aggregate from the signed evidence; ban whoever lied."""
-        first = await _next_part(parts)
-        self._check_header(first.header)
-        envelope = self._open(first.envelope, ACCUSE, "accusation", MAX_REQUEST_AGE_S)
-        await self._known_peer(envelope)
-        body = parse_body(AccuseBody, envelope.body, sender=envelope.sender, what="accusation")
-        async with self._judging:
-            evidence = bytearray(first.evidence)
-            while len(evidence) < body.evidence_bytes:
-                piece = await _next_part(parts, required=False)
-                if piece is None:
-                    break
-                evidence += piece.evidence
-                if len(evidence) > body.evidence_bytes:
-                    break
-            if len(evidence) != body.evidence_bytes:
-                raise ProtocolError(
-                    f"accusation from {envelope.sender} carried {len(evidence)} evidence bytes, "
-                    f"not the {body.evidence_bytes} it signed for"
-                )
-            if hashlib.sha256(evidence).digest() != body.evidence_sha256:
-                raise ProtocolError(
-                    f"accusation from {envelope.sender}: evidence does not match its signed hash"
-                )
-            verdict, guilty = await asyncio.to_thread(
-                self._judge, bytes(evidence), body.accused, envelope.sender
-            )
-            reason = (
-                verdict if guilty == body.accused else f"false accusation against {body.accused}: {verdict}"
-            )
-            await self.store.ban(guilty, reason[:512], bytes(evidence))
-        logger.warning(f"accusation by {envelope.sender} against {body.accused}: banned {guilty} ({reason})")
-        return pb.AccuseResponse(verdict=reason[:512], banned_peer=guilty)
+        """Judge an accusation by recomputing the aggregate from the signed evidence; ban whoever lied.
+
+        The whole stream must arrive within ``evidence_read_timeout_s``, from a peer with an accusation
+        to spare and none in flight, and its declared size must fit the evidence budget, all before it
+        waits for the judge: a stalled or flooding accuser holds up only itself."""
+        limits = self.limits
+        deadline = asyncio.get_running_loop().time() + limits.evidence_read_timeout_s
+        late = f"did not arrive within {limits.evidence_read_timeout_s:.0f}s"
+        try:
+            async with asyncio.timeout_at(deadline):
+                first = await _next_part(parts)
+                self._check_header(first.header)
+                envelope = self._open(first.envelope, ACCUSE, "accusation", MAX_REQUEST_AGE_S)
+                await self._known_peer(envelope)
+        except TimeoutError:
+            raise ProtocolError(f"accusation from {peer} {late}") from None
+        sender = envelope.sender
+        body = parse_body(AccuseBody, envelope.body, sender=sender, what="accusation")
+        self._admit_accusation(sender, body.evidence_bytes)
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    evidence = await _read_evidence(first, parts, body, sender)
+            except TimeoutError:
+                raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
+            async with self._judging:
+                verdict, guilty = await asyncio.to_thread(self._judge, evidence, body.accused, sender)
+        finally:
+            self._evidence_budget.release(body.evidence_bytes)
+            self._accusing.discard(sender)
+        convicted = guilty == body.accused
+        reason = (verdict if convicted else f"false accusation against {body.accused}: {verdict}")[:512]
+        # Evidence proves a conviction; a false accusation's "evidence" is whatever its sender chose to send.
+        kept = await self.store.ban(
+            guilty,
+            reason,
+            evidence if convicted else None,
+            max_stored_evidence_bytes=limits.stored_evidence_bytes,
+        )
+        if convicted and not kept:
+            logger.warning(f"evidence against {guilty} not kept: the store holds all the evidence it may")
+        logger.warning(f"accusation by {sender} against {body.accused}: banned {guilty} ({reason})")
+        return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
+
+    def _admit_accusation(self, sender: str, evidence_bytes: int) -> None:
+        """Let one more accusation of ``sender`` in, or refuse it; once in, it holds its evidence budget."""
+        if sender in self._accusing:
+            raise NetworkError(f"{sender} already has an accusation in flight; wait for its verdict")
+        if not self._accusation_buckets.take(sender):
+            retry_s = self._accusation_buckets.retry_after_s(sender)
+            raise NetworkError(f"too many accusations from {sender}; retry in {retry_s:.0f}s")
+        if not self._evidence_budget.reserve(evidence_bytes):
+            raise NetworkError("the coordinator holds all the evidence it can judge at once; retry later")
+        self._accusing.add(sender)
 
     def _judge(self, data: bytes, accused: str, accuser: str) -> tuple[str, str]:
         """(what was found, who is guilty): the accused if the evidence proves it, else the accuser."""
@@ -345,6 +420,26 @@ class CoordinatorService:
             response_serializer=lambda message: message.SerializeToString(),
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+async def _read_evidence(
+    first: pb.AccusationPart, parts: AsyncIterator[bytes], body: AccuseBody, sender: str
+) -> bytes:
+    """The evidence bytes the accusation signed for: exactly ``evidence_bytes`` of them, matching its hash."""
+    evidence = bytearray(first.evidence)
+    while len(evidence) < body.evidence_bytes:
+        piece = await _next_part(parts, required=False)
+        if piece is None:
+            break
+        evidence += piece.evidence
+    if len(evidence) != body.evidence_bytes:
+        raise ProtocolError(
+            f"accusation from {sender} carried {len(evidence)} evidence bytes or more, "
+            f"not the {body.evidence_bytes} it signed for"
+        )
+    if hashlib.sha256(evidence).digest() != body.evidence_sha256:
+        raise ProtocolError(f"accusation from {sender}: evidence does not match its signed hash")
+    return bytes(evidence)
 
 
 async def _next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> pb.AccusationPart | None:

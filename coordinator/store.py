@@ -2,7 +2,10 @@
 credit (contributed samples) and a history of the run's metrics for the dashboard.
 
 One connection, used from one worker thread, so SQLite calls never block the event loop and never race.
-The file survives restarts; a data directory belongs to one run ID and refuses to serve another.
+Every write that touches more than one row runs in one ``BEGIN IMMEDIATE`` transaction (the connection
+is in autocommit mode, where ``with db:`` alone would commit each statement on its own). Evidence of
+a conviction lives in its own table, so listing bans never reads it. The file survives restarts; a
+data directory belongs to one run ID and refuses to serve another.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import math
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,12 +67,21 @@ CREATE TABLE IF NOT EXISTS history (
     peers_online INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS history_by_time ON history (t);
+CREATE TABLE IF NOT EXISTS ban_evidence (
+    peer_id TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL,
+    preview BLOB NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS peers_by_progress ON peers (step, param_hash);
 """
 SCHEMA_VERSION = "1"
 # The history keeps this many samples (a week at one sample per 5 s); older ones are dropped.
 MAX_HISTORY_ROWS = 120_000
 # The peer metric that carries its cumulative count of samples in applied rounds (see ``Credit``).
 CONTRIBUTED = "contributed_samples"
+# Bytes of each conviction's evidence that listing the bans returns (the dashboard's preview).
+EVIDENCE_PREVIEW_BYTES = 512
 
 
 @dataclass
@@ -109,7 +122,20 @@ class Ban:
     peer_id: str
     reason: str
     banned_at: float
-    evidence: bytes | None
+    evidence_bytes: int = 0
+    evidence_preview: bytes = b""
+
+
+@contextmanager
+def transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """All statements inside commit together or not at all (whatever the connection's isolation level)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
 
 
 class Store:
@@ -135,6 +161,7 @@ class Store:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA busy_timeout=5000")
             db.executescript(SCHEMA)
+            _move_old_evidence(db)
         except sqlite3.Error as e:
             raise ConfigError(f"cannot open the coordinator store {self.path}: {e}") from None
         row = db.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
@@ -161,7 +188,7 @@ class Store:
 
     async def next_serial(self) -> int:
         def op(db: sqlite3.Connection) -> int:
-            with db:
+            with transaction(db):
                 row = db.execute("SELECT value FROM meta WHERE key='serial'").fetchone()
                 serial = int(row[0]) + 1 if row else 1
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('serial', ?)", (str(serial),))
@@ -185,7 +212,7 @@ class Store:
         """Insert or replace a peer on join; a rejoin keeps its first joined_at."""
 
         def op(db: sqlite3.Connection) -> None:
-            with db:
+            with transaction(db):
                 db.execute(
                     "INSERT INTO peers (peer_id, public_key, name, device, role, state, joined_at, last_seen,"
                     " last_seq, cert_serial, cert_expires_at, metrics) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
@@ -204,25 +231,27 @@ class Store:
     async def record_heartbeat(
         self, peer_id: str, *, seq: int, seen_at: float, metrics: dict[str, float], step: int, param_hash: str
     ) -> bool:
-        """Mark the peer online and credit its contribution; returns False (and changes nothing) when
-        ``seq`` is not new."""
+        """Mark the peer online and credit its contribution, in one transaction; returns False (and
+        changes nothing) when ``seq`` is not new."""
 
         def op(db: sqlite3.Connection) -> bool:
-            with db:
+            with transaction(db):
                 cursor = db.execute(
                     "UPDATE peers SET state='online', last_seen=?, last_seq=?, metrics=?, step=?, param_hash=? "
                     "WHERE peer_id=? AND last_seq < ?",
                     (seen_at, seq, json.dumps(metrics), step, param_hash, peer_id, seq),
                 )
-                if cursor.rowcount == 1 and CONTRIBUTED in metrics:
-                    _credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
+                if cursor.rowcount == 1:
+                    verified = _verify_step(db, step, param_hash)
+                    if CONTRIBUTED in metrics and step <= verified:
+                        _credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
             return cursor.rowcount == 1
 
         return await self._run(op)
 
     async def record_leave(self, peer_id: str, *, seq: int, seen_at: float) -> bool:
         def op(db: sqlite3.Connection) -> bool:
-            with db:
+            with transaction(db):
                 cursor = db.execute(
                     "UPDATE peers SET state='left', last_seen=?, last_seq=? WHERE peer_id=? AND last_seq < ?",
                     (seen_at, seq, peer_id, seq),
@@ -243,7 +272,7 @@ class Store:
         """Turn online peers not heard from since ``silent_since`` offline; returns their IDs."""
 
         def op(db: sqlite3.Connection) -> list[str]:
-            with db:
+            with transaction(db):
                 rows = db.execute(
                     "SELECT peer_id FROM peers WHERE state='online' AND last_seen < ?", (silent_since,)
                 ).fetchall()
@@ -259,18 +288,53 @@ class Store:
 
         return await self._run(op)
 
-    async def ban(self, peer_id: str, reason: str, evidence: bytes | None = None) -> None:
-        await self._run(lambda db: ban_sync(db, peer_id, reason, evidence))
+    async def ban(
+        self, peer_id: str, reason: str, evidence: bytes | None = None, *, max_stored_evidence_bytes: int = 0
+    ) -> bool:
+        """Ban ``peer_id``; its evidence is kept only while all kept evidence fits in
+        ``max_stored_evidence_bytes``. Returns whether the evidence was kept."""
+        return await self._run(
+            lambda db: ban_sync(
+                db, peer_id, reason, evidence, max_stored_evidence_bytes=max_stored_evidence_bytes
+            )
+        )
 
     async def list_bans(self) -> list[Ban]:
+        """Every ban with the size and first bytes of its evidence (never the evidence itself)."""
         return await self._run(
             lambda db: [
                 Ban(*row)
                 for row in db.execute(
-                    "SELECT peer_id, reason, banned_at, evidence FROM bans ORDER BY banned_at"
+                    "SELECT b.peer_id, b.reason, b.banned_at, COALESCE(e.bytes, 0), COALESCE(e.preview, X'')"
+                    " FROM bans b LEFT JOIN ban_evidence e ON e.peer_id = b.peer_id ORDER BY b.banned_at"
                 )
             ]
         )
+
+    async def ban_evidence(self, peer_id: str) -> bytes | None:
+        def op(db: sqlite3.Connection) -> bytes | None:
+            row = db.execute("SELECT data FROM ban_evidence WHERE peer_id=?", (peer_id,)).fetchone()
+            return bytes(row[0]) if row else None
+
+        return await self._run(op)
+
+    async def enforced_bans(self, now: float, *, grace_s: float) -> list[str]:
+        """Banned peers that may still hold a valid certificate (or never held one from this store), earliest
+        ban first. A banned peer is never renewed, so once its certificate has expired (plus ``grace_s``
+        of clock skew) no peer accepts it anyway and the published list can leave it out."""
+        return await self._run(
+            lambda db: [
+                row[0]
+                for row in db.execute(
+                    "SELECT b.peer_id FROM bans b LEFT JOIN peers p ON p.peer_id = b.peer_id"
+                    " WHERE p.peer_id IS NULL OR p.cert_expires_at + ? > ? ORDER BY b.banned_at",
+                    (grace_s, now),
+                )
+            ]
+        )
+
+    async def verified_step(self) -> int:
+        return await self._run(lambda db: _meta_int(db, "verified_step"))
 
     async def credit_refused(self) -> dict[str, float]:
         """Samples each peer claimed beyond what its progress allows (only peers with such claims)."""
@@ -280,7 +344,7 @@ class Store:
 
     async def append_history(self, point: HistoryPoint) -> None:
         def op(db: sqlite3.Connection) -> None:
-            with db:
+            with transaction(db):
                 db.execute(
                     "INSERT INTO history VALUES (?, ?, ?, ?, ?, ?)",
                     (point.t, point.step, point.train_loss, point.val_loss, point.samples_per_s,
@@ -311,12 +375,67 @@ class Store:
         return await self._run(op)
 
 
-def ban_sync(db: sqlite3.Connection, peer_id: str, reason: str, evidence: bytes | None = None) -> None:
-    with db:
+def ban_sync(
+    db: sqlite3.Connection,
+    peer_id: str,
+    reason: str,
+    evidence: bytes | None = None,
+    *,
+    max_stored_evidence_bytes: int = 0,
+) -> bool:
+    with transaction(db):
         db.execute(
-            "INSERT OR REPLACE INTO bans (peer_id, reason, banned_at, evidence) VALUES (?, ?, ?, ?)",
-            (peer_id, reason, time.time(), evidence),
+            "INSERT OR REPLACE INTO bans (peer_id, reason, banned_at, evidence) VALUES (?, ?, ?, NULL)",
+            (peer_id, reason, time.time()),
         )
+        if not evidence:
+            return False
+        (stored,) = db.execute(
+            "SELECT COALESCE(SUM(bytes), 0) FROM ban_evidence WHERE peer_id != ?", (peer_id,)
+        ).fetchone()
+        if stored + len(evidence) > max_stored_evidence_bytes:
+            return False
+        db.execute(
+            "INSERT OR REPLACE INTO ban_evidence (peer_id, bytes, preview, data) VALUES (?, ?, ?, ?)",
+            (peer_id, len(evidence), evidence[:EVIDENCE_PREVIEW_BYTES], evidence),
+        )
+        return True
+
+
+def _move_old_evidence(db: sqlite3.Connection) -> None:
+    """Stores written before evidence had its own table kept it in ``bans.evidence``."""
+    with transaction(db):
+        db.execute(
+            "INSERT OR IGNORE INTO ban_evidence (peer_id, bytes, preview, data) SELECT peer_id,"
+            " length(evidence), substr(evidence, 1, ?), evidence FROM bans WHERE evidence IS NOT NULL",
+            (EVIDENCE_PREVIEW_BYTES,),
+        )
+        db.execute("UPDATE bans SET evidence = NULL WHERE evidence IS NOT NULL")
+
+
+def _meta_int(db: sqlite3.Connection, key: str) -> int:
+    row = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _verify_step(db: sqlite3.Connection, step: int, param_hash: str) -> int:
+    """The run's verified step after a peer reported ``(step, param_hash)``: the furthest step at which
+    at least two unbanned online peers, and more than half of those that report a hash, hold the same
+    parameters. It never falls (peers at it may later go offline)."""
+    verified = _meta_int(db, "verified_step")
+    if step <= verified or not param_hash:
+        return verified
+    online = "p.state='online' AND p.param_hash != '' AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+    (agreeing,) = db.execute(
+        f"SELECT COUNT(*) FROM peers p WHERE p.step=? AND p.param_hash=? AND {online}", (step, param_hash)
+    ).fetchone()
+    if agreeing < 2:
+        return verified
+    (reporting,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {online}").fetchone()
+    if 2 * agreeing <= reporting:
+        return verified
+    db.execute("INSERT OR REPLACE INTO meta VALUES ('verified_step', ?)", (str(step),))
+    return step
 
 
 def _credit(db: sqlite3.Connection, peer_id: str, reported: float, step: int, max_per_step: float) -> None:
@@ -324,10 +443,12 @@ def _credit(db: sqlite3.Connection, peer_id: str, reported: float, step: int, ma
 
     The counter lives in the peer's trainer and starts again from 0 when the trainer restarts, so a
     report below the previous one is a restart: the whole new count is new work. Credit never falls.
-    Growth is capped by the peer's own progress: at most ``max_per_step`` samples (the run's target
-    batch) per step the peer advanced since its credit last grew, so neither a counter that jumps nor
-    one that keeps "restarting" earns more than real rounds could hold; the excess is kept as
-    ``refused`` for the organizer to see.
+    Growth is capped by progress: at most ``max_per_step`` samples (the run's target batch) per step
+    the peer advanced since its credit last grew, so neither a counter that jumps nor one that keeps
+    "restarting" earns more than real rounds could hold; the excess is kept as ``refused`` for the
+    organizer to see. The caller merges only reports made at or below the run's verified step (see
+    ``_verify_step``), so a peer that claims a step nobody else reached earns nothing for it; a report
+    made ahead of it waits, and the cumulative counter carries it into a later heartbeat.
     """
     if not math.isfinite(reported) or reported < 0:
         return
@@ -350,7 +471,8 @@ def _credit(db: sqlite3.Connection, peer_id: str, reported: float, step: int, ma
 
 
 def unban_sync(db: sqlite3.Connection, peer_id: str) -> bool:
-    with db:
+    with transaction(db):
+        db.execute("DELETE FROM ban_evidence WHERE peer_id=?", (peer_id,))
         return db.execute("DELETE FROM bans WHERE peer_id=?", (peer_id,)).rowcount == 1
 
 

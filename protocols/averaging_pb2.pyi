@@ -49,12 +49,16 @@ class PartChunk(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., signature: _Optional[bytes] = ..., weight: _Optional[float] = ..., included: _Optional[bytes] = ..., reveal: _Optional[bytes] = ...) -> None: ...
 
 class InputsRequest(_message.Message):
-    __slots__ = ("group_id", "chunk_index")
+    __slots__ = ("group_id", "chunk_index", "part_index", "sender_index")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PART_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SENDER_INDEX_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     chunk_index: int
-    def __init__(self, group_id: _Optional[bytes] = ..., chunk_index: _Optional[int] = ...) -> None: ...
+    part_index: int
+    sender_index: int
+    def __init__(self, group_id: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., part_index: _Optional[int] = ..., sender_index: _Optional[int] = ...) -> None: ...
 
 class SignedInput(_message.Message):
     __slots__ = ("sender_index", "data", "signature", "weight", "code", "error")

@@ -23,6 +23,9 @@ ACCUSE = "accuse"
 BAN_LIST = "ban-list"
 
 CHALLENGE_BYTES = 32
+# A ban list page fits one envelope (256 KiB, 4,096 items); all pages of a list fit one DHT reply (4 MiB).
+BAN_PAGE_ENTRIES = 1000
+MAX_BAN_PAGES = 32
 MAX_METRICS = 64
 PEER_STATES = ("online", "offline", "left", "banned")
 REQUESTED_ROLES = ("auto", "data", "stage", "trainer")
@@ -81,7 +84,14 @@ class AccuseBody(_Body):
 
 
 class BanListBody(_Body):
-    banned: list[Annotated[str, Field(max_length=128)]] = Field(max_length=4000)
+    """One page of the coordinator's ban list (see ``swarm.bans``): pages of one list share
+    ``list_sha256`` (of the whole sorted list), ``pages`` and ``changed_at``."""
+
+    banned: list[Annotated[str, Field(max_length=128)]] = Field(max_length=BAN_PAGE_ENTRIES)
+    page: int = Field(ge=0, lt=MAX_BAN_PAGES)
+    pages: int = Field(ge=1, le=MAX_BAN_PAGES)
+    list_sha256: bytes = Field(min_length=32, max_length=32)
+    changed_at: float = Field(ge=0, allow_inf_nan=False)
 
 
 Body = TypeVar("Body", bound=_Body)

@@ -1,53 +1,141 @@
 """The run's ban list: signed by the coordinator, stored in the DHT, fetched and enforced by every peer.
 
 Peers refuse banned peers wherever they meet them without the coordinator: matchmaking neither leads
-nor follows them, reducers refuse their part streams, and a group holding one is left. The list is a
-whole signed record (not per-peer entries), so nobody but the coordinator can add or remove a name.
+nor follows them, reducers refuse their part streams, and a group holding one is left. Nobody but the
+coordinator can add or remove a name: the list is published in pages of up to 1,000 peer IDs, page 0
+under the key ``<run>.bans`` and page k under ``<run>.bans.k``, each page an envelope of purpose
+``ban-list`` signed by the coordinator and carrying the hash of the whole list, the page count and
+when the list last changed. A reader takes the newest list whose pages are all there and hash to that
+value; a reader that finds none complete (pages of two versions while the coordinator republishes)
+keeps the list it had. A list of at most 1,000 names is one record, read with one lookup.
+
+Example::
+
+    await publish_ban_list(dht, coordinator_key, "my-run", banned, changed_at=time.time(), ttl_s=60)
+    found = await fetch_ban_list(dht, "my-run", coordinator_key.public_key)  # (changed_at, {peer IDs})
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
+from collections.abc import Iterable
 
 import hivemind
 from hivemind.utils import get_dht_time
 
 from protocols.envelope import open_envelope, seal
-from protocols.errors import SwarmError
+from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
-from protocols.messages import BAN_LIST, BanListBody, parse_body
+from protocols.messages import BAN_LIST, BAN_PAGE_ENTRIES, MAX_BAN_PAGES, BanListBody, parse_body
 
 logger = logging.getLogger(__name__)
 
+MAX_BANNED = BAN_PAGE_ENTRIES * MAX_BAN_PAGES
 
-def ban_list_key(run_id: str) -> str:
-    return f"{run_id}.bans"
+
+def ban_list_key(run_id: str, page: int = 0) -> str:
+    return f"{run_id}.bans" if page == 0 else f"{run_id}.bans.{page}"
+
+
+def list_digest(banned: Iterable[str]) -> bytes:
+    """What every page of one list signs: the SHA-256 of the sorted peer IDs, one per line."""
+    return hashlib.sha256("\n".join(sorted(banned)).encode()).digest()
+
+
+def ban_list_pages(key: SigningKey, run_id: str, banned: Iterable[str], *, changed_at: float) -> list[bytes]:
+    """The signed pages of a list of at most ``MAX_BANNED`` peer IDs."""
+    ordered = sorted(set(banned))
+    if len(ordered) > MAX_BANNED:
+        raise ValueError(f"a ban list holds at most {MAX_BANNED} peers, not {len(ordered)}")
+    chunks = [ordered[i : i + BAN_PAGE_ENTRIES] for i in range(0, len(ordered), BAN_PAGE_ENTRIES)] or [[]]
+    digest = list_digest(ordered)
+    return [
+        seal(
+            key,
+            BAN_LIST,
+            run_id,
+            {
+                "banned": chunk,
+                "page": page,
+                "pages": len(chunks),
+                "list_sha256": digest,
+                "changed_at": changed_at,
+            },
+        )  # fmt: skip
+        for page, chunk in enumerate(chunks)
+    ]
 
 
 async def publish_ban_list(
-    dht: hivemind.DHT, key: SigningKey, run_id: str, banned: list[str], *, ttl_s: float
+    dht: hivemind.DHT,
+    key: SigningKey,
+    run_id: str,
+    banned: Iterable[str],
+    *,
+    changed_at: float,
+    ttl_s: float,
 ) -> bool:
-    record = seal(key, BAN_LIST, run_id, {"banned": sorted(banned)})
-    return bool(
-        await dht.store(
-            ban_list_key(run_id), record, expiration_time=get_dht_time() + ttl_s, return_future=True
-        )
-    )
+    """Store every page, the last first (a reader looks at page 0 first); True when all were stored."""
+    pages = ban_list_pages(key, run_id, banned, changed_at=changed_at)
+    expiration = get_dht_time() + ttl_s
+    stored = [
+        await dht.store(ban_list_key(run_id, index), pages[index], expiration, return_future=True)
+        for index in reversed(range(len(pages)))
+    ]
+    return all(stored)
+
+
+def assemble_ban_list(
+    records: Iterable[object], run_id: str, coordinator_key: PublicKey
+) -> tuple[float, set[str]] | None:
+    """(when the list last changed, the banned peer IDs) of the newest complete list among ``records``
+    (page envelopes as found in the DHT); None when no list is complete. Anything not a page signed by
+    the coordinator is ignored with a log line."""
+    versions: dict[tuple[float, bytes, int], dict[int, list[str]]] = {}
+    for record in records:
+        body = _open_page(record, run_id, coordinator_key)
+        if body is not None and body.page < body.pages:
+            versions.setdefault((body.changed_at, body.list_sha256, body.pages), {})[body.page] = body.banned
+    for (changed_at, digest, pages), found in sorted(versions.items(), key=lambda item: -item[0][0]):
+        if len(found) != pages:
+            continue
+        banned = [peer for page in range(pages) for peer in found[page]]
+        if list_digest(banned) == digest:
+            return changed_at, set(banned)
+    return None
+
+
+def _open_page(record: object, run_id: str, coordinator_key: PublicKey) -> BanListBody | None:
+    try:
+        if not isinstance(record, bytes):
+            raise ProtocolError("the value is not a signed record")
+        envelope = open_envelope(record, purpose=BAN_LIST, run_id=run_id, signer=coordinator_key)
+        return parse_body(BanListBody, envelope.body, sender=coordinator_key.peer_id, what="ban list page")
+    except SwarmError as e:
+        logger.warning(f"ignoring a ban list page in the DHT: {e}")
+        return None
 
 
 async def fetch_ban_list(
     dht: hivemind.DHT, run_id: str, coordinator_key: PublicKey
 ) -> tuple[float, set[str]] | None:
-    """(when the coordinator signed it, the banned peer IDs); None when no validly signed list is there.
+    """(when the coordinator last changed it, the banned peer IDs); None when no complete, validly signed
+    list is there.
 
     Callers keep the newest list they have seen: an older signed list stored again later is stale."""
-    found = await dht.get(ban_list_key(run_id), latest=True, return_future=True)
-    if found is None or not isinstance(found.value, bytes):
+    first = await dht.get(ban_list_key(run_id), latest=True, return_future=True)
+    head = None if first is None else _open_page(first.value, run_id, coordinator_key)
+    if head is None:
         return None
-    try:
-        envelope = open_envelope(found.value, purpose=BAN_LIST, run_id=run_id, signer=coordinator_key)
-        body = parse_body(BanListBody, envelope.body, sender=coordinator_key.peer_id, what="ban list")
-    except SwarmError as e:
-        logger.warning(f"ignoring the ban list in the DHT: {e}")
-        return None
-    return envelope.issued_at, set(body.banned)
+    records = [first.value]
+    if head.pages > 1:
+        rest = await asyncio.gather(
+            *(
+                dht.get(ban_list_key(run_id, page), latest=True, return_future=True)
+                for page in range(1, head.pages)
+            )
+        )
+        records += [found.value for found in rest if found is not None]
+    return assemble_ban_list(records, run_id, coordinator_key)

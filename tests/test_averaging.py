@@ -56,13 +56,6 @@ class NegativeWeightAllReduce(ButterflyAllReduce):
         return super()._contribution(part, chunk)
 
 
-class BadRevealAllReduce(ButterflyAllReduce):
-    """A groupmate whose revealed nonce is not the one it committed to in matchmaking."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**{**kwargs, "nonce": b"not-the-committed-nonce"})
-
-
 class VanishingAllReduce(ButterflyAllReduce):
     """A groupmate that crashes right after the group is formed: it neither sends nor reduces."""
 
@@ -175,13 +168,12 @@ def test_rounds_over_the_tcp_data_path_are_bit_identical(keyed_dhts):
         ("replaying", "signature does not verify"),
         ("unsigned", "signature"),
         ("negative-weight", "a weight is a finite number >= 0"),
-        ("bad-reveal", "does not match its matchmaking commitment"),
     ],
 )
 def test_a_bad_contribution_is_dropped_and_the_round_completes(dhts, keys, caplog, runner, reason):
     bad = {
         "truncating": TruncatingAllReduce, "replaying": ReplayingAllReduce, "unsigned": UnsignedAllReduce,
-        "negative-weight": NegativeWeightAllReduce, "bad-reveal": BadRevealAllReduce,
+        "negative-weight": NegativeWeightAllReduce,
     }  # fmt: skip
     averagers = [make(d, keys) for d in dhts[:2]]
     averagers.append(make(dhts[2], keys, runner_type=bad[runner]))

@@ -25,47 +25,61 @@ from swarm.averaging.evidence import (
     SignedInput,
     aggregate_message,
     aggregation_seed,
+    chunk_numel,
     contribution_message,
-    included_mask,
+    input_entries,
+    layout_chunk_values,
+    parse_evidence,
     reduce_chunk,
     round_digest,
 )
 from swarm.bans import fetch_ban_list
 from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
+from swarm.models import build_model
 
 pytestmark = pytest.mark.timeout(120)
 
 RUN = "byz-run"
-NUMEL = 1000
+VECTOR = 3000  # values averaged in the rehearsed rounds
 CODEC = get_codec("fp16")
 
 
-def signed_round(keys: list[SigningKey], *, shift: float = 0.0, part: int = 0) -> BadAggregateEvidence:
+def signed_round(
+    keys: list[SigningKey], *, shift: float = 0.0, part: int = 0, vector: int = VECTOR
+) -> BadAggregateEvidence:
     """One chunk of part ``part`` as its reducer ``keys[part]`` aggregates it (shifted by ``shift``)."""
     members = [k.peer_id for k in keys]
     group_id, chunk = b"group-0001", 0
     digest = round_digest(RUN.replace(".", "_"), group_id, members)
+    numel = chunk_numel(vector, len(keys), part, chunk, layout_chunk_values(len(keys), CODEC.bytes_per_value))
     generator = torch.Generator().manual_seed(1)
     inputs = []
     for index, key in enumerate(keys):
-        data = CODEC.encode(torch.randn(NUMEL, generator=generator))
+        data = CODEC.encode(torch.randn(numel, generator=generator))
         weight = 8.0
         signature = key.sign(contribution_message(digest, part, chunk, members[index], weight, data))
         inputs.append(SignedInput(index, data, signature, weight))
     aggregator = get_aggregator("centered_clip")
-    decoded = [CODEC.decode(i.data, NUMEL, sender="x") for i in inputs]
+    decoded = [CODEC.decode(i.data, numel, sender="x") for i in inputs]
     honest = reduce_chunk(
         aggregator, CODEC, decoded, [i.weight for i in inputs], aggregation_seed(group_id, part, chunk)
     )
-    output = CODEC.encode(CODEC.decode(honest, NUMEL, sender="x") + shift) if shift else honest
-    included = included_mask(range(len(keys)), len(keys))
+    output = CODEC.encode(CODEC.decode(honest, numel, sender="x") + shift) if shift else honest
+    entries = input_entries([(i.sender_index, i.weight, i.data) for i in inputs])
     reducer = members[part]
-    signature = keys[part].sign(aggregate_message(digest, part, chunk, reducer, included, output))
+    signature = keys[part].sign(aggregate_message(digest, part, chunk, reducer, entries, output))
     return BadAggregateEvidence(
-        prefix=RUN.replace(".", "_"), group_id=group_id, members=tuple(members), part=part, chunk=chunk,
-        numel=NUMEL, inputs=tuple(inputs), output=output, output_signature=signature, included=included,
+        prefix=RUN.replace(".", "_"), group_id=group_id, members=tuple(members), commitments=(), part=part,
+        chunk=chunk, numel=numel, inputs=tuple(inputs), output=output, output_signature=signature,
+        entries=entries,
     )  # fmt: skip
+
+
+def judge(evidence: BadAggregateEvidence, vector: int = VECTOR) -> str | None:
+    return parse_evidence(evidence.to_bytes()).judge(
+        get_aggregator("centered_clip"), CODEC, vector_numel=vector
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +88,23 @@ def keys() -> list[SigningKey]:
 
 
 def test_a_shifted_aggregate_is_proven_wrong(keys):
-    evidence = BadAggregateEvidence.from_bytes(signed_round(keys, shift=0.5).to_bytes())
-    verdict = evidence.judge(get_aggregator("centered_clip"), CODEC)
+    verdict = judge(signed_round(keys, shift=0.5))
     assert verdict is not None and "differs from the rule's result" in verdict
 
 
 def test_a_correct_aggregate_or_tampered_evidence_clears_the_reducer(keys):
     honest = signed_round(keys)
-    assert honest.judge(get_aggregator("centered_clip"), CODEC) is None
+    assert judge(honest) is None
     # An accuser who edits an input to frame the reducer is caught by that input's signature.
     first = honest.inputs[1]
-    forged = dataclasses.replace(first, data=CODEC.encode(torch.zeros(NUMEL)))
+    forged = dataclasses.replace(first, data=CODEC.encode(torch.zeros(honest.numel)))
     framed = dataclasses.replace(honest, inputs=(honest.inputs[0], forged, honest.inputs[2]))
     with pytest.raises(SignatureError):
-        framed.judge(get_aggregator("centered_clip"), CODEC)
+        judge(framed)
     # Leaving out an input the reducer said it used does not hold either.
     partial = dataclasses.replace(honest, inputs=honest.inputs[:2])
     with pytest.raises(Exception, match="aggregated"):
-        partial.judge(get_aggregator("centered_clip"), CODEC)
+        judge(partial)
 
 
 def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, keys):
@@ -99,6 +112,8 @@ def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, ke
                     "seq_len": 32}}, membership=FAST_MEMBERSHIP)  # fmt: skip
     accuser, reducer, third = keys
     framer = SigningKey.generate()
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    vector = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the coordinator's layout
 
     async def scenario():
         async with (
@@ -108,13 +123,13 @@ def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, ke
             for i, key in enumerate([accuser, reducer, third, framer]):
                 await client.join(key, RUN, name=f"peer{i}", device="cpu")
             # A true accusation: the reducer is banned.
-            lie = signed_round([accuser, reducer, third], shift=0.5, part=1)
+            lie = signed_round([accuser, reducer, third], shift=0.5, part=1, vector=vector)
             answer = await client.accuse(
                 accuser, RUN, accused=reducer.peer_id, reason="shifted", evidence=lie.to_bytes()
             )
             assert answer.banned_peer == reducer.peer_id and "differs" in answer.verdict
             # A false one: the aggregate of this round is right, so the accuser is banned.
-            honest = signed_round([framer, third, accuser], part=2)
+            honest = signed_round([framer, third, accuser], part=2, vector=vector)
             answer = await client.accuse(
                 framer, RUN, accused=accuser.peer_id, reason="made up", evidence=honest.to_bytes()
             )

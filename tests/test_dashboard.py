@@ -213,17 +213,16 @@ def test_reported_contributions_become_durable_credit(tmp_path: Path):
         seq = iter(range(1, 100))
 
         async def beat(step: int, reported: float) -> float:
-            await store.record_heartbeat(
-                "p",
-                seq=next(seq),
-                seen_at=0.0,
-                metrics={"contributed_samples": reported},
-                step=step,
-                param_hash="",
-            )
+            # A second peer at the same step with the same parameters makes the step verified.
+            agreed = f"{step:064x}"
+            for peer_id, metrics in (("q", {}), ("p", {"contributed_samples": reported})):
+                await store.record_heartbeat(
+                    peer_id, seq=next(seq), seen_at=0.0, metrics=metrics, step=step, param_hash=agreed
+                )
             return (await store.get_peer("p")).contributed_samples
 
-        await store.admit(PeerRecord("p", b"k", "p", "cpu", "data", "online", 0.0, 0.0, 0, 1, 1e12))
+        for peer_id in ("p", "q"):
+            await store.admit(PeerRecord(peer_id, b"k", peer_id, "cpu", "data", "online", 0.0, 0.0, 0, 1, 1e12))
         try:
             assert await beat(0, 0) == 0  # the baseline
             assert await beat(2, 60) == 60  # two rounds

@@ -11,9 +11,15 @@ it. A reducer that fails leaves its part incomplete; the caller sees ``complete=
 apply the round (it retries, or resynchronizes from peers that completed it).
 
 Signatures: given the peer's key, every contribution and every aggregate chunk is signed (see
-``evidence``); a reducer drops a sender whose signature, weight or commitment reveal does not hold, and
-a sender refuses an aggregate whose signature fails or that leaves out most of the group. The reducer
-keeps the signed inputs of its part (``evidence``) so that a validator can recompute it.
+``evidence``). A reducer signs, with its output, the exact inputs it aggregated (sender, weight, data
+hash); a sender refuses an aggregate whose signature fails, that leaves out most of the group, or that
+lists an input of this sender other than the one it sent. A member whose matchmaking data carried no
+nonce commitment is left out of the round by everyone.
+
+Two phases: members reveal their nonces (the group's draw of validators, see ``verification``) only
+after every part has arrived or failed for them, on the same streams, so no reducer knows who checks
+it before it has signed and delivered its aggregate. ``run()`` returns after the first phase;
+``revealed`` completes after the second.
 
 Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
 (see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
@@ -40,30 +46,32 @@ from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
 from swarm.averaging.evidence import (
+    DEFAULT_CHUNK_VALUES,
     SignedInput,
     aggregate_message,
     aggregation_seed,
+    chunk_bounds,
     contribution_message,
-    included_mask,
-    mask_indices,
+    input_entries,
+    layout_chunk_values,
+    parse_entries,
     reduce_chunk,
     round_digest,
+    split_bounds,
 )
 from swarm.averaging.transport import DataPlane
 from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_VALUES = 1 << 18
-
-
-def split_bounds(numel: int, parts: int) -> list[int]:
-    """Boundaries of ``parts`` nearly equal contiguous slices of ``range(numel)``."""
-    return [numel * i // parts for i in range(parts + 1)]
-
-
-def chunk_bounds(numel: int, chunk_values: int) -> list[int]:
-    return [*range(0, numel, chunk_values), numel] if numel else [0, 0]
+__all__ = [
+    "DEFAULT_CHUNK_VALUES",
+    "ButterflyAllReduce",
+    "RoundResult",
+    "Traffic",
+    "chunk_bounds",
+    "split_bounds",
+]
 
 
 @dataclass
@@ -87,6 +95,7 @@ class RoundResult:
     dropped: dict[str, str] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
+    failed_reducers: list[str] = field(default_factory=list)
 
 
 class ButterflyAllReduce:
@@ -105,7 +114,7 @@ class ButterflyAllReduce:
         aggregator: AggregatorFn,
         codec: Codec,
         sender_timeout_s: float,
-        chunk_values: int = DEFAULT_CHUNK_VALUES,
+        chunk_values: int | None = None,
         data_plane: DataPlane | None = None,
         addresses: Sequence[str | None] | None = None,
         upload_limiter: RateLimiter | None = None,
@@ -118,19 +127,26 @@ class ButterflyAllReduce:
     ):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
+        self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
+        self.refusal: str | None = None
+        self.commitments: list[bytes | None] = [None] * len(self.peer_ids)
+        if commitments is not None:
+            self._keep_committed(list(commitments), nonce)
         self.index = self.peer_ids.index(p2p.peer_id)
         self.weight = float(weight)
         self.key, self.nonce, self.attack = key, nonce, attack
-        self.commitments = list(commitments) if commitments is not None else [None] * len(self.peer_ids)
         self.members = [p.to_base58() for p in self.peer_ids]
-        self.digest = round_digest(prefix, group_id, self.members)
+        self.digest = round_digest(prefix, group_id, self.members, [c for c in self.commitments if c])
         self.reveals: dict[int, bytes] = {self.index: nonce}
         self.local = local.detach().to(torch.float32).flatten()
         self.aggregator, self.codec = aggregator, codec
+        if chunk_values is None:
+            chunk_values = layout_chunk_values(len(self.peer_ids), codec.bytes_per_value)
         self.sender_timeout_s, self.chunk_values = sender_timeout_s, chunk_values
+        # A sender reveals once every part has arrived or failed for it: at most a failed reducer's wait.
+        self.reveal_timeout_s = 4 * sender_timeout_s
         self.data_plane, self.upload_limiter = data_plane, upload_limiter
         self.traffic = traffic if traffic is not None else Traffic()
-        self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
         # Every value is written before a complete round returns; a caller's reused buffer spares a fresh
         # allocation (and its page faults) per round.
         self.output = out if out is not None else torch.empty_like(self.local)
@@ -156,7 +172,29 @@ class ButterflyAllReduce:
         self._active = set(range(len(self.peer_ids)))
         self._changed = asyncio.Event()
         self.dropped: dict[str, str] = {}
+        self.failed_reducers: list[str] = []
         self.bytes_sent = self.bytes_received = 0
+        # Phase one ends when every part has arrived or failed for this peer; then it reveals its nonce.
+        self._unsettled = set(range(len(self.peer_ids)))
+        self._delivered = asyncio.Event()
+        self._heard: set[int] = {self.index}  # members whose reveal arrived, or whose stream to us ended
+        self._tasks: list[asyncio.Task] = []
+        self.revealed: asyncio.Task | None = None
+
+    def _keep_committed(self, commitments: list[bytes | None], nonce: bytes) -> None:
+        """Leave out members with no nonce commitment (all honest members see the same list)."""
+        me = self.peer_ids.index(self.p2p.peer_id)
+        if commitments[me] is not None and commitments[me] != hashlib.sha256(nonce).digest():
+            self.refusal = "the group lists a nonce commitment for this peer that is not its own"
+        keep = [i for i, c in enumerate(commitments) if c is not None or i == me]
+        for i in set(range(len(commitments))) - set(keep):
+            logger.warning(
+                f"leaving {self.peer_ids[i].to_base58()} out of round {self.group_id.hex()[:8]}: "
+                "it committed to no nonce"
+            )
+        self.peer_ids = [self.peer_ids[i] for i in keep]
+        self.addresses = [self.addresses[i] for i in keep]
+        self.commitments = [commitments[i] for i in keep]
 
     # --- helpers -------------------------------------------------------------------------------------
 
@@ -187,11 +225,16 @@ class ButterflyAllReduce:
             self._inputs[chunk][sender] = (values, signed)
             self._changed.set()
 
+    def _settle(self, part: int) -> None:
+        self._unsettled.discard(part)
+        if not self._unsettled:
+            self._delivered.set()
+
     def _sign(self, message: bytes) -> bytes:
         return self.key.sign(message) if self.key is not None else b""
 
     def _check_contribution(self, sender: int, message: apb.PartChunk, chunk: int) -> None:
-        """Refuse a chunk whose signature, weight or (chunk 0) commitment reveal does not hold up."""
+        """Refuse a chunk whose signature or weight does not hold up."""
         peer = self.members[sender]
         if self.key is not None:
             PublicKey.from_peer_id(peer).verify(
@@ -202,29 +245,45 @@ class ButterflyAllReduce:
         if not math.isfinite(weight) or weight < 0:
             raise ProtocolError(f"claims weight {weight!r}; a weight is a finite number >= 0")
         if chunk == 0:
-            commitment = self.commitments[sender]
-            if commitment is not None and hashlib.sha256(message.reveal).digest() != commitment:
-                raise ProtocolError("revealed a nonce that does not match its matchmaking commitment")
-            self.reveals[sender] = message.reveal
             self._weights[sender] = weight
         elif weight != self._weights.get(sender):
             raise ProtocolError(f"changed its weight from {self._weights.get(sender)} to {weight} mid-round")
 
+    def _check_reveal(self, sender: int, message: apb.PartChunk) -> None:
+        if message.part_index != self.index or message.chunk_index != len(self._results) or message.data:
+            raise ProtocolError("sent something other than its nonce reveal after its contributions")
+        commitment = self.commitments[sender]
+        if commitment is not None and hashlib.sha256(message.reveal).digest() != commitment:
+            raise ProtocolError("revealed a nonce that does not match its matchmaking commitment")
+        self.reveals[sender] = message.reveal
+
     @property
-    def shared_seed(self) -> bytes:
-        """The group's random draw for this round: every member's revealed nonce, in member order."""
-        reveals = b"".join(
-            hashlib.sha256(self.reveals.get(i, b"")).digest() for i in range(len(self.members))
-        )
+    def shared_seed(self) -> bytes | None:
+        """The group's random draw: every member's revealed nonce, in member order; None if one is missing."""
+        if len(self.reveals) < len(self.members):
+            return None
+        reveals = b"".join(hashlib.sha256(self.reveals[i]).digest() for i in range(len(self.members)))
         return hashlib.sha256(b"shared|" + self.digest + reveals).digest()
 
     # --- reducer -------------------------------------------------------------------------------------
 
     async def _reduce_own_part(self) -> None:
         try:
+            await self._reduce_chunks()
+        except Exception as e:
+            logger.warning(f"reducing part {self.index} of round {self.group_id.hex()[:8]} failed: {e!r}")
+        finally:
+            for event in self._reduced:
+                event.set()  # a chunk with no result ends the groupmates' streams
+            self._settle(self.index)
+
+    async def _reduce_chunks(self) -> None:
+        try:
             for chunk in range(len(self._results)):
                 lo, hi = self._chunk(self.index, chunk)
                 message = self._contribution(self.index, chunk)
+                if not (math.isfinite(message.weight) and message.weight >= 0):
+                    raise ProtocolError(f"weight {message.weight!r} is not a finite number >= 0")
                 own = self.codec.decode(message.data, hi - lo, sender="this peer")
                 signed = SignedInput(self.index, message.data, message.signature, message.weight)
                 self._deliver(self.index, chunk, own, signed)
@@ -254,25 +313,31 @@ class ButterflyAllReduce:
             )
             lo, hi = self._chunk(self.index, chunk)
             if self.attack is not None:  # a rehearsed bad reducer returns something else, signed as usual
-                honest = self.codec.decode(encoded, hi - lo, sender="self")
-                encoded = self.codec.encode(self.attack.reduce(honest))
-            included = included_mask(senders, len(self.members))
+                encoded = self._attacked(chunk, encoded, hi - lo)
+            entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
             signature = self._sign(
-                aggregate_message(self.digest, self.index, chunk, self.members[self.index], included, encoded)
+                aggregate_message(self.digest, self.index, chunk, self.members[self.index], entries, encoded)
             )
             self.output[lo:hi] = self.codec.decode(encoded, hi - lo, sender="self")
             self.received[self.index][chunk] = True
             self._results[chunk] = apb.PartChunk(
-                part_index=self.index, chunk_index=chunk, data=encoded, signature=signature, included=included
+                part_index=self.index, chunk_index=chunk, data=encoded, signature=signature, included=entries
             )
             self.evidence[chunk] = [signed for _, signed in inputs]
             self._inputs[chunk].clear()
             self._reduced[chunk].set()
 
+    def _attacked(self, chunk: int, encoded: bytes, numel: int) -> bytes:
+        """What a rehearsed bad reducer returns instead of ``encoded``: it may look at the round first."""
+        honest = self.codec.decode(encoded, numel, sender="self")
+        if hasattr(self.attack, "reduce_chunk"):
+            return self.codec.encode(self.attack.reduce_chunk(self, chunk, honest))
+        return self.codec.encode(self.attack.reduce(honest))
+
     async def serve(
         self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
     ) -> AsyncIterator[apb.PartChunk]:
-        """Take a groupmate's chunks of our part and stream the aggregated chunks back to it."""
+        """Take a groupmate's chunks of our part, stream the aggregated chunks back, then take its reveal."""
         if sender not in self.peer_ids or sender == self.p2p.peer_id:
             yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="not a member of this averaging group")
             return
@@ -287,16 +352,21 @@ class ButterflyAllReduce:
                 await self._throttle(len(result.data))
                 self._count(sent=len(result.data))
                 yield result
+            await consumer  # it ends with the sender's reveal, or a bounded wait for it
         finally:
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
+            self._heard.add(index)
+            self._changed.set()
+
+    async def _next(self, stream: AsyncIterator[apb.PartChunk], timeout_s: float) -> apb.PartChunk:
+        return await asyncio.wait_for(stream.__anext__(), timeout_s)
 
     async def _consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
         expected = 0
         try:
             message = first
-            stream = aiter_with_timeout(stream, self.sender_timeout_s)
             while True:
                 if message.part_index != self.index or message.chunk_index != expected:
                     raise ProtocolError(
@@ -312,14 +382,24 @@ class ButterflyAllReduce:
                 self._deliver(sender, expected, values, signed)
                 expected += 1
                 if expected == len(self._results):
-                    return
-                message = await stream.__anext__()
+                    break
+                message = await self._next(stream, self.sender_timeout_s)
         except ProtocolError as e:
             self._drop(sender, str(e).removeprefix(f"{self.peer_ids[sender].to_base58()} "))
+            return
         except (asyncio.TimeoutError, StopAsyncIteration):
             self._drop(sender, f"stopped after {expected} of {len(self._results)} chunks")
+            return
         except Exception as e:
             self._drop(sender, f"stream failed: {e!r}")
+            return
+        peer = self.members[sender]
+        try:
+            self._check_reveal(sender, await self._next(stream, self.reveal_timeout_s))
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            logger.info(f"{peer} revealed no nonce in round {self.group_id.hex()[:8]}")
+        except Exception as e:
+            logger.warning(f"{peer} sent a bad nonce reveal in round {self.group_id.hex()[:8]}: {e!r}")
 
     # --- sender --------------------------------------------------------------------------------------
 
@@ -337,55 +417,81 @@ class ButterflyAllReduce:
             chunk_index=chunk,
             data=data,
             weight=self.weight,
-            reveal=self.nonce if chunk == 0 else b"",
             signature=self._sign(contribution_message(self.digest, part, chunk, me, self.weight, data)),
         )
 
-    def _check_answer(self, part: int, chunk: int, message: apb.PartChunk) -> None:
-        """A reducer's aggregate must be signed by it and cover more than half of the group."""
+    def own_input(self, part: int, chunk: int) -> SignedInput:
+        """This peer's signed contribution to one chunk of a part (Ed25519 signs the same bytes the same)."""
+        message = self._contribution(part, chunk)
+        return SignedInput(self.index, message.data, message.signature, message.weight)
+
+    def _check_answer(self, part: int, chunk: int, message: apb.PartChunk, sent: bytes) -> None:
+        """A reducer's aggregate must be signed by it, cover more than half of the group, and list this
+        peer's input (if at all) as the one it sent, whose SHA-256 is ``sent``."""
         reducer = self.members[part]
         if self.key is not None:
             PublicKey.from_peer_id(reducer).verify(
                 message.signature,
                 aggregate_message(self.digest, part, chunk, reducer, message.included, message.data),
             )
-            included = mask_indices(message.included, len(self.members))
-            if 2 * len(included) <= len(self.members):
-                raise ProtocolError(f"aggregated only {len(included)} of {len(self.members)} members")
+            entries = parse_entries(message.included, len(self.members))
+            if 2 * len(entries) <= len(self.members):
+                raise ProtocolError(f"aggregated only {len(entries)} of {len(self.members)} members")
+            mine = next((e for e in entries if e.sender_index == self.index), None)
+            if mine is not None and (mine.weight != self.weight or mine.data_hash != sent):
+                raise ProtocolError(
+                    "signed that it aggregated an input of this peer that this peer never sent"
+                )
 
     async def _exchange_with(self, part: int) -> None:
         peer = self.peer_ids[part]
         chunks = len(self.part_chunks[part]) - 1
+        sent: list[bytes] = []
 
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for chunk in range(chunks):
                 message = self._contribution(part, chunk)
+                sent.append(hashlib.sha256(message.data).digest())
                 await self._throttle(len(message.data))
                 self._count(sent=len(message.data))
                 yield message
+            await self._delivered.wait()
+            yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=self.nonce)
 
+        stream, expected = None, 0
         try:
             stream = await self._open(part, outgoing())
-            expected = 0
-            async for message in aiter_with_timeout(stream, 2 * self.sender_timeout_s):
+            while expected < chunks:
+                message = await self._next(stream, 2 * self.sender_timeout_s)
                 if message.code != apb.OK:
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
-                if message.part_index != part or message.chunk_index != expected or expected >= chunks:
+                if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
                 lo, hi = self._chunk(part, expected)
                 self._count(received=len(message.data))
-                self._check_answer(part, expected, message)
+                self._check_answer(part, expected, message, sent[expected])
                 self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=peer.to_base58())
                 self.answers[part][expected] = message
                 self.received[part][expected] = True
                 expected += 1
-            if expected < chunks:
-                raise ProtocolError(f"reducer ended its stream after {expected} of {chunks} chunks")
         except Exception as e:
+            if isinstance(e, StopAsyncIteration):
+                e = ProtocolError(f"reducer ended its stream after {expected} of {chunks} chunks")
             logger.warning(
                 f"reducer {peer.to_base58()} of part {part} failed in round {self.group_id.hex()[:8]}: {e!r}"
             )
             self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
+            self.failed_reducers.append(peer.to_base58())
+            self._settle(part)
+            if stream is not None and hasattr(stream, "aclose"):
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+            return
+        self._settle(part)
+        # Phase two: the stream stays open until our reveal has gone out and the reducer has its own.
+        with contextlib.suppress(Exception):
+            async for _ in aiter_with_timeout(stream, self.reveal_timeout_s + self.sender_timeout_s):
+                pass
 
     async def _open(self, part: int, outgoing: AsyncIterator[apb.PartChunk]) -> AsyncIterator[apb.PartChunk]:
         """The reducer's answer stream: over its data address when it has one that answers, else libp2p."""
@@ -399,17 +505,46 @@ class ButterflyAllReduce:
         stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
         return await stub.rpc_aggregate_part(outgoing)
 
+    def _result(self, complete: bool) -> RoundResult:
+        return RoundResult(
+            self.output, complete, dict(self.dropped), self.bytes_sent, self.bytes_received,
+            list(self.failed_reducers),
+        )  # fmt: skip
+
     async def run(self) -> RoundResult:
-        tasks = [asyncio.create_task(self._reduce_own_part())]
-        tasks += [
+        """Phase one: every part arrives (or fails). The reveals go on in ``revealed`` afterwards."""
+        if self.refusal is not None:
+            logger.warning(f"leaving round {self.group_id.hex()[:8]}: {self.refusal}")
+            return self._result(False)
+        self._tasks = [asyncio.create_task(self._reduce_own_part())]
+        self._tasks += [
             asyncio.create_task(self._exchange_with(part))
             for part in range(len(self.peer_ids))
             if part != self.index
         ]
         try:
-            await asyncio.gather(*tasks)
+            await self._delivered.wait()
+        except BaseException:
+            self.close()
+            raise
+        self.revealed = asyncio.create_task(self._reveal_phase())
+        return self._result(all(all(part) for part in self.received))
+
+    async def _reveal_phase(self) -> None:
+        """Wait (bounded) for our reveal to go out and every groupmate's reveal to come in."""
+        deadline = asyncio.get_running_loop().time() + self.reveal_timeout_s + 2 * self.sender_timeout_s
+        try:
+            await asyncio.wait(self._tasks, timeout=deadline - asyncio.get_running_loop().time())
+            while len(self._heard | set(self.reveals)) < len(self.members):
+                self._changed.clear()
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
         finally:
-            for task in tasks:
-                task.cancel()
-        complete = all(all(part) for part in self.received)
-        return RoundResult(self.output, complete, dict(self.dropped), self.bytes_sent, self.bytes_received)
+            self.close()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()

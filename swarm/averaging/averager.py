@@ -47,7 +47,7 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.groups import GroupEntryBody, GroupRefused, VerifiedGroup, check_group, make_entry
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.transport import DataPlane, announce_host
-from swarm.averaging.verification import Accuser, assignments, check_reducer, serve_inputs
+from swarm.averaging.verification import Accuser, serve_inputs, validate_round
 from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
@@ -397,25 +397,14 @@ class Averager:
             self.recent.popitem(last=False)
 
     def _verify_later(self, runner: ButterflyAllReduce) -> None:
-        chunks = [len(c) - 1 for c in runner.part_chunks]
-        mine = assignments(
-            runner.shared_seed, len(runner.peer_ids), runner.index, self.verify_probability, chunks
-        )
-        for assignment in mine:
-            task = asyncio.create_task(self._verify(runner, assignment))
-            self._verifications.add(task)
-            task.add_done_callback(self._verifications.discard)
-
-    async def _verify(self, runner: ButterflyAllReduce, assignment) -> None:
-        verdict, evidence = await check_reducer(
-            runner, assignment, servicer_type=AveragingServicer, p2p=self.p2p, aggregator=self.aggregator,
-            codec=self.codec, timeout_s=self.averaging_timeout_s,
+        checks = validate_round(
+            runner, probability=self.verify_probability, servicer_type=AveragingServicer, p2p=self.p2p,
+            aggregator=self.aggregator, codec=self.codec, timeout_s=self.averaging_timeout_s,
+            accuse=self.accuse,
         )  # fmt: skip
-        if verdict is not None and self.accuse is not None:
-            try:
-                await self.accuse(evidence.reducer, evidence, verdict)
-            except Exception as e:
-                logger.warning(f"could not file the accusation against {evidence.reducer}: {e!r}")
+        task = asyncio.create_task(checks)
+        self._verifications.add(task)
+        task.add_done_callback(self._verifications.discard)
 
     async def serve_part(
         self, stream: AsyncIterator[apb.PartChunk], sender: PeerID

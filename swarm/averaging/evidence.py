@@ -30,14 +30,45 @@ from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
 from swarm.averaging.validation import fair_weights
 
-MAX_MEMBERS = 256
+# Evidence is judged for groups as large as a run allows (RunConfig.training.max_group_size).
+MAX_MEMBERS = 1024
 MAX_EVIDENCE_BYTES = 64 << 20
+DEFAULT_CHUNK_VALUES = 1 << 18
+# The inputs of one chunk stay under this many bytes, so that the evidence of any group fits its limit.
+EVIDENCE_INPUT_BUDGET = 48 << 20
+ENTRY = struct.Struct(">Id32s")  # one aggregated input: sender index, signed weight, SHA-256 of the data
 
 
-def round_digest(prefix: str, group_id: bytes, members: Sequence[str]) -> bytes:
-    """Names one round: the run's averaging prefix, the group ID and who is in it, in order."""
+def split_bounds(numel: int, parts: int) -> list[int]:
+    """Boundaries of ``parts`` nearly equal contiguous slices of ``range(numel)``."""
+    return [numel * i // parts for i in range(parts + 1)]
+
+
+def chunk_bounds(numel: int, chunk_values: int) -> list[int]:
+    return [*range(0, numel, chunk_values), numel] if numel else [0, 0]
+
+
+def layout_chunk_values(members: int, bytes_per_value: int) -> int:
+    """Values per chunk in a group of ``members``: the default, smaller in big groups (evidence size)."""
+    return max(1024, min(DEFAULT_CHUNK_VALUES, EVIDENCE_INPUT_BUDGET // (members * bytes_per_value)))
+
+
+def chunk_numel(vector_numel: int, members: int, part: int, chunk: int, chunk_values: int) -> int:
+    """How many values chunk ``chunk`` of part ``part`` holds in the run's layout (0 if there is none)."""
+    bounds = split_bounds(vector_numel, members)
+    chunks = chunk_bounds(bounds[part + 1] - bounds[part], chunk_values)
+    return chunks[chunk + 1] - chunks[chunk] if 0 <= chunk < len(chunks) - 1 else 0
+
+
+def round_digest(
+    prefix: str, group_id: bytes, members: Sequence[str], commitments: Sequence[bytes] = ()
+) -> bytes:
+    """Names one round: the run's averaging prefix, the group ID, who is in it (in order) and the
+    members' fresh nonce commitments, so a leader that reuses a group ID still names a new round."""
     return hashlib.sha256(
-        b"|".join([SIGNATURE_DOMAIN, b"round", prefix.encode(), group_id, *map(str.encode, members)])
+        b"|".join(
+            [SIGNATURE_DOMAIN, b"round", prefix.encode(), group_id, *map(str.encode, members), *commitments]
+        )
     ).digest()
 
 
@@ -57,8 +88,9 @@ def contribution_message(
 
 
 def aggregate_message(
-    digest: bytes, part: int, chunk: int, reducer: str, included: bytes, data: bytes
+    digest: bytes, part: int, chunk: int, reducer: str, entries: bytes, data: bytes
 ) -> bytes:
+    """What a reducer signs: its output and ``entries``, the exact inputs it aggregated (see below)."""
     return b"|".join(
         [
             SIGNATURE_DOMAIN,
@@ -66,26 +98,37 @@ def aggregate_message(
             digest,
             struct.pack(">II", part, chunk),
             reducer.encode(),
-            included,
+            hashlib.sha256(entries).digest(),
             hashlib.sha256(data).digest(),
         ]
     )
 
 
-def included_mask(indices: Sequence[int], members: int) -> bytes:
-    mask = bytearray((members + 7) // 8)
-    for i in indices:
-        mask[i // 8] |= 1 << (i % 8)
-    return bytes(mask)
+@dataclass(frozen=True)
+class Entry:
+    """One input a reducer says it aggregated: whose, with which signed weight, and the hash of its data."""
+
+    sender_index: int
+    weight: float
+    data_hash: bytes
 
 
-def mask_indices(mask: bytes, members: int) -> list[int]:
-    if len(mask) != (members + 7) // 8:
-        raise ProtocolError(f"included-members mask is {len(mask)} bytes for {members} members")
-    indices = [i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1]
-    if indices and indices[-1] >= members:
-        raise ProtocolError("included-members mask names a member beyond the group")
-    return indices
+def input_entries(inputs: Sequence[tuple[int, float, bytes]]) -> bytes:
+    """The reducer's commitment to its inputs, ``(sender index, weight, data)`` in sender order."""
+    return b"".join(ENTRY.pack(i, w, hashlib.sha256(d).digest()) for i, w, d in inputs)
+
+
+def parse_entries(entries: bytes, members: int) -> list[Entry]:
+    """The inputs a reducer committed to; ProtocolError unless in strict sender order within the group."""
+    if len(entries) % ENTRY.size or len(entries) // ENTRY.size > members:
+        raise ProtocolError(f"an input commitment of {len(entries)} bytes does not fit {members} members")
+    parsed = [Entry(*fields) for fields in ENTRY.iter_unpack(entries)]
+    indices = [e.sender_index for e in parsed]
+    if indices != sorted(set(indices)) or (indices and indices[-1] >= members):
+        raise ProtocolError("an input commitment names members out of order, twice or beyond the group")
+    if not all(math.isfinite(e.weight) and e.weight >= 0 for e in parsed):
+        raise ProtocolError("an input commitment holds a weight that is not a finite number >= 0")
+    return parsed
 
 
 def aggregation_seed(group_id: bytes, part: int, chunk: int) -> int:
@@ -119,100 +162,205 @@ class SignedInput:
     weight: float
 
 
+def _round_fields(body: dict) -> dict:
+    members = tuple(body["members"])
+    if not 2 <= len(members) <= MAX_MEMBERS or not all(isinstance(m, str) and len(m) < 128 for m in members):
+        raise ProtocolError(f"evidence names {len(members)} members; a group has 2 to {MAX_MEMBERS}")
+    commitments = tuple(bytes(c) for c in body.get("commitments", ()))
+    if commitments and len(commitments) != len(members):
+        raise ProtocolError("evidence names a nonce commitment count other than its member count")
+    part, chunk = int(body["part"]), int(body["chunk"])
+    if not 0 <= part < len(members) or chunk < 0:
+        raise ProtocolError("evidence names a part outside the group")
+    return {
+        "prefix": str(body["prefix"]), "group_id": bytes(body["group_id"]), "members": members,
+        "commitments": commitments, "part": part, "chunk": chunk,
+    }  # fmt: skip
+
+
+def _signed(item: list) -> SignedInput:
+    index, data, signature, weight = item
+    return SignedInput(int(index), bytes(data), bytes(signature), float(weight))
+
+
 @dataclass(frozen=True)
-class BadAggregateEvidence:
-    """One chunk of one part: the members' signed inputs and the reducer's signed aggregate of them."""
+class RoundEvidence:
+    """What every piece of evidence names: the round (its digest) and one chunk of one part."""
 
     prefix: str
     group_id: bytes
     members: tuple[str, ...]
+    commitments: tuple[bytes, ...]
     part: int
     chunk: int
+
+    @property
+    def digest(self) -> bytes:
+        return round_digest(self.prefix, self.group_id, self.members, self.commitments)
+
+    def verify_input(self, item: SignedInput) -> str:
+        """The sender of ``item`` if its signature holds for this round and chunk; else an error."""
+        if not 0 <= item.sender_index < len(self.members):
+            raise ProtocolError(
+                f"evidence holds an input of member {item.sender_index} of {len(self.members)}"
+            )
+        sender = self.members[item.sender_index]
+        if len(item.signature) != SIGNATURE_BYTES:
+            raise ProtocolError(f"the input of {sender} carries no signature")
+        PublicKey.from_peer_id(sender).verify(
+            item.signature,
+            contribution_message(self.digest, self.part, self.chunk, sender, item.weight, item.data),
+        )
+        return sender
+
+    def _fields(self) -> dict:
+        return {
+            "prefix": self.prefix, "group_id": self.group_id, "members": list(self.members),
+            "commitments": list(self.commitments), "part": self.part, "chunk": self.chunk,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BadAggregateEvidence(RoundEvidence):
+    """One chunk of one part: the reducer's signed aggregate, its commitment to the inputs it aggregated
+    (``entries``) and those inputs, each signed by its sender."""
+
     numel: int
     inputs: tuple[SignedInput, ...]
     output: bytes
     output_signature: bytes
-    included: bytes
+    entries: bytes
+
+    kind = "bad_aggregate"
 
     @property
     def reducer(self) -> str:
         return self.members[self.part]
 
+    @property
+    def accused(self) -> str:
+        return self.reducer
+
     def to_bytes(self) -> bytes:
         return pack(
             {
-                "prefix": self.prefix, "group_id": self.group_id, "members": list(self.members),
-                "part": self.part, "chunk": self.chunk, "numel": self.numel,
+                "kind": self.kind, **self._fields(), "numel": self.numel,
                 "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in self.inputs],
-                "output": self.output, "output_signature": self.output_signature, "included": self.included,
+                "output": self.output, "output_signature": self.output_signature, "entries": self.entries,
             }
         )  # fmt: skip
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> BadAggregateEvidence:
-        body = unpack(
-            data, what="accusation evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES
-        )
-        try:
-            members = tuple(body["members"])
-            if not 2 <= len(members) <= MAX_MEMBERS or not all(
-                isinstance(m, str) and len(m) < 128 for m in members
-            ):
-                raise ProtocolError(f"evidence names {len(members)} members")
-            inputs = tuple(SignedInput(int(i), bytes(d), bytes(s), float(w)) for i, d, s, w in body["inputs"])
-            evidence = cls(
-                prefix=str(body["prefix"]), group_id=bytes(body["group_id"]), members=members,
-                part=int(body["part"]), chunk=int(body["chunk"]), numel=int(body["numel"]), inputs=inputs,
-                output=bytes(body["output"]), output_signature=bytes(body["output_signature"]),
-                included=bytes(body["included"]),
-            )  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProtocolError(f"accusation evidence is malformed: {e!r}") from None
-        if not 0 <= evidence.part < len(members) or evidence.numel <= 0:
-            raise ProtocolError("accusation evidence names a part outside the group or an empty chunk")
-        return evidence
+    def from_body(cls, body: dict) -> BadAggregateEvidence:
+        return cls(
+            **_round_fields(body), numel=int(body["numel"]), inputs=tuple(_signed(i) for i in body["inputs"]),
+            output=bytes(body["output"]), output_signature=bytes(body["output_signature"]),
+            entries=bytes(body["entries"]),
+        )  # fmt: skip
 
-    def judge(self, aggregator: AggregatorFn, codec: Codec) -> str | None:
+    def judge(
+        self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, chunk_values: int | None = None
+    ) -> str | None:
         """What the reducer did wrong, or None if its aggregate is exactly right.
 
-        Raises ProtocolError (or a SecurityError) when the evidence itself does not hold up: a signature
-        that fails, inputs that do not match the members the reducer said it aggregated. Then the
+        ``vector_numel`` is the length of the averaged vector in the run (its trainable parameters):
+        the chunk's size comes from the run's layout, never from the accuser. Raises ProtocolError (or
+        a SecurityError) when the evidence itself does not hold up: a size other than the layout's, a
+        signature that fails, inputs other than those the reducer signed that it aggregated. Then the
         accusation is false and it is the accuser who misbehaved.
         """
-        digest = round_digest(self.prefix, self.group_id, self.members)
+        if chunk_values is None:
+            chunk_values = layout_chunk_values(len(self.members), codec.bytes_per_value)
+        expected = chunk_numel(vector_numel, len(self.members), self.part, self.chunk, chunk_values)
+        if self.numel != expected or expected == 0:
+            raise ProtocolError(
+                f"evidence says chunk {self.chunk} of part {self.part} holds {self.numel} values; "
+                f"the run's layout gives {expected}"
+            )
         PublicKey.from_peer_id(self.reducer).verify(
             self.output_signature,
-            aggregate_message(digest, self.part, self.chunk, self.reducer, self.included, self.output),
+            aggregate_message(self.digest, self.part, self.chunk, self.reducer, self.entries, self.output),
         )
-        included = mask_indices(self.included, len(self.members))
-        if [i.sender_index for i in self.inputs] != included:
+        entries = parse_entries(self.entries, len(self.members))
+        if [i.sender_index for i in self.inputs] != [e.sender_index for e in entries]:
             raise ProtocolError(
                 f"evidence holds inputs of members {[i.sender_index for i in self.inputs]}, "
-                f"but the reducer aggregated {included}"
+                f"but the reducer aggregated {[e.sender_index for e in entries]}"
             )
         decoded, weights = [], []
-        for item in self.inputs:
-            sender = self.members[item.sender_index]
-            if len(item.signature) != SIGNATURE_BYTES:
-                raise ProtocolError(f"the input of {sender} carries no signature")
-            PublicKey.from_peer_id(sender).verify(
-                item.signature,
-                contribution_message(digest, self.part, self.chunk, sender, item.weight, item.data),
-            )
+        for item, entry in zip(self.inputs, entries, strict=True):
+            sender = self.verify_input(item)
+            if item.weight != entry.weight or hashlib.sha256(item.data).digest() != entry.data_hash:
+                raise ProtocolError(f"the input of {sender} is not the one the reducer aggregated")
             try:
                 decoded.append(codec.decode(item.data, self.numel, sender=sender))
             except ProtocolError as e:
                 # A valid signature on an invalid input: the reducer aggregated what it should have dropped.
                 return f"aggregated an invalid contribution ({e})"
-            weights.append(item.weight if math.isfinite(item.weight) else 0.0)
+            weights.append(item.weight)
         if not decoded:
             return "returned an aggregate of no contributions"
         try:
-            expected = reduce_chunk(
+            expected_output = reduce_chunk(
                 aggregator, codec, decoded, weights, aggregation_seed(self.group_id, self.part, self.chunk)
             )
         except SwarmError as e:
             return f"aggregated inputs that the rule refuses ({e})"
-        if expected == self.output:
+        if expected_output == self.output:
             return None
         return f"returned an aggregate of part {self.part} chunk {self.chunk} that differs from the rule's result"
+
+
+@dataclass(frozen=True)
+class EquivocationEvidence(RoundEvidence):
+    """Two different contributions one sender signed for the same chunk of the same round."""
+
+    first: SignedInput
+    second: SignedInput
+
+    kind = "equivocation"
+
+    @property
+    def accused(self) -> str:
+        return self.members[self.first.sender_index]
+
+    def to_bytes(self) -> bytes:
+        return pack(
+            {
+                "kind": self.kind, **self._fields(),
+                "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in (self.first, self.second)],
+            }
+        )  # fmt: skip
+
+    @classmethod
+    def from_body(cls, body: dict) -> EquivocationEvidence:
+        first, second = (_signed(i) for i in body["inputs"])
+        return cls(**_round_fields(body), first=first, second=second)
+
+    def judge(self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, **_: object) -> str | None:
+        """What the sender did wrong; ProtocolError (or a SecurityError) if the two inputs do not prove it."""
+        if self.first.sender_index != self.second.sender_index:
+            raise ProtocolError("equivocation evidence holds the inputs of two different members")
+        if (self.first.weight, self.first.data) == (self.second.weight, self.second.data):
+            raise ProtocolError("equivocation evidence holds the same contribution twice")
+        sender = self.verify_input(self.first)
+        self.verify_input(self.second)
+        return f"{sender} signed two different contributions to part {self.part} chunk {self.chunk}"
+
+
+Evidence = BadAggregateEvidence | EquivocationEvidence
+
+
+def parse_evidence(data: bytes) -> Evidence:
+    """Evidence from an accusation, of either kind; ProtocolError if it is malformed."""
+    body = unpack(
+        data, what="accusation evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES
+    )
+    try:
+        kinds = {cls.kind: cls for cls in (BadAggregateEvidence, EquivocationEvidence)}
+        cls = kinds.get(body.get("kind"))
+        if cls is None:
+            raise ProtocolError(f"accusation evidence of unknown kind {str(body.get('kind'))[:40]!r}")
+        return cls.from_body(body)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ProtocolError(f"accusation evidence is malformed: {e!r}") from None

@@ -1,11 +1,19 @@
 """Validators: after a round, members drawn by the group's shared randomness recompute reducers' work.
 
-The draw comes from nonces every member committed to in matchmaking and revealed in its first chunk
-(``ButterflyAllReduce.shared_seed``), so no member picks who checks whom. For each part the draw names
-one other member as its validator, which with probability ``probability`` asks the reducer for the
-signed inputs of one drawn chunk and recomputes the aggregate (``BadAggregateEvidence.judge``). A
-wrong aggregate becomes an accusation carrying that evidence, which the coordinator checks for itself.
-A reducer that cannot show valid inputs is reported in the log only: that much cannot be proven.
+The draw comes from nonces every member committed to in matchmaking and revealed only after every part
+had arrived or failed for it (``ButterflyAllReduce.revealed``), so no reducer knows who checks which of
+its chunks before it has signed and delivered them. For each part the draw names one other member as
+its validator, which with probability ``probability`` checks one drawn chunk. A member that did not
+hear every reveal draws from its own randomness and checks every part with that probability instead,
+so withholding a reveal only brings more checks.
+
+The validator takes the reducer's signed list of the inputs it aggregated and collects each input
+from its own sender (a sender holds what it signed); only where a sender does not answer does it ask
+the reducer. With every input in hand it recomputes the chunk (``BadAggregateEvidence.judge``): a wrong
+aggregate becomes an accusation the coordinator checks for itself. A sender whose input differs from
+the one the reducer shows, both signed, equivocated: that evidence convicts the sender. An input that
+neither its sender nor the reducer shows cannot be proven against anyone: the validator logs it and
+avoids both in matchmaking for a while (``suspect``, the averager's ``PeerPolicy.suspect``).
 """
 
 from __future__ import annotations
@@ -13,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hivemind.p2p import P2P, PeerID, ServicerBase
 
@@ -23,11 +32,19 @@ from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.compression import Codec
-from swarm.averaging.evidence import BadAggregateEvidence, SignedInput
+from swarm.averaging.evidence import (
+    BadAggregateEvidence,
+    Entry,
+    EquivocationEvidence,
+    Evidence,
+    RoundEvidence,
+    SignedInput,
+    parse_entries,
+)
 
 logger = logging.getLogger(__name__)
 
-Accuser = Callable[[str, BadAggregateEvidence, str], Awaitable[None]]
+Accuser = Callable[[str, Evidence, str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -37,9 +54,12 @@ class Assignment:
 
 
 def assignments(
-    seed: bytes, members: int, me: int, probability: float, chunks: list[int]
+    seed: bytes, members: int, me: int, probability: float, chunks: list[int], *, every_part: bool = False
 ) -> list[Assignment]:
-    """The parts this member validates in a round, each with the chunk to check."""
+    """The parts this member validates in a round, each with the chunk to check.
+
+    ``every_part``: this member checks each other part with ``probability``, whoever the draw names.
+    """
     mine = []
     if members < 2 or probability <= 0:
         return mine
@@ -47,28 +67,136 @@ def assignments(
         draw = hashlib.sha256(seed + part.to_bytes(4, "big")).digest()
         validator = (part + 1 + int.from_bytes(draw[:8], "big") % (members - 1)) % members
         chosen = int.from_bytes(draw[8:16], "big") / 2**64 < probability
-        if validator == me and chosen and part != me and chunks[part] > 0:
+        if (validator == me or every_part) and chosen and part != me and chunks[part] > 0:
             mine.append(Assignment(part, int.from_bytes(draw[16:24], "big") % chunks[part]))
     return mine
+
+
+def draw(runner: ButterflyAllReduce, probability: float) -> list[Assignment]:
+    """This member's checks in a round whose reveals are over."""
+    chunks = [len(c) - 1 for c in runner.part_chunks]
+    seed = runner.shared_seed
+    if seed is None:
+        return assignments(
+            os.urandom(32), len(runner.peer_ids), runner.index, probability, chunks, every_part=True
+        )
+    return assignments(seed, len(runner.peer_ids), runner.index, probability, chunks)
 
 
 async def serve_inputs(
     runner: ButterflyAllReduce | None, request: apb.InputsRequest, sender: PeerID
 ) -> AsyncIterator[apb.SignedInput]:
-    """A reducer's answer to a validator: the signed inputs it aggregated into one chunk of its part."""
+    """One signed input of a recent round: this peer's own contribution, or one it aggregated."""
     if runner is None:
         yield apb.SignedInput(code=apb.NO_EVIDENCE, error="no recent round with this group ID here")
         return
     if sender not in runner.peer_ids:
         yield apb.SignedInput(code=apb.NOT_IN_GROUP, error="only members of the round may ask for its inputs")
         return
-    if not 0 <= request.chunk_index < len(runner.evidence) or not runner.evidence[request.chunk_index]:
-        yield apb.SignedInput(code=apb.BAD_CHUNK, error=f"no chunk {request.chunk_index} in this part")
+    part, chunk, index = request.part_index, request.chunk_index, request.sender_index
+    if not (part < len(runner.part_chunks) and chunk < len(runner.part_chunks[part]) - 1):
+        yield apb.SignedInput(code=apb.BAD_CHUNK, error=f"no chunk {chunk} of part {part} in this round")
         return
-    for item in runner.evidence[request.chunk_index]:
-        yield apb.SignedInput(
-            sender_index=item.sender_index, data=item.data, signature=item.signature, weight=item.weight
+    item: SignedInput | None = None
+    if index == runner.index:
+        item = await asyncio.to_thread(runner.own_input, part, chunk)
+    elif part == runner.index:
+        item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
+    if item is None:
+        yield apb.SignedInput(code=apb.NO_EVIDENCE, error=f"holds no input of member {index} to that chunk")
+        return
+    yield apb.SignedInput(
+        sender_index=item.sender_index, data=item.data, signature=item.signature, weight=item.weight
+    )
+
+
+@dataclass
+class Outcome:
+    """What a check found: a verdict with the evidence that proves it, and peers that showed nothing."""
+
+    verdict: str | None = None
+    evidence: Evidence | None = None
+    unshown: list[str] = field(default_factory=list)
+
+
+class _Check:
+    """One validator's check of one chunk of one part."""
+
+    def __init__(self, runner, assignment, *, servicer_type, p2p, codec, timeout_s):
+        self.runner, self.part, self.chunk = runner, assignment.part, assignment.chunk
+        self.servicer_type, self.p2p, self.timeout_s = servicer_type, p2p, timeout_s
+        lo, hi = runner._chunk(self.part, self.chunk)
+        self.numel, self.max_bytes = hi - lo, (hi - lo) * codec.bytes_per_value
+        self.round = dict(
+            prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members),
+            commitments=tuple(c for c in runner.commitments if c), part=self.part, chunk=self.chunk,
+        )  # fmt: skip
+
+    async def fetch(self, holder: int, sender: int) -> SignedInput:
+        """The signed input of ``sender`` as member ``holder`` shows it; ProtocolError if it does not."""
+        stub = self.servicer_type.get_stub(
+            self.p2p, self.runner.peer_ids[holder], namespace=self.runner.prefix
         )
+        request = apb.InputsRequest(
+            group_id=self.runner.group_id, part_index=self.part, chunk_index=self.chunk, sender_index=sender
+        )
+
+        async def first() -> apb.SignedInput:
+            async for item in await stub.rpc_round_inputs(request):
+                return item
+            raise ProtocolError("answered nothing")
+
+        try:
+            item = await asyncio.wait_for(first(), self.timeout_s)
+        except SwarmError:
+            raise
+        except Exception as e:  # a dead or misbehaving stream, or no answer in time
+            raise ProtocolError(f"did not answer: {e!r}") from None
+        if item.code != apb.OK:
+            raise ProtocolError(f"answered {apb.Code.Name(item.code)}: {item.error[:200]}")
+        if item.sender_index != sender or len(item.data) > self.max_bytes:
+            raise ProtocolError("sent another member's input, or a larger one than the chunk holds")
+        signed = SignedInput(item.sender_index, item.data, item.signature, item.weight)
+        # The sender's signature must hold, so a holder cannot pass off an input as someone else's.
+        RoundEvidence(**self.round).verify_input(signed)
+        return signed
+
+    async def collect(self, entry: Entry, outcome: Outcome) -> SignedInput | Evidence | None:
+        """The input behind ``entry``: from its sender, else from the reducer; or proof of equivocation."""
+        runner, index = self.runner, entry.sender_index
+        if index == runner.index:
+            return runner.own_input(self.part, self.chunk)
+        shown: SignedInput | None = None
+        if index != self.part:
+            try:
+                shown = await self.fetch(index, index)
+                if _matches(shown, entry):
+                    return shown
+            except SwarmError as e:
+                logger.info(f"{runner.members[index]} did not show its input to part {self.part}: {e}")
+        try:
+            held = await self.fetch(self.part, index)
+        except SwarmError as e:
+            logger.warning(
+                f"neither {runner.members[index]} nor reducer {runner.members[self.part]} showed the input "
+                f"of {runner.members[index]} to part {self.part} chunk {self.chunk} in round "
+                f"{runner.group_id.hex()[:8]}: {e}"
+            )
+            outcome.unshown += sorted({runner.members[index], runner.members[self.part]})
+            return None
+        if not _matches(held, entry):
+            outcome.unshown.append(runner.members[self.part])
+            logger.warning(
+                f"reducer {runner.members[self.part]} showed an input other than the one it signed for"
+            )
+            return None
+        if shown is not None:
+            return EquivocationEvidence(**self.round, first=shown, second=held)
+        return held
+
+
+def _matches(item: SignedInput, entry: Entry) -> bool:
+    return item.weight == entry.weight and hashlib.sha256(item.data).digest() == entry.data_hash
 
 
 async def check_reducer(
@@ -80,46 +208,74 @@ async def check_reducer(
     aggregator: AggregatorFn,
     codec: Codec,
     timeout_s: float,
-) -> tuple[str | None, BadAggregateEvidence | None]:
-    """Recompute one chunk of a reducer's part: (what it did wrong, the evidence), or (None, None)."""
-    part, chunk = assignment.part, assignment.chunk
-    answer = runner.answers[part][chunk]
-    lo, hi = runner._chunk(part, chunk)
-    reducer = runner.peer_ids[part]
-    stub = servicer_type.get_stub(p2p, reducer, namespace=runner.prefix)
-    inputs: list[SignedInput] = []
-    max_bytes = (hi - lo) * codec.bytes_per_value
-    request = apb.InputsRequest(group_id=runner.group_id, chunk_index=chunk)
-
-    async def collect() -> None:
-        async for item in await stub.rpc_round_inputs(request):
-            if item.code != apb.OK:
-                raise ProtocolError(f"answered {apb.Code.Name(item.code)}: {item.error}")
-            if len(inputs) >= len(runner.peer_ids) or len(item.data) > max_bytes:
-                raise ProtocolError("sent more inputs, or larger ones, than the round had")
-            if item.sender_index >= len(runner.peer_ids):
-                raise ProtocolError(f"sent an input of member {item.sender_index} of {len(runner.peer_ids)}")
-            inputs.append(SignedInput(item.sender_index, item.data, item.signature, item.weight))
-
+) -> Outcome:
+    """Recompute one chunk of a reducer's part from inputs collected from their senders."""
+    check = _Check(runner, assignment, servicer_type=servicer_type, p2p=p2p, codec=codec, timeout_s=timeout_s)
+    part, chunk, outcome = assignment.part, assignment.chunk, Outcome()
+    answer = runner.answers[part].get(chunk)
+    reducer = runner.members[part]
+    if answer is None:
+        return outcome
+    entries = parse_entries(answer.included, len(runner.members))  # checked when the answer came
+    found = await asyncio.gather(*(check.collect(e, outcome) for e in entries))
+    equivocations = [f for f in found if isinstance(f, EquivocationEvidence)]
+    if equivocations:
+        proof = equivocations[0]
+        verdict = f"signed two different contributions to part {part} chunk {chunk}"
+        logger.warning(f"{proof.accused} {verdict} in round {runner.group_id.hex()[:8]}")
+        return Outcome(verdict, proof, outcome.unshown)
+    if any(f is None for f in found):
+        return outcome
+    evidence = BadAggregateEvidence(
+        **check.round, numel=check.numel, inputs=tuple(found), output=answer.data,
+        output_signature=answer.signature, entries=answer.included,
+    )  # fmt: skip
     try:
-        await asyncio.wait_for(collect(), timeout_s)
-        evidence = BadAggregateEvidence(
-            prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members), part=part,
-            chunk=chunk, numel=hi - lo, inputs=tuple(inputs), output=answer.data,
-            output_signature=answer.signature, included=answer.included,
-        )  # fmt: skip
-        verdict = await asyncio.to_thread(evidence.judge, aggregator, codec)
-    except (SwarmError, asyncio.TimeoutError) as e:
-        logger.warning(
-            f"reducer {reducer.to_base58()} could not show valid inputs of part {part} chunk {chunk} "
-            f"in round {runner.group_id.hex()[:8]}: {e!r}"
+        verdict = await asyncio.to_thread(
+            evidence.judge,
+            aggregator,
+            codec,
+            vector_numel=runner.local.numel(),
+            chunk_values=runner.chunk_values,
         )
-        return None, None
-    except Exception as e:  # a dead or misbehaving stream
-        logger.warning(f"asking reducer {reducer.to_base58()} for its inputs failed: {e!r}")
-        return None, None
+    except SwarmError as e:  # cannot happen with inputs checked above; never accuse on it
+        logger.warning(f"the evidence of part {part} chunk {chunk} does not hold: {e}")
+        return outcome
     if verdict is None:
         logger.debug(f"verified part {part} chunk {chunk} of round {runner.group_id.hex()[:8]}")
-        return None, None
-    logger.warning(f"reducer {reducer.to_base58()} {verdict} in round {runner.group_id.hex()[:8]}")
-    return verdict, evidence
+        return outcome
+    logger.warning(f"reducer {reducer} {verdict} in round {runner.group_id.hex()[:8]}")
+    return Outcome(verdict, evidence, outcome.unshown)
+
+
+async def validate_round(
+    runner: ButterflyAllReduce,
+    *,
+    probability: float,
+    servicer_type: type[ServicerBase],
+    p2p: P2P,
+    aggregator: AggregatorFn,
+    codec: Codec,
+    timeout_s: float,
+    accuse: Accuser | None,
+    suspect: Callable[[str, str], None] | None = None,
+) -> list[Outcome]:
+    """After the reveals: this member's drawn checks of a round, accusations filed, failures counted."""
+    if runner.revealed is not None:
+        await runner.revealed
+    outcomes = []
+    for assignment in draw(runner, probability):
+        outcome = await check_reducer(
+            runner, assignment, servicer_type=servicer_type, p2p=p2p, aggregator=aggregator, codec=codec,
+            timeout_s=timeout_s,
+        )  # fmt: skip
+        outcomes.append(outcome)
+        if suspect is not None:
+            for peer in outcome.unshown:
+                suspect(peer, "could not show an input behind a signed aggregate")
+        if outcome.verdict is not None and accuse is not None:
+            try:
+                await accuse(outcome.evidence.accused, outcome.evidence, outcome.verdict)
+            except Exception as e:
+                logger.warning(f"could not file the accusation against {outcome.evidence.accused}: {e!r}")
+    return outcomes

@@ -352,8 +352,8 @@ class Trainer:
     async def _round(self) -> None:
         # Alone only if nobody else is training: peers at another step will soon be at this one.
         others = [p for p in self.view.values() if p.peer_id != self.peer_id]
-        # A banned peer can never be in a group: the run's minimum counts the peers that can.
-        needed = max(1, self.config.training.min_group_size - len(self.averager.banned))
+        # The organizer's robustness floor: bans never lower it, or each banned Sybil would.
+        needed = self.config.training.min_group_size
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
         vector = await asyncio.to_thread(self._mean_gradient)

@@ -1,0 +1,137 @@
+"""Limits that keep one caller from exhausting the coordinator for everyone else.
+
+``Challenge`` is the one RPC anyone may call without a key, so it is limited per caller address (an
+IPv4 address, or an IPv6 /64, which one host gets as cheaply as one address) with a token bucket and a
+cap on the challenges one caller may hold open; the global cap on open challenges is then far above
+what one caller can take. Accusations are limited per peer ID, and the evidence they carry is read
+under a deadline and counted against one byte budget before anything waits on the judge.
+
+Every map here is bounded: a bucket table forgets its least recently seen callers, and the open
+challenge counts exist only while challenges are open (at most the global cap).
+
+Example::
+
+    buckets = KeyedBuckets(burst=4, refill_s=15.0, max_keys=1024)
+    if not buckets.take(caller_key(context.peer())):
+        raise NetworkError("too many requests; retry later")
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServiceLimits(BaseModel):
+    """Per-caller and global limits of the coordinator's gRPC service."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    challenge_burst_per_caller: int = Field(
+        32, ge=1, le=10_000, description="Challenge calls one address may make at once before it is slowed"
+    )
+    challenge_refill_s: float = Field(
+        1.0, gt=0, le=3600, description="seconds for one address to earn one more Challenge call"
+    )
+    open_challenges_per_caller: int = Field(
+        32, ge=1, le=10_000, description="unanswered join challenges one address may hold at once"
+    )
+    max_open_challenges: int = Field(
+        10_000, ge=1, le=1_000_000, description="unanswered join challenges held across all callers"
+    )
+    accusation_burst_per_peer: int = Field(
+        4, ge=1, le=1000, description="accusations one peer may file at once before it is slowed"
+    )
+    accusation_refill_s: float = Field(
+        15.0, gt=0, le=86_400, description="seconds for one peer to earn one more accusation"
+    )
+    evidence_read_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="an accusation's whole stream (signed part and evidence) must arrive within this",
+    )
+    evidence_budget_bytes: int = Field(
+        256 << 20,
+        ge=1 << 20,
+        le=64 << 30,
+        description="evidence bytes held in memory by all accusations at once",
+    )
+    stored_evidence_bytes: int = Field(
+        4 << 30,
+        ge=0,
+        le=1 << 40,
+        description="evidence bytes kept on disk for convictions; past it, only the verdict",
+    )
+    max_tracked_callers: int = Field(
+        65_536, ge=16, le=10_000_000, description="callers and peers whose rate limits are remembered at once"
+    )
+
+
+def caller_key(peer: str) -> str:
+    """The address a gRPC caller (``context.peer()``: ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``) is limited by."""
+    kind, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return peer[:128]
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
+class KeyedBuckets:
+    """A token bucket per key (``burst`` calls at once, one more every ``refill_s``), for at most
+    ``max_keys`` keys: the least recently seen key is forgotten first, which only ever gives it a
+    full bucket again."""
+
+    def __init__(
+        self, *, burst: int, refill_s: float, max_keys: int, clock: Callable[[], float] = time.monotonic
+    ):
+        self.burst = burst
+        self.refill_s = refill_s
+        self.max_keys = max_keys
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def take(self, key: str) -> bool:
+        """Spend one token of ``key``; False (and nothing spent) when its bucket is empty."""
+        now = self._clock()
+        tokens, updated = self._buckets.pop(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - updated) / self.refill_s)
+        granted = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if granted else tokens, now)
+        while len(self._buckets) > self.max_keys:
+            self._buckets.popitem(last=False)
+        return granted
+
+    def retry_after_s(self, key: str) -> float:
+        tokens, _ = self._buckets.get(key, (float(self.burst), 0.0))
+        return max(0.0, (1.0 - tokens) * self.refill_s)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class ByteBudget:
+    """Bytes that may be held at once; ``reserve`` never waits, it refuses."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.held = 0
+
+    def reserve(self, n: int) -> bool:
+        if n < 0 or self.held + n > self.capacity:
+            return False
+        self.held += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.held = max(0, self.held - n)

@@ -1,0 +1,219 @@
+"""The coordinator's unauthenticated and accusation endpoints under abuse, over real gRPC on loopback.
+
+Each test serves the real ``CoordinatorService`` (real store, real limits) and mounts an attack from
+``swarm.byzantine.abuse``: a stalled accuser must not hold up anyone else's accusation, accusations are
+limited per peer, a false accusation leaves no evidence behind, and a challenge flood from one address
+leaves joins from every other address working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator.limits import KeyedBuckets, ServiceLimits, caller_key
+from coordinator.localswarm import tiny_run
+from coordinator.service import CoordinatorService
+from coordinator.store import Store
+from protocols import coordinator_pb2 as pb
+from protocols.envelope import seal
+from protocols.errors import NetworkError, ProtocolError
+from protocols.keys import SigningKey
+from protocols.messages import ACCUSE
+from protocols.version import PROTOCOL_VERSION
+from swarm.byzantine.abuse import challenge_flood, stalled_accusation
+from swarm.coordinator_client import SERVICE, CoordinatorClient
+from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN = "abuse-run"
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    tmp_path: Path, limits: ServiceLimits
+) -> AsyncIterator[tuple[str, Store, CoordinatorService]]:
+    store = Store.open_sync(tmp_path / "coordinator.db", RUN)
+    service = CoordinatorService(tiny_run(RUN), SigningKey.generate(), store, [], limits)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((service.generic_handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", store, service
+    finally:
+        await server.stop(grace=0.5)
+        store.close()
+
+
+async def admitted(address: str, count: int) -> list[SigningKey]:
+    keys = [SigningKey.generate() for _ in range(count)]
+    async with CoordinatorClient(address) as client:
+        for i, key in enumerate(keys):
+            await client.join(key, RUN, name=f"peer{i}", device="cpu")
+    return keys
+
+
+async def accuse_raw(
+    address: str, key: SigningKey, accused: str, evidence: bytes, *, signed_hash: bytes
+) -> object:
+    """An accusation whose signed hash may differ from its evidence; the answer or the refusal."""
+    body = {
+        "accused": accused,
+        "reason": "test",
+        "evidence_sha256": signed_hash,
+        "evidence_bytes": len(evidence),
+    }
+    header = pb.Header(protocol_version=PROTOCOL_VERSION, run_id=RUN)
+    parts = [
+        pb.AccusationPart(header=header, envelope=seal(key, ACCUSE, RUN, body)),
+        pb.AccusationPart(evidence=evidence),
+    ]
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        rpc = channel.stream_unary(
+            SERVICE + "Accuse",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.AccuseResponse.FromString,
+        )
+        try:
+            return await rpc(iter(parts), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            return error_from_rpc(e, address)
+
+
+def test_a_stalled_accuser_holds_up_nobody_and_is_cut_off(tmp_path: Path):
+    limits = ServiceLimits(evidence_read_timeout_s=3.0)
+
+    async def scenario() -> None:
+        async with serving(tmp_path, limits) as (address, store, service):
+            staller, accuser, accused = await admitted(address, 3)
+            started = time.monotonic()
+            stalled = asyncio.create_task(
+                stalled_accusation(address, staller, RUN, accused=accused.peer_id, hold_s=30)
+            )
+            await asyncio.sleep(0.5)  # the stalled stream is open and has sent its first parts
+            assert not stalled.done()
+            # Another peer's accusation is judged at once (garbage evidence: a false accusation).
+            async with CoordinatorClient(address) as client:
+                answer = await asyncio.wait_for(
+                    client.accuse(accuser, RUN, accused=accused.peer_id, reason="x", evidence=b"\x01" * 4096),
+                    timeout=5,
+                )
+            assert answer.banned_peer == accuser.peer_id and "false accusation" in answer.verdict
+            assert time.monotonic() - started < 3.0, "judged while the stalled stream was still open"
+            # The stall ends at the deadline with an error naming it, and holds nothing afterwards.
+            refusal = await asyncio.wait_for(stalled, timeout=10)
+            assert isinstance(refusal, ProtocolError) and "did not arrive within 3s" in str(refusal)
+            assert service._evidence_budget.held == 0 and not service._accusing
+            # A false accusation's bytes prove nothing: they are not kept, and listing bans reads no blob.
+            assert await store.ban_evidence(accuser.peer_id) is None
+            bans = await store.list_bans()
+            assert [(b.peer_id, b.evidence_bytes) for b in bans] == [(accuser.peer_id, 0)]
+            assert await store.ban_reason(staller.peer_id) is None
+
+    asyncio.run(scenario())
+
+
+def test_accusations_are_limited_per_peer_and_by_the_evidence_budget(tmp_path: Path):
+    limits = ServiceLimits(
+        accusation_burst_per_peer=2,
+        accusation_refill_s=600,
+        evidence_budget_bytes=1 << 20,
+        evidence_read_timeout_s=5,
+    )
+
+    async def scenario() -> None:
+        async with serving(tmp_path, limits) as (address, store, _service):
+            spammer, other, target, staller = await admitted(address, 4)
+            evidence = b"\x02" * 1000
+            wrong = hashlib.sha256(b"not the evidence").digest()
+            for _ in range(2):  # refused on their merits (hash mismatch), but each spends an accusation
+                error = await accuse_raw(address, spammer, target.peer_id, evidence, signed_hash=wrong)
+                assert isinstance(error, ProtocolError) and "signed hash" in str(error)
+            error = await accuse_raw(address, spammer, target.peer_id, evidence, signed_hash=wrong)
+            assert isinstance(error, NetworkError) and "too many accusations" in str(error)
+            # The limit is the spammer's alone.
+            error = await accuse_raw(address, other, target.peer_id, evidence, signed_hash=wrong)
+            assert isinstance(error, ProtocolError) and "signed hash" in str(error)
+            # While a stalled accusation holds the whole evidence budget, a new one is refused at once.
+            stalled = asyncio.create_task(
+                stalled_accusation(
+                    address, staller, RUN, accused=target.peer_id, evidence_bytes=1 << 20, hold_s=30
+                )
+            )
+            await asyncio.sleep(0.5)
+            error = await asyncio.wait_for(
+                accuse_raw(
+                    address, other, target.peer_id, evidence, signed_hash=hashlib.sha256(evidence).digest()
+                ),
+                timeout=3,
+            )
+            assert isinstance(error, NetworkError) and "evidence it can judge" in str(error)
+            assert isinstance(await asyncio.wait_for(stalled, timeout=10), ProtocolError)
+            assert await store.list_bans() == []
+
+    asyncio.run(scenario())
+
+
+async def relay(source_host: str, target: tuple[str, int]) -> asyncio.Server:
+    """A TCP relay on loopback whose outgoing connections come from ``source_host``: a second caller."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(*target, local_addr=(source_host, 0))
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_a_challenge_flood_from_one_address_leaves_joins_open(tmp_path: Path):
+    # A small global cap, so that the flood below would fill it if one caller could.
+    limits = ServiceLimits(max_open_challenges=300)
+
+    async def scenario() -> None:
+        async with serving(tmp_path, limits) as (address, store, service):
+            host, port = address.rsplit(":", 1)
+            flood_relay = await relay("127.0.0.2", (host, int(port)))
+            try:
+                relay_address = f"127.0.0.1:{flood_relay.sockets[0].getsockname()[1]}"
+                report = await challenge_flood(relay_address, RUN, calls=400, concurrency=16)
+            finally:
+                flood_relay.close()
+            assert report.granted <= limits.challenge_burst_per_caller + 2
+            assert report.refused >= 400 - limits.challenge_burst_per_caller - 2
+            assert any("too many join challenges from 127.0.0.2" in r for r in report.refusals)
+            assert set(service._open_by_caller) == {"127.0.0.2"}
+            # Peers from another address join as if nothing happened.
+            keys = await admitted(address, 3)
+            assert {p.peer_id for p in await store.list_peers()} == {k.peer_id for k in keys}
+
+    asyncio.run(scenario())
+
+
+def test_caller_keys_and_bounded_buckets():
+    assert caller_key("ipv4:203.0.113.7:5555") == "203.0.113.7"
+    assert caller_key("ipv6:[2001:db8:1:2:3:4:5:6]:5555") == "2001:db8:1:2::/64"
+    assert caller_key("ipv6:[::ffff:203.0.113.7]:1") == "203.0.113.7"
+    assert caller_key("unix:/tmp/sock") == "unix:/tmp/sock"
+    now = [0.0]
+    buckets = KeyedBuckets(burst=2, refill_s=10.0, max_keys=4, clock=lambda: now[0])
+    assert [buckets.take("a") for _ in range(3)] == [True, True, False]
+    now[0] = 10.0
+    assert buckets.take("a") and not buckets.take("a")
+    for i in range(100):
+        buckets.take(f"caller{i}")
+    assert len(buckets) == 4

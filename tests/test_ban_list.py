@@ -1,0 +1,72 @@
+"""The signed ban list scales past one record: pages signed by the coordinator, read back whole from a
+real DHT, the newest complete list wins, and nothing unsigned or mixed is ever taken."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from protocols.keys import SigningKey
+from swarm.bans import MAX_BANNED, assemble_ban_list, ban_list_pages, fetch_ban_list, publish_ban_list
+from swarm.dht import start_dht
+from swarm.identity import load_or_create_identity
+
+pytestmark = pytest.mark.timeout(180)
+
+RUN = "bans-run"
+
+
+def sybils(count: int) -> list[str]:
+    return [SigningKey.generate().peer_id for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def banned() -> list[str]:
+    return sybils(4_001)
+
+
+def test_pages_reassemble_in_any_order_and_only_when_complete(banned):
+    coordinator = SigningKey.generate()
+    pages = ban_list_pages(coordinator, RUN, banned, changed_at=2.0)
+    assert len(pages) == 5
+    shuffled = random.Random(1).sample(pages, len(pages))
+    assert assemble_ban_list(shuffled, RUN, coordinator.public_key) == (2.0, set(banned))
+    assert assemble_ban_list(pages[:-1], RUN, coordinator.public_key) is None
+    # While a new version is being published, readers see pages of both: the newest complete one wins.
+    newer = ban_list_pages(coordinator, RUN, banned[:-1], changed_at=3.0)
+    assert assemble_ban_list(newer[:2] + pages, RUN, coordinator.public_key) == (2.0, set(banned))
+    assert assemble_ban_list(newer + pages, RUN, coordinator.public_key) == (3.0, set(banned[:-1]))
+    # Pages signed by anyone else, or of another run, or not pages at all, are ignored.
+    forged = ban_list_pages(SigningKey.generate(), RUN, [], changed_at=9.0)
+    other_run = ban_list_pages(coordinator, "other", [], changed_at=9.0)
+    assert assemble_ban_list(forged + other_run + [b"junk", 7] + pages, RUN, coordinator.public_key) == (
+        2.0,
+        set(banned),
+    )
+    assert assemble_ban_list(
+        ban_list_pages(coordinator, RUN, [], changed_at=1.0), RUN, coordinator.public_key
+    ) == (
+        1.0,
+        set(),
+    )
+    with pytest.raises(ValueError):
+        ban_list_pages(coordinator, RUN, [f"p{i}" for i in range(MAX_BANNED + 1)], changed_at=1.0)
+
+
+def test_a_list_of_4001_bans_travels_through_the_dht(tmp_path: Path, banned):
+    key = load_or_create_identity(tmp_path / "coordinator.key")
+
+    async def scenario() -> tuple[float, set[str]] | None:
+        dht = await asyncio.to_thread(
+            start_dht, key, tmp_path / "coordinator.key", host="127.0.0.1", port=0, initial_peers=[]
+        )
+        try:
+            assert await publish_ban_list(dht, key, RUN, banned, changed_at=5.0, ttl_s=60)
+            return await fetch_ban_list(dht, RUN, key.public_key)
+        finally:
+            await asyncio.to_thread(dht.shutdown)
+
+    assert asyncio.run(scenario()) == (5.0, set(banned))

@@ -1,0 +1,156 @@
+"""The coordinator's store: writes are atomic, credit follows the run's verified step, evidence of a
+conviction is kept apart from the ban list, and the published ban list leaves out expired peers."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.limits import ServiceLimits
+from coordinator.localswarm import tiny_run
+from coordinator.service import CoordinatorService
+from coordinator.store import PeerRecord, Store
+from protocols.keys import SigningKey
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def peer(peer_id: str, *, cert_expires_at: float = 1e12) -> PeerRecord:
+    return PeerRecord(peer_id, b"k", peer_id, "cpu", "data", "online", 0.0, 0.0, 0, 1, cert_expires_at)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_heartbeat_and_its_credit_commit_together(tmp_path: Path):
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "atomic", max_samples_per_step=32)
+        try:
+            for p in ("p", "q"):
+                await store.admit(peer(p))
+            await store.record_heartbeat("p", seq=1, seen_at=1.0, metrics={}, step=0, param_hash="")
+            # The credit write fails (as a full disk would make it) after the heartbeat's own update.
+            with sqlite3.connect(tmp_path / "c.db") as db:
+                db.execute(
+                    "CREATE TRIGGER fail BEFORE INSERT ON credit BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+                )
+            with pytest.raises(sqlite3.IntegrityError):
+                await store.record_heartbeat(
+                    "p", seq=2, seen_at=2.0, metrics={"contributed_samples": 5.0}, step=0, param_hash=""
+                )
+            record = await store.get_peer("p")
+            assert (record.last_seq, record.last_seen) == (1, 1.0), (
+                "the heartbeat was rolled back with its credit"
+            )
+        finally:
+            store.close()
+
+    run(scenario())
+
+
+def test_credit_never_passes_the_verified_step(tmp_path: Path):
+    """Two Sybils that agree on a far step earn nothing for it: the step the run is verified at is one
+    more than half the reporting peers agree on."""
+
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "verified", max_samples_per_step=32)
+        seq = iter(range(1, 1000))
+
+        async def beat(peer_id: str, step: int, reported: float, param_hash: str) -> float:
+            metrics = {"contributed_samples": reported}
+            await store.record_heartbeat(
+                peer_id, seq=next(seq), seen_at=0.0, metrics=metrics, step=step, param_hash=param_hash
+            )
+            return (await store.get_peer(peer_id)).contributed_samples
+
+        honest, fake = "a" * 64, "f" * 64
+        try:
+            for p in ("h1", "h2", "h3", "s1", "s2"):
+                await store.admit(peer(p))
+            for p in ("h1", "h2", "h3", "s1", "s2"):
+                await beat(p, 0, 0, honest)  # baselines
+            for _ in range(2):  # a report made before the step was verified is merged on the next beat
+                for p in ("h1", "h2", "h3"):
+                    await beat(p, 2, 64, honest)
+            assert await store.verified_step() == 2
+            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [64, 64, 64]
+            # Two Sybils claim step 1,000,000 with the same made-up hash and a huge count.
+            for p in ("s1", "s2"):
+                assert await beat(p, 1_000_000, 1e12, fake) == 0
+            assert await store.verified_step() == 2
+            assert (await store.credit_refused()) == {}, (
+                "a report ahead of the verified step waits; it is not refused"
+            )
+            # The honest majority moves on; its credit follows.
+            for _ in range(2):
+                for p in ("h1", "h2", "h3"):
+                    await beat(p, 3, 96, honest.replace("a", "b"))
+            assert await store.verified_step() == 3
+            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [96, 96, 96]
+            assert (await store.get_peer("s1")).contributed_samples == 0
+        finally:
+            store.close()
+
+    run(scenario())
+
+
+def test_evidence_is_kept_apart_and_bounded(tmp_path: Path):
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "evidence")
+        try:
+            blob = bytes(range(256)) * (4 << 10)  # 1 MiB
+            assert await store.ban("convicted", "lied", blob, max_stored_evidence_bytes=3 << 19)
+            assert not await store.ban("second", "lied too", blob, max_stored_evidence_bytes=3 << 19)
+            bans = {b.peer_id: b for b in await store.list_bans()}
+            assert bans["convicted"].evidence_bytes == len(blob)
+            assert bans["convicted"].evidence_preview == blob[:512]
+            assert bans["second"].evidence_bytes == 0 and bans["second"].reason == "lied too"
+            assert await store.ban_evidence("convicted") == blob
+        finally:
+            store.close()
+
+    run(scenario())
+
+
+def test_the_published_ban_list_leaves_out_expired_certificates(tmp_path: Path):
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "enforced")
+        now = time.time()
+        try:
+            await store.admit(peer("expired", cert_expires_at=now - 3600))
+            await store.admit(peer("valid", cert_expires_at=now + 3600))
+            for p in ("expired", "valid", "never-joined"):
+                await store.ban(p, "x")
+            assert await store.enforced_bans(now, grace_s=600) == ["valid", "never-joined"]
+            assert len(await store.list_bans()) == 3
+        finally:
+            store.close()
+
+    run(scenario())
+
+
+def test_divergence_flags_are_bounded(tmp_path: Path):
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "flags")
+        service = CoordinatorService(
+            tiny_run("flags"), SigningKey.generate(), store, [], ServiceLimits(max_tracked_callers=16)
+        )
+        try:
+            for i in range(40):
+                await store.admit(peer(f"p{i}"))
+                await store.record_heartbeat(
+                    f"p{i}", seq=1, seen_at=0.0, metrics={}, step=5, param_hash=f"{i:064x}"
+                )
+            for step in (5, 6):
+                for i in range(40):
+                    await service._flag_divergence(f"p{i}", step)
+            assert len(service._flagged) == 16
+        finally:
+            store.close()
+
+    run(scenario())
