@@ -287,7 +287,7 @@ class Volunteer:
             metrics.update(self.trainer.metrics())
         return {k: v for k, v in metrics.items() if math.isfinite(v)}  # e.g. no loss before the first step
 
-    async def _pipeline_role(self, device: str) -> PipelineTrainer | StageWorker:
+    async def _pipeline_role(self, device: str, client: CoordinatorClient) -> PipelineTrainer | StageWorker:
         """This peer's part in a run split into pipeline stages: a stage server or a trainer (``--role``)."""
         run, role = self.run_config, self.config.role
         if run.pipeline.stages < 2:
@@ -305,7 +305,8 @@ class Volunteer:
         memory = await asyncio.to_thread(available_memory_bytes, device)
         return StageWorker(
             run, self._dht, peer_id=self.key.peer_id, stage=self.config.stage, device=device,
-            coordinator_key=self.coordinator_key, memory_bytes=memory,
+            coordinator_key=self.coordinator_key, memory_bytes=memory, signing_key=self.key,
+            upload_limiter=self.upload_limiter, accuse=self._accuser(client),
         )  # fmt: skip
 
     async def _leave(self, client: CoordinatorClient) -> None:
@@ -344,7 +345,7 @@ class Volunteer:
             training: asyncio.Task | None = None
             try:
                 if self.run_config.pipeline.stages > 1 or config.role in ("stage", "trainer"):
-                    self.trainer = await self._pipeline_role(compute_device)
+                    self.trainer = await self._pipeline_role(compute_device, client)
                 else:
                     self.trainer = await asyncio.to_thread(
                         Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import hivemind
 
@@ -41,11 +41,14 @@ class PeerPolicy:
         coordinator_key: PublicKey | None = None,
         *,
         allowed: Iterable[str] | None = None,
+        also_certified: Callable[[], Collection[str]] | None = None,
         refresh_s: float = 1.0,
         suspect_s: float = 60.0,
     ):
+        """``also_certified`` names peers another verified source vouches for: the trainer's view of
+        signed progress records, each of which carries its signer's certificate."""
         self.dht, self.run_id, self.coordinator_key = dht, run_id, coordinator_key
-        self.refresh_s, self.suspect_s = refresh_s, suspect_s
+        self.refresh_s, self.suspect_s, self.also_certified = refresh_s, suspect_s, also_certified
         self.open = coordinator_key is None and allowed is None
         self._members: frozenset[str] = frozenset(allowed or ())
         self._banned: frozenset[str] = frozenset()
@@ -79,14 +82,20 @@ class PeerPolicy:
             if time.monotonic() - self._bans_checked_at < self.refresh_s:
                 return
             self._bans_checked_at = time.monotonic()
-            found = await fetch_ban_list(self.dht, self.run_id, self.coordinator_key)
+            try:
+                found = await fetch_ban_list(self.dht, self.run_id, self.coordinator_key)
+            except Exception as e:  # DHT trouble: keep the list we hold
+                logger.debug(f"could not read the ban list of {self.run_id}: {e!r}")
+                return
         if found is not None:
             self.set_bans(found[1], found[0])
 
     # --- members -------------------------------------------------------------------------------------
 
     def certified(self, peer_id: str) -> bool:
-        return self.open or peer_id in self._members
+        if self.open or peer_id in self._members:
+            return True
+        return self.also_certified is not None and peer_id in self.also_certified()
 
     async def refresh_members(self) -> None:
         """Read the certified members from the DHT (at most once per ``refresh_s``); trouble keeps the old."""
@@ -125,7 +134,7 @@ class PeerPolicy:
 
     async def admit(self, peer_ids: Iterable[str], timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> None:
         """Refresh the members when any of ``peer_ids`` is not a known member yet, for at most ``timeout_s``."""
-        if self.open or all(p in self._members for p in peer_ids):
+        if all(self.certified(p) for p in peer_ids):
             return
         try:
             await asyncio.wait_for(self.refresh_members(), timeout=timeout_s)

@@ -1,29 +1,30 @@
-"""Who may call a stage server: verified members of the run that this server has not banned.
+"""Who may call a stage server: verified members of the run, not banned by the coordinator or by it.
 
 Membership is what the DHT shows: every admitted peer publishes its coordinator-signed certificate
-(``swarm.membership``), and a peer the coordinator bans can no longer renew its admission, so its record
-lapses. On top of that a server bans, for itself, a caller that keeps sending malformed requests.
+(``swarm.membership``). The coordinator's signed ban list (``swarm.bans``) is read through the same
+``PeerPolicy`` the stage's averaging uses, so a banned trainer is refused at once rather than when its
+certificate expires. On top of that a server bans, for itself, a caller that keeps sending malformed
+requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections import Counter
 
 import hivemind
 
 from protocols import pipeline_pb2 as ppb
 from protocols.keys import PublicKey
-from swarm.membership import fetch_members
+from swarm.averaging.policy import PeerPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class PeerGate:
-    """Admits callers. With a coordinator key it reads verified members from the DHT; without one (a
-    run with no coordinator, as in benchmarks) only the peer IDs in ``allowed`` are members.
+    """Admits callers. With a coordinator key it reads verified members and the ban list from the DHT;
+    without one (a run with no coordinator, as in benchmarks) only the peer IDs in ``allowed`` are
+    members. ``policy`` shares that view with the stage's averager.
 
     Example::
 
@@ -40,14 +41,16 @@ class PeerGate:
         allowed: set[str] | None = None,
         ban_after_bad_requests: int = 20,
         refresh_s: float = 1.0,
+        policy: PeerPolicy | None = None,
     ):
-        self.dht, self.run_id, self.coordinator_key = dht, run_id, coordinator_key
-        self.members: set[str] = set(allowed or ())
-        self.banned: dict[str, str] = {}
+        self.run_id = run_id
+        if policy is None:  # no coordinator and no allowed set admits nobody, not everybody
+            known = allowed if allowed is not None or coordinator_key is not None else set()
+            policy = PeerPolicy(dht, run_id, coordinator_key, allowed=known, refresh_s=refresh_s)
+        self.policy = policy
+        self.banned: dict[str, str] = {}  # banned by this server, for malformed requests
         self.bad_requests: Counter[str] = Counter()
-        self.ban_after_bad_requests, self.refresh_s = ban_after_bad_requests, refresh_s
-        self._refreshed_at = -float("inf")
-        self._lock = asyncio.Lock()
+        self.ban_after_bad_requests = ban_after_bad_requests
 
     def ban(self, peer_id: str, reason: str) -> None:
         if peer_id not in self.banned:
@@ -63,25 +66,15 @@ class PeerGate:
         if self.bad_requests[peer_id] >= self.ban_after_bad_requests:
             self.ban(peer_id, f"{self.bad_requests[peer_id]} malformed requests, the last: {error}")
 
-    async def _refresh(self) -> None:
-        async with self._lock:
-            if time.monotonic() - self._refreshed_at < self.refresh_s:
-                return
-            self._refreshed_at = time.monotonic()
-            try:
-                members = await fetch_members(self.dht, self.run_id, self.coordinator_key)
-            except Exception as e:  # DHT trouble: keep the members we knew
-                logger.debug(f"could not refresh the members of {self.run_id}: {e!r}")
-                return
-            self.members = set(members)
-
     async def check(self, peer_id: str) -> tuple[int, str] | None:
         """None if ``peer_id`` may call; else the refusal code and a message for the caller."""
         if peer_id in self.banned:
             return ppb.BANNED, f"peer {peer_id} is banned from this stage server: {self.banned[peer_id]}"
-        if peer_id not in self.members and self.coordinator_key is not None and self.dht is not None:
-            await self._refresh()
-        if peer_id not in self.members:
+        await self.policy.refresh_bans()
+        if peer_id in self.policy.banned:
+            return ppb.BANNED, f"peer {peer_id} is banned from run {self.run_id!r} by its coordinator"
+        await self.policy.admit([peer_id])
+        if not self.policy.certified(peer_id):
             return ppb.UNKNOWN_PEER, (
                 f"peer {peer_id} is not a member of run {self.run_id!r} (no valid certificate in the DHT)"
             )

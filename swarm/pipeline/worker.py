@@ -32,9 +32,12 @@ import time
 import hivemind
 from hivemind.p2p import PeerID
 
-from protocols.errors import SwarmError
-from protocols.keys import PublicKey
+from protocols.errors import ConfigError, SwarmError
+from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.averager import Averager
+from swarm.averaging.factory import build_averager
+from swarm.averaging.policy import PeerPolicy
+from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
 from swarm.pipeline.balance import choose_stage, rebalance_move
 from swarm.pipeline.gate import PeerGate
@@ -42,6 +45,7 @@ from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publish_record
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer, pipeline_namespace
+from swarm.ratelimit import RateLimiter
 from swarm.training.state import encode_state, state_tensors
 from swarm.training.sync import EncodedState, StateMovedOn, StateServicer, download_state, state_namespace
 
@@ -76,12 +80,20 @@ class StageWorker:
         members: set[str] | None = None,
         memory_bytes: int | None = None,
         rebalance: bool = True,
+        signing_key: SigningKey | None = None,
+        upload_limiter: RateLimiter | None = None,
+        accuse: Accuser | None = None,
     ):
+        if coordinator_key is not None and signing_key is None:
+            raise ConfigError("a stage worker in a coordinated run signs its rounds: pass signing_key")
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         self.wanted_stage, self.memory_bytes, self.rebalance = stage, memory_bytes, rebalance
+        self.signing_key, self.upload_limiter, self.accuse = signing_key, upload_limiter, accuse
         self.num_stages = run.pipeline.stages
+        # One view of who is certified and banned, for the stage's averaging and for its server alike.
+        self.policy = PeerPolicy(dht, run.run_id, coordinator_key, allowed=members)
         self.gate = PeerGate(
-            dht, run.run_id, coordinator_key, allowed=members,
+            dht, run.run_id, coordinator_key, policy=self.policy,
             ban_after_bad_requests=run.pipeline.ban_after_bad_requests,
         )  # fmt: skip
         self.replica: StageReplica | None = None
@@ -158,6 +170,7 @@ class StageWorker:
                 if self.replica is not None and self.replica.state_hash:
                     await publish_record(self.dht, self.config.run_id, self._record(), ttl_s=self._ttl_s())
                 await self._refresh_view()
+                await self.policy.refresh_bans()
             except Exception as e:
                 logger.debug(f"pipeline announce failed: {e!r}")
             await asyncio.sleep(self.config.pipeline.announce_interval_s)
@@ -186,14 +199,7 @@ class StageWorker:
     async def _serve(self, index: int) -> None:
         """Build stage ``index``, catch up with its replicas, then serve it and announce it."""
         replica = await asyncio.to_thread(StageReplica, self.config, index, device=self.device)
-        training = self.config.training
-        averager = Averager(
-            self.dht, prefix=stage_prefix(self.config.run_id, index), numel=replica.numel,
-            aggregator=training.aggregator, compression=training.compression,
-            max_group_size=training.max_group_size, matchmaking_time_s=training.matchmaking_time_s,
-            sender_timeout_s=training.sender_timeout_s, averaging_timeout_s=training.averaging_timeout_s,
-            max_weight=4.0 * training.target_batch_size,  # trainers overshoot the target a little
-        )  # fmt: skip
+        averager = self.build_averager(index, replica.numel)
         await averager.start()
         replica.paused = self.paused
         self.replica, self.averager, self._encoded = replica, averager, None
@@ -213,6 +219,14 @@ class StageWorker:
         logger.info(f"serving stage {index} (blocks {replica.spec.first_block}..{replica.spec.last_block - 1}"
                     f"{', embedding' if replica.is_first else ''}{', head' if replica.is_last else ''}) at step "
                     f"{replica.step}, {replica.samples_per_s:.1f} samples/s")  # fmt: skip
+
+    def build_averager(self, index: int, numel: int) -> Averager:
+        """The averager of stage ``index``'s replicas: signed, validated, and held to the run's policy."""
+        return build_averager(
+            self.config, self.dht, prefix=stage_prefix(self.config.run_id, index), numel=numel,
+            signing_key=self.signing_key, policy=self.policy, upload_limiter=self.upload_limiter,
+            accuse=self.accuse, max_weight=4.0 * self.config.training.target_batch_size,  # trainers overshoot
+        )  # fmt: skip
 
     async def _unserve(self) -> None:
         replica, averager = self.replica, self.averager

@@ -1,0 +1,125 @@
+"""Pipeline stages get the protections of data-parallel rounds: signed, policy-held averaging; banned callers refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import torch
+
+from protocols import pipeline_pb2 as ppb
+from protocols.errors import ConfigError
+from protocols.keys import SigningKey
+from swarm.averaging.policy import PeerPolicy
+from swarm.bans import publish_ban_list
+from swarm.byzantine.group_attacks import attacking_averager, make_group_attack
+from swarm.config import RunConfig
+from swarm.dht import SpawnedDHT
+from swarm.identity import create_identity
+from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.worker import StageWorker, stage_prefix
+
+pytestmark = pytest.mark.timeout(180)
+
+NUMEL = 20_011
+
+
+def stage_run(run_id: str) -> RunConfig:
+    return RunConfig(
+        run_id=run_id,
+        model={"name": "gpt", "config": {"d_model": 32, "n_layer": 2, "n_head": 2, "seq_len": 32}},
+        pipeline={"stages": 2},
+        training={"aggregator": "centered_clip", "aggregator_options": {"tau": 5.0}, "verify_probability": 0.5,
+                  "matchmaking_time_s": 1.0, "sender_timeout_s": 2.0, "averaging_timeout_s": 10.0},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def peers(tmp_path):
+    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
+
+    def start(i: int, initial_peers) -> SpawnedDHT:
+        return SpawnedDHT(
+            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
+        )  # fmt: skip
+
+    first = start(0, [])
+    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
+    yield list(zip(nodes, keys, strict=True))
+    for node in nodes:
+        node.shutdown()
+
+
+def test_a_stage_worker_averages_signed_with_the_runs_rule_and_policy(peers):
+    (dht, key), _, _ = peers
+    run, coordinator = stage_run("stage-build"), SigningKey.generate()
+    with pytest.raises(ConfigError, match="signing_key"):
+        StageWorker(run, dht, peer_id=key.peer_id, stage=1, coordinator_key=coordinator.public_key)
+    worker = StageWorker(run, dht, peer_id=key.peer_id, stage=1, coordinator_key=coordinator.public_key,
+                         signing_key=key)  # fmt: skip
+    averager = worker.build_averager(1, NUMEL)
+    assert averager.signing_key is key and averager.prefix == stage_prefix(run.run_id, 1).replace(".", "_")
+    assert averager.policy is worker.policy is worker.gate.policy and not worker.policy.open
+    assert averager.verify_probability == 0.5 and averager.max_weight == 4.0 * run.training.target_batch_size
+
+
+def test_the_gate_refuses_a_caller_once_the_coordinator_bans_it(peers):
+    (dht, _), (_, caller), _ = peers
+    coordinator = SigningKey.generate()
+    gate = PeerGate(dht, "gate-run", coordinator.public_key, allowed={caller.peer_id}, refresh_s=0.1)
+
+    async def scenario():
+        assert await gate.check(caller.peer_id) is None, "a member is served"
+        await publish_ban_list(
+            dht, coordinator, "gate-run", [caller.peer_id], changed_at=time.time(), ttl_s=60
+        )
+        deadline = time.monotonic() + 10
+        while (refusal := await gate.check(caller.peer_id)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        return refusal
+
+    refusal = asyncio.run(scenario())
+    assert refusal is not None and refusal[0] == ppb.BANNED
+    assert "banned from run 'gate-run' by its coordinator" in refusal[1]
+
+
+def test_an_uncertified_reducer_cannot_join_a_stages_round(peers, caplog):
+    """A libp2p node with no certificate offers to lead the stage's round: the replicas average without it."""
+    run = stage_run("stage-sybil")
+    (d0, k0), (d1, k1), (d2, k2) = peers
+    members = {k0.peer_id, k1.peer_id}
+    honest = [
+        StageWorker(run, d, peer_id=k.peer_id, stage=1, members=members, signing_key=k).build_averager(
+            1, NUMEL
+        )
+        for d, k in ((d0, k0), (d1, k1))
+    ]
+    intruder = attacking_averager(make_group_attack("uncertified_reducer"))(
+        d2, prefix=stage_prefix(run.run_id, 1), numel=NUMEL, signing_key=k2, matchmaking_time_s=1.0,
+        sender_timeout_s=2.0, averaging_timeout_s=10.0, data_plane=False, policy=PeerPolicy(d2, run.run_id),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(NUMEL, generator=generator) for _ in range(2)]
+
+    async def scenario():
+        for averager in (*honest, intruder):
+            await averager.start()
+        attack = asyncio.create_task(intruder.average(torch.full((NUMEL,), 100.0), 1.0))
+        await asyncio.sleep(0.3)  # the intruder's earlier window makes it the leader the replicas would pick
+        outcomes = await asyncio.gather(*[a.average(v, 1.0) for a, v in zip(honest, inputs, strict=True)])
+        intruded = await attack
+        for averager in (*honest, intruder):
+            await averager.shutdown()
+        return outcomes, intruded
+
+    with caplog.at_level(logging.DEBUG, logger="swarm.averaging.averager"):
+        outcomes, intruded = asyncio.run(scenario())
+    assert intruded is None, "nobody formed a group with the uncertified node"
+    (group, result), (_, other) = outcomes
+    assert {p.to_base58() for p in group.peer_ids} == members
+    assert result.complete and other.complete and torch.equal(result.vector, other.vector)
+    assert torch.allclose(result.vector, (inputs[0] + inputs[1]) / 2, atol=2e-3)
+    assert f"not following {k2.peer_id}: not a certified member" in caplog.text
