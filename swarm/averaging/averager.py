@@ -386,6 +386,8 @@ class Averager:
             finally:
                 self._runners.pop(group.group_id, None)
             self._keep(runner)
+            for peer in result.failed_reducers:  # the retry forms without a reducer that did not deliver
+                self.policy.suspect(peer, "did not deliver its part of a round")
             if result.complete and len(group.peer_ids) > 1:
                 self._verify_later(runner)
             return group, result
@@ -400,7 +402,7 @@ class Averager:
         checks = validate_round(
             runner, probability=self.verify_probability, servicer_type=AveragingServicer, p2p=self.p2p,
             aggregator=self.aggregator, codec=self.codec, timeout_s=self.averaging_timeout_s,
-            accuse=self.accuse,
+            accuse=self.accuse, suspect=self.policy.suspect,
         )  # fmt: skip
         task = asyncio.create_task(checks)
         self._verifications.add(task)
