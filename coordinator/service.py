@@ -10,6 +10,7 @@ accusation's evidence is read in full, under a deadline, before it waits for the
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -54,7 +55,7 @@ from protocols.messages import (
 from protocols.version import PROTOCOL_VERSION
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.compression import get_codec
-from swarm.averaging.evidence import BadAggregateEvidence
+from swarm.averaging.evidence import parse_evidence
 from swarm.config import RunConfig
 from swarm.rpc import ERROR_METADATA_KEY, status_code_for
 
@@ -383,18 +384,28 @@ class CoordinatorService:
         """(what was found, who is guilty): the accused if the evidence proves it, else the accuser."""
         training = self.config.training
         try:
-            evidence = BadAggregateEvidence.from_bytes(data)
+            evidence = parse_evidence(data)
             if evidence.prefix != self.run_id.replace(".", "_"):
                 raise ProtocolError(f"the evidence is of run prefix {evidence.prefix!r}, not of this run")
-            if evidence.reducer != accused or accuser not in evidence.members:
-                raise ProtocolError("the evidence names another reducer, or a round the accuser was not in")
+            if evidence.accused != accused or accuser not in evidence.members:
+                raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
             aggregator = get_aggregator(training.aggregator, training.aggregator_options)
-            verdict = evidence.judge(aggregator, get_codec(training.compression))
+            codec = get_codec(training.compression)
+            verdict = evidence.judge(aggregator, codec, vector_numel=self._averaged_numel)
         except SwarmError as e:
             return f"the evidence does not hold: {e}", accuser
         if verdict is None:
             return "the aggregate is exactly what the rule gives", accuser
         return verdict, accused
+
+    @functools.cached_property
+    def _averaged_numel(self) -> int:
+        """Length of the vector peers average (the run's trainable parameters): the evidence's layout."""
+        from swarm.models import build_model
+
+        run = self.config
+        model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     # --- wiring into grpc ----------------------------------------------------------------------------
 

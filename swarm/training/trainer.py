@@ -28,9 +28,9 @@ from hivemind.p2p import PeerID
 
 from protocols.errors import SwarmError
 from protocols.keys import PublicKey, SigningKey
-from swarm.averaging.averager import Averager
+from swarm.averaging.factory import build_averager
+from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
-from swarm.bans import fetch_ban_list
 from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
@@ -99,28 +99,13 @@ class Trainer:
         self.numel = sum(p.numel() for p in self.params)
         self.attack = attack
         self._averaged = torch.empty(self.numel)  # each round's result lands here (applied at once)
-        self._ban_list_at = 0.0
-        self.averager = Averager(
-            dht,
-            prefix=run.run_id,
-            numel=self.numel,
-            aggregator=training.aggregator,
-            aggregator_options=training.aggregator_options,
-            verify_probability=training.verify_probability,
-            accuse=accuse,
-            attack=attack,
-            compression=training.compression,
-            max_group_size=training.max_group_size,
-            matchmaking_time_s=training.matchmaking_time_s,
-            sender_timeout_s=training.sender_timeout_s,
-            averaging_timeout_s=training.averaging_timeout_s,
-            max_weight=float(training.target_batch_size),
-            signing_key=signing_key,
-            data_host=data_host,
-            data_port=data_port,
-            data_announce_host=data_announce_host,
-            upload_limiter=upload_limiter,
-        )
+        # Whom this peer averages with: certified, not banned, not caught breaking a group.
+        self.policy = PeerPolicy(dht, run.run_id, coordinator_key, also_certified=lambda: self.view)
+        self.averager = build_averager(
+            run, dht, prefix=run.run_id, numel=self.numel, signing_key=signing_key, policy=self.policy,
+            upload_limiter=upload_limiter, accuse=accuse, attack=attack, data_host=data_host,
+            data_port=data_port, data_announce_host=data_announce_host,
+        )  # fmt: skip
         self.step = self.samples = self.micro = 0
         self.state_hash = self.param_hash = ""
         self.view: dict[str, PeerProgress] = {}
@@ -326,17 +311,7 @@ class Trainer:
 
     async def _refresh_bans(self) -> None:
         """Take the coordinator's newest signed ban list; the averager refuses those peers from then on."""
-        if self.coordinator_key is None:
-            return
-        found = await fetch_ban_list(self.dht, self.config.run_id, self.coordinator_key)
-        if found is None or found[0] <= self._ban_list_at:
-            return
-        self._ban_list_at, banned = found
-        added = banned - self.averager.banned
-        self.averager.banned.clear()
-        self.averager.banned.update(banned)  # in place: matchmaking holds the same set
-        if added:
-            logger.warning(f"the coordinator banned {sorted(added)}; refusing them in rounds")
+        await self.policy.refresh_bans()
 
     def _samples_at_step(self) -> int:
         others = sum(
