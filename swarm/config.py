@@ -219,6 +219,11 @@ class PipelineConfig(_Section):
     ban_after_bad_requests: int = Field(
         20, ge=1, le=10**6, description="a server bans a caller after this many malformed requests"
     )
+    max_grad_output_norm: float = Field(
+        1000.0, gt=0, le=1e12,
+        description="a server refuses a trainer's gradient for one micro-batch with a larger L2 norm "
+        "(about 1 at initialization for the built-in gpt; the bound stops scaled-up gradients)",
+    )  # fmt: skip
 
     @field_validator("layer_split")
     @classmethod

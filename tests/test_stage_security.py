@@ -123,3 +123,38 @@ def test_an_uncertified_reducer_cannot_join_a_stages_round(peers, caplog):
     assert result.complete and other.complete and torch.equal(result.vector, other.vector)
     assert torch.allclose(result.vector, (inputs[0] + inputs[1]) / 2, atol=2e-3)
     assert f"not following {k2.peer_id}: not a certified member" in caplog.text
+
+
+def test_a_trainers_gradient_is_checked_for_shape_finiteness_and_norm_before_use():
+    from swarm.averaging.compression import get_codec
+    from swarm.pipeline.replica import Refusal, StageReplica
+    from swarm.pipeline.wire import encode_floats, encode_ids
+
+    torch.set_num_threads(1)
+    run = stage_run("stage-grads")
+    replica = StageReplica(run, 0)
+    codec = get_codec(run.training.compression)
+    ids = encode_ids(torch.randint(0, 256, (4, 32)))
+    forward = ppb.ForwardRequest(run_id=run.run_id, stage=0, step=0, microbatch_id=1, inputs=ids)
+    outputs = replica.forward(forward).outputs
+    honest = torch.randn(list(outputs.shape), generator=torch.Generator().manual_seed(0)) * 0.01
+    nan = honest.clone()
+    nan[0, 0, 0] = float("nan")
+    bad = {
+        "scaled up": (honest * 1e6, "L2 norm"),
+        "NaN": (nan, "non-finite"),
+        "wrong shape": (honest[:, :16], r"has shape \[4, 16, 32\]"),
+    }
+    try:
+        for what, (grad, message) in bad.items():
+            request = ppb.BackwardRequest(run_id=run.run_id, stage=0, step=0, microbatch_id=1,
+                                          grad_outputs=encode_floats(grad, codec))  # fmt: skip
+            with pytest.raises(Refusal, match=message) as refused:
+                replica.backward(request)
+            assert refused.value.code == ppb.BAD_REQUEST, what
+            assert replica.samples == 0 and all(p.grad is None for p in replica.params), f"{what} was used"
+        request.grad_outputs.CopyFrom(encode_floats(honest, codec))
+        replica.backward(request)
+        assert replica.samples == 4 and any(p.grad is not None for p in replica.params)
+    finally:
+        replica.close()

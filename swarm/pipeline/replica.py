@@ -269,6 +269,12 @@ class StageReplica:
             )
         except ProtocolError as e:
             raise self._refuse(ppb.BAD_REQUEST, str(e)) from None
+        norm, bound = float(grad.norm()), self.run.pipeline.max_grad_output_norm
+        if not norm <= bound:
+            raise self._refuse(
+                ppb.BAD_REQUEST,
+                f"grad_outputs (gradients) has L2 norm {norm:.4g}, over the run's bound {bound:.4g}",
+            )
         started = time.monotonic()
         torch.autograd.backward(entry.outputs, grad.to(self.device, entry.outputs.dtype))
         self.stats["backwards"] += 1
