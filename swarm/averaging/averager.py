@@ -39,6 +39,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from protocols import averaging_pb2 as apb
+from protocols.envelope import MAX_CLOCK_SKEW_S
 from protocols.errors import SwarmError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
@@ -192,6 +193,11 @@ class Averager:
         return self.p2p.peer_id
 
     @property
+    def entry_max_age_s(self) -> float:
+        """A gathered entry older than this is stale: the longest search, plus the clock skew allowed."""
+        return self.averaging_timeout_s + 3 * self.matchmaking_time_s + MAX_CLOCK_SKEW_S
+
+    @property
     def banned(self) -> frozenset[str]:
         """Peer IDs on the run's ban list (change them through ``policy.set_bans``)."""
         return self.policy.banned
@@ -303,7 +309,7 @@ class Averager:
             group: VerifiedGroup = check_group(
                 names, info.gathered, me=self.peer_id.to_base58(), my_entry=self._entry, leader=leader,
                 prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
-                refusal=self.policy.refusal, max_age_s=self.averaging_timeout_s + 3 * self.matchmaking_time_s,
+                refusal=self.policy.refusal, max_age_s=self.entry_max_age_s,
             )  # fmt: skip
         except GroupRefused as e:
             logger.warning(f"leaving group {short}: {e.reason}; retrying without {e.culprit}")
