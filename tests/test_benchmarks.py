@@ -97,3 +97,22 @@ def test_pipeline_benchmark_reports_throughput_under_failure_and_the_square_cube
     assert [r["d_model"] for r in rows] == [64, 128, 256]
     # Traffic doubles with d while compute more than doubles: the ratio falls from the first to the last.
     assert rows[-1]["comm_to_compute"] < rows[0]["comm_to_compute"]
+
+
+def test_peer_benchmark_measures_each_setting_and_checkpointing_cuts_activations(tmp_path: Path):
+    output = run_benchmark("bench_peer.py", "--json", str(tmp_path / "peer.json"))
+
+    checkpointing = r"fp32 checkpointing: activations \d+\.\d+x smaller, [+-]\d+% compute"
+    assert re.search(checkpointing, output), output[-4000:]
+    assert re.search(r"bf16/fp32 speed: \d+\.\d+x", output), output[-4000:]
+    result = json.loads((tmp_path / "peer.json").read_text())
+    assert set(result["models"]) == {"demo", "4x"}
+    for model in result["models"].values():
+        rows = {(r["precision"], r["checkpointing"]): r for r in model["rows"]}
+        assert set(rows) == {(p, c) for p in ("fp32", "bf16") for c in (False, True)}
+        assert all(r["median"] > 0 and len(r["seconds"]) == 2 for r in rows.values())
+        for precision in ("fp32", "bf16"):
+            on, off = rows[precision, True]["memory"], rows[precision, False]["memory"]
+            assert 0 < on["activation_mib"] < off["activation_mib"]
+    assert [q["precision"] for q in result["quality"]] == ["fp32", "bf16", "bf16"]
+    assert all(0 < q["val_loss"] < 10 for q in result["quality"])

@@ -129,7 +129,10 @@ class Head(nn.Module):
         self.proj = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.ln(x))
+        # Logits stay fp32 under autocast: bf16 keeps 8 bits of mantissa, too few for a softmax over
+        # 256 bytes, and this projection is a small share of the compute.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return self.proj(self.ln(x.float()))
 
 
 class GPT(nn.Module):

@@ -93,7 +93,8 @@ class LossScaler:
         """Whether any gradient is non-finite; updates the scale for the next try."""
         if not self.enabled:
             return False
-        overflow = any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+        finite = [torch.isfinite(g).all() for g in grads if g is not None]
+        overflow = bool(finite) and not bool(torch.stack(finite).all())  # one device sync, not one per tensor
         if overflow:
             self.overflows += 1
             self._clean = 0
