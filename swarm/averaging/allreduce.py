@@ -344,6 +344,9 @@ class ButterflyAllReduce:
         index = self.peer_ids.index(sender)
         consumer = asyncio.create_task(self._consume(index, first, stream))
         try:
+            if getattr(self.attack, "withhold", False):  # a rehearsed withholder returns nothing
+                await consumer
+                return
             for chunk, event in enumerate(self._reduced):
                 await event.wait()
                 result = self._results[chunk]

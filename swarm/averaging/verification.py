@@ -98,8 +98,13 @@ async def serve_inputs(
         yield apb.SignedInput(code=apb.BAD_CHUNK, error=f"no chunk {chunk} of part {part} in this round")
         return
     item: SignedInput | None = None
-    if index == runner.index:
+    attack = runner.attack
+    if getattr(attack, "refuse_inputs", False):  # a rehearsed reducer that shows nothing
+        pass
+    elif index == runner.index:
         item = await asyncio.to_thread(runner.own_input, part, chunk)
+        if hasattr(attack, "show"):  # a rehearsed equivocator shows validators another input
+            item = attack.show(runner, part, chunk, item)
     elif part == runner.index:
         item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
     if item is None:
@@ -112,7 +117,8 @@ async def serve_inputs(
 
 @dataclass
 class Outcome:
-    """What a check found: a verdict with the evidence that proves it, and peers that showed nothing."""
+    """What a check found: a verdict with the evidence that proves it (or, with no verdict, the evidence
+    that the reducer was right), and peers that showed nothing."""
 
     verdict: str | None = None
     evidence: Evidence | None = None
@@ -243,7 +249,7 @@ async def check_reducer(
         return outcome
     if verdict is None:
         logger.debug(f"verified part {part} chunk {chunk} of round {runner.group_id.hex()[:8]}")
-        return outcome
+        return Outcome(None, evidence, outcome.unshown)
     logger.warning(f"reducer {reducer} {verdict} in round {runner.group_id.hex()[:8]}")
     return Outcome(verdict, evidence, outcome.unshown)
 
@@ -269,6 +275,9 @@ async def validate_round(
             runner, assignment, servicer_type=servicer_type, p2p=p2p, aggregator=aggregator, codec=codec,
             timeout_s=timeout_s,
         )  # fmt: skip
+        if outcome.verdict is None and outcome.evidence is not None and hasattr(runner.attack, "frame"):
+            framed = runner.attack.frame(outcome.evidence, runner)  # a rehearsed framer
+            outcome = Outcome("framed by a rehearsed attack", framed, outcome.unshown)
         outcomes.append(outcome)
         if suspect is not None:
             for peer in outcome.unshown:

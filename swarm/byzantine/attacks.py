@@ -357,3 +357,93 @@ class BadReducer(Attack):
     def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
         rms = float(torch.sqrt(torch.mean(aggregate.to(torch.float64) ** 2))) if aggregate.numel() else 0.0
         return aggregate + self.options.shift * (rms if rms > 0 else 1.0)
+
+
+# --- attacks on verification, each rehearsing a way around the validators or the judge -----------------
+#
+# Their hooks are called by the all-reduce and the validators (``swarm.averaging``) with the live round
+# (a ``ButterflyAllReduce``), since they act on what a round has signed rather than on a gradient.
+
+
+class DrawAwareReducerOptions(BadReducerOptions):
+    verify_probability: float = Field(
+        1.0, ge=0, le=1, description="the run's verify probability, which the attacker knows"
+    )
+
+
+@register_attack("draw_aware_reducer", DrawAwareReducerOptions)
+class DrawAwareReducer(BadReducer):
+    """A ``bad_reducer`` that lies only on chunks no validator will check, when it can tell at the moment
+    it signs; where it cannot tell (the draw is not known yet), it lies anyway."""
+
+    def reduce_chunk(self, runner: Any, chunk: int, honest: torch.Tensor) -> torch.Tensor:
+        from swarm.averaging.verification import Assignment, assignments
+
+        seed = runner.shared_seed
+        if seed is not None:
+            chunks = [len(c) - 1 for c in runner.part_chunks]
+            mine = Assignment(runner.index, chunk)
+            for member in range(len(runner.peer_ids)):
+                drawn = assignments(
+                    seed, len(runner.peer_ids), member, self.options.verify_probability, chunks
+                )
+                if mine in drawn:
+                    return honest
+        return self.reduce(honest)
+
+
+@register_attack("refusing_reducer", BadReducerOptions)
+class RefusingReducer(BadReducer):
+    """A ``bad_reducer`` that will not show a validator any input it aggregated (not even its own)."""
+
+    refuse_inputs = True
+
+
+class FramerOptions(AttackOptions):
+    trick: Literal["numel", "slot"] = Field(
+        "slot",
+        description="numel: claim a chunk one value longer than it is; slot: substitute a second, "
+        "different contribution signed for the framer's own slot",
+    )
+
+
+@register_attack("framer", FramerOptions)
+class Framer(Attack):
+    """As a validator, turns the true evidence of an honest reducer's chunk into an accusation of it."""
+
+    def frame(self, evidence: Any, runner: Any) -> Any:
+        import dataclasses
+
+        if self.options.trick == "numel":
+            return dataclasses.replace(evidence, numel=evidence.numel + 1)
+        forged = self._second_input(runner, evidence.part, evidence.chunk)
+        inputs = tuple(forged if i.sender_index == runner.index else i for i in evidence.inputs)
+        return dataclasses.replace(evidence, inputs=inputs)
+
+    @staticmethod
+    def _second_input(runner: Any, part: int, chunk: int) -> Any:
+        """A contribution to ``(part, chunk)`` that this peer signs but never sent: its values negated."""
+        from swarm.averaging.evidence import SignedInput, contribution_message
+
+        honest = runner.own_input(part, chunk)
+        lo, hi = runner._chunk(part, chunk)
+        data = runner.codec.encode(-runner.local[lo:hi] - 1.0)
+        me = runner.members[runner.index]
+        message = contribution_message(runner.digest, part, chunk, me, honest.weight, data)
+        return SignedInput(runner.index, data, runner.key.sign(message), honest.weight)
+
+
+@register_attack("equivocator", AttackOptions)
+class Equivocator(Attack):
+    """Sends its honest contribution to each reducer, but shows validators another one, signed as well,
+    so that the reducer seems to have aggregated something its sender never sent."""
+
+    def show(self, runner: Any, part: int, chunk: int, honest: Any) -> Any:
+        return Framer._second_input(runner, part, chunk)
+
+
+@register_attack("withholder", AttackOptions)
+class Withholder(Attack):
+    """Sends honest, signed contributions, but never returns the aggregate of its own part."""
+
+    withhold = True

@@ -1,0 +1,166 @@
+"""Rehearsed attacks on verification, among real peers on loopback with a live coordinator judging.
+
+Three peers average a vector the length of the run's model (so the coordinator's layout applies),
+every part checked by a drawn validator (verify probability 1), accusations filed with the
+coordinator as volunteers file them. Peer 2 is the attacker. Each test asserts who is banned and
+that no honest peer ever is.
+
+- ``draw_aware_reducer`` lies wherever no validator looks at the moment it signs. Before, the draw
+  was known then (reveals came with the first chunk), so it never lied where it was checked; now the
+  draw comes after delivery, it lies blind and is banned.
+- ``framer`` (both tricks) files true evidence edited to accuse an honest reducer: the framer is banned.
+- ``equivocator`` shows validators a contribution other than the one it sent: it is banned, not the
+  reducer that aggregated what it really sent.
+- ``refusing_reducer`` lies and shows no input: nothing is provable, but its validator avoids it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from coordinator.localswarm import FAST_MEMBERSHIP, running_coordinator
+from swarm.averaging.averager import Averager
+from swarm.byzantine.attacks import make_attack
+from swarm.config import RunConfig
+from swarm.coordinator_client import CoordinatorClient
+from swarm.dht import SpawnedDHT
+from swarm.identity import create_identity
+from swarm.models import build_model
+
+pytestmark = pytest.mark.timeout(240)
+
+RUN = "attack-run"
+MODEL = {"name": "gpt", "config": {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}}
+MAX_ROUNDS = 6  # a validator draw that misses the attacker has probability 1/4 per round at most
+
+
+@pytest.fixture(scope="module")
+def run() -> RunConfig:
+    return RunConfig(run_id=RUN, model=MODEL, membership=FAST_MEMBERSHIP)
+
+
+@pytest.fixture(scope="module")
+def numel(run) -> int:
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.fixture
+def peers(tmp_path):
+    """Three DHT peers whose libp2p identities are the signing keys they join the run with."""
+    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
+
+    def start(i: int, initial_peers) -> SpawnedDHT:
+        return SpawnedDHT(
+            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
+        )  # fmt: skip
+
+    first = start(0, [])
+    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
+    yield list(zip(nodes, keys, strict=True))
+    for node in nodes:
+        node.shutdown()
+
+
+def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -> tuple[dict, list, list]:
+    """Rounds with peer 2 mounting ``attack_name`` until ``until(states)`` holds (or MAX_ROUNDS):
+    (each peer's state at the coordinator, the accusations' answers, the averagers)."""
+    attack = make_attack(attack_name, options, group_size=3, attackers=1)
+    generator = torch.Generator().manual_seed(0)
+    vectors = [torch.randn(numel, generator=generator) for _ in peers]
+
+    async def scenario():
+        async with (
+            running_coordinator(run, tmp_path / "coordinator") as node,
+            CoordinatorClient(node.address) as client,
+        ):
+            answers = []
+
+            def accuser(key):
+                async def accuse(accused, evidence, verdict):
+                    answers.append(
+                        await client.accuse(
+                            key, RUN, accused=accused, reason=verdict, evidence=evidence.to_bytes()
+                        )
+                    )
+
+                return accuse
+
+            averagers = []
+            for i, (dht, key) in enumerate(peers):
+                await client.join(key, RUN, name=f"peer{i}", device="cpu")
+                averager = Averager(
+                    dht, prefix=RUN, numel=numel, aggregator="centered_clip", signing_key=key,
+                    matchmaking_time_s=1.0, sender_timeout_s=2.0, data_plane=False, verify_probability=1.0,
+                    accuse=accuser(key), attack=attack if i == 2 else None,
+                )  # fmt: skip
+                await averager.start()
+                averagers.append(averager)
+            states = {}
+            for _ in range(MAX_ROUNDS):
+                outcomes = await asyncio.gather(
+                    *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
+                )
+                assert all(o is not None and len(o[0].peer_ids) == 3 for o in outcomes)
+                for averager in averagers:
+                    await asyncio.wait_for(asyncio.gather(*averager._verifications), 60)
+                status = await client.status(RUN)
+                states = {p.peer_id: p.state for p in status.peers}
+                if until(states):
+                    break
+            for averager in averagers:
+                await averager.shutdown()
+            return states, answers, averagers
+
+    return asyncio.run(scenario())
+
+
+def ids(peers) -> list[str]:
+    return [key.peer_id for _, key in peers]
+
+
+def test_a_draw_aware_reducer_is_banned(tmp_path, run, numel, peers):
+    honest, attacker = ids(peers)[:2], ids(peers)[2]
+    states, answers, _ = rehearse(
+        tmp_path, run, numel, peers, "draw_aware_reducer", until=lambda s: s.get(attacker) == "banned"
+    )
+    assert states[attacker] == "banned"
+    assert any(a.banned_peer == attacker and "differs from the rule's result" in a.verdict for a in answers)
+    assert all(states[p] != "banned" for p in honest), "no honest peer is ever banned"
+
+
+@pytest.mark.parametrize("trick", ["numel", "slot"])
+def test_a_framer_is_banned_and_the_reducer_it_accused_is_not(tmp_path, run, numel, peers, trick):
+    honest, attacker = ids(peers)[:2], ids(peers)[2]
+    states, answers, _ = rehearse(
+        tmp_path, run, numel, peers, "framer", {"trick": trick}, until=lambda s: s.get(attacker) == "banned"
+    )
+    assert states[attacker] == "banned"
+    assert any(a.banned_peer == attacker and "false accusation" in a.verdict for a in answers)
+    assert all(states[p] != "banned" for p in honest), "no honest peer is ever banned"
+
+
+def test_an_equivocator_is_banned_not_the_reducer(tmp_path, run, numel, peers):
+    honest, attacker = ids(peers)[:2], ids(peers)[2]
+    states, answers, _ = rehearse(
+        tmp_path, run, numel, peers, "equivocator", until=lambda s: s.get(attacker) == "banned"
+    )
+    assert states[attacker] == "banned"
+    assert any(a.banned_peer == attacker and "two different contributions" in a.verdict for a in answers)
+    assert all(states[p] != "banned" for p in honest), "no honest peer is ever banned"
+
+
+def test_a_reducer_that_shows_no_inputs_is_avoided_by_its_validator(tmp_path, run, numel, peers):
+    honest, attacker = ids(peers)[:2], ids(peers)[2]
+    states, answers, averagers = rehearse(
+        tmp_path, run, numel, peers, "refusing_reducer", until=lambda s: True
+    )
+    # Nothing it did can be proven to a third party, so nobody is banned; the validator that asked for
+    # its inputs keeps it out of its next groups.
+    assert not answers and all(state != "banned" for state in states.values())
+    assert any(a.policy.refusal(attacker) is not None for a in averagers[:2])
+    assert all(a.policy.refusal(p) is None for a in averagers[:2] for p in honest)
