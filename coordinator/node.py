@@ -167,10 +167,12 @@ class CoordinatorNode:
         """Keep the signed ban list in the DHT current, bans made by `swarm-coordinator ban` included.
 
         It names every banned peer that may still hold a valid certificate, the earliest bans first if
-        there are more than a list can hold (so a flood of new bans cannot push an old one out); ``changed_at`` moves only when the names do."""
+        there are more than a list can hold (so a flood of new bans cannot push an old one out).
+        ``changed_at`` moves only when the names do."""
         interval_s = min(BAN_LIST_INTERVAL_S, self.run.membership.heartbeat_interval_s)
+        ttl_s = 10 * interval_s + 30
         published: frozenset[str] | None = None
-        changed_at = time.time()
+        changed_at = published_at = time.time()
         while True:
             try:
                 banned = await self._store.enforced_bans(time.time(), grace_s=BAN_CERT_GRACE_S)
@@ -180,12 +182,15 @@ class CoordinatorNode:
                         f"{MAX_BANNED} banned first (a shorter certificate_ttl_s shortens the list)"
                     )
                     banned = banned[:MAX_BANNED]
-                if published is not None and frozenset(banned) != published:
+                changed = published is None or frozenset(banned) != published
+                if changed and published is not None:
                     changed_at = max(time.time(), changed_at + 1e-3)
-                published = frozenset(banned)
-                await publish_ban_list(
-                    self._dht, key, self.run.run_id, banned, changed_at=changed_at, ttl_s=10 * interval_s + 30
-                )
+                # An unchanged list is only refreshed before it expires: a long one is many records.
+                due = changed or time.time() - published_at > ttl_s / 3
+                if due and await publish_ban_list(
+                    self._dht, key, self.run.run_id, banned, changed_at=changed_at, ttl_s=ttl_s
+                ):
+                    published, published_at = frozenset(banned), time.time()
             except Exception:
                 logger.exception("publishing the ban list failed; retrying")
             await asyncio.sleep(interval_s)

@@ -23,9 +23,9 @@ ACCUSE = "accuse"
 BAN_LIST = "ban-list"
 
 CHALLENGE_BYTES = 32
-# A ban list page fits one envelope (256 KiB, 4,096 items); all pages of a list fit one DHT reply (4 MiB).
-BAN_PAGE_ENTRIES = 1000
-MAX_BAN_PAGES = 32
+# A ban list page stays under 16 KiB (see swarm.bans); 128 pages hold 25,600 peer IDs.
+BAN_PAGE_ENTRIES = 200
+MAX_BAN_PAGES = 128
 MAX_METRICS = 64
 PEER_STATES = ("online", "offline", "left", "banned")
 REQUESTED_ROLES = ("auto", "data", "stage", "trainer")

@@ -2,12 +2,16 @@
 
 Peers refuse banned peers wherever they meet them without the coordinator: matchmaking neither leads
 nor follows them, reducers refuse their part streams, and a group holding one is left. Nobody but the
-coordinator can add or remove a name: the list is published in pages of up to 1,000 peer IDs, page 0
+coordinator can add or remove a name: the list is published in pages of up to 200 peer IDs, page 0
 under the key ``<run>.bans`` and page k under ``<run>.bans.k``, each page an envelope of purpose
 ``ban-list`` signed by the coordinator and carrying the hash of the whole list, the page count and
 when the list last changed. A reader takes the newest list whose pages are all there and hash to that
 value; a reader that finds none complete (pages of two versions while the coordinator republishes)
-keeps the list it had. A list of at most 1,000 names is one record, read with one lookup.
+keeps the list it had. Readers look at page 0 first and fetch the other pages only when it announces
+a list they have not assembled yet, so an unchanged list costs one lookup however long it is.
+
+Pages are small because a value stored through hivemind's DHT crosses a pipe into the DHT process,
+and a message over 16 KiB reaches it in two writes that the DHT process can read half of under load.
 
 Example::
 
@@ -33,6 +37,8 @@ from protocols.messages import BAN_LIST, BAN_PAGE_ENTRIES, MAX_BAN_PAGES, BanLis
 logger = logging.getLogger(__name__)
 
 MAX_BANNED = BAN_PAGE_ENTRIES * MAX_BAN_PAGES
+# The last complete list assembled per (run, coordinator key), so an unchanged list is not fetched again.
+_assembled: dict[tuple[str, bytes], tuple[tuple[float, bytes, int], set[str]]] = {}
 
 
 def ban_list_key(run_id: str, page: int = 0) -> str:
@@ -129,6 +135,11 @@ async def fetch_ban_list(
     head = None if first is None else _open_page(first.value, run_id, coordinator_key)
     if head is None:
         return None
+    cache_key = (run_id, coordinator_key.raw)
+    version = (head.changed_at, head.list_sha256, head.pages)
+    cached = _assembled.get(cache_key)
+    if cached is not None and cached[0] == version:
+        return head.changed_at, set(cached[1])
     records = [first.value]
     if head.pages > 1:
         rest = await asyncio.gather(
@@ -138,4 +149,9 @@ async def fetch_ban_list(
             )
         )
         records += [found.value for found in rest if found is not None]
-    return assemble_ban_list(records, run_id, coordinator_key)
+    found = assemble_ban_list(records, run_id, coordinator_key)
+    if found is not None and found[0] == head.changed_at:
+        if len(_assembled) >= 16 and cache_key not in _assembled:
+            _assembled.clear()
+        _assembled[cache_key] = (version, found[1])
+    return found
