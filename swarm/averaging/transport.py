@@ -12,6 +12,12 @@ other side's fresh nonce (so a recorded handshake is worthless). After that the 
 frames, each a 4-byte big-endian length and one ``PartChunk``; the payloads are not encrypted (gradients
 of a public run are not secret) and a frame larger than the round could need ends the connection.
 
+Limits, so that one groupmate cannot take the listener from the others: at most
+``max_handshakes_per_host`` unauthenticated connections per remote address at once, at most
+``max_connections_per_peer`` authenticated ones per peer ID, ``max_connections`` in all; and every
+write waits at most ``write_timeout_s`` for the other side to read (a groupmate that never reads would
+otherwise hold the sending task forever).
+
 Wire order (client dials server)::
 
     server -> client   MAGIC, server nonce (32)
@@ -46,6 +52,9 @@ FRAME_HEADER_BYTES = 4
 HANDSHAKE_TIMEOUT_S = 5.0
 UNREACHABLE_FOR_S = 60.0
 MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_PER_PEER = 8
+MAX_HANDSHAKES_PER_HOST = 32
+WRITE_TIMEOUT_S = 30.0
 _ADDRESS = re.compile(r"^(?P<host>[0-9A-Za-z.\-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):(?P<port>[0-9]{1,5})$")
 
 PartHandler = Callable[[AsyncIterator[apb.PartChunk], PeerID], AsyncIterator[apb.PartChunk]]
@@ -180,6 +189,10 @@ class FrameStream(asyncio.BufferedProtocol):
     def close(self) -> None:
         self.transport.close()
 
+    def abort(self) -> None:
+        """Close now, dropping unsent bytes (``close`` would wait for a peer that never reads)."""
+        self.transport.abort()
+
 
 def _transcript(role: bytes, prefix: str, nonce: bytes, peer: str) -> bytes:
     """What each side signs: its role, the run's averaging prefix, the other side's nonce and peer ID."""
@@ -219,20 +232,33 @@ def write_frame(writer: FrameStream, message: apb.PartChunk) -> None:
     writer.write(data)
 
 
+async def drain_within(writer: FrameStream, timeout_s: float, whom: object) -> None:
+    """Wait for the other side to take what was written; NetworkError if it reads nothing for ``timeout_s``."""
+    try:
+        await asyncio.wait_for(writer.drain(), timeout_s)
+    except asyncio.TimeoutError:
+        raise NetworkError(f"{whom} read nothing for {timeout_s:.0f}s; closing the data connection") from None
+
+
 class DataConnection:
     """An authenticated connection to one groupmate; ``exchange`` streams parts out and results back."""
 
-    def __init__(self, stream: FrameStream, max_frame: int):
+    def __init__(self, stream: FrameStream, max_frame: int, *, write_timeout_s: float = WRITE_TIMEOUT_S):
         self.reader = self.writer = stream
         self.max_frame = max_frame
+        self.write_timeout_s = write_timeout_s
 
     async def exchange(self, outgoing: AsyncIterator[apb.PartChunk]) -> AsyncIterator[apb.PartChunk]:
         async def send() -> None:
-            async for message in outgoing:
-                write_frame(self.writer, message)
-                await self.writer.drain()
-            if self.writer.can_write_eof():
-                self.writer.write_eof()  # the reducer reads to the end of our stream, then answers the rest
+            try:
+                async for message in outgoing:
+                    write_frame(self.writer, message)
+                    await drain_within(self.writer, self.write_timeout_s, "the reducer")
+                if self.writer.can_write_eof():
+                    self.writer.write_eof()  # the reducer reads to the end of our stream, then answers
+            except BaseException:
+                self.writer.abort()  # so the read below ends too, instead of waiting on a stalled reducer
+                raise
 
         sender = asyncio.create_task(send())
         try:
@@ -240,7 +266,11 @@ class DataConnection:
                 if sender.done() and sender.exception() is not None:
                     raise NetworkError(f"sending to the reducer failed: {sender.exception()!r}")
                 yield message
+            if sender.done() and not sender.cancelled() and sender.exception() is not None:
+                raise NetworkError(f"sending to the reducer failed: {sender.exception()}")
         except (ConnectionError, OSError) as e:
+            if sender.done() and not sender.cancelled() and sender.exception() is not None:
+                raise NetworkError(f"sending to the reducer failed: {sender.exception()}") from None
             raise NetworkError(f"the averaging data connection broke: {e!r}") from None
         finally:
             sender.cancel()
@@ -256,11 +286,29 @@ class DataConnection:
 class DataPlane:
     """This peer's TCP listener for part streams, and its dialer for its groupmates' listeners."""
 
-    def __init__(self, key: SigningKey, prefix: str, handler: PartHandler, *, max_frame: int):
+    def __init__(
+        self,
+        key: SigningKey,
+        prefix: str,
+        handler: PartHandler,
+        *,
+        max_frame: int,
+        max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+        max_handshakes_per_host: int = MAX_HANDSHAKES_PER_HOST,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+    ):
         self.key, self.prefix, self.handler, self.max_frame = key, prefix, handler, max_frame
+        self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_handshakes_per_host = max_handshakes_per_host
+        self.write_timeout_s = write_timeout_s
         self.address: str | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
+        # Both maps hold only keys with connections open now, so they never outgrow max_connections.
+        self._handshaking: dict[str, int] = {}
+        self._serving: dict[str, int] = {}
         self._unreachable: dict[str, float] = {}
         self.accepted = 0  # authenticated connections served so far
 
@@ -299,24 +347,41 @@ class DataPlane:
         await self._accept(stream, stream)
 
     async def _accept(self, reader: FrameStream, writer: FrameStream) -> None:
-        if len(self._connections) > MAX_CONNECTIONS:
+        remote = writer.get_extra_info("peername")
+        host = str(remote[0]) if isinstance(remote, tuple) and remote else "unknown"
+        if len(self._connections) > self.max_connections or not _enter(
+            self._handshaking, host, self.max_handshakes_per_host
+        ):
+            logger.debug(f"refused an averaging data connection from {host}: too many connections")
             writer.close()
             return
-        remote = writer.get_extra_info("peername")
+        sender: PeerID | None = None
+        finished = False
         try:
-            sender = await asyncio.wait_for(self._server_handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            try:
+                sender = await asyncio.wait_for(self._server_handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            finally:
+                _leave(self._handshaking, host)
             self.accepted += 1
             responses = self.handler(read_frames(reader, self.max_frame), sender)
             async for message in responses:
                 write_frame(writer, message)
-                await writer.drain()
+                await drain_within(writer, self.write_timeout_s, sender)
+            finished = True
         except (SwarmError, asyncio.TimeoutError) as e:
             logger.info(f"refused an averaging data connection from {remote}: {e or 'handshake timed out'}")
         except (ConnectionError, OSError) as e:
             logger.debug(f"averaging data connection from {remote} broke: {e!r}")
         finally:
+            if sender is not None:
+                _leave(self._serving, sender.to_base58())
             with contextlib.suppress(Exception):
-                writer.close()
+                writer.close() if finished else writer.abort()
+
+    def _admit_peer(self, peer_id: str) -> None:
+        """Count one more connection of an authenticated peer, or refuse it."""
+        if not _enter(self._serving, peer_id, self.max_connections_per_peer):
+            raise NetworkError(f"{peer_id} already has {self.max_connections_per_peer} data connections open")
 
     async def _server_handshake(self, reader: FrameStream, writer: FrameStream) -> PeerID:
         nonce = os.urandom(NONCE_BYTES)
@@ -332,10 +397,15 @@ class DataPlane:
         client_nonce = body[PUBLIC_KEY_BYTES : PUBLIC_KEY_BYTES + NONCE_BYTES]
         signature = body[PUBLIC_KEY_BYTES + NONCE_BYTES :]
         client.verify(signature, _transcript(b"client", self.prefix, nonce, self.key.peer_id))
-        answer = self.key.sign(_transcript(b"server", self.prefix, client_nonce, client.peer_id))
-        writer.write(self.key.public_key.raw + answer)
-        await writer.drain()
-        return PeerID.from_base58(client.peer_id)
+        self._admit_peer(client.peer_id)  # before answering: a refused client's connect() fails
+        try:
+            answer = self.key.sign(_transcript(b"server", self.prefix, client_nonce, client.peer_id))
+            writer.write(self.key.public_key.raw + answer)
+            await drain_within(writer, HANDSHAKE_TIMEOUT_S, client.peer_id)
+            return PeerID.from_base58(client.peer_id)
+        except BaseException:
+            _leave(self._serving, client.peer_id)
+            raise
 
     # --- client side ---------------------------------------------------------------------------------
 
@@ -356,7 +426,7 @@ class DataPlane:
             if isinstance(e, SecurityError):
                 raise
             raise NetworkError(f"could not open averaging data connection to {address}: {e!r}") from None
-        return DataConnection(stream, self.max_frame)
+        return DataConnection(stream, self.max_frame, write_timeout_s=self.write_timeout_s)
 
     async def _client_handshake(self, reader: FrameStream, writer: FrameStream, peer: PeerID) -> None:
         greeting = bytes(await _read(reader, len(MAGIC) + NONCE_BYTES, "the greeting"))
@@ -372,6 +442,19 @@ class DataPlane:
         if server.peer_id != expected:
             raise SecurityError(f"the data address answered as {server.peer_id}, not as {expected}")
         server.verify(answer[PUBLIC_KEY_BYTES:], _transcript(b"server", self.prefix, nonce, self.key.peer_id))
+
+
+def _enter(counts: dict[str, int], key: str, limit: int) -> bool:
+    if counts.get(key, 0) >= limit:
+        return False
+    counts[key] = counts.get(key, 0) + 1
+    return True
+
+
+def _leave(counts: dict[str, int], key: str) -> None:
+    left = counts.pop(key, 1) - 1
+    if left > 0:
+        counts[key] = left
 
 
 def announce_host(bind_host: str, visible_hosts: list[str]) -> str:

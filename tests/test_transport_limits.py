@@ -1,0 +1,163 @@
+"""The averaging data path's limits: a groupmate that never reads is cut off at the write deadline on
+either side, one peer (or one address) cannot take every connection, and the others still get in."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from hivemind.p2p import PeerID
+
+from protocols import averaging_pb2 as apb
+from protocols.errors import NetworkError
+from protocols.keys import SigningKey
+from swarm.averaging.transport import DataPlane
+
+pytestmark = pytest.mark.timeout(30)
+
+MAX_FRAME = 1 << 20
+BIG = b"\x07" * (MAX_FRAME - 64)
+
+
+async def chunks(count: int):
+    for i in range(count):
+        yield apb.PartChunk(part_index=0, chunk_index=i, data=BIG)
+
+
+def peer_of(plane: DataPlane) -> PeerID:
+    return PeerID.from_base58(plane.key.peer_id)
+
+
+def test_a_groupmate_that_never_reads_the_answer_is_cut_off():
+    """The reducer streams 64 MiB of answers; the sender never reads them."""
+
+    async def flood(stream, sender):
+        async for _ in chunks(64):
+            yield _
+
+    async def scenario() -> None:
+        server = DataPlane(SigningKey.generate(), "run", flood, max_frame=MAX_FRAME, write_timeout_s=1.0)
+        client = DataPlane(SigningKey.generate(), "run", flood, max_frame=MAX_FRAME)
+        address = await server.start("127.0.0.1", 0, "127.0.0.1")
+        try:
+            connection = await client.connect(address, peer_of(server), timeout_s=5)
+            connection.writer.write_eof()  # sends nothing more and reads nothing at all
+            await asyncio.sleep(0.2)
+            assert len(server._connections) == 1
+            for _ in range(50):
+                if not server._connections:
+                    break
+                await asyncio.sleep(0.1)
+            assert not server._connections, "the reducer's task ended at its write deadline"
+            assert server._serving == {}
+            connection.close()
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_reducer_that_never_reads_does_not_hold_the_sender():
+    async def never_reads(stream, sender):
+        await asyncio.sleep(3600)
+        yield apb.PartChunk()
+
+    async def scenario() -> None:
+        server = DataPlane(SigningKey.generate(), "run", never_reads, max_frame=MAX_FRAME)
+        client = DataPlane(
+            SigningKey.generate(), "run", never_reads, max_frame=MAX_FRAME, write_timeout_s=1.0
+        )
+        address = await server.start("127.0.0.1", 0, "127.0.0.1")
+        try:
+            connection = await client.connect(address, peer_of(server), timeout_s=5)
+            with pytest.raises(NetworkError, match="read nothing for 1s"):
+                await asyncio.wait_for(_consume(connection.exchange(chunks(64))), timeout=15)
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+async def _consume(stream) -> list:
+    return [m async for m in stream]
+
+
+def test_one_peer_cannot_take_every_connection():
+    async def hold(stream, sender):
+        async for _ in stream:
+            pass
+        await asyncio.sleep(3600)
+        yield apb.PartChunk()
+
+    async def scenario() -> None:
+        server = DataPlane(
+            SigningKey.generate(), "run", hold, max_frame=MAX_FRAME, max_connections_per_peer=2
+        )
+        greedy = DataPlane(SigningKey.generate(), "run", hold, max_frame=MAX_FRAME)
+        other = DataPlane(SigningKey.generate(), "run", hold, max_frame=MAX_FRAME)
+        address = await server.start("127.0.0.1", 0, "127.0.0.1")
+        try:
+            held = [await greedy.connect(address, peer_of(server), timeout_s=5) for _ in range(2)]
+            with pytest.raises(NetworkError):
+                await greedy.connect(address, peer_of(server), timeout_s=5)
+            assert server._serving == {greedy.key.peer_id: 2}
+            await other.connect(address, peer_of(server), timeout_s=5)
+            assert server._serving[other.key.peer_id] == 1
+            for connection in held:
+                connection.close()
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_address_cannot_take_every_handshake():
+    async def echo(stream, sender):
+        async for message in stream:
+            yield message
+
+    async def scenario() -> None:
+        server = DataPlane(SigningKey.generate(), "run", echo, max_frame=MAX_FRAME, max_handshakes_per_host=3)
+        address = await server.start("127.0.0.1", 0, "127.0.0.1")
+        port = int(address.rsplit(":", 1)[1])
+        silent = []
+        try:
+            for _ in range(3):  # connections that never say hello
+                sock = socket.create_connection(("127.0.0.1", port))
+                silent.append(sock)
+            await asyncio.sleep(0.3)
+            assert server._handshaking == {"127.0.0.1": 3}
+            # Another address is served meanwhile.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+            greeting = await asyncio.wait_for(reader.readexactly(8 + 32), 5)
+            assert greeting.startswith(b"swarm-ar")
+            writer.close()
+            # A fourth silent one from the first address is closed at once.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await asyncio.wait_for(reader.read(64), 5) == b""
+            writer.close()
+        finally:
+            for sock in silent:
+                sock.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_frames_still_flow_within_the_limits():
+    async def echo(stream, sender):
+        async for message in stream:
+            yield message
+
+    async def scenario() -> int:
+        server = DataPlane(SigningKey.generate(), "run", echo, max_frame=MAX_FRAME, write_timeout_s=1.0)
+        client = DataPlane(SigningKey.generate(), "run", echo, max_frame=MAX_FRAME, write_timeout_s=1.0)
+        address = await server.start("127.0.0.1", 0, "127.0.0.1")
+        try:
+            connection = await client.connect(address, peer_of(server), timeout_s=5)
+            return len(await _consume(connection.exchange(chunks(16))))
+        finally:
+            await server.close()
+
+    assert asyncio.run(scenario()) == 16
