@@ -58,7 +58,15 @@ class SimConfig(BaseModel):
     )
     target_batch_size: int = Field(32, ge=1, le=100_000, description="samples per global step")
     micro_batch_size: int = Field(4, ge=1, le=4096, description="samples per local forward/backward")
-    lr: float = Field(2e-3, gt=0, le=1, description="peak learning rate")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="the run's forward/backward precision (fp16 needs every peer on a GPU)"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="every peer joins with --activation-checkpointing"
+    )
+    lr: float = Field(
+        1e-3, gt=0, le=1, description="peak learning rate (2e-3 made the demo model spike right after warmup)"
+    )
     timeout_s: float = Field(900.0, ge=10, le=86_400, description="give up after this many seconds")
     keep: bool = Field(False, description="keep the logs, checkpoints and data dirs afterwards")
     stages: int = Field(0, ge=0, le=8, description="pipeline stages (SWARM); 0: data-parallel peers only")
@@ -112,6 +120,7 @@ def build_run(config: SimConfig) -> RunConfig:
         optimizer={"lr": config.lr, "warmup_steps": min(5, steps), "total_steps": max(steps, 1)},
         training={
             "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
+            "precision": config.precision,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             # Every peer takes part in every round (one may be missing while churn restarts it).
             # With attackers, every group must hold an honest majority (2f + 1 peers at least), and the
@@ -237,6 +246,7 @@ def simulate(config: SimConfig) -> int:
     started = time.monotonic()
     deadline = started + config.timeout_s
     churn_events: list[dict] = []
+    val_history: list[float] = []
     gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
     print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model {config.model_size} "
           f"(logs in {root})", flush=True)  # fmt: skip
@@ -251,9 +261,10 @@ def simulate(config: SimConfig) -> int:
         byzantine = set(names[1 : 1 + config.byzantine])
         rehearsal = ["--rehearse-attack", str(config.attack), "--rehearse-attackers", str(config.byzantine),
                      "--rehearse-group-size", str(config.peers)]  # fmt: skip
+        flags = ["--activation-checkpointing"] if config.activation_checkpointing else []
         peers = {
             name: local.start_peer(
-                address, name, *(rehearsal if name in byzantine else ()), device=devices[name]
+                address, name, *flags, *(rehearsal if name in byzantine else ()), device=devices[name]
             )
             for name in names
         }
@@ -262,6 +273,7 @@ def simulate(config: SimConfig) -> int:
         final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
         while True:
             snapshot = status_to_dict(status(address))
+            _record_validation(snapshot, byzantine, val_history)
             progress.show(snapshot, {n for n, c in peers.items() if c.process.poll() is None}, started)
             steps = {
                 p["name"]: p["step"]
@@ -282,7 +294,7 @@ def simulate(config: SimConfig) -> int:
                 wait_until(
                     lambda v=victim: _state(address, v) == "offline", timeout_s=30, what=f"{victim} offline"
                 )
-                peers[victim] = local.start_peer(address, victim, device=devices[victim])
+                peers[victim] = local.start_peer(address, victim, *flags, device=devices[victim])
                 churn_events[-1]["restarted"] = True
                 churned = True
             if (
@@ -330,6 +342,7 @@ def simulate(config: SimConfig) -> int:
             "final_param_hash": final_hash,
             "peers_agree": agree,
             "churn_events": churn_events,
+            "val_history": val_history,
             "attack": config.attack,
             "aggregator": run.training.aggregator,
             "duration_s": duration,
@@ -351,6 +364,18 @@ def simulate(config: SimConfig) -> int:
         local.kill_all()
         if not config.keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _record_validation(snapshot: dict, byzantine: set[str], history: list[float]) -> None:
+    """Append each new validation loss the honest peers report (they evaluate the same parameters)."""
+    for peer in snapshot["peers"]:
+        value = peer["metrics"].get("val_loss")
+        if value is None or peer["name"] in byzantine:
+            continue
+        # GPU and CPU peers may evaluate the same parameters a few ulps apart: that is not a new value.
+        if not history or abs(value - history[-1]) > 1e-6 * abs(history[-1]):
+            history.append(value)
+        return
 
 
 def _state(address: str, name: str) -> str:

@@ -38,3 +38,16 @@ def test_swarm_sim_rejects_bad_flags():
         [sys.executable, "-m", "coordinator.sim", "--peers", "0"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and "--peers" in result.stderr
+
+
+def test_demo_run_validation_loss_falls_at_every_evaluation(tmp_path: Path):
+    # The README's demo (default model and learning-rate schedule) at fewer steps; evaluations every 3.
+    out = tmp_path / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.sim", "--peers", "3", "--steps", "12", "--json", str(out)],
+        capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    history = json.loads(out.read_text())["val_history"]
+    assert len(history) >= 4, history
+    assert all(later < earlier for earlier, later in zip(history, history[1:], strict=False)), history
