@@ -10,6 +10,11 @@ value; a reader that finds none complete (pages of two versions while the coordi
 keeps the list it had. Readers look at page 0 first and fetch the other pages only when it announces
 a list they have not assembled yet, so an unchanged list costs one lookup however long it is.
 
+Page 0 is a run record that ``swarm.records.TrustValidator`` checks on every DHT node; pages 1 and on
+are checked by ``BanPageValidator``, which every node that stores records must run beside it, or a
+stranger could store junk that outlives the real page under ``<run>.bans.k`` and keep long lists from
+ever assembling again.
+
 Pages are small because a value stored through hivemind's DHT crosses a pipe into the DHT process,
 and a message over 16 KiB reaches it in two writes that the DHT process can read half of under load.
 
@@ -27,7 +32,9 @@ import logging
 from collections.abc import Iterable
 
 import hivemind
-from hivemind.utils import get_dht_time
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from protocols.envelope import open_envelope, seal
 from protocols.errors import ProtocolError, SwarmError
@@ -37,6 +44,11 @@ from protocols.messages import BAN_LIST, BAN_PAGE_ENTRIES, MAX_BAN_PAGES, BanLis
 logger = logging.getLogger(__name__)
 
 MAX_BANNED = BAN_PAGE_ENTRIES * MAX_BAN_PAGES
+# A page may live this long past its signature (the coordinator republishes far sooner), plus clock skew.
+MAX_PAGE_TTL_S = 3600.0
+MAX_CLOCK_SKEW_S = 120.0
+MAX_PAGE_BYTES = 16 << 10
+_REGULAR_SUBKEY = MSGPackSerializer.dumps(None)
 # The last complete list assembled per (run, coordinator key), so an unchanged list is not fetched again.
 _assembled: dict[tuple[str, bytes], tuple[tuple[float, bytes, int], set[str]]] = {}
 
@@ -111,6 +123,48 @@ def assemble_ban_list(
         if list_digest(banned) == digest:
             return changed_at, set(banned)
     return None
+
+
+class BanPageValidator(RecordValidatorBase):
+    """hivemind record validator for pages 1 and on of one run's ban list: each must be a page of that
+    number signed by the coordinator (any key when the node knows none), one value with no subkey, and
+    expire within ``MAX_PAGE_TTL_S`` of its signature. Other keys pass through.
+
+    Picklable (plain attributes only): the DHT runs it in its spawned child process.
+    """
+
+    def __init__(self, run_id: str, coordinator_key: PublicKey | None):
+        self.run_id = run_id
+        self.coordinator_raw = coordinator_key.raw if coordinator_key is not None else None
+        self.pages = {
+            DHTID.generate(source=ban_list_key(run_id, page)).to_bytes(): page
+            for page in range(1, MAX_BAN_PAGES)
+        }
+
+    def validate(self, record: DHTRecord) -> bool:
+        page = self.pages.get(record.key)
+        if page is None:
+            return True
+        try:
+            if record.subkey != _REGULAR_SUBKEY or len(record.value) > MAX_PAGE_BYTES:
+                raise ProtocolError("not a single value of at most 16 KiB")
+            value = MSGPackSerializer.loads(record.value)
+            signer = PublicKey(self.coordinator_raw) if self.coordinator_raw is not None else None
+            if not isinstance(value, bytes):
+                raise ProtocolError("the value is not a signed record")
+            envelope = open_envelope(
+                value, purpose=BAN_LIST, run_id=self.run_id, signer=signer, what="ban list page"
+            )
+            body = parse_body(BanListBody, envelope.body, sender=envelope.sender, what="ban list page")
+            if body.page != page:
+                raise ProtocolError(f"page {body.page} stored as page {page}")
+            limit = envelope.issued_at + MAX_PAGE_TTL_S + MAX_CLOCK_SKEW_S
+            if record.expiration_time > limit or envelope.issued_at > get_dht_time() + MAX_CLOCK_SKEW_S:
+                raise ProtocolError("expires too long after it was signed")
+        except Exception as e:  # anything a stranger's bytes can raise: refuse the record, never crash
+            logger.debug(f"refusing ban list page {page} of run {self.run_id!r}: {e}")
+            return False
+        return True
 
 
 def _open_page(record: object, run_id: str, coordinator_key: PublicKey) -> BanListBody | None:

@@ -1,17 +1,30 @@
 """The signed ban list scales past one record: pages signed by the coordinator, read back whole from a
-real DHT, the newest complete list wins, and nothing unsigned or mixed is ever taken."""
+real DHT, the newest complete list wins, nothing unsigned or mixed is ever taken, and a stranger's junk
+under a page key neither stays in an honest node nor hides the list."""
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import random
 from pathlib import Path
 
 import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from protocols.keys import SigningKey
-from swarm.bans import MAX_BANNED, assemble_ban_list, ban_list_pages, fetch_ban_list, publish_ban_list
-from swarm.dht import start_dht
+from swarm.bans import (
+    MAX_BANNED,
+    BanPageValidator,
+    assemble_ban_list,
+    ban_list_key,
+    ban_list_pages,
+    fetch_ban_list,
+    publish_ban_list,
+)
+from swarm.dht import SpawnedDHT, start_dht
 from swarm.identity import load_or_create_identity
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,5 +81,63 @@ def test_a_list_of_4001_bans_travels_through_the_dht(tmp_path: Path, banned):
             return await fetch_ban_list(dht, RUN, key.public_key)
         finally:
             await asyncio.to_thread(dht.shutdown)
+
+    assert asyncio.run(scenario()) == (5.0, set(banned))
+
+
+def page_record(
+    run_id: str, page: int, value: object, expiration_time: float, subkey: object = None
+) -> DHTRecord:
+    return DHTRecord(
+        key=DHTID.generate(source=ban_list_key(run_id, page)).to_bytes(),
+        subkey=MSGPackSerializer.dumps(subkey),
+        value=MSGPackSerializer.dumps(value),
+        expiration_time=expiration_time,
+    )
+
+
+def test_the_page_validator_takes_only_the_coordinators_pages(banned):
+    coordinator = SigningKey.generate()
+    validator = pickle.loads(
+        pickle.dumps(BanPageValidator(RUN, coordinator.public_key))
+    )  # as the DHT ships it
+    now = get_dht_time()
+    pages = ban_list_pages(coordinator, RUN, banned, changed_at=now)
+    assert validator.validate(page_record(RUN, 1, pages[1], now + 60))
+    assert not validator.validate(page_record(RUN, 1, b"junk", now + 60))
+    assert not validator.validate(page_record(RUN, 2, pages[1], now + 60)), "page 1 stored as page 2"
+    assert not validator.validate(page_record(RUN, 1, pages[1], now + 10**9)), "outlives its signature"
+    assert not validator.validate(page_record(RUN, 1, pages[1], now + 60, subkey="x"))
+    stranger = ban_list_pages(SigningKey.generate(), RUN, banned, changed_at=now)
+    assert not validator.validate(page_record(RUN, 1, stranger[1], now + 60))
+    # Page 0 is TrustValidator's; other keys and runs pass through.
+    assert validator.validate(page_record(RUN, 0, b"junk", now + 60))
+    assert validator.validate(page_record("other-run", 1, b"junk", now + 60))
+
+
+def test_junk_stored_over_a_page_does_not_hide_the_list(tmp_path: Path, banned):
+    """A stranger's DHT node stores junk that expires in 30 years under every page key."""
+    key = load_or_create_identity(tmp_path / "coordinator.key")
+
+    async def scenario() -> tuple[float, set[str]] | None:
+        honest = await asyncio.to_thread(
+            SpawnedDHT, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+            record_validators=[BanPageValidator(RUN, key.public_key)],
+        )  # fmt: skip
+        stranger = None
+        try:
+            maddrs = [str(m) for m in await asyncio.to_thread(honest.get_visible_maddrs)]
+            stranger = await asyncio.to_thread(
+                SpawnedDHT, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
+            )
+            assert await publish_ban_list(honest, key, RUN, banned, changed_at=5.0, ttl_s=60)
+            far = get_dht_time() + 30 * 365 * 86400
+            for page in range(1, 21):
+                await stranger.store(ban_list_key(RUN, page), b"junk", far, return_future=True)
+            return await fetch_ban_list(honest, RUN, key.public_key)
+        finally:
+            for dht in (stranger, honest):
+                if dht is not None:
+                    await asyncio.to_thread(dht.shutdown)
 
     assert asyncio.run(scenario()) == (5.0, set(banned))
