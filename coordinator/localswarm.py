@@ -120,20 +120,28 @@ class Child:
             ) from None
 
 
-# Run by the reaper: it learns each child's process group on stdin; when stdin closes without "done"
-# (the rehearsal died, even by SIGKILL), it kills them all.
+# Run by the reaper: it learns each child's process group (and each WAN lab namespace) on stdin; when
+# stdin closes without "done" (the rehearsal died, even by SIGKILL), it kills them all and removes those.
 _REAPER = """
-import os, signal, sys
-groups = []
+import os, signal, subprocess, sys
+groups, namespaces = [], []
 for line in sys.stdin:
-    if line.strip() == "done":
+    word, _, arg = line.strip().partition(" ")
+    if word == "done":
         sys.exit(0)
-    groups.append(int(line))
+    elif word == "group":
+        groups.append(int(arg))
+    elif word == "netns":
+        namespaces.append(arg)
+    elif word == "forget" and arg in namespaces:
+        namespaces.remove(arg)
 for group in groups:
     try:
         os.killpg(group, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+for name in reversed(namespaces):
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=20)
 """
 
 
@@ -149,12 +157,23 @@ class Reaper:
         self._process: subprocess.Popen | None = None
 
     def watch(self, group: int) -> None:
+        self._tell(f"group {group}")
+
+    def watch_netns(self, name: str) -> None:
+        """Remove network namespace ``name`` if this process dies before removing it itself."""
+        self._tell(f"netns {name}")
+
+    def forget_netns(self, names: list[str]) -> None:
+        for name in names:
+            self._tell(f"forget {name}")
+
+    def _tell(self, line: str) -> None:
         if self._process is None or self._process.poll() is not None:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _REAPER], stdin=subprocess.PIPE, start_new_session=True, text=True
             )
         assert self._process.stdin is not None
-        self._process.stdin.write(f"{group}\n")
+        self._process.stdin.write(f"{line}\n")
         self._process.stdin.flush()
 
     def release(self) -> None:

@@ -1,0 +1,163 @@
+"""The WAN lab: links capped by the kernel, hosts behind NAT that dial out and cannot be dialed, and
+namespaces that never outlive the process that made them. These tests need root (CI runs as root)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.localswarm import Reaper
+from coordinator.wanlab import NETNS_DIR, LinkSpec, WanLab, check_lab_possible
+from protocols.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+RECEIVER = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], 5001))
+server.settimeout(30)
+print("listening", flush=True)
+conn, peer = server.accept()
+total, first = 0, None
+while chunk := conn.recv(1 << 16):
+    first = first or time.monotonic()
+    total += len(chunk)
+print(total, time.monotonic() - first, peer[0], flush=True)
+"""
+
+SENDER = """
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], 5001), timeout=5)
+block, deadline = b"x" * (1 << 16), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    conn.sendall(block)
+conn.close()
+"""
+
+
+def _in(lab: WanLab, host: int, script: str, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*lab.exec_prefix(host), sys.executable, "-c", script, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs,
+    )  # fmt: skip
+
+
+def _transfer(lab: WanLab, sender: int, receiver: int, seconds: float) -> tuple[float, str]:
+    """(Mbit/s the receiver saw, the source address it saw) for a bulk TCP flow."""
+    server = _in(lab, receiver, RECEIVER, lab.host(receiver).address)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+        client = _in(lab, sender, SENDER, lab.host(receiver).address, str(seconds))
+        client.wait(timeout=seconds + 30)
+        total, elapsed, source = server.communicate(timeout=30)[0].split()
+    finally:
+        for process in (server,):
+            if process.poll() is None:
+                process.kill()
+    return int(total) * 8 / float(elapsed) / 1e6, source
+
+
+@pytest.fixture(autouse=True)
+def _root_only() -> None:
+    try:
+        check_lab_possible()
+    except ConfigError as e:
+        pytest.fail(f"the WAN lab tests need what CI has: {e}")
+
+
+@pytest.mark.parametrize(("up", "down", "expected"), [(4.0, 16.0, 4.0), (16.0, 4.0, 4.0)])
+def test_the_kernel_holds_a_flow_to_the_tighter_of_upload_and_download(
+    up: float, down: float, expected: float
+):
+    with WanLab(hosts=2, link=LinkSpec(up_mbit=up, down_mbit=down)) as lab:
+        sent_before = lab.link_bytes(1)[0]
+        rate, _ = _transfer(lab, sender=1, receiver=2, seconds=3.0)
+        sent = lab.link_bytes(1)[0] - sent_before
+    assert 0.7 * expected <= rate <= 1.1 * expected, f"{rate:.2f} Mbit/s through a {expected} Mbit/s cap"
+    assert sent >= 3.0 * 0.7 * expected * 1e6 / 8  # the lab's own counters saw the flow leave host 1
+
+
+def test_a_host_behind_nat_dials_out_and_cannot_be_dialed():
+    with WanLab(hosts=2, nat=1) as lab:
+        natted = lab.host(2)
+        assert natted.behind_nat and not lab.host(1).behind_nat
+        _, source = _transfer(lab, sender=2, receiver=1, seconds=0.5)
+        assert source == "10.77.2.2", "host 1 sees the NAT box's public address, not the private one"
+
+        server = _in(lab, 2, RECEIVER, natted.address)
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+            for target in (natted.address, "10.77.2.2"):
+                probe = subprocess.run(
+                    [*lab.exec_prefix(1), sys.executable, "-c",
+                     f"import socket; socket.create_connection(({target!r}, 5001), timeout=3)"],
+                    capture_output=True, text=True, timeout=30,
+                )  # fmt: skip
+                assert probe.returncode != 0, f"host 1 reached the NATed host at {target}"
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+
+
+def test_a_lab_killed_outright_leaves_no_namespace(tmp_path: Path):
+    script = textwrap.dedent(
+        """
+        import time
+        from coordinator.localswarm import Reaper
+        from coordinator.wanlab import LinkSpec, WanLab
+        lab = WanLab(hosts=2, nat=1, link=LinkSpec(up_mbit=10), reaper=Reaper())
+        lab.up()
+        print(lab.prefix, flush=True)
+        time.sleep(120)
+        """
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert owner.stdout is not None
+        prefix = owner.stdout.readline().strip()
+        assert prefix.startswith("swl-"), prefix
+        assert (
+            len([n for n in os.listdir(NETNS_DIR) if n.startswith(prefix)]) == 4
+        )  # router, 2 hosts, 1 NAT box
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while [n for n in os.listdir(NETNS_DIR) if n.startswith(prefix)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [n for n in os.listdir(NETNS_DIR) if n.startswith(prefix)]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
+
+
+def test_the_lab_says_it_needs_root(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="needs root"):
+        WanLab(hosts=1).up()
+
+
+def test_link_specs_name_what_is_wrong():
+    assert LinkSpec.parse("up=20mbit,down=100mbit") == LinkSpec(up_mbit=20.0, down_mbit=100.0)
+    assert LinkSpec.parse("up=500kbit") == LinkSpec(up_mbit=0.5)
+    with pytest.raises(ConfigError, match="'up=fast'"):
+        LinkSpec.parse("up=fast")
+
+
+def test_a_lab_removes_its_namespaces_on_exit():
+    reaper = Reaper()
+    with WanLab(hosts=1, reaper=reaper) as lab:
+        names = [n for n in os.listdir(NETNS_DIR) if n.startswith(lab.prefix)]
+        assert len(names) == 2
+    assert not [n for n in os.listdir(NETNS_DIR) if n.startswith(lab.prefix)]
+    reaper.release()
