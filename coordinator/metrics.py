@@ -38,6 +38,7 @@ PEER_METRICS = (
     "compute_utilization",
     "rounds_ok",
     "rounds_failed",
+    "peak_memory_bytes",
 )
 
 

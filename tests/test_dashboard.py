@@ -115,6 +115,7 @@ def test_api_status_reflects_the_two_peer_run(run: Run):
         assert 0 < peer["contributed_samples"] <= 6 * (32 + 4)
         assert peer["credit_refused"] == 0
         assert peer["metrics"]["train_loss"] < 6
+        assert peer["metrics"]["peak_memory_bytes"] > 50 * 2**20, "a CPU peer's peak RSS: torch alone holds more"
     assert status["contributed_samples"] == sum(p["contributed_samples"] for p in status["peers"])
     board = status["leaderboard"]
     assert [e["rank"] for e in board] == [1, 2]

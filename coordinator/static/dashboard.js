@@ -150,7 +150,8 @@ function render(s) {
     row.appendChild(el("td", {}, p.name));
     row.appendChild(el("td", { class: "mono", title: p.peer_id }, shortId(p.peer_id)));
     row.appendChild(el("td", {}, p.role));
-    row.appendChild(el("td", {}, p.device));
+    const peak = p.metrics.peak_memory_bytes;  // GPU tensors, or the process's RSS on a CPU peer
+    row.appendChild(el("td", {}, peak ? `${p.device} · peak ${(peak / 2 ** 30).toFixed(1)} GiB` : p.device));
     const state = el("td"); state.appendChild(stateBadge(p)); row.appendChild(state);
     row.appendChild(el("td", { class: "num" }, fmt(p.step, 0)));
     row.appendChild(el("td", { class: "num" }, p.state === "online" && !p.paused ? fmt(p.samples_per_s, 1) : "–"));
