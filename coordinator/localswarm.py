@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -200,11 +200,12 @@ class LocalSwarm:
         self.env = {**os.environ, "HOME": str(root / "home"), "PYTHONUNBUFFERED": "1"}
         self.reaper = Reaper()
 
-    def spawn(self, name: str, args: list[str]) -> Child:
+    def spawn(self, name: str, args: list[str], *, prefix: Sequence[str] = ()) -> Child:
+        """Start ``python ARGS`` (after ``prefix``, such as a WAN lab host's ``ip netns exec NS``)."""
         log_path = self.root / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child until it exits
         process = subprocess.Popen(
-            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+            [*prefix, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
             start_new_session=True,
         )  # fmt: skip
         log.close()
@@ -225,6 +226,8 @@ class LocalSwarm:
         name: str = "coordinator",
         port: int = 0,
         data_dir: Path | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ) -> Child:
         run = run or tiny_run()
         data_dir = data_dir or self.root / f"{name}-data"
@@ -233,7 +236,8 @@ class LocalSwarm:
         child = self.spawn(
             name,
             ["-m", "coordinator.cli", "start", "--config", str(self.write_config(run, f"{name}.toml")),
-             "--host", "127.0.0.1", "--port", str(port), "--dht-port", "0", "--data-dir", str(data_dir)],
+             "--host", host, "--port", str(port), "--dht-port", "0", "--data-dir", str(data_dir)],
+            prefix=prefix,
         )  # fmt: skip
 
         def ready() -> dict | None:
@@ -245,13 +249,20 @@ class LocalSwarm:
         return child
 
     def start_peer(
-        self, coordinator_address: str, name: str, *extra_args: str, device: Literal["cpu", "gpu"] = "cpu"
+        self,
+        coordinator_address: str,
+        name: str,
+        *extra_args: str,
+        device: Literal["cpu", "gpu"] = "cpu",
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ) -> Child:
         child = self.spawn(
             name,
-            ["-m", "peer.cli", "join", "--coordinator", coordinator_address, f"--{device}", "--host", "127.0.0.1",
+            ["-m", "peer.cli", "join", "--coordinator", coordinator_address, f"--{device}", "--host", host,
              "--name", name, "--identity", str(self.root / f"{name}.key"),
              "--known-coordinators", str(self.root / f"{name}-known.json"), "--max-cpu-threads", "1", *extra_args],
+            prefix=prefix,
         )  # fmt: skip
         child.extra["identity"] = self.root / f"{name}.key"
         return child

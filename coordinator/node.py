@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import grpc
 
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 STORE_FILE = "coordinator.db"
 ENDPOINT_FILE = "endpoint.json"
+SOCKET_FILE = "coordinator.sock"
 
 
 def _host_port(host: str, port: int) -> str:
@@ -115,7 +117,18 @@ class CoordinatorNode:
                 reason = "the port is in use or the address is not local"
             if port == 0:
                 raise NetworkError(f"cannot serve gRPC on {bind}: {reason}")
+            # The same service on a socket file in the data dir, for tools on this machine: it reaches
+            # a coordinator in another network namespace (the WAN lab), where no route may lead.
+            self.socket_path.unlink(missing_ok=True)
+            try:
+                socket_bound = self._server.add_insecure_port(f"unix:{self.socket_path}") != 0
+            except RuntimeError:  # a path too long for a socket address, for one
+                socket_bound = False
             await self._server.start()
+            if socket_bound:
+                os.chmod(self.socket_path, 0o600)
+            else:
+                logger.warning(f"not serving on the socket {self.socket_path}: grpc could not bind it")
             if config.log_to != "none":
                 self._metrics_logger = await asyncio.to_thread(
                     MetricsLogger, config.log_to, config.log_path, run.run_id
@@ -138,6 +151,10 @@ class CoordinatorNode:
         logger.info(f"coordinator {key.peer_id} serves run {run.run_id!r} on {_host_port(config.host, port)}")
         logger.info(f"DHT initial peers: {' '.join(self.dht_initial_peers)}")
 
+    @property
+    def socket_path(self) -> Path:
+        return self.config.data_path / SOCKET_FILE
+
     def _write_endpoint(self, peer_id: str) -> None:
         endpoint = {
             "address": self.address,
@@ -146,6 +163,7 @@ class CoordinatorNode:
             "dht_initial_peers": self.dht_initial_peers,
             "pid": os.getpid(),
             "dashboard_url": self.dashboard.url if self.dashboard else None,
+            "socket": f"unix:{self.socket_path}" if self.socket_path.exists() else None,
         }
         path = self.config.data_path / ENDPOINT_FILE
         tmp = path.with_suffix(".tmp")
@@ -233,6 +251,6 @@ class CoordinatorNode:
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
             self._store = None
-        endpoint = self.config.data_path / ENDPOINT_FILE
-        with contextlib.suppress(OSError):
-            endpoint.unlink()
+        for path in (self.config.data_path / ENDPOINT_FILE, self.socket_path):
+            with contextlib.suppress(OSError):
+                path.unlink()

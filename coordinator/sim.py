@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from coordinator.cli import status_to_dict
 from coordinator.localswarm import FAST_MEMBERSHIP, LocalSwarm, status, wait_until
+from coordinator.wanlab import LinkSpec, WanLab
 from protocols.errors import SwarmError
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
@@ -83,6 +84,25 @@ class SimConfig(BaseModel):
     verify_probability: float = Field(
         0.5, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
     )
+    wan: str | None = Field(
+        None,
+        max_length=64,
+        description="run the coordinator and each peer in its own network namespace on a link capped by the "
+        "kernel, e.g. up=20mbit,down=100mbit (needs root; see coordinator/wanlab.py)",
+    )
+    nat: int = Field(
+        0, ge=0, le=16, description="how many peers (the last ones) sit behind NAT; implies the lab"
+    )
+
+    @field_validator("wan")
+    @classmethod
+    def _link_spec(cls, wan: str | None) -> str | None:
+        if wan is not None:
+            try:
+                LinkSpec.parse(wan)
+            except SwarmError as e:
+                raise ValueError(str(e)) from None
+        return wan
 
     @field_validator("gpu_peers")
     @classmethod
@@ -100,6 +120,16 @@ class SimConfig(BaseModel):
         if attack is not None and attack not in attack_names():
             raise ValueError(f"unknown attack {attack!r}; known: {', '.join(attack_names())}")
         return attack
+
+    @model_validator(mode="after")
+    def _lab_fits(self) -> SimConfig:
+        if self.nat > self.peers:
+            raise ValueError(f"--nat {self.nat} is more than --peers ({self.peers})")
+        if self.stages and (self.wan or self.nat):
+            raise ValueError(
+                "--wan and --nat rehearse data-parallel peers; they do not apply with --stages yet"
+            )
+        return self
 
     @model_validator(mode="after")
     def _attackers_are_a_minority(self) -> SimConfig:
@@ -243,6 +273,10 @@ def simulate(config: SimConfig) -> int:
         return simulate_pipeline(config, run)
     root = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
     local = LocalSwarm(root)
+    lab: WanLab | None = None
+    if config.wan or config.nat:
+        link = LinkSpec.parse(config.wan) if config.wan else LinkSpec()
+        lab = WanLab(hosts=config.peers + 1, nat=config.nat, link=link, reaper=local.reaper)
     started = time.monotonic()
     deadline = started + config.timeout_s
     churn_events: list[dict] = []
@@ -252,8 +286,12 @@ def simulate(config: SimConfig) -> int:
           f"(logs in {root})", flush=True)  # fmt: skip
     progress = Progress(config.steps, config.target_batch_size)
     try:
-        coordinator = local.start_coordinator(run)
+        if lab is not None:
+            lab.up()
+        coordinator = local.start_coordinator(run, **_placement(lab, 0))
         address = coordinator.extra["address"]
+        # In the lab no route leads from here to the coordinator's namespace: ask through its socket.
+        control = coordinator.extra["socket"] if lab is not None else address
         checkpoints = coordinator.extra["data_dir"] / "checkpoints"
         names = [f"peer{i}" for i in range(config.peers)]
         devices = {name: "gpu" if i < config.gpu_peers else "cpu" for i, name in enumerate(names)}
@@ -264,15 +302,20 @@ def simulate(config: SimConfig) -> int:
         flags = ["--activation-checkpointing"] if config.activation_checkpointing else []
         peers = {
             name: local.start_peer(
-                address, name, *flags, *(rehearsal if name in byzantine else ()), device=devices[name]
+                address,
+                name,
+                *flags,
+                *(rehearsal if name in byzantine else ()),
+                device=devices[name],
+                **_placement(lab, i + 1),
             )
-            for name in names
+            for i, name in enumerate(names)
         }
         initial_loss, _ = evaluate(run, None)
         churned = False
         final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
         while True:
-            snapshot = status_to_dict(status(address))
+            snapshot = status_to_dict(status(control))
             _record_validation(snapshot, byzantine, val_history)
             progress.show(snapshot, {n for n, c in peers.items() if c.process.poll() is None}, started)
             steps = {
@@ -292,9 +335,11 @@ def simulate(config: SimConfig) -> int:
                 peers[victim].wait(timeout_s=30)
                 churn_events.append({"killed": victim, "at_step": max(steps.values())})
                 wait_until(
-                    lambda v=victim: _state(address, v) == "offline", timeout_s=30, what=f"{victim} offline"
+                    lambda v=victim: _state(control, v) == "offline", timeout_s=30, what=f"{victim} offline"
                 )
-                peers[victim] = local.start_peer(address, victim, *flags, device=devices[victim])
+                peers[victim] = local.start_peer(
+                    address, victim, *flags, device=devices[victim], **_placement(lab, len(names))
+                )
                 churn_events[-1]["restarted"] = True
                 churned = True
             if (
@@ -317,7 +362,8 @@ def simulate(config: SimConfig) -> int:
         progress.close()
         samples_per_s = progress.rate(config.steps)
         final_loss, final_hash = evaluate(run, final)
-        snapshot = status_to_dict(status(address))
+        snapshot = status_to_dict(status(control))
+        wan = _wan_report(lab, names) if lab is not None else None
         for name in names:
             if peers[name].process.poll() is None:
                 peers[name].signal(signal.SIGTERM)
@@ -343,6 +389,7 @@ def simulate(config: SimConfig) -> int:
             "peers_agree": agree,
             "churn_events": churn_events,
             "val_history": val_history,
+            "wan": wan,
             "attack": config.attack,
             "aggregator": run.training.aggregator,
             "duration_s": duration,
@@ -362,8 +409,29 @@ def simulate(config: SimConfig) -> int:
     finally:
         progress.close()
         local.kill_all()
+        if lab is not None:
+            lab.down()
         if not config.keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _placement(lab: WanLab | None, index: int) -> dict:
+    """Where process ``index`` runs (0: the coordinator, K: peer K-1): loopback, or its lab host."""
+    if lab is None:
+        return {}
+    return {"host": lab.host(index + 1).address, "prefix": lab.exec_prefix(index + 1)}
+
+
+def _wan_report(lab: WanLab, names: list[str]) -> dict:
+    """The lab's links and what the kernel counted on each peer's link."""
+    counted = {name: lab.link_bytes(i + 2) for i, name in enumerate(names)}
+    return {
+        "up_mbit": lab.link.up_mbit,
+        "down_mbit": lab.link.down_mbit,
+        "behind_nat": [name for i, name in enumerate(names) if lab.host(i + 2).behind_nat],
+        "link_bytes_sent": {name: sent for name, (sent, _) in counted.items()},
+        "link_bytes_received": {name: received for name, (_, received) in counted.items()},
+    }
 
 
 def _record_validation(snapshot: dict, byzantine: set[str], history: list[float]) -> None:

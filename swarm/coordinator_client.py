@@ -70,7 +70,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class CoordinatorClient:
     def __init__(self, address: str, *, timeout_s: float = 10.0):
-        parse_address(address)
+        """``address`` is HOST:PORT, or ``unix:/path`` for a coordinator's socket on this machine."""
+        if not address.startswith("unix:/"):
+            parse_address(address)
         self.address = address
         self.timeout_s = timeout_s
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

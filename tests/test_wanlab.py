@@ -3,17 +3,19 @@ namespaces that never outlive the process that made them. These tests need root 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from coordinator.localswarm import Reaper
+from coordinator.localswarm import LocalSwarm, Reaper, tiny_run
 from coordinator.wanlab import NETNS_DIR, LinkSpec, WanLab, check_lab_possible
 from protocols.errors import ConfigError
 
@@ -161,3 +163,78 @@ def test_a_lab_removes_its_namespaces_on_exit():
         assert len(names) == 2
     assert not [n for n in os.listdir(NETNS_DIR) if n.startswith(lab.prefix)]
     reaper.release()
+
+
+def _lab_status(lab: WanLab, address: str) -> dict:
+    """The coordinator's status, asked from inside the lab (the machine's own namespace has no route in)."""
+    done = subprocess.run(
+        [*lab.exec_prefix(1), sys.executable, "-m", "coordinator.cli", "status", "--coordinator", address, "--json"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    return json.loads(done.stdout) if done.returncode == 0 else {"peers": []}
+
+
+class _Sampler:
+    """Each peer's upload counter every half second, read from the kernel in the peer's uplink namespace."""
+
+    def __init__(self, lab: WanLab, hosts: list[int]):
+        self.lab, self.hosts, self.samples = lab, hosts, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.5):
+            self.samples.append((time.monotonic(), {k: self.lab.link_bytes(k)[0] for k in self.hosts}))
+
+    def peak_mbit(self, host: int, window_s: float = 2.0) -> float:
+        peak = 0.0
+        for i, (t0, first) in enumerate(self.samples):
+            for t1, later in self.samples[i + 1 :]:
+                if t1 - t0 >= window_s:
+                    peak = max(peak, (later[host] - first[host]) * 8 / (t1 - t0) / 1e6)
+                    break
+        return peak
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_peers_on_capped_links_one_behind_nat_train_to_identical_parameters(tmp_path: Path):
+    run = tiny_run("wan-run", max_steps=3, min_group_size=3)
+    local = LocalSwarm(tmp_path)
+    lab = WanLab(hosts=4, nat=1, link=LinkSpec(up_mbit=20, down_mbit=100), reaper=local.reaper)
+    sampler = None
+    try:
+        lab.up()
+        coordinator = local.start_coordinator(run, host=lab.host(1).address, prefix=lab.exec_prefix(1))
+        address = coordinator.extra["address"]
+        peers = [
+            local.start_peer(address, f"peer{k}", host=lab.host(k).address, prefix=lab.exec_prefix(k))
+            for k in (2, 3, 4)
+        ]
+        sampler = _Sampler(lab, [2, 3, 4])
+        deadline = time.monotonic() + 300
+        while True:
+            status = _lab_status(lab, address)
+            online = [p for p in status["peers"] if p["state"] == "online"]
+            if len(online) == 3 and all(p["step"] >= 3 for p in online):
+                break
+            for peer in peers:
+                assert peer.process.poll() is None, peer.output()[-3000:]
+            assert time.monotonic() < deadline, (
+                f"no step 3 within 300 s: {[(p['name'], p['step']) for p in online]}"
+            )
+            time.sleep(3)
+        assert len({p["param_hash"] for p in online}) == 1, "peers on capped links, one behind NAT, agree"
+        for k in (2, 3, 4):
+            assert sampler.peak_mbit(k) <= 20 * 1.1, (
+                f"host {k} sent {sampler.peak_mbit(k):.1f} Mbit/s over a 20 Mbit/s cap"
+            )
+        # The peer behind NAT took part in every round: its groupmates reached it over its own connections.
+        assert "step 3: averaged with 3 peers" in peers[2].output()
+        assert lab.link_bytes(4)[0] > 0
+    finally:
+        if sampler is not None:
+            sampler.stop.set()
+        local.kill_all()
+        lab.down()
