@@ -1,7 +1,9 @@
 """The coordinator's checkpoints: it fetches the state the peers agree on and keeps it on disk.
 
 Every ``checkpoint_every_steps`` (and at ``max_steps``) the keeper downloads the full state from peers
-that hold the agreed hash, verifies it, and saves a safetensors checkpoint under the data dir. It serves
+that hold the agreed hash (by the same rule peers follow, ``swarm.training.catchup``: a strict majority
+of the certified, unbanned peers with a signed progress record), verifies it, and saves a safetensors
+checkpoint under the data dir. It serves
 the latest checkpoint to peers and announces it in the DHT with a record signed by the coordinator key,
 so a swarm restarted from nothing resumes at the checkpoint's step. No gradient passes through here.
 """
@@ -14,18 +16,21 @@ import random
 from pathlib import Path
 
 import hivemind
-from hivemind.p2p import PeerID
 
 from protocols.errors import SwarmError
 from protocols.keys import SigningKey
+from swarm.bans import fetch_ban_list
 from swarm.config import RunConfig
+from swarm.records import RecordTrust
+from swarm.training.catchup import Position, catch_up_target
 from swarm.training.checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
-from swarm.training.progress import agreed_hash, fetch_progress
+from swarm.training.progress import PeerProgress, fetch_progress
 from swarm.training.state import build_optimizer, encode_state, ensure_optimizer_state, state_tensors
 from swarm.training.sync import (
     EncodedState,
     StateServicer,
     download_state,
+    peer_id_of,
     publish_checkpoint_record,
     state_namespace,
 )
@@ -53,6 +58,9 @@ class CheckpointKeeper:
         self._encoded: EncodedState | None = None
         self._max_bytes = 0
         self._p2p = None
+        self.banned: set[str] = set()
+        self.trust = RecordTrust(run.run_id, key.public_key, is_banned=lambda p: p in self.banned)
+        self.view: dict[str, PeerProgress] = {}
 
     async def start(self) -> None:
         self._max_bytes = 2 * await asyncio.to_thread(state_size_bytes, self.run) + (1 << 20)
@@ -60,8 +68,13 @@ class CheckpointKeeper:
         if self.latest is not None:
             logger.info(f"resuming from checkpoint of step {self.latest.step} ({self.latest.path.name})")
         self._p2p = await self.dht.replicate_p2p()
-        servicer = StateServicer(self.run.run_id, self._provide)
+        servicer = StateServicer(self.run.run_id, self._provide, admit=self._admit)
         await servicer.add_p2p_handlers(self._p2p, namespace=state_namespace(self.run.run_id))
+
+    async def _admit(self, requester: str) -> str | None:
+        if requester in self.banned or requester not in self.view:
+            return f"{requester} has no valid signed progress record in run {self.run.run_id!r}"
+        return None
 
     async def _provide(self) -> EncodedState | None:
         latest = self.latest
@@ -95,21 +108,21 @@ class CheckpointKeeper:
                 self.dht, self.key, self.run.run_id, step=self.latest.step, state_hash=self.latest.state_hash,
                 ttl_s=RECORD_TTL_S,
             )  # fmt: skip
-        view = await fetch_progress(self.dht, self.run.run_id)
-        for step in sorted({p.step for p in view.values()}, reverse=True):
-            expected, count = agreed_hash(view, step)
-            holders = [p.peer_id for p in view.values() if p.step == step and p.state_hash == expected]
-            if count >= 2 or len([p for p in view.values() if p.step == step]) == 1:
-                if self._due(step):
-                    await self._fetch_and_save(step, expected, holders)
-                return
+        bans = await fetch_ban_list(self.dht, self.run.run_id, self.key.public_key)
+        if bans is not None:
+            self.banned = bans[1]
+        self.view = await fetch_progress(self.dht, self.trust)
+        others = {k: Position(p.step, p.state_hash) for k, p in self.view.items()}
+        target = catch_up_target(None, others, max_step=self.run.training.max_steps)
+        if target is not None and self._due(target.step):
+            await self._fetch_and_save(target.step, target.state_hash, target.holders)
 
     async def _fetch_and_save(self, step: int, expected: str, holders: list[str]) -> None:
         random.shuffle(holders)
         for holder in holders:
             try:
                 decoded = await download_state(
-                    self._p2p, PeerID.from_base58(holder), namespace=state_namespace(self.run.run_id),
+                    self._p2p, peer_id_of(holder), namespace=state_namespace(self.run.run_id),
                     run_id=self.run.run_id, min_step=step, expected_hash=expected, max_bytes=self._max_bytes,
                     timeout_s=self.run.training.averaging_timeout_s,
                 )  # fmt: skip

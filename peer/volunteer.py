@@ -46,6 +46,7 @@ from swarm.identity import load_or_create_identity
 from swarm.membership import fetch_members, publish_certificate
 from swarm.pipeline.trainer import PipelineTrainer
 from swarm.pipeline.worker import StageWorker, available_memory_bytes
+from swarm.records import RecordSigner, TrustValidator
 from swarm.training.precision import check_precision
 from swarm.training.trainer import Trainer
 
@@ -152,7 +153,9 @@ class Volunteer:
         """Refresh our DHT member record and count the verified members; DHT trouble is logged, not fatal."""
         run = self.run_config
         try:
-            await publish_certificate(self._dht, self.certificate, ttl_s=run.membership.offline_after_s)
+            await publish_certificate(
+                self._dht, self.key, self.certificate, ttl_s=run.membership.offline_after_s
+            )
             return len(await fetch_members(self._dht, run.run_id, self.coordinator_key))
         except Exception as e:
             logger.warning(f"DHT announce failed: {e}")
@@ -180,6 +183,7 @@ class Volunteer:
                 self._set_state("paused" if self.paused else "online")
                 if answer.certificate is not None:
                     self.certificate = answer.certificate
+                    self.records.certificate = answer.certificate.encoded
                     logger.info(f"certificate renewed (serial {answer.certificate.serial})")
             except NetworkError as e:
                 failures += 1
@@ -341,7 +345,9 @@ class Volunteer:
                 port=config.port,
                 initial_peers=admission.dht_initial_peers,
                 upnp=config.upnp,
+                validators=[TrustValidator(self.run_config.run_id, self.coordinator_key)],
             )
+            self.records = RecordSigner(self.key, self.certificate.encoded)
             training: asyncio.Task | None = None
             try:
                 if self.run_config.pipeline.stages > 1 or config.role in ("stage", "trainer"):
@@ -352,7 +358,7 @@ class Volunteer:
                         coordinator_key=self.coordinator_key, signing_key=self.key, data_host=config.host,
                         data_port=config.data_port, data_announce_host=config.public_host,
                         upload_limiter=self.upload_limiter, accuse=self._accuser(client),
-                        attack=self._rehearsed_attack(),
+                        attack=self._rehearsed_attack(), record_signer=self.records,
                         activation_checkpointing=config.activation_checkpointing,
                         fit_memory=config.max_gpu_memory is not None,
                     )  # fmt: skip

@@ -21,6 +21,11 @@ HEARTBEAT = "heartbeat"
 LEAVE = "leave"
 ACCUSE = "accuse"
 BAN_LIST = "ban-list"
+# Signed DHT records (see swarm/records.py): one purpose per record kind, so none passes for another.
+PROGRESS_RECORD = "progress-record"
+PIPELINE_RECORD = "pipeline-record"
+MEMBER_RECORD = "member-record"
+CHECKPOINT_RECORD = "checkpoint-record"
 
 CHALLENGE_BYTES = 32
 # A ban list page stays under 16 KiB (see swarm.bans); 128 pages hold 25,600 peer IDs.
@@ -92,6 +97,49 @@ class BanListBody(_Body):
     pages: int = Field(ge=1, le=MAX_BAN_PAGES)
     list_sha256: bytes = Field(min_length=32, max_length=32)
     changed_at: float = Field(ge=0, allow_inf_nan=False)
+
+
+Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=0, lt=2**63)]
+Rate = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+# A per-peer DHT record carries its signer's certificate, so a reader checks admission offline.
+CertificateBytes = Annotated[bytes, Field(max_length=4096)]
+
+
+class ProgressRecordBody(_Body):
+    step: Count
+    samples: Count
+    samples_per_s: Rate
+    state_hash: Hash
+    certificate: CertificateBytes = b""
+
+
+class MemberRecordBody(_Body):
+    certificate: CertificateBytes
+
+
+class StageRecordBody(_Body):
+    role: Literal["stage"]
+    stage: int = Field(ge=0, le=1024)
+    step: Count
+    samples_per_s: Rate
+    load: float = Field(ge=0, le=1, allow_inf_nan=False)
+    state_hash: Hash
+    param_hash: Hash
+    certificate: CertificateBytes = b""
+
+
+class TrainerRecordBody(_Body):
+    role: Literal["trainer"]
+    step: Count
+    samples: Count
+    in_flight: Count
+    certificate: CertificateBytes = b""
+
+
+class CheckpointRecordBody(_Body):
+    step: Count
+    state_hash: Hash
 
 
 Body = TypeVar("Body", bound=_Body)

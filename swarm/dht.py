@@ -13,10 +13,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.popen_spawn_posix import Popen as SpawnPopen
 from pathlib import Path
 
 import hivemind
+from hivemind.dht.validation import RecordValidatorBase
 
 from protocols.errors import ConfigError, NetworkError
 from protocols.keys import SigningKey
@@ -62,10 +64,15 @@ def start_dht(
     initial_peers: list[str],
     upnp: bool = False,
     startup_timeout_s: float = 30.0,
+    validators: Sequence[RecordValidatorBase] = (),
 ) -> hivemind.DHT:
-    """Start a DHT node whose libp2p identity is ``identity_path`` (which must hold ``key``)."""
+    """Start a DHT node whose libp2p identity is ``identity_path`` (which must hold ``key``).
+
+    ``validators`` check every record this node stores or receives: pass ``swarm.records.TrustValidator``
+    for the run, so the node refuses unsigned records and far-future values under the run's keys."""
     dht = SpawnedDHT(
         initial_peers=initial_peers,
+        record_validators=list(validators),
         host_maddrs=[listen_maddr(host, port)],
         identity_path=str(identity_path),
         # hivemind's check assumes RSA identities; our Ed25519 peer ID is checked just below.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,9 +12,12 @@ import pytest
 import torch
 
 from coordinator.localswarm import running_coordinator, tiny_run
-from protocols.keys import PublicKey
+from protocols.certificates import issue_certificate
+from protocols.keys import SigningKey
 from swarm.averaging.allreduce import ButterflyAllReduce
-from swarm.dht import SpawnedDHT
+from swarm.dht import SpawnedDHT, start_dht
+from swarm.identity import create_identity, load_identity
+from swarm.records import RecordSigner, TrustValidator
 from swarm.training.checkpoint import load_latest_checkpoint
 from swarm.training.state import encode_state, state_tensors
 from swarm.training.sync import EncodedState
@@ -29,11 +33,19 @@ class VanishingAllReduce(ButterflyAllReduce):
         await asyncio.sleep(3600)
 
 
-def start_dhts(count: int, initial_peers: list[str] | None = None) -> list[SpawnedDHT]:
+KEYS: dict[str, SigningKey] = {}  # peer ID -> the identity its DHT runs under (trainers sign with it)
+
+
+def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()) -> list[SpawnedDHT]:
     dhts: list[SpawnedDHT] = []
+    home = Path(tempfile.mkdtemp(prefix="swarm-test-keys-"))
     for _ in range(count):
         peers = initial_peers or ([str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [])
-        dhts.append(SpawnedDHT(start=True, initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        path = home / f"peer{len(dhts)}.key"
+        key = create_identity(path)
+        dht = start_dht(key, path, host="127.0.0.1", port=0, initial_peers=peers, validators=validators)
+        KEYS[key.peer_id] = key
+        dhts.append(dht)
     return dhts
 
 
@@ -47,7 +59,10 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 def trainers_for(run, dhts, **kwargs) -> list[Trainer]:
     torch.set_num_threads(1)
-    return [Trainer(run, d, peer_id=d.peer_id.to_base58(), **kwargs) for d in dhts]
+    return [
+        Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()], **kwargs)
+        for d in dhts
+    ]
 
 
 def test_late_joiner_and_a_peer_dying_mid_round():
@@ -89,8 +104,17 @@ def test_late_joiner_and_a_peer_dying_mid_round():
 async def coordinated_swarm(run, data_dir: Path, peers: int):
     """A coordinator and ``peers`` training peers, each with its own DHT process; all stopped on exit."""
     async with running_coordinator(run, data_dir) as node:
-        dhts = start_dhts(peers, node.dht_initial_peers)
-        trainers = trainers_for(run, dhts, coordinator_key=PublicKey.from_peer_id(node.coordinator_peer_id))
+        coordinator_key = load_identity(data_dir / "identity.key")
+        validator = TrustValidator(run.run_id, coordinator_key.public_key)
+        dhts = start_dhts(peers, node.dht_initial_peers, validators=[validator])
+        torch.set_num_threads(1)
+        trainers = []
+        for dht in dhts:  # admitted peers: each signs its records with a certificate from the coordinator
+            key = KEYS[dht.peer_id.to_base58()]
+            certificate = issue_certificate(coordinator_key, public_key=key.public_key, run_id=run.run_id,
+                                            role="data", name="t", serial=1, ttl_s=600)  # fmt: skip
+            trainers.append(Trainer(run, dht, peer_id=key.peer_id, coordinator_key=coordinator_key.public_key,
+                                    signing_key=key, record_signer=RecordSigner(key, certificate.encoded)))  # fmt: skip
         stop = asyncio.Event()
         tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
         try:
@@ -150,7 +174,9 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
     run = tiny_run("tamper")
     dhts = start_dhts(3)
     honest, liar = trainers_for(run, dhts[:1]) + [
-        TamperingTrainer(run, dhts[1], peer_id=dhts[1].peer_id.to_base58())
+        TamperingTrainer(
+            run, dhts[1], peer_id=dhts[1].peer_id.to_base58(), signing_key=KEYS[dhts[1].peer_id.to_base58()]
+        )
     ]
     joiner = trainers_for(run, dhts[2:])[0]
     step_gradient = torch.randn(honest.numel, generator=torch.Generator().manual_seed(1))
@@ -158,6 +184,9 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
     async def scenario() -> None:
         for trainer in (honest, liar, joiner):
             await trainer.start()
+        for _ in range(2):  # every peer's signed record reaches the others: state goes to known peers only
+            for trainer in (honest, liar, joiner):
+                await trainer.exchange_progress()
         for trainer in (honest, liar):  # both take the same step 1; only the liar will misreport it
             await asyncio.to_thread(trainer._apply, step_gradient)
             await trainer._commit(1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import hivemind
@@ -99,13 +98,6 @@ class PipelineView:
 
     def throughput(self, stage: int) -> float:
         return sum(r.samples_per_s for r in self.stages.get(stage, []))
-
-    def agreed_hash(self, stage: int, step: int) -> tuple[str, int] | None:
-        """The state hash most replicas of ``stage`` at ``step`` report (ties: the smallest), and how many."""
-        counts = Counter(r.state_hash for r in self.replicas(stage, step))
-        if not counts:
-            return None
-        return min(counts.items(), key=lambda item: (-item[1], item[0]))
 
 
 async def publish_record(

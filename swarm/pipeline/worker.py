@@ -30,7 +30,6 @@ import random
 import time
 
 import hivemind
-from hivemind.p2p import PeerID
 
 from protocols.errors import ConfigError, SwarmError
 from protocols.keys import PublicKey, SigningKey
@@ -46,8 +45,16 @@ from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publis
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer, pipeline_namespace
 from swarm.ratelimit import RateLimiter
+from swarm.training.catchup import Position, catch_up_target
 from swarm.training.state import encode_state, state_tensors
-from swarm.training.sync import EncodedState, StateMovedOn, StateServicer, download_state, state_namespace
+from swarm.training.sync import (
+    EncodedState,
+    StateMovedOn,
+    StateServicer,
+    download_state,
+    peer_id_of,
+    state_namespace,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +115,7 @@ class StageWorker:
         self._stats = {"rounds_ok": 0.0, "rounds_failed": 0.0, "resyncs": 0.0, "moves": 0.0}
         self.finished = False
         self.paused = False
+        self._step_since = time.monotonic()  # when this replica's step last changed
 
     def pause(self) -> None:
         """Refuse new micro-batches (trainers go to other replicas); keep averaging to stay in sync."""
@@ -205,7 +213,12 @@ class StageWorker:
         self.replica, self.averager, self._encoded = replica, averager, None
         await replica.measure()
         await replica.commit()
-        state = StateServicer(self.config.run_id, self.encoded_state)
+        state = StateServicer(
+            self.config.run_id,
+            self.encoded_state,
+            admit=self._admit_download,
+            upload_limiter=self.upload_limiter,
+        )
         await state.add_p2p_handlers(
             averager.p2p, namespace=state_namespace(stage_prefix(self.config.run_id, index))
         )
@@ -258,22 +271,28 @@ class StageWorker:
 
     # --- catching up ---------------------------------------------------------------------------------
 
+    async def _admit_download(self, requester: str) -> str | None:
+        """A stage's state goes to certified, unbanned peers only (the stage server's own policy)."""
+        await self.policy.admit([requester])
+        return self.policy.refusal(requester)
+
     def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
-        """The step and hash to move to, with the replicas that hold it; None when in line (as Trainer)."""
+        """The step and hash to move to, with the replicas that hold it; None when in line. The rule is the
+        data-parallel trainer's (``swarm.training.catchup``), among the replicas of this stage."""
         r = self.replica
-        others = [x for x in self.view.replicas(r.index) if x.peer_id != self.peer_id]
-        step = max((x.step for x in others), default=-1)
-        if step < r.step:
-            return None
-        expected, count = self.view.agreed_hash(r.index, step)
-        if step == r.step:
-            mine = 1 + sum(1 for x in others if x.step == step and x.state_hash == r.state_hash)
-            if expected == r.state_hash or (mine, expected) > (count, r.state_hash):
-                return None
-        at_step = [x for x in others if x.step == step]
-        if count < 2 and len(at_step) > 1:
-            return None
-        return step, expected, [x.peer_id for x in at_step if x.state_hash == expected]
+        others = {
+            x.peer_id: Position(x.step, x.state_hash)
+            for x in self.view.replicas(r.index)
+            if x.peer_id != self.peer_id and self.policy.refusal(x.peer_id) is None
+        }
+        training = self.config.training
+        stalled = (
+            time.monotonic() - self._step_since > training.matchmaking_time_s + training.averaging_timeout_s
+        )
+        target = catch_up_target(
+            Position(r.step, r.state_hash), others, max_step=training.max_steps, stalled=stalled
+        )
+        return None if target is None else (target.step, target.state_hash, target.holders)
 
     async def _catch_up(self) -> bool:
         move = self._ahead_or_apart()
@@ -287,7 +306,7 @@ class StageWorker:
         for holder in holders:
             try:
                 decoded = await download_state(
-                    self.averager.p2p, PeerID.from_base58(holder),
+                    self.averager.p2p, peer_id_of(holder),
                     namespace=state_namespace(stage_prefix(self.config.run_id, r.index)), run_id=self.config.run_id,
                     min_step=step, expected_hash=expected, max_bytes=2 * stage_bytes(self.config, r.index) + (1 << 20),
                     timeout_s=self.config.training.averaging_timeout_s,
@@ -300,7 +319,7 @@ class StageWorker:
                 continue
             await r.compute(r.load, decoded.step, decoded.tensors)
             await r.commit()
-            self._step_view = self._views
+            self._step_view, self._step_since = self._views, time.monotonic()
             self._stats["resyncs"] += 1
             logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder}")
             return True
@@ -340,7 +359,7 @@ class StageWorker:
             return  # a catch-up replaced the state meanwhile
         await r.compute(r.apply, result.vector)
         await r.commit()
-        self._step_view = self._views
+        self._step_view, self._step_since = self._views, time.monotonic()
         self._stats["rounds_ok"] += 1
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
                     f"{sum(group.weights):.0f} samples (params {r.param_hash[:12]})")  # fmt: skip

@@ -4,12 +4,17 @@ A peer that joins late, or finds itself behind or apart from the others, downloa
 (model, optimizer, step) from a peer that holds it and accepts it only if the bytes hash to the state
 hash that the other peers (or the coordinator's signed checkpoint record) report for that step. A
 download that fails its hash is discarded and the next candidate is tried.
+
+A holder serves its state only to requesters its ``admit`` callback accepts (certified, unbanned
+members of the run), through the peer's upload limiter (``--max-upload-mbps``), to at most
+``MAX_UPLOADS`` requesters at once and ``MAX_UPLOADS_PER_PEER`` streams per requester.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
@@ -19,14 +24,19 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.utils import get_dht_time
 
 from protocols import averaging_pb2 as apb
-from protocols.envelope import open_envelope, seal
+from protocols.envelope import seal
 from protocols.errors import NetworkError, ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
+from protocols.messages import CHECKPOINT_RECORD, CheckpointRecordBody, parse_body
+from swarm.ratelimit import RateLimiter
+from swarm.records import LogOnce, open_run_record, record_key, record_ttl_s
 from swarm.training.state import DecodedState, decode_state
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
+MAX_UPLOADS = 4  # state streams one holder serves at once; each is about 3x the parameter bytes
+MAX_UPLOADS_PER_PEER = 1
 
 
 class StateMovedOn(NetworkError):
@@ -42,6 +52,16 @@ class EncodedState:
 
 # Returns this peer's current encoded state, or None when it has none to share.
 StateProvider = Callable[[], Awaitable[EncodedState | None]]
+# Why a requester (by peer ID) may not download this peer's state, or None when it may.
+Admit = Callable[[str], Awaitable[str | None]]
+
+
+def peer_id_of(peer_id: str) -> PeerID:
+    """The libp2p peer ID named by ``peer_id``; ProtocolError (never ValueError) when it is malformed."""
+    try:
+        return PeerID.from_base58(peer_id)
+    except (ValueError, TypeError):
+        raise ProtocolError(f"{str(peer_id)[:64]!r} is not a peer ID") from None
 
 
 def state_namespace(prefix: str) -> str:
@@ -49,14 +69,48 @@ def state_namespace(prefix: str) -> str:
 
 
 class StateServicer(ServicerBase):
-    """Serves this peer's state to peers that ask for it (hivemind finds ``rpc_*`` by annotations)."""
+    """Serves this peer's state to admitted peers that ask for it (hivemind finds ``rpc_*`` by annotations)."""
 
-    def __init__(self, run_id: str, provider: StateProvider):
-        self.run_id, self.provider = run_id, provider
+    def __init__(
+        self,
+        run_id: str,
+        provider: StateProvider,
+        *,
+        admit: Admit,
+        upload_limiter: RateLimiter | None = None,
+        max_uploads: int = MAX_UPLOADS,
+        max_uploads_per_peer: int = MAX_UPLOADS_PER_PEER,
+    ):
+        self.run_id, self.provider, self.admit, self.upload_limiter = run_id, provider, admit, upload_limiter
+        self.max_uploads, self.max_uploads_per_peer = max_uploads, max_uploads_per_peer
+        self.uploads: Counter[str] = Counter()
+        self.refused = 0
+        self._log = LogOnce()
 
     async def rpc_download_state(
         self, request: apb.StateRequest, context: P2PContext
     ) -> TypingAsyncIterator[apb.StateChunk]:
+        requester = context.remote_id.to_base58()
+        refusal = await self.admit(requester)
+        if refusal is None and sum(self.uploads.values()) >= self.max_uploads:
+            refusal = f"this peer already serves {self.max_uploads} state downloads; try another holder"
+        elif refusal is None and self.uploads[requester] >= self.max_uploads_per_peer:
+            refusal = f"{requester} already has {self.uploads[requester]} state downloads running here"
+        if refusal is not None:
+            self.refused += 1
+            self._log.warning(f"a state request from {requester}", refusal)
+            yield apb.StateChunk(error=refusal)
+            return
+        self.uploads[requester] += 1
+        try:
+            async for chunk in self._send(request, requester):
+                yield chunk
+        finally:
+            self.uploads[requester] -= 1
+            if self.uploads[requester] <= 0:
+                del self.uploads[requester]
+
+    async def _send(self, request: apb.StateRequest, requester: str) -> TypingAsyncIterator[apb.StateChunk]:
         state = await self.provider()
         if request.run_id != self.run_id:
             yield apb.StateChunk(error=f"this peer trains run {self.run_id!r}, not {request.run_id!r}")
@@ -64,10 +118,10 @@ class StateServicer(ServicerBase):
         if state is None or state.step < request.min_step:
             yield apb.StateChunk(error=f"no state at step {request.min_step} or later here")
             return
-        logger.info(
-            f"sending state of step {state.step} ({len(state.data) / 2**20:.1f} MiB) to {context.remote_id}"
-        )
+        logger.info(f"sending state of step {state.step} ({len(state.data) / 2**20:.1f} MiB) to {requester}")
         for offset in range(0, max(len(state.data), 1), CHUNK_BYTES):
+            if self.upload_limiter is not None:
+                await self.upload_limiter.acquire(len(state.data[offset : offset + CHUNK_BYTES]))
             header = (
                 {"step": state.step, "state_hash": state.state_hash, "total_bytes": len(state.data)}
                 if offset == 0
@@ -133,11 +187,8 @@ async def download_state(
         raise NetworkError(f"state download from {peer} failed: {e!r}") from None
 
 
-CHECKPOINT_RECORD = "checkpoint-record"
-
-
 def checkpoint_key(run_id: str) -> str:
-    return f"{run_id}.checkpoint"
+    return record_key(run_id, "checkpoint")
 
 
 async def publish_checkpoint_record(
@@ -145,10 +196,9 @@ async def publish_checkpoint_record(
 ) -> bool:
     """Announce, signed by the coordinator, the latest checkpoint it can serve."""
     record = seal(key, CHECKPOINT_RECORD, run_id, {"step": step, "state_hash": state_hash})
+    expiration = get_dht_time() + record_ttl_s("checkpoint", ttl_s)
     return bool(
-        await dht.store(
-            checkpoint_key(run_id), record, expiration_time=get_dht_time() + ttl_s, return_future=True
-        )
+        await dht.store(checkpoint_key(run_id), record, expiration_time=expiration, return_future=True)
     )
 
 
@@ -157,16 +207,17 @@ async def fetch_checkpoint_record(
 ) -> tuple[int, str] | None:
     """The (step, state hash) of the coordinator's latest checkpoint, if a validly signed record exists."""
     found = await dht.get(checkpoint_key(run_id), latest=True, return_future=True)
-    if found is None or not isinstance(found.value, bytes):
+    if found is None:
         return None
     try:
-        envelope = open_envelope(
-            found.value, purpose=CHECKPOINT_RECORD, run_id=run_id, signer=coordinator_key
+        envelope = open_run_record("checkpoint", run_id, found.value, found.expiration_time, coordinator_key)
+        body = parse_body(
+            CheckpointRecordBody, envelope.body, sender=envelope.sender, what="checkpoint record"
         )
-        step, expected = envelope.body["step"], envelope.body["state_hash"]
-        if not isinstance(step, int) or step < 0 or not isinstance(expected, str) or len(expected) != 64:
-            raise ProtocolError("malformed step or state hash")
-    except (SwarmError, KeyError) as e:
-        logger.warning(f"ignoring the checkpoint record in the DHT: {e}")
+    except SwarmError as e:
+        _checkpoint_log.warning("the checkpoint record", str(e))
         return None
-    return step, expected
+    return body.step, body.state_hash
+
+
+_checkpoint_log = LogOnce()

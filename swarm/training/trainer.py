@@ -24,9 +24,8 @@ import time
 
 import hivemind
 import torch
-from hivemind.p2p import PeerID
 
-from protocols.errors import SwarmError
+from protocols.errors import ConfigError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.factory import build_averager
 from swarm.averaging.policy import PeerPolicy
@@ -36,8 +35,10 @@ from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
+from swarm.records import RecordSigner, RecordTrust
+from swarm.training.catchup import Position, catch_up_target
 from swarm.training.microbatch import MicroBatchRunner
-from swarm.training.progress import PeerProgress, agreed_hash, fetch_progress, publish_progress
+from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
 from swarm.training.state import (
     apply_flat_gradient,
     build_optimizer,
@@ -55,6 +56,7 @@ from swarm.training.sync import (
     StateServicer,
     download_state,
     fetch_checkpoint_record,
+    peer_id_of,
     state_namespace,
 )
 
@@ -79,8 +81,13 @@ class Trainer:
         attack: Attack | None = None,
         activation_checkpointing: bool = False,
         fit_memory: bool = False,
+        record_signer: RecordSigner | None = None,
     ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
+        if record_signer is None and signing_key is None:
+            raise ConfigError("a trainer signs its DHT records: pass signing_key (the key of its peer ID)")
+        # Holds this peer's certificate; the volunteer renews it in place.
+        self.records = record_signer or RecordSigner(signing_key)
         self.coordinator_key = coordinator_key
         # Shared by everything this peer sends (averaging parts, state downloads): --max-upload-mbps.
         self.upload_limiter = upload_limiter
@@ -106,6 +113,7 @@ class Trainer:
             upload_limiter=upload_limiter, accuse=accuse, attack=attack, data_host=data_host,
             data_port=data_port, data_announce_host=data_announce_host,
         )  # fmt: skip
+        self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
         self.step = self.samples = self.micro = 0
         self.state_hash = self.param_hash = ""
         self.view: dict[str, PeerProgress] = {}
@@ -116,9 +124,9 @@ class Trainer:
         self._validation = None
         self._stats = dict(
             train_loss=float("nan"), val_loss=float("nan"), val_step=-1.0, rounds_ok=0.0, rounds_failed=0.0,
-            resyncs=0.0, compute_s=0.0,
+            resyncs=0.0, compute_s=0.0, averaging_s=0.0, last_round_s=0.0,
         )  # fmt: skip
-        self._started = time.monotonic()
+        self._started = self._step_since = time.monotonic()
         self._sps = 0.0
         self._views = 0  # progress views fetched so far; a round waits for one taken at its own step
         self._step_view = 0
@@ -186,6 +194,8 @@ class Trainer:
         """Move to ``step`` with the hashes of the state now held. The step and its hashes change together
         on the event loop, so progress never pairs a new step with an old hash."""
         hashes = await asyncio.to_thread(self._hashes, step)
+        if step != self.step:
+            self._step_since = time.monotonic()
         self.step, (self.state_hash, self.param_hash) = step, hashes
         self._encoded = None
 
@@ -220,6 +230,16 @@ class Trainer:
                 self._encoded = EncodedState(self.step, self.state_hash, data)
             return self._encoded
 
+    async def _admit_download(self, requester: str) -> str | None:
+        """State goes to the coordinator and to peers with a valid signed record in the last view."""
+        if self.coordinator_key is not None and requester == self.coordinator_key.peer_id:
+            return None
+        if requester in self.averager.banned:
+            return f"{requester} is banned from run {self.config.run_id!r}"
+        if requester not in self.view:
+            return f"{requester} has no valid signed progress record in run {self.config.run_id!r}"
+        return None
+
     def max_state_bytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in state_tensors(self.model, self.optimizer).values())
         return 2 * total + (1 << 20)
@@ -229,8 +249,9 @@ class Trainer:
         random.shuffle(sources)
         for source in sources:
             try:
+                holder = peer_id_of(source)
                 decoded = await download_state(
-                    self.averager.p2p, PeerID.from_base58(source), namespace=state_namespace(self.config.run_id),
+                    self.averager.p2p, holder, namespace=state_namespace(self.config.run_id),
                     run_id=self.config.run_id, min_step=step, expected_hash=expected_hash,
                     max_bytes=self.max_state_bytes(), timeout_s=self.config.training.averaging_timeout_s,
                 )  # fmt: skip
@@ -251,25 +272,17 @@ class Trainer:
         return False
 
     def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
-        """The step and hash this peer should move to, with the peers that hold it; None if it is in line.
-
-        It moves when the run is ahead of it, or when most peers at its own step hold another state
-        (ties go to the smaller hash, so every peer decides the same way). A state is taken from a single
-        holder only when that holder is alone at its step: otherwise two peers must vouch for it.
-        """
-        others = {k: v for k, v in self.view.items() if k != self.peer_id}
-        step = max((p.step for p in others.values()), default=-1)
-        if step < self.step:
-            return None
-        expected, count = agreed_hash(others, step)
-        if step == self.step:
-            mine = 1 + sum(1 for p in others.values() if p.step == step and p.state_hash == self.state_hash)
-            if expected == self.state_hash or (mine, expected) > (count, self.state_hash):
-                return None
-        at_step = [p for p in others.values() if p.step == step]
-        if count < 2 and len(at_step) > 1:
-            return None
-        return step, expected, [p.peer_id for p in at_step if p.state_hash == expected]
+        """The step and hash this peer should move to, with the peers that hold it; None if it is in line
+        (the rule, and why a Sybil cannot steer it, is in ``swarm.training.catchup``)."""
+        others = {k: Position(v.step, v.state_hash) for k, v in self.view.items() if k != self.peer_id}
+        training = self.config.training
+        stalled = (
+            time.monotonic() - self._step_since > training.matchmaking_time_s + training.averaging_timeout_s
+        )
+        target = catch_up_target(
+            Position(self.step, self.state_hash), others, max_step=training.max_steps, stalled=stalled
+        )
+        return None if target is None else (target.step, target.state_hash, target.holders)
 
     async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
@@ -292,22 +305,28 @@ class Trainer:
     def _progress(self) -> PeerProgress:
         return PeerProgress(self.peer_id, self.step, self.samples, self._sps, self.state_hash, time.time())
 
+    async def exchange_progress(self) -> None:
+        """Publish this peer's signed progress record and read the verified records of the others."""
+        ttl_s = max(3.0, 6 * self.config.training.progress_interval_s)
+        if not self.paused:  # a paused peer must not look like a groupmate the others wait for
+            await publish_progress(self.dht, self.records, self.config.run_id, self._progress(), ttl_s=ttl_s)
+        fresh = await fetch_progress(self.dht, self.trust)
+        # A failed read must not make the run look empty: keep records that have not expired yet.
+        recent = {
+            k: v for k, v in self.view.items()
+            if v.updated_at > time.time() - ttl_s and k not in self.averager.banned
+        }  # fmt: skip
+        self.view = {**recent, **fresh}
+        self._views += 1
+        await self._refresh_bans()
+
     async def _publish_forever(self) -> None:
-        interval = self.config.training.progress_interval_s
         while True:
             try:
-                ttl_s = max(3.0, 6 * interval)
-                if not self.paused:  # a paused peer must not look like a groupmate the others wait for
-                    await publish_progress(self.dht, self.config.run_id, self._progress(), ttl_s=ttl_s)
-                fresh = await fetch_progress(self.dht, self.config.run_id)
-                # A failed read must not make the run look empty: keep records that have not expired yet.
-                recent = {k: v for k, v in self.view.items() if v.updated_at > time.time() - ttl_s}
-                self.view = {**recent, **fresh}
-                self._views += 1
-                await self._refresh_bans()
+                await self.exchange_progress()
             except Exception as e:
                 logger.debug(f"progress exchange failed: {e!r}")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.config.training.progress_interval_s)
 
     async def _refresh_bans(self) -> None:
         """Take the coordinator's newest signed ban list; the averager refuses those peers from then on."""
@@ -340,6 +359,7 @@ class Trainer:
         # Everyone training at this step is about to look for a group too: assemble once all have joined
         # (never fewer than the run needs; a peer that left only makes the leader wait out its window).
         expected = max(needed, 1 + sum(1 for p in others if p.step == self.step))
+        started = time.monotonic()
         outcome = await self.averager.average(
             vector,
             weight,
@@ -348,6 +368,9 @@ class Trainer:
             expected_size=expected,
             out=self._averaged,
         )
+        # Matchmaking plus all-reduce: what a slow link costs this peer (docs/wan.md reads it).
+        self._stats["last_round_s"] = time.monotonic() - started
+        self._stats["averaging_s"] += self._stats["last_round_s"]
         if outcome is None:
             self._stats["rounds_failed"] += 1
             logger.info(f"step {self.step}: no averaging group formed; accumulating further")
@@ -390,7 +413,12 @@ class Trainer:
     async def start(self) -> None:
         """Join the run's averaging and start serving this peer's state."""
         await self.averager.start()
-        servicer = StateServicer(self.config.run_id, self.encoded_state)
+        servicer = StateServicer(
+            self.config.run_id,
+            self.encoded_state,
+            admit=self._admit_download,
+            upload_limiter=self.upload_limiter,
+        )
         await servicer.add_p2p_handlers(self.averager.p2p, namespace=state_namespace(self.config.run_id))
         await self._commit(self.step)
 

@@ -1,0 +1,198 @@
+"""Protocol attacks for rehearsal: what an unadmitted process can try against a run's DHT and state servers.
+
+The attacker has read this code, asked the coordinator's public ``Status`` RPC for the run ID and the
+DHT's bootstrap addresses, and joined with a stock ``hivemind.DHT`` (no validators), a fresh key and no
+certificate. Each attack is registered by name like ``swarm.byzantine.attacks``; ``mount(target)`` runs
+it once and returns how many records or requests it sent, so a rehearsal mounts it again and again while
+honest peers train:
+
+- ``forged_progress``: a progress record one step ahead with the hash of a poisoned state, both as the
+  old unsigned dict and as a record signed by a fresh, uncertified key;
+- ``sybil_hash``: the same poisoned (step, hash) under many made-up peer IDs, to outvote honest peers;
+- ``malformed_subkey``: a record ahead of the run under a subkey that is not a peer ID (``"!!!!"``);
+- ``far_future``: ``b"junk"`` stored as a single value that expires in 30 years under every record key
+  of the run (progress, pipeline, members, checkpoint, bans), to replace the real records;
+- ``download_flood``: many concurrent state downloads from the holders, to exhaust their uplink.
+
+Example::
+
+    attack = make_protocol_attack("sybil_hash", {"sybils": 8})
+    sent = await attack.mount(ProtocolTarget(stock_dht, run_id, holders=[honest_peer_id]))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+from hivemind.utils import get_dht_time
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocols import averaging_pb2 as apb
+from protocols.envelope import open_envelope
+from protocols.keys import SigningKey
+from swarm.records import PEER_KINDS, RUN_KINDS, record_key, seal_peer_record
+from swarm.registry import Registry
+
+POISON_HASH = hashlib.sha256(b"a poisoned training state").hexdigest()
+FAR_FUTURE_S = 1e9
+
+
+@dataclass
+class ProtocolTarget:
+    """What the attacker reaches: its own DHT node, the run, and the honest state holders it saw."""
+
+    dht: hivemind.DHT
+    run_id: str
+    holders: list[str] = field(default_factory=list)
+    state_namespace: str = ""
+
+
+class ProtocolAttackOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProtocolAttack:
+    name = "none"
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+
+    async def mount(self, target: ProtocolTarget) -> int:
+        """Run the attack once; returns how many records or requests it sent."""
+        return 0
+
+
+ProtocolAttackFactory = Callable[[Any], ProtocolAttack]
+PROTOCOL_ATTACKS: Registry[ProtocolAttackFactory] = Registry(
+    kind="protocol attack", group="swarm.protocol_attacks"
+)
+
+
+def register_protocol_attack(name: str, options_cls: type[BaseModel] = ProtocolAttackOptions) -> Callable:
+    return PROTOCOL_ATTACKS.register(name, options_cls)
+
+
+def protocol_attack_names() -> list[str]:
+    return PROTOCOL_ATTACKS.names()
+
+
+def make_protocol_attack(name: str, options: Mapping[str, Any] | None = None) -> ProtocolAttack:
+    attack = PROTOCOL_ATTACKS.get(name).factory(PROTOCOL_ATTACKS.validate(name, options))
+    attack.name = name
+    return attack
+
+
+async def observed_step(dht: hivemind.DHT, run_id: str) -> int:
+    """The highest step in the run's progress records, as anyone reading the DHT sees it."""
+    found = await dht.get(record_key(run_id, "progress"), latest=True, return_future=True)
+    steps = [0]
+    for item in (
+        getattr(found, "value", {}).values() if isinstance(getattr(found, "value", None), dict) else []
+    ):
+        try:
+            steps.append(
+                int(open_envelope(item.value, purpose=PEER_KINDS["progress"], run_id=run_id).body["step"])
+            )
+        except Exception:
+            continue
+    return max(steps)
+
+
+async def _store_progress(
+    dht: hivemind.DHT, run_id: str, subkey: str, step: int, *, signer: SigningKey | None
+) -> bool:
+    body = {"step": step, "samples": 10**6, "samples_per_s": 1e6, "state_hash": POISON_HASH}
+    value: object = body if signer is None else seal_peer_record(signer, "progress", run_id, body, b"")
+    return bool(
+        await dht.store(
+            record_key(run_id, "progress"), value, get_dht_time() + 60, subkey=subkey, return_future=True
+        )
+    )
+
+
+class AheadOptions(ProtocolAttackOptions):
+    steps_ahead: int = Field(1, ge=0, le=2**62, description="how far ahead of the run the forged step is")
+
+
+@register_protocol_attack("forged_progress", AheadOptions)
+class ForgedProgress(ProtocolAttack):
+    async def mount(self, target: ProtocolTarget) -> int:
+        step = await observed_step(target.dht, target.run_id) + self.options.steps_ahead
+        key = SigningKey.generate()
+        await _store_progress(target.dht, target.run_id, target.dht.peer_id.to_base58(), step, signer=None)
+        await _store_progress(target.dht, target.run_id, key.peer_id, step, signer=key)
+        return 2
+
+
+class SybilOptions(AheadOptions):
+    sybils: int = Field(8, ge=1, le=256, description="made-up peer IDs that vouch for the poisoned hash")
+
+
+@register_protocol_attack("sybil_hash", SybilOptions)
+class SybilHash(ProtocolAttack):
+    async def mount(self, target: ProtocolTarget) -> int:
+        step = await observed_step(target.dht, target.run_id) + self.options.steps_ahead
+        keys = [SigningKey.generate() for _ in range(self.options.sybils)]
+        await asyncio.gather(
+            *(_store_progress(target.dht, target.run_id, k.peer_id, step, signer=k) for k in keys)
+        )
+        return len(keys)
+
+
+class SubkeyOptions(AheadOptions):
+    subkey: str = Field("!!!!", max_length=64, description="a subkey that is not a base58 peer ID")
+
+
+@register_protocol_attack("malformed_subkey", SubkeyOptions)
+class MalformedSubkey(ProtocolAttack):
+    async def mount(self, target: ProtocolTarget) -> int:
+        step = await observed_step(target.dht, target.run_id) + self.options.steps_ahead
+        await _store_progress(target.dht, target.run_id, self.options.subkey, step, signer=None)
+        await _store_progress(
+            target.dht, target.run_id, self.options.subkey, step, signer=SigningKey.generate()
+        )
+        return 2
+
+
+@register_protocol_attack("far_future")
+class FarFuture(ProtocolAttack):
+    async def mount(self, target: ProtocolTarget) -> int:
+        expiration = get_dht_time() + FAR_FUTURE_S
+        keys = [record_key(target.run_id, kind) for kind in (*PEER_KINDS, *RUN_KINDS)]
+        await asyncio.gather(*(target.dht.store(k, b"junk", expiration, return_future=True) for k in keys))
+        return len(keys)
+
+
+class FloodOptions(ProtocolAttackOptions):
+    requests: int = Field(16, ge=1, le=1024, description="concurrent state downloads per holder")
+
+
+@register_protocol_attack("download_flood", FloodOptions)
+class DownloadFlood(ProtocolAttack):
+    """Counts the state bytes the holders sent; an attacker that is refused receives none."""
+
+    received_bytes = 0
+
+    async def mount(self, target: ProtocolTarget) -> int:
+        from hivemind.p2p import PeerID
+
+        from swarm.training.sync import StateServicer
+
+        p2p = await target.dht.replicate_p2p()
+
+        async def one(holder: str) -> None:
+            stub = StateServicer.get_stub(p2p, PeerID.from_base58(holder), namespace=target.state_namespace)
+            try:
+                async for chunk in await stub.rpc_download_state(apb.StateRequest(run_id=target.run_id)):
+                    self.received_bytes += len(chunk.data)
+            except Exception:  # a holder that drops the stream: the flood goes on
+                return
+
+        requests = [one(h) for h in target.holders for _ in range(self.options.requests)]
+        await asyncio.gather(*requests)
+        return len(requests)

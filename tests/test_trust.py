@@ -1,0 +1,285 @@
+"""The trust boundary of the DHT: signed records, validators, the catch-up rule and state downloads.
+
+The attacker in the multi-process tests is what the issue describes: a stock ``hivemind.DHT`` with a
+fresh key and no certificate, bootstrapped from the honest peers' addresses, mounting the rehearsable
+protocol attacks of ``swarm.byzantine.protocol_attacks``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
+
+from coordinator.localswarm import tiny_run
+from protocols.certificates import issue_certificate
+from protocols.keys import SigningKey
+from swarm.bans import fetch_ban_list, publish_ban_list
+from swarm.byzantine.protocol_attacks import POISON_HASH, ProtocolTarget, make_protocol_attack
+from swarm.dht import start_dht
+from swarm.identity import create_identity
+from swarm.membership import fetch_members, publish_certificate
+from swarm.ratelimit import RateLimiter
+from swarm.records import RecordSigner, RecordTrust, TrustValidator, record_key, seal_peer_record
+from swarm.training.catchup import Position, catch_up_target
+from swarm.training.progress import fetch_progress
+from swarm.training.sync import (
+    EncodedState,
+    StateServicer,
+    download_state,
+    fetch_checkpoint_record,
+    publish_checkpoint_record,
+    state_namespace,
+)
+from swarm.training.trainer import Trainer
+
+RUN = "trust-run"
+H1, H2, H3 = "1" * 64, "2" * 64, "3" * 64
+
+
+# --- the catch-up rule ------------------------------------------------------------------------------
+
+
+def test_catch_up_follows_a_strict_majority_of_certified_peers_only():
+    honest = {"a": Position(5, H1), "b": Position(5, H1)}
+    sybils = {f"s{i}": Position(6, H2) for i in range(2)}
+    assert catch_up_target(Position(5, H1), {**honest, **sybils}) is None, "2 of 4 is no majority"
+    assert catch_up_target(Position(0, H3), honest).holders == ["a", "b"], "a late joiner follows the run"
+    # A round completed for "a" only; "b" is one step behind and a joiner at step 0 watches.
+    seen_by_b = {"a": Position(7, H1), "joiner": Position(0, H3)}
+    assert catch_up_target(Position(6, H2), seen_by_b).holders == ["a"], "peers behind get no vote"
+    seen_by_joiner = {"a": Position(7, H1), "b": Position(6, H2)}
+    assert catch_up_target(Position(0, H3), seen_by_joiner) is None, "the joiner waits for agreement"
+    # "b" and "c" hold the same state, and their rounds keep failing: once stalled, only peers ahead vote.
+    seen_by_c = {"a": Position(7, H1), "b": Position(6, H2)}
+    assert catch_up_target(Position(6, H2), seen_by_c) is None
+    assert catch_up_target(Position(6, H2), seen_by_c, stalled=True).holders == ["a"]
+    moved = catch_up_target(Position(5, H1), {**honest, **sybils, "s2": Position(6, H2)})
+    assert moved is not None and moved.state_hash == H2, "only a majority of certified keys moves a peer"
+
+
+def test_catch_up_never_follows_an_absurd_step_and_apart_peers_never_swap():
+    assert catch_up_target(Position(3, H1), {"x": Position(2**63 - 1, H2)}) is None
+    assert catch_up_target(Position(3, H1), {"x": Position(11, H2)}, max_step=10) is None
+    assert catch_up_target(Position(3, H1), {"x": Position(2, H2)}) is None, "never backwards"
+    # Two peers apart at one step: exactly one of them moves, to the smaller hash.
+    assert catch_up_target(Position(4, H2), {"a": Position(4, H1)}).state_hash == H1
+    assert catch_up_target(Position(4, H1), {"b": Position(4, H2)}) is None
+    assert (
+        catch_up_target(None, {"a": Position(4, H1), "b": Position(4, H1), "c": Position(2**62 + 1, H2)}).step
+        == 4
+    )
+
+
+# --- the validator and the readers -------------------------------------------------------------------
+
+
+def _record(kind: str, subkey: object, value: object, expires_in_s: float) -> DHTRecord:
+    key = DHTID.generate(source=record_key(RUN, kind)).to_bytes()
+    subkey_bytes = MSGPackSerializer.dumps(subkey)
+    return DHTRecord(key, subkey_bytes, MSGPackSerializer.dumps(value), get_dht_time() + expires_in_s)
+
+
+def _progress(key: SigningKey, certificate: bytes, step: int = 1) -> bytes:
+    body = {"step": step, "samples": 4, "samples_per_s": 1.0, "state_hash": H1}
+    return seal_peer_record(key, "progress", RUN, body, certificate)
+
+
+def test_validator_accepts_certified_records_and_refuses_junk_forgeries_and_far_future_values():
+    coordinator, peer, stranger = SigningKey.generate(), SigningKey.generate(), SigningKey.generate()
+    certificate = issue_certificate(
+        coordinator, public_key=peer.public_key, run_id=RUN, role="data", name="p", serial=1, ttl_s=600
+    ).encoded
+    validator = TrustValidator(RUN, coordinator.public_key)
+    assert validator.validate(_record("progress", peer.peer_id, _progress(peer, certificate), 10))
+    refused = {
+        "unsigned dict": _record("progress", peer.peer_id, {"step": 9, "state_hash": H2}, 10),
+        "no certificate": _record("progress", stranger.peer_id, _progress(stranger, b""), 10),
+        "someone else's certificate": _record(
+            "progress", stranger.peer_id, _progress(stranger, certificate), 10
+        ),
+        "under another subkey": _record("progress", stranger.peer_id, _progress(peer, certificate), 10),
+        "malformed subkey": _record("progress", "!!!!", _progress(peer, certificate), 10),
+        "far future": _record("progress", peer.peer_id, _progress(peer, certificate), 1e9),
+        "single junk value": _record("progress", None, b"junk", 10),
+        "junk ban list": _record("bans", None, b"junk", 10),
+        "junk members": _record("members", peer.peer_id, b"junk", 10),
+    }
+    for what, record in refused.items():
+        assert not validator.validate(record), what
+    other_key = DHTRecord(b"x" * 20, b"", b"anything", get_dht_time() + 1e9)
+    assert validator.validate(other_key), "keys of other subsystems are theirs to check"
+
+
+def test_readers_ignore_bad_records_with_one_log_line_and_never_raise(caplog):
+    coordinator, peer = SigningKey.generate(), SigningKey.generate()
+    certificate = issue_certificate(
+        coordinator, public_key=peer.public_key, run_id=RUN, role="data", name="p", serial=1, ttl_s=600
+    ).encoded
+    expires = get_dht_time() + 10
+    found = ValueWithExpiration(
+        {
+            peer.peer_id: ValueWithExpiration(_progress(peer, certificate), expires),
+            "!!!!": ValueWithExpiration({"step": 2**63 - 1}, expires),
+            7: ValueWithExpiration(b"\xc1", expires),
+        },
+        expires,
+    )
+    banned: set[str] = set()
+    trust = RecordTrust(RUN, coordinator.public_key, is_banned=banned.__contains__)
+    for _ in range(3):
+        assert set(trust.open_dictionary("progress", found)) == {peer.peer_id}
+    assert caplog.text.count("'!!!!'") == 1, "each bad record is logged once"
+    banned.add(peer.peer_id)
+    assert trust.open_dictionary("progress", found) == {}, "a banned signer's records are ignored"
+    assert trust.open_dictionary("progress", ValueWithExpiration(b"junk", expires)) == {}
+
+
+# --- real DHT processes and a stock hivemind attacker ----------------------------------------------
+
+
+class Admitted:
+    """An admitted peer: an identity, a DHT under it with the run's validator, and a certificate."""
+
+    def __init__(self, coordinator: SigningKey, run_id: str, home: Path, initial_peers: list[str]):
+        path = home / f"{len(list(home.iterdir()))}.key"
+        self.key = create_identity(path)
+        validator = TrustValidator(run_id, coordinator.public_key)
+        self.dht = start_dht(self.key, path, host="127.0.0.1", port=0, initial_peers=initial_peers,
+                             validators=[validator])  # fmt: skip
+        self.certificate = issue_certificate(
+            coordinator,
+            public_key=self.key.public_key,
+            run_id=run_id,
+            role="data",
+            name="p",
+            serial=1,
+            ttl_s=600,
+        )
+        self.signer = RecordSigner(self.key, self.certificate.encoded)
+
+    @property
+    def maddrs(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_trainers():
+    torch.set_num_threads(1)
+    run = tiny_run(RUN, max_steps=4, min_group_size=2)
+    coordinator = SigningKey.generate()
+    home = Path(tempfile.mkdtemp(prefix="swarm-trust-"))
+    first = Admitted(coordinator, RUN, home, [])
+    second = Admitted(coordinator, RUN, home, first.maddrs)
+    attacker_dht = hivemind.DHT(initial_peers=first.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    peers = [first, second]
+    trainers = [
+        Trainer(
+            run, p.dht, peer_id=p.key.peer_id, coordinator_key=coordinator.public_key, record_signer=p.signer
+        )
+        for p in peers
+    ]
+    target = ProtocolTarget(attacker_dht, RUN, holders=[p.key.peer_id for p in peers],
+                            state_namespace=state_namespace(RUN))  # fmt: skip
+    record_attacks = [make_protocol_attack(n) for n in ("forged_progress", "sybil_hash", "malformed_subkey")]
+    far_future = make_protocol_attack("far_future")
+    flood = make_protocol_attack("download_flood", {"requests": 4})
+    stop = asyncio.Event()
+
+    async def publish_and_blind() -> None:
+        # The coordinator's own records and the peers' member records, which far_future tries to replace.
+        await publish_checkpoint_record(first.dht, coordinator, RUN, step=0, state_hash=H3, ttl_s=60)
+        await publish_ban_list(first.dht, coordinator, RUN, [], changed_at=time.time(), ttl_s=60)
+        for p in peers:
+            await publish_certificate(p.dht, p.key, p.certificate, ttl_s=60)
+        await far_future.mount(target)
+
+    async def scenario() -> None:
+        await publish_and_blind()
+        started = time.monotonic()
+        tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
+        moves: list[object] = []
+        while not all(t.finished for t in trainers):
+            assert not any(t.done() and t.exception() for t in tasks), "an honest trainer crashed"
+            for attack in record_attacks:
+                await attack.mount(target)
+            await asyncio.sleep(0.3)
+            moves += [m for m in (t._ahead_or_apart() for t in trainers) if m and m[1] == POISON_HASH]
+            if time.monotonic() > started + 200:
+                raise AssertionError(f"honest trainers stalled at steps {[t.step for t in trainers]}")
+        assert not moves, "no honest peer ever chose the attacker's state"
+        assert trainers[0].state_hash == trainers[1].state_hash, "honest peers stay bit-identical"
+        await publish_and_blind()
+        view = await fetch_progress(first.dht, trainers[0].trust)
+        assert set(view) == {p.key.peer_id for p in peers}, "only certified peers are in the view"
+        assert set(await fetch_members(second.dht, RUN, coordinator.public_key)) == set(view)
+        assert await fetch_checkpoint_record(second.dht, RUN, coordinator.public_key) == (0, H3)
+        assert await fetch_ban_list(second.dht, RUN, coordinator.public_key) is not None
+        # The flood gets nothing: the attacker has no signed record, so no holder serves it.
+        await flood.mount(target)
+        assert flood.received_bytes == 0
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        attacker_dht.shutdown()
+        for p in peers:
+            p.dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_state_downloads_need_admission_go_through_the_limiter_and_are_bounded_per_requester():
+    home = Path(tempfile.mkdtemp(prefix="swarm-trust-"))
+    coordinator = SigningKey.generate()
+    holder = Admitted(coordinator, RUN, home, [])
+    member = Admitted(coordinator, RUN, home, holder.maddrs)
+    stranger = Admitted(coordinator, RUN, home, holder.maddrs)
+    data = bytes(3 << 20)
+    state = EncodedState(1, H1, data)
+    limiter = RateLimiter(8 << 20)
+
+    async def provide() -> EncodedState:
+        return state
+
+    async def admit(requester: str) -> str | None:
+        return None if requester == member.key.peer_id else f"{requester} is not a member"
+
+    async def scenario() -> None:
+        servicer = StateServicer(RUN, provide, admit=admit, upload_limiter=limiter)
+        p2p = await holder.dht.replicate_p2p()
+        await servicer.add_p2p_handlers(p2p, namespace=state_namespace(RUN))
+
+        async def fetch(peer: Admitted) -> str:
+            try:
+                await download_state(await peer.dht.replicate_p2p(), holder.dht.peer_id,
+                                     namespace=state_namespace(RUN), run_id=RUN, min_step=1, expected_hash=H1,
+                                     max_bytes=8 << 20, timeout_s=30)  # fmt: skip
+            except (
+                Exception
+            ) as e:  # the decode fails (these bytes are no state): only the transfer matters here
+                return str(e)
+            return "ok"
+
+        refusal = await fetch(stranger)
+        assert "is not a member" in refusal and limiter.bytes_sent == 0
+        answers = await asyncio.gather(*(fetch(member) for _ in range(4)))
+        assert sum("already has 1 state downloads" in a for a in answers) >= 1, answers
+        assert limiter.bytes_sent >= len(data), "served bytes go through the upload limiter"
+        assert servicer.uploads == {}, "finished streams release their slots"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for p in (holder, member, stranger):
+            p.dht.shutdown()
