@@ -15,7 +15,8 @@ from protocols.keys import SigningKey
 from swarm.averaging.averager import Averager
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody, GroupRefused, check_group, make_entry
 from swarm.averaging.policy import PeerPolicy
-from swarm.byzantine.group_attacks import _with_commitment, attacking_averager, make_group_attack
+from swarm.byzantine.attacks import make_attack
+from swarm.byzantine.group_attacks import _with_commitment, attacking_averager
 from swarm.dht import SpawnedDHT
 from swarm.identity import create_identity
 
@@ -119,7 +120,7 @@ def test_an_uncertified_or_banned_member_leaves_the_group_naming_it(ids):
 
 
 def test_the_ban_state_changes_only_through_a_newer_signed_list():
-    policy = PeerPolicy(None, PREFIX, allowed=set())
+    policy = PeerPolicy(None, PREFIX, allowed={"c", "d"})
     assert policy.set_bans({"a", "b"}, issued_at=5.0) == {"a", "b"}
     assert policy.set_bans(set(), issued_at=4.0) == set() and policy.banned == {"a", "b"}, (
         "an old list is stale"
@@ -128,6 +129,8 @@ def test_the_ban_state_changes_only_through_a_newer_signed_list():
     assert policy.banned == frozenset({"b"}) and isinstance(policy.banned, frozenset)
     policy.suspect("c", "it broke a group")
     assert "broke a group" in policy.refusal("c")
+    policy.suspect("d", "it altered an entry", leader_only=True)  # only a leader can do that
+    assert policy.refusal("d") is None and "as a leader" in policy.refusal("d", as_leader=True)
 
 
 # --- real peers: a malicious leader among three DHT processes ------------------------------------------
@@ -188,7 +191,7 @@ def test_a_malicious_leader_is_left_and_the_honest_peers_average_without_it(peer
     allowed = {k.peer_id for _, k in peers}
     (d0, k0), (d1, k1), (d2, k2) = peers
     honest = [build(d0, k0, allowed), build(d1, k1, allowed)]
-    attacker = build(d2, k2, allowed, attacking_averager(make_group_attack(attack)))
+    attacker = build(d2, k2, allowed, attacking_averager(make_attack(attack, group_size=3, attackers=1)))
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(NUMEL, generator=generator) for _ in range(2)]
     with caplog.at_level(logging.WARNING):

@@ -12,9 +12,9 @@ import torch
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
+from swarm.averaging.averager import Averager
 from swarm.averaging.policy import PeerPolicy
 from swarm.bans import publish_ban_list
-from swarm.byzantine.group_attacks import attacking_averager, make_group_attack
 from swarm.config import RunConfig
 from swarm.dht import SpawnedDHT
 from swarm.identity import create_identity
@@ -97,7 +97,7 @@ def test_an_uncertified_reducer_cannot_join_a_stages_round(peers, caplog):
         )
         for d, k in ((d0, k0), (d1, k1))
     ]
-    intruder = attacking_averager(make_group_attack("uncertified_reducer"))(
+    intruder = Averager(  # an uncertified reducer: any process with no certificate, running an averager
         d2, prefix=stage_prefix(run.run_id, 1), numel=NUMEL, signing_key=k2, matchmaking_time_s=1.0,
         sender_timeout_s=2.0, averaging_timeout_s=10.0, data_plane=False, policy=PeerPolicy(d2, run.run_id),
     )  # fmt: skip

@@ -117,7 +117,7 @@ class RunMatchmaking(Matchmaking):
 
     async def _request_join_group(self, leader: PeerID):
         await self.policy.admit([leader.to_base58()], timeout_s=self.request_timeout)
-        reason = self.policy.refusal(leader.to_base58())
+        reason = self.policy.refusal(leader.to_base58(), as_leader=True)
         if reason is not None:
             logger.debug(f"not following {leader}: {reason}")
             return None
@@ -314,7 +314,7 @@ class Averager:
         except GroupRefused as e:
             logger.warning(f"leaving group {short}: {e.reason}; retrying without {e.culprit}")
             if e.culprit != self.peer_id.to_base58():
-                self.policy.suspect(e.culprit, e.reason)
+                self.policy.suspect(e.culprit, e.reason, leader_only=e.culprit == leader)
             return None
         for peer, reason in group.excluded.items():
             logger.warning(f"excluding {peer} from group {short}: {reason}")

@@ -18,6 +18,7 @@ from protocols.keys import SigningKey
 from swarm.averaging.averager import Averager
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
+from swarm.byzantine.group_attacks import GroupAttack, attacking_averager
 from swarm.config import RunConfig
 from swarm.ratelimit import RateLimiter
 
@@ -37,13 +38,14 @@ def build_averager(
     data_host: str = "127.0.0.1",
     data_port: int = 0,
     data_announce_host: str | None = None,
-    averager_type: type[Averager] = Averager,
 ) -> Averager:
     """The averager of one role of ``run`` (the data-parallel trainer, or one pipeline stage's replicas).
 
-    ``max_weight`` (default: the run's target batch) caps what one member may claim.
+    ``max_weight`` (default: the run's target batch) caps what one member may claim. A rehearsed
+    ``attack`` on the group itself (``swarm.byzantine.group_attacks``) gets the averager that mounts it.
     """
     training = run.training
+    averager_type = attacking_averager(attack) if isinstance(attack, GroupAttack) else Averager
     return averager_type(
         dht,
         prefix=prefix,

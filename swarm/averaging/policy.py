@@ -53,7 +53,7 @@ class PeerPolicy:
         self._members: frozenset[str] = frozenset(allowed or ())
         self._banned: frozenset[str] = frozenset()
         self._bans_at = -float("inf")  # when the coordinator signed the list we hold
-        self._suspects: dict[str, tuple[float, str]] = {}
+        self._suspects: dict[str, tuple[float, str, bool]] = {}  # peer -> (until, reason, as leader only)
         self._members_at = self._bans_checked_at = -float("inf")
         self._members_lock = asyncio.Lock()
         self._bans_lock = asyncio.Lock()
@@ -114,20 +114,26 @@ class PeerPolicy:
 
     # --- suspects ------------------------------------------------------------------------------------
 
-    def suspect(self, peer_id: str, reason: str) -> None:
-        """Avoid ``peer_id`` in matchmaking for ``suspect_s``: it broke a group in a way nobody can prove."""
-        self._suspects[peer_id] = (time.monotonic() + self.suspect_s, reason)
+    def suspect(self, peer_id: str, reason: str, *, leader_only: bool = False) -> None:
+        """Avoid ``peer_id`` in matchmaking for ``suspect_s``: it broke a group in a way nobody can prove.
+
+        ``leader_only``: what it did only a leader can do (list a member twice, alter an entry), so it is
+        not followed but may still join a group as a member, where the run may need it to reach its minimum.
+        """
+        self._suspects[peer_id] = (time.monotonic() + self.suspect_s, reason, leader_only)
 
     # --- the rule ------------------------------------------------------------------------------------
 
-    def refusal(self, peer_id: str) -> str | None:
-        """Why ``peer_id`` may not be in a round with this peer, from what is known now; None if it may."""
+    def refusal(self, peer_id: str, *, as_leader: bool = False) -> str | None:
+        """Why ``peer_id`` may not be in a round with this peer (``as_leader``: lead it), from what is
+        known now; None if it may."""
         if peer_id in self._banned:
             return "banned by the coordinator"
-        until, reason = self._suspects.get(peer_id, (0.0, ""))
-        if until > time.monotonic():
-            return f"avoided for {until - time.monotonic():.0f}s more: {reason}"
-        self._suspects.pop(peer_id, None)
+        until, reason, leader_only = self._suspects.get(peer_id, (0.0, "", False))
+        if until > time.monotonic() and (as_leader or not leader_only):
+            return f"avoided{' as a leader' if leader_only else ''} for {until - time.monotonic():.0f}s more: {reason}"
+        if until <= time.monotonic():
+            self._suspects.pop(peer_id, None)
         if not self.certified(peer_id):
             return f"not a certified member of run {self.run_id!r} (no valid certificate in the DHT)"
         return None

@@ -2,10 +2,13 @@
 
 - ``attacks``: ``Attack`` (hooks on the batch, the contribution, the claimed weight and, as reducer, the
   aggregate) and the registry of named attacks (``sign_flip``, ``alie``, ``ipm``, ... ``bad_reducer``)
+- ``group_attacks``: attacks on the averaging group by a leader (``duplicate_member``,
+  ``rewrite_commitments``), registered with the others
 
 These exist to test defenses (``swarm-sim --byzantine K --attack NAME``); an honest peer never builds one.
 """
 
+from swarm.byzantine import group_attacks as _group_attacks  # noqa: F401 - registers the group attacks
 from swarm.byzantine.attacks import Attack, AttackContext, attack_names, attack_options, make_attack
 
 __all__ = ["Attack", "AttackContext", "attack_names", "attack_options", "make_attack"]

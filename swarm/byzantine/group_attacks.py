@@ -1,19 +1,21 @@
-"""Protocol-level attacks on averaging groups, for rehearsal: what a Byzantine leader or outsider can try.
+"""Protocol-level attacks on averaging groups, for rehearsal: what a Byzantine leader can try.
 
-Where ``attacks`` lies about gradients, these lie about the group itself:
+Where the attacks in ``attacks`` lie about gradients, these lie about the group itself, whenever the
+attacker leads one:
 
-- ``duplicate_member``: a leader lists itself ``copies`` times, to reduce that many parts of the vector;
-- ``rewrite_commitments``: a leader replaces every follower's nonce commitment in the gathered data, so
-  that honest reducers would drop each other's chunks as bad reveals and keep only the leader's;
-- ``uncertified_reducer``: a process without a coordinator certificate joins a (stage) averaging
-  matchmaking and offers to reduce parts.
+- ``duplicate_member``: lists itself ``copies`` times, to reduce that many parts of the vector;
+- ``rewrite_commitments``: replaces every follower's nonce commitment in the gathered data, so that
+  honest reducers would drop each other's chunks as bad reveals and keep only the leader's.
 
-Each is a ``GroupAttack`` whose ``announce`` hook rewrites the group a leader sends to its followers.
-``attacking_averager(attack)`` is the ``Averager`` subclass that mounts it. Honest code never builds one.
+Each is an ``Attack`` (honest at the gradient hooks, registered with the others, so ``swarm-sim --attack``
+and ``swarm-peer join --rehearse-attack`` take them) whose ``announce`` hook rewrites the group a leader
+sends to its followers; ``factory.build_averager`` gives such an attacker ``attacking_averager(attack)``.
+An uncertified reducer needs no attack class: it is any process without a certificate running an
+``Averager`` (``tests/test_stage_security.py`` starts one). Honest code never builds these.
 
 Example::
 
-    attack = make_group_attack("rewrite_commitments")
+    attack = make_attack("rewrite_commitments", group_size=3, attackers=1)
     averager = attacking_averager(attack)(dht, prefix="run", numel=n, signing_key=key)
 """
 
@@ -21,64 +23,33 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Mapping
 from typing import Any
 
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import PeerID
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from protocols.codec import pack, unpack
-from swarm.averaging.averager import Averager, RunMatchmaking
-from swarm.registry import Registry
+from swarm.byzantine.attacks import Attack, AttackOptions, register_attack
 
 
-class GroupAttackOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GroupAttack(Attack):
+    """Honest at every gradient hook; ``announce`` is where a leading attacker lies about its group."""
 
-
-class GroupAttack:
-    """Honest at every hook; each named attack overrides the hooks it lies at."""
-
-    name = "honest"
-    #: The attacker holds no coordinator certificate (it never joined the run).
-    uncertified = False
-
-    def __init__(self, options: GroupAttackOptions):
-        self.options = options
-
-    def announce(self, group: GroupInfo, leader: PeerID) -> GroupInfo:
-        """The group this peer, as leader, announces to its followers."""
+    def announce(self, group: Any, leader: Any) -> Any:
+        """The group (a hivemind ``GroupInfo``) this peer, as leader ``leader``, announces to followers."""
         return group
 
 
-GroupAttackFactory = Callable[[Any], GroupAttack]
-GROUP_ATTACKS: Registry[GroupAttackFactory] = Registry(kind="group attack", group="swarm.group_attacks")
-
-
-def group_attack_names() -> list[str]:
-    return GROUP_ATTACKS.names()
-
-
-def make_group_attack(name: str, options: Mapping[str, Any] | None = None) -> GroupAttack:
-    """The group attack ``name``; a ConfigError names a bad option and the known attacks."""
-    attack = GROUP_ATTACKS.get(name).factory(GROUP_ATTACKS.validate(name, options))
-    attack.name = name
-    return attack
-
-
-class DuplicateMemberOptions(GroupAttackOptions):
+class DuplicateMemberOptions(AttackOptions):
     copies: int = Field(3, ge=2, le=64, description="slots the leader takes in its own group")
 
 
-@GROUP_ATTACKS.register("duplicate_member", DuplicateMemberOptions)
+@register_attack("duplicate_member", DuplicateMemberOptions)
 class DuplicateMember(GroupAttack):
-    def announce(self, group: GroupInfo, leader: PeerID) -> GroupInfo:
+    def announce(self, group: Any, leader: Any) -> Any:
         mine = group.gathered[group.peer_ids.index(leader)]
         extra = self.options.copies - 1
-        return GroupInfo(
-            group.group_id, (leader,) * extra + tuple(group.peer_ids), (mine,) * extra + tuple(group.gathered)
-        )
+        peer_ids, gathered = (leader,) * extra + tuple(group.peer_ids), (mine,) * extra + tuple(group.gathered)
+        return type(group)(group.group_id, peer_ids, gathered)
 
 
 def _with_commitment(entry: bytes, commitment: bytes) -> bytes:
@@ -91,38 +62,29 @@ def _with_commitment(entry: bytes, commitment: bytes) -> bytes:
     return pack({**outer, "commit": commitment})
 
 
-@GROUP_ATTACKS.register("rewrite_commitments", GroupAttackOptions)
+@register_attack("rewrite_commitments", AttackOptions)
 class RewriteCommitments(GroupAttack):
-    def announce(self, group: GroupInfo, leader: PeerID) -> GroupInfo:
+    def announce(self, group: Any, leader: Any) -> Any:
         gathered = tuple(
             entry if peer == leader else _with_commitment(entry, os.urandom(32))
             for peer, entry in zip(group.peer_ids, group.gathered, strict=True)
         )
-        return GroupInfo(group.group_id, tuple(group.peer_ids), gathered)
+        return type(group)(group.group_id, tuple(group.peer_ids), gathered)
 
 
-@GROUP_ATTACKS.register("uncertified_reducer", GroupAttackOptions)
-class UncertifiedReducer(GroupAttack):
-    uncertified = True
+def attacking_averager(attack: GroupAttack) -> type:
+    """An ``Averager`` subclass whose matchmaking mounts ``attack`` whenever this peer leads a group."""
+    from swarm.averaging.averager import Averager, RunMatchmaking
 
+    class AttackingMatchmaking(RunMatchmaking):
+        async def leader_assemble_group(self):
+            group = await super().leader_assemble_group()
+            forged = attack.announce(group, self.peer_id)
+            if forged is not group:
+                # Followers read the group from this future when they are told to begin.
+                announced = asyncio.get_running_loop().create_future()
+                announced.set_result(forged)
+                self.assembled_group = announced
+            return group
 
-class _AttackingMatchmaking(RunMatchmaking):
-    group_attack: GroupAttack
-
-    async def leader_assemble_group(self) -> GroupInfo:
-        group = await super().leader_assemble_group()
-        forged = self.group_attack.announce(group, self.peer_id)
-        if forged is not group:
-            # Followers read the group from this future when they are told to begin.
-            announced = asyncio.get_running_loop().create_future()
-            announced.set_result(forged)
-            self.assembled_group = announced
-        return group
-
-
-def attacking_averager(attack: GroupAttack) -> type[Averager]:
-    """An ``Averager`` whose matchmaking mounts ``attack`` whenever this peer leads a group."""
-    matchmaking = type(
-        f"{type(attack).__name__}Matchmaking", (_AttackingMatchmaking,), {"group_attack": attack}
-    )
-    return type(f"{type(attack).__name__}Averager", (Averager,), {"matchmaking_type": matchmaking})
+    return type(f"{type(attack).__name__}Averager", (Averager,), {"matchmaking_type": AttackingMatchmaking})
