@@ -29,7 +29,7 @@ of the corpus gives the noise floor such a comparison has.
 
 Usage::
 
-    python benchmarks/bench_peer.py                    # CPU, defaults: 3 rounds x 1 micro-batch of 4
+    python benchmarks/bench_peer.py                    # CPU, defaults: 3 rounds x 1 micro-batch of 2
     python benchmarks/bench_peer.py --device cuda --batch 32 --rounds 7 --steps 5
     python benchmarks/bench_peer.py --quick            # smoke test: tiny models, a few seconds of work
 """
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -166,8 +167,7 @@ def throughput(shape: dict, settings: list[dict], args: argparse.Namespace, data
         {**s, "memory": measure_memory(r, data[0], args.device), "seconds": []}
         for s, r in zip(settings, runners, strict=True)
     ]
-    for runner in runners:  # warm-up: allocator, kernels, autocast caches
-        time_round(runner, data[:1], args.device)
+    # The memory pass above was each setting's warm-up (allocator, kernels, autocast caches).
     for _ in range(args.rounds):
         for row, runner in zip(rows, runners, strict=True):
             row["seconds"].append(time_round(runner, data, args.device))
@@ -187,7 +187,7 @@ def validation_losses_after_training(
     """Train the model ``--train-steps`` steps; its validation loss computed in fp32 and in ``setting``."""
     runner = make_runner(shape, setting, args.device)
     model = runner.model
-    config = OptimizerConfig(name="adamw", lr=2e-3, warmup_steps=2, total_steps=args.train_steps)
+    config = OptimizerConfig(name="adamw", lr=args.lr, warmup_steps=2, total_steps=args.train_steps)
     optimizer = build_optimizer(model, config)
     data = batches(dataset, args.train_steps, args.batch, shape["seq_len"], sample_offset)
     for step, (inputs, targets) in enumerate(data):
@@ -212,16 +212,24 @@ def label(setting: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--batch", type=int, default=4, help="samples per micro-batch")
+    parser.add_argument("--batch", type=int, default=2, help="samples per micro-batch")
     parser.add_argument("--steps", type=int, default=1, help="micro-batches per timed round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per setting, interleaved")
-    parser.add_argument("--train-steps", type=int, default=30, help="optimizer steps for the quality check")
+    parser.add_argument(
+        "--train-steps", type=int, default=12, help="optimizer steps for the quality check (0: skip it)"
+    )
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the quality check")
     parser.add_argument("--val-batches", type=int, default=8, help="validation batches for the quality check")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny models and few rounds: a smoke test")
+    parser.add_argument("--models", default="demo,4x", help="comma-separated: demo, 4x")
+    parser.add_argument(
+        "--precisions", default=None, help="comma-separated (default: fp32,bf16, and fp16 on cuda)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     models = QUICK_MODELS if args.quick else MODELS
+    models = {name: models[name] for name in args.models.split(",")}
     if args.quick:
         args.batch, args.steps, args.rounds, args.train_steps, args.val_batches = 2, 1, 2, 3, 1
     if args.threads:
@@ -229,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to this torch build")
     precisions = ["fp32", "bf16"] + (["fp16"] if args.device == "cuda" else [])
+    if args.precisions:
+        precisions = args.precisions.split(",")
     settings = [{"precision": p, "checkpointing": c} for p in precisions for c in (False, True)]
     dataset = build_dataset("stdlib", {"max_bytes": 2_000_000})
 
@@ -240,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device {args.device} ({machine}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"python {platform.python_version()}; micro-batch {args.batch}, {args.steps} per round, "
-        f"{args.rounds} rounds interleaved"
+        f"{args.rounds} rounds interleaved; 1-minute load average {os.getloadavg()[0]:.1f}"
     )
+    started = time.monotonic()
     result: dict = {"device": args.device, "machine": machine, "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "batch": args.batch, "models": {}}  # fmt: skip
     for name, shape in models.items():
@@ -270,38 +281,41 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {precision} checkpointing: activations {cut:.2f}x smaller, {extra:+.0%} compute per sample"
             )
-        bf16 = next(r for r in rows if r["precision"] == "bf16" and not r["checkpointing"])
-        print(f"  bf16/fp32 speed: {bf16['median'] / base['median']:.2f}x")
+        for precision in precisions[1:]:
+            row = next(r for r in rows if r["precision"] == precision and not r["checkpointing"])
+            print(f"  {precision}/{base['precision']} speed: {row['median'] / base['median']:.2f}x")
 
-    quality_settings = [{"precision": "fp32", "checkpointing": False}, {"precision": "bf16", "checkpointing": False},
-                        {"precision": "bf16", "checkpointing": True}]  # fmt: skip
-    if args.device == "cuda":
-        quality_settings.append({"precision": "fp16", "checkpointing": False})
-    shape = models["demo"]
-    print(
-        f"\nvalidation loss of the demo model after {args.train_steps} AdamW steps of {args.batch} samples "
-        "(evaluated in fp32 | in the setting's precision):"
-    )
-    quality = []
-    for setting in quality_settings:
-        fp32_eval, own_eval = validation_losses_after_training(shape, setting, args, dataset)
-        quality.append({**setting, "val_loss": fp32_eval, "val_loss_own_precision": own_eval})
-    # The noise floor: fp32 again, trained on other samples of the same corpus.
-    other, _ = validation_losses_after_training(
-        shape, quality_settings[0], args, dataset, sample_offset=2 * 10**6
-    )
-    base = quality[0]["val_loss"]
-    for row in quality:
+    if args.train_steps > 0:
+        quality_settings = [{"precision": "fp32", "checkpointing": False}, {"precision": "bf16", "checkpointing": False},
+                            {"precision": "bf16", "checkpointing": True}]  # fmt: skip
+        if args.device == "cuda":
+            quality_settings.append({"precision": "fp16", "checkpointing": False})
+        shape = models.get("demo") or next(iter(models.values()))
         print(
-            f"  {label(row)}: {row['val_loss']:.4f} ({row['val_loss'] / base - 1:+.2%} vs fp32) | "
-            f"{row['val_loss_own_precision']:.4f}"
+            f"\nvalidation loss of the {shape['d_model']}-wide model after {args.train_steps} AdamW steps of {args.batch} samples "
+            "(evaluated in fp32 | in the setting's precision):"
         )
-    print(f"  fp32 on other samples (noise floor): {other:.4f} ({other / base - 1:+.2%} vs fp32)")
-    result["quality_noise_floor"] = other
-    result["quality"] = quality
+        quality = []
+        for setting in quality_settings:
+            fp32_eval, own_eval = validation_losses_after_training(shape, setting, args, dataset)
+            quality.append({**setting, "val_loss": fp32_eval, "val_loss_own_precision": own_eval})
+        # The noise floor: fp32 again, trained on other samples of the same corpus.
+        other, _ = validation_losses_after_training(
+            shape, quality_settings[0], args, dataset, sample_offset=2 * 10**6
+        )
+        base = quality[0]["val_loss"]
+        for row in quality:
+            print(
+                f"  {label(row)}: {row['val_loss']:.4f} ({row['val_loss'] / base - 1:+.2%} vs fp32) | "
+                f"{row['val_loss_own_precision']:.4f}"
+            )
+        print(f"  fp32 on other samples (noise floor): {other:.4f} ({other / base - 1:+.2%} vs fp32)")
+        result["quality_noise_floor"] = other
+        result["quality"] = quality
     if args.device == "cpu":
         result["peak_rss_mib"] = peak_memory_bytes("cpu") / MIB
         print(f"\nprocess peak RSS (all settings together): {result['peak_rss_mib']:.0f} MiB")
+    print(f"\ntotal {time.monotonic() - started:.0f}s; 1-minute load average now {os.getloadavg()[0]:.1f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -52,11 +53,35 @@ def check_precision(precision: str, device: str | torch.device) -> None:
             f"the run sets training.precision = 'fp16', which needs a CUDA GPU, but this peer computes "
             f"on the {kind}: join with --gpu on a machine that has one, or ask the organizer for bf16"
         )
+    if precision == "bf16" and kind == "cpu" and cpu_has_native_bf16() is False:
+        _warn_slow_bf16()
     if precision == "bf16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(
             f"the run sets training.precision = 'bf16', but {torch.cuda.get_device_name(0)} has no bf16 "
             "support: join with --cpu, or ask the organizer for fp16 or fp32"
         )
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether the CPU has bf16 instructions, from /proc/cpuinfo; None where that cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read()
+    except OSError:
+        return None
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if flags else None
+
+
+@functools.cache
+def _warn_slow_bf16() -> None:  # once per process: the join and the trainer both check
+    logger.warning(
+        "the run computes in bf16, but this CPU has no bf16 instructions (avx512_bf16, amx_bf16): "
+        "torch's bf16 matrix products run several times slower than fp32 here (docs/benchmarks.md)"
+    )
 
 
 def autocast(precision: str, device: str | torch.device) -> contextlib.AbstractContextManager:
