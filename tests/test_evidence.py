@@ -155,6 +155,22 @@ def test_two_signed_inputs_for_one_slot_convict_their_sender(keys):
         judge(dataclasses.replace(proof, second=forged))
 
 
+def test_a_reducer_that_shows_another_own_input_than_it_aggregated_is_convicted(keys):
+    honest = signed_round(keys)  # part 0: keys[0] reduces and contributes to it
+    second = resign(honest, keys[0], 0, CODEC.encode(torch.zeros(honest.numel)))
+    proof = EquivocationEvidence(
+        prefix=PREFIX, group_id=honest.group_id, members=honest.members, commitments=honest.commitments,
+        part=0, chunk=0, first=second, second=None, entries=honest.entries, output=honest.output,
+        output_signature=honest.output_signature,
+    )  # fmt: skip
+    assert parse_evidence(proof.to_bytes()).accused == keys[0].peer_id
+    assert "other than the one it aggregated" in judge(proof)
+    with pytest.raises(ProtocolError, match="the one it aggregated"):
+        judge(dataclasses.replace(proof, first=honest.inputs[0]))
+    with pytest.raises(ProtocolError, match="reducer's own"):
+        judge(dataclasses.replace(proof, first=honest.inputs[1]))
+
+
 def test_evidence_of_the_largest_group_a_run_allows_is_judged():
     # Before: evidence was refused above 256 members while max_group_size allowed 1024.
     TrainingConfig(max_group_size=MAX_MEMBERS)  # the largest group a run allows is judged

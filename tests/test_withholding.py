@@ -12,6 +12,7 @@ import asyncio
 import pytest
 import torch
 
+from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.byzantine.attacks import make_attack
 from swarm.dht import SpawnedDHT
@@ -87,3 +88,57 @@ def test_rounds_complete_without_a_withholder(peers):
     assert all(culprit not in [p.to_base58() for p in group.peer_ids] for group, _ in last)
     assert torch.equal(last[0][1].vector, last[1][1].vector)
     assert torch.allclose(last[0][1].vector, (vectors[0] + vectors[1]) / 2, atol=2e-3)
+
+
+class SmallChunks(ButterflyAllReduce):
+    """The run's all-reduce with many chunks per part, so that trimming has something to drop."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**{**kwargs, "chunk_values": 1000})
+
+
+def test_a_round_keeps_only_what_its_validators_can_ask_for(peers):
+    # Before: each peer kept its whole vector, every aggregate it received and every input it
+    # aggregated for 4 rounds (16-32 bytes per parameter). Now, once the draw is known, it keeps the
+    # drawn chunk of each part only, and the validators' checks still succeed.
+    generator = torch.Generator().manual_seed(1)
+    vectors = [torch.randn(NUMEL, generator=generator) for _ in peers]
+
+    async def scenario():
+        averagers = [
+            Averager(
+                dht,
+                prefix="trimming",
+                numel=NUMEL,
+                signing_key=key,
+                matchmaking_time_s=1.0,
+                sender_timeout_s=1.0,
+                data_plane=False,
+                verify_probability=1.0,
+                runner_type=SmallChunks,
+            )  # fmt: skip
+            for dht, key in peers
+        ]
+        for averager in averagers:
+            await averager.start()
+        outcomes = await asyncio.gather(
+            *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
+        )
+        checks = [await asyncio.wait_for(asyncio.gather(*a._verifications), 60) for a in averagers]
+        runners = [next(iter(a.recent.values())) for a in averagers]
+        for averager in averagers:
+            await averager.shutdown()
+        return outcomes, checks, runners
+
+    outcomes, checks, runners = asyncio.run(scenario())
+    assert all(o is not None and o[1].complete for o in outcomes)
+    done = [outcome for per_peer in checks for per_task in per_peer for outcome in per_task]
+    assert len(done) == 3 and all(o.verdict is None and o.evidence is not None for o in done)
+    for runner in runners:
+        assert runner.shared_seed is not None and runner.local is None
+        assert sum(bool(inputs) for inputs in runner.evidence) == 1 < len(runner.evidence)
+        assert all(len(got) <= 1 for got in runner.answers)
+        held = sum(len(i.data) for i in runner._kept_inputs.values()) + sum(
+            len(i.data) for inputs in runner.evidence for i in inputs
+        )
+        assert held <= 2 * 3 * 1000 * 2, "at most one chunk per part and one chunk's inputs, in fp16"

@@ -64,6 +64,14 @@ from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
 
+
+def drawn_chunk(seed: bytes, part: int, chunks: int) -> int | None:
+    """The chunk of ``part`` that the group's draw ``seed`` names for checking (None: the part is empty)."""
+    if chunks <= 0:
+        return None
+    return int.from_bytes(hashlib.sha256(seed + part.to_bytes(4, "big")).digest()[16:24], "big") % chunks
+
+
 __all__ = [
     "DEFAULT_CHUNK_VALUES",
     "ButterflyAllReduce",
@@ -138,7 +146,8 @@ class ButterflyAllReduce:
         self.members = [p.to_base58() for p in self.peer_ids]
         self.digest = round_digest(prefix, group_id, self.members, [c for c in self.commitments if c])
         self.reveals: dict[int, bytes] = {self.index: nonce}
-        self.local = local.detach().to(torch.float32).flatten()
+        self.local: torch.Tensor | None = local.detach().to(torch.float32).flatten()
+        self.numel = self.local.numel()
         self.aggregator, self.codec = aggregator, codec
         if chunk_values is None:
             chunk_values = layout_chunk_values(len(self.peer_ids), codec.bytes_per_value)
@@ -151,7 +160,7 @@ class ButterflyAllReduce:
         # allocation (and its page faults) per round.
         self.output = out if out is not None else torch.empty_like(self.local)
 
-        self.part_bounds = split_bounds(self.local.numel(), len(self.peer_ids))
+        self.part_bounds = split_bounds(self.numel, len(self.peer_ids))
         self.part_chunks = [
             chunk_bounds(hi - lo, chunk_values)
             for lo, hi in zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True)
@@ -180,6 +189,7 @@ class ButterflyAllReduce:
         self._heard: set[int] = {self.index}  # members whose reveal arrived, or whose stream to us ended
         self._tasks: list[asyncio.Task] = []
         self.revealed: asyncio.Task | None = None
+        self._kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
 
     def _keep_committed(self, commitments: list[bytes | None], nonce: bytes) -> None:
         """Leave out members with no nonce commitment (all honest members see the same list)."""
@@ -423,8 +433,11 @@ class ButterflyAllReduce:
             signature=self._sign(contribution_message(self.digest, part, chunk, me, self.weight, data)),
         )
 
-    def own_input(self, part: int, chunk: int) -> SignedInput:
-        """This peer's signed contribution to one chunk of a part (Ed25519 signs the same bytes the same)."""
+    def own_input(self, part: int, chunk: int) -> SignedInput | None:
+        """This peer's signed contribution to one chunk of a part (Ed25519 signs the same bytes the same);
+        None for a chunk that no validator drew once the round is trimmed."""
+        if self.local is None:
+            return self._kept_inputs.get((part, chunk))
         message = self._contribution(part, chunk)
         return SignedInput(self.index, message.data, message.signature, message.weight)
 
@@ -547,6 +560,25 @@ class ButterflyAllReduce:
                     await asyncio.wait_for(self._changed.wait(), left)
         finally:
             self.close()
+        self._trim()
+
+    def _trim(self) -> None:
+        """Once the draw is known, keep only what a validator can ask for: each part's drawn chunk (our
+        input to it, the aggregate we got, and for our own part the inputs we aggregated). A round
+        whose draw is incomplete keeps everything, since its validators draw chunks of their own."""
+        seed = self.shared_seed
+        if seed is None:
+            return
+        counts = [len(c) - 1 for c in self.part_chunks]
+        drawn = [drawn_chunk(seed, part, counts[part]) for part in range(len(counts))]
+        self._kept_inputs = {
+            (part, chunk): self.own_input(part, chunk)
+            for part, chunk in enumerate(drawn)
+            if chunk is not None
+        }
+        self.local = None
+        self.evidence = [inputs if c == drawn[self.index] else [] for c, inputs in enumerate(self.evidence)]
+        self.answers = [{c: a for c, a in got.items() if c == drawn[p]} for p, got in enumerate(self.answers)]
 
     def close(self) -> None:
         for task in self._tasks:

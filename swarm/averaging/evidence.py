@@ -313,10 +313,17 @@ class BadAggregateEvidence(RoundEvidence):
 
 @dataclass(frozen=True)
 class EquivocationEvidence(RoundEvidence):
-    """Two different contributions one sender signed for the same chunk of the same round."""
+    """Two different contributions one sender signed for the same chunk of the same round.
+
+    Or, for a reducer's own input to its own part, one contribution it signed (``first``) and its signed
+    aggregate whose input list (``entries``) names another one of its own: ``second`` is then None.
+    """
 
     first: SignedInput
-    second: SignedInput
+    second: SignedInput | None
+    entries: bytes = b""
+    output: bytes = b""
+    output_signature: bytes = b""
 
     kind = "equivocation"
 
@@ -325,27 +332,53 @@ class EquivocationEvidence(RoundEvidence):
         return self.members[self.first.sender_index]
 
     def to_bytes(self) -> bytes:
+        inputs = [self.first] if self.second is None else [self.first, self.second]
         return pack(
             {
                 "kind": self.kind, **self._fields(),
-                "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in (self.first, self.second)],
+                "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in inputs],
+                "entries": self.entries, "output": self.output, "output_signature": self.output_signature,
             }
         )  # fmt: skip
 
     @classmethod
     def from_body(cls, body: dict) -> EquivocationEvidence:
-        first, second = (_signed(i) for i in body["inputs"])
-        return cls(**_round_fields(body), first=first, second=second)
+        inputs = [_signed(i) for i in body["inputs"]]
+        if not 1 <= len(inputs) <= 2:
+            raise ProtocolError("equivocation evidence holds one or two inputs")
+        return cls(
+            **_round_fields(body), first=inputs[0], second=inputs[1] if len(inputs) == 2 else None,
+            entries=bytes(body.get("entries", b"")), output=bytes(body.get("output", b"")),
+            output_signature=bytes(body.get("output_signature", b"")),
+        )  # fmt: skip
 
     def judge(self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, **_: object) -> str | None:
-        """What the sender did wrong; ProtocolError (or a SecurityError) if the two inputs do not prove it."""
+        """What the sender did wrong; ProtocolError (or a SecurityError) if the inputs do not prove it."""
+        sender = self.verify_input(self.first)
+        if self.second is None:
+            return self._judge_against_own_commitment(sender)
         if self.first.sender_index != self.second.sender_index:
             raise ProtocolError("equivocation evidence holds the inputs of two different members")
         if (self.first.weight, self.first.data) == (self.second.weight, self.second.data):
             raise ProtocolError("equivocation evidence holds the same contribution twice")
-        sender = self.verify_input(self.first)
         self.verify_input(self.second)
         return f"{sender} signed two different contributions to part {self.part} chunk {self.chunk}"
+
+    def _judge_against_own_commitment(self, reducer: str) -> str:
+        if self.first.sender_index != self.part:
+            raise ProtocolError("an input set against a commitment must be the reducer's own")
+        PublicKey.from_peer_id(reducer).verify(
+            self.output_signature,
+            aggregate_message(self.digest, self.part, self.chunk, reducer, self.entries, self.output),
+        )
+        own = next(
+            (e for e in parse_entries(self.entries, len(self.members)) if e.sender_index == self.part), None
+        )
+        if own is None:
+            raise ProtocolError("the reducer's input list holds no input of its own")
+        if own.weight == self.first.weight and own.data_hash == hashlib.sha256(self.first.data).digest():
+            raise ProtocolError("the reducer's own input is the one it aggregated")
+        return f"signed a contribution to its own part {self.part} chunk {self.chunk} other than the one it aggregated"
 
 
 Evidence = BadAggregateEvidence | EquivocationEvidence

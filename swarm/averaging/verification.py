@@ -30,7 +30,7 @@ from hivemind.p2p import P2P, PeerID, ServicerBase
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import AggregatorFn
-from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.averaging.allreduce import ButterflyAllReduce, drawn_chunk
 from swarm.averaging.compression import Codec
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
@@ -68,7 +68,7 @@ def assignments(
         validator = (part + 1 + int.from_bytes(draw[:8], "big") % (members - 1)) % members
         chosen = int.from_bytes(draw[8:16], "big") / 2**64 < probability
         if (validator == me or every_part) and chosen and part != me and chunks[part] > 0:
-            mine.append(Assignment(part, int.from_bytes(draw[16:24], "big") % chunks[part]))
+            mine.append(Assignment(part, drawn_chunk(seed, part, chunks[part])))
     return mine
 
 
@@ -103,7 +103,9 @@ async def serve_inputs(
         pass
     elif index == runner.index:
         item = await asyncio.to_thread(runner.own_input, part, chunk)
-        if hasattr(attack, "show"):  # a rehearsed equivocator shows validators another input
+        if item is not None and hasattr(
+            attack, "show"
+        ):  # a rehearsed equivocator shows validators another input
             item = attack.show(runner, part, chunk, item)
     elif part == runner.index:
         item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
@@ -128,8 +130,8 @@ class Outcome:
 class _Check:
     """One validator's check of one chunk of one part."""
 
-    def __init__(self, runner, assignment, *, servicer_type, p2p, codec, timeout_s):
-        self.runner, self.part, self.chunk = runner, assignment.part, assignment.chunk
+    def __init__(self, runner, assignment, answer, *, servicer_type, p2p, codec, timeout_s):
+        self.runner, self.part, self.chunk, self.answer = runner, assignment.part, assignment.chunk, answer
         self.servicer_type, self.p2p, self.timeout_s = servicer_type, p2p, timeout_s
         lo, hi = runner._chunk(self.part, self.chunk)
         self.numel, self.max_bytes = hi - lo, (hi - lo) * codec.bytes_per_value
@@ -169,36 +171,40 @@ class _Check:
 
     async def collect(self, entry: Entry, outcome: Outcome) -> SignedInput | Evidence | None:
         """The input behind ``entry``: from its sender, else from the reducer; or proof of equivocation."""
-        runner, index = self.runner, entry.sender_index
+        runner, index, part = self.runner, entry.sender_index, self.part
         if index == runner.index:
-            return runner.own_input(self.part, self.chunk)
-        shown: SignedInput | None = None
-        if index != self.part:
-            try:
-                shown = await self.fetch(index, index)
-                if _matches(shown, entry):
-                    return shown
-            except SwarmError as e:
-                logger.info(f"{runner.members[index]} did not show its input to part {self.part}: {e}")
-        try:
-            held = await self.fetch(self.part, index)
-        except SwarmError as e:
-            logger.warning(
-                f"neither {runner.members[index]} nor reducer {runner.members[self.part]} showed the input "
-                f"of {runner.members[index]} to part {self.part} chunk {self.chunk} in round "
-                f"{runner.group_id.hex()[:8]}: {e}"
-            )
-            outcome.unshown += sorted({runner.members[index], runner.members[self.part]})
-            return None
-        if not _matches(held, entry):
-            outcome.unshown.append(runner.members[self.part])
-            logger.warning(
-                f"reducer {runner.members[self.part]} showed an input other than the one it signed for"
-            )
-            return None
-        if shown is not None:
+            return runner.own_input(part, self.chunk)  # the drawn chunk's input is always kept
+        shown = held = None
+        if index != part:
+            shown = await self._try(index, index)
+            if shown is not None and _matches(shown, entry):
+                return shown
+        held = await self._try(part, index)
+        if held is not None and _matches(held, entry):
+            if shown is not None:  # the sender signed this one too: it shows validators another
+                return EquivocationEvidence(**self.round, first=shown, second=held)
+            return held
+        if held is not None and index == part:  # the reducer's own input contradicts its own list
+            return EquivocationEvidence(
+                **self.round, first=held, second=None, entries=self.answer.included, output=self.answer.data,
+                output_signature=self.answer.signature,
+            )  # fmt: skip
+        if shown is not None and held is not None and (shown.weight, shown.data) != (held.weight, held.data):
             return EquivocationEvidence(**self.round, first=shown, second=held)
-        return held
+        sender, reducer = runner.members[index], runner.members[part]
+        logger.warning(
+            f"neither {sender} nor reducer {reducer} showed the input of {sender} that the reducer signed "
+            f"for in part {part} chunk {self.chunk} of round {runner.group_id.hex()[:8]}"
+        )
+        outcome.unshown += [reducer] if index == part else [sender, reducer]
+        return None
+
+    async def _try(self, holder: int, sender: int) -> SignedInput | None:
+        try:
+            return await self.fetch(holder, sender)
+        except SwarmError as e:
+            logger.info(f"{self.runner.members[holder]} did not show the input of member {sender}: {e}")
+            return None
 
 
 def _matches(item: SignedInput, entry: Entry) -> bool:
@@ -216,18 +222,24 @@ async def check_reducer(
     timeout_s: float,
 ) -> Outcome:
     """Recompute one chunk of a reducer's part from inputs collected from their senders."""
-    check = _Check(runner, assignment, servicer_type=servicer_type, p2p=p2p, codec=codec, timeout_s=timeout_s)
     part, chunk, outcome = assignment.part, assignment.chunk, Outcome()
     answer = runner.answers[part].get(chunk)
     reducer = runner.members[part]
     if answer is None:
         return outcome
+    check = _Check(
+        runner, assignment, answer, servicer_type=servicer_type, p2p=p2p, codec=codec, timeout_s=timeout_s
+    )
     entries = parse_entries(answer.included, len(runner.members))  # checked when the answer came
     found = await asyncio.gather(*(check.collect(e, outcome) for e in entries))
     equivocations = [f for f in found if isinstance(f, EquivocationEvidence)]
     if equivocations:
         proof = equivocations[0]
-        verdict = f"signed two different contributions to part {part} chunk {chunk}"
+        verdict = (
+            f"signed two different contributions to part {part} chunk {chunk}"
+            if proof.second is not None
+            else f"signed a contribution to its own part {part} chunk {chunk} other than the one it aggregated"
+        )
         logger.warning(f"{proof.accused} {verdict} in round {runner.group_id.hex()[:8]}")
         return Outcome(verdict, proof, outcome.unshown)
     if any(f is None for f in found):
@@ -241,7 +253,7 @@ async def check_reducer(
             evidence.judge,
             aggregator,
             codec,
-            vector_numel=runner.local.numel(),
+            vector_numel=runner.numel,
             chunk_values=runner.chunk_values,
         )
     except SwarmError as e:  # cannot happen with inputs checked above; never accuse on it
