@@ -37,6 +37,7 @@ from protocols.errors import (
     SwarmError,
 )
 from protocols.keys import PublicKey, SigningKey
+from swarm.bans import BanPageValidator
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.coordinator_client import Admission, CoordinatorClient
@@ -345,7 +346,10 @@ class Volunteer:
                 port=config.port,
                 initial_peers=admission.dht_initial_peers,
                 upnp=config.upnp,
-                validators=[TrustValidator(self.run_config.run_id, self.coordinator_key)],
+                validators=[
+                    TrustValidator(self.run_config.run_id, self.coordinator_key),
+                    BanPageValidator(self.run_config.run_id, self.coordinator_key),
+                ],
             )
             self.records = RecordSigner(self.key, self.certificate.encoded)
             training: asyncio.Task | None = None
