@@ -4,6 +4,8 @@
   aggregate) and the registry of named attacks (``sign_flip``, ``alie``, ``ipm``, ... ``bad_reducer``)
 - ``group_attacks``: attacks on the averaging group by a leader (``duplicate_member``,
   ``rewrite_commitments``), registered with the others
+- ``abuse``: attacks on the coordinator's endpoints (``stalled_accuser``, ``challenge_flood``), mounted
+  against a live coordinator by ``tests/test_accuse_abuse.py``
 
 These exist to test defenses (``swarm-sim --byzantine K --attack NAME``); an honest peer never builds one.
 """
