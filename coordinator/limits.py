@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -73,9 +74,10 @@ class ServiceLimits(BaseModel):
 
 
 def caller_key(peer: str) -> str:
-    """The address a gRPC caller (``context.peer()``: ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``) is limited by."""
+    """The address a gRPC caller (``context.peer()``: ``ipv4:1.2.3.4:5``, ``ipv6:%5B::1%5D:5``) is limited
+    by; anything unparsable is limited as itself."""
     kind, _, rest = peer.partition(":")
-    host = rest.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    host = urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

@@ -207,6 +207,9 @@ def test_a_challenge_flood_from_one_address_leaves_joins_open(tmp_path: Path):
 def test_caller_keys_and_bounded_buckets():
     assert caller_key("ipv4:203.0.113.7:5555") == "203.0.113.7"
     assert caller_key("ipv6:[2001:db8:1:2:3:4:5:6]:5555") == "2001:db8:1:2::/64"
+    # grpc percent-encodes the brackets; every port of one /64 is one caller
+    assert caller_key("ipv6:%5B2001:db8:1:2:3:4:5:6%5D:5555") == "2001:db8:1:2::/64"
+    assert caller_key("ipv6:%5B2001:db8:1:2:ffff::1%5D:1") == "2001:db8:1:2::/64"
     assert caller_key("ipv6:[::ffff:203.0.113.7]:1") == "203.0.113.7"
     assert caller_key("unix:/tmp/sock") == "unix:/tmp/sock"
     now = [0.0]
