@@ -114,6 +114,13 @@ class KeyedBuckets:
             self._buckets.popitem(last=False)
         return granted
 
+    def empty(self, key: str) -> None:
+        """Spend every token ``key`` has (it must wait a whole refill for its next call)."""
+        self._buckets.pop(key, None)
+        self._buckets[key] = (0.0, self._clock())
+        while len(self._buckets) > self.max_keys:
+            self._buckets.popitem(last=False)
+
     def retry_after_s(self, key: str) -> float:
         tokens, _ = self._buckets.get(key, (float(self.burst), 0.0))
         return max(0.0, (1.0 - tokens) * self.refill_s)

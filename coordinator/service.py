@@ -349,6 +349,8 @@ class CoordinatorService:
                 async with asyncio.timeout_at(deadline):
                     evidence = await _read_evidence(first, parts, body, sender)
             except TimeoutError:
+                # Holding the evidence budget open costs the staller every accusation it had left.
+                self._accusation_buckets.empty(sender)
                 raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
             async with self._judging:
                 verdict, guilty = await asyncio.to_thread(self._judge, evidence, body.accused, sender)

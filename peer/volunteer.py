@@ -56,6 +56,8 @@ logger = logging.getLogger("swarm.peer")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BANNED = 3
+# Waits between attempts to file an accusation the coordinator was too busy to take.
+ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0)
 # How long a stopping peer lets a round in flight finish before it leaves.
 STOP_GRACE_S = 5.0
 
@@ -220,13 +222,24 @@ class Volunteer:
         """Files a validator's evidence against a reducer with the coordinator, which judges it."""
 
         async def accuse(accused: str, evidence, verdict: str) -> None:
-            answer = await client.accuse(
-                self.key,
-                self.run_config.run_id,
-                accused=accused,
-                reason=verdict,
-                evidence=evidence.to_bytes(),
-            )
+            # A busy coordinator (its evidence budget or this peer's accusations spent) says "retry later".
+            for delay_s in (*ACCUSE_RETRY_DELAYS_S, None):
+                try:
+                    answer = await client.accuse(
+                        self.key,
+                        self.run_config.run_id,
+                        accused=accused,
+                        reason=verdict,
+                        evidence=evidence.to_bytes(),
+                    )
+                    break
+                except NetworkError as e:
+                    if delay_s is None:
+                        raise
+                    logger.info(
+                        f"accusation against {accused} not taken yet ({e}); retrying in {delay_s:.0f}s"
+                    )
+                    await asyncio.sleep(delay_s)
             logger.warning(
                 f"accused {accused}; the coordinator banned {answer.banned_peer}: {answer.verdict}"
             )

@@ -113,6 +113,9 @@ def test_a_stalled_accuser_holds_up_nobody_and_is_cut_off(tmp_path: Path):
             refusal = await asyncio.wait_for(stalled, timeout=10)
             assert isinstance(refusal, ProtocolError) and "did not arrive within 3s" in str(refusal)
             assert service._evidence_budget.held == 0 and not service._accusing
+            # Stalling cost the staller its remaining accusations.
+            error = await accuse_raw(address, staller, accused.peer_id, b"x", signed_hash=bytes(32))
+            assert isinstance(error, NetworkError) and "too many accusations" in str(error)
             # A false accusation's bytes prove nothing: they are not kept, and listing bans reads no blob.
             assert await store.ban_evidence(accuser.peer_id) is None
             bans = await store.list_bans()
