@@ -14,6 +14,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from coordinator.localswarm import running_coordinator, tiny_run
+from coordinator.store import ban_sync
 from protocols.keys import SigningKey
 from swarm.bans import (
     MAX_BANNED,
@@ -141,3 +143,22 @@ def test_junk_stored_over_a_page_does_not_hide_the_list(tmp_path: Path, banned):
                     await asyncio.to_thread(dht.shutdown)
 
     assert asyncio.run(scenario()) == (5.0, set(banned))
+
+
+def test_a_coordinator_publishes_4001_bans_that_peers_read_whole(tmp_path: Path, banned):
+    """4,001 self-banned Sybils once pushed the list over what peers accept, switching bans off."""
+    run = tiny_run(RUN)
+
+    async def scenario() -> tuple[float, set[str]] | None:
+        async with running_coordinator(run, tmp_path / "coordinator") as node:
+            await node._store._run(lambda db: [ban_sync(db, peer, "sybil") for peer in banned])
+            coordinator_key = SigningKey.from_libp2p_bytes(node.config.identity_path.read_bytes()).public_key
+            for _ in range(100):  # the list is published every couple of seconds
+                found = await fetch_ban_list(node._dht, RUN, coordinator_key)
+                if found is not None and len(found[1]) == len(banned):
+                    return found
+                await asyncio.sleep(0.2)
+            return found
+
+    found = asyncio.run(scenario())
+    assert found is not None and found[1] == set(banned)
