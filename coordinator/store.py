@@ -472,7 +472,9 @@ def _credit(db: sqlite3.Connection, peer_id: str, reported: float, step: int, ma
 
 def unban_sync(db: sqlite3.Connection, peer_id: str) -> bool:
     with transaction(db):
-        db.execute("DELETE FROM ban_evidence WHERE peer_id=?", (peer_id,))
+        # `swarm-coordinator unban` may open a store the coordinator has not upgraded yet.
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name='ban_evidence'").fetchone():
+            db.execute("DELETE FROM ban_evidence WHERE peer_id=?", (peer_id,))
         return db.execute("DELETE FROM bans WHERE peer_id=?", (peer_id,)).rowcount == 1
 
 

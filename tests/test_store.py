@@ -13,7 +13,7 @@ import pytest
 from coordinator.limits import ServiceLimits
 from coordinator.localswarm import tiny_run
 from coordinator.service import CoordinatorService
-from coordinator.store import PeerRecord, Store
+from coordinator.store import PeerRecord, Store, ban_sync, unban_sync
 from protocols.keys import SigningKey
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,6 +150,27 @@ def test_divergence_flags_are_bounded(tmp_path: Path):
                 for i in range(40):
                     await service._flag_divergence(f"p{i}", step)
             assert len(service._flagged) == 16
+        finally:
+            store.close()
+
+    run(scenario())
+
+
+def test_the_cli_bans_and_unbans_on_its_own_connection(tmp_path: Path):
+    """`swarm-coordinator ban/unban` write with a plain sqlite3 connection, beside a running store."""
+
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "cli")
+        try:
+            await store.ban("convicted", "lied", b"evidence", max_stored_evidence_bytes=1 << 20)
+            db = sqlite3.connect(tmp_path / "c.db", timeout=10)
+            try:
+                ban_sync(db, "other", "banned by the organizer")
+                assert unban_sync(db, "convicted") and not unban_sync(db, "never-banned")
+            finally:
+                db.close()
+            assert [b.peer_id for b in await store.list_bans()] == ["other"]
+            assert await store.ban_evidence("convicted") is None
         finally:
             store.close()
 
