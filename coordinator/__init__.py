@@ -2,7 +2,9 @@
 
 - ``config``: ``CoordinatorConfig``, the typed settings behind ``swarm-coordinator start``'s flags
 - ``store``: the run's record in SQLite (peers, certificates, metrics, bans, credit, metrics history)
-- ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status
+- ``credit``: how reported contributions become credit, up to the step the peers verifiably agree on
+- ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status, accusations
+- ``limits``: ``ServiceLimits``, per-caller and global limits on challenges, accusations and evidence
 - ``node``: ``CoordinatorNode``, which runs the DHT bootstrap peer, the service and the liveness sweep
 - ``metrics``: the run as the dashboard sees it (``/api/status`` JSON, Prometheus text, wandb/tensorboard)
 - ``dashboard``: the web dashboard (aiohttp): the page in ``static/``, ``/api/status``, ``/metrics``

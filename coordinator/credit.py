@@ -1,0 +1,68 @@
+"""How the coordinator turns what peers report into durable credit, and the step it trusts them to be at.
+
+Both run inside the store's heartbeat transaction (``coordinator.store``), on its own connection.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+
+def meta_int(db: sqlite3.Connection, key: str) -> int:
+    row = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def verify_step(db: sqlite3.Connection, step: int, param_hash: str) -> int:
+    """The run's verified step after a peer reported ``(step, param_hash)``: the furthest step at which
+    at least two unbanned online peers, and more than half of those that report a hash, hold the same
+    parameters. It never falls (peers at it may later go offline)."""
+    verified = meta_int(db, "verified_step")
+    if step <= verified or not param_hash:
+        return verified
+    online = "p.state='online' AND p.param_hash != '' AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+    (agreeing,) = db.execute(
+        f"SELECT COUNT(*) FROM peers p WHERE p.step=? AND p.param_hash=? AND {online}", (step, param_hash)
+    ).fetchone()
+    if agreeing < 2:
+        return verified
+    (reporting,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {online}").fetchone()
+    if 2 * agreeing <= reporting:
+        return verified
+    db.execute("INSERT OR REPLACE INTO meta VALUES ('verified_step', ?)", (str(step),))
+    return step
+
+
+def merge_credit(
+    db: sqlite3.Connection, peer_id: str, reported: float, step: int, max_per_step: float
+) -> None:
+    """Merge a peer's reported cumulative ``contributed_samples`` into its durable credit.
+
+    The counter lives in the peer's trainer and starts again from 0 when the trainer restarts, so a
+    report below the previous one is a restart: the whole new count is new work. Credit never falls.
+    Growth is capped by progress: at most ``max_per_step`` samples (the run's target batch) per step
+    the peer advanced since its credit last grew, so neither a counter that jumps nor one that keeps
+    "restarting" earns more than real rounds could hold; the excess is kept as ``refused`` for the
+    organizer to see. The caller merges only reports made at or below the run's verified step (see
+    ``verify_step``), so a peer that claims a step nobody else reached earns nothing for it; a report
+    made ahead of it waits, and the cumulative counter carries it into a later heartbeat.
+    """
+    if not math.isfinite(reported) or reported < 0:
+        return
+    row = db.execute("SELECT reported, step FROM credit WHERE peer_id=?", (peer_id,)).fetchone()
+    if row is None:
+        # The first report is the baseline: work before it was done where the coordinator saw no progress.
+        db.execute(
+            "INSERT INTO credit (peer_id, samples, reported, step, refused) VALUES (?, 0, ?, ?, 0)",
+            (peer_id, reported, step),
+        )
+        return
+    previous, credited_step = row
+    claimed = reported - previous if reported >= previous else reported
+    allowed = max(0, step - credited_step) * max_per_step
+    granted = min(claimed, allowed)
+    db.execute(
+        "UPDATE credit SET samples = samples + ?, reported = ?, refused = refused + ?, step = ? WHERE peer_id=?",
+        (granted, reported, claimed - granted, max(step, credited_step), peer_id),
+    )
