@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             memory = row["memory"]
             print(
-                f"  {label(row)} | {row['median']:8.1f} ({row['low']:.1f}-{row['high']:.1f})".ljust(44)
+                f"  {label(row)} | {row['median']:8.3g} ({row['low']:.3g}-{row['high']:.3g})".ljust(44)
                 + f"| {row['median'] / base['median']:6.2f}x | {memory['activation_mib']:9.1f}"
                 + (f"       | {memory['peak_step_mib']:9.1f}" if gpu else "")
             )
