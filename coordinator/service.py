@@ -357,6 +357,10 @@ class CoordinatorService:
         finally:
             self._evidence_budget.release(body.evidence_bytes)
             self._accusing.discard(sender)
+        if guilty is None:
+            raise ProtocolError(
+                f"accusation from {sender} against {body.accused} refused, nobody banned: {verdict}"
+            )
         convicted = guilty == body.accused
         reason = (verdict if convicted else f"false accusation against {body.accused}: {verdict}")[:512]
         # Evidence proves a conviction; a false accusation's "evidence" is whatever its sender chose to send.
@@ -382,18 +386,27 @@ class CoordinatorService:
             raise NetworkError("the coordinator holds all the evidence it can judge at once; retry later")
         self._accusing.add(sender)
 
-    def _judge(self, data: bytes, accused: str, accuser: str) -> tuple[str, str]:
-        """(what was found, who is guilty): the accused if the evidence proves it, else the accuser."""
+    def _judge(self, data: bytes, accused: str, accuser: str) -> tuple[str, str | None]:
+        """(what was found, who is guilty): the accused if the evidence proves it, else the accuser; nobody
+        when the evidence is of an averaging prefix this run does not use, whose layout the coordinator
+        cannot know (so it cannot show that the accuser lied either)."""
         training = self.config.training
         try:
             evidence = parse_evidence(data)
-            if evidence.prefix != self.run_id.replace(".", "_"):
-                raise ProtocolError(f"the evidence is of run prefix {evidence.prefix!r}, not of this run")
+        except SwarmError as e:
+            return f"the evidence does not hold: {e}", accuser
+        vector_numel = self._layouts.get(evidence.prefix)
+        if vector_numel is None:
+            return (
+                f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, which this run does not use",
+                None,
+            )
+        try:
             if evidence.accused != accused or accuser not in evidence.members:
                 raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
             aggregator = get_aggregator(training.aggregator, training.aggregator_options)
             codec = get_codec(training.compression)
-            verdict = evidence.judge(aggregator, codec, vector_numel=self._averaged_numel)
+            verdict = evidence.judge(aggregator, codec, vector_numel=vector_numel)
         except SwarmError as e:
             return f"the evidence does not hold: {e}", accuser
         if verdict is None:
@@ -401,13 +414,25 @@ class CoordinatorService:
         return verdict, accused
 
     @functools.cached_property
-    def _averaged_numel(self) -> int:
-        """Length of the vector peers average (the run's trainable parameters): the evidence's layout."""
+    def _layouts(self) -> dict[str, int]:
+        """Each averaging prefix of the run and the length of the vector averaged under it: the run's
+        trainable parameters under the run's prefix, and each pipeline stage's under that stage's."""
         from swarm.models import build_model
+        from swarm.pipeline.layout import build_stage
+        from swarm.pipeline.worker import stage_prefix
 
         run = self.config
-        model = build_model(run.model.name, run.model.config, seed=run.training.seed)
-        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+        def trainable(module) -> int:
+            return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+        # Averagers name their prefix with "." replaced by "_" (swarm.averaging.averager).
+        layouts = {run.run_id.replace(".", "_"): trainable(build_model(run.model.name, run.model.config))}
+        if run.pipeline.stages > 1:
+            for index in range(run.pipeline.stages):
+                prefix = stage_prefix(run.run_id, index).replace(".", "_")
+                layouts[prefix] = trainable(build_stage(run, index))
+        return layouts
 
     # --- wiring into grpc ----------------------------------------------------------------------------
 
