@@ -79,17 +79,19 @@ def pipeline_run(model: dict, target_batch_size: int, micro_batch_size: int) -> 
 
 
 async def _train(run: RunConfig, steps: int) -> dict:
-    from swarm.dht import SpawnedDHT
+    import tempfile
+
+    from swarm.dht import start_local_dhts
     from swarm.pipeline.trainer import PipelineTrainer
     from swarm.pipeline.worker import StageWorker
 
-    dhts: list = []
-    for _ in range(6):
-        peers = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-        dhts.append(SpawnedDHT(start=True, initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-    ids = [d.peer_id.to_base58() for d in dhts]
-    workers = [StageWorker(run, dhts[i], peer_id=ids[i], stage=i // 2, members=set(ids)) for i in range(4)]
-    trainers = [PipelineTrainer(run, dhts[4 + i], peer_id=ids[4 + i], seed=i) for i in range(2)]
+    nodes = start_local_dhts(6, Path(tempfile.mkdtemp(prefix="bench-pipeline-")))
+    dhts, keys = [d for d, _ in nodes], [k for _, k in nodes]
+    ids = [k.peer_id for k in keys]
+    workers = [StageWorker(run, dhts[i], peer_id=ids[i], stage=i // 2, members=set(ids), signing_key=keys[i])
+               for i in range(4)]  # fmt: skip
+    trainers = [PipelineTrainer(run, dhts[4 + i], peer_id=ids[4 + i], seed=i, signing_key=keys[4 + i])
+                for i in range(2)]  # fmt: skip
     stop, victim_stop = asyncio.Event(), asyncio.Event()
     tasks = [asyncio.create_task(w.run(victim_stop if i == 3 else stop)) for i, w in enumerate(workers)]
     tasks += [asyncio.create_task(t.run(stop)) for t in trainers]

@@ -58,9 +58,10 @@ class _Observer:
 
     def view(self):
         from swarm.pipeline.records import fetch_view
+        from swarm.records import RecordTrust
 
-        async def fetch():
-            return await fetch_view(self.dht, self.run.run_id, self.run.pipeline.stages)
+        async def fetch():  # signed records of any signer: the observer only reports what it sees
+            return await fetch_view(self.dht, RecordTrust(self.run.run_id), self.run.pipeline.stages)
 
         return asyncio.run(fetch())
 

@@ -316,7 +316,10 @@ class Volunteer:
                 "join with --role stage, --role trainer or --role auto"
             )
         if role == "trainer":
-            return await asyncio.to_thread(PipelineTrainer, run, self._dht, peer_id=self.key.peer_id)
+            return await asyncio.to_thread(
+                PipelineTrainer, run, self._dht, peer_id=self.key.peer_id, record_signer=self.records,
+                coordinator_key=self.coordinator_key,
+            )  # fmt: skip
         last = run.pipeline.stages - 1
         if self.config.stage is not None and self.config.stage > last:
             raise ConfigError(f"--stage {self.config.stage}: run {run.run_id!r} has stages 0..{last}")
@@ -324,7 +327,7 @@ class Volunteer:
         return StageWorker(
             run, self._dht, peer_id=self.key.peer_id, stage=self.config.stage, device=device,
             coordinator_key=self.coordinator_key, memory_bytes=memory, signing_key=self.key,
-            upload_limiter=self.upload_limiter, accuse=self._accuser(client),
+            upload_limiter=self.upload_limiter, accuse=self._accuser(client), record_signer=self.records,
         )  # fmt: skip
 
     async def _leave(self, client: CoordinatorClient) -> None:

@@ -95,3 +95,24 @@ def start_dht(
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(maddr) for maddr in dht.get_visible_maddrs()]
+
+
+def start_local_dhts(
+    count: int,
+    home: Path,
+    *,
+    initial_peers: list[str] | None = None,
+    validators: Sequence[RecordValidatorBase] = (),
+) -> list[tuple[hivemind.DHT, SigningKey]]:
+    """``count`` DHT nodes on loopback, each under a fresh identity in ``home`` (for local rehearsals,
+    benchmarks and tests: a peer signs its records with the key of its DHT's peer ID)."""
+    from swarm.identity import create_identity
+
+    nodes: list[tuple[hivemind.DHT, SigningKey]] = []
+    for _ in range(count):
+        peers = initial_peers or (visible_maddrs(nodes[0][0]) if nodes else [])
+        path = home / f"dht-{len(list(home.glob('dht-*.key')))}.key"
+        key = create_identity(path)
+        dht = start_dht(key, path, host="127.0.0.1", port=0, initial_peers=peers, validators=validators)
+        nodes.append((dht, key))
+    return nodes

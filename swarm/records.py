@@ -4,7 +4,7 @@ The DHT is open to anyone who learns a bootstrap address, so nothing read from i
 a signed envelope (``protocols.envelope``) bound to the run, the record kind (its purpose) and its
 signer, with an expiration no later than ``MAX_TTL_S[kind]`` after it was signed:
 
-- per-peer records (``progress``, ``members``; ``pipeline`` is not signed yet) live in a dictionary under
+- per-peer records (``progress``, ``pipeline``, ``members``) live in a dictionary under
   ``<run_id>.<kind>``; the subkey is the signer's peer ID and the body carries the signer's coordinator
   certificate, so anyone holding the coordinator key checks admission offline;
 - run records (``checkpoint``, ``bans``) are single values signed by the coordinator key.
@@ -56,8 +56,7 @@ RUN_KINDS = {"checkpoint": CHECKPOINT_RECORD, "bans": BAN_LIST}
 # pipeline records live 6 announce intervals (at most 360 s), members offline_after_s (at most 3600 s),
 # the ban list 10 heartbeats + 30 s (at most 3030 s), the checkpoint record 60 s.
 MAX_TTL_S = {"progress": 600.0, "pipeline": 600.0, "members": 3600.0, "checkpoint": 600.0, "bans": 3600.0}
-# Pipeline records are still published unsigned (swarm.pipeline.records), so not validated yet.
-VALIDATED_KINDS = ("progress", "members", "checkpoint", "bans")
+VALIDATED_KINDS = (*PEER_KINDS, *RUN_KINDS)
 MAX_RECORD_BYTES = 16 << 10
 # A ban list page holds up to a thousand peer IDs: it may fill a whole envelope.
 MAX_RUN_RECORD_BYTES = MAX_ENVELOPE_BYTES

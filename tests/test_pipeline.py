@@ -17,7 +17,7 @@ from protocols import pipeline_pb2 as ppb
 from protocols.errors import ConfigError
 from swarm.averaging.compression import get_codec
 from swarm.config import RunConfig
-from swarm.dht import SpawnedDHT
+from swarm.dht import start_local_dhts
 from swarm.models import build_model
 from swarm.pipeline import split_model, stage_layout
 from swarm.pipeline.balance import choose_stage, rebalance_move
@@ -103,15 +103,14 @@ def test_rebalancing_moves_one_peer_from_spare_to_bottleneck_only_when_it_helps(
 
 
 @pytest.mark.timeout(120)
-def test_malformed_activations_get_a_clear_error_and_the_server_keeps_serving():
+def test_malformed_activations_get_a_clear_error_and_the_server_keeps_serving(tmp_path: Path):
     torch.set_num_threads(1)
     run = pipeline_run(stages=2, n_layer=2, ban_after_bad_requests=50)
-    server_dht = SpawnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    peers = [str(a) for a in server_dht.get_visible_maddrs()]
-    caller_dht = SpawnedDHT(start=True, initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    stranger_dht = SpawnedDHT(start=True, initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    (server_dht, server_key), (caller_dht, _), (stranger_dht, _) = start_local_dhts(3, tmp_path)
     server_id, caller_id = server_dht.peer_id.to_base58(), caller_dht.peer_id.to_base58()
-    worker = StageWorker(run, server_dht, peer_id=server_id, stage=1, members={server_id, caller_id})
+    worker = StageWorker(
+        run, server_dht, peer_id=server_id, stage=1, members={server_id, caller_id}, signing_key=server_key
+    )
     stop = asyncio.Event()
     codec = get_codec(run.training.compression)
     d_model = run.model.config["d_model"]

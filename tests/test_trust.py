@@ -100,6 +100,10 @@ def test_validator_accepts_certified_records_and_refuses_junk_forgeries_and_far_
     ).encoded
     validator = TrustValidator(RUN, coordinator.public_key)
     assert validator.validate(_record("progress", peer.peer_id, _progress(peer, certificate), 10))
+    stage = {"role": "stage", "stage": 1, "step": 3, "samples_per_s": 2.0, "load": 0.5, "state_hash": H1,
+             "param_hash": H2}  # fmt: skip
+    signed_stage = seal_peer_record(peer, "pipeline", RUN, stage, certificate)
+    assert validator.validate(_record("pipeline", peer.peer_id, signed_stage, 10))
     refused = {
         "unsigned dict": _record("progress", peer.peer_id, {"step": 9, "state_hash": H2}, 10),
         "no certificate": _record("progress", stranger.peer_id, _progress(stranger, b""), 10),
@@ -112,6 +116,8 @@ def test_validator_accepts_certified_records_and_refuses_junk_forgeries_and_far_
         "single junk value": _record("progress", None, b"junk", 10),
         "junk ban list": _record("bans", None, b"junk", 10),
         "junk members": _record("members", peer.peer_id, b"junk", 10),
+        "unsigned stage record": _record("pipeline", peer.peer_id, stage, 10),
+        "stage record as progress": _record("progress", peer.peer_id, signed_stage, 10),
     }
     for what, record in refused.items():
         assert not validator.validate(record), what

@@ -1,28 +1,25 @@
 """What stage servers and trainers announce in the DHT, and the view of the pipeline built from it.
 
-Every member of a pipeline run stores a small record under ``<run_id>.pipeline`` (subkey: its peer ID)
-every ``announce_interval_s``: a stage server says which stage it serves, at which step, how fast
+Every member of a pipeline run stores a small signed record (``swarm.records``: signed by the member,
+carrying its certificate) under ``<run_id>.pipeline`` (subkey: its peer ID) every ``announce_interval_s``: a stage server says which stage it serves, at which step, how fast
 (samples/s) and how busy it is, and the hashes of its state and parameters; a trainer says its step, the
 samples it completed there and how many micro-batches it has in flight. Records expire unless refreshed,
-so a killed peer drops out within a few seconds. Malformed records are ignored with a log line.
+so a killed peer drops out within a few seconds. Records that are unsigned, uncertified, banned or
+malformed are ignored with one log line each.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 from dataclasses import asdict, dataclass, field
 
 import hivemind
 from hivemind.utils import get_dht_time
 
-logger = logging.getLogger(__name__)
-
-HASH_CHARS = 64
+from swarm.records import RecordSigner, RecordTrust, record_key, record_ttl_s
 
 
 def pipeline_key(run_id: str) -> str:
-    return f"{run_id}.pipeline"
+    return record_key(run_id, "pipeline")
 
 
 @dataclass(frozen=True)
@@ -48,40 +45,6 @@ class TrainerRecord:
     role: str = "trainer"
 
 
-def _parse(peer_id: str, value: object) -> StageRecord | TrainerRecord | None:
-    try:
-        if not isinstance(value, dict):
-            raise TypeError("not a map")
-        role = value.get("role")
-        if role == "stage":
-            record = StageRecord(
-                peer_id, value["stage"], value["step"], float(value["samples_per_s"]), float(value["load"]),
-                value["state_hash"], value["param_hash"], float(value["updated_at"]),
-            )  # fmt: skip
-            ints = (record.stage, record.step)
-            if not all(
-                isinstance(h, str) and len(h) == HASH_CHARS for h in (record.state_hash, record.param_hash)
-            ):
-                raise ValueError("hashes must be 64 hex characters")
-            if not (
-                math.isfinite(record.samples_per_s) and record.samples_per_s >= 0 and 0 <= record.load <= 1
-            ):
-                raise ValueError("samples_per_s must be non-negative and load in [0, 1]")
-        elif role == "trainer":
-            record = TrainerRecord(
-                peer_id, value["step"], value["samples"], value["in_flight"], float(value["updated_at"])
-            )
-            ints = (record.step, record.samples, record.in_flight)
-        else:
-            raise ValueError(f"unknown role {role!r}")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in ints):
-            raise ValueError("stage, step and counts must be non-negative integers")
-    except (KeyError, TypeError, ValueError) as e:
-        logger.debug(f"ignoring pipeline record of {peer_id[:64]!r}: {e}")
-        return None
-    return record
-
-
 @dataclass
 class PipelineView:
     """Stage servers by stage and trainers, as the DHT showed them at one moment."""
@@ -101,29 +64,35 @@ class PipelineView:
 
 
 async def publish_record(
-    dht: hivemind.DHT, run_id: str, record: StageRecord | TrainerRecord, *, ttl_s: float
+    dht: hivemind.DHT, signer: RecordSigner, run_id: str, record: StageRecord | TrainerRecord, *, ttl_s: float
 ) -> bool:
-    value = asdict(record)
-    value.pop("peer_id")
+    body = asdict(record)
+    for name in ("peer_id", "updated_at"):
+        body.pop(name)
+    for name in ("samples_per_s", "load"):
+        if name in body:
+            body[name] = float(body[name])
     return bool(
         await dht.store(
-            pipeline_key(run_id), value, expiration_time=get_dht_time() + ttl_s, subkey=record.peer_id,
+            pipeline_key(run_id), signer.seal("pipeline", run_id, body),
+            expiration_time=get_dht_time() + record_ttl_s("pipeline", ttl_s), subkey=signer.peer_id,
             return_future=True,
         )
     )  # fmt: skip
 
 
-async def fetch_view(dht: hivemind.DHT, run_id: str, num_stages: int) -> PipelineView:
-    found = await dht.get(pipeline_key(run_id), latest=True, return_future=True)
+async def fetch_view(dht: hivemind.DHT, trust: RecordTrust, num_stages: int) -> PipelineView:
+    """The stage servers and trainers with a valid signed record, by role."""
+    found = await dht.get(pipeline_key(trust.run_id), latest=True, return_future=True)
     view = PipelineView()
-    if found is None or not isinstance(found.value, dict):
-        return view
-    for subkey, item in found.value.items():
-        if not isinstance(subkey, str):
-            continue
-        record = _parse(subkey, item.value)
-        if isinstance(record, StageRecord) and record.stage < num_stages:
-            view.stages.setdefault(record.stage, []).append(record)
-        elif isinstance(record, TrainerRecord):
-            view.trainers.append(record)
+    for peer_id, r in trust.open_dictionary("pipeline", found).items():
+        b = r.body
+        if b.role == "stage" and b.stage < num_stages:
+            view.stages.setdefault(b.stage, []).append(
+                StageRecord(
+                    peer_id, b.stage, b.step, b.samples_per_s, b.load, b.state_hash, b.param_hash, r.issued_at
+                )  # fmt: skip
+            )
+        elif b.role == "trainer":
+            view.trainers.append(TrainerRecord(peer_id, b.step, b.samples, b.in_flight, r.issued_at))
     return view

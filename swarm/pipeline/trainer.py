@@ -34,6 +34,8 @@ import hivemind
 from hivemind.p2p import PeerID
 
 from protocols import pipeline_pb2 as ppb
+from protocols.errors import ConfigError
+from protocols.keys import PublicKey, SigningKey
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import model_config
@@ -41,6 +43,7 @@ from swarm.pipeline.balance import pick_server
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
 from swarm.pipeline.server import StageServicer, pipeline_namespace
 from swarm.pipeline.wire import encode_ids
+from swarm.records import RecordSigner, RecordTrust
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,25 @@ class MicroBatch:
 
 
 class PipelineTrainer:
-    def __init__(self, run: RunConfig, dht: hivemind.DHT, *, peer_id: str, seed: int | None = None):
+    def __init__(
+        self,
+        run: RunConfig,
+        dht: hivemind.DHT,
+        *,
+        peer_id: str,
+        seed: int | None = None,
+        signing_key: SigningKey | None = None,
+        record_signer: RecordSigner | None = None,
+        coordinator_key: PublicKey | None = None,
+    ):
+        if record_signer is None and signing_key is None:
+            raise ConfigError(
+                "a pipeline trainer signs its DHT records: pass signing_key (the key of its peer ID)"
+            )
         self.config, self.dht, self.peer_id = run, dht, peer_id
+        self.records = record_signer or RecordSigner(signing_key)
+        # Stage records count only when signed by a certified peer (any signer, in a run with no coordinator).
+        self.trust = RecordTrust(run.run_id, coordinator_key)
         self.num_stages = run.pipeline.stages
         self.dataset = build_dataset(run.dataset.name, run.dataset.config)
         self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
@@ -120,13 +140,13 @@ class PipelineTrainer:
 
     async def _publish(self) -> None:
         ttl_s = max(3.0, 6 * self.config.pipeline.announce_interval_s)
-        await publish_record(self.dht, self.config.run_id, self._record(), ttl_s=ttl_s)
+        await publish_record(self.dht, self.records, self.config.run_id, self._record(), ttl_s=ttl_s)
 
     async def _announce_forever(self) -> None:
         while True:
             try:
                 await self._publish()
-                self.view = await fetch_view(self.dht, self.config.run_id, self.num_stages)
+                self.view = await fetch_view(self.dht, self.trust, self.num_stages)
                 self._views += 1
             except Exception as e:
                 logger.debug(f"pipeline announce failed: {e!r}")

@@ -45,6 +45,7 @@ from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publis
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer, pipeline_namespace
 from swarm.ratelimit import RateLimiter
+from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Position, catch_up_target
 from swarm.training.state import encode_state, state_tensors
 from swarm.training.sync import (
@@ -90,15 +91,19 @@ class StageWorker:
         signing_key: SigningKey | None = None,
         upload_limiter: RateLimiter | None = None,
         accuse: Accuser | None = None,
+        record_signer: RecordSigner | None = None,
     ):
         if coordinator_key is not None and signing_key is None:
             raise ConfigError("a stage worker in a coordinated run signs its rounds: pass signing_key")
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         self.wanted_stage, self.memory_bytes, self.rebalance = stage, memory_bytes, rebalance
         self.signing_key, self.upload_limiter, self.accuse = signing_key, upload_limiter, accuse
+        # Signs this replica's pipeline records; in a coordinated run it carries the peer's certificate.
+        self.records = record_signer or (RecordSigner(signing_key) if signing_key is not None else None)
         self.num_stages = run.pipeline.stages
         # One view of who is certified and banned, for the stage's averaging and for its server alike.
         self.policy = PeerPolicy(dht, run.run_id, coordinator_key, allowed=members)
+        self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.policy.banned)
         self.gate = PeerGate(
             dht, run.run_id, coordinator_key, policy=self.policy,
             ban_after_bad_requests=run.pipeline.ban_after_bad_requests,
@@ -165,18 +170,25 @@ class StageWorker:
         return StageRecord(self.peer_id, r.index, r.step, r.samples_per_s, self._load, r.state_hash,
                            r.param_hash, time.time())  # fmt: skip
 
+    def _signer(self) -> RecordSigner:
+        if self.records is None:
+            raise ConfigError("a stage worker signs its pipeline records: pass signing_key or record_signer")
+        return self.records
+
     def _ttl_s(self) -> float:
         return max(3.0, 6 * self.config.pipeline.announce_interval_s)
 
     async def _refresh_view(self) -> None:
-        self.view = await fetch_view(self.dht, self.config.run_id, self.num_stages)
+        self.view = await fetch_view(self.dht, self.trust, self.num_stages)
         self._views += 1
 
     async def _announce_forever(self) -> None:
         while True:
             try:
                 if self.replica is not None and self.replica.state_hash:
-                    await publish_record(self.dht, self.config.run_id, self._record(), ttl_s=self._ttl_s())
+                    await publish_record(
+                        self.dht, self._signer(), self.config.run_id, self._record(), ttl_s=self._ttl_s()
+                    )
                 await self._refresh_view()
                 await self.policy.refresh_bans()
             except Exception as e:
@@ -364,7 +376,9 @@ class StageWorker:
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
                     f"{sum(group.weights):.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
         with contextlib.suppress(Exception):
-            await publish_record(self.dht, self.config.run_id, self._record(), ttl_s=self._ttl_s())
+            await publish_record(
+                self.dht, self._signer(), self.config.run_id, self._record(), ttl_s=self._ttl_s()
+            )
 
     # --- rebalancing ---------------------------------------------------------------------------------
 
@@ -387,6 +401,7 @@ class StageWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve a stage until ``stop`` is set."""
+        self._signer()  # fail at once, not in the announce loop
         announcer = asyncio.create_task(self._announce_forever())
         try:
             await self._serve(await self._pick_stage())
