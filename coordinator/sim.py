@@ -281,6 +281,7 @@ def simulate(config: SimConfig) -> int:
     deadline = started + config.timeout_s
     churn_events: list[dict] = []
     val_history: list[float] = []
+    link_samples: list[tuple[float, list[int]]] = []  # (time, bytes each peer's link sent), in the lab
     gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
     print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model {config.model_size} "
           f"(logs in {root})", flush=True)  # fmt: skip
@@ -317,6 +318,8 @@ def simulate(config: SimConfig) -> int:
         while True:
             snapshot = status_to_dict(status(control))
             _record_validation(snapshot, byzantine, val_history)
+            if lab is not None:
+                link_samples.append((time.monotonic(), [lab.link_bytes(i + 2)[0] for i in range(len(names))]))
             progress.show(snapshot, {n for n, c in peers.items() if c.process.poll() is None}, started)
             steps = {
                 p["name"]: p["step"]
@@ -363,7 +366,7 @@ def simulate(config: SimConfig) -> int:
         samples_per_s = progress.rate(config.steps)
         final_loss, final_hash = evaluate(run, final)
         snapshot = status_to_dict(status(control))
-        wan = _wan_report(lab, names) if lab is not None else None
+        wan = _wan_report(lab, names, link_samples) if lab is not None else None
         for name in names:
             if peers[name].process.poll() is None:
                 peers[name].signal(signal.SIGTERM)
@@ -373,6 +376,8 @@ def simulate(config: SimConfig) -> int:
         peer_rows = [
             {"peer_id": p["peer_id"], "name": p["name"], "param_hash": p["param_hash"], "step": p["step"],
              "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"], "device": p["device"],
+             "averaging_s": p["metrics"].get("averaging_s", 0.0),
+             "compute_utilization": p["metrics"].get("compute_utilization", 0.0),
              "byzantine": p["name"] in byzantine, "banned": p["state"] == "banned" or bool(p["ban_reason"]),
              "ban_reason": p["ban_reason"]}
             for p in snapshot["peers"]
@@ -422,10 +427,21 @@ def _placement(lab: WanLab | None, index: int) -> dict:
     return {"host": lab.host(index + 1).address, "prefix": lab.exec_prefix(index + 1)}
 
 
-def _wan_report(lab: WanLab, names: list[str]) -> dict:
-    """The lab's links and what the kernel counted on each peer's link."""
+def _peak_mbit(samples: list[tuple[float, list[int]]], index: int, window_s: float = 2.0) -> float:
+    """The highest upload rate of peer ``index`` over any ``window_s`` of the counter samples."""
+    peak = 0.0
+    for i, (t0, first) in enumerate(samples):
+        later = next(((t, c) for t, c in samples[i + 1 :] if t - t0 >= window_s), None)
+        if later is not None:
+            peak = max(peak, (later[1][index] - first[index]) * 8 / (later[0] - t0) / 1e6)
+    return peak
+
+
+def _wan_report(lab: WanLab, names: list[str], samples: list[tuple[float, list[int]]]) -> dict:
+    """The lab's links, what the kernel counted on each peer's link, and each link's busiest 2 s."""
     counted = {name: lab.link_bytes(i + 2) for i, name in enumerate(names)}
     return {
+        "peak_up_mbit": {name: _peak_mbit(samples, i) for i, name in enumerate(names)},
         "up_mbit": lab.link.up_mbit,
         "down_mbit": lab.link.down_mbit,
         "behind_nat": [name for i, name in enumerate(names) if lab.host(i + 2).behind_nat],

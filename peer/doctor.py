@@ -277,8 +277,9 @@ async def _dial_back_check(channel: grpc.aio.Channel, config: DoctorConfig) -> C
         detail = result.detail or "the connection reached another machine"
         return Check(
             "reachability", "warn",
-            f"other peers cannot dial this machine at {answer.address}:{port} ({detail}); it can join, "
-            f"but others cannot send it averaging traffic{note}", fix,
+            f"other peers cannot dial this machine at {answer.address}:{port} ({detail}); it can join and "
+            f"train behind NAT: groupmates reach it over the connections it opens, through libp2p, which costs "
+            f"more CPU than the direct data port{note}", fix,
         )  # fmt: skip
     finally:
         if server is not None:

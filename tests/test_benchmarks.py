@@ -116,3 +116,14 @@ def test_peer_benchmark_measures_each_setting_and_checkpointing_cuts_activations
             assert 0 < on["activation_mib"] < off["activation_mib"]
     assert [q["precision"] for q in result["quality"]] == ["fp32", "bf16", "bf16"]
     assert all(0 < q["val_loss"] < 10 for q in result["quality"])
+
+
+def test_wan_benchmark_measures_rounds_on_capped_links_and_behind_nat(tmp_path: Path):
+    output = run_benchmark("bench_wan.py", "--json", str(tmp_path / "wan.json"))
+
+    rows = json.loads((tmp_path / "wan.json").read_text())
+    assert [(r["up_mbit"], r["nat"]) for r in rows] == [(20.0, 0), (20.0, 1)], output[-4000:]
+    for row in rows:
+        assert row["identical"] and row["sent_mb_per_step"] > 0 and row["averaging_s"] > 0
+        # The kernel held the cap: no 2-second window of any peer's uplink ran much above it.
+        assert 0 < row["peak_use"] <= 1.1, row
