@@ -18,6 +18,7 @@ Without a coordinator key (a local run with no admission) a record needs a valid
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,9 +29,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from protocols.certificates import verify_certificate
+from protocols.certificates import PeerCertificate, verify_certificate
 from protocols.envelope import MAX_CLOCK_SKEW_S, Envelope, open_envelope, seal
-from protocols.errors import ProtocolError, SwarmError
+from protocols.errors import CertificateError, ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import (
     BAN_LIST,
@@ -109,6 +110,12 @@ def _check_expiration(kind: str, envelope: Envelope, expiration_time: float, now
         )
 
 
+@functools.lru_cache(maxsize=4096)
+def _verified_certificate(data: bytes, issuer_raw: bytes, run_id: str) -> PeerCertificate:
+    # Every record of a peer carries the same certificate: verify its signature once, its expiry each time.
+    return verify_certificate(data, issuer=PublicKey(issuer_raw), run_id=run_id, now=0.0)
+
+
 def open_peer_record(
     kind: str,
     run_id: str,
@@ -131,7 +138,9 @@ def open_peer_record(
     _check_expiration(kind, envelope, expiration_time, now)
     body = parse_body(_body_model(kind, envelope.body), envelope.body, sender=subkey, what=f"{kind} record")
     if coordinator_key is not None:
-        certificate = verify_certificate(body.certificate, issuer=coordinator_key, run_id=run_id, now=now)
+        certificate = _verified_certificate(body.certificate, coordinator_key.raw, run_id)
+        if certificate.expires_at <= now:
+            raise CertificateError(f"the certificate of {certificate.peer_id} has expired")
         if certificate.peer_id != subkey:
             raise ProtocolError(f"carries the certificate of {certificate.peer_id}")
     return PeerRecord(subkey, kind, envelope.issued_at, body)

@@ -98,6 +98,8 @@ def test_validator_accepts_certified_records_and_refuses_junk_forgeries_and_far_
     certificate = issue_certificate(
         coordinator, public_key=peer.public_key, run_id=RUN, role="data", name="p", serial=1, ttl_s=600
     ).encoded
+    expired = issue_certificate(coordinator, public_key=stranger.public_key, run_id=RUN, role="data", name="s",
+                                serial=1, ttl_s=10, now=time.time() - 100).encoded  # fmt: skip
     validator = TrustValidator(RUN, coordinator.public_key)
     assert validator.validate(_record("progress", peer.peer_id, _progress(peer, certificate), 10))
     stage = {"role": "stage", "stage": 1, "step": 3, "samples_per_s": 2.0, "load": 0.5, "state_hash": H1,
@@ -107,6 +109,7 @@ def test_validator_accepts_certified_records_and_refuses_junk_forgeries_and_far_
     refused = {
         "unsigned dict": _record("progress", peer.peer_id, {"step": 9, "state_hash": H2}, 10),
         "no certificate": _record("progress", stranger.peer_id, _progress(stranger, b""), 10),
+        "expired certificate": _record("progress", stranger.peer_id, _progress(stranger, expired), 10),
         "someone else's certificate": _record(
             "progress", stranger.peer_id, _progress(stranger, certificate), 10
         ),
