@@ -1,6 +1,8 @@
 """How the coordinator turns what peers report into durable credit, and the step it trusts them to be at.
 
-Both run inside the store's heartbeat transaction (``coordinator.store``), on its own connection.
+Both run inside the store's heartbeat transaction (``coordinator.store``), on its own connection. The
+verified step bounds credit, so it is bounded itself: by a majority of the reporting peers, by how fast a
+run can train, and by the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -8,17 +10,41 @@ from __future__ import annotations
 import math
 import sqlite3
 
+# No run advances faster than this: every step is a round of matchmaking and an all-reduce among
+# volunteers over the internet, seconds each at best. The verified step moves no faster either, so peers
+# that outnumber the honest reporters for a moment (two Sybils beside one honest peer) move it at most
+# this many steps per second of the coordinator's clock, never to whatever step they claim.
+MAX_VERIFIED_STEPS_PER_S = 1.0
+# With a checkpoint, the verified step stays within this many checkpoint periods of the newest one: the
+# coordinator takes one every ``checkpoint_every_steps`` of agreed progress, so an honest run is about
+# one period ahead of it (two leave room for a checkpoint still being downloaded).
+CHECKPOINT_MARGIN_PERIODS = 2
+
 
 def meta_int(db: sqlite3.Connection, key: str) -> int:
     row = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
     return int(row[0]) if row else 0
 
 
-def verify_step(db: sqlite3.Connection, step: int, param_hash: str) -> int:
-    """The run's verified step after a peer reported ``(step, param_hash)``: the furthest step at which
-    at least two unbanned online peers, and more than half of those that report a hash, hold the same
-    parameters. It never falls (peers at it may later go offline)."""
+def _set_meta(db: sqlite3.Connection, key: str, value: object) -> None:
+    db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, str(value)))
+
+
+def verify_step(
+    db: sqlite3.Connection, step: int, param_hash: str, *, now: float, max_step: int | None = None
+) -> int:
+    """The run's verified step after a peer reported ``(step, param_hash)`` at ``now`` (the coordinator's
+    clock, never the peer's). It advances towards a step at which at least two unbanned online peers, and
+    more than half of those that report a hash, hold the same parameters, but by at most
+    ``MAX_VERIFIED_STEPS_PER_S`` per second since it last moved, and never past ``max_step`` (the newest
+    checkpoint's step plus a margin, where there is one). It never falls (peers at it may later go
+    offline)."""
     verified = meta_int(db, "verified_step")
+    row = db.execute("SELECT value FROM meta WHERE key='verified_at'").fetchone()
+    if row is None:  # the rate is counted from the first report the store ever takes
+        _set_meta(db, "verified_at", now)
+        return verified
+    since = float(row[0])
     if step <= verified or not param_hash:
         return verified
     online = "p.state='online' AND p.param_hash != '' AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
@@ -30,8 +56,16 @@ def verify_step(db: sqlite3.Connection, step: int, param_hash: str) -> int:
     (reporting,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {online}").fetchone()
     if 2 * agreeing <= reporting:
         return verified
-    db.execute("INSERT OR REPLACE INTO meta VALUES ('verified_step', ?)", (str(step),))
-    return step
+    allowed = verified + math.floor(max(0.0, now - since) * MAX_VERIFIED_STEPS_PER_S)
+    target = min(step, allowed, step if max_step is None else max_step)
+    if target <= verified:
+        return verified
+    _set_meta(db, "verified_step", target)
+    # Held back by the rate, it keeps the fraction of a step it had earned; otherwise the clock restarts
+    # now, and what the run left unused is not kept for a later jump.
+    held_back = target == allowed
+    _set_meta(db, "verified_at", since + (target - verified) / MAX_VERIFIED_STEPS_PER_S if held_back else now)
+    return target
 
 
 def merge_credit(

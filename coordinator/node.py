@@ -108,6 +108,9 @@ class CoordinatorNode:
             self.dht_initial_peers = visible_maddrs(self._dht)
             keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")
             await keeper.start()
+            self._store.follow_checkpoints(
+                lambda: keeper.latest.step if keeper.latest else None, run.training.checkpoint_every_steps
+            )
             service = CoordinatorService(run, key, self._store, self.dht_initial_peers, self.limits)
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
             self._server.add_generic_rpc_handlers(

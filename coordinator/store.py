@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from coordinator.credit import merge_credit, meta_int, verify_step
+from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, verify_step
 from protocols.errors import ConfigError
 
 T = TypeVar("T")
@@ -146,6 +146,8 @@ class Store:
         self.path = path
         self.run_id = run_id
         self.max_samples_per_step = max_samples_per_step
+        self._newest_checkpoint_step: Callable[[], int | None] = lambda: None
+        self._checkpoint_margin_steps = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-store")
         self._db: sqlite3.Connection | None = None
 
@@ -186,6 +188,12 @@ class Store:
             self._executor.submit(self._db.close).result()
             self._db = None
         self._executor.shutdown(wait=True)
+
+    def follow_checkpoints(self, newest_step: Callable[[], int | None], every_steps: int) -> None:
+        """Hold the verified step within ``CHECKPOINT_MARGIN_PERIODS`` checkpoint periods of the step of
+        the newest checkpoint, as ``newest_step`` gives it (None while there is none)."""
+        self._newest_checkpoint_step = newest_step
+        self._checkpoint_margin_steps = CHECKPOINT_MARGIN_PERIODS * every_steps
 
     async def next_serial(self) -> int:
         def op(db: sqlite3.Connection) -> int:
@@ -243,7 +251,9 @@ class Store:
                     (seen_at, seq, json.dumps(metrics), step, param_hash, peer_id, seq),
                 )
                 if cursor.rowcount == 1:
-                    verified = verify_step(db, step, param_hash)
+                    checkpoint = self._newest_checkpoint_step()
+                    ceiling = None if checkpoint is None else checkpoint + self._checkpoint_margin_steps
+                    verified = verify_step(db, step, param_hash, now=seen_at, max_step=ceiling)
                     if CONTRIBUTED in metrics and step <= verified:
                         merge_credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
             return cursor.rowcount == 1

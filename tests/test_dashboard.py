@@ -115,7 +115,9 @@ def test_api_status_reflects_the_two_peer_run(run: Run):
         assert 0 < peer["contributed_samples"] <= 6 * (32 + 4)
         assert peer["credit_refused"] == 0
         assert peer["metrics"]["train_loss"] < 6
-        assert peer["metrics"]["peak_memory_bytes"] > 50 * 2**20, "a CPU peer's peak RSS: torch alone holds more"
+        assert peer["metrics"]["peak_memory_bytes"] > 50 * 2**20, (
+            "a CPU peer's peak RSS: torch alone holds more"
+        )
     assert status["contributed_samples"] == sum(p["contributed_samples"] for p in status["peers"])
     board = status["leaderboard"]
     assert [e["rank"] for e in board] == [1, 2]
@@ -217,13 +219,16 @@ def test_reported_contributions_become_durable_credit(tmp_path: Path):
             # A second peer at the same step with the same parameters makes the step verified.
             agreed = f"{step:064x}"
             for peer_id, metrics in (("q", {}), ("p", {"contributed_samples": reported})):
+                n = next(seq)  # a minute apart: slower than the verified step's rate limit
                 await store.record_heartbeat(
-                    peer_id, seq=next(seq), seen_at=0.0, metrics=metrics, step=step, param_hash=agreed
+                    peer_id, seq=n, seen_at=60.0 * n, metrics=metrics, step=step, param_hash=agreed
                 )
             return (await store.get_peer("p")).contributed_samples
 
         for peer_id in ("p", "q"):
-            await store.admit(PeerRecord(peer_id, b"k", peer_id, "cpu", "data", "online", 0.0, 0.0, 0, 1, 1e12))
+            await store.admit(
+                PeerRecord(peer_id, b"k", peer_id, "cpu", "data", "online", 0.0, 0.0, 0, 1, 1e12)
+            )
         try:
             assert await beat(0, 0) == 0  # the baseline
             assert await beat(2, 60) == 60  # two rounds

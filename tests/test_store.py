@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, MAX_VERIFIED_STEPS_PER_S
 from coordinator.limits import ServiceLimits
 from coordinator.localswarm import tiny_run
 from coordinator.service import CoordinatorService
@@ -59,12 +60,13 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
 
     async def scenario() -> None:
         store = Store.open_sync(tmp_path / "c.db", "verified", max_samples_per_step=32)
-        seq = iter(range(1, 1000))
+        seq, clock = iter(range(1, 1000)), iter(range(1000))
 
         async def beat(peer_id: str, step: int, reported: float, param_hash: str) -> float:
             metrics = {"contributed_samples": reported}
+            seen_at = 10.0 * next(clock)  # far slower than the verified step's rate limit
             await store.record_heartbeat(
-                peer_id, seq=next(seq), seen_at=0.0, metrics=metrics, step=step, param_hash=param_hash
+                peer_id, seq=next(seq), seen_at=seen_at, metrics=metrics, step=step, param_hash=param_hash
             )
             return (await store.get_peer(peer_id)).contributed_samples
 
@@ -93,6 +95,48 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
             assert await store.verified_step() == 3
             assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [96, 96, 96]
             assert (await store.get_peer("s1")).contributed_samples == 0
+        finally:
+            store.close()
+
+    run(scenario())
+
+
+def test_sybils_that_outnumber_the_honest_move_the_verified_step_only_at_the_run_s_pace(tmp_path: Path):
+    """Two Sybils beside one honest peer are a majority of the reporters: the step they claim together
+    (2**62) is not verified; the verified step moves at most MAX_VERIFIED_STEPS_PER_S per second of the
+    coordinator's clock, and never past the newest checkpoint's step plus its margin."""
+
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "sybils", max_samples_per_step=32)
+        seq = iter(range(1, 1000))
+
+        async def beat(peer_id: str, step: int, param_hash: str, at: float, reported: float = 0) -> None:
+            await store.record_heartbeat(
+                peer_id, seq=next(seq), seen_at=at, metrics={"contributed_samples": reported}, step=step,
+                param_hash=param_hash,
+            )  # fmt: skip
+
+        huge, fake = 2**62, "f" * 64
+        try:
+            for p in ("honest", "s1", "s2"):
+                await store.admit(peer(p))
+                await beat(p, 0, "a" * 64, at=1000.0)  # baselines; the rate is counted from here
+            for at in (1000.5, 1020.0):
+                for p in ("s1", "s2"):
+                    await beat(p, huge, fake, at=at, reported=1e12)
+            assert await store.verified_step() == 20 * MAX_VERIFIED_STEPS_PER_S
+            for t in range(1021, 1121):
+                for p in ("s1", "s2"):
+                    await beat(p, huge, fake, at=float(t), reported=1e12)
+                assert await store.verified_step() <= (t - 1000) * MAX_VERIFIED_STEPS_PER_S
+            assert await store.verified_step() == 120 * MAX_VERIFIED_STEPS_PER_S
+            # They claim a step above the verified one, so their huge count earns them nothing.
+            assert (await store.get_peer("s1")).contributed_samples == 0
+            # A checkpoint bounds it however long the clock runs.
+            store.follow_checkpoints(lambda: 100, every_steps=10)
+            for p in ("s1", "s2"):
+                await beat(p, huge, fake, at=1e6, reported=1e12)
+            assert await store.verified_step() == 100 + CHECKPOINT_MARGIN_PERIODS * 10
         finally:
             store.close()
 
