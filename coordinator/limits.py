@@ -18,13 +18,14 @@ Example::
 
 from __future__ import annotations
 
-import ipaddress
 import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from swarm.averaging.transport import host_key
 
 
 class ServiceLimits(BaseModel):
@@ -75,18 +76,11 @@ class ServiceLimits(BaseModel):
 
 def caller_key(peer: str) -> str:
     """The address a gRPC caller (``context.peer()``: ``ipv4:1.2.3.4:5``, ``ipv6:%5B::1%5D:5``) is limited
-    by; anything unparsable is limited as itself."""
+    by, by the data plane's rule (``host_key``); anything else is limited as itself."""
     kind, _, rest = peer.partition(":")
-    host = urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
+    if kind not in ("ipv4", "ipv6"):
         return peer[:128]
-    if address.version == 6:
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{address}/64", strict=False))
-    return str(address)
+    return host_key(urllib.parse.unquote(rest).rsplit(":", 1)[0])
 
 
 class KeyedBuckets:

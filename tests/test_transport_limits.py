@@ -1,9 +1,11 @@
 """The averaging data path's limits: a groupmate that never reads is cut off at the write deadline on
-either side, one peer (or one address) cannot take every connection, and the others still get in."""
+either side, one peer (or one address, whatever keys it signs with) cannot take every connection, and the
+others still get in."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
@@ -12,7 +14,7 @@ from hivemind.p2p import PeerID
 from protocols import averaging_pb2 as apb
 from protocols.errors import NetworkError
 from protocols.keys import SigningKey
-from swarm.averaging.transport import DataPlane
+from swarm.averaging.transport import DataPlane, host_key
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -143,6 +145,77 @@ def test_one_address_cannot_take_every_handshake():
             await server.close()
 
     asyncio.run(scenario())
+
+
+async def relay_from(source_host: str, target: str) -> asyncio.Server:
+    """A TCP relay on loopback whose connections to ``target`` come from ``source_host``: another host."""
+    host, port = target.rsplit(":", 1)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream = await asyncio.open_connection(host, int(port), local_addr=(source_host, 0))
+        await asyncio.gather(pipe(reader, upstream[1]), pipe(upstream[0], writer))
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_fresh_keys_from_one_host_cannot_take_every_connection():
+    """Each connection from 127.0.0.1 signs with a new key (so the per-peer limit never bites); the
+    per-host limit does, and a peer on another address (127.0.0.3, through a relay) still gets in."""
+
+    async def until_closed(stream, sender):
+        async for _ in stream:
+            pass
+        return
+        yield  # (an async generator that answers nothing)
+
+    def fresh() -> DataPlane:
+        return DataPlane(SigningKey.generate(), "run", until_closed, max_frame=MAX_FRAME)
+
+    async def scenario() -> None:
+        server = DataPlane(
+            SigningKey.generate(), "run", until_closed, max_frame=MAX_FRAME, max_connections_per_host=3
+        )
+        address = await server.start("127.0.0.1", 0, "127.0.0.1")
+        relay = await relay_from("127.0.0.3", address)
+        held = []
+        try:
+            held = [await fresh().connect(address, peer_of(server), timeout_s=5) for _ in range(3)]
+            with pytest.raises(NetworkError):
+                await fresh().connect(address, peer_of(server), timeout_s=5)
+            assert server._by_host == {"127.0.0.1": 3} and len(server._serving) == 3
+            relayed = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+            held.append(await fresh().connect(relayed, peer_of(server), timeout_s=5))
+            assert server._by_host == {"127.0.0.1": 3, "127.0.0.3": 1}
+            for connection in held[:3]:
+                connection.close()
+            for _ in range(50):  # the server sees the closes and frees the host's slots
+                if server._by_host == {"127.0.0.3": 1}:
+                    break
+                await asyncio.sleep(0.1)
+            assert server._by_host == {"127.0.0.3": 1}
+            held.append(await fresh().connect(address, peer_of(server), timeout_s=5))
+        finally:
+            for connection in held:
+                connection.close()
+            relay.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_hosts_are_limited_by_address_and_ipv6_by_their_64():
+    assert host_key("203.0.113.7") == "203.0.113.7"
+    assert host_key("::ffff:203.0.113.7") == "203.0.113.7"
+    assert host_key("2001:db8:1:2:3:4:5:6") == host_key("[2001:db8:1:2:ffff::1]") == "2001:db8:1:2::/64"
+    assert host_key("2001:db8:1:3::1") != host_key("2001:db8:1:2::1")
+    assert host_key("unknown") == "unknown"
 
 
 def test_frames_still_flow_within_the_limits():

@@ -14,6 +14,8 @@ of a public run are not secret) and a frame larger than the round could need end
 
 Limits, so that one groupmate cannot take the listener from the others: at most
 ``max_handshakes_per_host`` unauthenticated connections per remote address at once, at most
+``max_connections_per_host`` connections of either kind per remote address (an IPv6 /64 counts as one
+address: ``host_key``), so that fresh keys from one host cannot fill the listener, at most
 ``max_connections_per_peer`` authenticated ones per peer ID, ``max_connections`` in all; and every
 write waits at most ``write_timeout_s`` for the other side to read (a groupmate that never reads would
 otherwise hold the sending task forever).
@@ -54,6 +56,9 @@ UNREACHABLE_FOR_S = 60.0
 MAX_CONNECTIONS = 256
 MAX_CONNECTIONS_PER_PEER = 8
 MAX_HANDSHAKES_PER_HOST = 32
+# A quarter of MAX_CONNECTIONS: one host (or one IPv6 /64) never holds more, whatever keys it signs with.
+# Peers sharing an address (behind one NAT, or a rehearsal on loopback) beyond it fall back to libp2p.
+MAX_CONNECTIONS_PER_HOST = 64
 WRITE_TIMEOUT_S = 30.0
 _ADDRESS = re.compile(r"^(?P<host>[0-9A-Za-z.\-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):(?P<port>[0-9]{1,5})$")
 
@@ -296,18 +301,21 @@ class DataPlane:
         max_connections: int = MAX_CONNECTIONS,
         max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
         max_handshakes_per_host: int = MAX_HANDSHAKES_PER_HOST,
+        max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST,
         write_timeout_s: float = WRITE_TIMEOUT_S,
     ):
         self.key, self.prefix, self.handler, self.max_frame = key, prefix, handler, max_frame
         self.max_connections = max_connections
         self.max_connections_per_peer = max_connections_per_peer
         self.max_handshakes_per_host = max_handshakes_per_host
+        self.max_connections_per_host = max_connections_per_host
         self.write_timeout_s = write_timeout_s
         self.address: str | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
-        # Both maps hold only keys with connections open now, so they never outgrow max_connections.
+        # These maps hold only keys with connections open now, so they never outgrow max_connections.
         self._handshaking: dict[str, int] = {}
+        self._by_host: dict[str, int] = {}
         self._serving: dict[str, int] = {}
         self._unreachable: dict[str, float] = {}
         self.accepted = 0  # authenticated connections served so far
@@ -348,11 +356,16 @@ class DataPlane:
 
     async def _accept(self, reader: FrameStream, writer: FrameStream) -> None:
         remote = writer.get_extra_info("peername")
-        host = str(remote[0]) if isinstance(remote, tuple) and remote else "unknown"
+        host = host_key(str(remote[0])) if isinstance(remote, tuple) and remote else "unknown"
         if len(self._connections) > self.max_connections or not _enter(
-            self._handshaking, host, self.max_handshakes_per_host
+            self._by_host, host, self.max_connections_per_host
         ):
             logger.debug(f"refused an averaging data connection from {host}: too many connections")
+            writer.close()
+            return
+        if not _enter(self._handshaking, host, self.max_handshakes_per_host):
+            _leave(self._by_host, host)
+            logger.debug(f"refused an averaging data connection from {host}: too many unfinished handshakes")
             writer.close()
             return
         sender: PeerID | None = None
@@ -373,6 +386,7 @@ class DataPlane:
         except (ConnectionError, OSError) as e:
             logger.debug(f"averaging data connection from {remote} broke: {e!r}")
         finally:
+            _leave(self._by_host, host)
             if sender is not None:
                 _leave(self._serving, sender.to_base58())
             with contextlib.suppress(Exception):
@@ -442,6 +456,20 @@ class DataPlane:
         if server.peer_id != expected:
             raise SecurityError(f"the data address answered as {server.peer_id}, not as {expected}")
         server.verify(answer[PUBLIC_KEY_BYTES:], _transcript(b"server", self.prefix, nonce, self.key.peer_id))
+
+
+def host_key(host: str) -> str:
+    """What a remote address is limited by: an IPv4 address (also when mapped into IPv6) or an IPv6 /64,
+    which one host gets as cheaply as one address; anything unparsable is limited as itself."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host[:128]
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
 
 
 def _enter(counts: dict[str, int], key: str, limit: int) -> bool:
