@@ -90,6 +90,14 @@ def test_rounds_complete_without_a_withholder(peers):
     assert torch.allclose(last[0][1].vector, (vectors[0] + vectors[1]) / 2, atol=2e-3)
 
 
+class KeepingAverager(Averager):
+    """An averager that keeps its validation tasks, whose outcomes the tests read (done or not)."""
+
+    def _verify_later(self, runner) -> None:
+        super()._verify_later(runner)
+        self.checks = list(self._verifications)
+
+
 class SmallChunks(ButterflyAllReduce):
     """The run's all-reduce with many chunks per part, so that trimming has something to drop."""
 
@@ -106,7 +114,7 @@ def test_a_round_keeps_only_what_its_validators_can_ask_for(peers):
 
     async def scenario():
         averagers = [
-            Averager(
+            KeepingAverager(
                 dht,
                 prefix="trimming",
                 numel=NUMEL,
@@ -124,7 +132,7 @@ def test_a_round_keeps_only_what_its_validators_can_ask_for(peers):
         outcomes = await asyncio.gather(
             *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
         )
-        checks = [await asyncio.wait_for(asyncio.gather(*a._verifications), 60) for a in averagers]
+        checks = [await asyncio.wait_for(asyncio.gather(*a.checks), 60) for a in averagers]
         runners = [next(iter(a.recent.values())) for a in averagers]
         for averager in averagers:
             await averager.shutdown()
@@ -142,3 +150,53 @@ def test_a_round_keeps_only_what_its_validators_can_ask_for(peers):
             len(i.data) for inputs in runner.evidence for i in inputs
         )
         assert held <= 2 * 3 * 1000 * 2, "at most one chunk per part and one chunk's inputs, in fp16"
+
+
+class SelectiveReveal(SmallChunks):
+    """A member that reveals its nonce to every reducer but ``victim``, which then lacks the draw."""
+
+    victim = ""
+
+    def reveals_to(self, part: int) -> bool:
+        return self.members[part] != self.victim
+
+
+def test_a_member_missing_the_draw_suspects_nobody(peers):
+    # Member 0 never hears member 2's reveal: it checks every part at chunks of its own choosing, which
+    # its groupmates, holding only the drawn chunks, rightly no longer show. Nobody is held at fault.
+    generator = torch.Generator().manual_seed(2)
+    vectors = [torch.randn(NUMEL, generator=generator) for _ in peers]
+    SelectiveReveal.victim = peers[0][1].peer_id
+
+    async def scenario():
+        averagers = [
+            KeepingAverager(
+                dht,
+                prefix="selective",
+                numel=NUMEL,
+                signing_key=key,
+                matchmaking_time_s=1.0,
+                sender_timeout_s=1.0,
+                data_plane=False,
+                verify_probability=1.0,
+                runner_type=SelectiveReveal if i == 2 else SmallChunks,
+            )  # fmt: skip
+            for i, (dht, key) in enumerate(peers)
+        ]
+        for averager in averagers:
+            await averager.start()
+        outcomes = await asyncio.gather(
+            *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
+        )
+        checks = [await asyncio.wait_for(asyncio.gather(*a.checks), 60) for a in averagers]
+        runners = [next(iter(a.recent.values())) for a in averagers]
+        for averager in averagers:
+            await averager.shutdown()
+        return outcomes, checks, runners, averagers
+
+    outcomes, checks, runners, averagers = asyncio.run(scenario())
+    assert all(o is not None and o[1].complete for o in outcomes)
+    assert runners[0].shared_seed is None and runners[1].shared_seed is not None
+    assert len([o for per_task in checks[0] for o in per_task]) == 2, "member 0 checks both other parts"
+    others = [key.peer_id for _, key in peers]
+    assert all(a.policy.refusal(p) is None for a in averagers for p in others)

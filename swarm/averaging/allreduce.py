@@ -152,8 +152,9 @@ class ButterflyAllReduce:
         if chunk_values is None:
             chunk_values = layout_chunk_values(len(self.peer_ids), codec.bytes_per_value)
         self.sender_timeout_s, self.chunk_values = sender_timeout_s, chunk_values
-        # A sender reveals once every part has arrived or failed for it: at most a failed reducer's wait.
-        self.reveal_timeout_s = 4 * sender_timeout_s
+        # A sender reveals once every part has arrived or failed for it: a failed reducer's wait, plus the
+        # slowest reducer's work on a loaded machine. Only the background check waits this long.
+        self.reveal_timeout_s = 8 * sender_timeout_s
         self.data_plane, self.upload_limiter = data_plane, upload_limiter
         self.traffic = traffic if traffic is not None else Traffic()
         # Every value is written before a complete round returns; a caller's reused buffer spares a fresh
@@ -433,6 +434,10 @@ class ButterflyAllReduce:
             signature=self._sign(contribution_message(self.digest, part, chunk, me, self.weight, data)),
         )
 
+    def reveals_to(self, part: int) -> bool:
+        """Whether this peer reveals its nonce to the reducer of ``part`` (an honest one always does)."""
+        return True
+
     def own_input(self, part: int, chunk: int) -> SignedInput | None:
         """This peer's signed contribution to one chunk of a part (Ed25519 signs the same bytes the same);
         None for a chunk that no validator drew once the round is trimmed."""
@@ -472,7 +477,8 @@ class ButterflyAllReduce:
                 self._count(sent=len(message.data))
                 yield message
             await self._delivered.wait()
-            yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=self.nonce)
+            if self.reveals_to(part):
+                yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=self.nonce)
 
         stream, expected = None, 0
         try:

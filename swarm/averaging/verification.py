@@ -5,7 +5,8 @@ had arrived or failed for it (``ButterflyAllReduce.revealed``), so no reducer kn
 its chunks before it has signed and delivered them. For each part the draw names one other member as
 its validator, which with probability ``probability`` checks one drawn chunk. A member that did not
 hear every reveal draws from its own randomness and checks every part with that probability instead,
-so withholding a reveal only brings more checks.
+so withholding a reveal only brings more checks (those checks of chunks nobody was drawn to show
+hold no one at fault).
 
 The validator takes the reducer's signed list of the inputs it aggregated and collects each input
 from its own sender (a sender holds what it signed); only where a sender does not answer does it ask
@@ -291,7 +292,8 @@ async def validate_round(
             framed = runner.attack.frame(outcome.evidence, runner)  # a rehearsed framer
             outcome = Outcome("framed by a rehearsed attack", framed, outcome.unshown)
         outcomes.append(outcome)
-        if suspect is not None:
+        # Without the whole draw this member checks chunks that its groupmates rightly no longer hold.
+        if suspect is not None and runner.shared_seed is not None:
             for peer in outcome.unshown:
                 suspect(peer, "could not show an input behind a signed aggregate")
         if outcome.verdict is not None and accuse is not None:
