@@ -3,6 +3,8 @@
 - ``compression``: fp16/fp32 encodings of vectors on the wire, with checked decoding
 - ``validation``: checks on a groupmate's contribution (size, dtype, finite, norm) and fair weights
 - ``aggregators``: the pluggable rule each reducer applies to its part (``centered_clip``, ``mean``, ...)
+- ``evidence``: what round members sign, the run's chunk layout, and evidence a third party can judge
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits
+- ``verification``: validators drawn after delivery, who collect signed inputs and recompute a chunk
 - ``averager``: ``Averager``: hivemind's matchmaking plus our all-reduce and state-download handlers
 """
