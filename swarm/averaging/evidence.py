@@ -1,15 +1,18 @@
-"""What members of an all-reduce round sign, and the proof that a reducer returned a wrong aggregate.
+"""What members of an all-reduce round sign, and the proof that a reducer (or a sender) cheated.
 
-Every chunk a sender contributes is signed over the round (run prefix, group ID and the ordered member
-list, hashed together), the part and chunk indices, the sender, its claimed weight and the SHA-256 of
-the bytes. Every aggregate chunk a reducer returns is signed over the round, part, chunk, reducer, the
-set of members it aggregated and the SHA-256 of the bytes. A replayed chunk from another round or run,
-or one altered on the way, fails its signature.
+Every chunk a sender contributes is signed over the round (run prefix, group ID, the ordered member
+list and the members' fresh nonce commitments, hashed together), the part and chunk indices, the
+sender, its claimed weight and the SHA-256 of the bytes. Every aggregate chunk a reducer returns is
+signed over the round, part, chunk, reducer, its list of the exact inputs it aggregated (``entries``:
+sender, weight and data hash of each) and the SHA-256 of the bytes. A replayed chunk from another
+round or run, or one altered on the way, fails its signature.
 
 The aggregate is a pure function of the signed inputs (``reduce_chunk``), so anyone holding the inputs
 recomputes it bit for bit: a validator drawn by the group, and the coordinator judging an accusation.
-``BadAggregateEvidence`` carries one chunk's signed inputs and the reducer's signed output; its
-``judge`` says whether the reducer lied (the accused is guilty) or the evidence fails (the accuser is).
+``BadAggregateEvidence`` carries one chunk's signed inputs and the reducer's signed list and output;
+``EquivocationEvidence`` two different inputs one member signed for one chunk. Their ``judge`` takes
+the chunk's size from the run's layout (``chunk_numel``), never from the evidence, and says whether
+the accused cheated, or raises when the evidence fails (then the accuser is guilty).
 """
 
 from __future__ import annotations
