@@ -56,6 +56,11 @@ class PeerConfig(BaseModel):
         None, max_length=253, description="address groupmates dial for averaging data (default: detected)"
     )
     upnp: bool = Field(False, description="ask the router to forward the DHT port (UPnP)")
+    dialable: Literal["auto", "yes", "no"] = Field(
+        "auto",
+        description="whether other peers can connect to this machine; auto: the coordinator dials back at "
+        "join; a peer that cannot be dialed (behind NAT) never leads an averaging group",
+    )
     known_coordinators: Path = Field(
         Path("~/.swarm/known_coordinators.json"), description="where pinned coordinator keys are kept"
     )

@@ -24,6 +24,7 @@ from peer.control import PeerControl
 from peer.device import describe_device, resolve_device
 from peer.limits import apply_gpu_memory_limit, upload_limiter
 from peer.panel import Panel
+from peer.reachability import learn_dialable
 from peer.trust import KnownCoordinators
 from protocols.certificates import PeerCertificate
 from protocols.errors import (
@@ -85,6 +86,7 @@ class Volunteer:
         self.coordinator_key: PublicKey | None = None
         self._dht = None
         self.trainer: Trainer | None = None
+        self.dialable = True  # learned at join (peer/reachability.py)
         self._started = time.monotonic()
         self.paused = False
         self.upload_limiter = upload_limiter(config)
@@ -300,7 +302,11 @@ class Volunteer:
             self._control.close()
 
     def _metrics(self, members: int) -> dict[str, float]:
-        metrics = {"uptime_s": time.monotonic() - self._started, "dht_members": float(members)}
+        metrics = {
+            "uptime_s": time.monotonic() - self._started,
+            "dht_members": float(members),
+            "dialable": float(self.dialable),
+        }
         if self.trainer is not None:
             metrics.update(self.trainer.metrics())
         return {k: v for k, v in metrics.items() if math.isfinite(v)}  # e.g. no loss before the first step
@@ -368,6 +374,7 @@ class Volunteer:
                 ],
             )
             self.records = RecordSigner(self.key, self.certificate.encoded)
+            self.dialable = await learn_dialable(client, config.host, config.dialable)
             training: asyncio.Task | None = None
             try:
                 if self.run_config.pipeline.stages > 1 or config.role in ("stage", "trainer"):
@@ -380,7 +387,7 @@ class Volunteer:
                         upload_limiter=self.upload_limiter, accuse=self._accuser(client),
                         attack=self._rehearsed_attack(), record_signer=self.records,
                         activation_checkpointing=config.activation_checkpointing,
-                        fit_memory=config.max_gpu_memory is not None,
+                        fit_memory=config.max_gpu_memory is not None, client_mode=not self.dialable,
                     )  # fmt: skip
                 self._pass_pause()
                 training = asyncio.create_task(self.trainer.run(stop))

@@ -212,5 +212,10 @@ class CoordinatorClient:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.address) from None
 
+    async def dial_back(self, ports: list[int]) -> pb.DialBackResponse:
+        """Ask the coordinator to open TCP connections back to this machine on ``ports``."""
+        request = pb.DialBackRequest(header=self._header(""), ports=ports)
+        return await self._call("DialBack", request, pb.DialBackResponse)
+
     async def status(self, run_id: str = "") -> pb.StatusResponse:
         return await self._call("Status", pb.StatusRequest(header=self._header(run_id)), pb.StatusResponse)

@@ -230,7 +230,11 @@ def test_peers_on_capped_links_one_behind_nat_train_to_identical_parameters(tmp_
             assert sampler.peak_mbit(k) <= 20 * 1.1, (
                 f"host {k} sent {sampler.peak_mbit(k):.1f} Mbit/s over a 20 Mbit/s cap"
             )
-        # The peer behind NAT took part in every round: its groupmates reached it over its own connections.
+        # The peer behind NAT learned at join that it cannot be dialed (so it never leads a group), and
+        # took part in every round: its groupmates reached it over the connections it opened.
+        assert "other peers cannot dial this machine" in peers[2].output()
+        dialable = {p["name"]: p["metrics"].get("dialable") for p in online}
+        assert dialable == {"peer2": 1.0, "peer3": 1.0, "peer4": 0.0}, dialable
         assert "step 3: averaged with 3 peers" in peers[2].output()
         assert lab.link_bytes(4)[0] > 0
     finally:

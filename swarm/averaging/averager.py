@@ -160,6 +160,7 @@ class Averager:
         accuse: Accuser | None = None,
         attack=None,
         data_plane: bool = True,
+        client_mode: bool = False,
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
         self.aggregator = get_aggregator(aggregator, aggregator_options)
@@ -172,6 +173,8 @@ class Averager:
         self.data_announce_host = data_announce_host
         self.data_plane: DataPlane | None = None
         self.use_data_plane = data_plane
+        # A peer others cannot dial (behind NAT) never leads a group: followers could not reach it.
+        self.client_mode = client_mode
         self.upload_limiter = upload_limiter
         self.traffic = Traffic()
         self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
@@ -216,7 +219,7 @@ class Averager:
             min_group_size=2,
             min_matchmaking_time=self.matchmaking_time_s,
             request_timeout=max(0.5, self.matchmaking_time_s / 2),
-            client_mode=False,
+            client_mode=self.client_mode,
             policy=self.policy,
         )
         if self.signing_key is not None and self.use_data_plane:

@@ -38,10 +38,12 @@ def build_averager(
     data_host: str = "127.0.0.1",
     data_port: int = 0,
     data_announce_host: str | None = None,
+    client_mode: bool = False,
 ) -> Averager:
     """The averager of one role of ``run`` (the data-parallel trainer, or one pipeline stage's replicas).
 
-    ``max_weight`` (default: the run's target batch) caps what one member may claim. A rehearsed
+    ``max_weight`` (default: the run's target batch) caps what one member may claim. ``client_mode``:
+    this peer cannot be dialed (it is behind NAT), so it joins groups but never leads one. A rehearsed
     ``attack`` on the group itself (``swarm.byzantine.group_attacks``) gets the averager that mounts it.
     """
     training = run.training
@@ -67,4 +69,5 @@ def build_averager(
         data_host=data_host,
         data_port=data_port,
         data_announce_host=data_announce_host,
+        client_mode=client_mode,
     )

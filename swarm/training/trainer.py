@@ -82,6 +82,7 @@ class Trainer:
         activation_checkpointing: bool = False,
         fit_memory: bool = False,
         record_signer: RecordSigner | None = None,
+        client_mode: bool = False,
     ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         if record_signer is None and signing_key is None:
@@ -111,7 +112,7 @@ class Trainer:
         self.averager = build_averager(
             run, dht, prefix=run.run_id, numel=self.numel, signing_key=signing_key, policy=self.policy,
             upload_limiter=upload_limiter, accuse=accuse, attack=attack, data_host=data_host,
-            data_port=data_port, data_announce_host=data_announce_host,
+            data_port=data_port, data_announce_host=data_announce_host, client_mode=client_mode,
         )  # fmt: skip
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
         self.step = self.samples = self.micro = 0

@@ -1,0 +1,51 @@
+"""Whether other peers can open connections to this machine, learned at join from the coordinator.
+
+A peer behind NAT (a home router, a firewall) can dial out and cannot be dialed. It still trains: its
+groupmates reach it over the connections it opens (through libp2p). But it must not lead an averaging
+group, since followers would dial it to join: such a peer averages in client mode (docs/wan.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Literal
+
+from protocols.errors import SwarmError
+from swarm.coordinator_client import CoordinatorClient
+
+logger = logging.getLogger(__name__)
+
+Dialable = Literal["auto", "yes", "no"]
+
+
+async def learn_dialable(client: CoordinatorClient, host: str, setting: Dialable) -> bool:
+    """``setting`` unless it is ``auto``; then whether the coordinator could connect back to a listener
+    on ``host``. When the coordinator cannot be asked, the answer is yes (the behaviour before it could)."""
+    if setting != "auto":
+        return setting == "yes"
+    try:
+        server = await asyncio.start_server(lambda _reader, writer: writer.close(), host=host, port=0)
+    except OSError as e:
+        logger.warning(f"could not listen on {host} to test reachability ({e}); assuming peers can dial in")
+        return True
+    try:
+        answer = await client.dial_back([server.sockets[0].getsockname()[1]])
+    except SwarmError as e:
+        logger.info(f"the coordinator did not dial back ({e}); assuming other peers can dial this machine")
+        return True
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await server.wait_closed()
+    result = answer.results[0] if answer.results else None
+    if result is not None and result.reachable:
+        logger.info(f"other peers can dial this machine at {answer.address}")
+        return True
+    why = result.detail if result is not None else "no result"
+    logger.info(
+        f"other peers cannot dial this machine at {answer.address} ({why}): it joins averaging groups "
+        "but does not lead them (--dialable yes overrides)"
+    )
+    return False
