@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import KEYS, start_dhts
 
 from coordinator.localswarm import tiny_run
 from peer.device import describe_device, resolve_device
 from protocols.errors import ConfigError
 from swarm.config import OptimizerConfig
-from swarm.dht import SpawnedDHT
 from swarm.models import build_model
 from swarm.training import (
     build_optimizer,
@@ -196,12 +196,12 @@ class OtherKindOfDevice(Trainer):
 def test_a_peer_that_rounds_differently_ends_the_run_holding_the_majority_state() -> None:
     run = tiny_run("mixed-kinds", max_steps=3, min_group_size=3)
     torch.set_num_threads(1)
-    dhts: list[SpawnedDHT] = []
-    for _ in range(3):
-        initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-        dhts.append(SpawnedDHT(start=True, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    dhts = start_dhts(3)
     kinds = [Trainer, Trainer, OtherKindOfDevice]
-    trainers = [kind(run, d, peer_id=d.peer_id.to_base58()) for kind, d in zip(kinds, dhts, strict=True)]
+    trainers = [
+        kind(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()])
+        for kind, d in zip(kinds, dhts, strict=True)
+    ]
     odd = trainers[2]
 
     async def scenario() -> None:
