@@ -78,6 +78,11 @@ class SimConfig(BaseModel):
     )
     byzantine: int = Field(0, ge=0, le=15, description="how many peers play the attacker named by --attack")
     attack: str | None = Field(None, max_length=64, description="the attack the --byzantine peers mount")
+    protocol_attack: str | None = Field(
+        None, max_length=256,
+        description="protocol attacks (comma-separated, or 'all') that a stock hivemind.DHT with no "
+        "certificate mounts on the run's DHT and state servers every second",
+    )  # fmt: skip
     aggregator: str | None = Field(
         None, max_length=64, description="aggregation rule for the run (default: the run's, centered_clip)"
     )
@@ -111,6 +116,20 @@ class SimConfig(BaseModel):
         if peers is not None and gpu_peers > peers:
             raise ValueError(f"{gpu_peers} is more than --peers ({peers})")
         return gpu_peers
+
+    @field_validator("protocol_attack")
+    @classmethod
+    def _known_protocol_attacks(cls, names: str | None) -> str | None:
+        from swarm.byzantine.protocol_attacks import protocol_attack_names
+
+        unknown = [
+            n for n in (names or "").split(",") if n and n != "all" and n not in protocol_attack_names()
+        ]
+        if unknown:
+            raise ValueError(
+                f"unknown protocol attack {unknown[0]!r}; known: {', '.join(protocol_attack_names())}"
+            )
+        return names
 
     @field_validator("attack")
     @classmethod
@@ -312,6 +331,17 @@ def simulate(config: SimConfig) -> int:
             )
             for i, name in enumerate(names)
         }
+        if config.protocol_attack:
+            from swarm.byzantine.protocol_attacks import protocol_attack_names
+
+            mounted = (
+                protocol_attack_names()
+                if config.protocol_attack == "all"
+                else config.protocol_attack.split(",")
+            )
+            local.spawn("protocol-attacker", ["-m", "swarm.byzantine.protocol_attacks", "--run-id", run.run_id,
+                                              "--initial-peers", *coordinator.extra["dht_initial_peers"],
+                                              "--attack", *mounted])  # fmt: skip
         initial_loss, _ = evaluate(run, None)
         churned = False
         final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
@@ -396,6 +426,7 @@ def simulate(config: SimConfig) -> int:
             "val_history": val_history,
             "wan": wan,
             "attack": config.attack,
+            "protocol_attack": config.protocol_attack,
             "aggregator": run.training.aggregator,
             "duration_s": duration,
             "samples_per_s": samples_per_s,

@@ -215,7 +215,7 @@ class LogOnce:
         self.seen[marker] = None
         if len(self.seen) > self.limit:
             self.seen.popitem(last=False)
-        logger.warning(f"ignoring {what} in the DHT: {reason}")
+        logger.warning(f"ignoring {what}: {reason}")
 
 
 @dataclass
@@ -232,12 +232,14 @@ class RecordTrust:
         items = getattr(found, "value", None)
         if not isinstance(items, dict):
             if found is not None:
-                self.log.warning(f"the {kind} key", "it holds a single value, not per-peer records")
+                self.log.warning(
+                    f"the {kind} key in the DHT", "it holds a single value, not per-peer records"
+                )
             return {}
         records: dict[str, PeerRecord] = {}
         now = get_dht_time()
         for subkey, item in items.items():
-            what = f"{kind} record {str(subkey)[:64]!r}"
+            what = f"{kind} record {str(subkey)[:64]!r} in the DHT"
             try:
                 record = open_peer_record(
                     kind, self.run_id, subkey, item.value, item.expiration_time, self.coordinator_key, now=now

@@ -235,7 +235,7 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
         assert await fetch_ban_list(second.dht, RUN, coordinator.public_key) is not None
         # The flood gets nothing: the attacker has no signed record, so no holder serves it.
         await flood.mount(target)
-        assert flood.received_bytes == 0
+        assert flood.received_bytes == 0 and flood.refusals == 2 * 4, "every request reached and was refused"
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
 

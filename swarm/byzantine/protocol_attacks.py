@@ -50,6 +50,7 @@ class ProtocolTarget:
     run_id: str
     holders: list[str] = field(default_factory=list)
     state_namespace: str = ""
+    step: int = 0  # the highest honest step seen so far (the attacker's own junk may hide it later)
 
 
 class ProtocolAttackOptions(BaseModel):
@@ -122,7 +123,7 @@ class AheadOptions(ProtocolAttackOptions):
 @register_protocol_attack("forged_progress", AheadOptions)
 class ForgedProgress(ProtocolAttack):
     async def mount(self, target: ProtocolTarget) -> int:
-        step = await observed_step(target.dht, target.run_id) + self.options.steps_ahead
+        step = max(target.step, await observed_step(target.dht, target.run_id)) + self.options.steps_ahead
         key = SigningKey.generate()
         await _store_progress(target.dht, target.run_id, target.dht.peer_id.to_base58(), step, signer=None)
         await _store_progress(target.dht, target.run_id, key.peer_id, step, signer=key)
@@ -136,7 +137,7 @@ class SybilOptions(AheadOptions):
 @register_protocol_attack("sybil_hash", SybilOptions)
 class SybilHash(ProtocolAttack):
     async def mount(self, target: ProtocolTarget) -> int:
-        step = await observed_step(target.dht, target.run_id) + self.options.steps_ahead
+        step = max(target.step, await observed_step(target.dht, target.run_id)) + self.options.steps_ahead
         keys = [SigningKey.generate() for _ in range(self.options.sybils)]
         await asyncio.gather(
             *(_store_progress(target.dht, target.run_id, k.peer_id, step, signer=k) for k in keys)
@@ -151,7 +152,7 @@ class SubkeyOptions(AheadOptions):
 @register_protocol_attack("malformed_subkey", SubkeyOptions)
 class MalformedSubkey(ProtocolAttack):
     async def mount(self, target: ProtocolTarget) -> int:
-        step = await observed_step(target.dht, target.run_id) + self.options.steps_ahead
+        step = max(target.step, await observed_step(target.dht, target.run_id)) + self.options.steps_ahead
         await _store_progress(target.dht, target.run_id, self.options.subkey, step, signer=None)
         await _store_progress(
             target.dht, target.run_id, self.options.subkey, step, signer=SigningKey.generate()
@@ -174,9 +175,9 @@ class FloodOptions(ProtocolAttackOptions):
 
 @register_protocol_attack("download_flood", FloodOptions)
 class DownloadFlood(ProtocolAttack):
-    """Counts the state bytes the holders sent; an attacker that is refused receives none."""
+    """Counts the state bytes the holders sent, and their refusals; an attacker that is refused gets no bytes."""
 
-    received_bytes = 0
+    received_bytes = refusals = failures = 0
 
     async def mount(self, target: ProtocolTarget) -> int:
         from hivemind.p2p import PeerID
@@ -190,9 +191,73 @@ class DownloadFlood(ProtocolAttack):
             try:
                 async for chunk in await stub.rpc_download_state(apb.StateRequest(run_id=target.run_id)):
                     self.received_bytes += len(chunk.data)
-            except Exception:  # a holder that drops the stream: the flood goes on
-                return
+                    self.refusals += bool(chunk.error)
+            except Exception:  # an unreachable holder or a dropped stream: the flood goes on
+                self.failures += 1
 
         requests = [one(h) for h in target.holders for _ in range(self.options.requests)]
         await asyncio.gather(*requests)
         return len(requests)
+
+
+async def rehearse(
+    run_id: str, initial_peers: list[str], names: list[str], *, interval_s: float, duration_s: float
+) -> dict[str, int]:
+    """Mount ``names`` every ``interval_s`` for ``duration_s`` from a stock hivemind.DHT; returns what was sent."""
+    from swarm.training.sync import state_namespace
+
+    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    attacks = [make_protocol_attack(n, {"requests": 2} if n == "download_flood" else None) for n in names]
+    sent = dict.fromkeys(names, 0)
+    target = ProtocolTarget(dht, run_id, state_namespace=state_namespace(run_id))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + duration_s
+    try:
+        while loop.time() < deadline:
+            found = await dht.get(record_key(run_id, "progress"), latest=True, return_future=True)
+            value = getattr(found, "value", None)
+            if isinstance(value, dict):
+                target.holders = sorted(set(target.holders) | {k for k in value if str(k).startswith("12D3")})
+                target.step = max(target.step, await observed_step(dht, run_id))
+            for attack in attacks:
+                if attack.name == "far_future" and not target.holders:
+                    continue  # its junk would hide the honest records from this node too: look first
+                try:
+                    sent[attack.name] += await asyncio.wait_for(attack.mount(target), timeout=30)
+                except Exception as e:  # an attack that fails this time is mounted again next time
+                    print(f"{attack.name}: {e!r}", flush=True)
+            print(
+                f"sent so far: {sent}; honest step {target.step}, holders {len(target.holders)}", flush=True
+            )
+            await asyncio.sleep(interval_s)
+    finally:
+        dht.shutdown()
+    return sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m swarm.byzantine.protocol_attacks --run-id R --initial-peers MADDR... --attack NAME...``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="mount protocol attacks on a run's DHT (rehearsal only)")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--attack", nargs="+", choices=protocol_attack_names(), required=True)
+    parser.add_argument("--interval-s", type=float, default=1.0)
+    parser.add_argument("--duration-s", type=float, default=3600.0)
+    args = parser.parse_args(argv)
+    sent = asyncio.run(
+        rehearse(
+            args.run_id,
+            args.initial_peers,
+            args.attack,
+            interval_s=args.interval_s,
+            duration_s=args.duration_s,
+        )
+    )
+    print(f"sent: {sent}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

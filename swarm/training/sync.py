@@ -215,7 +215,7 @@ async def fetch_checkpoint_record(
             CheckpointRecordBody, envelope.body, sender=envelope.sender, what="checkpoint record"
         )
     except SwarmError as e:
-        _checkpoint_log.warning("the checkpoint record", str(e))
+        _checkpoint_log.warning("the checkpoint record in the DHT", str(e))
         return None
     return body.step, body.state_hash
 
