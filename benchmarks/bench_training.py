@@ -311,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         model_config, args.target_batch_size, args.micro_batch_size, args.steps, args.matchmaking_time_s,
         args.max_bytes, args.threads,
     )  # fmt: skip
-    settings.run_config().check_components()
+    from swarm.components import check_components
+
+    check_components(settings.run_config())
 
     from bench_allreduce import machine
 

@@ -32,6 +32,7 @@ from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from protocols.errors import ConfigError, NetworkError
 from swarm.bans import MAX_BANNED, BanPageValidator, publish_ban_list
+from swarm.components import check_components
 from swarm.config import RunConfig
 from swarm.dht import start_dht, visible_maddrs
 from swarm.identity import load_or_create_identity
@@ -76,7 +77,7 @@ class CoordinatorNode:
     async def start(self) -> None:
         config, run = self.config, self.run
         data_dir = config.data_path
-        await asyncio.to_thread(run.check_components)
+        await asyncio.to_thread(check_components, run)
         key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
         self.coordinator_peer_id = key.peer_id
         if run.coordinator_key is not None and run.coordinator_key != key.peer_id:

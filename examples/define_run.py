@@ -37,7 +37,7 @@ def main(path: str) -> None:
         },
         admission={"policy": "token", "join_token": "s3cret"},
     )
-    run.check_components()  # the model, dataset and aggregator exist and accept these configs
+    swarm.check_components(run)  # the model, dataset and aggregator exist and accept these configs
     model = swarm.build_model(run.model.name, run.model.config, seed=run.training.seed)
     print(f"{run.run_id}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     run.to_toml(path)

@@ -40,6 +40,7 @@ from protocols.errors import (
 from protocols.keys import PublicKey, SigningKey
 from swarm.bans import BanPageValidator
 from swarm.byzantine.attacks import make_attack
+from swarm.components import check_components
 from swarm.config import RunConfig
 from swarm.coordinator_client import Admission, CoordinatorClient
 from swarm.data import derive_seed
@@ -136,7 +137,7 @@ class Volunteer:
             run = RunConfig.parse(admission.run_spec, source="run spec from the coordinator")
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
-        await asyncio.to_thread(run.check_components)  # this peer must have the run's model and data
+        await asyncio.to_thread(check_components, run)  # this peer must have the run's model and data
         check_precision(run.training.precision, self.compute_device)  # e.g. fp16 on a CPU: say so now
         if run.coordinator_key and run.coordinator_key != admission.coordinator_key.peer_id:
             raise SecurityError(

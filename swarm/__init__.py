@@ -1,13 +1,22 @@
 """swarm: the core library and public Python API of the decentralized training network.
 
-- ``config``: ``RunConfig``, the typed definition of a run, and its TOML form
+- ``config``: ``RunConfig``, the typed definition of a run, and its TOML form (no torch)
+- ``components``: ``check_components``, the run's model, dataset, aggregator and pipeline split checked
+  against the registries installed here
 - ``identity``: persistent Ed25519 identities (signing key = libp2p peer ID)
 - ``coordinator_client``: ``CoordinatorClient``, the coordinator's gRPC API from the peer side
 - ``membership``: verified peer certificates published in the DHT
+- ``records``: signed DHT records, the one trust boundary for everything read from the run's DHT
+- ``bans``: the coordinator-signed ban list, published in pages in the DHT and enforced by every peer
 - ``dht``: starting hivemind's DHT under a swarm identity
+- ``hivemind_import``: hivemind imported once, with its one import-time torch warning filtered
 - ``registry``: named registries with typed configs (shared by models and datasets)
 - ``models``: the model registry and the built-in byte-level ``gpt``
 - ``data``: the dataset registry (``stdlib``, ``text-files``) and deterministic per-peer sampling
+- ``averaging``: robust butterfly all-reduce among a group of peers, signed and verified
+- ``training``: one peer's training loop, the shared state, checkpoints and catching up
+- ``pipeline``: SWARM pipeline parallelism: stage servers, stage workers and pipeline trainers
+- ``byzantine``: named attacks for rehearsal (``swarm-sim --byzantine K --attack NAME``)
 - ``rpc``: how errors cross the gRPC boundary
 - ``ratelimit``: ``RateLimiter``, the token bucket behind a peer's ``--max-upload-mbps``
 - ``cliargs``: CLI flags derived from typed configs
@@ -46,6 +55,7 @@ _LAZY = {
     "register_dataset": "swarm.data",
     "available_datasets": "swarm.data",
     "CoordinatorClient": "swarm.coordinator_client",
+    "check_components": "swarm.components",
 }
 
 __all__ = [
@@ -63,6 +73,7 @@ __all__ = [
     "available_models",
     "build_dataset",
     "build_model",
+    "check_components",
     "load_or_create_identity",
     "register_dataset",
     "register_model",

@@ -308,27 +308,6 @@ class RunConfig(_Section):
         # TOML has no null: a None anywhere means "the default", which is what leaving the key out says.
         Path(path).write_text(tomli_w.dumps(_drop_none(self.model_dump(mode="json"))))
 
-    def check_components(self) -> None:
-        """Check the model, dataset and aggregator against the installed registries (imports torch)."""
-        from swarm.averaging.aggregators import aggregator_config
-        from swarm.data import dataset_config
-        from swarm.models import model_config
-
-        try:
-            aggregator_config(self.training.aggregator, self.training.aggregator_options)
-        except ConfigError as e:
-            raise ConfigError(f"run {self.run_id!r}: training.aggregator: {e}") from None
-        for section, check in (("model", model_config), ("dataset", dataset_config)):
-            spec = getattr(self, section)
-            try:
-                check(spec.name, spec.config)
-            except ConfigError as e:
-                raise ConfigError(f"run {self.run_id!r}: {section}: {e}") from None
-        if self.pipeline.stages > 1:
-            from swarm.pipeline.layout import stage_layout
-
-            stage_layout(self)  # the split fits the model: a ConfigError names pipeline.layer_split
-
     def to_spec(self) -> dict[str, Any]:
         """The part of the config sent to every peer: everything but admission secrets."""
         return self.model_dump(mode="json", exclude={"admission"}, exclude_none=True)

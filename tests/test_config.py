@@ -13,6 +13,7 @@ from protocols.codec import pack
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
 from swarm.cliargs import add_config_arguments, config_from_args
+from swarm.components import check_components
 from swarm.config import RunConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,7 +64,7 @@ def test_config_with_a_none_component_field_survives_toml(tmp_path: Path) -> Non
     from swarm.data import dataset_config
 
     config = RunConfig(run_id="r", dataset={"name": "stdlib", "config": {"max_bytes": None}})
-    config.check_components()
+    check_components(config)
     path = tmp_path / "run.toml"
     try:
         config.to_toml(path)
@@ -165,14 +166,14 @@ def test_offline_after_must_exceed_two_heartbeat_intervals(tmp_path: Path) -> No
 def test_check_components_names_the_model_and_its_fields() -> None:
     config = RunConfig(run_id="r", model={"name": "gpt", "config": {"d_model": 100, "n_head": 3}})
     with pytest.raises(ConfigError) as info:
-        config.check_components()
+        check_components(config)
     message = str(info.value)
     assert "run 'r'" in message and "model" in message
     assert "d_model" in message and "n_head" in message
 
 
 def test_check_components_accepts_the_demo() -> None:
-    RunConfig.demo().check_components()
+    check_components(RunConfig.demo())
 
 
 def test_robust_aggregation_is_the_default_and_its_options_round_trip(tmp_path: Path) -> None:
@@ -182,7 +183,7 @@ def test_robust_aggregation_is_the_default_and_its_options_round_trip(tmp_path: 
     config.to_toml(tmp_path / "run.toml")
     loaded = RunConfig.from_toml(tmp_path / "run.toml")
     assert loaded == config and loaded.training.aggregator_options == options
-    loaded.check_components()
+    check_components(loaded)
 
 
 @pytest.mark.parametrize(
@@ -199,13 +200,13 @@ def test_robust_aggregation_is_the_default_and_its_options_round_trip(tmp_path: 
 )
 def test_check_components_names_the_bad_aggregator_option(training: dict, named: str) -> None:
     with pytest.raises(ConfigError, match="training.aggregator") as info:
-        RunConfig(run_id="r", training=training).check_components()
+        check_components(RunConfig(run_id="r", training=training))
     assert named in str(info.value)
 
 
 def test_example_run_file_uses_robust_aggregation() -> None:
     config = RunConfig.from_toml(Path(__file__).resolve().parents[1] / "examples" / "run.toml")
-    config.check_components()
+    check_components(config)
     assert config.training.aggregator == "centered_clip" and "tau" in config.training.aggregator_options
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.components import check_components
 from swarm.config import OptimizerConfig, RunConfig
 from swarm.models import build_model
 from swarm.training.optimizers import Lamb, Lars
@@ -141,7 +142,7 @@ def test_state_travels_to_a_late_peer_and_both_step_alike(name: str) -> None:
 
 def test_large_batch_recipe_parses_and_builds_lamb() -> None:
     run = RunConfig.from_toml(EXAMPLE)
-    run.check_components()
+    check_components(run)
     assert run.optimizer.name == "lamb" and run.training.target_batch_size >= 1024
     assert run.training.precision == "bf16"
     model = build_model(run.model.name, {**run.model.config, "n_layer": 1}, seed=0)

@@ -16,6 +16,7 @@ from coordinator.localswarm import tiny_run
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ConfigError
 from swarm.averaging.compression import get_codec
+from swarm.components import check_components
 from swarm.config import RunConfig
 from swarm.dht import start_local_dhts
 from swarm.models import build_model
@@ -61,7 +62,7 @@ def test_bad_layer_split_names_the_field(tmp_path: Path):
     with pytest.raises(
         ConfigError, match=r"pipeline.layer_split \[1, 2\] holds 3 blocks but the model has n_layer=2"
     ):
-        run.check_components()
+        check_components(run)
     with pytest.raises(
         ConfigError, match="pipeline.layer_split: .*every middle stage needs at least one block"
     ):
