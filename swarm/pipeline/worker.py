@@ -284,7 +284,11 @@ class StageWorker:
     # --- catching up ---------------------------------------------------------------------------------
 
     async def _admit_download(self, requester: str) -> str | None:
-        """A stage's state goes to certified, unbanned peers only (the stage server's own policy)."""
+        """A stage's state goes to certified, unbanned peers only: a replica with a verified pipeline
+        record (it carries a certificate), or a peer the stage server's policy admits."""
+        replicas = {r.peer_id for rs in self.view.stages.values() for r in rs}
+        if requester in replicas and requester not in self.policy.banned:
+            return None
         await self.policy.admit([requester])
         return self.policy.refusal(requester)
 
@@ -295,7 +299,7 @@ class StageWorker:
         others = {
             x.peer_id: Position(x.step, x.state_hash)
             for x in self.view.replicas(r.index)
-            if x.peer_id != self.peer_id and self.policy.refusal(x.peer_id) is None
+            if x.peer_id != self.peer_id
         }
         training = self.config.training
         stalled = (
