@@ -24,15 +24,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from coordinator.cli import status_to_dict
 from coordinator.localswarm import LocalSwarm, status
+from coordinator.simconfig import SimConfig
 from protocols.errors import SwarmError
 from swarm.config import RunConfig
-
-if TYPE_CHECKING:
-    from coordinator.sim import SimConfig
 
 
 def build_pipeline_run(config: SimConfig, base: RunConfig) -> RunConfig:

@@ -1,0 +1,174 @@
+"""``SimConfig``: the settings of a ``swarm-sim`` rehearsal, and the run it trains (``build_run``).
+
+Both sim drivers (``sim`` for data-parallel peers, ``pipeline_sim`` for pipeline stages) read it; the
+flags of ``swarm-sim`` are derived from its fields.
+
+Example::
+
+    from coordinator.simconfig import SimConfig, build_run
+    run = build_run(SimConfig(peers=3, steps=8, model_size="tiny"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from coordinator.localswarm import FAST_MEMBERSHIP
+from coordinator.wanlab import LinkSpec
+from protocols.errors import SwarmError
+from swarm.config import RunConfig
+
+PRESETS = {
+    "demo": {},  # the built-in demo model
+    "small": {"d_model": 128, "n_layer": 2, "n_head": 4, "seq_len": 128},
+    "tiny": {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32},
+}
+
+
+class SimConfig(BaseModel):
+    """A local rehearsal of a run; the flags of ``swarm-sim`` come from these fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    peers: int = Field(3, ge=1, le=16, description="volunteer processes to start")
+    gpu_peers: int = Field(
+        0, ge=0, le=16, description="how many of the peers join with --gpu (the others with --cpu)"
+    )
+    steps: int = Field(20, ge=1, le=100_000, description="global training steps to run")
+    churn: bool = Field(False, description="kill a peer outright and restart it during the run")
+    json_path: Path | None = Field(
+        None, description="write the results as JSON here", json_schema_extra={"cli_flag": "--json"}
+    )
+    model_size: Literal["demo", "small", "tiny"] = Field(
+        "demo", description="demo: the built-in GPT; small/tiny: faster"
+    )
+    target_batch_size: int = Field(32, ge=1, le=100_000, description="samples per global step")
+    micro_batch_size: int = Field(4, ge=1, le=4096, description="samples per local forward/backward")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="the run's forward/backward precision (fp16 needs every peer on a GPU)"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="every peer joins with --activation-checkpointing"
+    )
+    lr: float = Field(
+        1e-3, gt=0, le=1, description="peak learning rate (2e-3 made the demo model spike right after warmup)"
+    )
+    timeout_s: float = Field(900.0, ge=10, le=86_400, description="give up after this many seconds")
+    keep: bool = Field(False, description="keep the logs, checkpoints and data dirs afterwards")
+    stages: int = Field(0, ge=0, le=8, description="pipeline stages (SWARM); 0: data-parallel peers only")
+    peers_per_stage: int = Field(2, ge=1, le=8, description="stage servers per pipeline stage")
+    trainers: int = Field(2, ge=1, le=8, description="pipeline trainers that stream micro-batches")
+    kill_stage_peer_at: int | None = Field(
+        None, ge=0, description="kill one server of the last pipeline stage outright at this step"
+    )
+    byzantine: int = Field(0, ge=0, le=15, description="how many peers play the attacker named by --attack")
+    attack: str | None = Field(None, max_length=64, description="the attack the --byzantine peers mount")
+    protocol_attack: str | None = Field(
+        None, max_length=256,
+        description="protocol attacks (comma-separated, or 'all') that a stock hivemind.DHT with no "
+        "certificate mounts on the run's DHT and state servers every second",
+    )  # fmt: skip
+    aggregator: str | None = Field(
+        None, max_length=64, description="aggregation rule for the run (default: the run's, centered_clip)"
+    )
+    verify_probability: float = Field(
+        0.5, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
+    )
+    wan: str | None = Field(
+        None,
+        max_length=64,
+        description="run the coordinator and each peer in its own network namespace on a link capped by the "
+        "kernel, e.g. up=20mbit,down=100mbit (needs root; see coordinator/wanlab.py)",
+    )
+    nat: int = Field(
+        0, ge=0, le=16, description="how many peers (the last ones) sit behind NAT; implies the lab"
+    )
+
+    @field_validator("wan")
+    @classmethod
+    def _link_spec(cls, wan: str | None) -> str | None:
+        if wan is not None:
+            try:
+                LinkSpec.parse(wan)
+            except SwarmError as e:
+                raise ValueError(str(e)) from None
+        return wan
+
+    @field_validator("gpu_peers")
+    @classmethod
+    def _gpu_peers_are_peers(cls, gpu_peers: int, info: ValidationInfo) -> int:
+        peers = info.data.get("peers")
+        if peers is not None and gpu_peers > peers:
+            raise ValueError(f"{gpu_peers} is more than --peers ({peers})")
+        return gpu_peers
+
+    @field_validator("protocol_attack")
+    @classmethod
+    def _known_protocol_attacks(cls, names: str | None) -> str | None:
+        from swarm.byzantine.protocol_attacks import protocol_attack_names
+
+        unknown = [
+            n for n in (names or "").split(",") if n and n != "all" and n not in protocol_attack_names()
+        ]
+        if unknown:
+            raise ValueError(
+                f"unknown protocol attack {unknown[0]!r}; known: {', '.join(protocol_attack_names())}"
+            )
+        return names
+
+    @field_validator("attack")
+    @classmethod
+    def _known_attack(cls, attack: str | None) -> str | None:
+        from swarm.byzantine.attacks import attack_names
+
+        if attack is not None and attack not in attack_names():
+            raise ValueError(f"unknown attack {attack!r}; known: {', '.join(attack_names())}")
+        return attack
+
+    @model_validator(mode="after")
+    def _lab_fits(self) -> SimConfig:
+        if self.nat > self.peers:
+            raise ValueError(f"--nat {self.nat} is more than --peers ({self.peers})")
+        if self.stages and (self.wan or self.nat):
+            raise ValueError(
+                "--wan and --nat rehearse data-parallel peers; they do not apply with --stages yet"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _attackers_are_a_minority(self) -> SimConfig:
+        if self.byzantine and self.attack is None:
+            raise ValueError("--byzantine needs --attack NAME")
+        if 2 * self.byzantine >= self.peers:
+            raise ValueError(f"--byzantine {self.byzantine} must be fewer than half of --peers {self.peers}")
+        return self
+
+
+def build_run(config: SimConfig) -> RunConfig:
+    steps = config.steps
+    return RunConfig(
+        run_id="swarm-sim",
+        description="A local rehearsal of the demo run.",
+        model={"name": "gpt", "config": PRESETS[config.model_size]},
+        dataset={"name": "stdlib", "config": {}},
+        optimizer={"lr": config.lr, "warmup_steps": min(5, steps), "total_steps": max(steps, 1)},
+        training={
+            "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
+            "precision": config.precision,
+            "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
+            # Every peer takes part in every round (one may be missing while churn restarts it).
+            # With attackers, every group must hold an honest majority (2f + 1 peers at least), and the
+            # honest peers alone must reach the minimum: bans never lower it (see Trainer._round).
+            "min_group_size": max(
+                2 * config.byzantine + 1 if config.byzantine else 1,
+                config.peers - config.byzantine - (1 if config.churn else 0),
+            ),
+            "verify_probability": config.verify_probability,
+            **({"aggregator": config.aggregator} if config.aggregator else {}),
+            "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),
+        },
+        membership=FAST_MEMBERSHIP,
+    )  # fmt: skip
