@@ -8,6 +8,8 @@
 - ``certificates``: peer certificates that the coordinator signs at admission
 - ``messages``: the bodies of the coordinator's signed messages, checked field by field
 - ``coordinator.proto``: the coordinator's gRPC service; ``coordinator_pb2*`` is the code made from it
+- ``averaging.proto``: peer-to-peer messages of averaging rounds (over hivemind's P2P); ``averaging_pb2*``
+  is the code made from it
 - ``pipeline.proto``: forward and backward calls to pipeline stage servers (over hivemind's P2P)
 """
 

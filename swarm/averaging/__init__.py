@@ -3,8 +3,12 @@
 - ``compression``: fp16/fp32 encodings of vectors on the wire, with checked decoding
 - ``validation``: checks on a groupmate's contribution (size, dtype, finite, norm) and fair weights
 - ``aggregators``: the pluggable rule each reducer applies to its part (``centered_clip``, ``mean``, ...)
+- ``groups``: signed matchmaking entries and the checks on a group before its round
+- ``policy``: ``PeerPolicy``, who a peer may average with (certified, not banned, not a suspect)
 - ``evidence``: what round members sign, the run's chunk layout, and evidence a third party can judge
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits
 - ``verification``: validators drawn after delivery, who collect signed inputs and recompute a chunk
+- ``transport``: ``DataPlane``, a direct TCP path for the bulk part streams beside libp2p
 - ``averager``: ``Averager``: hivemind's matchmaking plus our all-reduce and state-download handlers
+- ``factory``: ``build_averager``, the one way every role builds its ``Averager`` from the run config
 """

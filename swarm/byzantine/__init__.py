@@ -4,6 +4,8 @@
   aggregate) and the registry of named attacks (``sign_flip``, ``alie``, ``ipm``, ... ``bad_reducer``)
 - ``group_attacks``: attacks on the averaging group by a leader (``duplicate_member``,
   ``rewrite_commitments``), registered with the others
+- ``protocol_attacks``: what an unadmitted process with a stock ``hivemind.DHT`` tries against the run's
+  DHT and state servers (``swarm-sim --protocol-attack``)
 - ``abuse``: attacks on the coordinator's endpoints (``stalled_accuser``, ``challenge_flood``), mounted
   against a live coordinator by ``tests/test_accuse_abuse.py``
 

@@ -4,6 +4,7 @@
   state of model plus optimizer, its hashes, and its safetensors encoding for peers that join late
 - checkpoint.py: atomic on-disk checkpoints with the run config, newest-first loading that skips damaged files
 - progress.py: who is at which step with how many samples, shared through the DHT
+- catchup.py: the one catch-up rule: when a holder of state must move to another state, and from whom
 - sync.py: downloading the full state from another peer, verified against the agreed hash
 - optimizers.py: LAMB and LARS, the layer-wise adaptive optimizers for large global batches
 - precision.py: autocast for ``training.precision`` (fp32, bf16, fp16) and fp16's deterministic loss scale
