@@ -57,6 +57,14 @@ BAN_CERT_GRACE_S = 600.0
 
 
 class CoordinatorNode:
+    """A whole coordinator: DHT bootstrap peer, gRPC service, store, sweeper, checkpoints, dashboard.
+
+    Args:
+        config: where and how it listens (host, ports, data dir, identity, dashboard).
+        run: the run it serves; its components are checked against this machine's registries at start.
+        limits: the service's per-caller limits (default: ``ServiceLimits()``).
+    """
+
     def __init__(self, config: CoordinatorConfig, run: RunConfig, limits: ServiceLimits | None = None):
         self.config = config
         self.run = run

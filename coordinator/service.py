@@ -67,6 +67,16 @@ MAX_REQUEST_AGE_S = 120.0
 
 
 class CoordinatorService:
+    """The coordinator's gRPC handlers: join by challenge-response, heartbeat, leave, status, accuse.
+
+    Args:
+        config: the run this coordinator serves; joins for any other run are refused.
+        key: the coordinator's signing key, which signs certificates and answers.
+        store: the run's record (peers, certificates, bans, credit).
+        dht_initial_peers: the DHT bootstrap addresses handed to every admitted peer.
+        limits: per-caller and global limits on challenges, accusations and evidence bytes.
+    """
+
     def __init__(
         self,
         config: RunConfig,

@@ -74,6 +74,13 @@ async def _wait(stop: asyncio.Event, seconds: float) -> bool:
 
 
 class Volunteer:
+    """The volunteer process: join, enter the DHT, train in its role, heartbeat, and leave cleanly.
+
+    Args:
+        config: the peer's settings (coordinator address, device, identity, role, limits), which
+            ``swarm-peer join``'s flags fill in.
+    """
+
     def __init__(self, config: PeerConfig):
         self.config = config
         self.join_token = config.join_token or os.environ.get("SWARM_JOIN_TOKEN") or None

@@ -69,6 +69,13 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class CoordinatorClient:
+    """The coordinator's gRPC API from a peer's side; use it as an async context manager to close it.
+
+    Args:
+        address: the coordinator, HOST:PORT or ``unix:/path``.
+        timeout_s: the deadline of every call.
+    """
+
     def __init__(self, address: str, *, timeout_s: float = 10.0):
         """``address`` is HOST:PORT, or ``unix:/path`` for a coordinator's socket on this machine."""
         if not address.startswith("unix:/"):

@@ -133,6 +133,34 @@ class RunMatchmaking(Matchmaking):
 
 
 class Averager:
+    """A peer's averaging under one prefix: matchmaking, the butterfly all-reduce, and its handlers.
+
+    Build one with ``factory.build_averager`` from the run config; the arguments are its settings.
+
+    Args:
+        dht: the running DHT; the averager uses a replica of its libp2p daemon.
+        prefix: the averaging key (the run ID, or ``<run_id>.stage<k>`` for a pipeline stage).
+        numel: how many values every member's vector holds.
+        aggregator, aggregator_options: the robust rule each reducer applies to its part, and its options.
+        compression: the wire encoding of the vectors (``fp16`` or ``fp32``).
+        max_group_size: at most this many peers in one group.
+        matchmaking_time_s: how long a leader waits for followers before assembling.
+        sender_timeout_s: how long to wait for a groupmate's next message before dropping it.
+        averaging_timeout_s: the most one round (after matchmaking) may take.
+        max_weight: the largest weight (sample count) a member may declare; larger ones are capped.
+        runner_type: the all-reduce class (tests pass a subclass that misbehaves).
+        signing_key: signs this peer's group entry and round inputs; None only in unsigned tests.
+        data_host, data_port, data_announce_host: the TCP data plane's listen address and the host
+            announced to groupmates.
+        upload_limiter: the peer's shared upload token bucket.
+        policy: ``PeerPolicy``, whom this peer may meet (certified, not banned, not suspected).
+        verify_probability: the chance that this peer validates a part of a finished round.
+        accuse: sends evidence against a reducer whose result a validator proved wrong.
+        attack: a rehearsed Byzantine behaviour as contributor or reducer; None for an honest peer.
+        data_plane: open the TCP data plane (else every part stream rides libp2p).
+        client_mode: this peer cannot be dialed, so it only ever follows in matchmaking.
+    """
+
     matchmaking_type: type[RunMatchmaking] = RunMatchmaking
 
     def __init__(

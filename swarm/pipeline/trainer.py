@@ -68,6 +68,18 @@ class MicroBatch:
 
 
 class PipelineTrainer:
+    """A peer that streams micro-batches through one server per stage, forward then backward, with retries.
+
+    Args:
+        run: the run's config; ``run.pipeline`` gives the stages and the request timeouts.
+        dht: the running DHT this peer is a member of.
+        peer_id: this peer's ID (base58); it seeds the micro-batches' data.
+        seed: seeds the choice of servers (default: derived from ``peer_id``).
+        signing_key: the key of ``peer_id``, which signs this trainer's DHT records.
+        record_signer: signs them with the peer's certificate instead (the volunteer passes its own).
+        coordinator_key: the coordinator's key; when set, only stage records of certified peers count.
+    """
+
     def __init__(
         self,
         run: RunConfig,

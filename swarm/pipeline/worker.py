@@ -76,6 +76,24 @@ def available_memory_bytes(device: str) -> int:
 
 
 class StageWorker:
+    """A peer that hosts one pipeline stage: serve trainers, step with the stage's replicas, catch up, move.
+
+    Args:
+        run: the run's config; ``run.pipeline`` says how the model splits into stages.
+        dht: the running DHT this peer is a member of.
+        peer_id: this peer's ID (base58).
+        stage: the stage to host; None: the one most short of throughput that fits in memory.
+        device: where the stage computes.
+        coordinator_key: the coordinator's key; when set, only peers it certified may call or average.
+        members: a fixed set of peer IDs allowed to take part (tests without a coordinator).
+        memory_bytes: the memory this peer may use; stages that do not fit are never taken.
+        rebalance: whether this replica may move to the bottleneck stage.
+        signing_key: the key of ``peer_id``; required in a coordinated run (rounds are signed).
+        upload_limiter: the peer's shared upload token bucket.
+        accuse: sends evidence of a cheating reducer to the coordinator.
+        record_signer: signs this replica's pipeline records with its certificate.
+    """
+
     def __init__(
         self,
         run: RunConfig,

@@ -64,6 +64,28 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
+    """One data-parallel peer: accumulate micro-batches, average the gradient with a group, step.
+
+    Args:
+        run: the run's config (model, data, optimizer, training and averaging settings).
+        dht: the running DHT this peer is a member of; the averager talks through its libp2p daemon.
+        peer_id: this peer's ID (base58); it seeds the peer's data, and its progress is published under it.
+        device: where the model trains (``cpu``, ``cuda``, ``cuda:1``...).
+        coordinator_key: the coordinator's key; when set, only peers it certified count (None: no
+            coordinator, any signer counts, as in some tests).
+        upload_limiter: the token bucket shared by everything this peer sends (``--max-upload-mbps``).
+        signing_key: the key of ``peer_id``, which signs group entries, round inputs and DHT records.
+        data_host, data_port: where the averaging data plane listens for part streams (port 0: any).
+        data_announce_host: the host groupmates dial for the data plane, when not ``data_host``.
+        accuse: sends evidence of a cheating reducer to the coordinator (validators call it).
+        attack: a rehearsed Byzantine behaviour (``swarm-sim --attack``); None for an honest peer.
+        activation_checkpointing: recompute block activations in backward to save memory.
+        fit_memory: on running out of memory, turn on checkpointing, then shrink the micro-batch.
+        record_signer: signs this peer's DHT records with its certificate (default: one from
+            ``signing_key``); the volunteer passes its own so it can renew the certificate in place.
+        client_mode: this peer cannot be dialed (behind NAT), so it never leads an averaging group.
+    """
+
     def __init__(
         self,
         run: RunConfig,
