@@ -13,6 +13,7 @@ edges are left out, or every package that re-exports a submodule's names would b
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -265,3 +266,20 @@ def test_a_module_missing_from_its_package_map_is_named(tmp_path: Path) -> None:
         "protocols/__init__.py does not name protocols/wire_pb2.py",
         "swarm/__init__.py does not name swarm/forgotten.py",
     ]
+
+
+def test_architecture_tables_name_functions_that_exist_in_their_files() -> None:
+    """Every function in docs/architecture.md's tables is defined in one of the files its row names."""
+    missing, rows = [], 0
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].isdigit():
+            continue
+        rows += 1
+        files = re.findall(r"`([^`]+)`", cells[2])
+        text = "".join((ROOT / f).read_text() for f in files)
+        for name in re.findall(r"`([^`]+)`", cells[3]):
+            for part in name.split("."):
+                if not re.search(rf"(def|class) {re.escape(part)}\b", text):
+                    missing.append(f"row {cells[0]}: {name} is not in {', '.join(files)}")
+    assert rows >= 30 and missing == []
