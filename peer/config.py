@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -124,3 +125,10 @@ class PeerConfig(BaseModel):
     @property
     def identity_path(self) -> Path:
         return self.identity.expanduser()
+
+
+def peer_fields(*names: str) -> dict[str, Any]:
+    """``PeerConfig``'s fields ``names`` (type, default, bounds, description, flag aliases) as
+    ``pydantic.create_model`` takes them, for another ``swarm-peer`` command acting on the same settings."""
+    fields = PeerConfig.model_fields
+    return {name: (fields[name].annotation, copy.deepcopy(fields[name])) for name in names}

@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, create_model
 
+from peer.config import peer_fields
 from protocols import coordinator_pb2 as pb
 from protocols.envelope import MAX_CLOCK_SKEW_S
 from protocols.errors import NetworkError, ProtocolError, SwarmError, VersionMismatch
 from protocols.version import PROTOCOL_VERSION
 from swarm.coordinator_client import SERVICE, parse_address
-from swarm.identity import DEFAULT_IDENTITY
 from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
 
 MIN_PYTHON = (3, 10)
@@ -41,22 +41,16 @@ LOW_FREE_BYTES = 1 << 30
 SKEW_WARN_S = 10.0
 
 
-class DoctorConfig(BaseModel):
-    """What ``swarm-peer doctor`` checks; the flags mirror those of ``swarm-peer join``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    coordinator: str = Field(description="coordinator address HOST:PORT")
-    device: Literal["auto", "cpu", "gpu"] = Field(
-        "auto",
-        description="the device the peer will compute on",
-        json_schema_extra={"cli_aliases": {"--gpu": "gpu", "--cpu": "cpu"}},
+class DoctorConfig(
+    create_model(
+        "_JoinSettings",
+        __config__=ConfigDict(extra="forbid"),
+        **peer_fields("coordinator", "device", "identity", "host", "port"),
     )
-    identity: Path = Field(DEFAULT_IDENTITY, description="the peer's key file")
-    host: str = Field("0.0.0.0", description="address the peer will listen on")
-    port: int = Field(
-        0, ge=0, le=65535, description="DHT port the peer will use (0: a free port for the check)"
-    )
+):
+    """What ``swarm-peer doctor`` checks: the settings ``swarm-peer join`` would use (``PeerConfig``'s own
+    fields, so the flags are the same), and how long to wait for the coordinator."""
+
     timeout_s: float = Field(
         10.0, gt=0, le=300, description="give up on the coordinator after this many seconds"
     )
