@@ -10,11 +10,6 @@ from __future__ import annotations
 import math
 import sqlite3
 
-# No run advances faster than this: every step is a round of matchmaking and an all-reduce among
-# volunteers over the internet, seconds each at best. The verified step moves no faster either, so peers
-# that outnumber the honest reporters for a moment (two Sybils beside one honest peer) move it at most
-# this many steps per second of the coordinator's clock, never to whatever step they claim.
-MAX_VERIFIED_STEPS_PER_S = 1.0
 # With a checkpoint, the verified step stays within this many checkpoint periods of the newest one: the
 # coordinator takes one every ``checkpoint_every_steps`` of agreed progress, so an honest run is about
 # one period ahead of it (two leave room for a checkpoint still being downloaded).
@@ -31,14 +26,20 @@ def _set_meta(db: sqlite3.Connection, key: str, value: object) -> None:
 
 
 def verify_step(
-    db: sqlite3.Connection, step: int, param_hash: str, *, now: float, max_step: int | None = None
+    db: sqlite3.Connection,
+    step: int,
+    param_hash: str,
+    *,
+    now: float,
+    max_steps_per_s: float,
+    max_step: int | None = None,
 ) -> int:
     """The run's verified step after a peer reported ``(step, param_hash)`` at ``now`` (the coordinator's
     clock, never the peer's). It advances towards a step at which at least two unbanned online peers, and
     more than half of those that report a hash, hold the same parameters, but by at most
-    ``MAX_VERIFIED_STEPS_PER_S`` per second since it last moved, and never past ``max_step`` (the newest
-    checkpoint's step plus a margin, where there is one). It never falls (peers at it may later go
-    offline)."""
+    ``max_steps_per_s`` (the run's ``training.max_verified_steps_per_s``) per second since it last moved,
+    and never past ``max_step`` (the newest checkpoint's step plus a margin, where there is one). It
+    never falls (peers at it may later go offline)."""
     verified = meta_int(db, "verified_step")
     row = db.execute("SELECT value FROM meta WHERE key='verified_at'").fetchone()
     if row is None:  # the rate is counted from the first report the store ever takes
@@ -56,7 +57,7 @@ def verify_step(
     (reporting,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {online}").fetchone()
     if 2 * agreeing <= reporting:
         return verified
-    allowed = verified + math.floor(max(0.0, now - since) * MAX_VERIFIED_STEPS_PER_S)
+    allowed = verified + math.floor(max(0.0, now - since) * max_steps_per_s)
     target = min(step, allowed, step if max_step is None else max_step)
     if target <= verified:
         return verified
@@ -64,7 +65,7 @@ def verify_step(
     # Held back by the rate, it keeps the fraction of a step it had earned; otherwise the clock restarts
     # now, and what the run left unused is not kept for a later jump.
     held_back = target == allowed
-    _set_meta(db, "verified_at", since + (target - verified) / MAX_VERIFIED_STEPS_PER_S if held_back else now)
+    _set_meta(db, "verified_at", since + (target - verified) / max_steps_per_s if held_back else now)
     return target
 
 

@@ -99,6 +99,7 @@ class CoordinatorNode:
             run.run_id,
             # A peer may overshoot the target batch by up to one micro-batch before its round starts.
             max_samples_per_step=float(run.training.target_batch_size + run.training.micro_batch_size),
+            max_verified_steps_per_s=run.training.max_verified_steps_per_s,
         )
         try:
             self._dht = await asyncio.to_thread(

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, verify_step
 from protocols.errors import ConfigError
+from swarm.config import TrainingConfig
 
 T = TypeVar("T")
 
@@ -81,6 +82,7 @@ SCHEMA_VERSION = "1"
 MAX_HISTORY_ROWS = 120_000
 # The peer metric that carries its cumulative count of samples in applied rounds (see ``Credit``).
 CONTRIBUTED = "contributed_samples"
+DEFAULT_STEPS_PER_S = TrainingConfig.model_fields["max_verified_steps_per_s"].default
 # Bytes of each conviction's evidence that listing the bans returns (the dashboard's preview).
 EVIDENCE_PREVIEW_BYTES = 512
 
@@ -142,18 +144,38 @@ def transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 class Store:
     """Async facade over one SQLite file; every method runs on the store's own thread."""
 
-    def __init__(self, path: Path, run_id: str, *, max_samples_per_step: float = math.inf):
+    def __init__(
+        self,
+        path: Path,
+        run_id: str,
+        *,
+        max_samples_per_step: float = math.inf,
+        max_verified_steps_per_s: float = DEFAULT_STEPS_PER_S,
+    ):
         self.path = path
         self.run_id = run_id
         self.max_samples_per_step = max_samples_per_step
+        self.max_verified_steps_per_s = max_verified_steps_per_s
         self._newest_checkpoint_step: Callable[[], int | None] = lambda: None
         self._checkpoint_margin_steps = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-store")
         self._db: sqlite3.Connection | None = None
 
     @classmethod
-    def open_sync(cls, path: Path, run_id: str, *, max_samples_per_step: float = math.inf) -> Store:
-        store = cls(path, run_id, max_samples_per_step=max_samples_per_step)
+    def open_sync(
+        cls,
+        path: Path,
+        run_id: str,
+        *,
+        max_samples_per_step: float = math.inf,
+        max_verified_steps_per_s: float = DEFAULT_STEPS_PER_S,
+    ) -> Store:
+        store = cls(
+            path,
+            run_id,
+            max_samples_per_step=max_samples_per_step,
+            max_verified_steps_per_s=max_verified_steps_per_s,
+        )
         store._executor.submit(store._open).result()
         return store
 
@@ -253,7 +275,14 @@ class Store:
                 if cursor.rowcount == 1:
                     checkpoint = self._newest_checkpoint_step()
                     ceiling = None if checkpoint is None else checkpoint + self._checkpoint_margin_steps
-                    verified = verify_step(db, step, param_hash, now=seen_at, max_step=ceiling)
+                    verified = verify_step(
+                        db,
+                        step,
+                        param_hash,
+                        now=seen_at,
+                        max_steps_per_s=self.max_verified_steps_per_s,
+                        max_step=ceiling,
+                    )
                     if CONTRIBUTED in metrics and step <= verified:
                         merge_credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
             return cursor.rowcount == 1

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, MAX_VERIFIED_STEPS_PER_S
+from coordinator.credit import CHECKPOINT_MARGIN_PERIODS
 from coordinator.limits import ServiceLimits
 from coordinator.localswarm import tiny_run
 from coordinator.service import CoordinatorService
@@ -103,11 +103,13 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
 
 def test_sybils_that_outnumber_the_honest_move_the_verified_step_only_at_the_run_s_pace(tmp_path: Path):
     """Two Sybils beside one honest peer are a majority of the reporters: the step they claim together
-    (2**62) is not verified; the verified step moves at most MAX_VERIFIED_STEPS_PER_S per second of the
-    coordinator's clock, and never past the newest checkpoint's step plus its margin."""
+    (2**62) is not verified; the verified step moves at most the run's max_verified_steps_per_s (here 1)
+    per second of the coordinator's clock, and never past the newest checkpoint's step plus its margin."""
 
     async def scenario() -> None:
-        store = Store.open_sync(tmp_path / "c.db", "sybils", max_samples_per_step=32)
+        store = Store.open_sync(
+            tmp_path / "c.db", "sybils", max_samples_per_step=32, max_verified_steps_per_s=1.0
+        )
         seq = iter(range(1, 1000))
 
         async def beat(peer_id: str, step: int, param_hash: str, at: float, reported: float = 0) -> None:
@@ -124,12 +126,12 @@ def test_sybils_that_outnumber_the_honest_move_the_verified_step_only_at_the_run
             for at in (1000.5, 1020.0):
                 for p in ("s1", "s2"):
                     await beat(p, huge, fake, at=at, reported=1e12)
-            assert await store.verified_step() == 20 * MAX_VERIFIED_STEPS_PER_S
+            assert await store.verified_step() == 20
             for t in range(1021, 1121):
                 for p in ("s1", "s2"):
                     await beat(p, huge, fake, at=float(t), reported=1e12)
-                assert await store.verified_step() <= (t - 1000) * MAX_VERIFIED_STEPS_PER_S
-            assert await store.verified_step() == 120 * MAX_VERIFIED_STEPS_PER_S
+                assert await store.verified_step() <= t - 1000
+            assert await store.verified_step() == 120
             # They claim a step above the verified one, so their huge count earns them nothing.
             assert (await store.get_peer("s1")).contributed_samples == 0
             # A checkpoint bounds it however long the clock runs.
