@@ -97,9 +97,13 @@ class BanListBody(_Body):
     pages: int = Field(ge=1, le=MAX_BAN_PAGES)
     list_sha256: bytes = Field(min_length=32, max_length=32)
     changed_at: float = Field(ge=0, allow_inf_nan=False)
+    expires_at: float = Field(ge=0, allow_inf_nan=False)
 
 
 Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+# When a DHT record expires, as its signer set it: a record stored to expire later than this is refused,
+# so nobody can keep an old signed record alive past the newer ones its signer publishes.
+Expiry = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, lt=2**63)]
 Rate = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 # A per-peer DHT record carries its signer's certificate, so a reader checks admission offline.
@@ -112,10 +116,12 @@ class ProgressRecordBody(_Body):
     samples_per_s: Rate
     state_hash: Hash
     certificate: CertificateBytes = b""
+    expires_at: Expiry
 
 
 class MemberRecordBody(_Body):
     certificate: CertificateBytes
+    expires_at: Expiry
 
 
 class StageRecordBody(_Body):
@@ -127,6 +133,7 @@ class StageRecordBody(_Body):
     state_hash: Hash
     param_hash: Hash
     certificate: CertificateBytes = b""
+    expires_at: Expiry
 
 
 class TrainerRecordBody(_Body):
@@ -135,11 +142,13 @@ class TrainerRecordBody(_Body):
     samples: Count
     in_flight: Count
     certificate: CertificateBytes = b""
+    expires_at: Expiry
 
 
 class CheckpointRecordBody(_Body):
     step: Count
     state_hash: Hash
+    expires_at: Expiry
 
 
 Body = TypeVar("Body", bound=_Body)

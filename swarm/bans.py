@@ -40,6 +40,7 @@ from protocols.envelope import open_envelope, seal
 from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import BAN_LIST, BAN_PAGE_ENTRIES, MAX_BAN_PAGES, BanListBody, parse_body
+from swarm.records import check_signed_expiry, default_expiry, record_ttl_s
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,11 @@ def list_digest(banned: Iterable[str]) -> bytes:
     return hashlib.sha256("\n".join(sorted(banned)).encode()).digest()
 
 
-def ban_list_pages(key: SigningKey, run_id: str, banned: Iterable[str], *, changed_at: float) -> list[bytes]:
-    """The signed pages of a list of at most ``MAX_BANNED`` peer IDs."""
+def ban_list_pages(
+    key: SigningKey, run_id: str, banned: Iterable[str], *, changed_at: float, expires_at: float | None = None
+) -> list[bytes]:
+    """The signed pages of a list of at most ``MAX_BANNED`` peer IDs, to expire at ``expires_at``."""
+    expires_at = default_expiry("bans") if expires_at is None else float(expires_at)
     ordered = sorted(set(banned))
     if len(ordered) > MAX_BANNED:
         raise ValueError(f"a ban list holds at most {MAX_BANNED} peers, not {len(ordered)}")
@@ -80,6 +84,7 @@ def ban_list_pages(key: SigningKey, run_id: str, banned: Iterable[str], *, chang
                 "pages": len(chunks),
                 "list_sha256": digest,
                 "changed_at": changed_at,
+                "expires_at": expires_at,
             },
         )  # fmt: skip
         for page, chunk in enumerate(chunks)
@@ -96,8 +101,8 @@ async def publish_ban_list(
     ttl_s: float,
 ) -> bool:
     """Store every page, the last first (a reader looks at page 0 first); True when all were stored."""
-    pages = ban_list_pages(key, run_id, banned, changed_at=changed_at)
-    expiration = get_dht_time() + ttl_s
+    expiration = get_dht_time() + record_ttl_s("bans", ttl_s)
+    pages = ban_list_pages(key, run_id, banned, changed_at=changed_at, expires_at=expiration)
     stored = [
         await dht.store(ban_list_key(run_id, index), pages[index], expiration, return_future=True)
         for index in reversed(range(len(pages)))
@@ -161,6 +166,7 @@ class BanPageValidator(RecordValidatorBase):
             limit = envelope.issued_at + MAX_PAGE_TTL_S + MAX_CLOCK_SKEW_S
             if record.expiration_time > limit or envelope.issued_at > get_dht_time() + MAX_CLOCK_SKEW_S:
                 raise ProtocolError("expires too long after it was signed")
+            check_signed_expiry("bans", envelope.issued_at, body.expires_at, record.expiration_time)
         except Exception as e:  # anything a stranger's bytes can raise: refuse the record, never crash
             logger.debug(f"refusing ban list page {page} of run {self.run_id!r}: {e}")
             return False

@@ -25,8 +25,10 @@ async def publish_certificate(
     dht: hivemind.DHT, key: SigningKey, certificate: PeerCertificate, *, ttl_s: float
 ) -> bool:
     """Announce ``certificate`` (of ``key``'s peer) for ``ttl_s`` seconds (never past its own expiry)."""
-    record = seal_peer_record(key, "members", certificate.run_id, {}, certificate.encoded)
     expiration = min(certificate.expires_at, get_dht_time() + record_ttl_s("members", ttl_s))
+    record = seal_peer_record(
+        key, "members", certificate.run_id, {}, certificate.encoded, expires_at=expiration
+    )
     return bool(
         await dht.store(
             members_key(certificate.run_id), record, expiration_time=expiration, subkey=key.peer_id,

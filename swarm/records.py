@@ -29,7 +29,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from protocols.certificates import PeerCertificate, verify_certificate
+from protocols.certificates import CERTIFICATE_PURPOSE, PeerCertificate, verify_certificate
 from protocols.envelope import MAX_CLOCK_SKEW_S, Envelope, open_envelope, seal
 from protocols.errors import CertificateError, ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
@@ -62,6 +62,8 @@ MAX_RECORD_BYTES = 16 << 10
 # A ban list page holds up to a thousand peer IDs: it may fill a whole envelope.
 MAX_RUN_RECORD_BYTES = MAX_ENVELOPE_BYTES
 _REGULAR_SUBKEY = MSGPackSerializer.dumps(None)
+# Floating-point room between the expiry a signer set and the one the DHT hands back.
+EXPIRY_SLACK_S = 1e-3
 
 
 def record_key(run_id: str, kind: str) -> str:
@@ -76,10 +78,34 @@ def record_ttl_s(kind: str, ttl_s: float) -> float:
     return min(ttl_s, MAX_TTL_S[kind] - MAX_CLOCK_SKEW_S / 4)
 
 
+def default_expiry(kind: str) -> float:
+    """The latest expiry a ``kind`` record signed now may carry (for callers that set none)."""
+    return get_dht_time() + record_ttl_s(kind, MAX_TTL_S[kind])
+
+
 def seal_peer_record(
-    key: SigningKey, kind: str, run_id: str, body: dict[str, Any], certificate: bytes
+    key: SigningKey,
+    kind: str,
+    run_id: str,
+    body: dict[str, Any],
+    certificate: bytes,
+    *,
+    expires_at: float | None = None,
 ) -> bytes:
-    return seal(key, PEER_KINDS[kind], run_id, {**body, "certificate": certificate})
+    """Sign a per-peer record; ``expires_at`` (signed with it) is the latest expiry the DHT may store."""
+    expires_at = default_expiry(kind) if expires_at is None else float(expires_at)
+    return seal(key, PEER_KINDS[kind], run_id, {**body, "certificate": certificate, "expires_at": expires_at})
+
+
+def check_signed_expiry(kind: str, issued_at: float, signed_expiry: float, expiration_time: float) -> None:
+    """A record may be stored to expire no later than its signer said, and its signer may not say more than
+    the kind's lifetime: so an old signed record cannot be stored again to outlive its newer ones."""
+    if expiration_time > signed_expiry + EXPIRY_SLACK_S:
+        raise ProtocolError(
+            f"is stored to expire {expiration_time - signed_expiry:.0f}s after its signer set"
+        )
+    if signed_expiry > issued_at + MAX_TTL_S[kind] + MAX_CLOCK_SKEW_S:
+        raise ProtocolError(f"was signed to live past a {kind} record's {MAX_TTL_S[kind]:.0f}s")
 
 
 @dataclass(frozen=True)
@@ -137,12 +163,17 @@ def open_peer_record(
     now = get_dht_time() if now is None else now
     _check_expiration(kind, envelope, expiration_time, now)
     body = parse_body(_body_model(kind, envelope.body), envelope.body, sender=subkey, what=f"{kind} record")
+    check_signed_expiry(kind, envelope.issued_at, body.expires_at, expiration_time)
     if coordinator_key is not None:
         certificate = _verified_certificate(body.certificate, coordinator_key.raw, run_id)
         if certificate.expires_at <= now:
             raise CertificateError(f"the certificate of {certificate.peer_id} has expired")
         if certificate.peer_id != subkey:
             raise ProtocolError(f"carries the certificate of {certificate.peer_id}")
+        # A record outliving its certificate would turn invalid while stored, and one invalid entry makes
+        # hivemind drop the whole dictionary a node returns.
+        if body.expires_at > certificate.expires_at + EXPIRY_SLACK_S:
+            raise ProtocolError("was signed to outlive its certificate")
     return PeerRecord(subkey, kind, envelope.issued_at, body)
 
 
@@ -161,7 +192,8 @@ def open_run_record(
     envelope = open_envelope(value, purpose=RUN_KINDS[kind], run_id=run_id, signer=coordinator_key, what=kind)
     _check_expiration(kind, envelope, expiration_time, get_dht_time() if now is None else now)
     model = CheckpointRecordBody if kind == "checkpoint" else BanListBody
-    parse_body(model, envelope.body, sender=envelope.sender, what=f"{kind} record")
+    body = parse_body(model, envelope.body, sender=envelope.sender, what=f"{kind} record")
+    check_signed_expiry(kind, envelope.issued_at, body.expires_at, expiration_time)
     return envelope
 
 
@@ -264,5 +296,26 @@ class RecordSigner:
     def peer_id(self) -> str:
         return self.key.peer_id
 
-    def seal(self, kind: str, run_id: str, body: dict[str, Any]) -> bytes:
-        return seal_peer_record(self.key, kind, run_id, body, self.certificate)
+    def seal(self, kind: str, run_id: str, body: dict[str, Any], *, ttl_s: float) -> tuple[bytes, float]:
+        """(the signed record, its expiry): ``ttl_s`` from now, within the kind's limit and never past
+        this peer's certificate."""
+        expires_at = get_dht_time() + record_ttl_s(kind, ttl_s)
+        certificate_expiry = _certificate_expiry(self.certificate, run_id)
+        if certificate_expiry is not None:
+            expires_at = min(expires_at, certificate_expiry)
+        return seal_peer_record(
+            self.key, kind, run_id, body, self.certificate, expires_at=expires_at
+        ), expires_at
+
+
+@functools.lru_cache(maxsize=16)
+def _certificate_expiry(certificate: bytes, run_id: str) -> float | None:
+    """When this peer's own certificate expires (read, not verified: it is our own), or None."""
+    if not certificate:
+        return None
+    try:
+        return float(
+            open_envelope(certificate, purpose=CERTIFICATE_PURPOSE, run_id=run_id).body["expires_at"]
+        )
+    except (SwarmError, KeyError, TypeError, ValueError):
+        return None

@@ -22,7 +22,7 @@ from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 from coordinator.localswarm import tiny_run
 from protocols.certificates import issue_certificate
 from protocols.keys import SigningKey
-from swarm.bans import fetch_ban_list, publish_ban_list
+from swarm.bans import ban_list_pages, fetch_ban_list, publish_ban_list
 from swarm.byzantine.protocol_attacks import POISON_HASH, ProtocolTarget, make_protocol_attack
 from swarm.dht import start_dht
 from swarm.identity import create_identity
@@ -126,6 +126,45 @@ def test_validator_accepts_certified_records_and_refuses_junk_forgeries_and_far_
         assert not validator.validate(record), what
     other_key = DHTRecord(b"x" * 20, b"", b"anything", get_dht_time() + 1e9)
     assert validator.validate(other_key), "keys of other subsystems are theirs to check"
+
+
+def test_an_old_signed_record_cannot_be_stored_to_outlive_its_signers_newer_ones():
+    # hivemind keeps whichever value expires last. Before the signed expiry, anyone could store a peer's
+    # old progress record (or the coordinator's old ban page) again to expire up to the kind's limit, and
+    # every node then refused the signer's newer records, which expire sooner: a frozen view for minutes.
+    coordinator, peer = SigningKey.generate(), SigningKey.generate()
+    certificate = issue_certificate(
+        coordinator, public_key=peer.public_key, run_id=RUN, role="data", name="p", serial=1, ttl_s=600
+    ).encoded
+    validator = TrustValidator(RUN, coordinator.public_key)
+    old = seal_peer_record(peer, "progress", RUN, {"step": 1, "samples": 4, "samples_per_s": 1.0,
+                           "state_hash": H1}, certificate, expires_at=get_dht_time() + 5)  # fmt: skip
+    assert validator.validate(_record("progress", peer.peer_id, old, 5)), "as its signer stored it"
+    assert not validator.validate(_record("progress", peer.peer_id, old, 500)), "replayed to live longer"
+    signer = RecordSigner(peer, certificate)
+    newer, expires_at = signer.seal("progress", RUN, {"step": 2, "samples": 4, "samples_per_s": 1.0,
+                                    "state_hash": H2}, ttl_s=5)  # fmt: skip
+    assert expires_at > get_dht_time() and validator.validate(_record("progress", peer.peer_id, newer, 4.9))
+
+    page = ban_list_pages(coordinator, RUN, ["x"], changed_at=1.0, expires_at=get_dht_time() + 5)[0]
+    assert validator.validate(_record("bans", None, page, 5))
+    assert not validator.validate(_record("bans", None, page, 500)), "a ban page replayed to live longer"
+
+
+def test_a_record_may_not_outlive_the_certificate_it_carries():
+    # A record valid when stored but outliving its certificate turns invalid in storage, and one invalid
+    # entry makes hivemind drop the whole dictionary a node returns: the run's progress would vanish.
+    coordinator, peer = SigningKey.generate(), SigningKey.generate()
+    certificate = issue_certificate(
+        coordinator, public_key=peer.public_key, run_id=RUN, role="data", name="p", serial=1, ttl_s=30
+    ).encoded
+    validator = TrustValidator(RUN, coordinator.public_key)
+    body = {"step": 1, "samples": 4, "samples_per_s": 1.0, "state_hash": H1}
+    late = seal_peer_record(peer, "progress", RUN, body, certificate, expires_at=get_dht_time() + 300)
+    assert not validator.validate(_record("progress", peer.peer_id, late, 20))
+    record, expires_at = RecordSigner(peer, certificate).seal("progress", RUN, body, ttl_s=300)
+    assert expires_at <= time.time() + 31, "the signer stops at its certificate's expiry"
+    assert validator.validate(_record("progress", peer.peer_id, record, expires_at - get_dht_time()))
 
 
 def test_readers_ignore_bad_records_with_one_log_line_and_never_raise(caplog):

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import hivemind
-from hivemind.utils import get_dht_time
 
-from swarm.records import RecordSigner, RecordTrust, record_key, record_ttl_s
+from swarm.records import RecordSigner, RecordTrust, record_key
 
 
 def pipeline_key(run_id: str) -> str:
@@ -72,13 +71,16 @@ async def publish_record(
     for name in ("samples_per_s", "load"):
         if name in body:
             body[name] = float(body[name])
+    record, expires_at = signer.seal("pipeline", run_id, body, ttl_s=ttl_s)
     return bool(
         await dht.store(
-            pipeline_key(run_id), signer.seal("pipeline", run_id, body),
-            expiration_time=get_dht_time() + record_ttl_s("pipeline", ttl_s), subkey=signer.peer_id,
+            pipeline_key(run_id),
+            record,
+            expiration_time=expires_at,
+            subkey=signer.peer_id,
             return_future=True,
         )
-    )  # fmt: skip
+    )
 
 
 async def fetch_view(dht: hivemind.DHT, trust: RecordTrust, num_stages: int) -> PipelineView:

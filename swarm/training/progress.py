@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import hivemind
-from hivemind.utils import get_dht_time
 
-from swarm.records import RecordSigner, RecordTrust, record_key, record_ttl_s
+from swarm.records import RecordSigner, RecordTrust, record_key
 
 
 @dataclass(frozen=True)
@@ -40,13 +39,16 @@ async def publish_progress(
         "samples_per_s": float(progress.samples_per_s),
         "state_hash": progress.state_hash,
     }
+    record, expires_at = signer.seal("progress", run_id, body, ttl_s=ttl_s)
     return bool(
         await dht.store(
-            progress_key(run_id), signer.seal("progress", run_id, body),
-            expiration_time=get_dht_time() + record_ttl_s("progress", ttl_s), subkey=signer.peer_id,
+            progress_key(run_id),
+            record,
+            expiration_time=expires_at,
+            subkey=signer.peer_id,
             return_future=True,
         )
-    )  # fmt: skip
+    )
 
 
 async def fetch_progress(dht: hivemind.DHT, trust: RecordTrust) -> dict[str, PeerProgress]:

@@ -195,8 +195,9 @@ async def publish_checkpoint_record(
     dht: hivemind.DHT, key: SigningKey, run_id: str, *, step: int, state_hash: str, ttl_s: float
 ) -> bool:
     """Announce, signed by the coordinator, the latest checkpoint it can serve."""
-    record = seal(key, CHECKPOINT_RECORD, run_id, {"step": step, "state_hash": state_hash})
     expiration = get_dht_time() + record_ttl_s("checkpoint", ttl_s)
+    body = {"step": step, "state_hash": state_hash, "expires_at": expiration}
+    record = seal(key, CHECKPOINT_RECORD, run_id, body)
     return bool(
         await dht.store(checkpoint_key(run_id), record, expiration_time=expiration, return_future=True)
     )
