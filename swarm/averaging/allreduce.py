@@ -104,6 +104,7 @@ class RoundResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     failed_reducers: list[str] = field(default_factory=list)
+    denied_by: list[str] = field(default_factory=list)  # reducers that said they know no such round
 
 
 class ButterflyAllReduce:
@@ -183,6 +184,7 @@ class ButterflyAllReduce:
         self._changed = asyncio.Event()
         self.dropped: dict[str, str] = {}
         self.failed_reducers: list[str] = []
+        self.denied_by: list[str] = []
         self.bytes_sent = self.bytes_received = 0
         # Phase one ends when every part has arrived or failed for this peer; then it reveals its nonce.
         self._unsettled = set(range(len(self.peer_ids)))
@@ -480,12 +482,13 @@ class ButterflyAllReduce:
             if self.reveals_to(part):
                 yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=self.nonce)
 
-        stream, expected = None, 0
+        stream, expected, denied = None, 0, False
         try:
             stream = await self._open(part, outgoing())
             while expected < chunks:
                 message = await self._next(stream, 2 * self.sender_timeout_s)
                 if message.code != apb.OK:
+                    denied = expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
                 if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
@@ -503,7 +506,7 @@ class ButterflyAllReduce:
                 f"reducer {peer.to_base58()} of part {part} failed in round {self.group_id.hex()[:8]}: {e!r}"
             )
             self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
-            self.failed_reducers.append(peer.to_base58())
+            (self.denied_by if denied else self.failed_reducers).append(peer.to_base58())
             self._settle(part)
             if stream is not None and hasattr(stream, "aclose"):
                 with contextlib.suppress(Exception):
@@ -530,7 +533,7 @@ class ButterflyAllReduce:
     def _result(self, complete: bool) -> RoundResult:
         return RoundResult(
             self.output, complete, dict(self.dropped), self.bytes_sent, self.bytes_received,
-            list(self.failed_reducers),
+            list(self.failed_reducers), list(self.denied_by),
         )  # fmt: skip
 
     async def run(self) -> RoundResult:

@@ -64,6 +64,7 @@ class GroupRound:
     extras: list[dict]
     addresses: list[str | None]
     commitments: list[bytes | None] = field(default_factory=list)
+    leader: str | None = None  # who announced the group; None for a group of one
 
 
 class AveragingServicer(ServicerBase):
@@ -360,6 +361,7 @@ class Averager:
             [dict(e.extra) for e in entries],
             [e.data for e in entries],
             [e.commit for e in entries],
+            self.matchmaking.leader.to_base58() if self.matchmaking.leader else None,
         )
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
@@ -418,13 +420,16 @@ class Averager:
                 result = await asyncio.wait_for(runner.run(), timeout=self.averaging_timeout_s)
             except asyncio.TimeoutError:
                 result = RoundResult(
-                    runner.output, False, dict(runner.dropped), runner.bytes_sent, runner.bytes_received
-                )
+                    runner.output, False, dict(runner.dropped), runner.bytes_sent, runner.bytes_received,
+                    list(runner.failed_reducers), list(runner.denied_by),
+                )  # fmt: skip
             finally:
                 self._runners.pop(group.group_id, None)
             self._keep(runner)
-            for peer in result.failed_reducers:  # the retry forms without a reducer that did not deliver
-                self.policy.suspect(peer, "did not deliver its part of a round")
+            # The retry forms without a reducer that did not deliver, or a leader that listed an absent peer.
+            self.policy.blame_round(
+                result.failed_reducers, result.denied_by, me=self.peer_id.to_base58(), leader=group.leader
+            )
             if result.complete and len(group.peer_ids) > 1:
                 self._verify_later(runner)
             return group, result

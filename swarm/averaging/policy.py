@@ -2,9 +2,14 @@
 
 ``PeerPolicy`` answers "may this peer be in a round with me?": it must hold a coordinator certificate
 announced in the DHT (``swarm.membership``), not be on the coordinator's signed ban list
-(``swarm.bans``), and not have been caught breaking a group recently (a suspect, avoided for
-``suspect_s``). The ban state changes only through ``set_bans``/``refresh_bans``; readers get a frozen
-copy. A policy with neither a coordinator key nor an allowed set admits everyone: that is a local
+(``swarm.bans``), and not have been caught breaking a group recently (a suspect: ``Suspects``). The
+ban state changes only through ``set_bans``/``refresh_bans``; readers get a frozen copy.
+
+A suspect is avoided for ``suspect_s`` (60 s), doubled for each repeat offence that comes within
+``REPEAT_WINDOW_S`` of its last avoid period ending, up to ``MAX_SUSPECT_S``; an offence reported while
+the peer is still avoided is the same offence seen again and escalates nothing. At most ``MAX_SUSPECTS``
+peers are remembered (the one whose last offence is oldest is forgotten first), so Sybils that take turns
+cannot grow the map without bound, and each one of them that comes back to offend again waits longer. A policy with neither a coordinator key nor an allowed set admits everyone: that is a local
 benchmark with no admission at all, never a volunteer.
 
 Example::
@@ -19,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 
 import hivemind
 
@@ -31,6 +38,76 @@ logger = logging.getLogger(__name__)
 
 #: How long a refresh of the DHT's members may hold up a group check before the cached view answers.
 MEMBERS_REFRESH_TIMEOUT_S = 2.0
+#: How long a first offender is avoided.
+SUSPECT_S = 60.0
+#: The longest a repeat offender is avoided at a time.
+MAX_SUSPECT_S = 960.0
+#: An offence within this long after the last avoid period ended counts as a repeat.
+REPEAT_WINDOW_S = 600.0
+#: How many suspects a peer remembers at most.
+MAX_SUSPECTS = 4096
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """Why and until when a peer is avoided; ``strikes`` counts its offences in a row."""
+
+    until: float
+    reason: str
+    leader_only: bool
+    strikes: int
+
+
+class Suspects:
+    """The peers a member avoids for a while, bounded and escalating (see the module docstring)."""
+
+    def __init__(
+        self,
+        suspect_s: float = SUSPECT_S,
+        max_suspect_s: float = MAX_SUSPECT_S,
+        repeat_window_s: float = REPEAT_WINDOW_S,
+        max_suspects: int = MAX_SUSPECTS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not 0 < suspect_s <= max_suspect_s or repeat_window_s < 0 or max_suspects < 1:
+            raise ValueError("need 0 < suspect_s <= max_suspect_s, repeat_window_s >= 0, max_suspects >= 1")
+        self.suspect_s, self.max_suspect_s, self.repeat_window_s = suspect_s, max_suspect_s, repeat_window_s
+        self.max_suspects, self.clock = max_suspects, clock
+        self._held: OrderedDict[str, Suspicion] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, peer_id: str, reason: str, *, leader_only: bool = False) -> Suspicion:
+        """Avoid ``peer_id`` (``leader_only``: only as a leader); returns what is now held against it."""
+        now = self.clock()
+        old = self._held.get(peer_id)
+        if old is not None and old.until > now:
+            if old.leader_only and not leader_only:  # now also avoided as a member, for the same span
+                old = Suspicion(old.until, reason, False, old.strikes)
+                self._held[peer_id] = old
+            return old
+        strikes = old.strikes + 1 if old is not None and now - old.until <= self.repeat_window_s else 1
+        avoid_s = min(self.suspect_s * 2 ** min(strikes - 1, 32), self.max_suspect_s)
+        held = Suspicion(now + avoid_s, reason, leader_only, strikes)
+        self._held[peer_id] = held
+        self._held.move_to_end(peer_id)
+        while len(self._held) > self.max_suspects:
+            self._held.popitem(last=False)
+        return held
+
+    def refusal(self, peer_id: str, *, as_leader: bool = False) -> str | None:
+        """Why ``peer_id`` is avoided now (``as_leader``: to be followed); None if it is not."""
+        held = self._held.get(peer_id)
+        if held is None:
+            return None
+        left_s = held.until - self.clock()
+        if left_s <= -self.repeat_window_s:  # served its time long enough ago: a clean slate
+            del self._held[peer_id]
+            return None
+        if left_s <= 0 or (held.leader_only and not as_leader):
+            return None
+        return f"avoided{' as a leader' if held.leader_only else ''} for {left_s:.0f}s more: {held.reason}"
 
 
 class PeerPolicy:
@@ -43,17 +120,17 @@ class PeerPolicy:
         allowed: Iterable[str] | None = None,
         also_certified: Callable[[], Collection[str]] | None = None,
         refresh_s: float = 1.0,
-        suspect_s: float = 60.0,
+        suspects: Suspects | None = None,
     ):
         """``also_certified`` names peers another verified source vouches for: the trainer's view of
         signed progress records, each of which carries its signer's certificate."""
         self.dht, self.run_id, self.coordinator_key = dht, run_id, coordinator_key
-        self.refresh_s, self.suspect_s, self.also_certified = refresh_s, suspect_s, also_certified
+        self.refresh_s, self.also_certified = refresh_s, also_certified
         self.open = coordinator_key is None and allowed is None
         self._members: frozenset[str] = frozenset(allowed or ())
         self._banned: frozenset[str] = frozenset()
         self._bans_at = -float("inf")  # when the coordinator signed the list we hold
-        self._suspects: dict[str, tuple[float, str, bool]] = {}  # peer -> (until, reason, as leader only)
+        self.suspects = suspects if suspects is not None else Suspects()
         self._members_at = self._bans_checked_at = -float("inf")
         self._members_lock = asyncio.Lock()
         self._bans_lock = asyncio.Lock()
@@ -115,12 +192,30 @@ class PeerPolicy:
     # --- suspects ------------------------------------------------------------------------------------
 
     def suspect(self, peer_id: str, reason: str, *, leader_only: bool = False) -> None:
-        """Avoid ``peer_id`` in matchmaking for ``suspect_s``: it broke a group in a way nobody can prove.
+        """Avoid ``peer_id`` in matchmaking for a while: it broke a group in a way nobody can prove.
 
-        ``leader_only``: what it did only a leader can do (list a member twice, alter an entry), so it is
-        not followed but may still join a group as a member, where the run may need it to reach its minimum.
+        ``leader_only``: what it did only a leader can do (list a member twice, alter an entry, list a
+        peer that knows no such round), so it is not followed but may still join a group as a member,
+        where the run may need it to reach its minimum.
         """
-        self._suspects[peer_id] = (time.monotonic() + self.suspect_s, reason, leader_only)
+        self.suspects.add(peer_id, reason, leader_only=leader_only)
+
+    def blame_round(
+        self, failed: Iterable[str], denied: Iterable[str], *, me: str, leader: str | None
+    ) -> None:
+        """Suspect whoever broke a round of this peer: a reducer that took it and did not deliver (``failed``)
+        and, for each reducer that said it knows no such round (``denied``), the leader who listed it.
+
+        A leader may list an absent peer with an entry from an earlier group, and a follower cannot tell that
+        from a member that joined and then denied it; the leader can, since it gathered the entries itself.
+        """
+        for peer in failed:
+            self.suspect(peer, "did not deliver its part of a round")
+        for peer in denied:
+            if leader is None or leader in (me, peer):
+                self.suspect(peer, "was in the group, then said it knows no such round")
+            else:
+                self.suspect(leader, f"listed {peer}, which said it knows no such round", leader_only=True)
 
     # --- the rule ------------------------------------------------------------------------------------
 
@@ -129,11 +224,9 @@ class PeerPolicy:
         known now; None if it may."""
         if peer_id in self._banned:
             return "banned by the coordinator"
-        until, reason, leader_only = self._suspects.get(peer_id, (0.0, "", False))
-        if until > time.monotonic() and (as_leader or not leader_only):
-            return f"avoided{' as a leader' if leader_only else ''} for {until - time.monotonic():.0f}s more: {reason}"
-        if until <= time.monotonic():
-            self._suspects.pop(peer_id, None)
+        reason = self.suspects.refusal(peer_id, as_leader=as_leader)
+        if reason is not None:
+            return reason
         if not self.certified(peer_id):
             return f"not a certified member of run {self.run_id!r} (no valid certificate in the DHT)"
         return None
