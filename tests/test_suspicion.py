@@ -33,7 +33,7 @@ class Clock:
 
 
 def avoided_for(suspects: Suspects, peer: str, clock: Clock) -> float:
-    return suspects._held[peer].until - clock.now
+    return suspects.get(peer).until - clock.now
 
 
 def test_a_repeat_offender_is_avoided_twice_as_long_each_time_up_to_the_cap():

@@ -78,6 +78,10 @@ class Suspects:
     def __len__(self) -> int:
         return len(self._held)
 
+    def get(self, peer_id: str) -> Suspicion | None:
+        """What is held against ``peer_id``, expired or not; None if nothing."""
+        return self._held.get(peer_id)
+
     def add(self, peer_id: str, reason: str, *, leader_only: bool = False) -> Suspicion:
         """Avoid ``peer_id`` (``leader_only``: only as a leader); returns what is now held against it."""
         now = self.clock()
