@@ -48,7 +48,10 @@ class DuplicateMember(GroupAttack):
     def announce(self, group: Any, leader: Any) -> Any:
         mine = group.gathered[group.peer_ids.index(leader)]
         extra = self.options.copies - 1
-        peer_ids, gathered = (leader,) * extra + tuple(group.peer_ids), (mine,) * extra + tuple(group.gathered)
+        peer_ids, gathered = (
+            (leader,) * extra + tuple(group.peer_ids),
+            (mine,) * extra + tuple(group.gathered),
+        )
         return type(group)(group.group_id, peer_ids, gathered)
 
 
