@@ -11,8 +11,6 @@ import torch
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.averaging.evidence import contribution_message, round_digest
-from swarm.dht import SpawnedDHT
-from swarm.identity import create_identity
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,24 +59,6 @@ class VanishingAllReduce(ButterflyAllReduce):
 
     async def run(self):
         await asyncio.sleep(3600)
-
-
-@pytest.fixture
-def keyed_dhts(tmp_path):
-    """Three DHT peers whose libp2p identities are signing keys we hold, as a volunteer's are."""
-    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
-
-    def start(i: int, initial_peers) -> SpawnedDHT:
-        return SpawnedDHT(
-            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
-        )  # fmt: skip
-
-    first = start(0, [])
-    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
-    yield list(zip(nodes, keys, strict=True))
-    for node in nodes:
-        node.shutdown()
 
 
 @pytest.fixture

@@ -17,8 +17,6 @@ from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody, GroupRefused, ch
 from swarm.averaging.policy import PeerPolicy
 from swarm.byzantine.attacks import make_attack
 from swarm.byzantine.group_attacks import _with_commitment, attacking_averager
-from swarm.dht import SpawnedDHT
-from swarm.identity import create_identity
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -137,21 +135,8 @@ def test_the_ban_state_changes_only_through_a_newer_signed_list():
 
 
 @pytest.fixture
-def peers(tmp_path):
-    """Three DHT peers with signing keys we hold; every one of them certified (an allowed set)."""
-    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
-
-    def start(i: int, initial_peers) -> SpawnedDHT:
-        return SpawnedDHT(
-            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
-        )  # fmt: skip
-
-    first = start(0, [])
-    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
-    yield list(zip(nodes, keys, strict=True))
-    for node in nodes:
-        node.shutdown()
+def peers(keyed_dhts):
+    return keyed_dhts
 
 
 def build(dht, key, allowed, averager_type=Averager) -> Averager:

@@ -26,8 +26,6 @@ from swarm.averaging.averager import Averager
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
-from swarm.dht import SpawnedDHT
-from swarm.identity import create_identity
 from swarm.models import build_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,21 +47,8 @@ def numel(run) -> int:
 
 
 @pytest.fixture
-def peers(tmp_path):
-    """Three DHT peers whose libp2p identities are the signing keys they join the run with."""
-    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
-
-    def start(i: int, initial_peers) -> SpawnedDHT:
-        return SpawnedDHT(
-            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
-        )  # fmt: skip
-
-    first = start(0, [])
-    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
-    yield list(zip(nodes, keys, strict=True))
-    for node in nodes:
-        node.shutdown()
+def peers(keyed_dhts):
+    return keyed_dhts
 
 
 def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -> tuple[dict, list, list]:

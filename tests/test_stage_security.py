@@ -16,8 +16,6 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.policy import PeerPolicy
 from swarm.bans import publish_ban_list
 from swarm.config import RunConfig
-from swarm.dht import SpawnedDHT
-from swarm.identity import create_identity
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.worker import StageWorker, stage_prefix
 
@@ -37,20 +35,8 @@ def stage_run(run_id: str) -> RunConfig:
 
 
 @pytest.fixture
-def peers(tmp_path):
-    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
-
-    def start(i: int, initial_peers) -> SpawnedDHT:
-        return SpawnedDHT(
-            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
-        )  # fmt: skip
-
-    first = start(0, [])
-    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
-    yield list(zip(nodes, keys, strict=True))
-    for node in nodes:
-        node.shutdown()
+def peers(keyed_dhts):
+    return keyed_dhts
 
 
 def test_a_stage_worker_averages_signed_with_the_runs_rule_and_policy(peers):

@@ -15,8 +15,6 @@ import torch
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.byzantine.attacks import make_attack
-from swarm.dht import SpawnedDHT
-from swarm.identity import create_identity
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,20 +23,8 @@ TRIES = 3
 
 
 @pytest.fixture
-def peers(tmp_path):
-    keys = [create_identity(tmp_path / f"peer{i}.key") for i in range(3)]
-
-    def start(i: int, initial_peers) -> SpawnedDHT:
-        return SpawnedDHT(
-            start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            identity_path=str(tmp_path / f"peer{i}.key"), check_if_identity_free=False,
-        )  # fmt: skip
-
-    first = start(0, [])
-    nodes = [first, start(1, first.get_visible_maddrs()), start(2, first.get_visible_maddrs())]
-    yield list(zip(nodes, keys, strict=True))
-    for node in nodes:
-        node.shutdown()
+def peers(keyed_dhts):
+    return keyed_dhts
 
 
 def test_rounds_complete_without_a_withholder(peers):
