@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from pathlib import Path
 
 from protocols.keys import SigningKey
+from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.dht import SpawnedDHT, start_dht
 from swarm.identity import create_identity
 
@@ -25,3 +27,10 @@ def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()
         KEYS[key.peer_id] = key
         dhts.append(dht)
     return dhts
+
+
+class VanishingAllReduce(ButterflyAllReduce):
+    """A groupmate that dies right after its group formed: it neither sends nor reduces."""
+
+    async def run(self):
+        await asyncio.sleep(3600)

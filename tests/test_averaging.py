@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from helpers import VanishingAllReduce
 
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
@@ -52,13 +53,6 @@ class NegativeWeightAllReduce(ButterflyAllReduce):
     def _contribution(self, part, chunk):
         self.weight = -5.0
         return super()._contribution(part, chunk)
-
-
-class VanishingAllReduce(ButterflyAllReduce):
-    """A groupmate that crashes right after the group is formed: it neither sends nor reduces."""
-
-    async def run(self):
-        await asyncio.sleep(3600)
 
 
 @pytest.fixture

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import KEYS, VanishingAllReduce, start_dhts
 
 from coordinator.localswarm import running_coordinator, tiny_run
 from protocols.certificates import issue_certificate
-from protocols.keys import SigningKey
-from swarm.averaging.allreduce import ButterflyAllReduce
-from swarm.dht import SpawnedDHT, start_dht
-from swarm.identity import create_identity, load_identity
+from swarm.identity import load_identity
 from swarm.records import RecordSigner, TrustValidator
 from swarm.training.checkpoint import load_latest_checkpoint
 from swarm.training.state import encode_state, state_tensors
@@ -24,29 +21,6 @@ from swarm.training.sync import EncodedState
 from swarm.training.trainer import Trainer
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-
-
-class VanishingAllReduce(ButterflyAllReduce):
-    """A groupmate that dies right after its group formed: it neither sends nor reduces."""
-
-    async def run(self):
-        await asyncio.sleep(3600)
-
-
-KEYS: dict[str, SigningKey] = {}  # peer ID -> the identity its DHT runs under (trainers sign with it)
-
-
-def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()) -> list[SpawnedDHT]:
-    dhts: list[SpawnedDHT] = []
-    home = Path(tempfile.mkdtemp(prefix="swarm-test-keys-"))
-    for _ in range(count):
-        peers = initial_peers or ([str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [])
-        path = home / f"peer{len(dhts)}.key"
-        key = create_identity(path)
-        dht = start_dht(key, path, host="127.0.0.1", port=0, initial_peers=peers, validators=validators)
-        KEYS[key.peer_id] = key
-        dhts.append(dht)
-    return dhts
 
 
 async def wait_for(predicate, timeout_s: float, what: str) -> None:
