@@ -62,6 +62,10 @@ from swarm.training.sync import (
 
 logger = logging.getLogger(__name__)
 
+# How long a peer of a coordinated run looks for the coordinator's checkpoint before training from step 0.
+RESUME_LOOKUPS = 3
+RESUME_LOOKUP_INTERVAL_S = 1.0
+
 
 class Trainer:
     """One data-parallel peer: accumulate micro-batches, average the gradient with a group, step.
@@ -467,6 +471,7 @@ class Trainer:
     async def _loop(self, stop: asyncio.Event) -> None:
         await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
         await self._catch_up()
+        await self._look_for_checkpoint(stop)
         await self._evaluate()  # where this peer starts: step 0, or the state it just caught up to
         target = self.config.training.target_batch_size
         while not stop.is_set() and not self._reached_max():
@@ -503,6 +508,20 @@ class Trainer:
             await asyncio.sleep(0.2)
         if not stop.is_set():
             logger.info(f"resumed at step {self.step}")
+
+    async def _look_for_checkpoint(self, stop: asyncio.Event) -> None:
+        """A swarm restarted from nothing resumes from the coordinator's checkpoint, but right after start-up
+        the DHT may not find the record yet; once this peer has trained a step from scratch it never will.
+        So a peer of a coordinated run with nobody ahead looks a few times before it trains from step 0."""
+        for _ in range(RESUME_LOOKUPS):
+            if self.coordinator_key is None or self.step > 0 or stop.is_set():
+                return
+            if any(p.step > 0 for p in self.view.values()):
+                return
+            self._next_record_check = 0.0
+            if await self._catch_up():
+                return
+            await asyncio.sleep(RESUME_LOOKUP_INTERVAL_S)
 
     async def _catch_up(self) -> bool:
         move = self._ahead_or_apart()
