@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -34,3 +35,21 @@ class VanishingAllReduce(ButterflyAllReduce):
 
     async def run(self):
         await asyncio.sleep(3600)
+
+
+async def relay_from(source_host: str, target: tuple[str, int]) -> asyncio.Server:
+    """A TCP relay on loopback whose connections to ``target`` come from ``source_host`` (another
+    loopback address, such as 127.0.0.2): to a server, a caller on another host."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(*target, local_addr=(source_host, 0))
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)

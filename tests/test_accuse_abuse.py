@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import relay_from
 
 from coordinator.limits import KeyedBuckets, ServiceLimits, caller_key
 from coordinator.localswarm import tiny_run
@@ -166,23 +167,6 @@ def test_accusations_are_limited_per_peer_and_by_the_evidence_budget(tmp_path: P
     asyncio.run(scenario())
 
 
-async def relay(source_host: str, target: tuple[str, int]) -> asyncio.Server:
-    """A TCP relay on loopback whose outgoing connections come from ``source_host``: a second caller."""
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream_writer = await asyncio.open_connection(*target, local_addr=(source_host, 0))
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
-
-    return await asyncio.start_server(handle, "127.0.0.1", 0)
-
-
 def test_a_challenge_flood_from_one_address_leaves_joins_open(tmp_path: Path):
     # A small global cap, so that the flood below would fill it if one caller could.
     limits = ServiceLimits(max_open_challenges=300)
@@ -190,7 +174,7 @@ def test_a_challenge_flood_from_one_address_leaves_joins_open(tmp_path: Path):
     async def scenario() -> None:
         async with serving(tmp_path, limits) as (address, store, service):
             host, port = address.rsplit(":", 1)
-            flood_relay = await relay("127.0.0.2", (host, int(port)))
+            flood_relay = await relay_from("127.0.0.2", (host, int(port)))
             try:
                 relay_address = f"127.0.0.1:{flood_relay.sockets[0].getsockname()[1]}"
                 report = await challenge_flood(relay_address, RUN, calls=400, concurrency=16)

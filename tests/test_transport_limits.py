@@ -5,10 +5,10 @@ others still get in."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 
 import pytest
+from helpers import relay_from
 from hivemind.p2p import PeerID
 
 from protocols import averaging_pb2 as apb
@@ -147,24 +147,6 @@ def test_one_address_cannot_take_every_handshake():
     asyncio.run(scenario())
 
 
-async def relay_from(source_host: str, target: str) -> asyncio.Server:
-    """A TCP relay on loopback whose connections to ``target`` come from ``source_host``: another host."""
-    host, port = target.rsplit(":", 1)
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream = await asyncio.open_connection(host, int(port), local_addr=(source_host, 0))
-        await asyncio.gather(pipe(reader, upstream[1]), pipe(upstream[0], writer))
-
-    return await asyncio.start_server(handle, "127.0.0.1", 0)
-
-
 def test_fresh_keys_from_one_host_cannot_take_every_connection():
     """Each connection from 127.0.0.1 signs with a new key (so the per-peer limit never bites); the
     per-host limit does, and a peer on another address (127.0.0.3, through a relay) still gets in."""
@@ -183,7 +165,8 @@ def test_fresh_keys_from_one_host_cannot_take_every_connection():
             SigningKey.generate(), "run", until_closed, max_frame=MAX_FRAME, max_connections_per_host=3
         )
         address = await server.start("127.0.0.1", 0, "127.0.0.1")
-        relay = await relay_from("127.0.0.3", address)
+        host, port = address.rsplit(":", 1)
+        relay = await relay_from("127.0.0.3", (host, int(port)))
         held = []
         try:
             held = [await fresh().connect(address, peer_of(server), timeout_s=5) for _ in range(3)]
