@@ -25,7 +25,7 @@ from pathlib import Path
 from coordinator.cli import status_to_dict
 from coordinator.localswarm import LocalSwarm, status, wait_until
 from coordinator.simconfig import SimConfig, build_run
-from coordinator.wanlab import LinkSpec, WanLab
+from coordinator.wanlab import LinkSpec, WanLab, peak_mbit
 from protocols.errors import SwarmError
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
@@ -304,21 +304,11 @@ def _placement(lab: WanLab | None, index: int) -> dict:
     return {"host": lab.host(index + 1).address, "prefix": lab.exec_prefix(index + 1)}
 
 
-def _peak_mbit(samples: list[tuple[float, list[int]]], index: int, window_s: float = 2.0) -> float:
-    """The highest upload rate of peer ``index`` over any ``window_s`` of the counter samples."""
-    peak = 0.0
-    for i, (t0, first) in enumerate(samples):
-        later = next(((t, c) for t, c in samples[i + 1 :] if t - t0 >= window_s), None)
-        if later is not None:
-            peak = max(peak, (later[1][index] - first[index]) * 8 / (later[0] - t0) / 1e6)
-    return peak
-
-
 def _wan_report(lab: WanLab, names: list[str], samples: list[tuple[float, list[int]]]) -> dict:
     """The lab's links, what the kernel counted on each peer's link, and each link's busiest 2 s."""
     counted = {name: lab.link_bytes(i + 2) for i, name in enumerate(names)}
     return {
-        "peak_up_mbit": {name: _peak_mbit(samples, i) for i, name in enumerate(names)},
+        "peak_up_mbit": {name: peak_mbit(samples, i) for i, name in enumerate(names)},
         "up_mbit": lab.link.up_mbit,
         "down_mbit": lab.link.down_mbit,
         "behind_nat": [name for i, name in enumerate(names) if lab.host(i + 2).behind_nat],

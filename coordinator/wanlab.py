@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -240,3 +241,16 @@ def remove_stale_labs() -> list[str]:
                 _run("ip", "netns", "delete", entry.name)
                 removed.append(entry.name)
     return removed
+
+
+def peak_mbit(
+    samples: Sequence[tuple[float, Sequence[int] | dict]], key: object, window_s: float = 2.0
+) -> float:
+    """The highest rate, in Mbit/s, over any ``window_s`` of counter ``samples`` ((time, byte counters)),
+    of the counter at ``key`` (an index or a host number)."""
+    peak = 0.0
+    for i, (t0, first) in enumerate(samples):
+        later = next(((t, c) for t, c in samples[i + 1 :] if t - t0 >= window_s), None)
+        if later is not None:
+            peak = max(peak, (later[1][key] - first[key]) * 8 / (later[0] - t0) / 1e6)
+    return peak

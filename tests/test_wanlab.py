@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.localswarm import LocalSwarm, Reaper, tiny_run
-from coordinator.wanlab import NETNS_DIR, LinkSpec, WanLab, check_lab_possible
+from coordinator.wanlab import NETNS_DIR, LinkSpec, WanLab, check_lab_possible, peak_mbit
 from protocols.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,15 +187,6 @@ class _Sampler:
         while not self.stop.wait(0.5):
             self.samples.append((time.monotonic(), {k: self.lab.link_bytes(k)[0] for k in self.hosts}))
 
-    def peak_mbit(self, host: int, window_s: float = 2.0) -> float:
-        peak = 0.0
-        for i, (t0, first) in enumerate(self.samples):
-            for t1, later in self.samples[i + 1 :]:
-                if t1 - t0 >= window_s:
-                    peak = max(peak, (later[host] - first[host]) * 8 / (t1 - t0) / 1e6)
-                    break
-        return peak
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
@@ -227,8 +218,8 @@ def test_peers_on_capped_links_one_behind_nat_train_to_identical_parameters(tmp_
             time.sleep(3)
         assert len({p["param_hash"] for p in online}) == 1, "peers on capped links, one behind NAT, agree"
         for k in (2, 3, 4):
-            assert sampler.peak_mbit(k) <= 20 * 1.1, (
-                f"host {k} sent {sampler.peak_mbit(k):.1f} Mbit/s over a 20 Mbit/s cap"
+            assert peak_mbit(sampler.samples, k) <= 20 * 1.1, (
+                f"host {k} sent {peak_mbit(sampler.samples, k):.1f} Mbit/s over a 20 Mbit/s cap"
             )
         # The peer behind NAT learned at join that it cannot be dialed (so it never leads a group), and
         # took part in every round: its groupmates reached it over the connections it opened.
