@@ -415,7 +415,7 @@ class CoordinatorService:
             if evidence.accused != accused or accuser not in evidence.members:
                 raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
             aggregator = get_aggregator(training.aggregator, training.aggregator_options)
-            codec = get_codec(training.compression)
+            codec = get_codec(training.compression, topk_density=training.topk_density)
             verdict = evidence.judge(aggregator, codec, vector_numel=vector_numel)
         except SwarmError as e:
             return f"the evidence does not hold: {e}", accuser

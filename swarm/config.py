@@ -144,7 +144,17 @@ class TrainingConfig(_Section):
     )
     micro_batch_size: int = Field(8, ge=1, le=65536, description="samples per local forward/backward")
     seed: int = Field(0, ge=0, lt=2**63, description="seed of the initial weights, the same on every peer")
-    compression: Literal["fp16", "none"] = Field("fp16", description="encoding of tensors on the wire")
+    compression: Literal["fp16", "none", "int8", "topk"] = Field(
+        "fp16",
+        description="encoding of tensors on the wire: fp16, none (fp32), int8 (one scale per chunk) or topk "
+        "(sparse: the largest topk_density of each block of 4096 values, int8); see swarm/averaging/compression.py",
+    )
+    topk_density: float = Field(
+        0.01,
+        gt=0,
+        le=1,
+        description="topk: the share of each block's values a sender keeps (largest magnitude)",
+    )
     aggregator: str = Field(
         "centered_clip",
         min_length=1,

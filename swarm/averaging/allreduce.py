@@ -105,6 +105,9 @@ class RoundResult:
     bytes_received: int = 0
     failed_reducers: list[str] = field(default_factory=list)
     denied_by: list[str] = field(default_factory=list)  # reducers that said they know no such round
+    # What the wire carried of this peer's own vector (decoded; zero where a chunk never went out):
+    # with a sparse codec, ``vector - sent`` is what error feedback keeps for the next round.
+    sent: torch.Tensor | None = None
 
 
 class ButterflyAllReduce:
@@ -161,6 +164,7 @@ class ButterflyAllReduce:
         # Every value is written before a complete round returns; a caller's reused buffer spares a fresh
         # allocation (and its page faults) per round.
         self.output = out if out is not None else torch.empty_like(self.local)
+        self.sent = torch.zeros_like(self.local)
 
         self.part_bounds = split_bounds(self.numel, len(self.peer_ids))
         self.part_chunks = [
@@ -297,7 +301,8 @@ class ButterflyAllReduce:
                 message = self._contribution(self.index, chunk)
                 if not (math.isfinite(message.weight) and message.weight >= 0):
                     raise ProtocolError(f"weight {message.weight!r} is not a finite number >= 0")
-                own = self.codec.decode(message.data, hi - lo, sender="this peer")
+                own = self.codec.decode_contribution(message.data, hi - lo, sender="this peer")
+                self.sent[lo:hi] = own
                 signed = SignedInput(self.index, message.data, message.signature, message.weight)
                 self._deliver(self.index, chunk, own, signed)
         except ProtocolError as e:
@@ -393,7 +398,7 @@ class ButterflyAllReduce:
                 peer = self.members[sender]
                 self._count(received=len(message.data))
                 self._check_contribution(sender, message, expected)
-                values = self.codec.decode(message.data, hi - lo, sender=peer)
+                values = self.codec.decode_contribution(message.data, hi - lo, sender=peer)
                 signed = SignedInput(sender, message.data, message.signature, message.weight)
                 self._deliver(sender, expected, values, signed)
                 expected += 1
@@ -422,7 +427,7 @@ class ButterflyAllReduce:
     def encode_contribution(self, part: int, chunk: int) -> bytes:
         """This peer's values for one chunk of another peer's part, as sent on the wire."""
         lo, hi = self._chunk(part, chunk)
-        return self.codec.encode(self.local[lo:hi])
+        return self.codec.encode_contribution(self.local[lo:hi])
 
     def _contribution(self, part: int, chunk: int) -> apb.PartChunk:
         data = self.encode_contribution(part, chunk)
@@ -475,6 +480,9 @@ class ButterflyAllReduce:
             for chunk in range(chunks):
                 message = self._contribution(part, chunk)
                 sent.append(hashlib.sha256(message.data).digest())
+                lo, hi = self._chunk(part, chunk)
+                with contextlib.suppress(ProtocolError):  # a rehearsed bad sender's bytes stay unrecorded
+                    self.sent[lo:hi] = self.codec.decode_contribution(message.data, hi - lo, sender="self")
                 await self._throttle(len(message.data))
                 self._count(sent=len(message.data))
                 yield message
@@ -533,7 +541,7 @@ class ButterflyAllReduce:
     def _result(self, complete: bool) -> RoundResult:
         return RoundResult(
             self.output, complete, dict(self.dropped), self.bytes_sent, self.bytes_received,
-            list(self.failed_reducers), list(self.denied_by),
+            list(self.failed_reducers), list(self.denied_by), self.sent,
         )  # fmt: skip
 
     async def run(self) -> RoundResult:

@@ -44,7 +44,8 @@ from protocols.errors import SwarmError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
-from swarm.averaging.compression import get_codec
+from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
+from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
 from swarm.averaging.groups import GroupEntryBody, GroupRefused, VerifiedGroup, check_group, make_entry
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.transport import DataPlane, announce_host
@@ -143,7 +144,8 @@ class Averager:
         prefix: the averaging key (the run ID, or ``<run_id>.stage<k>`` for a pipeline stage).
         numel: how many values every member's vector holds.
         aggregator, aggregator_options: the robust rule each reducer applies to its part, and its options.
-        compression: the wire encoding of the vectors (``fp16`` or ``fp32``).
+        compression: the wire encoding of the vectors (``fp16``, ``none``, ``int8`` or ``topk``).
+        topk_density: with ``topk``, the share of each block of values a sender keeps.
         max_group_size: at most this many peers in one group.
         matchmaking_time_s: how long a leader waits for followers before assembling.
         sender_timeout_s: how long to wait for a groupmate's next message before dropping it.
@@ -172,6 +174,7 @@ class Averager:
         numel: int,
         aggregator: str = "mean",
         compression: str = "fp16",
+        topk_density: float = DEFAULT_TOPK_DENSITY,
         max_group_size: int = 64,
         matchmaking_time_s: float = 2.0,
         sender_timeout_s: float = 5.0,
@@ -193,7 +196,7 @@ class Averager:
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
         self.aggregator = get_aggregator(aggregator, aggregator_options)
-        self.codec = get_codec(compression)
+        self.codec = get_codec(compression, topk_density=topk_density)
         self.max_group_size, self.matchmaking_time_s = max_group_size, matchmaking_time_s
         self.sender_timeout_s, self.averaging_timeout_s = sender_timeout_s, averaging_timeout_s
         self.max_weight = max_weight
@@ -213,7 +216,7 @@ class Averager:
         self._verifications: set[asyncio.Task] = set()
         self._nonce = b""
         self._entry = b""
-        self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.name}".encode()).digest()
+        self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.schema}".encode()).digest()
         self.p2p = None
         self.matchmaking: Matchmaking | None = None
         self._runners: dict[bytes, ButterflyAllReduce] = {}
@@ -223,6 +226,12 @@ class Averager:
     @property
     def peer_id(self) -> PeerID:
         return self.p2p.peer_id
+
+    @property
+    def max_frame(self) -> int:
+        """The largest part-stream message the data plane accepts: a full chunk in this run's codec, with
+        the signed list of inputs a reducer sends along (and a margin for the other fields)."""
+        return self.codec.max_bytes(DEFAULT_CHUNK_VALUES) + ENTRY.size * MAX_MEMBERS + 4096
 
     @property
     def entry_max_age_s(self) -> float:
@@ -264,9 +273,7 @@ class Averager:
             maddrs = await self.p2p.get_visible_maddrs()
             visible = [str(m).split("/")[2] for m in maddrs if str(m).startswith(("/ip4/", "/ip6/"))]
             host = announce_host(self.data_host, visible)
-        plane = DataPlane(
-            self.signing_key, self.prefix, self.serve_part, max_frame=4 * DEFAULT_CHUNK_VALUES + 4096
-        )
+        plane = DataPlane(self.signing_key, self.prefix, self.serve_part, max_frame=self.max_frame)
         try:
             address = await plane.start(self.data_host, self.data_port, host)
         except SwarmError as e:
@@ -421,7 +428,7 @@ class Averager:
             except asyncio.TimeoutError:
                 result = RoundResult(
                     runner.output, False, dict(runner.dropped), runner.bytes_sent, runner.bytes_received,
-                    list(runner.failed_reducers), list(runner.denied_by),
+                    list(runner.failed_reducers), list(runner.denied_by), runner.sent,
                 )  # fmt: skip
             finally:
                 self._runners.pop(group.group_id, None)

@@ -296,7 +296,7 @@ class BadAggregateEvidence(RoundEvidence):
             if item.weight != entry.weight or hashlib.sha256(item.data).digest() != entry.data_hash:
                 raise ProtocolError(f"the input of {sender} is not the one the reducer aggregated")
             try:
-                decoded.append(codec.decode(item.data, self.numel, sender=sender))
+                decoded.append(codec.decode_contribution(item.data, self.numel, sender=sender))
             except ProtocolError as e:
                 # A valid signature on an invalid input: the reducer aggregated what it should have dropped.
                 return f"aggregated an invalid contribution ({e})"

@@ -56,6 +56,7 @@ def build_averager(
         aggregator_options=training.aggregator_options,
         verify_probability=training.verify_probability,
         compression=training.compression,
+        topk_density=training.topk_density,
         max_group_size=training.max_group_size,
         matchmaking_time_s=training.matchmaking_time_s,
         sender_timeout_s=training.sender_timeout_s,

@@ -135,7 +135,7 @@ class _Check:
         self.runner, self.part, self.chunk, self.answer = runner, assignment.part, assignment.chunk, answer
         self.servicer_type, self.p2p, self.timeout_s = servicer_type, p2p, timeout_s
         lo, hi = runner._chunk(self.part, self.chunk)
-        self.numel, self.max_bytes = hi - lo, (hi - lo) * codec.bytes_per_value
+        self.numel, self.max_bytes = hi - lo, codec.max_bytes(hi - lo)
         self.round = dict(
             prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members),
             commitments=tuple(c for c in runner.commitments if c), part=self.part, chunk=self.chunk,
