@@ -132,6 +132,8 @@ class StageRecordBody(_Body):
     load: float = Field(ge=0, le=1, allow_inf_nan=False)
     state_hash: Hash
     param_hash: Hash
+    # False while the replica loads its stage's state or drains before it leaves: it averages, it serves no one.
+    serving: bool = True
     certificate: CertificateBytes = b""
     expires_at: Expiry
 

@@ -32,6 +32,7 @@ class StageRecord:
     param_hash: str
     updated_at: float
     role: str = "stage"
+    serving: bool = True  # False: loading the stage's state, or draining before it leaves; serves no one
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,21 @@ class TrainerRecord:
 
 @dataclass
 class PipelineView:
-    """Stage servers by stage and trainers, as the DHT showed them at one moment."""
+    """Stage servers by stage and trainers, as the DHT showed them at one moment.
+
+    ``stages`` holds the replicas that serve trainers; ``holders`` every replica of a stage, also those
+    loading its state or draining before they leave (they still average with the stage)."""
 
     stages: dict[int, list[StageRecord]] = field(default_factory=dict)
     trainers: list[TrainerRecord] = field(default_factory=list)
+    holders: dict[int, list[StageRecord]] = field(default_factory=dict)
 
     def replicas(self, stage: int, step: int | None = None) -> list[StageRecord]:
         return [r for r in self.stages.get(stage, []) if step is None or r.step == step]
+
+    def members(self, stage: int) -> list[StageRecord]:
+        """Every replica of ``stage``, serving or not."""
+        return list(self.holders.get(stage, []))
 
     def run_step(self, num_stages: int) -> int:
         """The latest step every stage serves (with at least one replica); 0 when a stage has none."""
@@ -90,11 +99,11 @@ async def fetch_view(dht: hivemind.DHT, trust: RecordTrust, num_stages: int) -> 
     for peer_id, r in trust.open_dictionary("pipeline", found).items():
         b = r.body
         if b.role == "stage" and b.stage < num_stages:
-            view.stages.setdefault(b.stage, []).append(
-                StageRecord(
-                    peer_id, b.stage, b.step, b.samples_per_s, b.load, b.state_hash, b.param_hash, r.issued_at
-                )  # fmt: skip
-            )
+            record = StageRecord(peer_id, b.stage, b.step, b.samples_per_s, b.load, b.state_hash, b.param_hash,
+                                 r.issued_at, serving=b.serving)  # fmt: skip
+            view.holders.setdefault(b.stage, []).append(record)
+            if b.serving:
+                view.stages.setdefault(b.stage, []).append(record)
         elif b.role == "trainer":
             view.trainers.append(TrainerRecord(peer_id, b.step, b.samples, b.in_flight, r.issued_at))
     return view

@@ -96,7 +96,9 @@ class StageReplica:
         self.forwards: dict[int, _Forward] = {}
         self.closing = False  # the step's gradient is being averaged: no more work for this step
         self.paused = False  # the volunteer paused: no new micro-batches
+        self.leaving = False  # draining before a move: backwards of forwards served here only
         self.state_hash = self.param_hash = ""
+        self.hashed_step = 0  # the step ``state_hash`` and ``param_hash`` are of
         self.samples_per_s = 0.0
         self.busy_s = 0.0
         self.stats = {"forwards": 0, "backwards": 0, "repeats": 0, "refused": 0}
@@ -118,11 +120,17 @@ class StageReplica:
 
     # --- hashes, throughput --------------------------------------------------------------------------
 
-    def _hashes(self) -> tuple[str, str]:
-        return state_hash(self.step, state_tensors(self.model, self.optimizer)), params_hash(self.model)
+    def _hashes(self) -> tuple[int, str, str]:
+        return (
+            self.step,
+            state_hash(self.step, state_tensors(self.model, self.optimizer)),
+            params_hash(self.model),
+        )
 
     async def commit(self) -> None:
-        self.state_hash, self.param_hash = await self.compute(self._hashes)
+        """Hash the state: ``hashed_step`` and the hashes change together, so a record never pairs a new
+        step with the old state's hash."""
+        self.hashed_step, self.state_hash, self.param_hash = await self.compute(self._hashes)
 
     def _rate(self, samples: int, seconds: float) -> None:
         rate = samples / max(seconds, 1e-6)
@@ -204,6 +212,10 @@ class StageReplica:
             )
         now = time.monotonic()
         self._purge(now)
+        if self.leaving:
+            raise self._refuse(
+                ppb.BUSY, f"this server is leaving stage {self.index}: it takes no new micro-batch"
+            )
         if len(self.forwards) >= MAX_FORWARD_STATES and key not in self.forwards:
             raise self._refuse(
                 ppb.BUSY, f"{len(self.forwards)} micro-batches are waiting for their backward here"
@@ -281,6 +293,12 @@ class StageReplica:
         entry.result = self._grad_reply(entry.inputs)
         self._count(request.microbatch_id, entry, time.monotonic() - started)
         return ppb.BackwardReply(step=self.step, grad_inputs=entry.result)
+
+    def drained(self) -> bool:
+        """Nothing of this step is held here: no counted sample and no forward waiting for its backward
+        (a forward whose trainer went elsewhere is dropped after ``forward_state_ttl_s``)."""
+        self._purge(time.monotonic())
+        return self.samples == 0 and all(f.result is not None for f in self.forwards.values())
 
     # --- the step ------------------------------------------------------------------------------------
 

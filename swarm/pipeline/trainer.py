@@ -27,7 +27,7 @@ import logging
 import math
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import hivemind
@@ -113,6 +113,7 @@ class PipelineTrainer:
         self.pending: deque[MicroBatch] = deque()
         self.issued: set[int] = set()
         self.completed: set[int] = set()
+        self.completed_at: Counter[int] = Counter()  # step -> samples of micro-batches completed there
         self.avoid: dict[str, float] = {}
         self.finished = False
         self.paused = False  # set by pause(): no new micro-batches; those in flight complete
@@ -266,6 +267,7 @@ class PipelineTrainer:
                         await asyncio.sleep(min(0.05 * mb.attempts, 1.0))
                     continue
                 self.completed.add(mb.id)
+                self.completed_at[mb.step] += self.batch
                 self.samples += self.batch
                 self._samples_total += self.batch
                 previous = self._stats["train_loss"]

@@ -11,7 +11,16 @@ The loop of one stage replica:
 4. A replica that finds the others of its stage ahead of it, or holding another state than most of them
    at its step, downloads the agreed state (verified against its hash) before serving again.
 5. Every ``rebalance_interval_s`` a replica of the stage with the most spare throughput may move to the
-   bottleneck stage: it downloads that stage's current state first, then serves it.
+   bottleneck stage (or ``move_to`` asks it to). A move is a drain, a clean leave and a join:
+
+   - drain: the replica announces that it no longer serves (trainers stop routing to it), refuses new
+     micro-batches, answers the backwards of forwards it already ran, and adds what it counted to its
+     stage's round; it leaves once it holds nothing of the current step (or, past ``leave_timeout_s``,
+     abandons what it holds, with one log line naming the samples);
+   - leave: it removes every P2P handler it registered for the stage (forward/backward, state download,
+     averaging) and shuts the stage's averager, so it is in no group of that stage any more;
+   - join: it builds the new stage, announces itself there as not yet serving, downloads the stage's
+     agreed state (verified against its hash), and only then registers its handlers and serves.
 
 Example::
 
@@ -30,6 +39,7 @@ import random
 import time
 
 import hivemind
+from hivemind.p2p import ServicerBase
 
 from protocols.errors import ConfigError, SwarmError
 from protocols.keys import PublicKey, SigningKey
@@ -60,6 +70,10 @@ from swarm.training.sync import (
 logger = logging.getLogger(__name__)
 
 UNSERVE_TIMEOUT_S = 5.0
+#: The longest a move waits for the stage's round to take what the leaving replica counted.
+LEAVE_TIMEOUT_S = 60.0
+#: The longest a joining replica keeps trying to download its stage's state before serving as it is.
+JOIN_CATCH_UP_TIMEOUT_S = 60.0
 
 
 def stage_prefix(run_id: str, stage: int) -> str:
@@ -135,6 +149,14 @@ class StageWorker:
         self._busy_mark = (time.monotonic(), 0.0)
         self._load = 0.0
         self.moves: list[dict] = []
+        # stage -> step -> samples the stage's round averaged, for the rounds this peer took part in
+        self.applied: dict[int, dict[int, float]] = {}
+        self._serving = False  # announced as serving: handlers registered, state in line with the stage
+        self._leave_to: int | None = None  # the stage a requested move goes to
+        self._leave_since = 0.0
+        self._leave_throughput: dict[int, float] = {}  # samples/s by stage when rebalancing chose the move
+        self._handlers: list[tuple[ServicerBase, str]] = []  # registered for the stage served
+        self._last_record: StageRecord | None = None
         self._stats = {"rounds_ok": 0.0, "rounds_failed": 0.0, "resyncs": 0.0, "moves": 0.0}
         self.finished = False
         self.paused = False
@@ -185,8 +207,9 @@ class StageWorker:
         if now - started >= 1.0:
             self._load = min(1.0, (r.busy_s - busy) / (now - started))
             self._busy_mark = (now, r.busy_s)
-        return StageRecord(self.peer_id, r.index, r.step, r.samples_per_s, self._load, r.state_hash,
-                           r.param_hash, time.time())  # fmt: skip
+        self._last_record = StageRecord(self.peer_id, r.index, r.hashed_step, r.samples_per_s, self._load, r.state_hash,
+                                        r.param_hash, time.time(), serving=self._serving)  # fmt: skip
+        return self._last_record
 
     def _signer(self) -> RecordSigner:
         if self.records is None:
@@ -200,13 +223,16 @@ class StageWorker:
         self.view = await fetch_view(self.dht, self.trust, self.num_stages)
         self._views += 1
 
+    async def _announce(self) -> None:
+        if self.replica is not None and self.replica.state_hash:
+            await publish_record(
+                self.dht, self._signer(), self.config.run_id, self._record(), ttl_s=self._ttl_s()
+            )
+
     async def _announce_forever(self) -> None:
         while True:
             try:
-                if self.replica is not None and self.replica.state_hash:
-                    await publish_record(
-                        self.dht, self._signer(), self.config.run_id, self._record(), ttl_s=self._ttl_s()
-                    )
+                await self._announce()
                 await self._refresh_view()
                 await self.policy.refresh_bans()
             except Exception as e:
@@ -235,33 +261,63 @@ class StageWorker:
         return stage
 
     async def _serve(self, index: int) -> None:
-        """Build stage ``index``, catch up with its replicas, then serve it and announce it."""
+        """Join stage ``index``: build it, announce it as not serving yet, take the stage's verified state,
+        then register its handlers and serve."""
         replica = await asyncio.to_thread(StageReplica, self.config, index, device=self.device)
         averager = self.build_averager(index, replica.numel)
         await averager.start()
         replica.paused = self.paused
+        self._serving = False
         self.replica, self.averager, self._encoded = replica, averager, None
         await replica.measure()
         await replica.commit()
+        with contextlib.suppress(Exception):
+            await self._announce()  # replaces the record of the stage this peer left, if any
+        await self._join_catch_up()
         state = StateServicer(
             self.config.run_id,
             self.encoded_state,
             admit=self._admit_download,
             upload_limiter=self.upload_limiter,
         )
-        await state.add_p2p_handlers(
-            averager.p2p, namespace=state_namespace(stage_prefix(self.config.run_id, index))
-        )
-        await self._refresh_view()
-        await self._catch_up()  # a joining or moving replica takes the stage's current state first
+        await self._register(state, state_namespace(stage_prefix(self.config.run_id, index)))
         self.servicer = StageServicer(replica, self.gate)
-        await self.servicer.add_p2p_handlers(
-            averager.p2p, namespace=pipeline_namespace(self.config.run_id, index)
-        )
+        await self._register(self.servicer, pipeline_namespace(self.config.run_id, index))
+        self._serving = True
         self._step_view = self._views
+        self._step_since = time.monotonic()
+        with contextlib.suppress(Exception):
+            await self._announce()
         logger.info(f"serving stage {index} (blocks {replica.spec.first_block}..{replica.spec.last_block - 1}"
                     f"{', embedding' if replica.is_first else ''}{', head' if replica.is_last else ''}) at step "
                     f"{replica.step}, {replica.samples_per_s:.1f} samples/s")  # fmt: skip
+
+    async def _join_catch_up(self) -> None:
+        """Download the stage's agreed state while its other replicas are ahead or apart; a first replica
+        (nobody to catch up with) serves from the run's initial state at once."""
+        deadline = time.monotonic() + JOIN_CATCH_UP_TIMEOUT_S
+        await self._refresh_view()
+        while self._ahead_or_apart() is not None and time.monotonic() < deadline:
+            if await self._catch_up():
+                continue
+            await asyncio.sleep(self.config.pipeline.announce_interval_s)
+            await self._refresh_view()
+        if self._ahead_or_apart() is not None:
+            logger.warning(f"stage {self.replica.index}: could not download the stage's state within "
+                           f"{JOIN_CATCH_UP_TIMEOUT_S:.0f}s; serving step {self.replica.step} and trying again")  # fmt: skip
+
+    async def _register(self, servicer, namespace: str) -> None:
+        """Add ``servicer``'s handlers under ``namespace``; ``_unserve`` removes every one of them."""
+        p2p = self.averager.p2p
+        try:
+            await servicer.add_p2p_handlers(p2p, namespace=namespace)
+        except Exception as e:
+            # A handler left behind by a leave whose removal did not finish: take it down and add ours.
+            logger.warning(f"handlers under {namespace} were still registered ({e!r}); replacing them")
+            with contextlib.suppress(Exception):
+                await servicer.remove_p2p_handlers(p2p, namespace=namespace)
+            await servicer.add_p2p_handlers(p2p, namespace=namespace)
+        self._handlers.append((servicer, namespace))
 
     def build_averager(self, index: int, numel: int) -> Averager:
         """The averager of stage ``index``'s replicas: signed, validated, and held to the run's policy."""
@@ -272,17 +328,22 @@ class StageWorker:
         )  # fmt: skip
 
     async def _unserve(self) -> None:
+        """Leave the stage served: every handler registered for it, its averager (and so its groups)."""
         replica, averager = self.replica, self.averager
         if replica is None:
             return
-        # Bounded: the daemon may already be gone (a killed peer), and then these never answer.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self.servicer.remove_p2p_handlers(
-                    averager.p2p, namespace=pipeline_namespace(self.config.run_id, replica.index)
-                ),
-                timeout=UNSERVE_TIMEOUT_S,
-            )
+        self._serving = False
+        handlers, self._handlers = self._handlers, []
+        for servicer, namespace in handlers:
+            # Bounded: the daemon may already be gone (a killed peer), and then these never answer.
+            try:
+                await asyncio.wait_for(
+                    servicer.remove_p2p_handlers(averager.p2p, namespace=namespace), timeout=UNSERVE_TIMEOUT_S
+                )
+            except Exception as e:
+                logger.warning(
+                    f"stage {replica.index}: could not remove the handlers under {namespace}: {e!r}"
+                )
         with contextlib.suppress(Exception):
             await asyncio.wait_for(averager.shutdown(), timeout=UNSERVE_TIMEOUT_S)
         replica.close()
@@ -304,7 +365,7 @@ class StageWorker:
     async def _admit_download(self, requester: str) -> str | None:
         """A stage's state goes to certified, unbanned peers only: a replica with a verified pipeline
         record (it carries a certificate), or a peer the stage server's policy admits."""
-        replicas = {r.peer_id for rs in self.view.stages.values() for r in rs}
+        replicas = {r.peer_id for rs in self.view.holders.values() for r in rs}
         if requester in replicas and requester not in self.policy.banned:
             return None
         await self.policy.admit([requester])
@@ -316,7 +377,7 @@ class StageWorker:
         r = self.replica
         others = {
             x.peer_id: Position(x.step, x.state_hash)
-            for x in self.view.replicas(r.index)
+            for x in self.view.members(r.index)
             if x.peer_id != self.peer_id
         }
         training = self.config.training
@@ -381,7 +442,7 @@ class StageWorker:
         r = self.replica
         r.closing = True  # new work for this step is refused from now on
         vector = await r.compute(r.mean_gradient)
-        others = [x for x in self.view.replicas(r.index) if x.peer_id != self.peer_id and x.step >= r.step]
+        others = [x for x in self.view.members(r.index) if x.peer_id != self.peer_id and x.step >= r.step]
         extra = {"step": r.step, "state_hash": r.state_hash}
         outcome = await self.averager.average(vector, float(r.samples), extra, alone=not others)
         if outcome is None or not outcome[1].complete:
@@ -395,6 +456,7 @@ class StageWorker:
         await r.commit()
         self._step_view, self._step_since = self._views, time.monotonic()
         self._stats["rounds_ok"] += 1
+        self.applied.setdefault(r.index, {})[extra["step"]] = sum(group.weights)
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
                     f"{sum(group.weights):.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
         with contextlib.suppress(Exception):
@@ -403,6 +465,17 @@ class StageWorker:
             )
 
     # --- rebalancing ---------------------------------------------------------------------------------
+
+    def move_to(self, stage: int) -> None:
+        """Move to ``stage``: drain, leave this stage cleanly, join ``stage`` with its verified state."""
+        if not 0 <= stage < self.num_stages:
+            raise ConfigError(
+                f"stage {stage}: run {self.config.run_id!r} has stages 0..{self.num_stages - 1}"
+            )
+        if self.replica is not None and stage != self.replica.index and self._leave_to is None:
+            self._leave_to, self._leave_since = stage, time.monotonic()
+            self.replica.leaving = True
+            self._serving = False
 
     async def _maybe_move(self) -> None:
         r = self.replica
@@ -414,8 +487,27 @@ class StageWorker:
         before = {k: round(self.view.throughput(k), 1) for k in range(self.num_stages)}
         logger.info(f"rebalancing: moving from stage {r.index} to the bottleneck stage {target} "
                     f"(samples/s by stage: {before})")  # fmt: skip
-        self.moves.append({"from": r.index, "to": target, "at_step": r.step, "throughput": before})
+        self.move_to(target)
+        self._leave_throughput = before
+
+    async def _continue_leaving(self) -> None:
+        """The drain's next move: announce it, wait while the stage's round takes what this replica
+        counted, then leave and join the target stage."""
+        r = self.replica
+        with contextlib.suppress(Exception):
+            await self._announce()  # trainers see that it serves no more
+        if not await r.compute(r.drained):
+            if time.monotonic() - self._leave_since < LEAVE_TIMEOUT_S:
+                return
+            logger.warning(f"stage {r.index}: leaving with {r.samples} samples of step {r.step} that no round "
+                           f"took within {LEAVE_TIMEOUT_S:.0f}s; they are dropped")  # fmt: skip
+        target, self._leave_to = self._leave_to, None
+        self.moves.append(
+            {"from": r.index, "to": target, "at_step": r.step, "throughput": self._leave_throughput}
+        )
+        self._leave_throughput = {}
         self._stats["moves"] += 1
+        logger.info(f"leaving stage {r.index} at step {r.step} for stage {target}")
         await self._unserve()
         await self._serve(target)
 
@@ -440,7 +532,9 @@ class StageWorker:
                 # Once a step is closed its round is retried until it completes or a catch-up replaces it.
                 if self.replica.closing or self._ready_to_step():
                     await self._step_round()
-                elif self.rebalance and time.monotonic() > next_rebalance and not self.replica.closing:
+                elif self._leave_to is not None:
+                    await self._continue_leaving()
+                elif self.rebalance and time.monotonic() > next_rebalance:
                     next_rebalance = time.monotonic() + self.config.pipeline.rebalance_interval_s
                     await self._maybe_move()
         finally:
