@@ -135,6 +135,49 @@ def test_rounds_over_the_tcp_data_path_are_bit_identical(keyed_dhts):
     assert torch.allclose(retry[0][1].vector, sum(inputs) / 3, atol=2e-3)
 
 
+def test_a_member_nobody_can_dial_reduces_no_part_and_the_round_is_bit_identical(keyed_dhts):
+    # Peer 2 is behind NAT (client mode): it leads no group, announces no data address and gets an empty
+    # part; it sends its whole vector to the two reducers and gets the result back on streams it opened.
+    averagers = [
+        Averager(d, prefix="nat-run", numel=NUMEL, matchmaking_time_s=1.0, signing_key=k, client_mode=i == 2)
+        for i, (d, k) in enumerate(keyed_dhts)
+    ]
+    inputs = vectors(3)
+
+    async def scenario():
+        outcomes = await average_all(averagers, inputs, [1.0, 1.0, 1.0])
+        accepted = [a.data_plane.accepted for a in averagers]
+        for averager in averagers:
+            await averager.shutdown()
+        return outcomes, accepted
+
+    outcomes, accepted = asyncio.run(scenario())
+    natted = keyed_dhts[2][0].peer_id
+    for group, result in outcomes:
+        assert result.complete and not result.dropped
+        assert torch.equal(result.vector, outcomes[0][1].vector)
+        assert group.reducers == [p != natted for p in group.peer_ids]
+    assert torch.allclose(outcomes[0][1].vector, sum(inputs) / 3, atol=2e-3)
+    assert accepted == [2, 2, 0], "each reducer took the other two peers' streams; nobody dialed peer 2"
+    # fp16: peer 2 sends all of its vector (half to each reducer) and nothing else; a reducer sends the
+    # other reducer's half, then its own half back to two peers.
+    assert outcomes[2][1].bytes_sent == 2 * NUMEL
+    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * 3 / 2, abs=4)
+
+
+def test_a_group_without_enough_members_that_can_be_dialed_is_left_by_all(keyed_dhts, caplog):
+    settings = dict(
+        prefix="nat-few", numel=NUMEL, matchmaking_time_s=1.0, min_reducers=2, averaging_timeout_s=5.0
+    )
+    averagers = [
+        Averager(d, signing_key=k, client_mode=i > 0, **settings) for i, (d, k) in enumerate(keyed_dhts)
+    ]
+    with caplog.at_level(logging.WARNING):
+        outcomes = asyncio.run(average_all(averagers, vectors(3), [1.0, 1.0, 1.0]))
+    assert outcomes == [None, None, None]
+    assert caplog.text.count("only 1 of its 3 members can be dialed to reduce a part; the run needs 2") == 3
+
+
 @pytest.mark.parametrize(
     "runner, reason",
     [

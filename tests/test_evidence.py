@@ -53,14 +53,20 @@ def commitments(count: int, salt: bytes = b"") -> tuple[bytes, ...]:
 
 
 def signed_round(
-    keys: list[SigningKey], *, part: int = 0, shift: float = 0.0, vector: int = VECTOR, salt: bytes = b""
+    keys: list[SigningKey],
+    *,
+    part: int = 0,
+    shift: float = 0.0,
+    vector: int = VECTOR,
+    salt: bytes = b"",
+    reducers: tuple[bool, ...] = (),
 ) -> BadAggregateEvidence:
     """Chunk 0 of part ``part`` as its reducer ``keys[part]`` aggregates it (its output shifted by ``shift``)."""
     members = tuple(k.peer_id for k in keys)
     group_id, commits = b"group-0001", commitments(len(keys), salt)
-    digest = round_digest(PREFIX, group_id, members, commits)
+    digest = round_digest(PREFIX, group_id, members, commits, reducers)
     chunk_values = layout_chunk_values(len(keys), CODEC.bytes_per_value)
-    numel = chunk_numel(vector, len(keys), part, 0, chunk_values)
+    numel = chunk_numel(vector, len(keys), part, 0, chunk_values, reducers)
     generator = torch.Generator().manual_seed(1)
     inputs = []
     for index, key in enumerate(keys):
@@ -76,6 +82,7 @@ def signed_round(
     return BadAggregateEvidence(
         prefix=PREFIX, group_id=group_id, members=members, commitments=commits, part=part, chunk=0,
         numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, entries=entries,
+        reducers=reducers,
     )  # fmt: skip
 
 
@@ -99,6 +106,22 @@ def keys() -> list[SigningKey]:
 def test_a_true_accusation_convicts_the_reducer(keys):
     assert judge(signed_round(keys)) is None
     assert "differs from the rule's result" in judge(signed_round(keys, shift=0.5))
+
+
+def test_the_judge_takes_the_layout_of_a_round_with_a_member_that_reduces_nothing(keys):
+    # Member 1 could not be dialed: its part is empty and members 0 and 2 reduce half the vector each.
+    mask = (True, False, True)
+    honest = signed_round(keys, reducers=mask)
+    assert honest.numel == VECTOR // 2
+    assert judge(honest) is None
+    assert "differs from the rule's result" in judge(signed_round(keys, reducers=mask, shift=0.5))
+    # The mask is part of what every member signed: evidence cannot claim the plain layout, or another.
+    for other in ((), (True, True, False)):
+        numel = chunk_numel(VECTOR, 3, 0, 0, 1 << 18, other)
+        with pytest.raises((ProtocolError, SignatureError)):
+            judge(dataclasses.replace(honest, reducers=other, numel=numel))
+    with pytest.raises(ProtocolError, match="reducer flags"):
+        judge(dataclasses.replace(honest, reducers=(False, False, False)))
 
 
 def test_a_chunk_size_other_than_the_layouts_convicts_the_accuser(keys):

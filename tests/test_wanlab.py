@@ -222,11 +222,15 @@ def test_peers_on_capped_links_one_behind_nat_train_to_identical_parameters(tmp_
                 f"host {k} sent {peak_mbit(sampler.samples, k):.1f} Mbit/s over a 20 Mbit/s cap"
             )
         # The peer behind NAT learned at join that it cannot be dialed (so it never leads a group), and
-        # took part in every round: its groupmates reached it over the connections it opened.
+        # took part in every round reducing no part: it sent its contributions to the two reducers and
+        # got the results back over the connections it opened; nobody had to reach it.
         assert "other peers cannot dial this machine" in peers[2].output()
         dialable = {p["name"]: p["metrics"].get("dialable") for p in online}
         assert dialable == {"peer2": 1.0, "peer3": 1.0, "peer4": 0.0}, dialable
         assert "step 3: averaged with 3 peers" in peers[2].output()
+        assert "this peer cannot be dialed, so it reduces no part; 2 of 3 members do" in peers[2].output()
+        for peer in peers:
+            assert "failed in round" not in peer.output(), peer.output()[-3000:]
         assert lab.link_bytes(4)[0] > 0
     finally:
         if sampler is not None:

@@ -2,7 +2,9 @@
 
 The vector is cut into one contiguous part per peer. Every peer streams its chunks of part ``k`` to
 peer ``k``, which aggregates them with the run's rule and streams back the *encoded* result: the same
-bytes to every sender, and the reducer decodes those very bytes for itself. hivemind's runner instead
+bytes to every sender, and the reducer decodes those very bytes for itself. A member that nobody can
+dial (``reducers``, from its signed group entry) gets an empty part: it sends its contributions and
+receives the results over streams it opens, like hivemind's client mode. hivemind's runner instead
 adds compressed deltas to each peer's own values, which leaves peers differing in the low bits.
 
 Faults: a sender that is silent for ``sender_timeout_s`` or sends a chunk of the wrong part, order, size
@@ -56,6 +58,7 @@ from swarm.averaging.evidence import (
     layout_chunk_values,
     parse_entries,
     reduce_chunk,
+    reducer_mask,
     round_digest,
     split_bounds,
 )
@@ -136,19 +139,28 @@ class ButterflyAllReduce:
         commitments: Sequence[bytes | None] | None = None,
         attack=None,
         out: torch.Tensor | None = None,
+        reducers: Sequence[bool] | None = None,
     ):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
         self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
         self.refusal: str | None = None
         self.commitments: list[bytes | None] = [None] * len(self.peer_ids)
+        flags = list(reducers) if reducers is not None else [True] * len(self.peer_ids)
         if commitments is not None:
-            self._keep_committed(list(commitments), nonce)
+            flags = self._keep_committed(list(commitments), nonce, flags)
+        if not any(flags):
+            self.refusal = "no member of the group can be dialed to reduce a part"
+            flags = [True] * len(flags)
+        # Members nobody can dial reduce no part (see split_bounds); the round's digest fixes the layout.
+        self.reducers = reducer_mask(flags)
         self.index = self.peer_ids.index(p2p.peer_id)
         self.weight = float(weight)
         self.key, self.nonce, self.attack = key, nonce, attack
         self.members = [p.to_base58() for p in self.peer_ids]
-        self.digest = round_digest(prefix, group_id, self.members, [c for c in self.commitments if c])
+        self.digest = round_digest(
+            prefix, group_id, self.members, [c for c in self.commitments if c], self.reducers
+        )
         self.reveals: dict[int, bytes] = {self.index: nonce}
         self.local: torch.Tensor | None = local.detach().to(torch.float32).flatten()
         self.numel = self.local.numel()
@@ -166,10 +178,11 @@ class ButterflyAllReduce:
         self.output = out if out is not None else torch.empty_like(self.local)
         self.sent = torch.zeros_like(self.local)
 
-        self.part_bounds = split_bounds(self.numel, len(self.peer_ids))
+        self.part_bounds = split_bounds(self.numel, len(self.peer_ids), self.reducers)
+        # A member that reduces nothing has no chunk at all (not one empty chunk): nobody streams to it.
         self.part_chunks = [
-            chunk_bounds(hi - lo, chunk_values)
-            for lo, hi in zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True)
+            chunk_bounds(hi - lo, chunk_values) if self.reduces(part) else [0]
+            for part, (lo, hi) in enumerate(zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True))
         ]
         self.received = [[False] * (len(c) - 1) for c in self.part_chunks]
 
@@ -191,15 +204,18 @@ class ButterflyAllReduce:
         self.denied_by: list[str] = []
         self.bytes_sent = self.bytes_received = 0
         # Phase one ends when every part has arrived or failed for this peer; then it reveals its nonce.
-        self._unsettled = set(range(len(self.peer_ids)))
+        # Nobody streams to a member that reduces no part: it waits for no part of its own and no reveal.
+        self._unsettled = {p for p in range(len(self.peer_ids)) if self.reduces(p) or p == self.index}
         self._delivered = asyncio.Event()
         self._heard: set[int] = {self.index}  # members whose reveal arrived, or whose stream to us ended
+        self._senders = set(range(len(self.peer_ids))) if self.reduces(self.index) else {self.index}
         self._tasks: list[asyncio.Task] = []
         self.revealed: asyncio.Task | None = None
         self._kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
 
-    def _keep_committed(self, commitments: list[bytes | None], nonce: bytes) -> None:
-        """Leave out members with no nonce commitment (all honest members see the same list)."""
+    def _keep_committed(self, commitments: list[bytes | None], nonce: bytes, flags: list[bool]) -> list[bool]:
+        """Leave out members with no nonce commitment (all honest members see the same list); returns
+        the reducer flags of those kept."""
         me = self.peer_ids.index(self.p2p.peer_id)
         if commitments[me] is not None and commitments[me] != hashlib.sha256(nonce).digest():
             self.refusal = "the group lists a nonce commitment for this peer that is not its own"
@@ -212,8 +228,13 @@ class ButterflyAllReduce:
         self.peer_ids = [self.peer_ids[i] for i in keep]
         self.addresses = [self.addresses[i] for i in keep]
         self.commitments = [commitments[i] for i in keep]
+        return [flags[i] for i in keep]
 
     # --- helpers -------------------------------------------------------------------------------------
+
+    def reduces(self, part: int) -> bool:
+        """Whether member ``part`` reduces a part of the vector (one nobody can dial does not)."""
+        return not self.reducers or self.reducers[part]
 
     def _chunk(self, part: int, chunk: int) -> tuple[int, int]:
         base, bounds = self.part_bounds[part], self.part_chunks[part]
@@ -358,6 +379,9 @@ class ButterflyAllReduce:
         """Take a groupmate's chunks of our part, stream the aggregated chunks back, then take its reveal."""
         if sender not in self.peer_ids or sender == self.p2p.peer_id:
             yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="not a member of this averaging group")
+            return
+        if not self.reduces(self.index):
+            yield apb.PartChunk(code=apb.BAD_CHUNK, error="this member reduces no part in this round")
             return
         index = self.peer_ids.index(sender)
         consumer = asyncio.create_task(self._consume(index, first, stream))
@@ -553,7 +577,7 @@ class ButterflyAllReduce:
         self._tasks += [
             asyncio.create_task(self._exchange_with(part))
             for part in range(len(self.peer_ids))
-            if part != self.index
+            if part != self.index and self.reduces(part)
         ]
         try:
             await self._delivered.wait()
@@ -568,7 +592,7 @@ class ButterflyAllReduce:
         deadline = asyncio.get_running_loop().time() + self.reveal_timeout_s + 2 * self.sender_timeout_s
         try:
             await asyncio.wait(self._tasks, timeout=deadline - asyncio.get_running_loop().time())
-            while len(self._heard | set(self.reveals)) < len(self.members):
+            while not self._senders <= self._heard | set(self.reveals):
                 self._changed.clear()
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:

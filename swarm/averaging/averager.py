@@ -46,7 +46,14 @@ from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
 from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
 from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
-from swarm.averaging.groups import GroupEntryBody, GroupRefused, VerifiedGroup, check_group, make_entry
+from swarm.averaging.groups import (
+    GroupEntryBody,
+    GroupRefused,
+    VerifiedGroup,
+    check_group,
+    enough_reducers,
+    make_entry,
+)
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.transport import DataPlane, announce_host
 from swarm.averaging.verification import Accuser, serve_inputs, validate_round
@@ -66,6 +73,7 @@ class GroupRound:
     addresses: list[str | None]
     commitments: list[bytes | None] = field(default_factory=list)
     leader: str | None = None  # who announced the group; None for a group of one
+    reducers: list[bool] | None = None  # which members reduce a part (None: all); see groups.py
 
 
 class AveragingServicer(ServicerBase):
@@ -161,7 +169,9 @@ class Averager:
         accuse: sends evidence against a reducer whose result a validator proved wrong.
         attack: a rehearsed Byzantine behaviour as contributor or reducer; None for an honest peer.
         data_plane: open the TCP data plane (else every part stream rides libp2p).
-        client_mode: this peer cannot be dialed, so it only ever follows in matchmaking.
+        client_mode: this peer cannot be dialed, so it only ever follows in matchmaking, and says so in
+            its signed entry: it reduces no part of a round.
+        min_reducers: a group needs at least this many members that can be dialed, else it is left.
     """
 
     matchmaking_type: type[RunMatchmaking] = RunMatchmaking
@@ -193,6 +203,7 @@ class Averager:
         attack=None,
         data_plane: bool = True,
         client_mode: bool = False,
+        min_reducers: int = 1,
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
         self.aggregator = get_aggregator(aggregator, aggregator_options)
@@ -206,7 +217,7 @@ class Averager:
         self.data_plane: DataPlane | None = None
         self.use_data_plane = data_plane
         # A peer others cannot dial (behind NAT) never leads a group: followers could not reach it.
-        self.client_mode = client_mode
+        self.client_mode, self.min_reducers = client_mode, min_reducers
         self.upload_limiter = upload_limiter
         self.traffic = Traffic()
         self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
@@ -306,8 +317,9 @@ class Averager:
             schema_hash=self.schema_hash,
             weight=float(weight),
             commit=hashlib.sha256(self._nonce).digest(),
-            data=self.data_plane.address if self.data_plane is not None else None,
+            data=self.data_plane.address if self.data_plane is not None and not self.client_mode else None,
             extra=extra or {},
+            dialable=not self.client_mode,
         )
         self._entry = make_entry(self.signing_key, self.prefix, body)
         target = self.max_group_size if expected_size is None else expected_size
@@ -360,6 +372,11 @@ class Averager:
         if len(group.peer_ids) < 2:
             logger.info(f"leaving group {short}: fewer than 2 members with valid entries")
             return None
+        # Nobody is to blame: members behind NAT say so truthfully. Every member leaves the same groups.
+        short_of = enough_reducers(group, self.min_reducers)
+        if short_of is not None:
+            logger.warning(f"leaving group {short}: {short_of}")
+            return None
         entries = group.entries
         return GroupRound(
             info.group_id,
@@ -369,6 +386,7 @@ class Averager:
             [e.data for e in entries],
             [e.commit for e in entries],
             self.matchmaking.leader.to_base58() if self.matchmaking.leader else None,
+            group.reducers,
         )
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
@@ -420,9 +438,15 @@ class Averager:
                 commitments=group.commitments or None,
                 attack=self.attack,
                 out=out,
+                reducers=group.reducers,
             )
             self._runners[group.group_id] = runner
             self._runner_added.set()
+            if not runner.reduces(runner.index):
+                logger.info(
+                    f"round {group.group_id.hex()[:8]}: this peer cannot be dialed, so it reduces no part; "
+                    f"{sum(map(runner.reduces, range(len(runner.members))))} of {len(runner.members)} members do"
+                )
             try:
                 result = await asyncio.wait_for(runner.run(), timeout=self.averaging_timeout_s)
             except asyncio.TimeoutError:

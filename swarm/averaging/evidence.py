@@ -21,7 +21,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,9 +42,24 @@ EVIDENCE_INPUT_BUDGET = 48 << 20
 ENTRY = struct.Struct(">Id32s")  # one aggregated input: sender index, signed weight, SHA-256 of the data
 
 
-def split_bounds(numel: int, parts: int) -> list[int]:
-    """Boundaries of ``parts`` nearly equal contiguous slices of ``range(numel)``."""
-    return [numel * i // parts for i in range(parts + 1)]
+def split_bounds(numel: int, parts: int, reducers: Sequence[bool] = ()) -> list[int]:
+    """Boundaries of ``parts`` contiguous slices of ``range(numel)``, nearly equal among the members
+    that reduce (``reducers``, one flag per part; empty: all of them), empty for those that do not: a
+    member nobody can dial reduces no part (hivemind's client mode)."""
+    if not reducers:
+        return [numel * i // parts for i in range(parts + 1)]
+    if len(reducers) != parts or not any(reducers):
+        raise ProtocolError(f"a layout of {parts} parts needs {parts} reducer flags, at least one set")
+    count, bounds, seen = sum(map(bool, reducers)), [0], 0
+    for reduces in reducers:
+        seen += bool(reduces)
+        bounds.append(numel * seen // count)
+    return bounds
+
+
+def reducer_mask(flags: Sequence[bool]) -> tuple[bool, ...]:
+    """The canonical form of a group's reducer flags: empty when every member reduces (the plain layout)."""
+    return () if all(flags) else tuple(bool(f) for f in flags)
 
 
 def chunk_bounds(numel: int, chunk_values: int) -> list[int]:
@@ -56,23 +71,29 @@ def layout_chunk_values(members: int, bytes_per_value: int) -> int:
     return max(1024, min(DEFAULT_CHUNK_VALUES, EVIDENCE_INPUT_BUDGET // (members * bytes_per_value)))
 
 
-def chunk_numel(vector_numel: int, members: int, part: int, chunk: int, chunk_values: int) -> int:
+def chunk_numel(
+    vector_numel: int, members: int, part: int, chunk: int, chunk_values: int, reducers: Sequence[bool] = ()
+) -> int:
     """How many values chunk ``chunk`` of part ``part`` holds in the run's layout (0 if there is none)."""
-    bounds = split_bounds(vector_numel, members)
+    bounds = split_bounds(vector_numel, members, reducers)
     chunks = chunk_bounds(bounds[part + 1] - bounds[part], chunk_values)
     return chunks[chunk + 1] - chunks[chunk] if 0 <= chunk < len(chunks) - 1 else 0
 
 
 def round_digest(
-    prefix: str, group_id: bytes, members: Sequence[str], commitments: Sequence[bytes] = ()
+    prefix: str,
+    group_id: bytes,
+    members: Sequence[str],
+    commitments: Sequence[bytes] = (),
+    reducers: Sequence[bool] = (),
 ) -> bytes:
-    """Names one round: the run's averaging prefix, the group ID, who is in it (in order) and the
-    members' fresh nonce commitments, so a leader that reuses a group ID still names a new round."""
-    return hashlib.sha256(
-        b"|".join(
-            [SIGNATURE_DOMAIN, b"round", prefix.encode(), group_id, *map(str.encode, members), *commitments]
-        )
-    ).digest()
+    """Names one round: the run's averaging prefix, the group ID, who is in it (in order), the members'
+    fresh nonce commitments, so a leader that reuses a group ID still names a new round, and which
+    members reduce a part (``reducer_mask``; nothing when all do), so every signature of the round also
+    fixes its layout and evidence cannot claim another one."""
+    mask = [b"reducers", bytes(map(bool, reducers))] if reducers else []
+    fields = [SIGNATURE_DOMAIN, b"round", prefix.encode(), group_id, *map(str.encode, members), *commitments]
+    return hashlib.sha256(b"|".join(fields + mask)).digest()
 
 
 def contribution_message(
@@ -175,9 +196,14 @@ def _round_fields(body: dict) -> dict:
     part, chunk = int(body["part"]), int(body["chunk"])
     if not 0 <= part < len(members) or chunk < 0:
         raise ProtocolError("evidence names a part outside the group")
+    reducers = body.get("reducers", ())
+    if not isinstance(reducers, list | tuple) or not all(isinstance(r, bool) for r in reducers):
+        raise ProtocolError("evidence names its reducers other than as a list of flags")
+    if reducers and (len(reducers) != len(members) or all(reducers) or not any(reducers)):
+        raise ProtocolError("evidence names reducer flags that do not fit its members")
     return {
         "prefix": str(body["prefix"]), "group_id": bytes(body["group_id"]), "members": members,
-        "commitments": commitments, "part": part, "chunk": chunk,
+        "commitments": commitments, "part": part, "chunk": chunk, "reducers": tuple(reducers),
     }  # fmt: skip
 
 
@@ -196,10 +222,12 @@ class RoundEvidence:
     commitments: tuple[bytes, ...]
     part: int
     chunk: int
+    # Which members reduce a part (``reducer_mask``): the layout the judge computes, fixed by the digest.
+    reducers: tuple[bool, ...] = field(default=(), kw_only=True)
 
     @property
     def digest(self) -> bytes:
-        return round_digest(self.prefix, self.group_id, self.members, self.commitments)
+        return round_digest(self.prefix, self.group_id, self.members, self.commitments, self.reducers)
 
     def verify_input(self, item: SignedInput) -> str:
         """The sender of ``item`` if its signature holds for this round and chunk; else an error."""
@@ -220,6 +248,7 @@ class RoundEvidence:
         return {
             "prefix": self.prefix, "group_id": self.group_id, "members": list(self.members),
             "commitments": list(self.commitments), "part": self.part, "chunk": self.chunk,
+            **({"reducers": list(self.reducers)} if self.reducers else {}),
         }  # fmt: skip
 
 
@@ -274,7 +303,9 @@ class BadAggregateEvidence(RoundEvidence):
         """
         if chunk_values is None:
             chunk_values = layout_chunk_values(len(self.members), codec.bytes_per_value)
-        expected = chunk_numel(vector_numel, len(self.members), self.part, self.chunk, chunk_values)
+        expected = chunk_numel(
+            vector_numel, len(self.members), self.part, self.chunk, chunk_values, self.reducers
+        )
         if self.numel != expected or expected == 0:
             raise ProtocolError(
                 f"evidence says chunk {self.chunk} of part {self.part} holds {self.numel} values; "

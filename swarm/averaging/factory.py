@@ -71,4 +71,7 @@ def build_averager(
         data_port=data_port,
         data_announce_host=data_announce_host,
         client_mode=client_mode,
+        # Enough members that can be dialed to reduce, so that in a group of the run's minimum size with
+        # an honest majority, at least one reducer is honest.
+        min_reducers=(training.min_group_size + 1) // 2,
     )

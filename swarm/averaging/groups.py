@@ -13,6 +13,12 @@ stage. Before a round every member checks the group the leader announced (``chec
   whose entry fails is excluded from the round (every honest member excludes the same ones, since they
   all see the same bytes), not kept with weight 0.
 
+Each entry also says whether its member can be dialed. One that cannot (behind NAT) reduces no part of
+the round (``evidence.split_bounds``). The flag is signed, so a leader cannot flip it; a member that
+falsely claims it cannot be dialed only gives up its part, and one that falsely claims it can is a
+reducer that fails, which the round's retry already handles. A group needs ``min_reducers`` members
+that can be dialed (``enough_reducers``), else every member leaves it.
+
 A group that is left raises ``GroupRefused`` with the culprit, whom the caller avoids in its retry.
 """
 
@@ -46,6 +52,7 @@ class GroupEntryBody(BaseModel):
         min_length=COMMITMENT_BYTES, max_length=COMMITMENT_BYTES, description="SHA-256 of its round nonce"
     )
     data: str | None = Field(default=None, max_length=256, description="its TCP data address, if any")
+    dialable: bool = Field(default=True, description="others can dial it, so it reduces a part")
     extra: dict[str, Any] = Field(default_factory=dict, max_length=MAX_EXTRA_KEYS, description="caller's")
 
 
@@ -64,6 +71,22 @@ class VerifiedGroup:
     peer_ids: list[str]
     entries: list[GroupEntryBody]
     excluded: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def reducers(self) -> list[bool]:
+        """Which members reduce a part: those that can be dialed."""
+        return [e.dialable for e in self.entries]
+
+
+def enough_reducers(group: VerifiedGroup, min_reducers: int) -> str | None:
+    """Why ``group`` cannot run a round for want of members that can be dialed; None if it can."""
+    count = sum(group.reducers)
+    if count >= max(1, min_reducers):
+        return None
+    return (
+        f"only {count} of its {len(group.peer_ids)} members can be dialed to reduce a part; "
+        f"the run needs {max(1, min_reducers)}"
+    )
 
 
 def make_entry(key: SigningKey | None, prefix: str, body: GroupEntryBody) -> bytes:

@@ -139,6 +139,7 @@ class _Check:
         self.round = dict(
             prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members),
             commitments=tuple(c for c in runner.commitments if c), part=self.part, chunk=self.chunk,
+            reducers=runner.reducers,
         )  # fmt: skip
 
     async def fetch(self, holder: int, sender: int) -> SignedInput:
