@@ -1,6 +1,6 @@
 """Averaging among the peers of a run: fault-tolerant butterfly all-reduce with bit-identical results.
 
-- ``compression``: fp16/fp32 encodings of vectors on the wire, with checked decoding
+- ``compression``: wire codecs (fp16, fp32, int8, sparse topk) with checked decoding
 - ``validation``: checks on a groupmate's contribution (size, dtype, finite, norm) and fair weights
 - ``aggregators``: the pluggable rule each reducer applies to its part (``centered_clip``, ``mean``, ...)
 - ``groups``: signed matchmaking entries and the checks on a group before its round
