@@ -103,7 +103,9 @@ def _check_scales(scales: np.ndarray, sender: str) -> None:
     with np.errstate(over="ignore", invalid="ignore"):
         bad = ~(np.isfinite(scales * _LEVELS) & (scales >= 0)) | np.signbit(scales)
     if bad.any():
-        raise ProtocolError(f"{sender} sent a scale of {scales[bad][0]!r}; a scale is a finite number >= 0")
+        raise ProtocolError(
+            f"{sender} sent a scale of {float(scales[bad][0])!r}; a scale is a finite number >= 0"
+        )
 
 
 def _check_levels(levels: np.ndarray, sender: str) -> None:
