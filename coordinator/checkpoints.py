@@ -25,7 +25,7 @@ from swarm.records import RecordTrust
 from swarm.training.catchup import Position, catch_up_target
 from swarm.training.checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
 from swarm.training.progress import PeerProgress, fetch_progress
-from swarm.training.state import build_optimizer, encode_state, ensure_optimizer_state, state_tensors
+from swarm.training.state import build_shared_optimizer, encode_state, ensure_optimizer_state, state_tensors
 from swarm.training.sync import (
     EncodedState,
     StateServicer,
@@ -46,7 +46,7 @@ def state_size_bytes(run: RunConfig) -> int:
     from swarm.models import build_model
 
     model = build_model(run.model.name, run.model.config, seed=run.training.seed)
-    optimizer = build_optimizer(model, run.optimizer)
+    optimizer = build_shared_optimizer(model, run)
     ensure_optimizer_state(model, optimizer)
     return sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer).values())
 

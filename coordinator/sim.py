@@ -24,7 +24,7 @@ from pathlib import Path
 
 from coordinator.cli import status_to_dict
 from coordinator.localswarm import LocalSwarm, status, wait_until
-from coordinator.simconfig import SimConfig, build_run
+from coordinator.simconfig import SimConfig, build_run, samples_per_step
 from coordinator.wanlab import LinkSpec, WanLab, peak_mbit
 from protocols.errors import SwarmError
 from swarm import runtime
@@ -39,11 +39,11 @@ def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
     from swarm.data import build_dataset
     from swarm.models import build_model, model_config
     from swarm.training.checkpoint import load_checkpoint
-    from swarm.training.state import build_optimizer, load_state_tensors, params_hash
+    from swarm.training.state import build_shared_optimizer, load_state_tensors, params_hash
 
     model = build_model(run.model.name, run.model.config, seed=run.training.seed)
     if checkpoint is not None:
-        optimizer = build_optimizer(model, run.optimizer)
+        optimizer = build_shared_optimizer(model, run)
         load_state_tensors(model, optimizer, load_checkpoint(checkpoint).tensors)
     dataset = build_dataset(run.dataset.name, run.dataset.config)
     seq_len = model_config(run.model.name, run.model.config).seq_len
@@ -150,7 +150,7 @@ def simulate(config: SimConfig) -> int:
     gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
     print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model {config.model_size} "
           f"(logs in {root})", flush=True)  # fmt: skip
-    progress = Progress(config.steps, config.target_batch_size)
+    progress = Progress(config.steps, samples_per_step(config))
     try:
         if lab is not None:
             lab.up()
@@ -252,6 +252,7 @@ def simulate(config: SimConfig) -> int:
         peer_rows = [
             {"peer_id": p["peer_id"], "name": p["name"], "param_hash": p["param_hash"], "step": p["step"],
              "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"], "device": p["device"],
+             "contributed_samples": p["metrics"].get("contributed_samples", 0.0),
              "averaging_s": p["metrics"].get("averaging_s", 0.0),
              "compute_utilization": p["metrics"].get("compute_utilization", 0.0),
              "byzantine": p["name"] in byzantine, "banned": p["state"] == "banned" or bool(p["ban_reason"]),
@@ -260,7 +261,16 @@ def simulate(config: SimConfig) -> int:
         ]  # fmt: skip
         # Attackers may hold anything; the run is healthy when the honest peers agree with the checkpoint.
         agree = all(row["param_hash"] == final_hash for row in peer_rows if not row["byzantine"])
+        honest = [row for row in peer_rows if not row["byzantine"]]
+        samples = sum(row["contributed_samples"] for row in honest)
         result = {
+            "sync": run.training.sync,
+            "compression": run.training.compression,
+            "outer_steps": config.steps if run.training.sync == "diloco" else 0,
+            "inner_steps": run.training.inner_steps if run.training.sync == "diloco" else 1,
+            # Averaging bytes the honest peers sent, per sample they trained on in applied rounds.
+            "bytes_sent_per_sample": sum(row["bytes_sent"] for row in honest) / max(samples, 1.0),
+            "compute_utilization": sum(row["compute_utilization"] for row in honest) / max(len(honest), 1),
             "initial_val_loss": initial_loss,
             "final_val_loss": final_loss,
             "steps": config.steps,

@@ -47,6 +47,18 @@ class SimConfig(BaseModel):
     )
     target_batch_size: int = Field(32, ge=1, le=100_000, description="samples per global step")
     micro_batch_size: int = Field(4, ge=1, le=4096, description="samples per local forward/backward")
+    sync: Literal["every_step", "diloco"] = Field(
+        "every_step",
+        description="every_step: average gradients every step; diloco: --inner-steps local steps per "
+        "averaged outer step (--steps counts outer steps)",
+    )
+    inner_steps: int = Field(50, ge=1, le=100_000, description="diloco: local optimizer steps per outer step")
+    outer_overlap: bool = Field(
+        False, description="diloco: average in the background and apply each outer step one step late"
+    )
+    compression: Literal["fp16", "none", "int8", "topk"] = Field(
+        "fp16", description="wire encoding of what peers average (topk: sparse, with error feedback)"
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="the run's forward/backward precision (fp16 needs every peer on a GPU)"
     )
@@ -147,17 +159,28 @@ class SimConfig(BaseModel):
         return self
 
 
+def samples_per_step(config: SimConfig) -> int:
+    """Samples in one completed step of the run: the target batch, or in diloco mode every peer's full
+    window of inner steps (an outer step in which a slower peer brought fewer counts as full)."""
+    if config.sync == "diloco":
+        return config.peers * config.inner_steps * config.micro_batch_size
+    return config.target_batch_size
+
+
 def build_run(config: SimConfig) -> RunConfig:
     steps = config.steps
+    # The inner learning-rate schedule of diloco counts inner steps.
+    optimizer_steps = steps * config.inner_steps if config.sync == "diloco" else steps
     return RunConfig(
         run_id="swarm-sim",
         description="A local rehearsal of the demo run.",
         model={"name": "gpt", "config": PRESETS[config.model_size]},
         dataset={"name": "stdlib", "config": {}},
-        optimizer={"lr": config.lr, "warmup_steps": min(5, steps), "total_steps": max(steps, 1)},
+        optimizer={"lr": config.lr, "warmup_steps": min(5, optimizer_steps), "total_steps": optimizer_steps},
         training={
             "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
-            "precision": config.precision,
+            "precision": config.precision, "sync": config.sync, "inner_steps": config.inner_steps,
+            "outer_overlap": config.outer_overlap, "compression": config.compression,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             # Every peer takes part in every round (one may be missing while churn restarts it).
             # With attackers, every group must hold an honest majority (2f + 1 peers at least), and the

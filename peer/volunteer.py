@@ -51,6 +51,7 @@ from swarm.pipeline.trainer import PipelineTrainer
 from swarm.pipeline.worker import StageWorker, available_memory_bytes
 from swarm.records import RecordSigner, TrustValidator
 from swarm.training.precision import check_precision
+from swarm.training.diloco import trainer_class
 from swarm.training.trainer import Trainer
 
 logger = logging.getLogger("swarm.peer")
@@ -389,7 +390,7 @@ class Volunteer:
                     self.trainer = await self._pipeline_role(compute_device, client)
                 else:
                     self.trainer = await asyncio.to_thread(
-                        Trainer, self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,
+                        trainer_class(self.run_config), self.run_config, self._dht, peer_id=self.key.peer_id, device=compute_device,
                         coordinator_key=self.coordinator_key, signing_key=self.key, data_host=config.host,
                         data_port=config.data_port, data_announce_host=config.public_host,
                         upload_limiter=self.upload_limiter, accuse=self._accuser(client),

@@ -136,6 +136,24 @@ class OptimizerConfig(_Section):
         return betas
 
 
+class OuterOptimizerConfig(_Section):
+    """DiLoCo's outer optimizer: Nesterov SGD on the averaged pseudo-gradient (``training.sync = "diloco"``).
+
+    The defaults are the DiLoCo paper's (arXiv:2311.08105). Its momentum is part of the state every peer
+    holds bit for bit, and a late joiner downloads it with the synced parameters.
+    """
+
+    lr: float = Field(0.7, gt=0, le=10, description="outer learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum")
+    nesterov: bool = Field(True, description="Nesterov momentum (needs momentum > 0)")
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> OuterOptimizerConfig:
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov needs momentum > 0")
+        return self
+
+
 class TrainingConfig(_Section):
     """How peers accumulate, average and checkpoint."""
 
@@ -194,6 +212,19 @@ class TrainingConfig(_Section):
         "fp32",
         description="forward/backward compute dtype (autocast; fp16 adds loss scaling and needs a GPU); "
         "weights, optimizer state and the averaged gradient stay fp32",
+    )
+    sync: Literal["every_step", "diloco"] = Field(
+        "every_step",
+        description="every_step: average the gradient of every global step; diloco: each peer takes "
+        "inner_steps local optimizer steps, then peers average the pseudo-gradient (an outer step)",
+    )
+    inner_steps: int = Field(
+        50, ge=1, le=10**6, description="diloco: local optimizer steps (one micro-batch each) per outer step"
+    )
+    outer_overlap: bool = Field(
+        False,
+        description="diloco: average an outer step's pseudo-gradient in the background while the next inner "
+        "steps compute, and apply it one outer step late",
     )
 
 
@@ -281,6 +312,9 @@ class RunConfig(_Section):
         default_factory=lambda: ComponentSpec(name="stdlib"), description="dataset from the dataset registry"
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="optimizer and schedule")
+    outer_optimizer: OuterOptimizerConfig = Field(
+        default_factory=OuterOptimizerConfig, description="diloco's outer optimizer (training.sync = diloco)"
+    )
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="accumulation and averaging")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="who may join")
     membership: MembershipConfig = Field(

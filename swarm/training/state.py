@@ -33,12 +33,14 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from protocols.errors import MessageTooLarge, ProtocolError
-from swarm.config import OptimizerConfig
+from swarm.config import OptimizerConfig, OuterOptimizerConfig, RunConfig
 from swarm.training.optimizers import Lamb, Lars
 
 __all__ = [
     "DecodedState",
     "build_optimizer",
+    "build_outer_optimizer",
+    "build_shared_optimizer",
     "clip_gradients",
     "decode_state",
     "encode_state",
@@ -102,6 +104,25 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
             max_trust_ratio=config.max_trust_ratio,
         )
     raise ValueError(f"unknown optimizer {config.name!r}")
+
+
+def build_outer_optimizer(model: torch.nn.Module, config: OuterOptimizerConfig) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer over ``model``'s parameters: Nesterov SGD on the averaged pseudo-gradient,
+    on the single-tensor code path, its momentum created at once (the shared state has a fixed shape)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(
+        params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov, foreach=False, fused=False
+    )
+    ensure_optimizer_state(model, optimizer)
+    return optimizer
+
+
+def build_shared_optimizer(model: torch.nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+    """The optimizer whose state, with ``model``'s, every peer of ``run`` holds bit for bit: the run's
+    optimizer, or with ``training.sync = "diloco"`` the outer optimizer (the inner one stays local)."""
+    if run.training.sync == "diloco":
+        return build_outer_optimizer(model, run.outer_optimizer)
+    return build_optimizer(model, run.optimizer)
 
 
 def learning_rate(config: OptimizerConfig, step: int) -> float:

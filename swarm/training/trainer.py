@@ -128,6 +128,9 @@ class Trainer:
         )  # fmt: skip
         ensure_optimizer_state(self.model, self.optimizer)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # The state every peer holds bit for bit, hashed, served and downloaded: the model and its
+        # optimizer here; diloco's synced copy and outer optimizer (swarm.training.diloco).
+        self.synced_model, self.synced_optimizer = self.model, self.optimizer
         self.dataset = build_dataset(run.dataset.name, run.dataset.config)
         self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
         self.numel = sum(p.numel() for p in self.params)
@@ -201,8 +204,15 @@ class Trainer:
         self.micro += 1
         return loss
 
-    def _mean_gradient(self) -> torch.Tensor:
+    def _contribution(self) -> torch.Tensor:
+        """What this peer averages: the mean gradient of its accumulated micro-batches."""
         return flat_mean_gradient(self.params, self.samples)
+
+    def _wants_compute(self) -> bool:
+        return self._samples_at_step() < self.config.training.target_batch_size
+
+    def _apply_round(self, result) -> None:
+        self._apply(result.vector)
 
     def _apply(self, averaged: torch.Tensor) -> None:
         apply_flat_gradient(
@@ -215,7 +225,8 @@ class Trainer:
         self.samples = self.micro = 0
 
     def _hashes(self, step: int) -> tuple[str, str]:
-        return state_hash(step, state_tensors(self.model, self.optimizer)), params_hash(self.model)
+        tensors = state_tensors(self.synced_model, self.synced_optimizer)
+        return state_hash(step, tensors), params_hash(self.synced_model)
 
     async def _commit(self, step: int) -> None:
         """Move to ``step`` with the hashes of the state now held. The step and its hashes change together
@@ -250,7 +261,7 @@ class Trainer:
     async def encoded_state(self) -> EncodedState | None:
         async with self._state_lock:
             if self._encoded is None or self._encoded.step != self.step:
-                tensors = state_tensors(self.model, self.optimizer)
+                tensors = state_tensors(self.synced_model, self.synced_optimizer)
                 data = await asyncio.to_thread(
                     encode_state, self.step, tensors, {"run_id": self.config.run_id}
                 )
@@ -268,7 +279,8 @@ class Trainer:
         return None
 
     def max_state_bytes(self) -> int:
-        total = sum(t.numel() * t.element_size() for t in state_tensors(self.model, self.optimizer).values())
+        tensors = state_tensors(self.synced_model, self.synced_optimizer)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
         return 2 * total + (1 << 20)
 
     async def resync(self, step: int, expected_hash: str, sources: list[str]) -> bool:
@@ -277,13 +289,17 @@ class Trainer:
         for source in sources:
             try:
                 holder = peer_id_of(source)
+                started = time.monotonic()
                 decoded = await download_state(
                     self.averager.p2p, holder, namespace=state_namespace(self.config.run_id),
                     run_id=self.config.run_id, min_step=step, expected_hash=expected_hash,
-                    max_bytes=self.max_state_bytes(), timeout_s=self.config.training.averaging_timeout_s,
+                    max_bytes=self.max_state_bytes(), timeout_s=self.averager.transfer_deadline_s(self.max_state_bytes()),
                 )  # fmt: skip
+                fetched_s = time.monotonic() - started
                 async with self._state_lock:
-                    await asyncio.to_thread(load_state_tensors, self.model, self.optimizer, decoded.tensors)
+                    await asyncio.to_thread(
+                        load_state_tensors, self.synced_model, self.synced_optimizer, decoded.tensors
+                    )
                     self._reset_accumulation()
                     await self._commit(decoded.step)
                 self._step_view = self._views
@@ -294,7 +310,11 @@ class Trainer:
                 logger.warning(f"discarding state from {source}: {e}")
                 continue
             self._stats["resyncs"] += 1
-            logger.info(f"loaded the state of step {self.step} from {source} (hash {self.state_hash[:12]})")
+            mib = sum(t.numel() * t.element_size() for t in decoded.tensors.values()) / 2**20
+            logger.info(
+                f"loaded the state of step {self.step} from {source} (hash {self.state_hash[:12]}; "
+                f"{mib:.1f} MiB of tensors in {fetched_s:.1f}s)"
+            )
             return True
         return False
 
@@ -377,7 +397,7 @@ class Trainer:
         needed = self.config.training.min_group_size
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
-        vector = await asyncio.to_thread(self._mean_gradient)
+        vector = await asyncio.to_thread(self._contribution)
         weight = float(self.samples)
         if self.attack is not None:  # a rehearsed attacker sends something else, and may lie about its weight
             vector = await asyncio.to_thread(self.attack.contribution, vector, self.step)
@@ -408,6 +428,9 @@ class Trainer:
             logger.info(f"step {self.step}: a group of {len(group.peer_ids)} formed; the run needs {needed}")
             return
         strangers = [str(p) for p, e in zip(group.peer_ids, group.extras, strict=True) if e != extra]
+        if not self._group_usable(group):
+            self._stats["rounds_failed"] += 1
+            return
         if not result.complete:
             self._stats["rounds_failed"] += 1
             logger.warning(
@@ -420,7 +443,7 @@ class Trainer:
             )
         contributed = self.samples
         async with self._state_lock:
-            await asyncio.to_thread(self._apply, result.vector)
+            await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
         self.contributed_samples += contributed
         self.last_group_size = len(group.peer_ids)
@@ -433,6 +456,11 @@ class Trainer:
         )
         if self.step % self.config.training.validation_every_steps == 0 or self._reached_max():
             await self._evaluate()
+
+    def _group_usable(self, group) -> bool:
+        """Whether a round's result may be applied (every member sees the same group and decides alike).
+        A gradient of a neighbouring step still helps, and the majority check repairs a peer apart."""
+        return True
 
     def _reached_max(self) -> bool:
         return self.config.training.max_steps is not None and self.step >= self.config.training.max_steps
@@ -473,12 +501,11 @@ class Trainer:
         await self._catch_up()
         await self._look_for_checkpoint(stop)
         await self._evaluate()  # where this peer starts: step 0, or the state it just caught up to
-        target = self.config.training.target_batch_size
         while not stop.is_set() and not self._reached_max():
             if self.paused:
                 await self._wait_while_paused(stop)
                 continue
-            if self._samples_at_step() < target:
+            if self._wants_compute():
                 loss = await asyncio.to_thread(self._micro_step)
                 previous = self._stats["train_loss"]
                 self._stats["train_loss"] = loss if math.isnan(previous) else 0.9 * previous + 0.1 * loss

@@ -1,0 +1,160 @@
+"""DiLoCo: many local optimizer steps, then one averaged outer step (``[training] sync = "diloco"``).
+
+Each peer keeps a *synced* copy of the parameters (the same bits on every peer) and trains its own copy
+for ``inner_steps`` local optimizer steps, one micro-batch each, with the run's ``[optimizer]`` (its
+state stays local). Then the peers average the *pseudo-gradient*, synced minus local parameters, through
+the same signed, robust butterfly as a gradient, and every peer applies the result to the synced copy
+with the ``[outer_optimizer]`` (Nesterov SGD). Synced parameters and outer momentum are the state that
+is hashed, voted on, checkpointed and downloaded by late joiners; a step of the run is an outer step.
+
+Peers of different speeds: a peer that has done its ``inner_steps`` ends the window; the others see it in
+the progress records and bring what they have, weighted by their samples (signed claims, as for
+gradients).
+
+With a sparse wire codec (``compression = "topk"``) each peer keeps what the wire did not carry of its
+pseudo-gradient (error feedback) and adds it to the next one.
+
+With ``outer_overlap`` the outer round runs in the background while the next inner steps compute, and
+its result is applied one outer step late (see :class:`DilocoTrainer` for the exact update).
+
+Example::
+
+    run.training.sync = "diloco"
+    trainer = trainer_class(run)(run, dht, peer_id=key.peer_id, signing_key=key)
+    await trainer.run(stop_event)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.training.state import build_outer_optimizer, clip_gradients, learning_rate, set_learning_rate
+from swarm.training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+def trainer_class(run: RunConfig) -> type[Trainer]:
+    """The data-parallel trainer for the run's ``training.sync``."""
+    return DilocoTrainer if run.training.sync == "diloco" else Trainer
+
+
+def _flat(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().to("cpu", torch.float32) for p in params])
+
+
+def _write_flat(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class DilocoTrainer(Trainer):
+    """A data-parallel peer whose rounds average pseudo-gradients every ``inner_steps`` local steps.
+
+    Takes the same arguments as :class:`Trainer`. ``step`` counts outer steps, and ``max_steps``,
+    ``validation_every_steps`` and checkpoints count them too; the inner learning rate follows the run's
+    schedule over ``outer_step * inner_steps + inner_step``.
+
+    With ``outer_overlap``, at the end of window t the peer starts averaging its pseudo-gradient d_t in
+    the background and trains on; at the end of window t + 1 it waits for that round, applies its result
+    to the synced copy, and sets its local copy to the new synced copy minus its own d_{t+1}, so it keeps
+    its newest local progress while every peer's synced copy moves by the same bits, one window late.
+    """
+
+    def __init__(self, run: RunConfig, dht, **kwargs):
+        super().__init__(run, dht, **kwargs)
+        self.synced_model = copy.deepcopy(self.model)
+        self.synced_params = [p for p in self.synced_model.parameters() if p.requires_grad]
+        self.synced_optimizer = build_outer_optimizer(self.synced_model, run.outer_optimizer)
+        self.inner = 0  # local optimizer steps in this window
+        sparse = run.training.compression == "topk"
+        self.residual = torch.zeros(self.numel) if sparse else None  # error feedback, never shared
+        self._stats.update(outer_steps=0.0, inner_steps=0.0)
+
+    # --- inner steps ---------------------------------------------------------------------------------
+
+    def _micro_step(self) -> float:
+        loss = super()._micro_step()
+        batch = self.config.training.micro_batch_size
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(batch)
+        optimizer = self.config.optimizer
+        clip_gradients(self.model, optimizer.grad_clip_norm)
+        global_inner = self.step * self.config.training.inner_steps + self.inner
+        set_learning_rate(self.optimizer, learning_rate(optimizer, global_inner))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.inner += 1
+        self._stats["inner_steps"] += 1
+        return loss
+
+    def _window_closed(self) -> bool:
+        """Another peer at this outer step has done all its inner steps: bring what this one has."""
+        full = self.config.training.inner_steps * self.config.training.micro_batch_size
+        return any(
+            p.step == self.step and p.samples >= full for k, p in self.view.items() if k != self.peer_id
+        )
+
+    def _wants_compute(self) -> bool:
+        # At least one inner step: a peer that arrives after the window closed brings that much.
+        if self.inner == 0:
+            return True
+        return self.inner < self.config.training.inner_steps and not self._window_closed()
+
+    def _ready_for_round(self) -> bool:
+        return self.inner > 0 and not self._wants_compute()
+
+    # --- the outer step ------------------------------------------------------------------------------
+
+    def _contribution(self) -> torch.Tensor:
+        pseudo = _flat(self.synced_params) - _flat(self.params)
+        if self.residual is not None:
+            pseudo += self.residual
+        return pseudo
+
+    def _group_usable(self, group) -> bool:
+        """Only pseudo-gradients of this outer step: one from another window would move the synced copy
+        by a window's worth of stale progress. Every member sees the same steps, so all skip alike, and
+        the peer behind catches up by download."""
+        steps = {e.get("step") if isinstance(e, dict) else None for e in group.extras}
+        if steps != {self.step}:
+            logger.info(f"outer step {self.step}: a groupmate was at another outer step; not applied")
+            return False
+        return True
+
+    def _apply_round(self, result) -> None:
+        if self.residual is not None:
+            sent = getattr(result, "sent", None)
+            # What the wire did not carry of this contribution waits for the next one.
+            self.residual = self._contribution() - sent if sent is not None else torch.zeros(self.numel)
+        self._apply(result.vector)
+
+    def _apply(self, averaged: torch.Tensor) -> None:
+        offset = 0
+        for p in self.synced_params:
+            p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+            offset += p.numel()
+        self.synced_optimizer.step()
+        self.synced_optimizer.zero_grad(set_to_none=True)
+        self._stats["outer_steps"] += 1
+        self._reset_accumulation()
+
+    def _reset_accumulation(self) -> None:
+        """Start a window from the synced parameters (after an outer step, a download, or a pause)."""
+        super()._reset_accumulation()
+        self.inner = 0
+        with torch.no_grad():
+            for local, synced in zip(self.params, self.synced_params, strict=True):
+                local.copy_(synced)
+
+
+__all__ = ["DilocoTrainer", "trainer_class"]
