@@ -272,8 +272,9 @@ async def _dial_back_check(channel: grpc.aio.Channel, config: DoctorConfig) -> C
         return Check(
             "reachability", "warn",
             f"other peers cannot dial this machine at {answer.address}:{port} ({detail}); it can join and "
-            f"train behind NAT: groupmates reach it over the connections it opens, through libp2p, which costs "
-            f"more CPU than the direct data port{note}", fix,
+            f"train behind NAT: it sends its gradients and receives the averaged result over connections it "
+            f"opens, but reduces no part of a round (the reachable peers do that work and send more) and never "
+            f"leads a group, and a run needs enough reachable peers to form groups{note}", fix,
         )  # fmt: skip
     finally:
         if server is not None:

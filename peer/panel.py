@@ -82,7 +82,17 @@ def describe(status: dict[str, Any], last: LastRound) -> list[tuple[str, str]]:
             "loss (train / val)",
             f"{_number(status.get('train_loss'), 3)} / {_number(status.get('val_loss'), 3)}",
         ),
+        ("link", link_summary(status)),
     ]
+
+
+def link_summary(status: dict[str, Any]) -> str:
+    """The measured uplink and what reachability means for this peer (docs/wan.md)."""
+    mbit = status.get("uplink_mbit")
+    rate = f"{mbit:.1f} Mbit/s up (measured)" if mbit is not None else "uplink not measured yet"
+    if status.get("dialable", 1.0):
+        return f"{rate}; other peers can dial it"
+    return f"{rate}; behind NAT: averages over connections it opens, reduces no part, never leads a group"
 
 
 def plain_line(status: dict[str, Any], last: LastRound) -> str:

@@ -295,7 +295,16 @@ class Volunteer:
         }  # fmt: skip
         if self.trainer is not None:
             status.update(self.trainer.metrics())
-        return status
+        return {**status, **self._link_metrics()}
+
+    def _link_metrics(self) -> dict[str, float]:
+        """Whether others can dial this peer, and its upload rate as measured in averaging rounds (the
+        rate its deadlines count on, see swarm/averaging/deadlines.py)."""
+        metrics = {"dialable": float(self.dialable)}
+        averager = getattr(self.trainer, "averager", None)
+        if averager is not None and averager.link.mbit is not None:
+            metrics["uplink_mbit"] = averager.link.mbit
+        return metrics
 
     async def run(self, stop: asyncio.Event) -> int:
         """Take part until ``stop`` is set; returns the process exit code."""
@@ -314,10 +323,10 @@ class Volunteer:
         metrics = {
             "uptime_s": time.monotonic() - self._started,
             "dht_members": float(members),
-            "dialable": float(self.dialable),
         }
         if self.trainer is not None:
             metrics.update(self.trainer.metrics())
+        metrics.update(self._link_metrics())
         return {k: v for k, v in metrics.items() if math.isfinite(v)}  # e.g. no loss before the first step
 
     async def _pipeline_role(self, device: str, client: CoordinatorClient) -> PipelineTrainer | StageWorker:

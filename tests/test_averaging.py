@@ -289,3 +289,43 @@ def test_an_upload_limit_holds_a_peer_to_its_rate(dhts, keys):
     # The other peer needs the limited peer's half before it can reduce: no sooner than the rate allows.
     assert done["other"] >= (half - burst) / rate
     assert drained >= (2 * half - burst) / rate
+
+
+def test_a_slow_uplink_with_a_large_part_is_not_dropped_as_a_straggler(dhts, keys):
+    # 10 Mbit/s, the limit of a home uplink: each of two peers sends 4 MB (half its vector, then its reduced
+    # half back), about 3.2 s for the limited one. The fixed 2 s round deadline of before cut the round off
+    # and every retry failed the same way; a deadline from the bytes and the rate lets it finish, and the
+    # peer comes out of it knowing its measured uplink.
+    from swarm.ratelimit import RateLimiter
+
+    numel = 2_000_000
+    settings = dict(prefix="slow-large", numel=numel, sender_timeout_s=1.0, averaging_timeout_s=2.0)
+    limited, other = (
+        Averager(
+            d,
+            signing_key=keys[d.peer_id.to_base58()],
+            matchmaking_time_s=1.0,
+            upload_limiter=limiter,
+            **settings,
+        )
+        for d, limiter in ((dhts[0], RateLimiter.from_mbps(10)), (dhts[1], None))
+    )
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(numel, generator=generator) for _ in range(2)]
+
+    async def scenario():
+        for averager in (limited, other):
+            await averager.start()
+        outcomes = await asyncio.gather(limited.average(inputs[0], 1.0), other.average(inputs[1], 1.0))
+        for averager in (limited, other):
+            await averager.shutdown()
+        return outcomes
+
+    (group, mine), (_, theirs) = asyncio.run(scenario())
+    assert len(group.peer_ids) == 2 and mine.complete and theirs.complete and not mine.dropped
+    assert torch.equal(mine.vector, theirs.vector)
+    # A measure that errs low: half of what the peer sent (its contributions) over the whole round.
+    assert 2 <= limited.link.mbit <= 10.5, (
+        f"measured {limited.link.mbit:.1f} Mbit/s through a 10 Mbit/s limit"
+    )
+    assert limited.transfer_deadline_s(50_000_000) > 2.0 + 50_000_000 * 8 / 11e6, "state downloads wait too"

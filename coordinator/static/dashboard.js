@@ -145,6 +145,14 @@ function render(s) {
   drawChart($("chart-peers"), [{ cls: "main", points: pick("peers_online"), area: true }], { zero: true, integer: true });
 
   const now = s.server_time;
+  // A peer's measured uplink, and whether others can dial it (behind NAT it reduces no part: docs/wan.md).
+  const linkCell = (m) => {
+    const rate = m.uplink_mbit === undefined ? "–" : `${fmt(m.uplink_mbit, 1)} Mbit/s`;
+    if (m.dialable !== 0) return el("td", {}, rate);
+    return el("td", { title: "behind NAT: averages over connections it opens, reduces no part, never leads a group" },
+      `${rate} · behind NAT`);
+  };
+
   fillTable("peers", s.peers.map((p) => {
     const row = el("tr", { "data-peer-id": p.peer_id, "data-state": p.paused ? "paused" : p.state });
     row.appendChild(el("td", {}, p.name));
@@ -156,6 +164,7 @@ function render(s) {
     row.appendChild(el("td", { class: "num" }, fmt(p.step, 0)));
     row.appendChild(el("td", { class: "num" }, p.state === "online" && !p.paused ? fmt(p.samples_per_s, 1) : "–"));
     row.appendChild(el("td", { class: "num" }, fmt(p.contributed_samples, 0)));
+    row.appendChild(linkCell(p.metrics));
     row.appendChild(el("td", { class: "num" }, ago(Math.max(0, now - p.last_seen))));
     return row;
   }), "peers-empty");

@@ -7,9 +7,10 @@ dial (``reducers``, from its signed group entry) gets an empty part: it sends it
 receives the results over streams it opens, like hivemind's client mode. hivemind's runner instead
 adds compressed deltas to each peer's own values, which leaves peers differing in the low bits.
 
-Faults: a sender that is silent for ``sender_timeout_s`` or sends a chunk of the wrong part, order, size
-or encoding is dropped from the aggregation with a log line naming it, and the round goes on without
-it. A reducer that fails leaves its part incomplete; the caller sees ``complete=False`` and must not
+Faults: a sender that is silent for longer than the round's silence deadline (``sender_timeout_s`` plus
+the time one chunk takes at the round's rate, see ``deadlines``) or sends a chunk of the wrong part,
+order, size or encoding is dropped from the aggregation with a log line naming it, and the round goes
+on without it. A reducer that fails leaves its part incomplete; the caller sees ``complete=False`` and must not
 apply the round (it retries, or resynchronizes from peers that completed it).
 
 Signatures: given the peer's key, every contribution and every aggregate chunk is signed (see
@@ -47,6 +48,7 @@ from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
+from swarm.averaging.deadlines import round_deadlines
 from swarm.averaging.evidence import (
     DEFAULT_CHUNK_VALUES,
     SignedInput,
@@ -140,6 +142,8 @@ class ButterflyAllReduce:
         attack=None,
         out: torch.Tensor | None = None,
         reducers: Sequence[bool] | None = None,
+        mbit: float | None = None,
+        round_timeout_s: float = 30.0,
     ):
         self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
@@ -167,10 +171,19 @@ class ButterflyAllReduce:
         self.aggregator, self.codec = aggregator, codec
         if chunk_values is None:
             chunk_values = layout_chunk_values(len(self.peer_ids), codec.bytes_per_value)
-        self.sender_timeout_s, self.chunk_values = sender_timeout_s, chunk_values
+        self.chunk_values = chunk_values
+        self.connect_timeout_s = sender_timeout_s / 2
+        self.part_bounds = split_bounds(self.numel, len(self.peer_ids), self.reducers)
+        # From the configured floors, the bytes each member moves and the slowest member's uplink (mbit).
+        self.deadlines = round_deadlines(
+            [hi - lo for lo, hi in zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True)],
+            chunk_bytes=codec.max_bytes(chunk_values), bytes_per_value=codec.max_bytes(chunk_values) / chunk_values,
+            mbit=mbit, silence_floor_s=sender_timeout_s, round_floor_s=round_timeout_s,
+        )  # fmt: skip
+        self.sender_timeout_s, self.round_timeout_s = self.deadlines.silence_s, self.deadlines.round_s
         # A sender reveals once every part has arrived or failed for it: a failed reducer's wait, plus the
         # slowest reducer's work on a loaded machine. Only the background check waits this long.
-        self.reveal_timeout_s = 8 * sender_timeout_s
+        self.reveal_timeout_s = 8 * self.sender_timeout_s
         self.data_plane, self.upload_limiter = data_plane, upload_limiter
         self.traffic = traffic if traffic is not None else Traffic()
         # Every value is written before a complete round returns; a caller's reused buffer spares a fresh
@@ -178,7 +191,6 @@ class ButterflyAllReduce:
         self.output = out if out is not None else torch.empty_like(self.local)
         self.sent = torch.zeros_like(self.local)
 
-        self.part_bounds = split_bounds(self.numel, len(self.peer_ids), self.reducers)
         # A member that reduces nothing has no chunk at all (not one empty chunk): nobody streams to it.
         self.part_chunks = [
             chunk_bounds(hi - lo, chunk_values) if self.reduces(part) else [0]
@@ -203,6 +215,9 @@ class ButterflyAllReduce:
         self.failed_reducers: list[str] = []
         self.denied_by: list[str] = []
         self.bytes_sent = self.bytes_received = 0
+        self._first_send: float | None = None
+        self.send_window_s = 0.0  # from the first byte this peer sent until its phase one ended
+        self.contributed_bytes = 0  # of this peer's own values, sent to other reducers
         # Phase one ends when every part has arrived or failed for this peer; then it reveals its nonce.
         # Nobody streams to a member that reduces no part: it waits for no part of its own and no reveal.
         self._unsettled = {p for p in range(len(self.peer_ids)) if self.reduces(p) or p == self.index}
@@ -240,13 +255,28 @@ class ButterflyAllReduce:
         base, bounds = self.part_bounds[part], self.part_chunks[part]
         return base + bounds[chunk], base + bounds[chunk + 1]
 
+    def send_sample(self) -> tuple[int, float]:
+        """(bytes of contributions this peer sent, seconds from its first send until its phase one ended,
+        or until now): a measure of its upload throughput that errs low. Every contribution has arrived
+        once every part has (each aggregate needs it); the aggregates this peer sends as a reducer may
+        still sit in socket buffers then, so they are left out, and with them up to half of the link's use.
+        """
+        if self._first_send is None:
+            return 0, 0.0
+        window = self.send_window_s or asyncio.get_running_loop().time() - self._first_send
+        return self.contributed_bytes, window
+
     def _count(self, *, sent: int = 0, received: int = 0) -> None:
+        if sent and self._first_send is None:
+            self._first_send = asyncio.get_running_loop().time()
         self.bytes_sent += sent
         self.bytes_received += received
         self.traffic.sent += sent
         self.traffic.received += received
 
     async def _throttle(self, nbytes: int) -> None:
+        if self._first_send is None:  # the wait for the first bytes counts as sending time
+            self._first_send = asyncio.get_running_loop().time()
         if self.upload_limiter is not None:
             await self.upload_limiter.acquire(nbytes)
 
@@ -509,6 +539,7 @@ class ButterflyAllReduce:
                     self.sent[lo:hi] = self.codec.decode_contribution(message.data, hi - lo, sender="self")
                 await self._throttle(len(message.data))
                 self._count(sent=len(message.data))
+                self.contributed_bytes += len(message.data)
                 yield message
             await self._delivered.wait()
             if self.reveals_to(part):
@@ -555,7 +586,7 @@ class ButterflyAllReduce:
         peer, address = self.peer_ids[part], self.addresses[part]
         if self.data_plane is not None and address is not None:
             try:
-                connection = await self.data_plane.connect(address, peer, timeout_s=self.sender_timeout_s / 2)
+                connection = await self.data_plane.connect(address, peer, timeout_s=self.connect_timeout_s)
                 return connection.exchange(outgoing)
             except SwarmError as e:
                 logger.info(f"reaching {peer.to_base58()} through libp2p: {e}")
@@ -584,6 +615,8 @@ class ButterflyAllReduce:
         except BaseException:
             self.close()
             raise
+        if self._first_send is not None:
+            self.send_window_s = asyncio.get_running_loop().time() - self._first_send
         self.revealed = asyncio.create_task(self._reveal_phase())
         return self._result(all(all(part) for part in self.received))
 

@@ -45,6 +45,7 @@ from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
 from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
+from swarm.averaging.deadlines import Throughput, round_mbit, transfer_deadline_s
 from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
 from swarm.averaging.groups import (
     GroupEntryBody,
@@ -74,6 +75,7 @@ class GroupRound:
     commitments: list[bytes | None] = field(default_factory=list)
     leader: str | None = None  # who announced the group; None for a group of one
     reducers: list[bool] | None = None  # which members reduce a part (None: all); see groups.py
+    uplinks_mbit: list[float | None] | None = None  # each member's declared upload rate; see deadlines.py
 
 
 class AveragingServicer(ServicerBase):
@@ -156,8 +158,10 @@ class Averager:
         topk_density: with ``topk``, the share of each block of values a sender keeps.
         max_group_size: at most this many peers in one group.
         matchmaking_time_s: how long a leader waits for followers before assembling.
-        sender_timeout_s: how long to wait for a groupmate's next message before dropping it.
-        averaging_timeout_s: the most one round (after matchmaking) may take.
+        sender_timeout_s: how long to wait for a groupmate's next message before dropping it, at least:
+            a round adds the time one chunk takes at its slowest member's uplink (see ``deadlines``).
+        averaging_timeout_s: the most one round (after matchmaking) may take, at least: a round adds
+            the time its busiest member needs to send its bytes at the slowest member's uplink.
         max_weight: the largest weight (sample count) a member may declare; larger ones are capped.
         runner_type: the all-reduce class (tests pass a subclass that misbehaves).
         signing_key: signs this peer's group entry and round inputs; None only in unsigned tests.
@@ -220,6 +224,8 @@ class Averager:
         self.client_mode, self.min_reducers = client_mode, min_reducers
         self.upload_limiter = upload_limiter
         self.traffic = Traffic()
+        self.link = Throughput()  # this peer's measured upload rate, declared in its group entries
+        self.round_mbit: float | None = None  # the rate the last round counted on (its slowest member's)
         self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
         # Without a policy the averager admits anyone: only local benchmarks and tests build it so.
         self.policy = policy if policy is not None else PeerPolicy(None, prefix)
@@ -248,6 +254,26 @@ class Averager:
     def entry_max_age_s(self) -> float:
         """A gathered entry older than this is stale: the longest search, plus the clock skew allowed."""
         return self.averaging_timeout_s + 3 * self.matchmaking_time_s + MAX_CLOCK_SKEW_S
+
+    @property
+    def network_mbit(self) -> float | None:
+        """The upload rate this peer counts on for transfers outside a round: the lower of its own
+        measured rate and the rate its last round counted on (None: nothing measured yet)."""
+        known = [r for r in (self.link.mbit, self.round_mbit) if r is not None]
+        return min(known) if known else None
+
+    @property
+    def stream_silence_s(self) -> float:
+        """How long a part stream may be silent before its first message: a full chunk from a sender
+        feeding a few reducers at once."""
+        return transfer_deadline_s(
+            3 * self.codec.max_bytes(DEFAULT_CHUNK_VALUES), self.network_mbit, floor_s=self.sender_timeout_s
+        )
+
+    def transfer_deadline_s(self, nbytes: int) -> float:
+        """How long moving ``nbytes`` outside a round (a state download) may take: the round deadline's
+        floor plus the time at ``network_mbit`` (see ``deadlines``)."""
+        return transfer_deadline_s(nbytes, self.network_mbit, floor_s=self.averaging_timeout_s)
 
     @property
     def banned(self) -> frozenset[str]:
@@ -320,6 +346,7 @@ class Averager:
             data=self.data_plane.address if self.data_plane is not None and not self.client_mode else None,
             extra=extra or {},
             dialable=not self.client_mode,
+            uplink_mbit=None if self.link.mbit is None else round(self.link.mbit, 3),
         )
         self._entry = make_entry(self.signing_key, self.prefix, body)
         target = self.max_group_size if expected_size is None else expected_size
@@ -387,6 +414,7 @@ class Averager:
             [e.commit for e in entries],
             self.matchmaking.leader.to_base58() if self.matchmaking.leader else None,
             group.reducers,
+            group.uplinks_mbit,
         )
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
@@ -439,6 +467,8 @@ class Averager:
                 attack=self.attack,
                 out=out,
                 reducers=group.reducers,
+                mbit=round_mbit(group.uplinks_mbit) if group.uplinks_mbit else None,
+                round_timeout_s=self.averaging_timeout_s,
             )
             self._runners[group.group_id] = runner
             self._runner_added.set()
@@ -448,7 +478,7 @@ class Averager:
                     f"{sum(map(runner.reduces, range(len(runner.members))))} of {len(runner.members)} members do"
                 )
             try:
-                result = await asyncio.wait_for(runner.run(), timeout=self.averaging_timeout_s)
+                result = await asyncio.wait_for(runner.run(), timeout=runner.round_timeout_s)
             except asyncio.TimeoutError:
                 result = RoundResult(
                     runner.output, False, dict(runner.dropped), runner.bytes_sent, runner.bytes_received,
@@ -456,6 +486,9 @@ class Averager:
                 )  # fmt: skip
             finally:
                 self._runners.pop(group.group_id, None)
+                self.link.observe(*runner.send_sample())
+                if len(group.peer_ids) > 1:
+                    self.round_mbit = runner.deadlines.mbit
             self._keep(runner)
             # The retry forms without a reducer that did not deliver, or a leader that listed an absent peer.
             self.policy.blame_round(
@@ -474,7 +507,7 @@ class Averager:
     def _verify_later(self, runner: ButterflyAllReduce) -> None:
         checks = validate_round(
             runner, probability=self.verify_probability, servicer_type=AveragingServicer, p2p=self.p2p,
-            aggregator=self.aggregator, codec=self.codec, timeout_s=self.averaging_timeout_s,
+            aggregator=self.aggregator, codec=self.codec, timeout_s=runner.round_timeout_s,
             accuse=self.accuse, suspect=self.policy.suspect,
         )  # fmt: skip
         task = asyncio.create_task(checks)
@@ -485,7 +518,7 @@ class Averager:
         self, stream: AsyncIterator[apb.PartChunk], sender: PeerID
     ) -> AsyncIterator[apb.PartChunk]:
         try:
-            first = await asyncio.wait_for(stream.__anext__(), timeout=self.sender_timeout_s)
+            first = await asyncio.wait_for(stream.__anext__(), timeout=self.stream_silence_s)
         except (asyncio.TimeoutError, StopAsyncIteration):
             return
         runner = self._runners.get(first.group_id)

@@ -53,6 +53,9 @@ class GroupEntryBody(BaseModel):
     )
     data: str | None = Field(default=None, max_length=256, description="its TCP data address, if any")
     dialable: bool = Field(default=True, description="others can dial it, so it reduces a part")
+    uplink_mbit: float | None = Field(
+        default=None, ge=0, le=1e5, allow_inf_nan=False, description="its measured upload rate, if any"
+    )
     extra: dict[str, Any] = Field(default_factory=dict, max_length=MAX_EXTRA_KEYS, description="caller's")
 
 
@@ -76,6 +79,11 @@ class VerifiedGroup:
     def reducers(self) -> list[bool]:
         """Which members reduce a part: those that can be dialed."""
         return [e.dialable for e in self.entries]
+
+    @property
+    def uplinks_mbit(self) -> list[float | None]:
+        """Each member's declared upload rate (None: not measured yet); see ``deadlines``."""
+        return [e.uplink_mbit for e in self.entries]
 
 
 def enough_reducers(group: VerifiedGroup, min_reducers: int) -> str | None:
