@@ -427,7 +427,9 @@ class Framer(Attack):
 
         honest = runner.own_input(part, chunk)
         lo, hi = runner._chunk(part, chunk)
-        data = runner.codec.encode(-runner.codec.decode(honest.data, hi - lo, sender="self") - 1.0)
+        data = runner.codec.encode_contribution(
+            -runner.codec.decode(honest.data, hi - lo, sender="self") - 1.0
+        )
         me = runner.members[runner.index]
         message = contribution_message(runner.digest, part, chunk, me, honest.weight, data)
         return SignedInput(runner.index, data, runner.key.sign(message), honest.weight)
