@@ -26,6 +26,8 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import logging
 
@@ -77,6 +79,14 @@ class DilocoTrainer(Trainer):
         sparse = run.training.compression == "topk"
         self.residual = torch.zeros(self.numel) if sparse else None  # error feedback, never shared
         self._stats.update(outer_steps=0.0, inner_steps=0.0)
+        # outer_overlap: the round in flight, what it sends (and for how many samples), where the local
+        # window began, and whether the round's result has reached the synced copy.
+        self.overlap = run.training.outer_overlap
+        self._pending: asyncio.Task | None = None
+        self._outbox: torch.Tensor | None = None
+        self._outbox_samples = 0
+        self._window_start: torch.Tensor | None = None
+        self._outbox_applied = False
 
     # --- inner steps ---------------------------------------------------------------------------------
 
@@ -116,10 +126,15 @@ class DilocoTrainer(Trainer):
     # --- the outer step ------------------------------------------------------------------------------
 
     def _contribution(self) -> torch.Tensor:
+        if self.overlap:
+            return self._outbox
         pseudo = _flat(self.synced_params) - _flat(self.params)
         if self.residual is not None:
             pseudo += self.residual
         return pseudo
+
+    def _round_weight(self) -> float:
+        return float(self._outbox_samples) if self.overlap else float(self.samples)
 
     def _group_usable(self, group) -> bool:
         """Only pseudo-gradients of this outer step: one from another window would move the synced copy
@@ -139,6 +154,13 @@ class DilocoTrainer(Trainer):
         self._apply(result.vector)
 
     def _apply(self, averaged: torch.Tensor) -> None:
+        self._outer_step(averaged)
+        if self.overlap:
+            self._outbox_applied = True  # the local copy moves onto it at the end of the current window
+        else:
+            self._reset_accumulation()
+
+    def _outer_step(self, averaged: torch.Tensor) -> None:
         offset = 0
         for p in self.synced_params:
             p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
@@ -146,12 +168,64 @@ class DilocoTrainer(Trainer):
         self.synced_optimizer.step()
         self.synced_optimizer.zero_grad(set_to_none=True)
         self._stats["outer_steps"] += 1
-        self._reset_accumulation()
+
+    # --- outer_overlap -------------------------------------------------------------------------------
+
+    async def _round(self) -> None:
+        if not self.overlap:
+            return await super()._round()
+        if self._pending is not None:  # the previous window's round: hidden behind this window's compute
+            await asyncio.shield(self._pending)
+            if self._reached_max():
+                return
+        await asyncio.to_thread(self._close_window)
+        self._pending = asyncio.create_task(super()._round())
+
+    def _close_window(self) -> None:
+        """Freeze this window's pseudo-gradient as the next round's contribution and start a new window.
+
+        If the last round reached the synced copy, the local copy moves onto the new synced copy plus this
+        window's own progress; if it failed, its contribution is sent again with this window's."""
+        local = _flat(self.params)
+        start = self._window_start if self._window_start is not None else _flat(self.synced_params)
+        delta = start - local
+        if self._outbox is not None and not self._outbox_applied:
+            delta += self._outbox
+            self._outbox_samples += self.samples
+        else:
+            if self.residual is not None:
+                delta += self.residual
+            self._outbox_samples = self.samples
+            if self._outbox is not None:
+                _write_flat(self.params, _flat(self.synced_params) - (start - local))
+        self._outbox, self._outbox_applied = delta, False
+        self._window_start = _flat(self.params)
+        super()._reset_accumulation()
+        self.inner = 0
+
+    async def resync(self, step: int, expected_hash: str, sources: list[str]) -> bool:
+        await self._drop_pending()
+        return await super().resync(step, expected_hash, sources)
+
+    async def _drop_pending(self) -> None:
+        """A download replaces the synced copy: the round in flight must not land on it afterwards."""
+        if self._pending is not None:
+            self._pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pending
+            self._pending = None
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        try:
+            await super()._loop(stop)
+        finally:
+            await self._drop_pending()
 
     def _reset_accumulation(self) -> None:
         """Start a window from the synced parameters (after an outer step, a download, or a pause)."""
         super()._reset_accumulation()
         self.inner = 0
+        self._outbox, self._outbox_samples, self._window_start = None, 0, None
         with torch.no_grad():
             for local, synced in zip(self.params, self.synced_params, strict=True):
                 local.copy_(synced)

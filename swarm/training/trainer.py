@@ -208,6 +208,10 @@ class Trainer:
         """What this peer averages: the mean gradient of its accumulated micro-batches."""
         return flat_mean_gradient(self.params, self.samples)
 
+    def _round_weight(self) -> float:
+        """The samples behind what ``_contribution`` returns (a signed claim in the round)."""
+        return float(self.samples)
+
     def _wants_compute(self) -> bool:
         return self._samples_at_step() < self.config.training.target_batch_size
 
@@ -242,11 +246,10 @@ class Trainer:
             self._validation = self.dataset.validation_batches(
                 self.config.training.micro_batch_size, self.seq_len, self.config.training.validation_batches
             )
-        self.model.eval()
+        model = self.synced_model  # what every peer holds, whatever local steps this one took since
+        model.eval()
         with torch.no_grad(), self.runner.evaluation():
-            losses = [
-                float(self.model.loss(x.to(self.device), y.to(self.device))) for x, y in self._validation
-            ]
+            losses = [float(model.loss(x.to(self.device), y.to(self.device))) for x, y in self._validation]
         return sum(losses) / len(losses)
 
     async def _evaluate(self) -> None:
@@ -398,7 +401,7 @@ class Trainer:
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
         vector = await asyncio.to_thread(self._contribution)
-        weight = float(self.samples)
+        weight = self._round_weight()
         if self.attack is not None:  # a rehearsed attacker sends something else, and may lie about its weight
             vector = await asyncio.to_thread(self.attack.contribution, vector, self.step)
             weight = self.attack.weight(weight)
@@ -441,7 +444,7 @@ class Trainer:
             logger.warning(
                 f"step {self.step}: {len(strangers)} groupmates held another state; the majority check follows"
             )
-        contributed = self.samples
+        contributed = int(self._round_weight())
         async with self._state_lock:
             await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
