@@ -1,0 +1,141 @@
+"""DiLoCo among real peers on loopback: outer steps leave every peer bit-identical, loss falls, a late joiner
+downloads the synced state with its outer momentum, and a sign-flipping peer does not steer the run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from helpers import KEYS, start_dhts
+
+from coordinator.localswarm import tiny_run
+from protocols.errors import ConfigError
+from swarm.byzantine.attacks import make_attack
+from swarm.config import RunConfig
+from swarm.training.diloco import DilocoTrainer, trainer_class
+from swarm.training.state import build_shared_optimizer, state_tensors
+from swarm.training.trainer import Trainer
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+INNER_STEPS = 8
+
+
+def diloco_run(**training) -> RunConfig:
+    training = {"sync": "diloco", "inner_steps": INNER_STEPS, "min_group_size": 3, **training}
+    return tiny_run("diloco", **training)
+
+
+def peers_for(run, dhts, attack_at: int | None = None, attack=None) -> list[DilocoTrainer]:
+    torch.set_num_threads(1)
+    return [
+        DilocoTrainer(
+            run,
+            d,
+            peer_id=d.peer_id.to_base58(),
+            signing_key=KEYS[d.peer_id.to_base58()],
+            attack=attack if i == attack_at else None,
+        )  # fmt: skip
+        for i, d in enumerate(dhts)
+    ]
+
+
+async def train(
+    trainers, *, late: list[DilocoTrainer] = (), late_after_step: int = 0, timeout_s: float = 150
+):
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
+    deadline = time.monotonic() + timeout_s
+    try:
+        if late:
+            while min(t.step for t in trainers) < late_after_step:
+                assert time.monotonic() < deadline, "the first peers never reached the late joiner's step"
+                await asyncio.sleep(0.2)
+            tasks += [asyncio.create_task(t.run(stop)) for t in late]
+        everyone = [*trainers, *late]
+        while not all(t.finished for t in everyone):
+            assert time.monotonic() < deadline, f"steps {[t.step for t in everyone]} after {timeout_s:.0f}s"
+            await asyncio.sleep(0.2)
+        # Peers that caught up by download at the last step finish without their own last round.
+        while len({t.state_hash for t in everyone}) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+
+def test_trainer_class_follows_the_runs_sync():
+    assert trainer_class(diloco_run()) is DilocoTrainer
+    assert trainer_class(tiny_run("every")) is Trainer
+    with pytest.raises(ConfigError, match="outer_optimizer: .*nesterov needs momentum"):
+        RunConfig.parse({"run_id": "x", "outer_optimizer": {"momentum": 0.0}})
+
+
+@pytest.mark.parametrize(
+    ("compression", "overlap"),
+    [("int8", False), ("topk", False), ("fp16", True)],
+    ids=["int8", "topk", "overlap"],
+)
+def test_outer_steps_keep_peers_identical_and_loss_falls(compression, overlap):
+    steps = 5
+    run = diloco_run(max_steps=steps, compression=compression, outer_overlap=overlap)
+    dhts = start_dhts(3)
+    try:
+        trainers = peers_for(run, dhts)
+        asyncio.run(train(trainers))
+        hashes = {t.state_hash for t in trainers}
+        assert len(hashes) == 1, f"peers disagree after {steps} outer steps: {hashes}"
+        assert all(t.step == steps for t in trainers)
+        first, last = trainers[0].first_validation[1], trainers[0].metrics()["val_loss"]
+        assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f}"
+        # Each peer took its inner steps locally: every outer step carried several optimizer steps.
+        assert max(t.metrics()["inner_steps"] for t in trainers) >= steps * INNER_STEPS * 0.8
+        if compression == "topk":
+            # Error feedback: what the wire left out of the last contribution is kept for the next one.
+            assert all(float(t.residual.abs().sum()) > 0 for t in trainers)
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def test_a_late_joiner_downloads_the_synced_state_with_the_outer_momentum():
+    steps = 6
+    run = diloco_run(max_steps=steps, min_group_size=2)
+    dhts = start_dhts(3)
+    try:
+        trainers = peers_for(run, dhts)
+        asyncio.run(train(trainers[:2], late=trainers[2:], late_after_step=2))
+        late = trainers[2]
+        assert late.metrics()["resyncs"] >= 1
+        assert len({t.state_hash for t in trainers}) == 1
+        # The outer momentum is shared state: bit-identical on the late joiner.
+        ours = state_tensors(late.synced_model, late.synced_optimizer)
+        theirs = state_tensors(trainers[0].synced_model, trainers[0].synced_optimizer)
+        momentum = [k for k in ours if k.endswith("/momentum_buffer")]
+        assert momentum and all(torch.equal(ours[k], theirs[k]) for k in momentum)
+        assert float(ours[momentum[0]].abs().sum()) > 0
+        # The coordinator's checkpoint of a diloco run has the same layout as the peers' state.
+        shared = state_tensors(late.synced_model, build_shared_optimizer(late.synced_model, run))
+        assert shared.keys() == ours.keys()
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def test_a_sign_flipping_peer_does_not_steer_diloco_with_centered_clip():
+    steps = 5
+    run = diloco_run(max_steps=steps, compression="int8", aggregator="centered_clip")
+    attack = make_attack("sign_flip", {"scale": 20.0}, group_size=3, attackers=1)
+    dhts = start_dhts(3)
+    try:
+        trainers = peers_for(run, dhts, attack_at=2, attack=attack)
+        asyncio.run(train(trainers))
+        honest = trainers[:2]
+        assert len({t.state_hash for t in honest}) == 1
+        first, last = honest[0].first_validation[1], honest[0].metrics()["val_loss"]
+        assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f} with a sign-flipping peer"
+    finally:
+        for d in dhts:
+            d.shutdown()
