@@ -127,3 +127,15 @@ def test_wan_benchmark_measures_rounds_on_capped_links_and_behind_nat(tmp_path: 
         assert row["identical"] and row["sent_mb_per_step"] > 0 and row["averaging_s"] > 0
         # The kernel held the cap: no 2-second window of any peer's uplink ran much above it.
         assert 0 < row["peak_use"] <= 1.1, row
+
+
+def test_diloco_benchmark_compares_outer_steps_with_every_step_at_equal_samples(tmp_path: Path):
+    output = run_benchmark("bench_diloco.py", "--json", str(tmp_path / "diloco.json"))
+
+    rows = json.loads((tmp_path / "diloco.json").read_text())
+    assert [(r["sync"], r["codec"]) for r in rows] == [("every_step", "fp16"), ("diloco", "int8")], output
+    anchor, diloco = rows
+    assert anchor["identical"] and diloco["identical"]
+    # An outer step of int8 pseudo-gradients carries H steps' samples for half the bytes of one fp16 step.
+    assert diloco["fewer_bytes"] > 4, output[-3000:]
+    assert diloco["val_loss"] < diloco["initial_val_loss"], output[-3000:]

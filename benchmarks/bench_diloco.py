@@ -1,0 +1,182 @@
+"""DiLoCo against every-step averaging at equal samples processed: loss, bytes per sample, utilization.
+
+Each configuration is a whole ``swarm-sim`` swarm (coordinator plus ``--peers`` volunteer processes),
+optionally in the WAN lab with every link capped by the kernel (``--caps``, needs root). The anchor is
+today's ``sync = every_step`` with fp16 on the wire; every diloco configuration processes the same number
+of samples (``--samples``): every_step runs ``samples / target_batch`` steps, diloco
+``samples / (peers * H * inner_batch)`` outer steps, where an inner step takes each peer's share of the
+anchor's global batch (``target_batch / peers``), so that an outer step covers H anchor steps' samples. Per configuration it prints:
+
+- final validation loss (the coordinator's last checkpoint, evaluated independently) and its ratio to
+  the anchor's;
+- bytes on the wire per sample: averaging bytes every honest peer sent / samples in applied rounds, and
+  how many times fewer than the anchor (the issue's target: >= 200x for int8 at H=100, >= 2000x topk);
+- compute utilization: the share of each peer's wall time in forward, backward and inner steps (the
+  rest is matchmaking, the all-reduce and waiting);
+- the robust aggregator's cost per outer step (``centered_clip`` timed in this process on as many
+  pseudo-gradients of the model's size as there are peers) as a share of the outer step's wall time.
+
+Configurations interleave round by round (anchor, then each diloco variant, then the anchor again...)
+so that a background load biases none of them; ``--repeat`` rounds, each shown.
+
+Usage::
+
+    python benchmarks/bench_diloco.py                                 # small model, no cap
+    python benchmarks/bench_diloco.py --caps 100,10                   # in the WAN lab (root)
+    python benchmarks/bench_diloco.py --inner-steps 10,50,100 --codecs fp16,int8,topk --model-size demo
+    python benchmarks/bench_diloco.py --quick                         # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MICRO_BATCH = 4
+TARGET_BATCH = 32
+
+
+def sim_command(args, config: dict, out: Path) -> list[str]:
+    # An inner step takes each peer's share of the anchor's global batch, as in the DiLoCo papers: one
+    # outer step of H inner steps then covers the samples of H anchor steps.
+    micro = MICRO_BATCH if config["sync"] == "every_step" else max(1, TARGET_BATCH // args.peers)
+    command = [
+        sys.executable, "-m", "coordinator.sim", "--peers", str(args.peers), "--model-size", args.model_size,
+        "--micro-batch-size", str(micro), "--target-batch-size", str(TARGET_BATCH), "--lr", str(args.lr),
+        "--compression", config["codec"], "--json", str(out), "--timeout-s", str(args.timeout_s),
+        "--verify-probability", "0.25",
+    ]  # fmt: skip
+    if config["sync"] == "diloco":
+        outer = max(1, args.samples // (args.peers * config["H"] * micro))
+        command += ["--sync", "diloco", "--inner-steps", str(config["H"]), "--steps", str(outer)]
+    else:
+        command += ["--steps", str(max(1, args.samples // TARGET_BATCH))]
+    if config["cap"]:
+        command += ["--wan", f"up={config['cap']}mbit,down={config['cap']}mbit"]
+    return command
+
+
+def run_one(args, config: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "sim.json"
+        command = sim_command(args, config, out)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s + 180)
+        if done.returncode != 0 or not out.exists():
+            raise SystemExit(
+                f"swarm-sim failed ({' '.join(command)}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            )
+        report = json.loads(out.read_text())
+    outer_steps = report["steps"]
+    return {
+        **config,
+        "steps": outer_steps,
+        "val_loss": report["final_val_loss"],
+        "initial_val_loss": report["initial_val_loss"],
+        "bytes_per_sample": report["bytes_sent_per_sample"],
+        "utilization": report["compute_utilization"],
+        "step_s": report["duration_s"] / max(outer_steps, 1),
+        "identical": report["peers_agree"],
+    }
+
+
+def aggregator_seconds(model_size: str, peers: int, repeats: int = 3) -> float:
+    """centered_clip over ``peers`` pseudo-gradients of the model's size, as one reducer would (the whole
+    vector: the upper bound of any reducer's part)."""
+    import torch
+
+    from coordinator.simconfig import PRESETS
+    from swarm.averaging.aggregators import get_aggregator
+    from swarm.models import build_model
+
+    model = build_model("gpt", PRESETS[model_size], seed=0)
+    numel = sum(p.numel() for p in model.parameters())
+    contributions = torch.randn(peers, numel, generator=torch.Generator().manual_seed(0))
+    weights = torch.ones(peers)
+    aggregate = get_aggregator("centered_clip")
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        aggregate(contributions, weights, seed=0)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def configurations(args) -> list[dict]:
+    caps = [float(c) if c not in ("", "0", "none") else None for c in args.caps.split(",")]
+    configs = []
+    for cap in caps:
+        configs.append({"sync": "every_step", "H": 1, "codec": "fp16", "cap": cap})
+        for h in (int(x) for x in args.inner_steps.split(",")):
+            for codec in args.codecs.split(","):
+                configs.append({"sync": "diloco", "H": h, "codec": codec, "cap": cap})
+    return configs
+
+
+def label(config: dict) -> str:
+    cap = f"{config['cap']:g} Mbit/s" if config["cap"] else "no cap"
+    name = "every_step" if config["sync"] == "every_step" else f"diloco H={config['H']}"
+    return f"{name} {config['codec']} ({cap})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--model-size", default="small", choices=["tiny", "small", "demo"])
+    parser.add_argument("--samples", type=int, default=6400, help="samples every configuration processes")
+    parser.add_argument("--inner-steps", default="10,50,100", help="diloco H values, comma-separated")
+    parser.add_argument("--codecs", default="fp16,int8,topk")
+    parser.add_argument(
+        "--caps", default="none", help="uplink caps in Mbit/s (none: loopback), comma-separated"
+    )
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--timeout-s", type=int, default=1500)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 configurations")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model_size, args.samples, args.inner_steps, args.codecs = "tiny", 320, "20", "int8"
+        args.timeout_s = 300
+    configs = configurations(args)
+    rows = []
+    for round_index in range(args.repeat):
+        for config in configs:  # interleaved: every configuration once per round
+            row = run_one(args, config)
+            row["round"] = round_index
+            rows.append(row)
+            print(f"round {round_index} {label(config)}: val {row['val_loss']:.4f}, "
+                  f"{row['bytes_per_sample']:.1f} B/sample, util {row['utilization']:.2f}", flush=True)  # fmt: skip
+    aggregate_s = aggregator_seconds(args.model_size, args.peers)
+    print(f"\n{args.peers} peers, model {args.model_size}, {args.samples} samples each; "
+          f"centered_clip over {args.peers} full vectors: {aggregate_s * 1e3:.1f} ms")  # fmt: skip
+    header = "| configuration | val loss (vs anchor) | bytes/sample (x fewer) | utilization | aggregator share | identical |"
+    print(header)
+    print("|" + "---|" * 6)
+    for row in rows:
+        anchor = next(
+            r
+            for r in rows
+            if r["sync"] == "every_step" and r["cap"] == row["cap"] and r["round"] == row["round"]
+        )
+        row["loss_ratio"] = row["val_loss"] / anchor["val_loss"]
+        row["fewer_bytes"] = anchor["bytes_per_sample"] / max(row["bytes_per_sample"], 1e-9)
+        row["aggregator_share"] = aggregate_s / max(row["step_s"], 1e-9)
+        print(f"| {label(row)} | {row['val_loss']:.4f} ({row['loss_ratio']:.3f}) | {row['bytes_per_sample']:.1f} "
+              f"({row['fewer_bytes']:.0f}x) | {row['utilization']:.2f} | {row['aggregator_share']:.3f} | "
+              f"{row['identical']} |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
