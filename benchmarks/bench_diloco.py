@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 configurations")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model_size, args.samples, args.inner_steps, args.codecs = "tiny", 320, "20", "int8"
+        args.model_size, args.samples, args.inner_steps, args.codecs = "tiny", 640, "20", "int8"
         args.timeout_s = 300
     configs = configurations(args)
     rows = []
