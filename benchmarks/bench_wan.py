@@ -38,8 +38,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from protocols.errors import SwarmError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,9 +93,10 @@ def summarize(report: dict, up_mbit: float) -> dict:
 # writes its DHT address to DIR/dht; each peer writes one JSON line per round (all-reduce seconds, after
 # matchmaking, and bytes sent) to DIR/peerINDEX.jsonl.
 ROUNDS_PEER = r"""
-import asyncio, json, sys, time
+import asyncio, json, logging, sys, time
 from pathlib import Path
 import torch
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.dht import SpawnedDHT, listen_maddr
@@ -128,9 +132,17 @@ async def main():
     await asyncio.sleep(1.0)  # every peer's handlers are up before the first leader dials them
     vector = torch.randn(numel, generator=torch.Generator().manual_seed(index))
     with open(root / f"peer{index}.jsonl", "w") as out:
-        for _ in range(rounds):
+        for r in range(rounds):
+            # Every peer starts round r together (a bench of rounds alone has no training step to align them).
+            (root / f"round{r}-{index}").touch()
+            while not all((root / f"round{r}-{i}").exists() for i in range(peers)):
+                await asyncio.sleep(0.05)
             before = len(times)
             await averager.average(vector, 1.0, expected_size=peers)
+            if averager.recent:  # our results must reach the others before the next round starts
+                last = next(reversed(averager.recent.values()))
+                if last.revealed is not None:
+                    await asyncio.wait([last.revealed], timeout=60)
             if len(times) > before:
                 seconds, group, complete, size = times[-1]
                 out.write(json.dumps({"s": seconds, "group": group, "complete": complete, "size": size,
@@ -159,12 +171,16 @@ def run_rounds(
     from coordinator.localswarm import LocalSwarm
     from coordinator.wanlab import LinkSpec, WanLab
 
+    timeline: list[tuple[float, list[int]]] = []
+    stop = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         local = LocalSwarm(root)
         lab = WanLab(hosts=peers, nat=nat, link=LinkSpec(up_mbit=up, down_mbit=down), reaper=local.reaper)
         try:
             lab.up()
+            sampler = threading.Thread(target=_sample_links, args=(lab, peers, timeline, stop), daemon=True)
+            sampler.start()
             children = []
             for i in range(peers):
                 host = lab.host(i + 1)
@@ -186,7 +202,11 @@ def run_rounds(
                 [json.loads(line) for line in (root / f"peer{i}.jsonl").read_text().splitlines()]
                 for i in range(peers)
             ]
+            warnings = [
+                line for child in children for line in child.output().splitlines() if " WARNING " in line
+            ]
         finally:
+            stop.set()
             local.kill_all()
             lab.down()
     # The busiest member (a reducer) sends the rest of the vector to the other reducers and its part back
@@ -209,7 +229,25 @@ def run_rounds(
         "round_s": statistics.median(slowest) if slowest else float("nan"),
         "link_use": minimum_s / statistics.median(slowest) if slowest else 0.0,
         "measured_mbit": [r[-1]["mbit"] for r in rows if r],
+        "warnings": warnings[-20:],
+        "uplink_timeline_mbit": _rates(timeline),
     }  # fmt: skip
+
+
+def _sample_links(lab, hosts: int, timeline: list, stop: threading.Event, interval_s: float = 0.25) -> None:
+    while not stop.wait(interval_s):
+        try:
+            timeline.append((time.monotonic(), [lab.link_bytes(k + 1)[0] for k in range(hosts)]))
+        except SwarmError:  # the lab is being taken down
+            return
+
+
+def _rates(timeline: list[tuple[float, list[int]]]) -> list[list[float]]:
+    """Each host's uplink rate, in Mbit/s, between consecutive samples of its kernel counter."""
+    return [
+        [round((b - a) * 8 / (t1 - t0) / 1e6, 2) for a, b in zip(c0, c1, strict=True)]
+        for (t0, c0), (t1, c1) in zip(timeline, timeline[1:], strict=False)
+    ]
 
 
 def _log_times(text: str, pattern: str) -> list[tuple[float, re.Match]]:

@@ -299,7 +299,7 @@ def test_a_slow_uplink_with_a_large_part_is_not_dropped_as_a_straggler(dhts, key
     from swarm.ratelimit import RateLimiter
 
     numel = 2_000_000
-    settings = dict(prefix="slow-large", numel=numel, sender_timeout_s=1.0, averaging_timeout_s=2.0)
+    settings = dict(prefix="slow-large", numel=numel, sender_timeout_s=2.0, averaging_timeout_s=2.0)
     limited, other = (
         Averager(
             d,

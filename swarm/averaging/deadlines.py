@@ -13,8 +13,9 @@ the time the bytes take at the rate the round can count on, capped at ``MAX_DEAD
   ``ASSUMED_MBIT`` for a member that has measured nothing yet. No claim lowers it below ``MIN_MBIT``,
   so a member that claims a crawling link stretches a round's deadlines by a bounded amount only;
 - between two messages of one stream, silence may last the floor plus the time one chunk takes on an
-  uplink shared by the sender's parallel streams: a peer that died is dropped within seconds, however
-  large the vector (a killed process resets its connections and is dropped at once);
+  uplink shared by the member's parallel streams (its contributions and its aggregates): a peer that
+  died is dropped within seconds, however large the vector (a killed process resets its connections
+  and is dropped at once);
 - a whole round may take the floor plus the time its busiest member needs to send its bytes.
 
 Example::
@@ -88,6 +89,7 @@ def round_deadlines(
     """
     members, total = len(part_values), sum(part_values)
     busiest = max(((total - p) + p * (members - 1)) * bytes_per_value for p in part_values)
-    # A sender feeds up to n - 1 reducers at once, so each stream gets a share of its uplink.
-    silence = transfer_deadline_s(chunk_bytes * max(1, members - 1), mbit, floor_s=silence_floor_s)
+    # A member's uplink carries up to n - 1 contribution streams and n - 1 aggregate streams at once:
+    # each gets a share of it.
+    silence = transfer_deadline_s(chunk_bytes * 2 * max(1, members - 1), mbit, floor_s=silence_floor_s)
     return RoundDeadlines(mbit, silence, transfer_deadline_s(busiest, mbit, floor_s=round_floor_s))

@@ -36,7 +36,7 @@ from swarm.averaging.validation import fair_weights
 # Evidence is judged for groups as large as a run allows (RunConfig.training.max_group_size).
 MAX_MEMBERS = 1024
 MAX_EVIDENCE_BYTES = 64 << 20
-DEFAULT_CHUNK_VALUES = 1 << 18
+DEFAULT_CHUNK_VALUES = 1 << 16
 # The inputs of one chunk stay under this many bytes, so that the evidence of any group fits its limit.
 EVIDENCE_INPUT_BUDGET = 48 << 20
 ENTRY = struct.Struct(">Id32s")  # one aggregated input: sender index, signed weight, SHA-256 of the data
