@@ -6,6 +6,13 @@ of the certified, unbanned peers with a signed progress record), verifies it, an
 checkpoint under the data dir. It serves
 the latest checkpoint to peers and announces it in the DHT with a record signed by the coordinator key,
 so a swarm restarted from nothing resumes at the checkpoint's step. No gradient passes through here.
+
+A run split into pipeline stages is checkpointed stage by stage: when every stage's replicas agree on
+a state at one step (the same rule, among the replicas with a signed pipeline record), the keeper
+downloads each stage's state from its replicas, verifies it against its hash, and saves it under
+``checkpoints/stage<k>/``; each stage's checkpoint is announced under the stage's own signed record
+(``<run_id>.stage<k>``) and served under the stage's state namespace, where a restarted stage replica
+finds it.
 """
 
 from __future__ import annotations
@@ -21,9 +28,18 @@ from protocols.errors import SwarmError
 from protocols.keys import SigningKey
 from swarm.bans import fetch_ban_list
 from swarm.config import RunConfig
+from swarm.pipeline.layout import stage_bytes
+from swarm.pipeline.records import PipelineView, fetch_view
+from swarm.pipeline.worker import stage_prefix
 from swarm.records import RecordTrust
 from swarm.training.catchup import Position, catch_up_target
-from swarm.training.checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
+from swarm.training.checkpoint import (
+    Checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 from swarm.training.progress import PeerProgress, fetch_progress
 from swarm.training.state import build_shared_optimizer, encode_state, ensure_optimizer_state, state_tensors
 from swarm.training.sync import (
@@ -61,13 +77,20 @@ class CheckpointKeeper:
         self.banned: set[str] = set()
         self.trust = RecordTrust(run.run_id, key.public_key, is_banned=lambda p: p in self.banned)
         self.view: dict[str, PeerProgress] = {}
+        self.num_stages = run.pipeline.stages
+        self.stages: dict[int, Checkpoint] = {}  # a pipeline run's latest checkpoint, stage by stage
+        self._stage_encoded: dict[int, EncodedState] = {}
+        self.pipeline = PipelineView()
 
     async def start(self) -> None:
+        self._p2p = await self.dht.replicate_p2p()
+        if self.num_stages > 1:
+            await self._start_stages()
+            return
         self._max_bytes = 2 * await asyncio.to_thread(state_size_bytes, self.run) + (1 << 20)
         self.latest = await asyncio.to_thread(load_latest_checkpoint, self.directory)
         if self.latest is not None:
             logger.info(f"resuming from checkpoint of step {self.latest.step} ({self.latest.path.name})")
-        self._p2p = await self.dht.replicate_p2p()
         servicer = StateServicer(self.run.run_id, self._provide, admit=self._admit)
         await servicer.add_p2p_handlers(self._p2p, namespace=state_namespace(self.run.run_id))
 
@@ -103,6 +126,9 @@ class CheckpointKeeper:
             await asyncio.sleep(CHECK_INTERVAL_S)
 
     async def _check_once(self) -> None:
+        if self.num_stages > 1:
+            await self._check_stages()
+            return
         if self.latest is not None:
             await publish_checkpoint_record(
                 self.dht, self.key, self.run.run_id, step=self.latest.step, state_hash=self.latest.state_hash,
@@ -142,3 +168,108 @@ class CheckpointKeeper:
                 ttl_s=RECORD_TTL_S,
             )  # fmt: skip
             return
+
+    # --- a run split into pipeline stages ------------------------------------------------------------
+
+    def _stage_dir(self, stage: int) -> Path:
+        return self.directory / f"stage{stage}"
+
+    def _load_stages(self) -> dict[int, Checkpoint]:
+        """The newest step every stage has a checkpoint of, loaded and verified; {} if there is none."""
+        steps = [{int(p.stem.split("-")[1]): p for p in list_checkpoints(self._stage_dir(k))}
+                 for k in range(self.num_stages)]  # fmt: skip
+        common = set.intersection(*(set(s) for s in steps))
+        if not common:
+            return {}
+        step = max(common)
+        return {k: load_checkpoint(steps[k][step]) for k in range(self.num_stages)}
+
+    async def _start_stages(self) -> None:
+        self.stages = await asyncio.to_thread(self._load_stages)
+        if self.stages:
+            self.latest = self.stages[0]
+            logger.info(
+                f"resuming {self.num_stages} pipeline stages from their checkpoints of step {self.latest.step}"
+            )
+        for k in range(self.num_stages):
+            servicer = StateServicer(
+                self.run.run_id, lambda k=k: self._provide_stage(k), admit=self._admit_stage
+            )
+            await servicer.add_p2p_handlers(
+                self._p2p, namespace=state_namespace(stage_prefix(self.run.run_id, k))
+            )
+
+    async def _admit_stage(self, requester: str) -> str | None:
+        def replicas() -> set[str]:
+            return {r.peer_id for rs in self.pipeline.holders.values() for r in rs}
+
+        if requester not in replicas():  # a replica announces itself just before it asks
+            self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+        if requester in self.banned or requester not in replicas():
+            return f"{requester} has no valid signed pipeline record in run {self.run.run_id!r}"
+        return None
+
+    async def _provide_stage(self, stage: int) -> EncodedState | None:
+        latest = self.stages.get(stage)
+        if latest is None:
+            return None
+        encoded = self._stage_encoded.get(stage)
+        if encoded is None or encoded.step != latest.step:
+            metadata = {"run_id": self.run.run_id, "stage": str(stage)}
+            data = await asyncio.to_thread(encode_state, latest.step, latest.tensors, metadata)
+            encoded = self._stage_encoded[stage] = EncodedState(latest.step, latest.state_hash, data)
+        return encoded
+
+    async def _publish_stages(self) -> None:
+        for k, checkpoint in self.stages.items():
+            await publish_checkpoint_record(
+                self.dht, self.key, stage_prefix(self.run.run_id, k), step=checkpoint.step,
+                state_hash=checkpoint.state_hash, ttl_s=RECORD_TTL_S,
+            )  # fmt: skip
+
+    async def _check_stages(self) -> None:
+        if self.stages:
+            await self._publish_stages()
+        bans = await fetch_ban_list(self.dht, self.run.run_id, self.key.public_key)
+        if bans is not None:
+            self.banned = bans[1]
+        self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+        targets = {}
+        for k in range(self.num_stages):
+            others = {
+                r.peer_id: Position(r.step, r.state_hash) for r in self.pipeline.members(k) if not r.joining
+            }
+            targets[k] = catch_up_target(None, others, max_step=self.run.training.max_steps)
+            if targets[k] is None:
+                return
+        steps = {t.step for t in targets.values()}
+        if len(steps) != 1 or not self._due(steps.pop()):
+            return  # the stages step one after another: a consistent checkpoint holds one step of each
+        fetched = {}
+        for k, target in targets.items():
+            fetched[k] = await self._fetch_stage(k, target.step, target.state_hash, target.holders)
+            if fetched[k] is None:
+                return
+        for k, decoded in fetched.items():
+            path = await asyncio.to_thread(
+                save_checkpoint, self._stage_dir(k), decoded.step, decoded.tensors, self.run,
+                keep=self.run.training.keep_checkpoints,
+            )  # fmt: skip
+            self.stages[k] = Checkpoint(decoded.step, decoded.tensors, self.run, decoded.state_hash, path)
+        self.latest = self.stages[0]
+        logger.info(f"saved checkpoints of the {self.num_stages} pipeline stages at step {self.latest.step}")
+        await self._publish_stages()
+
+    async def _fetch_stage(self, stage: int, step: int, expected: str, holders: list[str]):
+        random.shuffle(holders)
+        for holder in holders:
+            try:
+                return await download_state(
+                    self._p2p, peer_id_of(holder), namespace=state_namespace(stage_prefix(self.run.run_id, stage)),
+                    run_id=self.run.run_id, min_step=step, expected_hash=expected,
+                    max_bytes=2 * stage_bytes(self.run, stage) + (1 << 20),
+                    timeout_s=self.run.training.averaging_timeout_s,
+                )  # fmt: skip
+            except SwarmError as e:
+                logger.info(f"checkpoint of stage {stage} at step {step}: not from {holder}: {e}")
+        return None

@@ -134,6 +134,14 @@ class StageRecordBody(_Body):
     param_hash: Hash
     # False while the replica loads its stage's state or drains before it leaves: it averages, it serves no one.
     serving: bool = True
+    # True while it holds its new stage's state but sits out the current step: it takes no round.
+    joining: bool = False
+    # True once the replica closed ``step``: what it counted there is final.
+    closing: bool = False
+    # [micro-batch ID, attempt] of the micro-batches it counted at ``step`` on a retry (attempt > 1).
+    retried: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(
+        default=[], max_length=256
+    )
     certificate: CertificateBytes = b""
     expires_at: Expiry
 

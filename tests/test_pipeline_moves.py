@@ -21,7 +21,7 @@ from swarm.dht import start_local_dhts
 from swarm.pipeline.trainer import PipelineTrainer
 from swarm.pipeline.worker import StageWorker
 
-STEPS = 9
+STEPS = 12
 
 
 def moving_run() -> RunConfig:

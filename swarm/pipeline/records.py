@@ -33,6 +33,9 @@ class StageRecord:
     updated_at: float
     role: str = "stage"
     serving: bool = True  # False: loading the stage's state, or draining before it leaves; serves no one
+    joining: bool = False  # it sits out the current step of the stage it joined: it takes no round
+    closing: bool = False  # it closed ``step``: what it counted there is final
+    retried: tuple[tuple[int, int], ...] = ()  # (micro-batch, attempt) it counted at ``step`` on a retry
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,15 @@ class PipelineView:
         """Every replica of ``stage``, serving or not."""
         return list(self.holders.get(stage, []))
 
+    def averaging(self, stage: int, step: int) -> list[StageRecord]:
+        """The replicas of ``stage`` to expect in its round of ``step``, or ahead of it. A replica that
+        joined at ``step`` sits it out; one that joined at ``step - 1`` takes part (a view a beat old
+        may still show it joining)."""
+        return [
+            r for r in self.holders.get(stage, [])
+            if (r.step >= step if not r.joining else r.step != step and r.step + 1 >= step)
+        ]  # fmt: skip
+
     def run_step(self, num_stages: int) -> int:
         """The latest step every stage serves (with at least one replica); 0 when a stage has none."""
         return min(max((r.step for r in self.stages.get(k, [])), default=0) for k in range(num_stages))
@@ -80,6 +92,8 @@ async def publish_record(
     for name in ("samples_per_s", "load"):
         if name in body:
             body[name] = float(body[name])
+    if "retried" in body:
+        body["retried"] = [list(claim) for claim in body["retried"]]
     record, expires_at = signer.seal("pipeline", run_id, body, ttl_s=ttl_s)
     return bool(
         await dht.store(
@@ -100,7 +114,8 @@ async def fetch_view(dht: hivemind.DHT, trust: RecordTrust, num_stages: int) -> 
         b = r.body
         if b.role == "stage" and b.stage < num_stages:
             record = StageRecord(peer_id, b.stage, b.step, b.samples_per_s, b.load, b.state_hash, b.param_hash,
-                                 r.issued_at, serving=b.serving)  # fmt: skip
+                                 r.issued_at, serving=b.serving, joining=b.joining, closing=b.closing,
+                                 retried=tuple((k, a) for k, a in b.retried))  # fmt: skip
             view.holders.setdefault(b.stage, []).append(record)
             if b.serving:
                 view.stages.setdefault(b.stage, []).append(record)

@@ -6,6 +6,15 @@ after ``forward_state_ttl_s``) until its backward arrives. A backward adds the m
 to the replica's accumulated gradient once per micro-batch ID and step: a retried micro-batch that
 reaches the same replica again gets the same answer back and is not counted twice.
 
+A retry that reaches *another* replica of the stage (the first timed out, but was only slow) is
+counted there too; the replica group settles it when the step closes. Every request carries the
+trainer's attempt number, and a replica remembers, per micro-batch it counted, the latest attempt that
+reached it (``claims``): the trainer's final, successful path holds the latest attempt at every stage.
+Replicas announce the micro-batches they hold with an attempt above 1, and one that finds another
+replica holding a later attempt of a micro-batch it counted drops it: it replays the micro-batches it
+keeps (their inputs, gradients and random state are kept until the step closes) from a zero gradient,
+so its gradient is bit for bit the one it would hold had the retry never reached it.
+
 Gradients are of the summed loss over the micro-batch's samples; the replica divides by the samples it
 counted when it averages with the other replicas of its stage.
 """
@@ -46,6 +55,8 @@ T = TypeVar("T")
 
 #: Forward states one replica keeps at most; past it a new forward is refused (BUSY) until some expire.
 MAX_FORWARD_STATES = 512
+#: Retried micro-batches a replica announces per step at most (each about 12 bytes of its DHT record).
+MAX_RETRIED_CLAIMS = 256
 
 
 class Refusal(Exception):
@@ -66,6 +77,8 @@ class _Forward:
     reply: ppb.Tensor | None = None  # the encoded outputs, answered again to a repeated forward
     result: ppb.Tensor | None = None  # grad_inputs once counted, answered again to a repeated backward
     loss: float = math.nan
+    request: ppb.ForwardRequest | None = None  # what a replay of this micro-batch recomputes from
+    rng: torch.Tensor | None = None  # the random state its forward ran with (dropout)
 
 
 class StageReplica:
@@ -92,7 +105,8 @@ class StageReplica:
         self.max_batch = run.training.micro_batch_size
         self.step = 0
         self.samples = 0
-        self.counted: set[int] = set()
+        self.claims: dict[int, int] = {}  # counted micro-batch -> the latest attempt that reached it here
+        self._replay: dict[int, tuple[_Forward, ppb.Tensor | None]] = {}  # in counting order
         self.forwards: dict[int, _Forward] = {}
         self.closing = False  # the step's gradient is being averaged: no more work for this step
         self.paused = False  # the volunteer paused: no new micro-batches
@@ -101,7 +115,7 @@ class StageReplica:
         self.hashed_step = 0  # the step ``state_hash`` and ``param_hash`` are of
         self.samples_per_s = 0.0
         self.busy_s = 0.0
-        self.stats = {"forwards": 0, "backwards": 0, "repeats": 0, "refused": 0}
+        self.stats = {"forwards": 0, "backwards": 0, "repeats": 0, "refused": 0, "dropped": 0}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{index}")
 
     @property
@@ -207,6 +221,7 @@ class StageReplica:
         known = self.forwards.get(key)
         if known is not None and known.result is not None:
             self.stats["repeats"] += 1  # a retried micro-batch: same answer, counted once
+            self._claim(key, request.attempt)
             return ppb.ForwardReply(
                 step=self.step, outputs=known.reply, grad_inputs=known.result, loss=known.loss
             )
@@ -225,15 +240,18 @@ class StageReplica:
         self.model.train()
         x = inputs.to(self.device) if leaf is None else leaf
         self.stats["forwards"] += 1
+        rng = torch.get_rng_state()
         if self.is_last:
             loss = self.model.loss(x, targets.to(self.device))
             (loss * inputs.shape[0]).backward()  # gradient of the sum; divided by the count when averaged
             entry = _Forward(leaf, None, inputs.shape[0], now, 0.0, loss=float(loss.detach()))
+            entry.request, entry.rng = request, rng
             entry.result = self._grad_reply(leaf)
-            self._count(key, entry, time.monotonic() - started)
+            self._count(key, entry, time.monotonic() - started, request.attempt, None)
             return ppb.ForwardReply(step=self.step, grad_inputs=entry.result, loss=entry.loss)
         outputs = self.model(x)
         entry = _Forward(leaf, outputs, inputs.shape[0], now, time.monotonic() - started)
+        entry.request, entry.rng = request, rng
         entry.reply = encode_floats(outputs.detach(), self.codec)
         self.forwards[key] = entry
         return ppb.ForwardReply(step=self.step, outputs=entry.reply)
@@ -252,11 +270,14 @@ class StageReplica:
             return ppb.Tensor()
         return encode_floats(leaf.grad, self.codec)
 
-    def _count(self, key: int, entry: _Forward, seconds: float) -> None:
+    def _count(
+        self, key: int, entry: _Forward, seconds: float, attempt: int, grad_outputs: ppb.Tensor | None
+    ) -> None:
         entry.inputs = entry.outputs = None  # the graph is spent; keep only the answer
         entry.compute_s += seconds
         self.forwards[key] = entry
-        self.counted.add(key)
+        self.claims[key] = max(attempt, 1)  # 0: a trainer that does not number its attempts
+        self._replay[key] = (entry, grad_outputs)
         self.samples += entry.samples
         self.busy_s += entry.compute_s
         self._rate(entry.samples, entry.compute_s)
@@ -274,6 +295,7 @@ class StageReplica:
             )
         if entry.result is not None:
             self.stats["repeats"] += 1
+            self._claim(request.microbatch_id, request.attempt)
             return ppb.BackwardReply(step=self.step, grad_inputs=entry.result)
         try:
             grad = decode_floats(
@@ -291,8 +313,58 @@ class StageReplica:
         torch.autograd.backward(entry.outputs, grad.to(self.device, entry.outputs.dtype))
         self.stats["backwards"] += 1
         entry.result = self._grad_reply(entry.inputs)
-        self._count(request.microbatch_id, entry, time.monotonic() - started)
+        self._count(
+            request.microbatch_id, entry, time.monotonic() - started, request.attempt, request.grad_outputs
+        )
         return ppb.BackwardReply(step=self.step, grad_inputs=entry.result)
+
+    def _claim(self, key: int, attempt: int) -> None:
+        if key in self.claims:
+            self.claims[key] = max(self.claims[key], attempt)
+
+    def retried(self) -> list[tuple[int, int]]:
+        """The micro-batches counted here at this step on a retry, with the latest attempt: what the other
+        replicas of the stage need to drop the copies an earlier attempt left with them."""
+        claims = sorted((a, k) for k, a in list(self.claims.items()) if a > 1)[-MAX_RETRIED_CLAIMS:]
+        return sorted((k, a) for a, k in claims)
+
+    def drop_superseded(self, latest: dict[int, int]) -> int:
+        """Drop the micro-batches that reached another replica of the stage on a later attempt (``latest``:
+        micro-batch -> the latest attempt any other replica holds) and rebuild the gradient from the rest,
+        replayed in counting order; returns the samples dropped."""
+        gone = {k for k, a in self.claims.items() if latest.get(k, 0) > a}
+        if not gone:
+            return 0
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples = dropped = 0
+        for key, (entry, grad_outputs) in list(self._replay.items()):
+            if key in gone:
+                del self._replay[key], self.claims[key], self.forwards[key]
+                dropped += entry.samples
+                continue
+            self._recompute(entry, grad_outputs)
+            self.samples += entry.samples
+        self.stats["dropped"] += len(gone)
+        return dropped
+
+    def _recompute(self, entry: _Forward, grad_outputs: ppb.Tensor | None) -> None:
+        """The gradient of one counted micro-batch again, exactly as it was computed when counted."""
+        inputs, targets = self._inputs(entry.request)
+        x = inputs.to(self.device) if self.is_first else inputs.to(self.device).requires_grad_()
+        rng = torch.get_rng_state()
+        torch.set_rng_state(entry.rng)
+        try:
+            self.model.train()
+            if self.is_last:
+                (self.model.loss(x, targets.to(self.device)) * inputs.shape[0]).backward()
+                return
+            outputs = self.model(x)
+            grad = decode_floats(
+                grad_outputs, self.codec, list(outputs.shape), what="grad_outputs (gradients)"
+            )
+            torch.autograd.backward(outputs, grad.to(self.device, outputs.dtype))
+        finally:
+            torch.set_rng_state(rng)
 
     def drained(self) -> bool:
         """Nothing of this step is held here: no counted sample and no forward waiting for its backward
@@ -314,7 +386,8 @@ class StageReplica:
     def reset(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.samples = 0
-        self.counted.clear()
+        self.claims.clear()
+        self._replay.clear()
         self.forwards.clear()
         self.closing = False
 

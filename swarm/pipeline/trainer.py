@@ -144,6 +144,7 @@ class PipelineTrainer:
             "microbatches_completed": float(len(self.completed)), "microbatches_lost": float(lost),
             "finished": float(self.finished),
             "val_loss_initial": self.first_validation[1] if self.first_validation else math.nan,
+            "val_step_initial": float(self.first_validation[0]) if self.first_validation else math.nan,
         }  # fmt: skip
 
     # --- DHT -----------------------------------------------------------------------------------------
@@ -203,7 +204,8 @@ class PipelineTrainer:
             if peer is None:
                 raise StageFailure(stage, "-", ppb.BUSY, f"no replica of stage {stage} serves step {mb.step}")
             route.append(peer)
-        base = dict(run_id=self.config.run_id, step=mb.step, microbatch_id=mb.id)
+        # The attempt number lets the stage's replicas keep only the latest copy of a retried micro-batch.
+        base = dict(run_id=self.config.run_id, step=mb.step, microbatch_id=mb.id, attempt=mb.attempts + 1)
         hidden = encode_ids(mb.inputs)
         last = self.num_stages - 1
         for stage in range(last):

@@ -63,6 +63,7 @@ from swarm.training.sync import (
     StateMovedOn,
     StateServicer,
     download_state,
+    fetch_checkpoint_record,
     peer_id_of,
     state_namespace,
 )
@@ -74,6 +75,8 @@ UNSERVE_TIMEOUT_S = 5.0
 LEAVE_TIMEOUT_S = 60.0
 #: The longest a joining replica keeps trying to download its stage's state before serving as it is.
 JOIN_CATCH_UP_TIMEOUT_S = 60.0
+#: Reads of the stage's checkpoint record, 1 s apart, before a replica of a coordinated run starts from step 0.
+CHECKPOINT_RECORD_TRIES = 3
 
 
 def stage_prefix(run_id: str, stage: int) -> str:
@@ -108,6 +111,9 @@ class StageWorker:
         record_signer: signs this replica's pipeline records with its certificate.
     """
 
+    #: The handlers of the stage served (tests subclass it to delay or refuse calls).
+    servicer_type: type[StageServicer] = StageServicer
+
     def __init__(
         self,
         run: RunConfig,
@@ -128,6 +134,7 @@ class StageWorker:
         if coordinator_key is not None and signing_key is None:
             raise ConfigError("a stage worker in a coordinated run signs its rounds: pass signing_key")
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
+        self.coordinator_key = coordinator_key
         self.wanted_stage, self.memory_bytes, self.rebalance = stage, memory_bytes, rebalance
         self.signing_key, self.upload_limiter, self.accuse = signing_key, upload_limiter, accuse
         # Signs this replica's pipeline records; in a coordinated run it carries the peer's certificate.
@@ -152,6 +159,7 @@ class StageWorker:
         # stage -> step -> samples the stage's round averaged, for the rounds this peer took part in
         self.applied: dict[int, dict[int, float]] = {}
         self._serving = False  # announced as serving: handlers registered, state in line with the stage
+        self._joining_at: int | None = None  # joined the stage at this step; serves from the next one
         self._leave_to: int | None = None  # the stage a requested move goes to
         self._leave_since = 0.0
         self._leave_throughput: dict[int, float] = {}  # samples/s by stage when rebalancing chose the move
@@ -205,10 +213,12 @@ class StageWorker:
         now = time.monotonic()
         started, busy = self._busy_mark
         if now - started >= 1.0:
-            self._load = min(1.0, (r.busy_s - busy) / (now - started))
+            self._load = min(1.0, max(0.0, (r.busy_s - busy) / (now - started)))
             self._busy_mark = (now, r.busy_s)
         self._last_record = StageRecord(self.peer_id, r.index, r.hashed_step, r.samples_per_s, self._load, r.state_hash,
-                                        r.param_hash, time.time(), serving=self._serving)  # fmt: skip
+                                        r.param_hash, time.time(), serving=self._serving,
+                                        joining=self._sitting_out(), closing=r.closing,
+                                        retried=tuple(r.retried()))  # fmt: skip
         return self._last_record
 
     def _signer(self) -> RecordSigner:
@@ -268,7 +278,9 @@ class StageWorker:
         await averager.start()
         replica.paused = self.paused
         self._serving = False
+        self._joining_at = replica.step  # while it loads the stage's state it takes no round either
         self.replica, self.averager, self._encoded = replica, averager, None
+        self._busy_mark, self._load = (time.monotonic(), 0.0), 0.0  # busy time is counted per replica
         await replica.measure()
         await replica.commit()
         with contextlib.suppress(Exception):
@@ -281,11 +293,26 @@ class StageWorker:
             upload_limiter=self.upload_limiter,
         )
         await self._register(state, state_namespace(stage_prefix(self.config.run_id, index)))
-        self.servicer = StageServicer(replica, self.gate)
-        await self._register(self.servicer, pipeline_namespace(self.config.run_id, index))
-        self._serving = True
         self._step_view = self._views
         self._step_since = time.monotonic()
+        # Serving at once, it could count micro-batches at a step its stage-mates close without it (their
+        # view of the stage is a beat older than the trainers'), and those samples would die with its
+        # round. Where the stage has servers it sits this step out and serves from the next.
+        others = [x for x in self.view.replicas(index) if x.peer_id != self.peer_id]
+        self._joining_at = replica.step if others else None
+        with contextlib.suppress(Exception):
+            await self._announce()
+        if self._joining_at is None:
+            await self._start_serving()
+        else:
+            logger.info(f"stage {index}: holds the state of step {replica.step}; serves from the next step")
+
+    async def _start_serving(self) -> None:
+        replica, index = self.replica, self.replica.index
+        self._joining_at = None
+        self.servicer = self.servicer_type(replica, self.gate)
+        await self._register(self.servicer, pipeline_namespace(self.config.run_id, index))
+        self._serving = True
         with contextlib.suppress(Exception):
             await self._announce()
         logger.info(f"serving stage {index} (blocks {replica.spec.first_block}..{replica.spec.last_block - 1}"
@@ -297,6 +324,9 @@ class StageWorker:
         (nobody to catch up with) serves from the run's initial state at once."""
         deadline = time.monotonic() + JOIN_CATCH_UP_TIMEOUT_S
         await self._refresh_view()
+        resume = await self._checkpoint_to_resume()
+        if resume is not None:
+            await self._catch_up(resume)
         while self._ahead_or_apart() is not None and time.monotonic() < deadline:
             if await self._catch_up():
                 continue
@@ -305,6 +335,28 @@ class StageWorker:
         if self._ahead_or_apart() is not None:
             logger.warning(f"stage {self.replica.index}: could not download the stage's state within "
                            f"{JOIN_CATCH_UP_TIMEOUT_S:.0f}s; serving step {self.replica.step} and trying again")  # fmt: skip
+
+    async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
+        """The coordinator's signed checkpoint of this stage, when no replica of it holds a later state
+        (a pipeline swarm restarted from nothing)."""
+        r = self.replica
+        if self.coordinator_key is None or any(x.step > r.step for x in self.view.members(r.index)):
+            return None
+        prefix = stage_prefix(self.config.run_id, r.index)
+        for attempt in range(CHECKPOINT_RECORD_TRIES):  # the record may not have reached this DHT node yet
+            with contextlib.suppress(Exception):
+                record = await fetch_checkpoint_record(self.dht, prefix, self.coordinator_key)
+                if record is not None:
+                    break
+            record = None
+            if attempt + 1 < CHECKPOINT_RECORD_TRIES:
+                await asyncio.sleep(1.0)
+        if record is None or record[0] <= r.step:
+            return None
+        logger.info(
+            f"stage {r.index}: no replica is ahead; resuming from the coordinator's checkpoint of step {record[0]}"
+        )
+        return record[0], record[1], [self.coordinator_key.peer_id]
 
     async def _register(self, servicer, namespace: str) -> None:
         """Add ``servicer``'s handlers under ``namespace``; ``_unserve`` removes every one of them."""
@@ -365,6 +417,8 @@ class StageWorker:
     async def _admit_download(self, requester: str) -> str | None:
         """A stage's state goes to certified, unbanned peers only: a replica with a verified pipeline
         record (it carries a certificate), or a peer the stage server's policy admits."""
+        if self.coordinator_key is not None and requester == self.coordinator_key.peer_id:
+            return None  # the coordinator checkpoints the stage
         replicas = {r.peer_id for rs in self.view.holders.values() for r in rs}
         if requester in replicas and requester not in self.policy.banned:
             return None
@@ -389,8 +443,8 @@ class StageWorker:
         )
         return None if target is None else (target.step, target.state_hash, target.holders)
 
-    async def _catch_up(self) -> bool:
-        move = self._ahead_or_apart()
+    async def _catch_up(self, move: tuple[int, str, list[str]] | None = None) -> bool:
+        move = move or self._ahead_or_apart()
         if move is None:
             return False
         step, expected, holders = move
@@ -438,11 +492,35 @@ class StageWorker:
             and not any(t.in_flight for t in trainers)
         )
 
+    async def _settle_duplicates(self) -> None:
+        """Exactly once per micro-batch: wait (bounded) until the stage's other replicas at this step have
+        closed it too, then drop what a later attempt counted elsewhere (``StageReplica.drop_superseded``)."""
+        r, interval = self.replica, self.config.pipeline.announce_interval_s
+        with contextlib.suppress(Exception):
+            await self._announce()  # closing, with this replica's final claims
+        deadline = time.monotonic() + max(1.0, 4 * interval)
+        while True:
+            others = [x for x in self.view.averaging(r.index, r.step) if x.peer_id != self.peer_id]
+            if all(x.closing or x.step > r.step for x in others) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(interval / 2)
+            await self._refresh_view()
+        latest: dict[int, int] = {}
+        for x in others:
+            for key, attempt in x.retried if x.step == r.step else ():
+                latest[key] = max(latest.get(key, 0), attempt)
+        dropped = await r.compute(r.drop_superseded, latest) if latest else 0
+        if dropped:
+            self._stats["samples_dropped"] = self._stats.get("samples_dropped", 0.0) + dropped
+            logger.info(f"stage {r.index} step {r.step}: {dropped} samples counted here were retried on another "
+                        "replica after a timeout; dropped here so that each counts once")  # fmt: skip
+
     async def _step_round(self) -> None:
         r = self.replica
         r.closing = True  # new work for this step is refused from now on
+        await self._settle_duplicates()
         vector = await r.compute(r.mean_gradient)
-        others = [x for x in self.view.members(r.index) if x.peer_id != self.peer_id and x.step >= r.step]
+        others = [x for x in self.view.averaging(r.index, r.step) if x.peer_id != self.peer_id]
         extra = {"step": r.step, "state_hash": r.state_hash}
         outcome = await self.averager.average(vector, float(r.samples), extra, alone=not others)
         if outcome is None or not outcome[1].complete:
@@ -490,6 +568,20 @@ class StageWorker:
         self.move_to(target)
         self._leave_throughput = before
 
+    def _sitting_out(self) -> bool:
+        """Joined at the replica's current step: it takes no round of it. Once caught up past it, the
+        stage expects it in the next round, though it starts serving only a moment later."""
+        return self._joining_at is not None and self.replica.hashed_step <= self._joining_at
+
+    async def _continue_joining(self) -> None:
+        """A joiner serves once its stage moved past the step it joined at (it then caught up), or at once
+        when the stage has no server left."""
+        r = self.replica
+        if r.step > self._joining_at or not any(
+            x.peer_id != self.peer_id for x in self.view.replicas(r.index)
+        ):
+            await self._start_serving()
+
     async def _continue_leaving(self) -> None:
         """The drain's next move: announce it, wait while the stage's round takes what this replica
         counted, then leave and join the target stage."""
@@ -529,8 +621,10 @@ class StageWorker:
                 if await self._catch_up():
                     continue
                 self.finished = self._reached_max()
+                if self._joining_at is not None:
+                    await self._continue_joining()
                 # Once a step is closed its round is retried until it completes or a catch-up replaces it.
-                if self.replica.closing or self._ready_to_step():
+                elif self.replica.closing or self._ready_to_step():
                     await self._step_round()
                 elif self._leave_to is not None:
                     await self._continue_leaving()

@@ -1,0 +1,132 @@
+"""Exactly-once micro-batches: a retry after a timeout is applied once, though two replicas counted it.
+
+Stage 1 has two replicas. ``SlowReplica`` computes and counts every micro-batch it is sent first, then
+holds its answer until the other replica has counted it, so the trainer always times out on it and
+retries there. ``RetriesOnly`` takes only micro-batches the slow replica already counted (it refuses
+the rest as BUSY), so every micro-batch goes through that sequence: no sleeps, no luck.
+Before the fix, the slow replica's copies went into the stage's round and every sample weighed double.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.localswarm import tiny_run
+from protocols import pipeline_pb2 as ppb
+from swarm.config import RunConfig
+from swarm.dht import start_local_dhts
+from swarm.pipeline.server import StageServicer
+from swarm.pipeline.trainer import PipelineTrainer
+from swarm.pipeline.worker import StageWorker
+
+STEPS = 2
+HOLD_LIMIT_S = 30.0
+
+
+class Fault:
+    """What the two misbehaving replicas share: the micro-batches the slow one holds, and the other."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.other: StageWorker | None = None
+
+
+FAULT = Fault()
+
+
+class SlowServicer(StageServicer):
+    async def rpc_forward(self, request: ppb.ForwardRequest, context) -> ppb.ForwardReply:
+        reply = await super().rpc_forward(request, context)  # computed and counted here
+        key = request.microbatch_id
+        if not request.inference and reply.code == ppb.OK and key not in FAULT.held:
+            FAULT.held.add(key)
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while time.monotonic() < deadline:  # the trainer gives up on this call and retries elsewhere
+                other = FAULT.other.replica
+                if other is not None and key in other.claims:
+                    break
+                await asyncio.sleep(0.02)
+        return reply
+
+
+class RetriesOnlyServicer(StageServicer):
+    async def rpc_forward(self, request: ppb.ForwardRequest, context) -> ppb.ForwardReply:
+        if not request.inference and request.microbatch_id not in FAULT.held:
+            return ppb.ForwardReply(code=ppb.BUSY, error="only retries here", step=self.replica.step)
+        return await super().rpc_forward(request, context)
+
+
+class SlowReplica(StageWorker):
+    servicer_type = SlowServicer
+
+
+class RetriesOnly(StageWorker):
+    servicer_type = RetriesOnlyServicer
+
+
+def retry_run() -> RunConfig:
+    data = tiny_run("once").model_dump(mode="json")
+    data["model"]["config"]["n_layer"] = 2
+    data["training"].update(target_batch_size=16, min_group_size=1, max_steps=STEPS, matchmaking_time_s=1.0,
+                            averaging_timeout_s=10.0, validation_every_steps=100)  # fmt: skip
+    data["pipeline"] = {"stages": 2, "announce_interval_s": 0.2, "request_timeout_s": 1.5,
+                        "failed_server_cooldown_s": 1.0, "rebalance_interval_s": 3600.0}  # fmt: skip
+    return RunConfig.parse(data)
+
+
+@pytest.mark.timeout(240)
+def test_a_microbatch_retried_after_a_timeout_is_applied_once(tmp_path: Path):
+    torch.set_num_threads(1)
+    run = retry_run()
+    nodes = start_local_dhts(4, tmp_path)
+    dhts, keys = [d for d, _ in nodes], [k for _, k in nodes]
+    ids = {k.peer_id for k in keys}
+
+    def worker(cls: type[StageWorker], i: int, stage: int) -> StageWorker:
+        return cls(run, dhts[i], peer_id=keys[i].peer_id, stage=stage, members=ids, signing_key=keys[i],
+                   rebalance=False)  # fmt: skip
+
+    first, slow, fast = worker(StageWorker, 0, 0), worker(SlowReplica, 1, 1), worker(RetriesOnly, 2, 1)
+    FAULT.held.clear()
+    FAULT.other = fast
+    trainer = PipelineTrainer(run, dhts[3], peer_id=keys[3].peer_id, seed=0, signing_key=keys[3])
+    hashes: dict[str, str] = {}
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(x.run(stop)) for x in (first, slow, fast, trainer)]
+        try:
+            deadline = time.monotonic() + 180
+            while not (trainer.finished and slow.step == fast.step == STEPS):
+                for task in tasks:
+                    if task.done():
+                        task.result()
+                assert time.monotonic() < deadline, f"stuck at trainer step {trainer.step}"
+                await asyncio.sleep(0.1)
+            hashes.update(slow=slow.replica.param_hash, fast=fast.replica.param_hash)
+        finally:
+            stop.set()
+            await asyncio.wait(tasks, timeout=30)
+        for task in tasks:
+            task.result()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    metrics = trainer.metrics()
+    assert metrics["microbatches_lost"] == 0
+    assert metrics["retries"] >= len(trainer.completed), "every micro-batch was retried after a timeout"
+    completed = {s: float(trainer.completed_at[s]) for s in range(STEPS)}
+    for w, stage in ((first, 0), (slow, 1), (fast, 1)):
+        assert w.applied[stage] == completed, "each stage's round took every completed sample exactly once"
+    assert slow._stats.get("samples_dropped", 0) >= len(trainer.completed) * run.training.micro_batch_size, (
+        "the slow replica counted every micro-batch too, then dropped them"
+    )
+    assert hashes["slow"] == hashes["fast"], "the replicas of stage 1 hold identical parameters"
