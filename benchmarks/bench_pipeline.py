@@ -5,6 +5,12 @@
    global steps with every replica alive, then kills one replica of the last stage outright (its DHT and
    daemon die, so its connections drop mid-request) and trains ``--steps`` more. Throughput is samples
    of completed micro-batches per second of wall time; lost micro-batches must stay 0.
+   Where the time goes, per stage replica, over the all-alive phase: **compute** (forward and backward
+   on the replica's compute thread), **averaging** (the step's all-reduce with the stage's other
+   replicas, matchmaking included), **settling** (waiting for the stage's replicas to close the step:
+   the exactly-once check) and **waiting** (the rest: no micro-batch to serve, the step not yet
+   closed). Against it, one process trains the whole model on the same cores (torch threads = CPUs)
+   with the same micro-batches and target batch: the samples/s a single machine would get.
 2. **Communication-to-compute ratio as the hidden size doubles.** For one middle stage of ``--blocks``
    transformer blocks and a micro-batch of B x T tokens, it measures the forward plus backward time and
    counts the bytes that cross the wire for it (fp16 activations in, fp16 gradients back: 2 x B x T x d x 2
@@ -110,11 +116,21 @@ async def _train(run: RunConfig, steps: int) -> dict:
     def completed() -> int:
         return sum(len(t.completed) for t in trainers) * run.training.micro_batch_size
 
+    def marks() -> list[tuple[float, float, float]]:
+        return [(w.replica.busy_s, w._stats["averaging_s"], w._stats["settle_s"]) for w in workers]
+
     try:
         t0 = await reach(1)  # warm: every connection made, one step done
-        s0 = completed()
+        s0, m0 = completed(), marks()
         t1 = await reach(1 + steps)
-        s1 = completed()
+        s1, m1 = completed(), marks()
+        wall = t1 - t0
+        breakdown = []
+        for i, (a, b) in enumerate(zip(m0, m1, strict=True)):
+            compute, averaging, settle = (b[j] - a[j] for j in range(3))
+            breakdown.append({"replica": i, "stage": workers[i].stage, "compute_s": compute, "averaging_s": averaging,
+                              "settle_s": settle, "waiting_s": max(0.0, wall - compute - averaging - settle),
+                              "wall_s": wall})  # fmt: skip
         # Kill one replica of stage 1 outright: its daemon dies and with it every open request.
         workers[3].replica.paused = False
         dhts[3].shutdown()
@@ -127,6 +143,7 @@ async def _train(run: RunConfig, steps: int) -> dict:
             "one_killed_samples_per_s": (s2 - s1) / (t2 - t1),
             "lost_microbatches": lost,
             "retries": sum(t.metrics()["retries"] for t in trainers),
+            "breakdown": breakdown,
         }
     finally:
         stop.set()
@@ -135,6 +152,36 @@ async def _train(run: RunConfig, steps: int) -> dict:
         for i, dht in enumerate(dhts):
             if i != 3:
                 dht.shutdown()
+
+
+def whole_model_samples_per_s(run: RunConfig, steps: int) -> float:
+    """One process trains the whole model on this machine's cores: micro-batches summed to the target
+    batch, then an optimizer step, as the stages do together."""
+    from swarm.data import build_dataset, derive_seed
+    from swarm.models import build_model
+    from swarm.training.state import build_optimizer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    optimizer = build_optimizer(model, run.optimizer)
+    dataset = build_dataset(run.dataset.name, run.dataset.config)
+    batch, seq_len = run.training.micro_batch_size, int(run.model.config["seq_len"])
+    per_step = -(-run.training.target_batch_size // batch)
+    started, samples = None, 0
+    for step in range(steps + 1):
+        if step == 1:
+            started, samples = time.perf_counter(), 0  # the first step warms up
+        for micro in range(per_step):
+            inputs, targets = dataset.sample_batch(
+                derive_seed(run.run_id, "whole", step, micro), batch, seq_len
+            )
+            (model.loss(inputs, targets) * batch).backward()
+            samples += batch
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    rate = samples / (time.perf_counter() - started)
+    torch.set_num_threads(1)
+    return rate
 
 
 def main() -> int:
@@ -175,6 +222,17 @@ def main() -> int:
         f"  one replica of stage 1 killed: {result['one_killed_samples_per_s']:.1f} samples/s ({ratio:.2f}x)"
     )
     print(f"  lost micro-batches: {result['lost_microbatches']}, retries: {result['retries']:.0f}")
+    print("\n  where the time goes, all alive (seconds of the phase's wall time, per stage replica):")
+    print("  stage | replica | compute | averaging | settling | waiting | wall")
+    for row in result["breakdown"]:
+        wall = row["wall_s"]
+        print(f"  {row['stage']:5d} | {row['replica']:7d} | " + " | ".join(
+            f"{row[k]:5.1f} ({100 * row[k] / wall:3.0f}%)" for k in ("compute_s", "averaging_s", "settle_s", "waiting_s"))
+            + f" | {wall:.1f}")  # fmt: skip
+    whole = whole_model_samples_per_s(run, max(2, steps))
+    result["whole_model_samples_per_s"] = whole
+    print(f"\n  one process, whole model, {os.cpu_count()} threads: {whole:.1f} samples/s; the pipeline all alive: "
+          f"{result['all_alive_samples_per_s'] / whole:.2f}x of it")  # fmt: skip
     if args.json:
         args.json.write_text(
             json.dumps({"square_cube": rows, "throughput": result, "model": model}, indent=2)

@@ -1,10 +1,13 @@
 """``swarm-sim --stages S``: rehearse a SWARM pipeline run on one machine, then check it.
 
 It starts a coordinator, ``peers_per_stage`` stage servers for each of the S stages and ``trainers``
-trainer peers, all as separate processes on loopback; optionally kills one replica of the last stage
-outright at a given step (``--kill-stage-peer-at``). It follows the run through the coordinator's status
-and the pipeline records in the DHT, and at the end checks that validation loss fell, that no
-micro-batch was lost, and that the surviving replicas of every stage hold identical parameters.
+trainer peers, all as separate processes on loopback; optionally kills one replica serving the last
+stage outright at a given step (``--kill-stage-peer-at``) and starts a replacement that joins that
+stage (it downloads the stage's state; rebalancing may then move a replica back to the
+stage it came from). Replicas rebalance every ``rebalance_interval_s`` (8 s here). It follows the run
+through the coordinator's status and the pipeline records in the DHT, and at the end checks that
+validation loss fell, that no micro-batch was lost, and that the replicas of every stage hold identical
+parameters.
 
 Example::
 
@@ -40,7 +43,7 @@ def build_pipeline_run(config: SimConfig, base: RunConfig) -> RunConfig:
     data["model"]["config"] = model
     data["training"].update(min_group_size=1)
     data["pipeline"] = {"stages": config.stages, "request_timeout_s": 5.0, "announce_interval_s": 0.3,
-                        "failed_server_cooldown_s": 3.0, "rebalance_interval_s": 20.0}  # fmt: skip
+                        "failed_server_cooldown_s": 3.0, "rebalance_interval_s": 8.0}  # fmt: skip
     return RunConfig.parse(data, source="swarm-sim pipeline run")
 
 
@@ -74,6 +77,7 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
     started = time.monotonic()
     deadline = started + config.timeout_s
     killed: list[dict] = []
+    replaced: list[dict] = []
     try:
         print(f"swarm-sim: coordinator + {config.stages} stages x {config.peers_per_stage} servers + "
               f"{config.trainers} trainers, {config.steps} steps, model {config.model_size} (logs in {root})",
@@ -113,11 +117,24 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
                 and step >= config.kill_stage_peer_at
                 and mid_step
             ):
-                victim = f"stage{config.stages - 1}-{config.peers_per_stage - 1}"
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(servers[victim].process.pid, signal.SIGKILL)
-                killed.append({"name": victim, "stage": config.stages - 1, "at_step": step})
-                print(f"killed {victim} (a replica of stage {config.stages - 1}) at step {step}", flush=True)
+                last = config.stages - 1
+                by_id = {p["peer_id"]: p["name"] for p in rows.values()}
+                # A replica serving the last stage now: names say where a peer started, not where it is.
+                serving = sorted(by_id.get(r.peer_id, "") for r in observer.view().replicas(last))
+                victim = next((n for n in reversed(serving) if n in servers), None)
+                if victim is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(servers[victim].process.pid, signal.SIGKILL)
+                    killed.append({"name": victim, "stage": last, "at_step": step})
+                    print(f"killed {victim} (a replica of stage {last}) at step {step}", flush=True)
+            if killed and not replaced:  # at once: a peer takes 20 s or more to start on a busy machine
+                name = f"stage{last}-{config.peers_per_stage}"
+                servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(last))
+                replaced.append({"name": name, "stage": last, "at_step": step, "replaces": killed[0]["name"]})
+                print(
+                    f"started {name} to replace {killed[0]['name']} in stage {last} at step {step}",
+                    flush=True,
+                )
             finished = [rows[n]["metrics"].get("finished", 0.0) == 1.0 for n in trainers if n in rows]
             if len(finished) == len(trainers) and all(finished):
                 break
@@ -149,6 +166,7 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             for s in stages
         )
         lost = int(sum(t["microbatches_lost"] for t in trainer_rows))
+        moves = {n: int(rows[n]["metrics"].get("moves", 0)) for n in servers if n in rows}
         initial = trainer_rows[0]["val_loss_initial"]
         final = trainer_rows[0]["val_loss"]
         result = {
@@ -161,13 +179,15 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
             "trainers": trainer_rows,
             "killed": killed,
+            "replaced": replaced,
+            "moves": moves,
             "duration_s": duration,
         }
         if config.json_path:
             config.json_path.write_text(json.dumps(result, indent=2))
         ok = final < initial and lost == 0 and agree
         print(f"validation loss {initial:.4f} -> {final:.4f} over {config.steps} steps in {duration:.0f}s; "
-              f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost; replicas of every stage "
+              f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost; {sum(moves.values())} moves; replicas of every stage "
               f"{'hold identical parameters' if agree else 'DISAGREE'}", flush=True)  # fmt: skip
         return 0 if ok else 1
     except (SwarmError, TimeoutError) as e:

@@ -165,7 +165,14 @@ class StageWorker:
         self._leave_throughput: dict[int, float] = {}  # samples/s by stage when rebalancing chose the move
         self._handlers: list[tuple[ServicerBase, str]] = []  # registered for the stage served
         self._last_record: StageRecord | None = None
-        self._stats = {"rounds_ok": 0.0, "rounds_failed": 0.0, "resyncs": 0.0, "moves": 0.0}
+        self._stats = {
+            "rounds_ok": 0.0,
+            "rounds_failed": 0.0,
+            "resyncs": 0.0,
+            "moves": 0.0,
+            "averaging_s": 0.0,
+            "settle_s": 0.0,
+        }
         self.finished = False
         self.paused = False
         self._step_since = time.monotonic()  # when this replica's step last changed
@@ -518,11 +525,15 @@ class StageWorker:
     async def _step_round(self) -> None:
         r = self.replica
         r.closing = True  # new work for this step is refused from now on
+        started = time.monotonic()
         await self._settle_duplicates()
+        self._stats["settle_s"] += time.monotonic() - started
+        started = time.monotonic()
         vector = await r.compute(r.mean_gradient)
         others = [x for x in self.view.averaging(r.index, r.step) if x.peer_id != self.peer_id]
         extra = {"step": r.step, "state_hash": r.state_hash}
         outcome = await self.averager.average(vector, float(r.samples), extra, alone=not others)
+        self._stats["averaging_s"] += time.monotonic() - started
         if outcome is None or not outcome[1].complete:
             self._stats["rounds_failed"] += 1
             logger.info(f"stage {r.index} step {r.step}: averaging did not complete; trying again")
