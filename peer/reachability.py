@@ -1,8 +1,9 @@
 """Whether other peers can open connections to this machine, learned at join from the coordinator.
 
-A peer behind NAT (a home router, a firewall) can dial out and cannot be dialed. It still trains: its
-groupmates reach it over the connections it opens (through libp2p). But it must not lead an averaging
-group, since followers would dial it to join: such a peer averages in client mode (docs/wan.md).
+A peer behind NAT (a home router, a firewall) can dial out and cannot be dialed. It still trains, as
+hivemind's client mode: it sends its contributions and receives the aggregates over connections it
+opens, reduces no part of a round (its signed group entry says it cannot be dialed), never leads a group
+(followers would have to dial it), and runs its DHT node as a client (docs/wan.md).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ async def learn_dialable(client: CoordinatorClient, host: str, setting: Dialable
     why = result.detail if result is not None else "no result"
     logger.info(
         f"other peers cannot dial this machine at {answer.address} ({why}): it joins averaging groups "
-        "but does not lead them (--dialable yes overrides)"
+        "but reduces no part and does not lead them, and its DHT node runs as a client "
+        "(--dialable yes overrides)"
     )
     return False

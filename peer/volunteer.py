@@ -50,8 +50,8 @@ from swarm.membership import fetch_members, publish_certificate
 from swarm.pipeline.trainer import PipelineTrainer
 from swarm.pipeline.worker import StageWorker, available_memory_bytes
 from swarm.records import RecordSigner, TrustValidator
-from swarm.training.precision import check_precision
 from swarm.training.diloco import trainer_class
+from swarm.training.precision import check_precision
 from swarm.training.trainer import Trainer
 
 logger = logging.getLogger("swarm.peer")
@@ -378,6 +378,7 @@ class Volunteer:
             admission = await self._join(client, stop)
             if admission is None:
                 return EXIT_OK
+            self.dialable = await learn_dialable(client, config.host, config.dialable)
             self._dht = await asyncio.to_thread(
                 start_dht,
                 self.key,
@@ -390,9 +391,9 @@ class Volunteer:
                     TrustValidator(self.run_config.run_id, self.coordinator_key),
                     BanPageValidator(self.run_config.run_id, self.coordinator_key),
                 ],
+                client_mode=not self.dialable,
             )
             self.records = RecordSigner(self.key, self.certificate.encoded)
-            self.dialable = await learn_dialable(client, config.host, config.dialable)
             training: asyncio.Task | None = None
             try:
                 if self.run_config.pipeline.stages > 1 or config.role in ("stage", "trainer"):

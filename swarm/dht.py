@@ -65,12 +65,16 @@ def start_dht(
     upnp: bool = False,
     startup_timeout_s: float = 30.0,
     validators: Sequence[RecordValidatorBase] = (),
+    client_mode: bool = False,
 ) -> hivemind.DHT:
     """Start a DHT node whose libp2p identity is ``identity_path`` (which must hold ``key``).
 
     ``validators`` check every record this node stores or receives: pass ``swarm.records.TrustValidator``
-    for the run, so the node refuses unsigned records and far-future values under the run's keys."""
+    for the run, so the node refuses unsigned records and far-future values under the run's keys.
+    ``client_mode``: this machine cannot be dialed (behind NAT), so it stores nothing for others and
+    only asks; others do not list it in their routing tables (hivemind's DHT client mode)."""
     dht = SpawnedDHT(
+        client_mode=client_mode,
         initial_peers=initial_peers,
         record_validators=list(validators),
         host_maddrs=[listen_maddr(host, port)],
