@@ -329,19 +329,25 @@ def run_churn(peers: int, model_size: str, up: float, down: float, timeout_s: in
             loaded = None
             while loaded is None and time.monotonic() < deadline:
                 time.sleep(1.0)
-                found = _log_times(children[victim].output(), pattern)
-                loaded = found[0][1] if found else None
+                # The restart appends to the same log: only a download after it counts.
+                found = [(t, m) for t, m in _log_times(children[victim].output(), pattern)
+                         if t >= int(_clock_s(restarted_at))]  # fmt: skip
+                loaded, loaded_t = (found[0][1], found[0][0]) if found else (None, 0.0)
             if loaded is None:
                 raise SystemExit(
                     f"{victim} loaded no state within {timeout_s}s:\n{children[victim].output()[-3000:]}"
                 )
             mib, seconds = float(loaded.group(2)), float(loaded.group(3))
-            loaded_t = _log_times(children[victim].output(), re.escape(loaded.group(0)))[0][0]
             joined = loaded_t - _clock_s(restarted_at)
+            since_kill = [
+                line for line in children[survivors[0]].output().splitlines()
+                if (t := _log_times(line, r"swarm\.")) and t[0][0] >= int(_clock_s(killed_at))
+            ][:12]  # fmt: skip
             return {
                 "up_mbit": up, "peers": peers, "model_size": model_size,
                 "survivors_finished_s": finished, "state_mib": mib, "download_s": seconds,
                 "download_minimum_s": mib * 2**20 * 8 / (up * 1e6), "restart_to_loaded_s": joined,
+                "survivor_log_after_kill": since_kill,
             }  # fmt: skip
         finally:
             local.kill_all()

@@ -594,6 +594,9 @@ class ButterflyAllReduce:
             self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
             self._handed.pop(part, None)
             self._handed_more.set()
+            # Nor wait for its contributions to our part: a peer that died mid-round may not have opened
+            # its stream to us yet, and would otherwise hold our part for the whole silence deadline.
+            self._drop(part, f"failed as reducer: {e!r}")
             (self.denied_by if denied else self.failed_reducers).append(peer.to_base58())
             self._settle(part)
             if stream is not None and hasattr(stream, "aclose"):
