@@ -159,6 +159,7 @@ class StageWorker:
         # stage -> step -> samples the stage's round averaged, for the rounds this peer took part in
         self.applied: dict[int, dict[int, float]] = {}
         self._serving = False  # announced as serving: handlers registered, state in line with the stage
+        self._behind_since: float | None = None  # since when another stage is past this replica's step
         self._joining_at: int | None = None  # joined the stage at this step; serves from the next one
         self._leave_to: int | None = None  # the stage a requested move goes to
         self._leave_since = 0.0
@@ -493,10 +494,32 @@ class StageWorker:
             return False
         trainers = [t for t in self.view.trainers if t.step == r.step]
         done = sum(t.samples for t in trainers)
+        if self._left_behind():
+            logger.warning(f"stage {r.index}: another stage has been past step {r.step} for a stall; closing it "
+                           f"with the {r.samples} samples counted here")  # fmt: skip
+            return True
         return (
             bool(trainers)
             and done >= self.config.training.target_batch_size
             and not any(t.in_flight for t in trainers)
+        )
+
+    def _left_behind(self) -> bool:
+        """Every server of another stage is past this step, and has been for longer than a round may take:
+        the trainers' micro-batches of this step can no longer complete, so waiting for them never ends."""
+        r, training = self.replica, self.config.training
+        ahead = any(
+            self.view.replicas(k) and min(x.step for x in self.view.replicas(k)) > r.step
+            for k in range(self.num_stages)
+            if k != r.index
+        )
+        if not ahead:
+            self._behind_since = None
+            return False
+        if self._behind_since is None:
+            self._behind_since = time.monotonic()
+        return (
+            time.monotonic() - self._behind_since > training.matchmaking_time_s + training.averaging_timeout_s
         )
 
     async def _settle_duplicates(self) -> None:
