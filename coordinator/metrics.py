@@ -134,6 +134,9 @@ async def run_snapshot(
             "max_steps": training.max_steps,
             "aggregator": training.aggregator,
             "admission": run.admission.policy,
+            # With diloco a step is an outer step (inner_steps local steps each), everywhere in status.
+            "sync": training.sync,
+            "inner_steps": training.inner_steps if training.sync == "diloco" else 1,
         },
         "step": current.step,
         "samples_per_s": current.samples_per_s,

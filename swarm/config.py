@@ -324,6 +324,21 @@ class RunConfig(_Section):
         default_factory=PipelineConfig, description="pipeline stages (SWARM); 1 stage: data-parallel"
     )
 
+    @model_validator(mode="after")
+    def _compression_fits_the_sync(self) -> RunConfig:
+        compression = self.training.compression
+        if compression == "topk" and self.training.sync != "diloco":
+            raise ValueError(
+                "training.compression 'topk' needs training.sync 'diloco' (its error feedback lives in the "
+                "diloco trainer; every_step would lose what the wire leaves out)"
+            )
+        if compression in ("int8", "topk") and self.pipeline.stages > 1:
+            raise ValueError(
+                f"training.compression {compression!r} applies to data-parallel averaging; pipeline stages "
+                "average with fp16 or none"
+            )
+        return self
+
     @field_validator("coordinator_key")
     @classmethod
     def _coordinator_key(cls, value: str | None) -> str | None:

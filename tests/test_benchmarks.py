@@ -95,7 +95,9 @@ def test_pipeline_benchmark_reports_throughput_under_failure_and_the_square_cube
     assert result["throughput"]["one_killed_samples_per_s"] > 0
     assert re.search(r"one process, whole model, \d+ threads: \d+\.\d samples/s", output), output[-4000:]
     breakdown = result["throughput"]["breakdown"]
-    assert sorted(r["stage"] for r in breakdown) == [0, 0, 1, 1] and all(r["compute_s"] > 0 for r in breakdown)
+    assert sorted(r["stage"] for r in breakdown) == [0, 0, 1, 1] and all(
+        r["compute_s"] > 0 for r in breakdown
+    )
     rows = result["square_cube"]
     assert [r["d_model"] for r in rows] == [64, 128, 256]
     # Traffic doubles with d while compute more than doubles: the ratio falls from the first to the last.

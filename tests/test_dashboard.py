@@ -102,6 +102,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
 def test_api_status_reflects_the_two_peer_run(run: Run):
     status = api(run)
     assert status["run_id"] == "dashboard"
+    # The dashboard labels steps as outer steps only for a diloco run.
+    assert (status["run"]["sync"], status["run"]["inner_steps"]) == ("every_step", 1)
     peers = {p["name"]: p for p in status["peers"]}
     assert set(peers) == {"peer0", "peer1"}
     for child in run.peers:

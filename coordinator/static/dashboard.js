@@ -129,7 +129,8 @@ function render(s) {
   $("run-sub").textContent = `model ${s.run.model} · dataset ${s.run.dataset} · target batch ${s.run.target_batch_size} · ` +
     `aggregator ${s.run.aggregator} · admission ${s.run.admission} · coordinator ${shortId(s.coordinator_peer_id)}`;
   $("kpi-step").textContent = fmt(s.step, 0);
-  $("kpi-step-hint").textContent = s.run.max_steps ? `of ${fmt(s.run.max_steps, 0)}` : "no step limit";
+  const outer = s.run.sync === "diloco" ? ` outer steps (${fmt(s.run.inner_steps, 0)} local steps each)` : "";
+  $("kpi-step-hint").textContent = (s.run.max_steps ? `of ${fmt(s.run.max_steps, 0)}` : "no step limit") + outer;
   $("kpi-train").textContent = fmt(s.train_loss, 3);
   $("kpi-val").textContent = s.val_loss === null ? "validation: –" : `validation: ${fmt(s.val_loss, 3)}`;
   $("kpi-sps").textContent = compact(s.samples_per_s);

@@ -11,6 +11,7 @@
 - memory.py: a peer's peak memory (GPU or RSS) and recognizing out-of-memory errors
 - microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
 - trainer.py: one peer's training loop: accumulate, average, step, resynchronize
+- diloco.py: DiLoCo: inner steps on the local copy, averaged pseudo-gradients, the outer optimizer
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).
 
