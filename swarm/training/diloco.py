@@ -34,7 +34,13 @@ import logging
 import torch
 
 from swarm.config import RunConfig
-from swarm.training.state import build_outer_optimizer, clip_gradients, learning_rate, set_learning_rate
+from swarm.training.state import (
+    build_outer_optimizer,
+    clip_gradients,
+    learning_rate,
+    set_flat_gradient,
+    set_learning_rate,
+)
 from swarm.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -161,10 +167,7 @@ class DilocoTrainer(Trainer):
             self._reset_accumulation()
 
     def _outer_step(self, averaged: torch.Tensor) -> None:
-        offset = 0
-        for p in self.synced_params:
-            p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
-            offset += p.numel()
+        set_flat_gradient(self.synced_params, averaged)
         self.synced_optimizer.step()
         self.synced_optimizer.zero_grad(set_to_none=True)
         self._stats["outer_steps"] += 1

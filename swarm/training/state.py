@@ -194,6 +194,14 @@ def flat_mean_gradient(params: list[torch.nn.Parameter], samples: int) -> torch.
     return torch.cat([g.detach().flatten().cpu() for g in grads]) / max(samples, 1)
 
 
+def set_flat_gradient(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Set each parameter's gradient to its slice of ``flat``, on the parameter's device and dtype."""
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+        offset += p.numel()
+
+
 def apply_flat_gradient(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter],
@@ -204,10 +212,7 @@ def apply_flat_gradient(
 ) -> None:
     """One optimizer step with a round's averaged flat gradient: onto each parameter's device, clipped,
     at the learning rate of ``step``. Every peer given the same bits takes the same step."""
-    offset = 0
-    for p in params:
-        p.grad = averaged[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
-        offset += p.numel()
+    set_flat_gradient(params, averaged)
     clip_gradients(model, config.grad_clip_norm)
     set_learning_rate(optimizer, learning_rate(config, step))
     optimizer.step()
