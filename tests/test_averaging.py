@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import VanishingAllReduce
 
+from protocols.errors import ConfigError
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.averaging.evidence import contribution_message, round_digest
@@ -103,6 +104,12 @@ def test_peers_end_bit_identical_at_the_weighted_mean(dhts, keys):
     assert torch.allclose(first, expected, atol=2e-3), "fp16 on the wire keeps the mean within fp16 precision"
     # Each peer sends (n-1)/n of its vector and the reduced part back to n-1 peers, 2 bytes a value.
     assert outcomes[0][1].bytes_sent == pytest.approx(2 * 2 * NUMEL * 2 / 3, rel=0.01)
+
+
+def test_validators_need_signed_round_inputs(keyed_dhts):
+    # Unsigned inputs fail every validator's check: each reducer would be suspected and the run would stall.
+    with pytest.raises(ConfigError, match="verify_probability 0.25 needs signed round inputs"):
+        Averager(keyed_dhts[0][0], prefix="unsigned", numel=NUMEL, verify_probability=0.25)
 
 
 def test_rounds_over_the_tcp_data_path_are_bit_identical(keyed_dhts):

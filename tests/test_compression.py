@@ -126,11 +126,12 @@ def test_codec_choice_comes_from_the_run_config():
         get_codec("topk", topk_density=0.0)
     with pytest.raises(ConfigError, match="available: fp16, none, int8, topk"):
         get_codec("int4")
-    run = RunConfig(run_id="r", training={"compression": "topk", "topk_density": 0.02})
+    diloco = {"sync": "diloco", "compression": "topk"}
+    run = RunConfig(run_id="r", training={**diloco, "topk_density": 0.02})
     assert run.training.topk_density == 0.02
     for bad in (0, 1.5):
         with pytest.raises(ValueError, match="topk_density"):
-            RunConfig(run_id="r", training={"compression": "topk", "topk_density": bad})
+            RunConfig(run_id="r", training={**diloco, "topk_density": bad})
 
 
 # --- hostile bytes ---------------------------------------------------------------------------------------

@@ -232,7 +232,12 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
     peers = [first, second]
     trainers = [
         Trainer(
-            run, p.dht, peer_id=p.key.peer_id, coordinator_key=coordinator.public_key, record_signer=p.signer
+            run,
+            p.dht,
+            peer_id=p.key.peer_id,
+            coordinator_key=coordinator.public_key,
+            record_signer=p.signer,
+            signing_key=p.key,
         )
         for p in peers
     ]

@@ -40,7 +40,7 @@ from hivemind.utils import MPFuture, get_dht_time
 
 from protocols import averaging_pb2 as apb
 from protocols.envelope import MAX_CLOCK_SKEW_S
-from protocols.errors import SwarmError
+from protocols.errors import ConfigError, SwarmError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
@@ -226,6 +226,11 @@ class Averager:
         self.traffic = Traffic()
         self.link = Throughput()  # this peer's measured upload rate, declared in its group entries
         self.round_mbit: float | None = None  # the rate the last round counted on (its slowest member's)
+        if verify_probability > 0 and signing_key is None:
+            # Validators refuse unsigned inputs, so every reducer would be suspected and shunned.
+            raise ConfigError(
+                f"verify_probability {verify_probability} needs signed round inputs: pass signing_key"
+            )
         self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
         # Without a policy the averager admits anyone: only local benchmarks and tests build it so.
         self.policy = policy if policy is not None else PeerPolicy(None, prefix)

@@ -218,6 +218,11 @@ class DilocoTrainer(Trainer):
                 await self._pending
             self._pending = None
 
+    async def _finish_rounds(self) -> None:
+        if self._pending is not None and self._reached_max():  # it committed the last step; validating it
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.shield(self._pending)
+
     async def _loop(self, stop: asyncio.Event) -> None:
         try:
             await super()._loop(stop)

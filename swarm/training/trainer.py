@@ -36,7 +36,7 @@ from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, catch_up_target
+from swarm.training.catchup import Position, catch_up_target, quorum
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
 from swarm.training.state import (
@@ -461,8 +461,20 @@ class Trainer:
             await self._evaluate()
 
     def _group_usable(self, group) -> bool:
-        """Whether a round's result may be applied (every member sees the same group and decides alike).
-        A gradient of a neighbouring step still helps, and the majority check repairs a peer apart."""
+        """Whether a round's result may be applied to this peer's state. A gradient of a neighbouring step
+        still helps, and the majority check repairs a peer apart; but a peer behind most of its groupmates
+        would commit a step with a state nobody else holds, and with one peer always apart (a device that
+        rounds differently) no majority would ever repair that. It catches up by download instead. A lone
+        groupmate that claims a later step changes nothing: it takes a majority of the others."""
+        steps = [
+            e.get("step") if isinstance(e, dict) else None
+            for p, e in zip(group.peer_ids, group.extras, strict=True)
+            if str(p) != self.peer_id
+        ]
+        ahead = sum(1 for s in steps if isinstance(s, int) and s > self.step)
+        if steps and ahead >= quorum(len(steps)):
+            logger.info(f"step {self.step}: {ahead} groupmates are steps ahead; catching up instead")
+            return False
         return True
 
     def _reached_max(self) -> bool:
@@ -519,8 +531,14 @@ class Trainer:
                 continue
             if self._ready_for_round():
                 await self._round()
+        await self._finish_rounds()
+        if self._reached_max() and self._stats["val_step"] != self.step:
+            await self._evaluate()  # the last step's loss, whichever path reached it (round or download)
         self.finished = True
         await self.encoded_state()
+
+    async def _finish_rounds(self) -> None:
+        """Let a round still running in the background end before the peer reports it finished."""
 
     def pause(self) -> None:
         """Stop computing after the current micro-batch or round; the peer keeps serving its state."""
