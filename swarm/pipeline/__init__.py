@@ -9,6 +9,7 @@
 - server.py: the P2P handlers of a stage server (``StageServicer``), every refusal a code and a message
 - worker.py: a peer hosting a stage (``StageWorker``): serve, average with the stage's replicas, catch up,
   rebalance
+- moves.py: how that peer joins a stage, serves it, leaves it and moves to another (``StageMoves``)
 - trainer.py: a peer streaming micro-batches through the stages (``PipelineTrainer``), with retries
 
 Example::
