@@ -2,10 +2,13 @@
 
 Each configuration is a whole ``swarm-sim`` swarm (coordinator plus ``--peers`` volunteer processes),
 optionally in the WAN lab with every link capped by the kernel (``--caps``, needs root). The anchor is
-today's ``sync = every_step`` with fp16 on the wire; every diloco configuration processes the same number
-of samples (``--samples``): every_step runs ``samples / target_batch`` steps, diloco
-``samples / (peers * H * inner_batch)`` outer steps, where an inner step takes each peer's share of the
-anchor's global batch (``target_batch / peers``), so that an outer step covers H anchor steps' samples. Per configuration it prints:
+today's ``sync = every_step`` with fp16 on the wire; it runs ``samples / target_batch`` steps. Peers of
+every_step bring more than the target batch to a step (they compute on while the progress records that
+close the batch travel), so each round the anchor runs first and the diloco configurations of that round
+take what it *measured*: an inner step takes each peer's share of the anchor's samples per step, and the
+outer steps are as many as cover the anchor's samples (``anchor samples / (peers * H * inner_batch)``).
+Every configuration thus processes the same samples, and an outer step covers H anchor steps' samples.
+Per configuration it prints:
 
 - final validation loss (the coordinator's last checkpoint, evaluated independently) and its ratio to
   the anchor's;
@@ -24,6 +27,7 @@ Usage::
     python benchmarks/bench_diloco.py                                 # small model, no cap
     python benchmarks/bench_diloco.py --caps 100,10                   # in the WAN lab (root)
     python benchmarks/bench_diloco.py --inner-steps 10,50,100 --codecs fp16,int8,topk --model-size demo
+    python benchmarks/bench_diloco.py --inner-steps 100 --codecs int8 --overlap off,on
     python benchmarks/bench_diloco.py --quick                         # smoke test
 """
 
@@ -46,9 +50,7 @@ TARGET_BATCH = 32
 
 
 def sim_command(args, config: dict, out: Path) -> list[str]:
-    # An inner step takes each peer's share of the anchor's global batch, as in the DiLoCo papers: one
-    # outer step of H inner steps then covers the samples of H anchor steps.
-    micro = MICRO_BATCH if config["sync"] == "every_step" else max(1, TARGET_BATCH // args.peers)
+    micro = config.get("inner_batch", MICRO_BATCH)
     command = [
         sys.executable, "-m", "coordinator.sim", "--peers", str(args.peers), "--model-size", args.model_size,
         "--micro-batch-size", str(micro), "--target-batch-size", str(TARGET_BATCH), "--lr", str(args.lr),
@@ -56,8 +58,9 @@ def sim_command(args, config: dict, out: Path) -> list[str]:
         "--verify-probability", "0.25",
     ]  # fmt: skip
     if config["sync"] == "diloco":
-        outer = max(1, args.samples // (args.peers * config["H"] * micro))
-        command += ["--sync", "diloco", "--inner-steps", str(config["H"]), "--steps", str(outer)]
+        command += ["--sync", "diloco", "--inner-steps", str(config["H"]), "--steps", str(config["outer"])]
+        if config.get("overlap"):
+            command += ["--outer-overlap"]
     else:
         command += ["--steps", str(max(1, args.samples // TARGET_BATCH))]
     if config["cap"]:
@@ -76,9 +79,12 @@ def run_one(args, config: dict) -> dict:
             )
         report = json.loads(out.read_text())
     outer_steps = report["steps"]
+    samples = sum(p["contributed_samples"] for p in report["peers"] if not p["byzantine"])
     return {
         **config,
         "steps": outer_steps,
+        "samples": samples,
+        "samples_per_round": samples / max(outer_steps, 1),
         "val_loss": report["final_val_loss"],
         "initial_val_loss": report["initial_val_loss"],
         "bytes_per_sample": report["bytes_sent_per_sample"],
@@ -117,13 +123,23 @@ def configurations(args) -> list[dict]:
         configs.append({"sync": "every_step", "H": 1, "codec": "fp16", "cap": cap})
         for h in (int(x) for x in args.inner_steps.split(",")):
             for codec in args.codecs.split(","):
-                configs.append({"sync": "diloco", "H": h, "codec": codec, "cap": cap})
+                for overlap in (v == "on" for v in args.overlap.split(",")):
+                    configs.append({"sync": "diloco", "H": h, "codec": codec, "cap": cap, "overlap": overlap})
     return configs
+
+
+def matched_to(anchor: dict, config: dict, peers: int) -> dict:
+    """A diloco configuration sized from the anchor's measured samples (see the module docstring)."""
+    micro = max(1, round(anchor["samples_per_round"] / peers))
+    outer = max(1, round(anchor["samples"] / (peers * config["H"] * micro)))
+    return {**config, "inner_batch": micro, "outer": outer}
 
 
 def label(config: dict) -> str:
     cap = f"{config['cap']:g} Mbit/s" if config["cap"] else "no cap"
     name = "every_step" if config["sync"] == "every_step" else f"diloco H={config['H']}"
+    if config.get("overlap"):
+        name += " overlap"
     return f"{name} {config['codec']} ({cap})"
 
 
@@ -137,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--caps", default="none", help="uplink caps in Mbit/s (none: loopback), comma-separated"
     )
+    parser.add_argument(
+        "--overlap", default="off", help="diloco outer_overlap variants: off, on, or off,on (both)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--timeout-s", type=int, default=1500)
@@ -149,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = configurations(args)
     rows = []
     for round_index in range(args.repeat):
+        anchors: dict = {}
         for config in configs:  # interleaved: every configuration once per round
+            if config["sync"] == "diloco":
+                config = matched_to(anchors[config["cap"]], config, args.peers)
             row = run_one(args, config)
+            if config["sync"] == "every_step":
+                anchors[config["cap"]] = row
             row["round"] = round_index
             rows.append(row)
             print(f"round {round_index} {label(config)}: val {row['val_loss']:.4f}, "
@@ -158,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     aggregate_s = aggregator_seconds(args.model_size, args.peers)
     print(f"\n{args.peers} peers, model {args.model_size}, {args.samples} samples each; "
           f"centered_clip over {args.peers} full vectors: {aggregate_s * 1e3:.1f} ms")  # fmt: skip
-    header = "| configuration | val loss (vs anchor) | bytes/sample (x fewer) | utilization | aggregator share | identical |"
+    header = (
+        "| configuration | samples (per round) | val loss (vs anchor) | bytes/sample (x fewer) | utilization "
+        "| aggregator share | identical |"
+    )
     print(header)
-    print("|" + "---|" * 6)
+    print("|" + "---|" * 7)
     for row in rows:
         anchor = next(
             r
@@ -170,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         row["loss_ratio"] = row["val_loss"] / anchor["val_loss"]
         row["fewer_bytes"] = anchor["bytes_per_sample"] / max(row["bytes_per_sample"], 1e-9)
         row["aggregator_share"] = aggregate_s / max(row["step_s"], 1e-9)
-        print(f"| {label(row)} | {row['val_loss']:.4f} ({row['loss_ratio']:.3f}) | {row['bytes_per_sample']:.1f} "
+        print(f"| {label(row)} | {row['samples']:.0f} ({row['samples_per_round']:.0f}) | {row['val_loss']:.4f} ({row['loss_ratio']:.3f}) | {row['bytes_per_sample']:.1f} "
               f"({row['fewer_bytes']:.0f}x) | {row['utilization']:.2f} | {row['aggregator_share']:.3f} | "
               f"{row['identical']} |")  # fmt: skip
     if args.json:

@@ -9,6 +9,7 @@ Usage::
 
     python benchmarks/byzantine_table.py                         # 8 peers, f = 2 and 3, every attack
     python benchmarks/byzantine_table.py --peers 5 --f 2 --attacks sign_flip,bad_reducer --json t.json
+    python benchmarks/byzantine_table.py --sync diloco --inner-steps 10 --compression int8 --steps 4
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--sync", default="every_step", choices=["every_step", "diloco"])
+    parser.add_argument("--inner-steps", type=int, default=10, help="diloco: local steps per outer step")
+    parser.add_argument("--compression", default="fp16", help="codec on the wire (int8 for the diloco table)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    base = ["--peers", str(args.peers), "--steps", str(args.steps), "--model-size", args.model_size]
+    base = ["--peers", str(args.peers), "--steps", str(args.steps), "--model-size", args.model_size,
+            "--sync", args.sync, "--compression", args.compression]  # fmt: skip
+    if args.sync == "diloco":
+        base += ["--inner-steps", str(args.inner_steps)]
     cells: dict = {"clean": run_sim(base, args.timeout_s), "runs": []}
     clean = cells["clean"].get("final_val_loss", float("nan"))
     print(
