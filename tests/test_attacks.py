@@ -6,10 +6,15 @@ import statistics
 
 import pytest
 import torch
+from helpers import KEYS, start_dhts
 
+from coordinator.localswarm import tiny_run
 from protocols.errors import ConfigError
 from swarm.byzantine import attack_names, attack_options, make_attack
 from swarm.byzantine.attacks import alie_z
+from swarm.training.colluders import honest_gradients
+from swarm.training.state import flat_mean_gradient
+from swarm.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,3 +170,39 @@ def test_bad_options_and_contexts_are_config_errors():
         make_attack("krum_breaker", group_size=4, attackers=1)
     with pytest.raises(ConfigError, match="attackers <= group_size"):
         make_attack("sign_flip", group_size=2, attackers=3)
+
+
+@pytest.mark.timeout(120)
+def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_seeds():
+    """Batches derive from public seeds: the omniscient colluders' view is the honest peers' real gradients,
+    bit for bit, and what omniscient_alie sends sits at their true mean + z * std."""
+    run = tiny_run("colluders")
+    dhts = start_dhts(2)
+    try:
+        torch.set_num_threads(1)
+        honest = [
+            Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()])
+            for d in dhts
+        ]
+        for trainer, micro_batches in zip(honest, (3, 2), strict=True):
+            for _ in range(micro_batches):
+                trainer._micro_step()
+        sent = {t.peer_id: flat_mean_gradient(t.params, t.samples) for t in honest}
+        before = [p.grad.clone() for p in honest[0].params]
+        rows = honest_gradients(
+            honest[0].model, honest[0].dataset, run_id=run.run_id, step=0,
+            micro_batch=run.training.micro_batch_size, seq_len=honest[0].seq_len,
+            peers={t.peer_id: t.samples for t in honest},
+        )  # fmt: skip
+        assert rows is not None and rows.shape[0] == 2
+        for row, peer_id in zip(rows, sorted(sent), strict=True):
+            assert torch.equal(row, sent[peer_id]), "the recomputed gradient is the honest peer's, exactly"
+        assert all(torch.equal(p.grad, g) for p, g in zip(honest[0].params, before, strict=True))
+        attack = make_attack("omniscient_alie", group_size=5, attackers=2)
+        assert attack.omniscient and not make_attack("alie", group_size=5, attackers=2).omniscient
+        lie = attack.contribution(rows[0], 0, peers=rows)
+        expected = rows.mean(dim=0) + alie_z(5, 2) * rows.std(dim=0, correction=0)
+        assert torch.allclose(lie, expected)
+    finally:
+        for d in dhts:
+            d.shutdown()

@@ -13,7 +13,10 @@ otherwise:
 Attacks that model collusion (``alie``, ``ipm``) need an estimate of the honest gradients' mean and
 spread. Colluding attackers know their own honest gradients: pass them stacked as ``peers`` (this
 attacker's included) when the attackers share them; without ``peers`` the attack estimates from this
-attacker's own honest gradients of its last ``window`` steps. Everything random is drawn from a
+attacker's own honest gradients of its last ``window`` steps. ``omniscient_alie`` and ``omniscient_ipm``
+are the attackers that read the code: every peer's batches derive from public seeds, so they recompute
+each honest peer's exact gradient of the step (``swarm.training.colluders``) and aim at the true mean
+and spread (``Attack.omniscient`` asks the trainer for them). Everything random is drawn from a
 generator seeded with the attack's seed and the step, so a rehearsal replays exactly.
 
 Example::
@@ -78,6 +81,11 @@ class Attack:
 
     def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
         return aggregate
+
+    @property
+    def omniscient(self) -> bool:
+        """Whether ``contribution`` wants every peer's exact gradient of the step as ``peers``."""
+        return bool(getattr(self.options, "omniscient", False))
 
     def generator(self, step: int) -> torch.Generator:
         """A CPU generator for ``step``: the same draws for the same seed and step, on every run."""
@@ -291,6 +299,24 @@ class InnerProductManipulation(Attack):
     ) -> torch.Tensor:
         mean, _ = _estimate(self.history, honest, step, peers)
         return mean * -self.options.epsilon
+
+
+class OmniscientAlieOptions(AlieOptions):
+    omniscient: bool = Field(True, description="recompute every peer's gradient from the public batch seeds")
+
+
+class OmniscientIpmOptions(IpmOptions):
+    omniscient: bool = Field(True, description="recompute every peer's gradient from the public batch seeds")
+
+
+@register_attack("omniscient_alie", OmniscientAlieOptions)
+class OmniscientAlie(Alie):
+    """``alie`` at the honest peers' exact mean and spread, recomputed from their public batch seeds."""
+
+
+@register_attack("omniscient_ipm", OmniscientIpmOptions)
+class OmniscientIpm(InnerProductManipulation):
+    """``ipm`` against the honest peers' exact mean, recomputed from their public batch seeds."""
 
 
 class NanOptions(AttackOptions):

@@ -12,6 +12,7 @@
 - microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
 - trainer.py: one peer's training loop: accumulate, average, step, resynchronize
 - diloco.py: DiLoCo: inner steps on the local copy, averaged pseudo-gradients, the outer optimizer
+- colluders.py: rehearsal of attackers that read the code: every peer's exact gradient from public seeds
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).
 

@@ -33,6 +33,7 @@ import logging
 
 import torch
 
+from protocols.errors import ConfigError
 from swarm.config import RunConfig
 from swarm.training.state import (
     build_outer_optimizer,
@@ -77,6 +78,9 @@ class DilocoTrainer(Trainer):
     """
 
     def __init__(self, run: RunConfig, dht, **kwargs):
+        if getattr(kwargs.get("attack"), "omniscient", False):
+            # A pseudo-gradient depends on each peer's local inner-optimizer state, which no seed reveals.
+            raise ConfigError(f"attack {kwargs['attack'].name!r} is rehearsed with sync 'every_step' only")
         super().__init__(run, dht, **kwargs)
         self.synced_model = copy.deepcopy(self.model)
         self.synced_params = [p for p in self.synced_model.parameters() if p.requires_grad]

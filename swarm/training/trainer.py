@@ -37,6 +37,7 @@ from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Position, catch_up_target, quorum
+from swarm.training.colluders import honest_gradients
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
 from swarm.training.state import (
@@ -207,6 +208,17 @@ class Trainer:
     def _contribution(self) -> torch.Tensor:
         """What this peer averages: the mean gradient of its accumulated micro-batches."""
         return flat_mean_gradient(self.params, self.samples)
+
+    def _exact_gradients(self, own: torch.Tensor) -> torch.Tensor:
+        """A rehearsed attacker that reads the code: its own honest gradient and every other peer's at this
+        step, recomputed from their public batch seeds and the samples their signed records claim."""
+        others = {k: p.samples for k, p in self.view.items() if k != self.peer_id and p.step == self.step}
+        rows = honest_gradients(
+            self.model, self.dataset, run_id=self.config.run_id, step=self.step,
+            micro_batch=self.config.training.micro_batch_size, seq_len=self.seq_len, peers=others,
+            precision=self.config.training.precision, device=self.device,
+        )  # fmt: skip
+        return own.unsqueeze(0) if rows is None else torch.cat([own.unsqueeze(0), rows])
 
     def _round_weight(self) -> float:
         """The samples behind what ``_contribution`` returns (a signed claim in the round)."""
@@ -403,7 +415,10 @@ class Trainer:
         vector = await asyncio.to_thread(self._contribution)
         weight = self._round_weight()
         if self.attack is not None:  # a rehearsed attacker sends something else, and may lie about its weight
-            vector = await asyncio.to_thread(self.attack.contribution, vector, self.step)
+            peers = None
+            if getattr(self.attack, "omniscient", False):
+                peers = await asyncio.to_thread(self._exact_gradients, vector)
+            vector = await asyncio.to_thread(self.attack.contribution, vector, self.step, peers=peers)
             weight = self.attack.weight(weight)
         extra = {"step": self.step, "state_hash": self.state_hash}
         # Everyone training at this step is about to look for a group too: assemble once all have joined
