@@ -31,10 +31,13 @@ def run_sim(flags: list[str], timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="swarm-table-") as home:
         out = Path(home) / "sim.json"
         started = time.monotonic()
-        result = subprocess.run(
-            [sys.executable, "-m", "coordinator.sim", "--json", str(out), *flags],
-            capture_output=True, text=True, timeout=timeout_s,
-        )  # fmt: skip
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "coordinator.sim", "--json", str(out), *flags],
+                capture_output=True, text=True, timeout=timeout_s,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result within {timeout_s:.0f}s", "duration_s": time.monotonic() - started}
         if not out.exists():
             return {"error": (result.stdout + result.stderr)[-500:], "duration_s": time.monotonic() - started}
         report = json.loads(out.read_text())
