@@ -7,6 +7,8 @@ import contextlib
 import tempfile
 from pathlib import Path
 
+import hivemind
+
 from protocols.keys import SigningKey
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.dht import SpawnedDHT, start_dht
@@ -28,6 +30,22 @@ def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()
         KEYS[key.peer_id] = key
         dhts.append(dht)
     return dhts
+
+
+def stock_dht(initial_peers: list[str], attempts: int = 2, ready_timeout_s: float = 60.0) -> hivemind.DHT:
+    """A stock ``hivemind.DHT`` with a fresh key (what an attacker who skips admission runs), joined to
+    ``initial_peers``. Its start-up waits without a limit inside hivemind and has hung once in a loaded
+    suite; here each try is bounded and a hung one is shut down and tried again."""
+    for attempt in range(attempts):
+        dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=False)
+        try:
+            dht.run_in_background(await_ready=True, timeout=ready_timeout_s)
+            return dht
+        except TimeoutError:
+            dht.shutdown()
+            if attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable")
 
 
 class VanishingAllReduce(ButterflyAllReduce):

@@ -11,6 +11,7 @@ import time
 
 import hivemind
 import pytest
+from helpers import stock_dht
 
 from coordinator.localswarm import FAST_MEMBERSHIP, LocalSwarm, free_port, peer_states, status, wait_until
 from protocols.certificates import issue_certificate
@@ -81,7 +82,7 @@ def test_stock_hivemind_dht_joins_and_forged_members_are_ignored(swarm: LocalSwa
     initial_peers = status(address).dht_initial_peers
     assert initial_peers == coordinator.extra["dht_initial_peers"]
     coordinator_key = PublicKey.from_peer_id(status(address).coordinator_peer_id)
-    stock = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    stock = stock_dht(initial_peers)
     try:
         # A record under the run's members key signed by a key that is not the coordinator's.
         impostor, fake_issuer = SigningKey.generate(), SigningKey.generate()

@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import hivemind
 import pytest
 import torch
+from helpers import stock_dht
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
@@ -228,7 +228,7 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
     home = Path(tempfile.mkdtemp(prefix="swarm-trust-"))
     first = Admitted(coordinator, RUN, home, [])
     second = Admitted(coordinator, RUN, home, first.maddrs)
-    attacker_dht = hivemind.DHT(initial_peers=first.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    attacker_dht = stock_dht(first.maddrs)
     peers = [first, second]
     trainers = [
         Trainer(
