@@ -13,6 +13,7 @@ from protocols.errors import ConfigError
 from swarm.byzantine import attack_names, attack_options, make_attack
 from swarm.byzantine.attacks import alie_z
 from swarm.training.colluders import honest_gradients
+from swarm.training.progress import PeerProgress
 from swarm.training.state import flat_mean_gradient
 from swarm.training.trainer import Trainer
 
@@ -198,6 +199,11 @@ def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_se
         for row, peer_id in zip(rows, sorted(sent), strict=True):
             assert torch.equal(row, sent[peer_id]), "the recomputed gradient is the honest peer's, exactly"
         assert all(torch.equal(p.grad, g) for p, g in zip(honest[0].params, before, strict=True))
+        # The trainer's hook: its own honest gradient, then each peer its verified view shows at this step.
+        other = honest[1]
+        honest[0].view = {other.peer_id: PeerProgress(other.peer_id, 0, other.samples, 1.0, "h", 0.0)}
+        seen = honest[0]._exact_gradients(sent[honest[0].peer_id])
+        assert torch.equal(seen, torch.stack([sent[honest[0].peer_id], sent[other.peer_id]]))
         attack = make_attack("omniscient_alie", group_size=5, attackers=2)
         assert attack.omniscient and not make_attack("alie", group_size=5, attackers=2).omniscient
         lie = attack.contribution(rows[0], 0, peers=rows)
