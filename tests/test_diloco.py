@@ -87,11 +87,12 @@ def test_outer_steps_keep_peers_identical_and_loss_falls(compression, overlap):
         asyncio.run(train(trainers))
         hashes = {t.state_hash for t in trainers}
         assert len(hashes) == 1, f"peers disagree after {steps} outer steps: {hashes}"
-        assert all(t.step == steps for t in trainers)
+        assert all(t.step == steps for t in trainers), [t.metrics() for t in trainers]
         first, last = trainers[0].first_validation[1], trainers[0].metrics()["val_loss"]
-        assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f}"
+        assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f}: {trainers[0].metrics()}"
         # Each peer took its inner steps locally: every outer step carried several optimizer steps.
-        assert max(t.metrics()["inner_steps"] for t in trainers) >= steps * INNER_STEPS * 0.8
+        inner = [t.metrics()["inner_steps"] for t in trainers]
+        assert max(inner) >= steps * INNER_STEPS * 0.8, [t.metrics() for t in trainers]
         if compression == "topk":
             # Error feedback: what the wire left out of the last contribution is kept for the next one.
             assert all(float(t.residual.abs().sum()) > 0 for t in trainers)
