@@ -301,12 +301,16 @@ class InnerProductManipulation(Attack):
         return mean * -self.options.epsilon
 
 
-class OmniscientAlieOptions(AlieOptions):
+class OmniscientOptions(AttackOptions):
     omniscient: bool = Field(True, description="recompute every peer's gradient from the public batch seeds")
 
 
-class OmniscientIpmOptions(IpmOptions):
-    omniscient: bool = Field(True, description="recompute every peer's gradient from the public batch seeds")
+class OmniscientAlieOptions(AlieOptions, OmniscientOptions):
+    pass
+
+
+class OmniscientIpmOptions(IpmOptions, OmniscientOptions):
+    pass
 
 
 @register_attack("omniscient_alie", OmniscientAlieOptions)

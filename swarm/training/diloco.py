@@ -78,9 +78,10 @@ class DilocoTrainer(Trainer):
     """
 
     def __init__(self, run: RunConfig, dht, **kwargs):
-        if getattr(kwargs.get("attack"), "omniscient", False):
+        attack = kwargs.get("attack")
+        if attack is not None and attack.omniscient:
             # A pseudo-gradient depends on each peer's local inner-optimizer state, which no seed reveals.
-            raise ConfigError(f"attack {kwargs['attack'].name!r} is rehearsed with sync 'every_step' only")
+            raise ConfigError(f"attack {attack.name!r} is rehearsed with sync 'every_step' only")
         super().__init__(run, dht, **kwargs)
         self.synced_model = copy.deepcopy(self.model)
         self.synced_params = [p for p in self.synced_model.parameters() if p.requires_grad]

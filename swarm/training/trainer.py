@@ -416,7 +416,7 @@ class Trainer:
         weight = self._round_weight()
         if self.attack is not None:  # a rehearsed attacker sends something else, and may lie about its weight
             peers = None
-            if getattr(self.attack, "omniscient", False):
+            if self.attack.omniscient:
                 peers = await asyncio.to_thread(self._exact_gradients, vector)
             vector = await asyncio.to_thread(self.attack.contribution, vector, self.step, peers=peers)
             weight = self.attack.weight(weight)
