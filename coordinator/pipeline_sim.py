@@ -162,7 +162,7 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             stages.append({"stage": stage, "replicas": replicas})
         trainer_rows = [{"name": n, "peer_id": rows[n]["peer_id"], **{k: rows[n]["metrics"].get(k, math.nan) for k in (
             "step", "samples_per_s", "microbatches_issued", "microbatches_completed", "microbatches_lost",
-            "retries", "val_loss", "val_loss_initial")}} for n in trainers]  # fmt: skip
+            "microbatches_waiting", "retries", "val_loss", "val_loss_initial")}} for n in trainers]  # fmt: skip
         for name in [*servers, *trainers]:
             (servers.get(name) or trainers[name]).signal(signal.SIGTERM)
         agree = all(
@@ -172,6 +172,7 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             for s in stages
         )
         lost = int(sum(t["microbatches_lost"] for t in trainer_rows))
+        left_over = int(sum(t["microbatches_waiting"] for t in trainer_rows))
         moves = {n: int(rows[n]["metrics"].get("moves", 0)) for n in servers if n in rows}
         initial = trainer_rows[0]["val_loss_initial"]
         final = trainer_rows[0]["val_loss"]
@@ -182,6 +183,7 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             "stages": stages,
             "stages_agree": agree,
             "lost_microbatches": lost,
+            "left_over_microbatches": left_over,
             "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
             "trainers": trainer_rows,
             "killed": killed,
@@ -193,7 +195,7 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             config.json_path.write_text(json.dumps(result, indent=2))
         ok = final < initial and lost == 0 and agree
         print(f"validation loss {initial:.4f} -> {final:.4f} over {config.steps} steps in {duration:.0f}s; "
-              f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost; {sum(moves.values())} moves; replicas of every stage "
+              f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost ({left_over} left over at the last step); {sum(moves.values())} moves; replicas of every stage "
               f"{'hold identical parameters' if agree else 'DISAGREE'}", flush=True)  # fmt: skip
         return 0 if ok else 1
     except (SwarmError, TimeoutError) as e:

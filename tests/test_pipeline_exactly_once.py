@@ -18,6 +18,7 @@ import torch
 
 from coordinator.localswarm import tiny_run
 from protocols import pipeline_pb2 as ppb
+from protocols.keys import SigningKey
 from swarm.config import RunConfig
 from swarm.dht import start_local_dhts
 from swarm.pipeline.server import StageServicer
@@ -130,3 +131,19 @@ def test_a_microbatch_retried_after_a_timeout_is_applied_once(tmp_path: Path):
         "the slow replica counted every micro-batch too, then dropped them"
     )
     assert hashes["slow"] == hashes["fast"], "the replicas of stage 1 hold identical parameters"
+
+
+def test_microbatches_the_last_step_outran_are_left_over_not_lost():
+    """A micro-batch the run outran waits to be issued again at the next step; at the last step there is
+    none, so it is left over. Only one that neither completed nor waits is lost."""
+    key = SigningKey.generate()
+    trainer = PipelineTrainer(retry_run(), None, peer_id=key.peer_id, seed=0, signing_key=key)
+    done, outran, dropped = (trainer._new_microbatch() for _ in range(3))
+    trainer.completed.add(done.id)
+    trainer.pending.append(outran)
+    metrics = trainer.metrics()
+    assert (metrics["microbatches_issued"], metrics["microbatches_completed"]) == (3, 1)
+    assert metrics["microbatches_waiting"] == 1
+    assert metrics["microbatches_lost"] == 1, (
+        f"micro-batch {dropped.id} is lost: it neither completed nor waits"
+    )

@@ -29,10 +29,12 @@ from swarm.identity import create_identity
 from swarm.membership import fetch_members, publish_certificate
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust, TrustValidator, record_key, seal_peer_record
-from swarm.training.catchup import Position, catch_up_target
+from swarm.training.catchup import Position, PositionHistory, catch_up_target
 from swarm.training.progress import fetch_progress
+from swarm.training.state import encode_state, state_hash
 from swarm.training.sync import (
     EncodedState,
+    StateMovedOn,
     StateServicer,
     download_state,
     fetch_checkpoint_record,
@@ -336,3 +338,68 @@ def test_state_downloads_need_admission_go_through_the_limiter_and_are_bounded_p
     finally:
         for p in (holder, member, stranger):
             p.dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_download_the_run_outran_takes_the_newer_state_only_when_the_records_vouch_for_it():
+    """The holder trained from step 5 to 7 between the requester's view and its request: a run that steps
+    faster than a download starts must not lock a peer out for good, and a holder alone among others
+    that saw another hash at step 7 cannot slip its own state in."""
+    home = Path(tempfile.mkdtemp(prefix="swarm-trust-"))
+    coordinator = SigningKey.generate()
+    holder = Admitted(coordinator, RUN, home, [])
+    member = Admitted(coordinator, RUN, home, holder.maddrs)
+    tensors = {"w": torch.arange(6, dtype=torch.float32)}
+    data = encode_state(7, tensors, {"run_id": RUN})
+    newer = EncodedState(7, state_hash(7, tensors), data)
+    at_five = state_hash(5, tensors)
+
+    async def provide() -> EncodedState:
+        return newer
+
+    async def admit(requester: str) -> str | None:
+        return None
+
+    holder_id = holder.key.peer_id
+
+    async def scenario() -> list[object]:
+        servicer = StateServicer(RUN, provide, admit=admit)
+        await servicer.add_p2p_handlers(await holder.dht.replicate_p2p(), namespace=state_namespace(RUN))
+        p2p = await member.dht.replicate_p2p()
+        outcomes: list[object] = []
+        for seen in (None, {holder_id: newer.state_hash, "x": newer.state_hash},
+                     {holder_id: newer.state_hash, "x": H2, "y": H2}):  # fmt: skip
+            history = PositionHistory()
+            if seen is not None:
+                history.observe({peer: Position(7, h) for peer, h in seen.items()})
+
+            async def vouched(step: int, h: str, history=history) -> bool:
+                return history.agreed(step, h)
+
+            try:
+                decoded = await download_state(p2p, holder.dht.peer_id, namespace=state_namespace(RUN), run_id=RUN,
+                                               min_step=5, expected_hash=at_five, max_bytes=1 << 20, timeout_s=30,
+                                               accept_newer=None if seen is None else vouched)  # fmt: skip
+                outcomes.append((decoded.step, decoded.state_hash))
+            except StateMovedOn as e:
+                outcomes.append(str(e))
+        return outcomes
+
+    try:
+        refused, taken, outvoted = asyncio.run(scenario())
+    finally:
+        for p in (holder, member):
+            p.dht.shutdown()
+    assert "has moved on to step 7" in refused, "without records to check it against, nothing newer is taken"
+    assert taken == (7, newer.state_hash), "the records seen at step 7 vouch for the holder's state"
+    assert "do not vouch for" in outvoted, "1 of 3 peers seen at step 7 is no majority"
+
+
+def test_the_position_history_forgets_old_steps_and_ignores_impossible_ones():
+    history = PositionHistory(max_steps=3)
+    for step in range(6):
+        history.observe({"a": Position(step, H1)}, max_step=100)
+    history.observe({"a": Position(2**63 - 1, H1)}, max_step=100)
+    assert not history.agreed(2, H1), "steps older than the last 3 seen are forgotten"
+    assert history.agreed(5, H1) and not history.agreed(5, H2)
+    assert not history.agreed(2**63 - 1, H1), "a step past max_steps is never recorded"

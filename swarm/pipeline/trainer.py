@@ -10,7 +10,9 @@ micro-batch counts once, when the first stage's backward completes. Nothing is d
 that the run outran is issued again at the new step with the same ID.
 
 The trainers together stop at the target batch of a step; the stage servers then average and step, and
-the trainers follow. ``lost_microbatches`` counts micro-batches issued and never completed.
+the trainers follow. ``microbatches_lost`` counts micro-batches issued that neither completed nor wait
+to be issued again; ``microbatches_waiting`` those that wait (at the end of a run: outrun by its last
+step, which needed no more samples, so there is no later step to issue them at).
 
 Example::
 
@@ -137,11 +139,13 @@ class PipelineTrainer:
 
     def metrics(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._started, 1e-9)
-        lost = len(self.issued - self.completed)
+        waiting = {mb.id for mb in self.pending} | self.in_flight
+        lost = len(self.issued - self.completed - waiting)
         return {
             **self._stats, "step": float(self.step), "samples": float(self.samples),
             "samples_per_s": self._samples_total / wall, "microbatches_issued": float(len(self.issued)),
             "microbatches_completed": float(len(self.completed)), "microbatches_lost": float(lost),
+            "microbatches_waiting": float(len(waiting)),
             "finished": float(self.finished),
             "val_loss_initial": self.first_validation[1] if self.first_validation else math.nan,
             "val_step_initial": float(self.first_validation[0]) if self.first_validation else math.nan,
@@ -390,8 +394,10 @@ class PipelineTrainer:
                     await asyncio.sleep(self.config.pipeline.announce_interval_s / 4)
             self.finished = self._reached_max()
             if self.finished:
+                counts = self.metrics()
                 logger.info(f"reached step {self.step}: {len(self.completed)} micro-batches completed, "
-                            f"{len(self.issued - self.completed)} lost")  # fmt: skip
+                            f"{counts['microbatches_waiting']:.0f} left over (the last step needed no more), "
+                            f"{counts['microbatches_lost']:.0f} lost")  # fmt: skip
                 with contextlib.suppress(Exception):
                     await self._publish()
                 await stop.wait()

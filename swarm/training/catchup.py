@@ -21,7 +21,9 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
 4. At the caller's own step the majority position must also beat the caller's own side (itself plus
    the peers that agree with it); equal sides go to the smaller hash, so two apart peers never swap.
 5. The state is downloaded only from the peers that hold the chosen position (certified holders), and
-   each download is verified against the hash (``swarm.training.sync``).
+   each download is verified against the hash (``swarm.training.sync``). A holder that trained past
+   that step before the download began offers its newer state; it is taken only when rule 2 holds for
+   it among the records seen at that step (``PositionHistory``), otherwise the caller looks again.
 """
 
 from __future__ import annotations
@@ -80,3 +82,29 @@ def catch_up_target(
             return None
     holders = sorted(peer for peer, p in others.items() if Position(p.step, p.state_hash) == best)
     return Target(best.step, best.state_hash, holders, support)
+
+
+class PositionHistory:
+    """The positions seen in verified records over the last ``max_steps`` steps, for a download that the
+    run outran: a holder that trained on while a requester read a slightly older view offers a newer
+    state, and rule 2 is applied to the records seen at that newer step. The state is taken only when a
+    strict majority of the other certified peers whose records showed that step showed that hash; a
+    holder alone among many cannot vouch for its own state.
+    """
+
+    def __init__(self, max_steps: int = 64):
+        self.max_steps = max_steps
+        self._by_step: dict[int, dict[str, str]] = {}
+
+    def observe(self, others: Mapping[str, Position], *, max_step: int | None = None) -> None:
+        limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
+        for peer, position in others.items():
+            if 0 <= position.step <= limit:
+                self._by_step.setdefault(position.step, {})[peer] = position.state_hash
+        for step in sorted(self._by_step)[: max(0, len(self._by_step) - self.max_steps)]:
+            del self._by_step[step]
+
+    def agreed(self, step: int, state_hash: str) -> bool:
+        seen = self._by_step.get(step, {})
+        support = sum(1 for h in seen.values() if h == state_hash)
+        return support > 0 and support >= quorum(len(seen))

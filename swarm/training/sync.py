@@ -140,8 +140,14 @@ async def download_state(
     expected_hash: str,
     max_bytes: int,
     timeout_s: float,
+    accept_newer: Callable[[int, str], Awaitable[bool]] | None = None,
 ) -> DecodedState:
-    """Fetch and verify ``peer``'s state; raises a SwarmError naming the peer and what was wrong."""
+    """Fetch and verify ``peer``'s state; raises a SwarmError naming the peer and what was wrong.
+
+    A holder that has moved past ``min_step`` offers its newer state: without ``accept_newer`` that is a
+    StateMovedOn at once; with it the download goes on, and the state is returned only if
+    ``accept_newer(step, state_hash)`` (awaited once the bytes are in and verified) vouches for it.
+    """
     stub = StateServicer.get_stub(p2p, peer, namespace=namespace)
 
     async def fetch() -> DecodedState:
@@ -153,9 +159,10 @@ async def download_state(
                 raise ProtocolError(f"{peer} refused the state download: {chunk.error}")
             if header is None:
                 header = chunk
-                if header.step > min_step and header.state_hash != expected_hash:
+                newer = header.step > min_step and header.state_hash != expected_hash
+                if newer and accept_newer is None:
                     raise StateMovedOn(f"{peer} has moved on to step {header.step}")
-                if header.state_hash != expected_hash:
+                if header.state_hash != expected_hash and not newer:
                     raise ProtocolError(
                         f"{peer} offers state {header.state_hash[:12]}, not the agreed {expected_hash[:12]}"
                     )
@@ -172,6 +179,13 @@ async def download_state(
                 f"{peer} sent {received} of {header.total_bytes if header else '?'} state bytes"
             )
         decoded = await asyncio.to_thread(decode_state, b"".join(chunks), max_bytes=max_bytes)
+        if decoded.step > min_step and (decoded.step, decoded.state_hash) == (header.step, header.state_hash):
+            if decoded.state_hash == expected_hash or (
+                accept_newer and await accept_newer(decoded.step, decoded.state_hash)
+            ):
+                return decoded
+            raise StateMovedOn(f"{peer} has moved on to step {decoded.step}, which the others' records do not "
+                               f"vouch for (yet)")  # fmt: skip
         if decoded.state_hash != expected_hash or decoded.step < min_step:
             raise ProtocolError(f"state from {peer} hashes to {decoded.state_hash[:12]} at step {decoded.step}, "
                                 f"expected {expected_hash[:12]} at step {min_step} or later")  # fmt: skip

@@ -36,7 +36,7 @@ from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, catch_up_target, quorum
+from swarm.training.catchup import Position, PositionHistory, catch_up_target, quorum
 from swarm.training.colluders import honest_gradients
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
@@ -148,6 +148,7 @@ class Trainer:
         self.step = self.samples = self.micro = 0
         self.state_hash = self.param_hash = ""
         self.view: dict[str, PeerProgress] = {}
+        self.positions = PositionHistory()  # recent steps' verified positions: a download the run outran
         self.finished = False
         self.first_validation: tuple[int, float] | None = None
         self._state_lock = asyncio.Lock()
@@ -309,6 +310,7 @@ class Trainer:
                     self.averager.p2p, holder, namespace=state_namespace(self.config.run_id),
                     run_id=self.config.run_id, min_step=step, expected_hash=expected_hash,
                     max_bytes=self.max_state_bytes(), timeout_s=self.averager.transfer_deadline_s(self.max_state_bytes()),
+                    accept_newer=self._vouched_for,
                 )  # fmt: skip
                 fetched_s = time.monotonic() - started
                 async with self._state_lock:
@@ -331,6 +333,19 @@ class Trainer:
                 f"{mib:.1f} MiB of tensors in {fetched_s:.1f}s)"
             )
             return True
+        return False
+
+    async def _vouched_for(self, step: int, state_hash: str) -> bool:
+        """Whether the others' records vouch for a newer state a holder offered; the view may not have
+        shown that step yet, so it waits for up to two more views."""
+        for views in range(3):
+            if self.positions.agreed(step, state_hash):
+                return True
+            if views < 2:
+                target = self._views + 1
+                deadline = time.monotonic() + 4 * self.config.training.progress_interval_s + 1.0
+                while self._views < target and time.monotonic() < deadline:
+                    await asyncio.sleep(self.config.training.progress_interval_s / 4)
         return False
 
     def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
@@ -379,6 +394,10 @@ class Trainer:
             if v.updated_at > time.time() - ttl_s and k not in self.averager.banned
         }  # fmt: skip
         self.view = {**recent, **fresh}
+        self.positions.observe(
+            {k: Position(v.step, v.state_hash) for k, v in fresh.items() if k != self.peer_id},
+            max_step=self.config.training.max_steps,
+        )
         self._views += 1
         await self._refresh_bans()
 
