@@ -134,11 +134,12 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
                     killed.append({"name": victim, "stage": last, "at_step": step})
                     print(f"killed {victim} (a replica of stage {last}) at step {step}", flush=True)
             if killed and not replaced:  # at once: a peer takes 20 s or more to start on a busy machine
-                name = f"stage{last}-{config.peers_per_stage}"
-                servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(last))
-                replaced.append({"name": name, "stage": last, "at_step": step, "replaces": killed[0]["name"]})
+                into = last if config.replace_into_stage is None else config.replace_into_stage
+                name = f"stage{into}-{config.peers_per_stage}"
+                servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(into))
+                replaced.append({"name": name, "stage": into, "at_step": step, "replaces": killed[0]["name"]})
                 print(
-                    f"started {name} to replace {killed[0]['name']} in stage {last} at step {step}",
+                    f"started {name} to replace {killed[0]['name']} in stage {into} at step {step}",
                     flush=True,
                 )
             finished = [rows[n]["metrics"].get("finished", 0.0) == 1.0 for n in trainers if n in rows]

@@ -76,6 +76,11 @@ class SimConfig(BaseModel):
     kill_stage_peer_at: int | None = Field(
         None, ge=0, description="kill one server of the last pipeline stage outright at this step"
     )
+    replace_into_stage: int | None = Field(
+        None, ge=0, le=7,
+        description="the stage the killed server's replacement joins (default: the killed server's stage); "
+        "another stage leaves the killed one short, so the swarm must rebalance",
+    )  # fmt: skip
     byzantine: int = Field(0, ge=0, le=15, description="how many peers play the attacker named by --attack")
     attack: str | None = Field(None, max_length=64, description="the attack the --byzantine peers mount")
     protocol_attack: str | None = Field(
@@ -144,6 +149,13 @@ class SimConfig(BaseModel):
     def _lab_fits(self) -> SimConfig:
         if self.nat > self.peers:
             raise ValueError(f"--nat {self.nat} is more than --peers ({self.peers})")
+        if self.replace_into_stage is not None and (
+            self.kill_stage_peer_at is None or self.replace_into_stage >= self.stages
+        ):
+            raise ValueError(
+                f"--replace-into-stage {self.replace_into_stage} needs --kill-stage-peer-at and a stage "
+                f"below --stages {self.stages}"
+            )
         if self.stages and (self.wan or self.nat):
             raise ValueError(
                 "--wan and --nat rehearse data-parallel peers; they do not apply with --stages yet"

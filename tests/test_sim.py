@@ -38,6 +38,13 @@ def test_swarm_sim_rejects_bad_flags():
         [sys.executable, "-m", "coordinator.sim", "--peers", "0"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and "--peers" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.sim", "--stages", "2", "--replace-into-stage", "2",
+         "--kill-stage-peer-at", "3"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (
+        result.returncode == 2 and "--replace-into-stage 2" in result.stderr and "--stages 2" in result.stderr
+    )
 
 
 def test_demo_run_validation_loss_falls_at_every_evaluation(tmp_path: Path):
