@@ -94,6 +94,7 @@ async def run_snapshot(
     records = await store.list_peers()
     bans = await store.list_bans()
     refused = await store.credit_refused()
+    suspected = await store.suspicion_counts()
     history = await store.history(max_points=history_points)
     now = time.time()
     current = history_point(records, now)
@@ -115,6 +116,8 @@ async def run_snapshot(
             "last_seen": r.last_seen,
             "joined_at": r.joined_at,
             "diverged": r.peer_id in diverged,
+            # How many online peers avoid it now for breaking their rounds (withholding, denying a round).
+            "suspected_by": suspected.get(r.peer_id, 0),
             "ban_reason": r.ban_reason,
             "metrics": {k: v for k in PEER_METRICS if (v := _metric(r, k)) is not None},
         }
@@ -230,12 +233,19 @@ class _SnapshotCollector:
             "swarm_peer_samples_per_second", "a peer's training throughput", labels=labels
         )
         step = GaugeMetricFamily("swarm_peer_step", "the step a peer last reported", labels=labels)
+        suspected = GaugeMetricFamily(
+            "swarm_peer_suspected_by",
+            "online peers that avoid a peer for breaking their rounds",
+            labels=labels,
+        )
         for p in s["peers"]:
             credit.add_metric([p["peer_id"], p["name"]], p["contributed_samples"])
             if p["state"] == "online":
                 speed.add_metric([p["peer_id"], p["name"]], p["samples_per_s"])
                 step.add_metric([p["peer_id"], p["name"]], p["step"])
-        yield from (credit, speed, step)
+            if p["suspected_by"]:
+                suspected.add_metric([p["peer_id"], p["name"]], p["suspected_by"])
+        yield from (credit, speed, step, suspected)
 
 
 def prometheus_text(snapshot: dict[str, Any]) -> bytes:

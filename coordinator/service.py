@@ -258,6 +258,7 @@ class CoordinatorService:
             metrics=body.metrics,
             step=body.step,
             param_hash=body.param_hash,
+            suspects=body.suspects,
         )
         if not recorded:
             raise ReplayError(f"heartbeat from {envelope.sender} repeats an old sequence number")

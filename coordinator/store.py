@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, verify_step
+from coordinator.suspicions import SCHEMA as SUSPICIONS_SCHEMA
+from coordinator.suspicions import record_suspicions, suspicion_counts
 from protocols.errors import ConfigError
 from swarm.config import TrainingConfig
 
@@ -185,7 +187,7 @@ class Store:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA busy_timeout=5000")
-            db.executescript(SCHEMA)
+            db.executescript(SCHEMA + SUSPICIONS_SCHEMA)
             _move_old_evidence(db)
         except sqlite3.Error as e:
             raise ConfigError(f"cannot open the coordinator store {self.path}: {e}") from None
@@ -260,10 +262,18 @@ class Store:
         await self._run(op)
 
     async def record_heartbeat(
-        self, peer_id: str, *, seq: int, seen_at: float, metrics: dict[str, float], step: int, param_hash: str
+        self,
+        peer_id: str,
+        *,
+        seq: int,
+        seen_at: float,
+        metrics: dict[str, float],
+        step: int,
+        param_hash: str,
+        suspects: list[str] | None = None,
     ) -> bool:
-        """Mark the peer online and credit its contribution, in one transaction; returns False (and
-        changes nothing) when ``seq`` is not new."""
+        """Mark the peer online, credit its contribution and take its list of suspects, in one transaction;
+        returns False (and changes nothing) when ``seq`` is not new."""
 
         def op(db: sqlite3.Connection) -> bool:
             with transaction(db):
@@ -285,6 +295,7 @@ class Store:
                     )
                     if CONTRIBUTED in metrics and step <= verified:
                         merge_credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
+                    record_suspicions(db, peer_id, suspects or (), seen_at)
             return cursor.rowcount == 1
 
         return await self._run(op)
@@ -375,6 +386,10 @@ class Store:
 
     async def verified_step(self) -> int:
         return await self._run(lambda db: meta_int(db, "verified_step"))
+
+    async def suspicion_counts(self) -> dict[str, int]:
+        """Per peer, how many online, unbanned peers avoid it now (``coordinator.suspicions``)."""
+        return await self._run(suspicion_counts)
 
     async def credit_refused(self) -> dict[str, float]:
         """Samples each peer claimed beyond what its progress allows (only peers with such claims)."""

@@ -38,6 +38,7 @@ from protocols.errors import (
     SwarmError,
 )
 from protocols.keys import PublicKey, SigningKey
+from protocols.messages import MAX_SUSPECT_REPORTS
 from swarm.bans import BanPageValidator
 from swarm.byzantine.attacks import make_attack
 from swarm.components import check_components
@@ -190,6 +191,7 @@ class Volunteer:
                     metrics=self._metrics(members),
                     step=self.trainer.step if self.trainer else 0,
                     param_hash=self.trainer.param_hash if self.trainer else "",
+                    suspects=self.trainer.suspected(MAX_SUSPECT_REPORTS) if self.trainer else [],
                 )
                 if failures:
                     logger.info(f"reconnected to the coordinator at {client.address}")

@@ -32,10 +32,14 @@ CHALLENGE_BYTES = 32
 BAN_PAGE_ENTRIES = 200
 MAX_BAN_PAGES = 128
 MAX_METRICS = 64
+# Peers a heartbeat may name as ones its sender avoids for breaking rounds (``PeerPolicy`` suspects).
+MAX_SUSPECT_REPORTS = 16
 PEER_STATES = ("online", "offline", "left", "banned")
 REQUESTED_ROLES = ("auto", "data", "stage", "trainer")
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# A libp2p peer ID as base58 text (its form is checked, not that any peer holds it).
+PeerIdText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$")]
 
 
 class _Body(BaseModel):
@@ -66,6 +70,9 @@ class HeartbeatBody(_Body):
     metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(
         default_factory=dict, max_length=MAX_METRICS
     )
+    # The peers its sender avoids now for breaking its rounds in ways nobody can prove (a reducer that
+    # took a part and never delivered it, a member that denied a round); the coordinator shows the count.
+    suspects: list[PeerIdText] = Field(default_factory=list, max_length=MAX_SUSPECT_REPORTS)
 
     @field_validator("metrics")
     @classmethod

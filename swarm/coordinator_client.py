@@ -30,6 +30,7 @@ from protocols.messages import (
     JOIN,
     JOIN_ANSWER,
     LEAVE,
+    MAX_SUSPECT_REPORTS,
     JoinAnswerBody,
     parse_body,
     token_proof,
@@ -177,10 +178,11 @@ class CoordinatorClient:
         metrics: dict[str, float] | None = None,
         step: int = 0,
         param_hash: str = "",
+        suspects: list[str] | None = None,
     ) -> HeartbeatAnswer:
         body = {
             "seq": self._next_seq(), "state": state, "metrics": dict(metrics or {}), "step": step,
-            "param_hash": param_hash,
+            "param_hash": param_hash, "suspects": list(suspects or [])[:MAX_SUSPECT_REPORTS],
         }  # fmt: skip
         request = pb.HeartbeatRequest(
             header=self._header(run_id), envelope=seal(key, HEARTBEAT, run_id, body)

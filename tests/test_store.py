@@ -221,3 +221,29 @@ def test_the_cli_bans_and_unbans_on_its_own_connection(tmp_path: Path):
             store.close()
 
     run(scenario())
+
+
+def test_suspicions_count_distinct_online_unbanned_reporters_and_each_keeps_only_its_latest_list(
+    tmp_path: Path,
+):
+    async def scenario() -> dict[str, int]:
+        store = Store.open_sync(tmp_path / "c.db", "suspicions", max_samples_per_step=32)
+        try:
+            for p in ("a", "b", "c", "liar", "w"):
+                await store.admit(peer(p))
+
+            async def beat(reporter: str, seq: int, suspects: list[str]) -> None:
+                await store.record_heartbeat(reporter, seq=seq, seen_at=float(seq), metrics={}, step=0,
+                                             param_hash="", suspects=suspects)  # fmt: skip
+
+            await beat("a", 1, ["w", "a", "nobody-known"])  # itself and unknown peers are dropped
+            await beat("b", 1, ["w", "w"])  # a repeat counts once
+            await beat("c", 1, ["w", "b"])
+            await beat("c", 2, ["w"])  # its new list replaces the old: "b" is no longer avoided by "c"
+            await beat("liar", 1, ["a", "b", "c"])
+            await store.ban("liar", "rehearsal")  # a banned reporter's word stops counting
+            return await store.suspicion_counts()
+        finally:
+            store.close()
+
+    assert run(scenario()) == {"w": 3}

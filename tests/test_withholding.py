@@ -8,10 +8,13 @@ matchmaking for a while (``PeerPolicy.suspect``): the retry forms without it and
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
 import pytest
 import torch
 
+from coordinator.localswarm import tiny_run, wait_until
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.byzantine.attacks import make_attack
@@ -186,3 +189,43 @@ def test_a_member_missing_the_draw_suspects_nobody(peers):
     assert len([o for per_task in checks[0] for o in per_task]) == 2, "member 0 checks both other parts"
     others = [key.peer_id for _, key in peers]
     assert all(a.policy.refusal(p) is None for a in averagers for p in others)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_coordinator_is_told_who_withholds_and_the_dashboard_shows_it(swarm):
+    """Real processes: 3 honest peers and a withholder. Withholding proves nothing to a third party, so
+    it is no ban; each honest peer names the reducer it avoids in its heartbeats, and the coordinator's
+    status (JSON and Prometheus) counts the distinct online peers that avoid it."""
+    data_dir = swarm.root / "coordinator-data"
+    run = tiny_run("withheld", min_group_size=2)
+    swarm.spawn(
+        "coordinator",
+        ["-m", "coordinator.cli", "start", "--config", str(swarm.write_config(run)), "--host", "127.0.0.1",
+         "--port", "0", "--dht-port", "0", "--data-dir", str(data_dir), "--dashboard-port", "0"],
+    )  # fmt: skip
+    endpoint_file = data_dir / "endpoint.json"
+    endpoint = wait_until(
+        lambda: json.loads(endpoint_file.read_text()) if endpoint_file.exists() else None,
+        timeout_s=90, what="the coordinator",
+    )  # fmt: skip
+    rehearsal = ["--rehearse-attack", "withholder", "--rehearse-attackers", "1", "--rehearse-group-size", "4"]
+    for i in range(4):
+        swarm.start_peer(endpoint["address"], f"peer{i}", *(rehearsal if i == 3 else ()))
+
+    def peers_now() -> dict[str, dict]:
+        with urllib.request.urlopen(endpoint["dashboard_url"] + "api/status", timeout=10) as response:
+            return {p["name"]: p for p in json.load(response)["peers"]}
+
+    peers = wait_until(
+        lambda: (now := peers_now()) and now.get("peer3", {}).get("suspected_by", 0) >= 2 and now,
+        timeout_s=200, what="two honest peers to report the withholder",
+    )  # fmt: skip
+    assert peers["peer3"]["state"] == "online", "a withholder is avoided and shown, not banned"
+    honest = [peers[f"peer{i}"]["suspected_by"] for i in range(3)]
+    assert max(honest) < peers["peer3"]["suspected_by"], peers
+    with urllib.request.urlopen(endpoint["dashboard_url"] + "metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert any(
+        line.startswith("swarm_peer_suspected_by{") and 'name="peer3"' in line for line in text.splitlines()
+    ), text[-2000:]

@@ -119,6 +119,12 @@ function stateBadge(peer) {
   const state = peer.paused ? "paused" : peer.state;
   wrap.appendChild(el("span", { class: `badge ${state}` }, state));
   if (peer.diverged) wrap.appendChild(el("span", { class: "badge diverged", title: "its parameters differ from most peers at its step" }, "diverged"));
+  if (peer.suspected_by > 0) {
+    wrap.appendChild(el("span", {
+      class: "badge suspected",
+      title: `${peer.suspected_by} online peer(s) avoid it for breaking their rounds (a part never delivered, a round denied); not provable, so not a ban`,
+    }, `avoided by ${peer.suspected_by}`));
+  }
   return wrap;
 }
 

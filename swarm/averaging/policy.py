@@ -100,6 +100,11 @@ class Suspects:
             self._held.popitem(last=False)
         return held
 
+    def avoided(self, limit: int) -> list[str]:
+        """Up to ``limit`` peers avoided now (as members or as leaders), the latest offence first."""
+        now = self.clock()
+        return [peer for peer, held in reversed(self._held.items()) if held.until > now][:limit]
+
     def refusal(self, peer_id: str, *, as_leader: bool = False) -> str | None:
         """Why ``peer_id`` is avoided now (``as_leader``: to be followed); None if it is not."""
         held = self._held.get(peer_id)

@@ -137,6 +137,9 @@ class PipelineTrainer:
     def param_hash(self) -> str:
         return ""  # a trainer holds no parameters
 
+    def suspected(self, limit: int) -> list[str]:
+        return []  # a trainer averages with nobody; servers that fail it are avoided per call instead
+
     def metrics(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._started, 1e-9)
         waiting = {mb.id for mb in self.pending} | self.in_flight

@@ -192,6 +192,10 @@ class StageWorker(StageMoves):
         # divergent, so the per-stage hash is announced in the pipeline's DHT records instead.
         return ""
 
+    def suspected(self, limit: int) -> list[str]:
+        """The peers this one avoids now for breaking its rounds, for the coordinator (at most ``limit``)."""
+        return self.policy.suspects.avoided(limit)
+
     def metrics(self) -> dict[str, float]:
         r = self.replica
         extra = {} if r is None else {

@@ -170,6 +170,10 @@ class Trainer:
 
     # --- metrics -------------------------------------------------------------------------------------
 
+    def suspected(self, limit: int) -> list[str]:
+        """The peers this one avoids now for breaking its rounds, for the coordinator (at most ``limit``)."""
+        return self.policy.suspects.avoided(limit)
+
     def metrics(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {
