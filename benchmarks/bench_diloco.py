@@ -14,8 +14,9 @@ Per configuration it prints:
   the anchor's;
 - bytes on the wire per sample: averaging bytes every honest peer sent / samples in applied rounds, and
   how many times fewer than the anchor (the issue's target: >= 200x for int8 at H=100, >= 2000x topk);
-- compute utilization: the share of each peer's wall time in forward, backward and inner steps (the
-  rest is matchmaking, the all-reduce and waiting);
+- compute utilization: the share of each peer's training window (its first micro-batch to its last
+  step) spent in forward, backward and optimizer steps (every inner step, and the step that applies a
+  round); the rest is matchmaking, the all-reduce, evaluations and waiting;
 - the robust aggregator's cost per outer step (``centered_clip`` timed in this process on as many
   pseudo-gradients of the model's size as there are peers) as a share of the outer step's wall time.
 

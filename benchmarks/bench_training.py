@@ -6,11 +6,11 @@ demo model (the default ``gpt`` config, or ``--model-config``) for ``--steps`` g
 
 Figures are taken over the steady state: from the moment a peer reaches step 1 (its first round done,
 connections warm) to the moment it reaches the last step. Compute utilization is the time spent in
-forward/backward (the trainer's own ``compute_s``) over that wall time, per peer. Samples/s counts the
+forward/backward and the optimizer step (the trainer's own ``compute_s``) over that wall time, per peer. Samples/s counts the
 samples of every round in the window (the group's summed weights); bytes on the wire are the all-reduce
 payloads every peer sent (DHT traffic and the p2p framing are not counted). The rest of each step's wall
-time is split into matchmaking, the all-reduce itself, and other (the optimizer step, hashing the state,
-waiting for a fresh view of the run's progress).
+time is split into matchmaking, the all-reduce itself, and other (hashing the state, waiting for a fresh
+view of the run's progress).
 
 The target batch is the run config's default, 256 sequences of 256 bytes (65,536 tokens) per global
 step, in micro-batches of 8: a common size for a 5M-parameter language model (nanoGPT's character-level
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"samples/s: {result['samples_per_s']:.2f} ({tokens}), {result['step_s']:.1f}s per step")
     print(f"bytes on the wire per sample: {result['bytes_per_sample']:.0f}")
     print(
-        "the trainer's own compute_utilization over its whole life (startup included): "
+        "the trainer's own compute_utilization over its training window (first micro-batch to last step): "
         + ", ".join(f"{p['trainer_utilization']:.1%}" for p in result["peers"])
     )
     print(f"\ntotal {time.monotonic() - started:.0f}s; 1-minute load average now {os.getloadavg()[0]:.1f}")

@@ -55,17 +55,41 @@ def test_catch_up_follows_a_strict_majority_of_certified_peers_only():
     sybils = {f"s{i}": Position(6, H2) for i in range(2)}
     assert catch_up_target(Position(5, H1), {**honest, **sybils}) is None, "2 of 4 is no majority"
     assert catch_up_target(Position(0, H3), honest).holders == ["a", "b"], "a late joiner follows the run"
-    # A round completed for "a" only; "b" is one step behind and a joiner at step 0 watches.
+    # A round completed for "a" only; "b" is one step behind and a joiner at step 0 watches. One peer
+    # ahead is all an attacker needs to be, so "b" follows it only once stalled; the joiner has no vote.
     seen_by_b = {"a": Position(7, H1), "joiner": Position(0, H3)}
-    assert catch_up_target(Position(6, H2), seen_by_b).holders == ["a"], "peers behind get no vote"
+    assert catch_up_target(Position(6, H2), seen_by_b) is None, "a lone peer ahead is no majority"
+    assert catch_up_target(Position(6, H2), seen_by_b, stalled=True).holders == ["a"]
+    assert catch_up_target(Position(6, H2), {"a": Position(7, H1)}).holders == ["a"], (
+        "of two peers, one leads"
+    )
     seen_by_joiner = {"a": Position(7, H1), "b": Position(6, H2)}
     assert catch_up_target(Position(0, H3), seen_by_joiner) is None, "the joiner waits for agreement"
     # "b" and "c" hold the same state, and their rounds keep failing: once stalled, only peers ahead vote.
     seen_by_c = {"a": Position(7, H1), "b": Position(6, H2)}
     assert catch_up_target(Position(6, H2), seen_by_c) is None
     assert catch_up_target(Position(6, H2), seen_by_c, stalled=True).holders == ["a"]
-    moved = catch_up_target(Position(5, H1), {**honest, **sybils, "s2": Position(6, H2)})
+    three = {**sybils, "s2": Position(6, H2)}
+    assert catch_up_target(Position(5, H1), {**honest, **three}) is None, (
+        "3 of 6 with the caller is no majority"
+    )
+    moved = catch_up_target(Position(5, H1), {**honest, **three, "s3": Position(6, H2)})
     assert moved is not None and moved.state_hash == H2, "only a majority of certified keys moves a peer"
+
+
+def test_one_admitted_peer_ahead_cannot_steer_a_peer_that_just_committed():
+    """Right after "c" commits step 6 its honest groupmates still show step 5 (their records lag by up to
+    a progress interval); an admitted attacker announces step 7 with a poisoned hash, then step 8. Before,
+    only peers at or ahead of the caller voted, so the attacker was a majority of one and "c" downloaded
+    its state."""
+    finishing = {"a": Position(5, H1), "b": Position(5, H1)}
+    for ahead in (7, 8):
+        assert catch_up_target(Position(6, H2), {**finishing, "evil": Position(ahead, H3)}) is None
+    # Once the groupmates show step 6 with the caller's state, the attacker is still one voter of four.
+    done = {"a": Position(6, H2), "b": Position(6, H2), "evil": Position(7, H3)}
+    assert catch_up_target(Position(6, H2), done) is None
+    # A peer that fell behind follows the honest majority as before, the attacker's vote notwithstanding.
+    assert catch_up_target(Position(3, H1), done).holders == ["a", "b"]
 
 
 def test_catch_up_never_follows_an_absurd_step_and_apart_peers_never_swap():
@@ -373,8 +397,10 @@ def test_a_download_the_run_outran_takes_the_newer_state_only_when_the_records_v
             if seen is not None:
                 history.observe({peer: Position(7, h) for peer, h in seen.items()})
 
-            async def vouched(step: int, h: str, history=history) -> bool:
-                return history.agreed(step, h)
+            voters = len(seen or {})
+
+            async def vouched(step: int, h: str, history=history, voters=voters) -> bool:
+                return history.agreed(step, h, voters=voters)
 
             try:
                 decoded = await download_state(p2p, holder.dht.peer_id, namespace=state_namespace(RUN), run_id=RUN,
@@ -400,6 +426,7 @@ def test_the_position_history_forgets_old_steps_and_ignores_impossible_ones():
     for step in range(6):
         history.observe({"a": Position(step, H1)}, max_step=100)
     history.observe({"a": Position(2**63 - 1, H1)}, max_step=100)
-    assert not history.agreed(2, H1), "steps older than the last 3 seen are forgotten"
-    assert history.agreed(5, H1) and not history.agreed(5, H2)
-    assert not history.agreed(2**63 - 1, H1), "a step past max_steps is never recorded"
+    assert not history.agreed(2, H1, voters=1), "steps older than the last 3 seen are forgotten"
+    assert history.agreed(5, H1, voters=1) and not history.agreed(5, H2, voters=1)
+    assert not history.agreed(2**63 - 1, H1, voters=1), "a step past max_steps is never recorded"
+    assert not history.agreed(5, H1, voters=3), "one holder seen among three is no majority"

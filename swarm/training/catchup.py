@@ -6,12 +6,17 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
 1. Only positions (step, state hash) from signed records of distinct certified, unbanned peers seen in
    the last record window count (``swarm.records.RecordTrust`` builds those views; a made-up subkey, an
    unsigned record or a banned signer never reaches this module).
-2. A position is followed only when a strict majority of the other peers at or ahead of the caller's
-   step hold it (peers behind the caller will follow too, so they get no vote on where to go). A
+2. A position is followed only when a strict majority of the voters hold it. The voters are the other
+   peers at, ahead of, or one step behind the caller's step, plus the caller itself when it sees at
+   least two other peers and no voter but the candidate's holders is ahead of it (its state is then
+   as current as any). Peers one step behind vote because right after a commit the caller's honest
+   groupmates still show the step they are finishing: were they left out, one admitted peer announcing
+   a step ahead would be a majority of one; the caller's own vote covers a caller whose groupmates are
+   further behind. Peers further behind will follow too and get no vote otherwise. A
    handful of Sybil keys therefore move nobody: with fewer certified attackers than honest peers they
-   never outnumber the honest peers at the caller's step plus themselves, and admission bounds how
-   many keys one attacker gets. A coordinator's signed checkpoint record is the other trusted source;
-   callers use it when no peer has trained past step 0.
+   never outnumber the honest voters, and admission bounds how many keys one attacker gets. A
+   coordinator's signed checkpoint record is the other trusted source; callers use it when no peer has
+   trained past step 0.
    A caller that has been stuck at its step for longer than a whole round can take (``stalled``) lets
    only the peers ahead of it vote: the peers at its own step may be as stuck as it is (a groupmate
    that keeps vanishing), and one completed round must not leave them apart for good. An attacker
@@ -68,13 +73,23 @@ def catch_up_target(
     ``others`` maps peer IDs (never the caller's own) to their verified positions; ``mine`` is None for a
     caller that holds no state of its own (the checkpoint keeper)."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
-    lowest = -1 if mine is None else mine.step + (1 if stalled else 0)
-    voters = [p for p in others.values() if p.step >= lowest]
-    counts = Counter(Position(p.step, p.state_hash) for p in voters if p.step <= limit)
+    own_vote = 0
+    if mine is None:
+        lowest, voters = -1, list(others.values())
+    elif stalled:
+        lowest = mine.step + 1
+        voters = [p for p in others.values() if p.step >= lowest]
+    else:
+        lowest = mine.step
+        voters = [p for p in others.values() if p.step >= mine.step - 1]
+    counts = Counter(Position(p.step, p.state_hash) for p in voters if lowest <= p.step <= limit)
     if not counts:
         return None
     best, support = min(counts.items(), key=lambda item: (-item[1], -item[0].step, item[0].state_hash))
-    if support < quorum(len(voters)) or best == mine:
+    if mine is not None and not stalled and len(others) >= 2:
+        # The caller's own state is a vote when no voter but the candidate's holders is ahead of it.
+        own_vote = int(all(p.step <= mine.step for p in voters if Position(p.step, p.state_hash) != best))
+    if support < quorum(len(voters) + own_vote) or best == mine:
         return None
     if mine is not None and best.step == mine.step:
         mine_side = 1 + sum(1 for p in voters if Position(p.step, p.state_hash) == mine)
@@ -87,9 +102,11 @@ def catch_up_target(
 class PositionHistory:
     """The positions seen in verified records over the last ``max_steps`` steps, for a download that the
     run outran: a holder that trained on while a requester read a slightly older view offers a newer
-    state, and rule 2 is applied to the records seen at that newer step. The state is taken only when a
-    strict majority of the other certified peers whose records showed that step showed that hash; a
-    holder alone among many cannot vouch for its own state.
+    state, and rule 2 is applied to it with the records seen at that step as support. The state is
+    taken only when a strict majority of the voters (every other certified peer in the current view: the
+    caller is behind them, so its own state has no vote) were seen at that step with that hash; a
+    holder alone among many cannot vouch for its own state, however few records of that step the
+    caller happened to see.
     """
 
     def __init__(self, max_steps: int = 64):
@@ -104,7 +121,7 @@ class PositionHistory:
         for step in sorted(self._by_step)[: max(0, len(self._by_step) - self.max_steps)]:
             del self._by_step[step]
 
-    def agreed(self, step: int, state_hash: str) -> bool:
-        seen = self._by_step.get(step, {})
-        support = sum(1 for h in seen.values() if h == state_hash)
-        return support > 0 and support >= quorum(len(seen))
+    def agreed(self, step: int, state_hash: str, voters: int) -> bool:
+        """Whether a strict majority of ``voters`` were seen at ``step`` holding ``state_hash``."""
+        support = sum(1 for h in self._by_step.get(step, {}).values() if h == state_hash)
+        return support > 0 and support >= quorum(max(voters, 1))

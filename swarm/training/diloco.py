@@ -104,16 +104,16 @@ class DilocoTrainer(Trainer):
     def _micro_step(self) -> float:
         loss = super()._micro_step()
         batch = self.config.training.micro_batch_size
-        with torch.no_grad():
+        with self.computing(), torch.no_grad():
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(batch)
-        optimizer = self.config.optimizer
-        clip_gradients(self.model, optimizer.grad_clip_norm)
-        global_inner = self.step * self.config.training.inner_steps + self.inner
-        set_learning_rate(self.optimizer, learning_rate(optimizer, global_inner))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            optimizer = self.config.optimizer
+            clip_gradients(self.model, optimizer.grad_clip_norm)
+            global_inner = self.step * self.config.training.inner_steps + self.inner
+            set_learning_rate(self.optimizer, learning_rate(optimizer, global_inner))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.inner += 1
         self._stats["inner_steps"] += 1
         return loss

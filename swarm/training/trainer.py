@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Iterator
 
 import hivemind
 import torch
@@ -159,6 +160,9 @@ class Trainer:
             resyncs=0.0, compute_s=0.0, averaging_s=0.0, last_round_s=0.0,
         )  # fmt: skip
         self._started = self._step_since = time.monotonic()
+        # The training window that compute_utilization covers: first micro-batch to max_steps.
+        self._first_compute: float | None = None
+        self._finished_at: float | None = None
         self._sps = 0.0
         self._views = 0  # progress views fetched so far; a round waits for one taken at its own step
         self._step_view = 0
@@ -175,7 +179,8 @@ class Trainer:
         return self.policy.suspects.avoided(limit)
 
     def metrics(self) -> dict[str, float]:
-        wall = max(time.monotonic() - self._started, 1e-9)
+        started = self._first_compute if self._first_compute is not None else time.monotonic()
+        wall = max((self._finished_at or time.monotonic()) - started, 1e-9)
         return {
             **self._stats,
             "bytes_sent": float(self.averager.traffic.sent),
@@ -200,9 +205,11 @@ class Trainer:
             inputs, targets = self.attack.batch(inputs, targets)
         started = time.monotonic()
         self.model.train()
-        loss = self.runner.run(inputs, targets)  # gradients of the sum; divided by the count when averaged
+        with self.computing():
+            loss = self.runner.run(
+                inputs, targets
+            )  # gradients of the sum; divided by the count when averaged
         elapsed = time.monotonic() - started
-        self._stats["compute_s"] += elapsed
         self._sps = (
             0.8 * self._sps + 0.2 * batch / max(elapsed, 1e-6) if self._sps else batch / max(elapsed, 1e-6)
         )
@@ -231,6 +238,17 @@ class Trainer:
 
     def _wants_compute(self) -> bool:
         return self._samples_at_step() < self.config.training.target_batch_size
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Count the time inside as compute (forward, backward, optimizer steps) for compute_utilization."""
+        started = time.monotonic()
+        if self._first_compute is None:
+            self._first_compute = started
+        try:
+            yield
+        finally:
+            self._stats["compute_s"] += time.monotonic() - started
 
     def _apply_round(self, result) -> None:
         self._apply(result.vector)
@@ -343,7 +361,8 @@ class Trainer:
         """Whether the others' records vouch for a newer state a holder offered; the view may not have
         shown that step yet, so it waits for up to two more views."""
         for views in range(3):
-            if self.positions.agreed(step, state_hash):
+            others = sum(1 for k in self.view if k != self.peer_id)
+            if self.positions.agreed(step, state_hash, voters=others):
                 return True
             if views < 2:
                 target = self._views + 1
@@ -484,7 +503,8 @@ class Trainer:
             )
         contributed = int(self._round_weight())
         async with self._state_lock:
-            await asyncio.to_thread(self._apply_round, result)
+            with self.computing():
+                await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
         self.contributed_samples += contributed
         self.last_group_size = len(group.peer_ids)
@@ -573,6 +593,7 @@ class Trainer:
         if self._reached_max() and self._stats["val_step"] != self.step:
             await self._evaluate()  # the last step's loss, whichever path reached it (round or download)
         self.finished = True
+        self._finished_at = self._finished_at or time.monotonic()
         await self.encoded_state()
 
     async def _finish_rounds(self) -> None:
@@ -598,11 +619,11 @@ class Trainer:
     async def _look_for_checkpoint(self, stop: asyncio.Event) -> None:
         """A swarm restarted from nothing resumes from the coordinator's checkpoint, but right after start-up
         the DHT may not find the record yet; once this peer has trained a step from scratch it never will.
-        So a peer of a coordinated run with nobody ahead looks a few times before it trains from step 0."""
+        So a peer of a coordinated run looks a few times before it evaluates and trains from step 0: for
+        the checkpoint while nobody is ahead, for a holder that serves it once peers are ahead (a holder
+        refuses a requester whose first signed record it has not read yet)."""
         for _ in range(RESUME_LOOKUPS):
             if self.coordinator_key is None or self.step > 0 or stop.is_set():
-                return
-            if any(p.step > 0 for p in self.view.values()):
                 return
             self._next_record_check = 0.0
             if await self._catch_up():
