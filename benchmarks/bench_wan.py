@@ -139,8 +139,8 @@ async def main():
                 await asyncio.sleep(0.05)
             before = len(times)
             await averager.average(vector, 1.0, expected_size=peers)
-            if averager.recent:  # our results must reach the others before the next round starts
-                last = next(reversed(averager.recent.values()))
+            if averager.rounds.recent:  # our results must reach the others before the next round starts
+                last = next(reversed(averager.rounds.recent.values()))
                 if last.revealed is not None:
                     await asyncio.wait([last.revealed], timeout=60)
             if len(times) > before:

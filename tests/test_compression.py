@@ -250,7 +250,7 @@ async def one_round(keyed_dhts, compression: str, aggregator: str) -> tuple[Aver
         *[a.average(inputs[a.dht.peer_id.to_base58()], 1.0, expected_size=3) for a in group]
     )
     assert all(o is not None and len(o[0].peer_ids) == 3 for o in outcomes), "the three peers met"
-    runners = [a.recent[o[0].group_id] for a, o in zip(group, outcomes, strict=True)]
+    runners = [a.rounds.recent[o[0].group_id] for a, o in zip(group, outcomes, strict=True)]
     await asyncio.gather(*(r.revealed for r in runners))
     for averager in group:
         await averager.shutdown()

@@ -122,7 +122,7 @@ def test_a_round_keeps_only_what_its_validators_can_ask_for(peers):
             *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
         )
         checks = [await asyncio.wait_for(asyncio.gather(*a.checks), 60) for a in averagers]
-        runners = [next(iter(a.recent.values())) for a in averagers]
+        runners = [next(iter(a.rounds.recent.values())) for a in averagers]
         for averager in averagers:
             await averager.shutdown()
         return outcomes, checks, runners
@@ -178,7 +178,7 @@ def test_a_member_missing_the_draw_suspects_nobody(peers):
             *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
         )
         checks = [await asyncio.wait_for(asyncio.gather(*a.checks), 60) for a in averagers]
-        runners = [next(iter(a.recent.values())) for a in averagers]
+        runners = [next(iter(a.rounds.recent.values())) for a in averagers]
         for averager in averagers:
             await averager.shutdown()
         return outcomes, checks, runners, averagers

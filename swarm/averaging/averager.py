@@ -25,7 +25,6 @@ import hashlib
 import logging
 import math
 import os
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
@@ -56,6 +55,7 @@ from swarm.averaging.groups import (
     make_entry,
 )
 from swarm.averaging.policy import PeerPolicy
+from swarm.averaging.rounds import RoundRegistry
 from swarm.averaging.transport import DataPlane, announce_host
 from swarm.averaging.verification import Accuser, serve_inputs, validate_round
 from swarm.ratelimit import RateLimiter
@@ -100,7 +100,7 @@ class AveragingServicer(ServicerBase):
         self, request: apb.InputsRequest, context: P2PContext
     ) -> TypingAsyncIterator[apb.SignedInput]:
         # A validator may ask while this reducer still serves slower groupmates: look at live rounds too.
-        runner = self.averager.recent.get(request.group_id) or self.averager._runners.get(request.group_id)
+        runner = self.averager.rounds.lookup(request.group_id)
         async for message in serve_inputs(runner, request, context.remote_id):
             yield message
 
@@ -234,15 +234,14 @@ class Averager:
         self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
         # Without a policy the averager admits anyone: only local benchmarks and tests build it so.
         self.policy = policy if policy is not None else PeerPolicy(None, prefix)
-        self.recent: OrderedDict[bytes, ButterflyAllReduce] = OrderedDict()  # evidence of recent rounds
+        # Live rounds, where inbound parts find theirs, and the last few kept for validators.
+        self.rounds: RoundRegistry[ButterflyAllReduce] = RoundRegistry()
         self._verifications: set[asyncio.Task] = set()
         self._nonce = b""
         self._entry = b""
         self.schema_hash = hashlib.sha256(f"{self.prefix}/{numel}/{self.codec.schema}".encode()).digest()
         self.p2p = None
         self.matchmaking: Matchmaking | None = None
-        self._runners: dict[bytes, ButterflyAllReduce] = {}
-        self._runner_added = asyncio.Event()
         self._lock = asyncio.Lock()
 
     @property
@@ -475,8 +474,7 @@ class Averager:
                 mbit=round_mbit(group.uplinks_mbit) if group.uplinks_mbit else None,
                 round_timeout_s=self.averaging_timeout_s,
             )
-            self._runners[group.group_id] = runner
-            self._runner_added.set()
+            self.rounds.add(group.group_id, runner)
             if not runner.reduces(runner.index):
                 logger.info(
                     f"round {group.group_id.hex()[:8]}: this peer cannot be dialed, so it reduces no part; "
@@ -490,11 +488,10 @@ class Averager:
                     list(runner.failed_reducers), list(runner.denied_by), runner.sent,
                 )  # fmt: skip
             finally:
-                self._runners.pop(group.group_id, None)
+                self.rounds.finish(group.group_id, runner)
                 self.link.observe(*runner.send_sample())
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
-            self._keep(runner)
             # The retry forms without a reducer that did not deliver, or a leader that listed an absent peer.
             self.policy.blame_round(
                 result.failed_reducers, result.denied_by, me=self.peer_id.to_base58(), leader=group.leader
@@ -502,12 +499,6 @@ class Averager:
             if result.complete and len(group.peer_ids) > 1:
                 self._verify_later(runner)
             return group, result
-
-    def _keep(self, runner: ButterflyAllReduce, rounds: int = 4) -> None:
-        """Hold the evidence of the last few rounds for validators, who ask right after a round."""
-        self.recent[runner.group_id] = runner
-        while len(self.recent) > rounds:
-            self.recent.popitem(last=False)
 
     def _verify_later(self, runner: ButterflyAllReduce) -> None:
         checks = validate_round(
@@ -526,14 +517,8 @@ class Averager:
             first = await asyncio.wait_for(stream.__anext__(), timeout=self.stream_silence_s)
         except (asyncio.TimeoutError, StopAsyncIteration):
             return
-        runner = self._runners.get(first.group_id)
-        deadline = asyncio.get_running_loop().time() + self.sender_timeout_s
         # The sender may have learned of the group a moment before we did.
-        while runner is None and asyncio.get_running_loop().time() < deadline:
-            self._runner_added.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._runner_added.wait(), timeout=0.1)
-            runner = self._runners.get(first.group_id)
+        runner = await self.rounds.wait_for(first.group_id, self.sender_timeout_s)
         if runner is None:
             yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
             return
