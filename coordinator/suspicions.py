@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS suspicions (
     suspect TEXT NOT NULL,
     reporter TEXT NOT NULL,
     reported_at REAL NOT NULL,
-    PRIMARY KEY (suspect, reporter)
+    PRIMARY KEY (reporter, suspect)
 );
 """
 

@@ -90,6 +90,11 @@ def test_one_admitted_peer_ahead_cannot_steer_a_peer_that_just_committed():
     assert catch_up_target(Position(6, H2), done) is None
     # A peer that fell behind follows the honest majority as before, the attacker's vote notwithstanding.
     assert catch_up_target(Position(3, H1), done).holders == ["a", "b"]
+    # Honest peers far behind (downloading, just joined) still count: three keys that agree on a step
+    # ahead are no majority of the seven other peers in view, though they are three of the four near it.
+    crowd = {"a": Position(6, H2), **{f"new{i}": Position(0, H1) for i in range(3)},
+             **{f"evil{i}": Position(7, H3) for i in range(3)}}  # fmt: skip
+    assert catch_up_target(Position(6, H2), crowd) is None
 
 
 def test_catch_up_never_follows_an_absurd_step_and_apart_peers_never_swap():
@@ -397,10 +402,10 @@ def test_a_download_the_run_outran_takes_the_newer_state_only_when_the_records_v
             if seen is not None:
                 history.observe({peer: Position(7, h) for peer, h in seen.items()})
 
-            voters = len(seen or {})
+            voters = list(seen or {})
 
             async def vouched(step: int, h: str, history=history, voters=voters) -> bool:
-                return history.agreed(step, h, voters=voters)
+                return history.agreed(step, h, voters)
 
             try:
                 decoded = await download_state(p2p, holder.dht.peer_id, namespace=state_namespace(RUN), run_id=RUN,
@@ -421,12 +426,20 @@ def test_a_download_the_run_outran_takes_the_newer_state_only_when_the_records_v
     assert "do not vouch for" in outvoted, "1 of 3 peers seen at step 7 is no majority"
 
 
-def test_the_position_history_forgets_old_steps_and_ignores_impossible_ones():
-    history = PositionHistory(max_steps=3)
+def test_the_position_history_counts_only_peers_in_view_and_each_key_evicts_only_its_own():
+    history = PositionHistory(per_peer=3)
     for step in range(6):
-        history.observe({"a": Position(step, H1)}, max_step=100)
+        history.observe({"a": Position(step, H1), "b": Position(step, H1)}, max_step=100)
     history.observe({"a": Position(2**63 - 1, H1)}, max_step=100)
-    assert not history.agreed(2, H1, voters=1), "steps older than the last 3 seen are forgotten"
-    assert history.agreed(5, H1, voters=1) and not history.agreed(5, H2, voters=1)
-    assert not history.agreed(2**63 - 1, H1, voters=1), "a step past max_steps is never recorded"
-    assert not history.agreed(5, H1, voters=3), "one holder seen among three is no majority"
+    assert not history.agreed(2, H1, ["a"]), "a peer remembers only its last 3 positions"
+    assert history.agreed(5, H1, ["a", "b"]) and not history.agreed(5, H2, ["a", "b"])
+    assert not history.agreed(2**63 - 1, H1, ["a"]), "a step past max_steps is never recorded"
+    assert not history.agreed(5, H1, ["a", "c", "d"]), "one holder seen among three is no majority"
+    # A key that announces many steps pushes out its own memory, not "b"'s.
+    for i in range(50):
+        history.observe({"evil": Position(100 + i, H3)}, max_step=1000)
+    assert history.agreed(5, H1, ["b"])
+    # Peers that left the view vouch for nothing, even when they were seen.
+    history.observe({}, keep={"b"})
+    assert not history.agreed(5, H1, ["a"]), "a left the view"
+    assert not history.agreed(5, H1, ["b", "c"]), "one of two is no majority"

@@ -517,13 +517,13 @@ class Averager:
             first = await asyncio.wait_for(stream.__anext__(), timeout=self.stream_silence_s)
         except (asyncio.TimeoutError, StopAsyncIteration):
             return
+        if sender.to_base58() in self.banned:
+            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="this peer is banned from the run")
+            return
         # The sender may have learned of the group a moment before we did.
         runner = await self.rounds.wait_for(first.group_id, self.sender_timeout_s)
         if runner is None:
             yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
-            return
-        if sender.to_base58() in self.banned:
-            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="this peer is banned from the run")
             return
         async for message in runner.serve(first, stream, sender):
             yield message

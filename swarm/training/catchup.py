@@ -6,15 +6,16 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
 1. Only positions (step, state hash) from signed records of distinct certified, unbanned peers seen in
    the last record window count (``swarm.records.RecordTrust`` builds those views; a made-up subkey, an
    unsigned record or a banned signer never reaches this module).
-2. A position is followed only when a strict majority of the voters hold it. The voters are the other
-   peers at, ahead of, or one step behind the caller's step, plus the caller itself when it sees at
-   least two other peers and no voter but the candidate's holders is ahead of it (its state is then
-   as current as any). Peers one step behind vote because right after a commit the caller's honest
-   groupmates still show the step they are finishing: were they left out, one admitted peer announcing
-   a step ahead would be a majority of one; the caller's own vote covers a caller whose groupmates are
-   further behind. Peers further behind will follow too and get no vote otherwise. A
-   handful of Sybil keys therefore move nobody: with fewer certified attackers than honest peers they
-   never outnumber the honest voters, and admission bounds how many keys one attacker gets. A
+2. A position ahead of the caller is followed only when a strict majority of every other peer in view
+   holds it, counting the caller too when it sees at least two other peers and nobody but the
+   candidate's holders is ahead of it (its state is then as current as any). Right after a commit the
+   caller's honest groupmates still show the step they are finishing, and honest peers far behind
+   (downloading, just joined) hold no candidate: were either left out, one admitted peer announcing a
+   step ahead would be a majority of one. A position at the caller's own step is decided among the
+   peers at, ahead of or one step behind it (rule 4), so peers far behind cannot keep two apart sides
+   apart. A handful of Sybil keys therefore move nobody: with fewer certified attackers than honest
+   peers they never outnumber the honest peers in view, and admission bounds how many keys one
+   attacker gets. A
    coordinator's signed checkpoint record is the other trusted source; callers use it when no peer has
    trained past step 0.
    A caller that has been stuck at its step for longer than a whole round can take (``stalled``) lets
@@ -27,14 +28,15 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    the peers that agree with it); equal sides go to the smaller hash, so two apart peers never swap.
 5. The state is downloaded only from the peers that hold the chosen position (certified holders), and
    each download is verified against the hash (``swarm.training.sync``). A holder that trained past
-   that step before the download began offers its newer state; it is taken only when rule 2 holds for
-   it among the records seen at that step (``PositionHistory``), otherwise the caller looks again.
+   that step before the download began offers its newer state; it is taken only when a strict majority
+   of the peers in view were seen at that step with that hash (``PositionHistory``), otherwise the
+   caller looks again.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 MAX_STEP = 2**62
@@ -73,7 +75,6 @@ def catch_up_target(
     ``others`` maps peer IDs (never the caller's own) to their verified positions; ``mine`` is None for a
     caller that holds no state of its own (the checkpoint keeper)."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
-    own_vote = 0
     if mine is None:
         lowest, voters = -1, list(others.values())
     elif stalled:
@@ -86,10 +87,16 @@ def catch_up_target(
     if not counts:
         return None
     best, support = min(counts.items(), key=lambda item: (-item[1], -item[0].step, item[0].state_hash))
-    if mine is not None and not stalled and len(others) >= 2:
-        # The caller's own state is a vote when no voter but the candidate's holders is ahead of it.
-        own_vote = int(all(p.step <= mine.step for p in voters if Position(p.step, p.state_hash) != best))
-    if support < quorum(len(voters) + own_vote) or best == mine:
+    electorate = len(voters)
+    if mine is not None and not stalled and best.step > mine.step:
+        # A state ahead needs a majority of every peer in view: honest peers that are further behind
+        # (downloading, just joined) must not leave the window to a few keys that agree on a step ahead.
+        # The caller's own state is a vote too when nobody but the candidate's holders is ahead of it.
+        own = len(others) >= 2 and all(
+            p.step <= mine.step for p in others.values() if Position(p.step, p.state_hash) != best
+        )
+        electorate = len(others) + int(own)
+    if support < quorum(electorate) or best == mine:
         return None
     if mine is not None and best.step == mine.step:
         mine_side = 1 + sum(1 for p in voters if Position(p.step, p.state_hash) == mine)
@@ -100,28 +107,41 @@ def catch_up_target(
 
 
 class PositionHistory:
-    """The positions seen in verified records over the last ``max_steps`` steps, for a download that the
-    run outran: a holder that trained on while a requester read a slightly older view offers a newer
-    state, and rule 2 is applied to it with the records seen at that step as support. The state is
-    taken only when a strict majority of the voters (every other certified peer in the current view: the
-    caller is behind them, so its own state has no vote) were seen at that step with that hash; a
-    holder alone among many cannot vouch for its own state, however few records of that step the
-    caller happened to see.
+    """The last positions each peer's verified records showed, for a download that the run outran: a
+    holder that trained on while a requester read a slightly older view offers a newer state, and rule 2
+    is applied to it with these as support. The state is taken only when a strict majority of the voters
+    (the other peers in the caller's current view: the caller is behind them, so its own state has no
+    vote) were seen at that step with that hash. A holder alone among many cannot vouch for its own
+    state, a peer that left the view vouches for nothing, and each peer's memory is its own
+    (``per_peer`` distinct positions), so one key announcing many steps pushes out only its own.
     """
 
-    def __init__(self, max_steps: int = 64):
-        self.max_steps = max_steps
-        self._by_step: dict[int, dict[str, str]] = {}
+    def __init__(self, per_peer: int = 16):
+        self.per_peer = per_peer
+        self._seen: dict[str, OrderedDict[Position, None]] = {}
 
-    def observe(self, others: Mapping[str, Position], *, max_step: int | None = None) -> None:
+    def observe(
+        self,
+        others: Mapping[str, Position],
+        *,
+        max_step: int | None = None,
+        keep: Collection[str] | None = None,
+    ) -> None:
+        """Remember ``others``' positions; forget peers not in ``keep`` (the current view) when given."""
         limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
         for peer, position in others.items():
             if 0 <= position.step <= limit:
-                self._by_step.setdefault(position.step, {})[peer] = position.state_hash
-        for step in sorted(self._by_step)[: max(0, len(self._by_step) - self.max_steps)]:
-            del self._by_step[step]
+                seen = self._seen.setdefault(peer, OrderedDict())
+                seen[position] = None
+                seen.move_to_end(position)
+                while len(seen) > self.per_peer:
+                    seen.popitem(last=False)
+        if keep is not None:
+            for peer in [p for p in self._seen if p not in keep]:
+                del self._seen[peer]
 
-    def agreed(self, step: int, state_hash: str, voters: int) -> bool:
+    def agreed(self, step: int, state_hash: str, voters: Collection[str]) -> bool:
         """Whether a strict majority of ``voters`` were seen at ``step`` holding ``state_hash``."""
-        support = sum(1 for h in self._by_step.get(step, {}).values() if h == state_hash)
-        return support > 0 and support >= quorum(max(voters, 1))
+        position = Position(step, state_hash)
+        support = sum(1 for peer in set(voters) if position in self._seen.get(peer, ()))
+        return support > 0 and support >= quorum(len(set(voters)))

@@ -361,8 +361,8 @@ class Trainer:
         """Whether the others' records vouch for a newer state a holder offered; the view may not have
         shown that step yet, so it waits for up to two more views."""
         for views in range(3):
-            others = sum(1 for k in self.view if k != self.peer_id)
-            if self.positions.agreed(step, state_hash, voters=others):
+            voters = [k for k in self.view if k != self.peer_id]
+            if self.positions.agreed(step, state_hash, voters):
                 return True
             if views < 2:
                 target = self._views + 1
@@ -386,7 +386,13 @@ class Trainer:
 
     async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
-        if any(p.step > 0 for p in self.view.values()) or time.monotonic() < self._next_record_check:
+        # Peers past step 0 make the checkpoint moot only when they are most of the view: one record of
+        # step 1 must not make a restarted swarm train from scratch.
+        others = [p for k, p in self.view.items() if k != self.peer_id]
+        if (
+            sum(p.step > 0 for p in others) >= quorum(max(len(others), 1))
+            or time.monotonic() < self._next_record_check
+        ):
             return None
         self._next_record_check = time.monotonic() + 2.0
         try:
@@ -420,6 +426,7 @@ class Trainer:
         self.positions.observe(
             {k: Position(v.step, v.state_hash) for k, v in fresh.items() if k != self.peer_id},
             max_step=self.config.training.max_steps,
+            keep=self.view,
         )
         self._views += 1
         await self._refresh_bans()
