@@ -68,6 +68,12 @@ def state_size_bytes(run: RunConfig) -> int:
 
 
 class CheckpointKeeper:
+    """The coordinator's checkpoints: it follows the peers' signed progress (and, in a pipeline run, every
+    stage's replicas) with the one catch-up rule, downloads the state a majority agrees on every
+    ``checkpoint_every_steps``, verifies its hash, keeps it on disk in ``directory``, serves it to peers
+    that resume, and announces it in a record signed with ``key``.
+    """
+
     def __init__(self, run: RunConfig, dht: hivemind.DHT, key: SigningKey, directory: Path):
         self.run, self.dht, self.key, self.directory = run, dht, key, directory
         self.latest: Checkpoint | None = None

@@ -60,6 +60,9 @@ async def dial(host: str, port: int, timeout_s: float = DIAL_TIMEOUT_S) -> pb.Di
 
 
 class DialBackService:
+    """The ``DialBack`` RPC (see the module docstring): one check per caller address every
+    ``MIN_INTERVAL_S``, only to the address the call came from."""
+
     def __init__(self) -> None:
         self._last: OrderedDict[str, float] = OrderedDict()
 

@@ -17,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class KnownCoordinators:
+    """The coordinator keys this volunteer pinned, one per run ID, in a JSON file (see the module docstring)."""
+
     def __init__(self, path: Path):
         self.path = path.expanduser()
 

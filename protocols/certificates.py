@@ -20,6 +20,9 @@ ROLES = ("data", "stage", "trainer")
 
 @dataclass(frozen=True)
 class PeerCertificate:
+    """A verified certificate: the coordinator (``issuer``) admits ``public_key`` to ``run_id`` in ``role``
+    until ``expires_at``; ``encoded`` is the signed form peers carry in their DHT records."""
+
     peer_id: str
     public_key: PublicKey
     run_id: str

@@ -120,6 +120,23 @@ class Suspects:
 
 
 class PeerPolicy:
+    """Whom this peer may average with: certified members of the run (from the DHT, or ``allowed``),
+    not on the coordinator's signed ban list, and not a current suspect (``Suspects``).
+
+    The one place that holds the ban list and the suspects of a peer: matchmaking, the averager's part
+    streams and the trainer all ask ``refusal``; bans change only through ``set_bans``/``refresh_bans``
+    and suspicions through ``suspect``/``blame_round``.
+
+    Args:
+        dht: the run's DHT, where member certificates and the ban list are read (None: nothing is read).
+        run_id: the run whose members and bans count.
+        coordinator_key: the key that signs certificates and ban lists; None with no ``allowed`` admits anyone.
+        allowed: a fixed set of peer IDs to admit instead of reading certificates (tests, local runs).
+        also_certified: peers another verified source vouches for (see ``__init__``).
+        refresh_s: how often, at most, members and bans are read again.
+        suspects: the suspect book to use (default: a fresh one with the module's spans).
+    """
+
     def __init__(
         self,
         dht: hivemind.DHT | None,

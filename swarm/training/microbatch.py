@@ -36,6 +36,12 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class MicroBatchRunner:
+    """Forward and backward of one micro-batch on ``device`` in ``precision`` (``check_precision`` says
+    which a device supports), adding the gradient of the summed loss to ``model``'s parameters, in
+    chunks that shrink when memory runs out (see the module docstring); optionally with activation
+    checkpointing from the start, and a ``loss_fn`` other than the model's own ``loss``.
+    """
+
     def __init__(
         self,
         model: nn.Module,
