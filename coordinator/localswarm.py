@@ -228,7 +228,11 @@ class LocalSwarm:
         data_dir: Path | None = None,
         host: str = "127.0.0.1",
         prefix: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
+        ready_timeout_s: float = 60.0,
     ) -> Child:
+        """A coordinator process on ``host``; returns once it serves, with its ``endpoint.json`` (address,
+        DHT peers, the dashboard's URL when ``extra_args`` turns it on) in ``child.extra``."""
         run = run or tiny_run()
         data_dir = data_dir or self.root / f"{name}-data"
         endpoint = data_dir / "endpoint.json"
@@ -236,7 +240,7 @@ class LocalSwarm:
         child = self.spawn(
             name,
             ["-m", "coordinator.cli", "start", "--config", str(self.write_config(run, f"{name}.toml")),
-             "--host", host, "--port", str(port), "--dht-port", "0", "--data-dir", str(data_dir)],
+             "--host", host, "--port", str(port), "--dht-port", "0", "--data-dir", str(data_dir), *extra_args],
             prefix=prefix,
         )  # fmt: skip
 
@@ -245,7 +249,9 @@ class LocalSwarm:
                 raise SwarmError(f"{name} exited with {child.process.returncode}:\n{child.output()}")
             return json.loads(endpoint.read_text()) if endpoint.exists() else None
 
-        child.extra.update(wait_until(ready, timeout_s=60, what=f"{name} to serve"), data_dir=data_dir)
+        child.extra.update(
+            wait_until(ready, timeout_s=ready_timeout_s, what=f"{name} to serve"), data_dir=data_dir
+        )
         return child
 
     def start_peer(

@@ -28,18 +28,11 @@ def control(swarm: LocalSwarm, command: str, identity: Path) -> subprocess.Compl
 
 
 def test_pause_and_resume_keep_the_peer_in_the_run_and_its_credit(swarm: LocalSwarm):
-    data_dir = swarm.root / "coordinator-data"
-    swarm.spawn(
-        "coordinator",
-        ["-m", "coordinator.cli", "start", "--config", str(swarm.write_config(tiny_run("pause"))),
-         "--host", "127.0.0.1", "--port", "0", "--dht-port", "0", "--data-dir", str(data_dir),
-         "--dashboard-port", "0", "--history-interval-s", "0.5"],
-    )  # fmt: skip
-    endpoint_file = data_dir / "endpoint.json"
-    endpoint = wait_until(
-        lambda: json.loads(endpoint_file.read_text()) if endpoint_file.exists() else None,
-        timeout_s=90, what="the coordinator",
-    )  # fmt: skip
+    endpoint = swarm.start_coordinator(
+        tiny_run("pause"),
+        extra_args=["--dashboard-port", "0", "--history-interval-s", "0.5"],
+        ready_timeout_s=90,
+    ).extra
     peers = [swarm.start_peer(endpoint["address"], f"peer{i}") for i in range(2)]
     seen_credit: list[float] = []
 

@@ -197,18 +197,8 @@ def test_the_coordinator_is_told_who_withholds_and_the_dashboard_shows_it(swarm)
     """Real processes: 3 honest peers and a withholder. Withholding proves nothing to a third party, so
     it is no ban; each honest peer names the reducer it avoids in its heartbeats, and the coordinator's
     status (JSON and Prometheus) counts the distinct online peers that avoid it."""
-    data_dir = swarm.root / "coordinator-data"
     run = tiny_run("withheld", min_group_size=2)
-    swarm.spawn(
-        "coordinator",
-        ["-m", "coordinator.cli", "start", "--config", str(swarm.write_config(run)), "--host", "127.0.0.1",
-         "--port", "0", "--dht-port", "0", "--data-dir", str(data_dir), "--dashboard-port", "0"],
-    )  # fmt: skip
-    endpoint_file = data_dir / "endpoint.json"
-    endpoint = wait_until(
-        lambda: json.loads(endpoint_file.read_text()) if endpoint_file.exists() else None,
-        timeout_s=90, what="the coordinator",
-    )  # fmt: skip
+    endpoint = swarm.start_coordinator(run, extra_args=["--dashboard-port", "0"], ready_timeout_s=90).extra
     rehearsal = ["--rehearse-attack", "withholder", "--rehearse-attackers", "1", "--rehearse-group-size", "4"]
     for i in range(4):
         swarm.start_peer(endpoint["address"], f"peer{i}", *(rehearsal if i == 3 else ()))
