@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
@@ -306,6 +307,18 @@ class RecordSigner:
         return seal_peer_record(
             self.key, kind, run_id, body, self.certificate, expires_at=expires_at
         ), expires_at
+
+    async def publish(
+        self, dht: hivemind.DHT, kind: str, run_id: str, body: dict[str, Any], *, ttl_s: float
+    ) -> bool:
+        """Seal ``body`` and store it in the DHT under the run's ``kind`` key, subkey this peer's ID."""
+        record, expires_at = self.seal(kind, run_id, body, ttl_s=ttl_s)
+        return bool(
+            await dht.store(
+                record_key(run_id, kind), record, expiration_time=expires_at, subkey=self.peer_id,
+                return_future=True,
+            )
+        )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)

@@ -94,16 +94,7 @@ async def publish_record(
             body[name] = float(body[name])
     if "retried" in body:
         body["retried"] = [list(claim) for claim in body["retried"]]
-    record, expires_at = signer.seal("pipeline", run_id, body, ttl_s=ttl_s)
-    return bool(
-        await dht.store(
-            pipeline_key(run_id),
-            record,
-            expiration_time=expires_at,
-            subkey=signer.peer_id,
-            return_future=True,
-        )
-    )
+    return await signer.publish(dht, "pipeline", run_id, body, ttl_s=ttl_s)
 
 
 async def fetch_view(dht: hivemind.DHT, trust: RecordTrust, num_stages: int) -> PipelineView:

@@ -57,7 +57,7 @@ from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, catch_up_target
+from swarm.training.catchup import Position, catch_up_move
 from swarm.training.state import encode_state, state_tensors
 from swarm.training.sync import (
     EncodedState,
@@ -281,14 +281,8 @@ class StageWorker(StageMoves):
             for x in self.view.members(r.index)
             if x.peer_id != self.peer_id
         }
-        training = self.config.training
-        stalled = (
-            time.monotonic() - self._step_since > training.matchmaking_time_s + training.averaging_timeout_s
-        )
-        target = catch_up_target(
-            Position(r.step, r.state_hash), others, max_step=training.max_steps, stalled=stalled
-        )
-        return None if target is None else (target.step, target.state_hash, target.holders)
+        mine = Position(r.step, r.state_hash)
+        return catch_up_move(mine, others, self.config.training, stuck_s=time.monotonic() - self._step_since)
 
     async def _catch_up(self, move: tuple[int, str, list[str]] | None = None) -> bool:
         move = move or self._ahead_or_apart()

@@ -106,6 +106,17 @@ def catch_up_target(
     return Target(best.step, best.state_hash, holders, support)
 
 
+def catch_up_move(
+    mine: Position, others: Mapping[str, Position], training, *, stuck_s: float
+) -> tuple[int, str, list[str]] | None:
+    """(step, state hash, holders) to move to under the run's ``training`` settings, or None: the caller
+    counts as stalled once stuck at its step (``stuck_s``) longer than a matchmaking window plus a round
+    timeout. The data-parallel trainer and every stage replica call this."""
+    stalled = stuck_s > training.matchmaking_time_s + training.averaging_timeout_s
+    target = catch_up_target(mine, others, max_step=training.max_steps, stalled=stalled)
+    return None if target is None else (target.step, target.state_hash, target.holders)
+
+
 class PositionHistory:
     """The last positions each peer's verified records showed, for a download that the run outran: a
     holder that trained on while a requester read a slightly older view offers a newer state, and rule 2

@@ -39,16 +39,7 @@ async def publish_progress(
         "samples_per_s": float(progress.samples_per_s),
         "state_hash": progress.state_hash,
     }
-    record, expires_at = signer.seal("progress", run_id, body, ttl_s=ttl_s)
-    return bool(
-        await dht.store(
-            progress_key(run_id),
-            record,
-            expiration_time=expires_at,
-            subkey=signer.peer_id,
-            return_future=True,
-        )
-    )
+    return await signer.publish(dht, "progress", run_id, body, ttl_s=ttl_s)
 
 
 async def fetch_progress(dht: hivemind.DHT, trust: RecordTrust) -> dict[str, PeerProgress]:

@@ -37,7 +37,7 @@ from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, PositionHistory, catch_up_target, quorum
+from swarm.training.catchup import Position, PositionHistory, catch_up_move, quorum
 from swarm.training.colluders import honest_gradients
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
@@ -375,14 +375,8 @@ class Trainer:
         """The step and hash this peer should move to, with the peers that hold it; None if it is in line
         (the rule, and why a Sybil cannot steer it, is in ``swarm.training.catchup``)."""
         others = {k: Position(v.step, v.state_hash) for k, v in self.view.items() if k != self.peer_id}
-        training = self.config.training
-        stalled = (
-            time.monotonic() - self._step_since > training.matchmaking_time_s + training.averaging_timeout_s
-        )
-        target = catch_up_target(
-            Position(self.step, self.state_hash), others, max_step=training.max_steps, stalled=stalled
-        )
-        return None if target is None else (target.step, target.state_hash, target.holders)
+        mine = Position(self.step, self.state_hash)
+        return catch_up_move(mine, others, self.config.training, stuck_s=time.monotonic() - self._step_since)
 
     async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
