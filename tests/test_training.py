@@ -16,6 +16,7 @@ from protocols.certificates import issue_certificate
 from swarm.identity import load_identity
 from swarm.records import RecordSigner, TrustValidator
 from swarm.training.checkpoint import load_latest_checkpoint
+from swarm.training.progress import PeerProgress
 from swarm.training.state import encode_state, state_tensors
 from swarm.training.sync import EncodedState
 from swarm.training.trainer import Trainer
@@ -177,3 +178,28 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
         for dht in dhts:
             dht.shutdown()
     assert f"discarding state from {dhts[1].peer_id.to_base58()}" in caplog.text
+
+
+def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not_move_it():
+    """The catch-up rule's stall clock starts at a peer's first round attempt at its step, not at the
+    step's start. Before, a peer still computing a batch that took longer than a matchmaking window plus a
+    round timeout counted as stalled, let only the peers ahead vote, and followed one key's record of the
+    next step."""
+    run = tiny_run("stall-clock")
+    dhts = start_dhts(1)
+    try:
+        (trainer,) = trainers_for(run, dhts)
+        now = time.time()
+        honest = [PeerProgress(f"honest{i}", 0, 8, 1.0, trainer.state_hash, now) for i in range(2)]
+        evil = PeerProgress("evil", 1, 32, 1.0, "e" * 64, now)
+        trainer.view = {p.peer_id: p for p in [*honest, evil]}
+        window = run.training.matchmaking_time_s + run.training.averaging_timeout_s
+        # The step began long ago and its batch is still being computed (``_step_since`` was the old clock).
+        trainer._started = trainer._step_since = time.monotonic() - 10 * window
+        assert trainer._ahead_or_apart() is None, "one key ahead is no majority of the peers in view"
+        # Once its rounds have failed for a whole window, a stalled peer lets the peers ahead decide.
+        trainer._rounds_since = time.monotonic() - 2 * window
+        assert trainer._ahead_or_apart() == (1, "e" * 64, ["evil"])
+    finally:
+        for dht in dhts:
+            dht.shutdown()

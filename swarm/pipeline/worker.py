@@ -163,7 +163,9 @@ class StageWorker(StageMoves):
         }
         self.finished = False
         self.paused = False
-        self._step_since = time.monotonic()  # when this replica's step last changed
+        # When this replica changed step or began its step's rounds: the catch-up rule's stall clock,
+        # which the time trainers take to bring the batch must not start.
+        self._step_since = time.monotonic()
 
     def pause(self) -> None:
         """Refuse new micro-batches (trainers go to other replicas); keep averaging to stay in sync."""
@@ -380,6 +382,8 @@ class StageWorker(StageMoves):
 
     async def _step_round(self) -> None:
         r = self.replica
+        if not r.closing:
+            self._step_since = time.monotonic()  # the step's first round: stalled counts from here
         r.closing = True  # new work for this step is refused from now on
         started = time.monotonic()
         await self._settle_duplicates()

@@ -18,8 +18,9 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    attacker gets. A
    coordinator's signed checkpoint record is the other trusted source; callers use it when no peer has
    trained past step 0.
-   A caller that has been stuck at its step for longer than a whole round can take (``stalled``) lets
-   only the peers ahead of it vote: the peers at its own step may be as stuck as it is (a groupmate
+   A caller whose rounds have failed at its step for longer than a whole round can take (``stalled``,
+   counted from its first round attempt at the step, never from the step's start: computing a large
+   batch is not being stuck) lets only the peers ahead of it vote: the peers at its own step may be as stuck as it is (a groupmate
    that keeps vanishing), and one completed round must not leave them apart for good. An attacker
    must then both stall every honest round and outvote the honest peers ahead, for that long.
 3. Never backwards, never past ``max_step`` (the run's ``max_steps``, or ``MAX_STEP``): a record of step
@@ -110,8 +111,9 @@ def catch_up_move(
     mine: Position, others: Mapping[str, Position], training, *, stuck_s: float
 ) -> tuple[int, str, list[str]] | None:
     """(step, state hash, holders) to move to under the run's ``training`` settings, or None: the caller
-    counts as stalled once stuck at its step (``stuck_s``) longer than a matchmaking window plus a round
-    timeout. The data-parallel trainer and every stage replica call this."""
+    counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
+    for longer than a matchmaking window plus a round timeout. The data-parallel trainer and every stage
+    replica call this."""
     stalled = stuck_s > training.matchmaking_time_s + training.averaging_timeout_s
     target = catch_up_target(mine, others, max_step=training.max_steps, stalled=stalled)
     return None if target is None else (target.step, target.state_hash, target.holders)

@@ -159,7 +159,10 @@ class Trainer:
             train_loss=float("nan"), val_loss=float("nan"), val_step=-1.0, rounds_ok=0.0, rounds_failed=0.0,
             resyncs=0.0, compute_s=0.0, averaging_s=0.0, last_round_s=0.0,
         )  # fmt: skip
-        self._started = self._step_since = time.monotonic()
+        self._started = time.monotonic()
+        # When this peer first tried a round at its current step (None before it has): the catch-up
+        # rule's stall clock, which time spent computing the batch must not start.
+        self._rounds_since: float | None = None
         # The training window that compute_utilization covers: first micro-batch to max_steps.
         self._first_compute: float | None = None
         self._finished_at: float | None = None
@@ -272,7 +275,7 @@ class Trainer:
         on the event loop, so progress never pairs a new step with an old hash."""
         hashes = await asyncio.to_thread(self._hashes, step)
         if step != self.step:
-            self._step_since = time.monotonic()
+            self._rounds_since = None
         self.step, (self.state_hash, self.param_hash) = step, hashes
         self._encoded = None
 
@@ -376,7 +379,8 @@ class Trainer:
         (the rule, and why a Sybil cannot steer it, is in ``swarm.training.catchup``)."""
         others = {k: Position(v.step, v.state_hash) for k, v in self.view.items() if k != self.peer_id}
         mine = Position(self.step, self.state_hash)
-        return catch_up_move(mine, others, self.config.training, stuck_s=time.monotonic() - self._step_since)
+        stuck_s = 0.0 if self._rounds_since is None else time.monotonic() - self._rounds_since
+        return catch_up_move(mine, others, self.config.training, stuck_s=stuck_s)
 
     async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
@@ -589,6 +593,7 @@ class Trainer:
             if await self._catch_up():
                 continue
             if self._ready_for_round():
+                self._rounds_since = self._rounds_since or time.monotonic()
                 await self._round()
         await self._finish_rounds()
         if self._reached_max() and self._stats["val_step"] != self.step:
