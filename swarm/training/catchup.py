@@ -15,14 +15,14 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    peers at, ahead of or one step behind it (rule 4), so peers far behind cannot keep two apart sides
    apart. A handful of Sybil keys therefore move nobody: with fewer certified attackers than honest
    peers they never outnumber the honest peers in view, and admission bounds how many keys one
-   attacker gets. A
-   coordinator's signed checkpoint record is the other trusted source; callers use it when no peer has
-   trained past step 0.
+   attacker gets. A coordinator's signed checkpoint record is the other trusted source; callers use it
+   when most peers in view have not trained past step 0.
    A caller whose rounds have failed at its step for longer than a whole round can take (``stalled``,
    counted from its first round attempt at the step, never from the step's start: computing a large
-   batch is not being stuck) lets only the peers ahead of it vote: the peers at its own step may be as stuck as it is (a groupmate
-   that keeps vanishing), and one completed round must not leave them apart for good. An attacker
-   must then both stall every honest round and outvote the honest peers ahead, for that long.
+   batch is not being stuck) lets only the peers ahead of it vote: the peers at its own step may be as
+   stuck as it is (a groupmate that keeps vanishing), and one completed round must not leave them apart
+   for good. An attacker must then both make every round of the caller fail and be the only peer
+   ahead, for that long.
 3. Never backwards, never past ``max_step`` (the run's ``max_steps``, or ``MAX_STEP``): a record of step
    2**63-1 cannot freeze a run or its checkpoints.
 4. At the caller's own step the majority position must also beat the caller's own side (itself plus

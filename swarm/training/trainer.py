@@ -208,10 +208,8 @@ class Trainer:
             inputs, targets = self.attack.batch(inputs, targets)
         started = time.monotonic()
         self.model.train()
-        with self.computing():
-            loss = self.runner.run(
-                inputs, targets
-            )  # gradients of the sum; divided by the count when averaged
+        with self.computing():  # gradients of the sum; divided by the count when averaged
+            loss = self.runner.run(inputs, targets)
         elapsed = time.monotonic() - started
         self._sps = (
             0.8 * self._sps + 0.2 * batch / max(elapsed, 1e-6) if self._sps else batch / max(elapsed, 1e-6)
