@@ -8,8 +8,9 @@ added and looks again, or gives up after the caller's deadline. Finished rounds 
 (``lookup``) for the validators who ask for their inputs right after; only the last ``keep`` are held.
 
 Nothing here trusts the group ID a stream names, and a waiting stream holds no state of its own in the
-registry: a stream that is closed, cancelled or timed out leaves nothing behind, and made-up IDs cost
-their senders' streams only (the transports bound those per peer).
+registry: a stream that is closed, cancelled or timed out leaves nothing behind, and a made-up ID costs
+only the stream that names it, until the deadline (the data plane bounds those streams per peer;
+libp2p's handlers do not).
 """
 
 from __future__ import annotations

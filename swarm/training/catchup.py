@@ -155,6 +155,6 @@ class PositionHistory:
 
     def agreed(self, step: int, state_hash: str, voters: Collection[str]) -> bool:
         """Whether a strict majority of ``voters`` were seen at ``step`` holding ``state_hash``."""
-        position = Position(step, state_hash)
-        support = sum(1 for peer in set(voters) if position in self._seen.get(peer, ()))
-        return support > 0 and support >= quorum(len(set(voters)))
+        position, voters = Position(step, state_hash), set(voters)
+        support = sum(1 for peer in voters if position in self._seen.get(peer, ()))
+        return support > 0 and support >= quorum(len(voters))

@@ -361,15 +361,14 @@ class Trainer:
     async def _vouched_for(self, step: int, state_hash: str) -> bool:
         """Whether the others' records vouch for a newer state a holder offered; the view may not have
         shown that step yet, so it waits for up to two more views."""
-        for views in range(3):
-            voters = [k for k in self.view if k != self.peer_id]
-            if self.positions.agreed(step, state_hash, voters):
-                return True
-            if views < 2:
-                target = self._views + 1
-                deadline = time.monotonic() + 4 * self.config.training.progress_interval_s + 1.0
+        interval_s = self.config.training.progress_interval_s
+        for attempt in range(3):
+            if attempt:  # the next view, or give up on it after a few intervals
+                target, deadline = self._views + 1, time.monotonic() + 4 * interval_s + 1.0
                 while self._views < target and time.monotonic() < deadline:
-                    await asyncio.sleep(self.config.training.progress_interval_s / 4)
+                    await asyncio.sleep(interval_s / 4)
+            if self.positions.agreed(step, state_hash, [k for k in self.view if k != self.peer_id]):
+                return True
         return False
 
     def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
