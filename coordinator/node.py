@@ -121,7 +121,10 @@ class CoordinatorNode:
             self._store.follow_checkpoints(
                 lambda: keeper.latest.step if keeper.latest else None, run.training.checkpoint_every_steps
             )
-            service = CoordinatorService(run, key, self._store, self.dht_initial_peers, self.limits)
+            service = CoordinatorService(
+                run, key, self._store, self.dht_initial_peers, self.limits,
+                holds_checkpoint=lambda: keeper.latest is not None or bool(keeper.stages),
+            )  # fmt: skip
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
             self._server.add_generic_rpc_handlers(
                 (service.generic_handler(), DialBackService().generic_handler())

@@ -75,6 +75,7 @@ class CoordinatorService:
         store: the run's record (peers, certificates, bans, credit).
         dht_initial_peers: the DHT bootstrap addresses handed to every admitted peer.
         limits: per-caller and global limits on challenges, accusations and evidence bytes.
+        holds_checkpoint: whether the coordinator holds a checkpoint now (told to each peer it admits).
     """
 
     def __init__(
@@ -84,8 +85,10 @@ class CoordinatorService:
         store: Store,
         dht_initial_peers: list[str],
         limits: ServiceLimits | None = None,
+        holds_checkpoint: Callable[[], bool] = lambda: True,
     ):
         self.config = config
+        self.holds_checkpoint = holds_checkpoint
         self.key = key
         self.store = store
         self.dht_initial_peers = dht_initial_peers
@@ -242,6 +245,7 @@ class CoordinatorService:
             "run_spec": self.config.to_spec(),
             "dht_initial_peers": self.dht_initial_peers,
             "heartbeat_interval_s": membership.heartbeat_interval_s,
+            "holds_checkpoint": self.holds_checkpoint(),
         }
         return pb.JoinResponse(envelope=seal(self.key, JOIN_ANSWER, self.run_id, answer))
 

@@ -409,6 +409,7 @@ class Volunteer:
                         attack=self._rehearsed_attack(), record_signer=self.records,
                         activation_checkpointing=config.activation_checkpointing,
                         fit_memory=config.max_gpu_memory is not None, client_mode=not self.dialable,
+                        coordinator_checkpoint=admission.holds_checkpoint,
                     )  # fmt: skip
                 self._pass_pause()
                 training = asyncio.create_task(self.trainer.run(stop))

@@ -60,6 +60,9 @@ class JoinAnswerBody(_Body):
     run_spec: dict[str, Any]
     dht_initial_peers: list[Annotated[str, Field(max_length=512)]] = Field(max_length=64)
     heartbeat_interval_s: float = Field(gt=0, le=3600)
+    # False: the coordinator holds no checkpoint, so a fresh run's peers need not look for one in the DHT
+    # before training from step 0. A coordinator that does not say (older) is taken to hold one.
+    holds_checkpoint: bool = True
 
 
 class HeartbeatBody(_Body):

@@ -51,6 +51,7 @@ class Admission:
     dht_initial_peers: list[str]
     heartbeat_interval_s: float
     coordinator_key: PublicKey
+    holds_checkpoint: bool = True
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class CoordinatorClient:
             dht_initial_peers=list(answer.dht_initial_peers),
             heartbeat_interval_s=answer.heartbeat_interval_s,
             coordinator_key=offered,
+            holds_checkpoint=answer.holds_checkpoint,
         )
 
     async def heartbeat(

@@ -144,3 +144,15 @@ def test_diloco_benchmark_compares_outer_steps_with_every_step_at_equal_samples(
     # An outer step of int8 pseudo-gradients carries H steps' samples for half the bytes of one fp16 step.
     assert diloco["fewer_bytes"] > 4, output[-3000:]
     assert diloco["val_loss"] < diloco["initial_val_loss"], output[-3000:]
+
+
+def test_honest_cost_benchmark_replays_the_demo_under_each_rule(tmp_path: Path):
+    output = run_benchmark("bench_honest_cost.py", "--json", str(tmp_path / "cost.json"))
+
+    assert re.search(r"^batches 0\s+centered_clip \| val 0:\d\.\d{3}  1:\d\.\d{3}  2:\d\.\d{3} \|", output, re.M), output
+    results = {r["rule"]: r for r in json.loads((tmp_path / "cost.json").read_text())["results"]}
+    assert set(results) == {"mean", "centered_clip", "trimmed_mean"}
+    assert results["mean"]["cosine_to_mean"] == pytest.approx([1.0, 1.0], abs=1e-4)
+    # Every rule starts from the same weights and validation batches; every rule's run learns.
+    assert len({r["val_history"][0][1] for r in results.values()}) == 1
+    assert all(r["val_history"][-1][1] < r["val_history"][0][1] for r in results.values())

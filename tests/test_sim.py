@@ -47,8 +47,13 @@ def test_swarm_sim_rejects_bad_flags():
     )
 
 
-def test_demo_run_validation_loss_falls_at_every_evaluation(tmp_path: Path):
-    # The README's demo (default model and learning-rate schedule) at fewer steps; evaluations every 3.
+def test_demo_run_learns_without_a_spike(tmp_path: Path):
+    # The README's demo (default model, learning-rate schedule and centered_clip) at fewer steps, with
+    # evaluations every 3. With three honest peers centered_clip discounts the one whose gradient is
+    # largest, so an evaluation right after warmup may sit above the one before (4.19 then 4.42 in a
+    # single-process replay with fixed batches; up to +11% in real runs, whose batches depend on timing).
+    # A peak learning rate of 2e-3 instead doubled the loss right after warmup. No evaluation may rise by
+    # more than 15% over the one before, and the last one is the lowest.
     out = tmp_path / "sim.json"
     result = subprocess.run(
         [sys.executable, "-m", "coordinator.sim", "--peers", "3", "--steps", "12", "--json", str(out)],
@@ -57,4 +62,5 @@ def test_demo_run_validation_loss_falls_at_every_evaluation(tmp_path: Path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     history = json.loads(out.read_text())["val_history"]
     assert len(history) >= 4, history
-    assert all(later < earlier for earlier, later in zip(history, history[1:], strict=False)), history
+    assert all(later < 1.15 * earlier for earlier, later in zip(history, history[1:], strict=False)), history
+    assert history[-1] == min(history) and history[-1] < 0.75 * history[0], history

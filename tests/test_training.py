@@ -13,6 +13,8 @@ from helpers import KEYS, VanishingAllReduce, start_dhts
 
 from coordinator.localswarm import running_coordinator, tiny_run
 from protocols.certificates import issue_certificate
+from protocols.keys import SigningKey
+from swarm.coordinator_client import CoordinatorClient
 from swarm.identity import load_identity
 from swarm.records import RecordSigner, TrustValidator
 from swarm.training.checkpoint import load_latest_checkpoint
@@ -77,7 +79,8 @@ def test_late_joiner_and_a_peer_dying_mid_round():
 
 @contextlib.asynccontextmanager
 async def coordinated_swarm(run, data_dir: Path, peers: int):
-    """A coordinator and ``peers`` training peers, each with its own DHT process; all stopped on exit."""
+    """A coordinator and ``peers`` training peers, each with its own DHT process; all stopped on exit.
+    Yields the coordinator node and the trainers."""
     async with running_coordinator(run, data_dir) as node:
         coordinator_key = load_identity(data_dir / "identity.key")
         validator = TrustValidator(run.run_id, coordinator_key.public_key)
@@ -93,12 +96,18 @@ async def coordinated_swarm(run, data_dir: Path, peers: int):
         stop = asyncio.Event()
         tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
         try:
-            yield trainers
+            yield node, trainers
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             for dht in dhts:
                 dht.shutdown()
+
+
+async def told_of_a_checkpoint(node, run_id: str) -> bool:
+    """What the coordinator tells a peer it admits: whether it holds a checkpoint to resume from."""
+    async with CoordinatorClient(node.address) as client:
+        return (await client.join(SigningKey.generate(), run_id, name="probe", device="cpu")).holds_checkpoint
 
 
 def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss(tmp_path: Path):
@@ -107,7 +116,9 @@ def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss
     async def scenario() -> None:
         async with coordinated_swarm(
             tiny_run("resume", max_steps=4, checkpoint_every_steps=2), data_dir, 2
-        ) as first:
+        ) as (node, first):
+            # A fresh run: peers are told there is no checkpoint, and train without looking for one.
+            assert not await told_of_a_checkpoint(node, "resume")
             await wait_for(lambda: all(t.finished for t in first), 150, "step 4")
             await wait_for(lambda: (data_dir / "checkpoints" / f"ckpt-{4:08d}.safetensors").exists(), 30,
                            "the coordinator's checkpoint")  # fmt: skip
@@ -119,7 +130,8 @@ def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss
         # Everything restarts from nothing: new peer processes, new DHT, the same coordinator data dir.
         async with coordinated_swarm(
             tiny_run("resume", max_steps=6, checkpoint_every_steps=2), data_dir, 2
-        ) as second:
+        ) as (node, second):
+            assert await told_of_a_checkpoint(node, "resume")
             await wait_for(lambda: all(t.finished for t in second), 200, "step 6 after the restart")
             assert second[0].state_hash == second[1].state_hash
             # The resumed peers first evaluated the checkpoint's weights: the same step and loss as before.

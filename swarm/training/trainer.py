@@ -90,6 +90,8 @@ class Trainer:
         record_signer: signs this peer's DHT records with its certificate (default: one from
             ``signing_key``); the volunteer passes its own so it can renew the certificate in place.
         client_mode: this peer cannot be dialed (behind NAT), so it never leads an averaging group.
+        coordinator_checkpoint: whether the coordinator said it holds a checkpoint when this peer joined;
+            False spares a fresh run's peers the look for one before they train from step 0.
     """
 
     def __init__(
@@ -111,8 +113,10 @@ class Trainer:
         fit_memory: bool = False,
         record_signer: RecordSigner | None = None,
         client_mode: bool = False,
+        coordinator_checkpoint: bool = True,
     ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
+        self.coordinator_checkpoint = coordinator_checkpoint
         if record_signer is None and signing_key is None:
             raise ConfigError("a trainer signs its DHT records: pass signing_key (the key of its peer ID)")
         # Holds this peer's certificate; the volunteer renews it in place.
@@ -624,8 +628,9 @@ class Trainer:
         the DHT may not find the record yet; once this peer has trained a step from scratch it never will.
         So a peer of a coordinated run looks a few times before it evaluates and trains from step 0: for
         the checkpoint while nobody is ahead, for a holder that serves it once peers are ahead (a holder
-        refuses a requester whose first signed record it has not read yet)."""
-        for _ in range(RESUME_LOOKUPS):
+        refuses a requester whose first signed record it has not read yet). A peer whose coordinator held
+        no checkpoint when it joined does not look: the main loop still catches up with peers ahead."""
+        for _ in range(RESUME_LOOKUPS if self.coordinator_checkpoint else 0):
             if self.coordinator_key is None or self.step > 0 or stop.is_set():
                 return
             self._next_record_check = 0.0
