@@ -54,7 +54,10 @@ def sender_gradients(
 def aggregate(rule, rows: torch.Tensor, chunk: int) -> torch.Tensor:
     weights = torch.ones(rows.shape[0])
     return torch.cat(
-        [rule(rows[:, lo : lo + chunk].contiguous(), weights, seed=0) for lo in range(0, rows.shape[1], chunk)]
+        [
+            rule(rows[:, lo : lo + chunk].contiguous(), weights, seed=0)
+            for lo in range(0, rows.shape[1], chunk)
+        ]
     )
 
 
@@ -80,7 +83,9 @@ def replay(args, rule_name: str, batch_seed: int) -> dict:
 
     history, cosines, norm_ratios = [(0, evaluate())], [], []
     for step in range(args.steps):
-        rows = sender_gradients(model, dataset, run, seq_len, step, args.peers, args.micro_batches, batch_seed)
+        rows = sender_gradients(
+            model, dataset, run, seq_len, step, args.peers, args.micro_batches, batch_seed
+        )
         mean, out = rows.mean(0), aggregate(rule, rows, args.chunk_values)
         cosines.append(float(torch.nn.functional.cosine_similarity(out, mean, dim=0)))
         norm_ratios.append(float(out.norm() / mean.norm()))

@@ -149,7 +149,9 @@ def test_diloco_benchmark_compares_outer_steps_with_every_step_at_equal_samples(
 def test_honest_cost_benchmark_replays_the_demo_under_each_rule(tmp_path: Path):
     output = run_benchmark("bench_honest_cost.py", "--json", str(tmp_path / "cost.json"))
 
-    assert re.search(r"^batches 0\s+centered_clip \| val 0:\d\.\d{3}  1:\d\.\d{3}  2:\d\.\d{3} \|", output, re.M), output
+    assert re.search(
+        r"^batches 0\s+centered_clip \| val 0:\d\.\d{3}  1:\d\.\d{3}  2:\d\.\d{3} \|", output, re.M
+    ), output
     results = {r["rule"]: r for r in json.loads((tmp_path / "cost.json").read_text())["results"]}
     assert set(results) == {"mean", "centered_clip", "trimmed_mean"}
     assert results["mean"]["cosine_to_mean"] == pytest.approx([1.0, 1.0], abs=1e-4)
