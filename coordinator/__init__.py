@@ -15,6 +15,7 @@
 - ``localswarm``: ``LocalSwarm``, a coordinator and peers as processes on loopback (sims, tests, demo)
 - ``wanlab``: ``WanLab``, hosts in network namespaces behind kernel-capped links and NAT (``--wan``, ``--nat``)
 - ``simconfig``: ``SimConfig``, the settings of ``swarm-sim`` (its flags), and the run it trains
+- ``rehearsal``: ``Rehearsal``, the skeleton both sims share: log directory, processes, bounds, report
 - ``sim``: the ``swarm-sim`` entry point: rehearse a data-parallel run, then check it
 - ``pipeline_sim``: ``swarm-sim --stages S``: rehearse a pipeline run, then check it
 """

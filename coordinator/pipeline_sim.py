@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import os
-import shutil
 import signal
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 from coordinator.cli import status_to_dict
-from coordinator.localswarm import LocalSwarm, status
+from coordinator.localswarm import status
+from coordinator.rehearsal import Rehearsal
 from coordinator.simconfig import SimConfig
 from protocols.errors import SwarmError
 from swarm.config import RunConfig
@@ -72,139 +68,123 @@ class _Observer:
 
 def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
     run = build_pipeline_run(config, base)
-    root = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
-    local = LocalSwarm(root)
-    observer: _Observer | None = None
-    started = time.monotonic()
-    # A stall limit, not a wall-time one: on a busy 2-core machine the demo model takes 30 s or more a
-    # step, and a run that keeps stepping is not stuck.
-    deadline = started + config.timeout_s
+    with Rehearsal(config) as rehearsal:
+        try:
+            return _simulate(config, run, rehearsal)
+        except (SwarmError, TimeoutError) as e:
+            return rehearsal.failed(e)
+
+
+def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
+    local = rehearsal.local
     last_step = -1
     killed: list[dict] = []
     replaced: list[dict] = []
-    try:
-        print(f"swarm-sim: coordinator + {config.stages} stages x {config.peers_per_stage} servers + "
-              f"{config.trainers} trainers, {config.steps} steps, model {config.model_size} (logs in {root})",
-              flush=True)  # fmt: skip
-        coordinator = local.start_coordinator(run)
-        address = coordinator.extra["address"]
-        servers = {}
-        for stage in range(config.stages):
-            for replica in range(config.peers_per_stage):
-                name = f"stage{stage}-{replica}"
-                servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(stage))
-        trainers = {f"trainer{i}": local.start_peer(address, f"trainer{i}", "--role", "trainer")
-                    for i in range(config.trainers)}  # fmt: skip
-        observer = _Observer(coordinator.extra["dht_initial_peers"], run)
-        last_line = 0.0
-        while True:
-            snapshot = status_to_dict(status(address))
-            rows = {p["name"]: p for p in snapshot["peers"]}
-            for name, child in {**servers, **trainers}.items():
-                if child.process.poll() is not None and not any(k["name"] == name for k in killed):
-                    raise SwarmError(
-                        f"{name} exited with {child.process.returncode}:\n{child.output()[-3000:]}"
-                    )
-            steps = [rows[n]["step"] for n in trainers if n in rows]
-            step = min(steps) if len(steps) == len(trainers) else 0
-            if step > last_step:
-                last_step, deadline = step, time.monotonic() + config.timeout_s
-            if time.monotonic() - last_line > 5:
-                rate = sum(rows[n]["metrics"].get("samples_per_s", 0.0) for n in trainers if n in rows)
-                print(f"step {step}/{config.steps}  {rate:.1f} samples/s  {time.monotonic() - started:.0f}s",
-                      flush=True)  # fmt: skip
-                last_line = time.monotonic()
-            # Mid-step, so that micro-batches are in flight through the victim when it dies.
-            done = [rows[n]["metrics"].get("samples", 0.0) for n in trainers if n in rows]
-            mid_step = step > (config.kill_stage_peer_at or 0) or (done and min(done) > 0)
-            if (
-                config.kill_stage_peer_at is not None
-                and not killed
-                and step >= config.kill_stage_peer_at
-                and mid_step
-            ):
-                last = config.stages - 1
-                by_id = {p["peer_id"]: p["name"] for p in rows.values()}
-                # A replica serving the last stage now: names say where a peer started, not where it is.
-                serving = sorted(by_id.get(r.peer_id, "") for r in observer.view().replicas(last))
-                victim = next((n for n in reversed(serving) if n in servers), None)
-                if victim is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(servers[victim].process.pid, signal.SIGKILL)
-                    killed.append({"name": victim, "stage": last, "at_step": step})
-                    print(f"killed {victim} (a replica of stage {last}) at step {step}", flush=True)
-            if killed and not replaced:  # at once: a peer takes 20 s or more to start on a busy machine
-                into = last if config.replace_into_stage is None else config.replace_into_stage
-                name = f"stage{into}-{config.peers_per_stage}"
-                servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(into))
-                replaced.append({"name": name, "stage": into, "at_step": step, "replaces": killed[0]["name"]})
-                print(
-                    f"started {name} to replace {killed[0]['name']} in stage {into} at step {step}",
-                    flush=True,
-                )
-            finished = [rows[n]["metrics"].get("finished", 0.0) == 1.0 for n in trainers if n in rows]
-            if len(finished) == len(trainers) and all(finished):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the run made no step for {config.timeout_s:.0f}s (stuck at step {step} of {config.steps})"
-                )
-            time.sleep(1.0)
-        duration = time.monotonic() - started
-        time.sleep(2 * run.membership.heartbeat_interval_s)  # the trainers' final metrics reach the record
-        rows = {p["name"]: p for p in status_to_dict(status(address))["peers"]}
-        by_id = {p["peer_id"]: p["name"] for p in rows.values()}
-        view = observer.view()
-        stages = []
-        for stage in range(config.stages):
-            replicas = [{"name": by_id.get(r.peer_id, "?"), "peer_id": r.peer_id, "step": r.step,
-                         "param_hash": r.param_hash, "state_hash": r.state_hash}
-                        for r in sorted(view.replicas(stage), key=lambda r: by_id.get(r.peer_id, ""))]  # fmt: skip
-            stages.append({"stage": stage, "replicas": replicas})
-        trainer_rows = [{"name": n, "peer_id": rows[n]["peer_id"], **{k: rows[n]["metrics"].get(k, math.nan) for k in (
-            "step", "samples_per_s", "microbatches_issued", "microbatches_completed", "microbatches_lost",
-            "microbatches_waiting", "retries", "val_loss", "val_loss_initial")}} for n in trainers]  # fmt: skip
-        for name in [*servers, *trainers]:
-            (servers.get(name) or trainers[name]).signal(signal.SIGTERM)
-        agree = all(
-            len(s["replicas"]) >= 1
-            and len({r["param_hash"] for r in s["replicas"]}) == 1
-            and all(r["step"] == config.steps for r in s["replicas"])
-            for s in stages
+    print(f"swarm-sim: coordinator + {config.stages} stages x {config.peers_per_stage} servers + "
+          f"{config.trainers} trainers, {config.steps} steps, model {config.model_size} (logs in {rehearsal.root})",
+          flush=True)  # fmt: skip
+    coordinator = local.start_coordinator(run)
+    address = coordinator.extra["address"]
+    servers = {}
+    for stage in range(config.stages):
+        for replica in range(config.peers_per_stage):
+            name = f"stage{stage}-{replica}"
+            servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(stage))
+    trainers = {f"trainer{i}": local.start_peer(address, f"trainer{i}", "--role", "trainer")
+                for i in range(config.trainers)}  # fmt: skip
+    observer = _Observer(coordinator.extra["dht_initial_peers"], run)
+    rehearsal.on_exit.append(observer.close)
+    last_line = 0.0
+    while True:
+        snapshot = status_to_dict(status(address))
+        rows = {p["name"]: p for p in snapshot["peers"]}
+        rehearsal.check_children({**servers, **trainers}, expected_gone={k["name"] for k in killed})
+        steps = [rows[n]["step"] for n in trainers if n in rows]
+        step = min(steps) if len(steps) == len(trainers) else 0
+        if step > last_step:  # a stall limit, not a wall-time one: on a busy 2-core machine the demo
+            last_step = step  # model takes 30 s or more a step, and a run that keeps stepping is not stuck
+            rehearsal.extend_deadline()
+        if time.monotonic() - last_line > 5:
+            rate = sum(rows[n]["metrics"].get("samples_per_s", 0.0) for n in trainers if n in rows)
+            print(
+                f"step {step}/{config.steps}  {rate:.1f} samples/s  {rehearsal.elapsed_s():.0f}s", flush=True
+            )
+            last_line = time.monotonic()
+        # Mid-step, so that micro-batches are in flight through the victim when it dies.
+        done = [rows[n]["metrics"].get("samples", 0.0) for n in trainers if n in rows]
+        mid_step = step > (config.kill_stage_peer_at or 0) or (done and min(done) > 0)
+        if (
+            config.kill_stage_peer_at is not None
+            and not killed
+            and step >= config.kill_stage_peer_at
+            and mid_step
+        ):
+            last = config.stages - 1
+            by_id = {p["peer_id"]: p["name"] for p in rows.values()}
+            # A replica serving the last stage now: names say where a peer started, not where it is.
+            serving = sorted(by_id.get(r.peer_id, "") for r in observer.view().replicas(last))
+            victim = next((n for n in reversed(serving) if n in servers), None)
+            if victim is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(servers[victim].process.pid, signal.SIGKILL)
+                killed.append({"name": victim, "stage": last, "at_step": step})
+                print(f"killed {victim} (a replica of stage {last}) at step {step}", flush=True)
+        if killed and not replaced:  # at once: a peer takes 20 s or more to start on a busy machine
+            into = last if config.replace_into_stage is None else config.replace_into_stage
+            name = f"stage{into}-{config.peers_per_stage}"
+            servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(into))
+            replaced.append({"name": name, "stage": into, "at_step": step, "replaces": killed[0]["name"]})
+            print(f"started {name} to replace {killed[0]['name']} in stage {into} at step {step}", flush=True)
+        finished = [rows[n]["metrics"].get("finished", 0.0) == 1.0 for n in trainers if n in rows]
+        if len(finished) == len(trainers) and all(finished):
+            break
+        rehearsal.check_deadline(
+            f"the run made no step for {config.timeout_s:.0f}s (stuck at step {step} of {config.steps})"
         )
-        lost = int(sum(t["microbatches_lost"] for t in trainer_rows))
-        left_over = int(sum(t["microbatches_waiting"] for t in trainer_rows))
-        moves = {n: int(rows[n]["metrics"].get("moves", 0)) for n in servers if n in rows}
-        initial = trainer_rows[0]["val_loss_initial"]
-        final = trainer_rows[0]["val_loss"]
-        result = {
-            "initial_val_loss": initial,
-            "final_val_loss": final,
-            "steps": config.steps,
-            "stages": stages,
-            "stages_agree": agree,
-            "lost_microbatches": lost,
-            "left_over_microbatches": left_over,
-            "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
-            "trainers": trainer_rows,
-            "killed": killed,
-            "replaced": replaced,
-            "moves": moves,
-            "duration_s": duration,
-        }
-        if config.json_path:
-            config.json_path.write_text(json.dumps(result, indent=2))
-        ok = final < initial and lost == 0 and agree
-        print(f"validation loss {initial:.4f} -> {final:.4f} over {config.steps} steps in {duration:.0f}s; "
-              f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost ({left_over} left over at the last step); {sum(moves.values())} moves; replicas of every stage "
-              f"{'hold identical parameters' if agree else 'DISAGREE'}", flush=True)  # fmt: skip
-        return 0 if ok else 1
-    except (SwarmError, TimeoutError) as e:
-        print(f"\nswarm-sim: failed: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if observer is not None:
-            observer.close()
-        local.kill_all()
-        if not config.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        time.sleep(1.0)
+    duration = rehearsal.elapsed_s()
+    time.sleep(2 * run.membership.heartbeat_interval_s)  # the trainers' final metrics reach the record
+    rows = {p["name"]: p for p in status_to_dict(status(address))["peers"]}
+    by_id = {p["peer_id"]: p["name"] for p in rows.values()}
+    view = observer.view()
+    stages = []
+    for stage in range(config.stages):
+        replicas = [{"name": by_id.get(r.peer_id, "?"), "peer_id": r.peer_id, "step": r.step,
+                     "param_hash": r.param_hash, "state_hash": r.state_hash}
+                    for r in sorted(view.replicas(stage), key=lambda r: by_id.get(r.peer_id, ""))]  # fmt: skip
+        stages.append({"stage": stage, "replicas": replicas})
+    trainer_rows = [{"name": n, "peer_id": rows[n]["peer_id"], **{k: rows[n]["metrics"].get(k, math.nan) for k in (
+        "step", "samples_per_s", "microbatches_issued", "microbatches_completed", "microbatches_lost",
+        "microbatches_waiting", "retries", "val_loss", "val_loss_initial")}} for n in trainers]  # fmt: skip
+    for name in [*servers, *trainers]:
+        (servers.get(name) or trainers[name]).signal(signal.SIGTERM)
+    agree = all(
+        len(s["replicas"]) >= 1
+        and len({r["param_hash"] for r in s["replicas"]}) == 1
+        and all(r["step"] == config.steps for r in s["replicas"])
+        for s in stages
+    )
+    lost = int(sum(t["microbatches_lost"] for t in trainer_rows))
+    left_over = int(sum(t["microbatches_waiting"] for t in trainer_rows))
+    moves = {n: int(rows[n]["metrics"].get("moves", 0)) for n in servers if n in rows}
+    initial = trainer_rows[0]["val_loss_initial"]
+    final = trainer_rows[0]["val_loss"]
+    result = {
+        "initial_val_loss": initial,
+        "final_val_loss": final,
+        "steps": config.steps,
+        "stages": stages,
+        "stages_agree": agree,
+        "lost_microbatches": lost,
+        "left_over_microbatches": left_over,
+        "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
+        "trainers": trainer_rows,
+        "killed": killed,
+        "replaced": replaced,
+        "moves": moves,
+        "duration_s": duration,
+    }
+    line = (f"validation loss {initial:.4f} -> {final:.4f} over {config.steps} steps in {duration:.0f}s; "
+            f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost ({left_over} left over at the last step); "
+            f"{sum(moves.values())} moves; replicas of every stage {'hold identical parameters' if agree else 'DISAGREE'}")  # fmt: skip
+    return rehearsal.finish(result, final < initial and lost == 0 and agree, line)

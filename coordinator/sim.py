@@ -14,16 +14,14 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from coordinator.cli import status_to_dict
-from coordinator.localswarm import LocalSwarm, status, wait_until
+from coordinator.localswarm import status, wait_until
+from coordinator.rehearsal import Rehearsal
 from coordinator.simconfig import SimConfig, build_run, samples_per_step
 from coordinator.wanlab import LinkSpec, WanLab, peak_mbit
 from protocols.errors import SwarmError
@@ -136,175 +134,158 @@ def simulate(config: SimConfig) -> int:
         from coordinator.pipeline_sim import simulate_pipeline
 
         return simulate_pipeline(config, run)
-    root = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
-    local = LocalSwarm(root)
+    with Rehearsal(config) as rehearsal:
+        gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
+        print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model "
+              f"{config.model_size} (logs in {rehearsal.root})", flush=True)  # fmt: skip
+        progress = Progress(config.steps, samples_per_step(config))
+        rehearsal.on_exit.append(progress.close)
+        try:
+            return _simulate(config, run, rehearsal, progress)
+        except (SwarmError, TimeoutError) as e:
+            progress.close()
+            return rehearsal.failed(e)
+
+
+def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress: Progress) -> int:
+    local = rehearsal.local
     lab: WanLab | None = None
     if config.wan or config.nat:
         link = LinkSpec.parse(config.wan) if config.wan else LinkSpec()
         lab = WanLab(hosts=config.peers + 1, nat=config.nat, link=link, reaper=local.reaper)
-    started = time.monotonic()
-    deadline = started + config.timeout_s
+        rehearsal.on_exit.append(lab.down)
     churn_events: list[dict] = []
     val_history: list[float] = []
     link_samples: list[tuple[float, list[int]]] = []  # (time, bytes each peer's link sent), in the lab
-    gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
-    print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model {config.model_size} "
-          f"(logs in {root})", flush=True)  # fmt: skip
-    progress = Progress(config.steps, samples_per_step(config))
-    try:
-        if lab is not None:
-            lab.up()
-        coordinator = local.start_coordinator(run, **_placement(lab, 0))
-        address = coordinator.extra["address"]
-        # In the lab no route leads from here to the coordinator's namespace: ask through its socket.
-        control = coordinator.extra["socket"] if lab is not None else address
-        checkpoints = coordinator.extra["data_dir"] / "checkpoints"
-        names = [f"peer{i}" for i in range(config.peers)]
-        devices = {name: "gpu" if i < config.gpu_peers else "cpu" for i, name in enumerate(names)}
-        # Attackers are peer1.. (the churn victim is the last peer, always honest).
-        byzantine = set(names[1 : 1 + config.byzantine])
-        rehearsal = ["--rehearse-attack", str(config.attack), "--rehearse-attackers", str(config.byzantine),
-                     "--rehearse-group-size", str(config.peers)]  # fmt: skip
-        flags = ["--activation-checkpointing"] if config.activation_checkpointing else []
-        peers = {
-            name: local.start_peer(
-                address,
-                name,
-                *flags,
-                *(rehearsal if name in byzantine else ()),
-                device=devices[name],
-                **_placement(lab, i + 1),
-            )
-            for i, name in enumerate(names)
-        }
-        if config.protocol_attack:
-            from swarm.byzantine.protocol_attacks import protocol_attack_names
+    if lab is not None:
+        lab.up()
+    coordinator = local.start_coordinator(run, **_placement(lab, 0))
+    address = coordinator.extra["address"]
+    # In the lab no route leads from here to the coordinator's namespace: ask through its socket.
+    control = coordinator.extra["socket"] if lab is not None else address
+    checkpoints = coordinator.extra["data_dir"] / "checkpoints"
+    names = [f"peer{i}" for i in range(config.peers)]
+    devices = {name: "gpu" if i < config.gpu_peers else "cpu" for i, name in enumerate(names)}
+    # Attackers are peer1.. (the churn victim is the last peer, always honest).
+    byzantine = set(names[1 : 1 + config.byzantine])
+    rehearsal_flags = ["--rehearse-attack", str(config.attack), "--rehearse-attackers", str(config.byzantine),
+                       "--rehearse-group-size", str(config.peers)]  # fmt: skip
+    flags = ["--activation-checkpointing"] if config.activation_checkpointing else []
+    peers = {
+        name: local.start_peer(
+            address,
+            name,
+            *flags,
+            *(rehearsal_flags if name in byzantine else ()),
+            device=devices[name],
+            **_placement(lab, i + 1),
+        )
+        for i, name in enumerate(names)
+    }
+    if config.protocol_attack:
+        from swarm.byzantine.protocol_attacks import protocol_attack_names
 
-            mounted = (
-                protocol_attack_names()
-                if config.protocol_attack == "all"
-                else config.protocol_attack.split(",")
-            )
-            local.spawn("protocol-attacker", ["-m", "swarm.byzantine.protocol_attacks", "--run-id", run.run_id,
-                                              "--initial-peers", *coordinator.extra["dht_initial_peers"],
-                                              "--attack", *mounted])  # fmt: skip
-        initial_loss, _ = evaluate(run, None)
-        churned = False
-        final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
-        while True:
-            snapshot = status_to_dict(status(control))
-            _record_validation(snapshot, byzantine, val_history)
-            if lab is not None:
-                link_samples.append((time.monotonic(), [lab.link_bytes(i + 2)[0] for i in range(len(names))]))
-            progress.show(snapshot, {n for n, c in peers.items() if c.process.poll() is None}, started)
-            steps = {
-                p["name"]: p["step"]
-                for p in snapshot["peers"]
-                if p["state"] == "online" and p["name"] not in byzantine
-            }
-            if (
-                config.churn
-                and not churned
-                and config.peers > 1
-                and max(steps.values(), default=0) >= config.steps // 3
-            ):
-                victim = names[-1]
-                peers[victim].process.kill()
-                # Reaped at once: an unreaped (zombie) victim still looks alive to its restart's pid check.
-                peers[victim].wait(timeout_s=30)
-                churn_events.append({"killed": victim, "at_step": max(steps.values())})
-                wait_until(
-                    lambda v=victim: _state(control, v) == "offline", timeout_s=30, what=f"{victim} offline"
-                )
-                peers[victim] = local.start_peer(
-                    address, victim, *flags, device=devices[victim], **_placement(lab, len(names))
-                )
-                churn_events[-1]["restarted"] = True
-                churned = True
-            if (
-                len(steps) == config.peers - len(byzantine)
-                and all(s >= config.steps for s in steps.values())
-                and final.exists()
-            ):
-                break
-            for name, child in peers.items():
-                # A peer that cannot start must not leave us waiting (an attacker may be banned and leave).
-                if name not in byzantine and child.process.poll() is not None:
-                    raise SwarmError(
-                        f"{name} exited with code {child.process.returncode}:\n{child.output()[-2000:]}"
-                    )
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the run did not reach step {config.steps} within {config.timeout_s:.0f}s"
-                )
-            time.sleep(1.0)
-        progress.close()
-        samples_per_s = progress.rate(config.steps)
-        final_loss, final_hash = evaluate(run, final)
+        mounted = (
+            protocol_attack_names() if config.protocol_attack == "all" else config.protocol_attack.split(",")
+        )
+        local.spawn("protocol-attacker", ["-m", "swarm.byzantine.protocol_attacks", "--run-id", run.run_id,
+                                          "--initial-peers", *coordinator.extra["dht_initial_peers"],
+                                          "--attack", *mounted])  # fmt: skip
+    initial_loss, _ = evaluate(run, None)
+    churned = False
+    final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
+    while True:
         snapshot = status_to_dict(status(control))
-        wan = _wan_report(lab, names, link_samples) if lab is not None else None
-        for name in names:
-            if peers[name].process.poll() is None:
-                peers[name].signal(signal.SIGTERM)
-        for name in names:
-            peers[name].wait(timeout_s=60)
-        duration = time.monotonic() - started
-        peer_rows = [
-            {"peer_id": p["peer_id"], "name": p["name"], "param_hash": p["param_hash"], "step": p["step"],
-             "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"], "device": p["device"],
-             "contributed_samples": p["metrics"].get("contributed_samples", 0.0),
-             "averaging_s": p["metrics"].get("averaging_s", 0.0),
-             "compute_utilization": p["metrics"].get("compute_utilization", 0.0),
-             "byzantine": p["name"] in byzantine, "banned": p["state"] == "banned" or bool(p["ban_reason"]),
-             "ban_reason": p["ban_reason"]}
-            for p in snapshot["peers"]
-        ]  # fmt: skip
-        # Attackers may hold anything; the run is healthy when the honest peers agree with the checkpoint.
-        agree = all(row["param_hash"] == final_hash for row in peer_rows if not row["byzantine"])
-        honest = [row for row in peer_rows if not row["byzantine"]]
-        samples = sum(row["contributed_samples"] for row in honest)
-        result = {
-            "sync": run.training.sync,
-            "compression": run.training.compression,
-            "outer_steps": config.steps if run.training.sync == "diloco" else 0,
-            "inner_steps": run.training.inner_steps if run.training.sync == "diloco" else 1,
-            # Averaging bytes the honest peers sent, per sample they trained on in applied rounds.
-            "bytes_sent_per_sample": sum(row["bytes_sent"] for row in honest) / max(samples, 1.0),
-            "compute_utilization": sum(row["compute_utilization"] for row in honest) / max(len(honest), 1),
-            "initial_val_loss": initial_loss,
-            "final_val_loss": final_loss,
-            "steps": config.steps,
-            "peers": peer_rows,
-            "bytes_sent_per_peer": {row["peer_id"]: row["bytes_sent"] for row in peer_rows},
-            "final_param_hash": final_hash,
-            "peers_agree": agree,
-            "churn_events": churn_events,
-            "val_history": val_history,
-            "wan": wan,
-            "attack": config.attack,
-            "protocol_attack": config.protocol_attack,
-            "aggregator": run.training.aggregator,
-            "duration_s": duration,
-            "samples_per_s": samples_per_s,
-        }
-        if config.json_path:
-            config.json_path.write_text(json.dumps(result, indent=2))
-        ok = final_loss < initial_loss and agree
-        print(f"validation loss {initial_loss:.4f} -> {final_loss:.4f} over {config.steps} steps in {duration:.0f}s; "
-              f"{len(peer_rows)} peers {'hold identical parameters' if agree else 'DISAGREE'} "
-              f"({final_hash[:16]})", flush=True)  # fmt: skip
-        return 0 if ok else 1
-    except (SwarmError, TimeoutError) as e:
-        progress.close()
-        print(f"\nswarm-sim: failed: {e}", file=sys.stderr)
-        return 1
-    finally:
-        progress.close()
-        local.kill_all()
+        _record_validation(snapshot, byzantine, val_history)
         if lab is not None:
-            lab.down()
-        if not config.keep:
-            shutil.rmtree(root, ignore_errors=True)
+            link_samples.append((time.monotonic(), [lab.link_bytes(i + 2)[0] for i in range(len(names))]))
+        progress.show(snapshot, {n for n, c in peers.items() if c.process.poll() is None}, rehearsal.started)
+        steps = {
+            p["name"]: p["step"]
+            for p in snapshot["peers"]
+            if p["state"] == "online" and p["name"] not in byzantine
+        }
+        if (
+            config.churn
+            and not churned
+            and config.peers > 1
+            and max(steps.values(), default=0) >= config.steps // 3
+        ):
+            victim = names[-1]
+            peers[victim].process.kill()
+            # Reaped at once: an unreaped (zombie) victim still looks alive to its restart's pid check.
+            peers[victim].wait(timeout_s=30)
+            churn_events.append({"killed": victim, "at_step": max(steps.values())})
+            wait_until(
+                lambda v=victim: _state(control, v) == "offline", timeout_s=30, what=f"{victim} offline"
+            )
+            peers[victim] = local.start_peer(
+                address, victim, *flags, device=devices[victim], **_placement(lab, len(names))
+            )
+            churn_events[-1]["restarted"] = True
+            churned = True
+        if (
+            len(steps) == config.peers - len(byzantine)
+            and all(s >= config.steps for s in steps.values())
+            and final.exists()
+        ):
+            break
+        # A peer that cannot start must not leave us waiting (an attacker may be banned and leave).
+        rehearsal.check_children(peers, expected_gone=byzantine)
+        rehearsal.check_deadline(f"the run did not reach step {config.steps} within {config.timeout_s:.0f}s")
+        time.sleep(1.0)
+    progress.close()
+    samples_per_s = progress.rate(config.steps)
+    final_loss, final_hash = evaluate(run, final)
+    snapshot = status_to_dict(status(control))
+    wan = _wan_report(lab, names, link_samples) if lab is not None else None
+    for name in names:
+        if peers[name].process.poll() is None:
+            peers[name].signal(signal.SIGTERM)
+    for name in names:
+        peers[name].wait(timeout_s=60)
+    duration = rehearsal.elapsed_s()
+    peer_rows = [
+        {"peer_id": p["peer_id"], "name": p["name"], "param_hash": p["param_hash"], "step": p["step"],
+         "bytes_sent": p["metrics"].get("bytes_sent", 0.0), "state": p["state"], "device": p["device"],
+         "contributed_samples": p["metrics"].get("contributed_samples", 0.0),
+         "averaging_s": p["metrics"].get("averaging_s", 0.0),
+         "compute_utilization": p["metrics"].get("compute_utilization", 0.0),
+         "byzantine": p["name"] in byzantine, "banned": p["state"] == "banned" or bool(p["ban_reason"]),
+         "ban_reason": p["ban_reason"]}
+        for p in snapshot["peers"]
+    ]  # fmt: skip
+    # Attackers may hold anything; the run is healthy when the honest peers agree with the checkpoint.
+    agree = all(row["param_hash"] == final_hash for row in peer_rows if not row["byzantine"])
+    honest = [row for row in peer_rows if not row["byzantine"]]
+    samples = sum(row["contributed_samples"] for row in honest)
+    result = {
+        "sync": run.training.sync,
+        "compression": run.training.compression,
+        "outer_steps": config.steps if run.training.sync == "diloco" else 0,
+        "inner_steps": run.training.inner_steps if run.training.sync == "diloco" else 1,
+        # Averaging bytes the honest peers sent, per sample they trained on in applied rounds.
+        "bytes_sent_per_sample": sum(row["bytes_sent"] for row in honest) / max(samples, 1.0),
+        "compute_utilization": sum(row["compute_utilization"] for row in honest) / max(len(honest), 1),
+        "initial_val_loss": initial_loss,
+        "final_val_loss": final_loss,
+        "steps": config.steps,
+        "peers": peer_rows,
+        "bytes_sent_per_peer": {row["peer_id"]: row["bytes_sent"] for row in peer_rows},
+        "final_param_hash": final_hash,
+        "peers_agree": agree,
+        "churn_events": churn_events,
+        "val_history": val_history,
+        "wan": wan,
+        "attack": config.attack,
+        "protocol_attack": config.protocol_attack,
+        "aggregator": run.training.aggregator,
+        "duration_s": duration,
+        "samples_per_s": samples_per_s,
+    }
+    line = (f"validation loss {initial_loss:.4f} -> {final_loss:.4f} over {config.steps} steps in {duration:.0f}s; "
+            f"{len(peer_rows)} peers {'hold identical parameters' if agree else 'DISAGREE'} ({final_hash[:16]})")  # fmt: skip
+    return rehearsal.finish(result, final_loss < initial_loss and agree, line)
 
 
 def _placement(lab: WanLab | None, index: int) -> dict:

@@ -81,6 +81,7 @@ __all__ = [
     "DEFAULT_CHUNK_VALUES",
     "ButterflyAllReduce",
     "RoundResult",
+    "RoundSettings",
     "Traffic",
     "chunk_bounds",
     "split_bounds",
@@ -115,37 +116,58 @@ class RoundResult:
     sent: torch.Tensor | None = None
 
 
+@dataclass
+class RoundSettings:
+    """What every round of one peer runs under, whoever its group is: the peer's libp2p daemon and data
+    plane, the run's rule and wire codec, the silence and round deadlines' floors, the key that signs its
+    contributions and aggregates, its upload limiter and traffic counters, and (in a rehearsal only) its
+    attack. The averager builds one per round from its own settings."""
+
+    p2p: P2P
+    servicer_type: type[ServicerBase]
+    prefix: str
+    aggregator: AggregatorFn
+    codec: Codec
+    sender_timeout_s: float
+    round_timeout_s: float = 30.0
+    key: SigningKey | None = None
+    data_plane: DataPlane | None = None
+    upload_limiter: RateLimiter | None = None
+    traffic: Traffic = field(default_factory=Traffic)
+    attack: object = None
+    chunk_values: int | None = None  # values per chunk; None: the layout's for the group size
+
+
 class ButterflyAllReduce:
-    """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult."""
+    """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult.
+
+    ``settings`` holds what the peer's rounds share; the rest is this round's: its group (ID, members,
+    their nonce commitments, data addresses and which of them reduce), this peer's ``weight``, vector and
+    nonce, the slowest member's uplink (``mbit``, for the deadlines) and an optional output buffer.
+    """
 
     def __init__(
         self,
+        settings: RoundSettings,
         *,
-        p2p: P2P,
-        servicer_type: type[ServicerBase],
-        prefix: str,
         group_id: bytes,
         peer_ids: Sequence[PeerID],
         weight: float,
         local: torch.Tensor,
-        aggregator: AggregatorFn,
-        codec: Codec,
-        sender_timeout_s: float,
-        chunk_values: int | None = None,
-        data_plane: DataPlane | None = None,
-        addresses: Sequence[str | None] | None = None,
-        upload_limiter: RateLimiter | None = None,
-        traffic: Traffic | None = None,
-        key: SigningKey | None = None,
         nonce: bytes = b"",
         commitments: Sequence[bytes | None] | None = None,
-        attack=None,
-        out: torch.Tensor | None = None,
+        addresses: Sequence[str | None] | None = None,
         reducers: Sequence[bool] | None = None,
         mbit: float | None = None,
-        round_timeout_s: float = 30.0,
+        out: torch.Tensor | None = None,
     ):
-        self.p2p, self.servicer_type, self.prefix = p2p, servicer_type, prefix
+        p2p, key, attack = settings.p2p, settings.key, settings.attack
+        codec, chunk_values, sender_timeout_s = (
+            settings.codec,
+            settings.chunk_values,
+            settings.sender_timeout_s,
+        )
+        self.p2p, self.servicer_type, self.prefix = p2p, settings.servicer_type, settings.prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
         self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
         self.refusal: str | None = None
@@ -163,12 +185,12 @@ class ButterflyAllReduce:
         self.key, self.nonce, self.attack = key, nonce, attack
         self.members = [p.to_base58() for p in self.peer_ids]
         self.digest = round_digest(
-            prefix, group_id, self.members, [c for c in self.commitments if c], self.reducers
+            self.prefix, group_id, self.members, [c for c in self.commitments if c], self.reducers
         )
         self.reveals: dict[int, bytes] = {self.index: nonce}
         self.local: torch.Tensor | None = local.detach().to(torch.float32).flatten()
         self.numel = self.local.numel()
-        self.aggregator, self.codec = aggregator, codec
+        self.aggregator, self.codec = settings.aggregator, codec
         if chunk_values is None:
             chunk_values = layout_chunk_values(len(self.peer_ids), codec.bytes_per_value)
         self.chunk_values = chunk_values
@@ -178,14 +200,14 @@ class ButterflyAllReduce:
         self.deadlines = round_deadlines(
             [hi - lo for lo, hi in zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True)],
             chunk_bytes=codec.max_bytes(chunk_values), bytes_per_value=codec.max_bytes(chunk_values) / chunk_values,
-            mbit=mbit, silence_floor_s=sender_timeout_s, round_floor_s=round_timeout_s,
+            mbit=mbit, silence_floor_s=sender_timeout_s, round_floor_s=settings.round_timeout_s,
         )  # fmt: skip
         self.sender_timeout_s, self.round_timeout_s = self.deadlines.silence_s, self.deadlines.round_s
         # A sender reveals once every part has arrived or failed for it: a failed reducer's wait, plus the
         # slowest reducer's work on a loaded machine. Only the background check waits this long.
         self.reveal_timeout_s = 8 * self.sender_timeout_s
-        self.data_plane, self.upload_limiter = data_plane, upload_limiter
-        self.traffic = traffic if traffic is not None else Traffic()
+        self.data_plane, self.upload_limiter = settings.data_plane, settings.upload_limiter
+        self.traffic = settings.traffic
         # Every value is written before a complete round returns; a caller's reused buffer spares a fresh
         # allocation (and its page faults) per round.
         self.output = out if out is not None else torch.empty_like(self.local)

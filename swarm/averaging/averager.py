@@ -42,7 +42,13 @@ from protocols.envelope import MAX_CLOCK_SKEW_S
 from protocols.errors import ConfigError, SwarmError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
-from swarm.averaging.allreduce import DEFAULT_CHUNK_VALUES, ButterflyAllReduce, RoundResult, Traffic
+from swarm.averaging.allreduce import (
+    DEFAULT_CHUNK_VALUES,
+    ButterflyAllReduce,
+    RoundResult,
+    RoundSettings,
+    Traffic,
+)
 from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
 from swarm.averaging.deadlines import Throughput, round_mbit, transfer_deadline_s
 from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
@@ -279,6 +285,16 @@ class Averager:
         floor plus the time at ``network_mbit`` (see ``deadlines``)."""
         return transfer_deadline_s(nbytes, self.network_mbit, floor_s=self.averaging_timeout_s)
 
+    def round_settings(self) -> RoundSettings:
+        """What this peer's next round runs under (built per round: a benchmark swaps the rule between
+        rounds)."""
+        return RoundSettings(
+            p2p=self.p2p, servicer_type=AveragingServicer, prefix=self.prefix, aggregator=self.aggregator,
+            codec=self.codec, sender_timeout_s=self.sender_timeout_s, round_timeout_s=self.averaging_timeout_s,
+            key=self.signing_key, data_plane=self.data_plane, upload_limiter=self.upload_limiter,
+            traffic=self.traffic, attack=self.attack,
+        )  # fmt: skip
+
     @property
     def banned(self) -> frozenset[str]:
         """Peer IDs on the run's ban list (change them through ``policy.set_bans``)."""
@@ -451,28 +467,17 @@ class Averager:
             if group is None:
                 return None
             runner = self.runner_type(
-                p2p=self.p2p,
-                servicer_type=AveragingServicer,
-                prefix=self.prefix,
+                self.round_settings(),
                 group_id=group.group_id,
                 peer_ids=group.peer_ids,
                 weight=weight,
                 local=vector,
-                aggregator=self.aggregator,
-                codec=self.codec,
-                sender_timeout_s=self.sender_timeout_s,
-                data_plane=self.data_plane,
-                addresses=group.addresses,
-                upload_limiter=self.upload_limiter,
-                traffic=self.traffic,
-                key=self.signing_key,
                 nonce=self._nonce,
                 commitments=group.commitments or None,
-                attack=self.attack,
-                out=out,
+                addresses=group.addresses,
                 reducers=group.reducers,
                 mbit=round_mbit(group.uplinks_mbit) if group.uplinks_mbit else None,
-                round_timeout_s=self.averaging_timeout_s,
+                out=out,
             )
             self.rounds.add(group.group_id, runner)
             if not runner.reduces(runner.index):

@@ -37,13 +37,12 @@ import contextlib
 import logging
 import math
 import os
-import random
 import time
 
 import hivemind
-from hivemind.p2p import ServicerBase
+from hivemind.p2p import PeerID, ServicerBase
 
-from protocols.errors import ConfigError, SwarmError
+from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.averager import Averager
 from swarm.averaging.policy import PeerPolicy
@@ -58,12 +57,11 @@ from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Position, catch_up_move
-from swarm.training.state import encode_state, state_tensors
+from swarm.training.state import DecodedState, encode_state, state_tensors
 from swarm.training.sync import (
     EncodedState,
-    StateMovedOn,
     download_state,
-    peer_id_of,
+    from_any_holder,
     state_namespace,
 )
 
@@ -294,28 +292,25 @@ class StageWorker(StageMoves):
         r = self.replica
         logger.info(f"stage {r.index}: replicas hold step {step} ({expected[:12]}), this one step {r.step}: "
                     "downloading their state")  # fmt: skip
-        random.shuffle(holders)
-        for holder in holders:
-            try:
-                decoded = await download_state(
-                    self.averager.p2p, peer_id_of(holder),
-                    namespace=state_namespace(stage_prefix(self.config.run_id, r.index)), run_id=self.config.run_id,
-                    min_step=step, expected_hash=expected, max_bytes=2 * stage_bytes(self.config, r.index) + (1 << 20),
-                    timeout_s=self.config.training.averaging_timeout_s,
-                )  # fmt: skip
-            except StateMovedOn as e:
-                logger.info(f"{e}; will look again")
-                continue
-            except SwarmError as e:
-                logger.warning(f"discarding stage {r.index} state from {holder}: {e}")
-                continue
-            await r.compute(r.load, decoded.step, decoded.tensors)
-            await r.commit()
-            self._step_view, self._step_since = self._views, time.monotonic()
-            self._stats["resyncs"] += 1
-            logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder}")
-            return True
-        return False
+
+        async def fetch(holder: PeerID) -> tuple[PeerID, DecodedState]:
+            return holder, await download_state(
+                self.averager.p2p, holder,
+                namespace=state_namespace(stage_prefix(self.config.run_id, r.index)), run_id=self.config.run_id,
+                min_step=step, expected_hash=expected, max_bytes=2 * stage_bytes(self.config, r.index) + (1 << 20),
+                timeout_s=self.config.training.averaging_timeout_s,
+            )  # fmt: skip
+
+        loaded = await from_any_holder(holders, fetch, f"stage {r.index} state")
+        if loaded is None:
+            return False
+        holder, decoded = loaded
+        await r.compute(r.load, decoded.step, decoded.tensors)
+        await r.commit()
+        self._step_view, self._step_since = self._views, time.monotonic()
+        self._stats["resyncs"] += 1
+        logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder.to_base58()}")
+        return True
 
     # --- closing a step ------------------------------------------------------------------------------
 

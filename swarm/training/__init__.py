@@ -10,7 +10,8 @@
 - precision.py: autocast for ``training.precision`` (fp32, bf16, fp16) and fp16's deterministic loss scale
 - memory.py: a peer's peak memory (GPU or RSS) and recognizing out-of-memory errors
 - microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
-- trainer.py: one peer's training loop: accumulate, average, step, resynchronize
+- trainer.py: one peer's training loop: accumulate, average, step
+- resync.py: the trainer's state serving and catch-up: download the agreed state, or the coordinator's checkpoint
 - diloco.py: DiLoCo: inner steps on the local copy, averaged pseudo-gradients, the outer optimizer
 - colluders.py: rehearsal of attackers that read the code: every peer's exact gradient from public seeds
 

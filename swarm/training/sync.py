@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
+from typing import TypeVar
 
 import hivemind
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
@@ -33,6 +35,7 @@ from swarm.records import LogOnce, open_run_record, record_key, record_ttl_s
 from swarm.training.state import DecodedState, decode_state
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHUNK_BYTES = 1 << 20
 MAX_UPLOADS = 4  # state streams one holder serves at once; each is about 3x the parameter bytes
@@ -62,6 +65,20 @@ def peer_id_of(peer_id: str) -> PeerID:
         return PeerID.from_base58(peer_id)
     except (ValueError, TypeError):
         raise ProtocolError(f"{str(peer_id)[:64]!r} is not a peer ID") from None
+
+
+async def from_any_holder(holders: list[str], fetch: Callable[[PeerID], Awaitable[T]], what: str) -> T | None:
+    """``fetch`` from each of ``holders`` in random order until one succeeds: its result, or None. A holder
+    that moved on to a later step, or whose state fails a check, is passed over with a log line naming it."""
+    random.shuffle(holders)
+    for holder in holders:
+        try:
+            return await fetch(peer_id_of(holder))
+        except StateMovedOn as e:
+            logger.info(f"{e}; will look again")
+        except SwarmError as e:
+            logger.warning(f"discarding {what} from {holder}: {e}")
+    return None
 
 
 def state_namespace(prefix: str) -> str:
