@@ -25,7 +25,6 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
 
@@ -61,7 +60,7 @@ from swarm.averaging.groups import (
     make_entry,
 )
 from swarm.averaging.policy import PeerPolicy
-from swarm.averaging.rounds import RoundRegistry
+from swarm.averaging.rounds import PartRouter, RoundRegistry
 from swarm.averaging.transport import DataPlane, announce_host
 from swarm.averaging.verification import Accuser, serve_inputs, validate_round
 from swarm.ratelimit import RateLimiter
@@ -99,7 +98,7 @@ class AveragingServicer(ServicerBase):
     async def rpc_aggregate_part(
         self, stream: TypingAsyncIterator[apb.PartChunk], context: P2PContext
     ) -> TypingAsyncIterator[apb.PartChunk]:
-        async for message in self.averager.serve_part(stream, context.remote_id):
+        async for message in self.averager.route_part(stream, context.remote_id):
             yield message
 
     async def rpc_round_inputs(
@@ -242,6 +241,13 @@ class Averager:
         self.policy = policy if policy is not None else PeerPolicy(None, prefix)
         # Live rounds, where inbound parts find theirs, and the last few kept for validators.
         self.rounds: RoundRegistry[ButterflyAllReduce] = RoundRegistry()
+        # Where an inbound part stream, from either transport, finds its round (see rounds.py).
+        self.route_part = PartRouter(
+            self.rounds,
+            silence_s=lambda: self.stream_silence_s,
+            wait_s=sender_timeout_s,
+            banned=lambda: self.banned,
+        )
         self._verifications: set[asyncio.Task] = set()
         self._nonce = b""
         self._entry = b""
@@ -330,7 +336,7 @@ class Averager:
             maddrs = await self.p2p.get_visible_maddrs()
             visible = [str(m).split("/")[2] for m in maddrs if str(m).startswith(("/ip4/", "/ip6/"))]
             host = announce_host(self.data_host, visible)
-        plane = DataPlane(self.signing_key, self.prefix, self.serve_part, max_frame=self.max_frame)
+        plane = DataPlane(self.signing_key, self.prefix, self.route_part, max_frame=self.max_frame)
         try:
             address = await plane.start(self.data_host, self.data_port, host)
         except SwarmError as e:
@@ -514,21 +520,3 @@ class Averager:
         task = asyncio.create_task(checks)
         self._verifications.add(task)
         task.add_done_callback(self._verifications.discard)
-
-    async def serve_part(
-        self, stream: AsyncIterator[apb.PartChunk], sender: PeerID
-    ) -> AsyncIterator[apb.PartChunk]:
-        try:
-            first = await asyncio.wait_for(stream.__anext__(), timeout=self.stream_silence_s)
-        except (asyncio.TimeoutError, StopAsyncIteration):
-            return
-        if sender.to_base58() in self.banned:
-            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="this peer is banned from the run")
-            return
-        # The sender may have learned of the group a moment before we did.
-        runner = await self.rounds.wait_for(first.group_id, self.sender_timeout_s)
-        if runner is None:
-            yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
-            return
-        async for message in runner.serve(first, stream, sender):
-            yield message

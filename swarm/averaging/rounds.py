@@ -2,10 +2,13 @@
 
 A round exists on this peer from the moment matchmaking hands it a group until its runner ends; a
 groupmate may learn of the group a moment earlier and open its part stream first. Both transports
-(``transport.DataPlane`` and libp2p's ``rpc_aggregate_part``) hand such a stream to ``Averager.serve_part``,
-which asks ``RoundRegistry.wait_for``: it answers at once for a live round, or wakes when a round is
-added and looks again, or gives up after the caller's deadline. Finished rounds stay readable
-(``lookup``) for the validators who ask for their inputs right after; only the last ``keep`` are held.
+(``transport.DataPlane`` and libp2p's ``rpc_aggregate_part``) hand such a stream to the averager's
+``PartRouter``, which reads its first message, refuses a banned sender and asks
+``RoundRegistry.wait_for``: it answers at once for a live round, or wakes when a round is added and
+looks again, or gives up after the caller's deadline. The router then hands the stream down to that
+round's ``serve``: an inbound part only ever goes down, from transport to router to round. Finished
+rounds stay readable (``lookup``) for the validators who ask for their inputs right after; only the
+last ``keep`` are held.
 
 Nothing here trusts the group ID a stream names, and a waiting stream holds no state of its own in the
 registry: a stream that is closed, cancelled or timed out leaves nothing behind, and a made-up ID costs
@@ -18,9 +21,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Generic, Protocol, TypeVar
 
-Runner = TypeVar("Runner")
+from hivemind.p2p import PeerID
+
+from protocols import averaging_pb2 as apb
+
+
+class ServesParts(Protocol):
+    def serve(
+        self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
+    ) -> AsyncIterator[apb.PartChunk]: ...
+
+
+Runner = TypeVar("Runner", bound=ServesParts)
 
 KEEP_ROUNDS = 4  # finished rounds held for validators
 
@@ -65,4 +80,44 @@ class RoundRegistry(Generic[Runner]):
         return runner
 
 
-__all__ = ["KEEP_ROUNDS", "RoundRegistry"]
+class PartRouter:
+    """Hands each inbound part stream to its round in ``rounds``.
+
+    Args:
+        rounds: the averager's registry of live rounds.
+        silence_s: how long the stream may be silent before its first message (it follows the
+            measured link, so it is asked per stream).
+        wait_s: how long a stream waits for the round it names to start here.
+        banned: the peer IDs (base58) on the run's ban list now; their streams are refused at once.
+    """
+
+    def __init__(
+        self,
+        rounds: RoundRegistry,
+        *,
+        silence_s: Callable[[], float],
+        wait_s: float,
+        banned: Callable[[], Collection[str]],
+    ):
+        self.rounds, self.silence_s, self.wait_s, self.banned = rounds, silence_s, wait_s, banned
+
+    async def __call__(
+        self, stream: AsyncIterator[apb.PartChunk], sender: PeerID
+    ) -> AsyncIterator[apb.PartChunk]:
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), timeout=self.silence_s())
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            return
+        if sender.to_base58() in self.banned():
+            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="this peer is banned from the run")
+            return
+        # The sender may have learned of the group a moment before we did.
+        runner = await self.rounds.wait_for(first.group_id, self.wait_s)
+        if runner is None:
+            yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
+            return
+        async for message in runner.serve(first, stream, sender):
+            yield message
+
+
+__all__ = ["KEEP_ROUNDS", "PartRouter", "RoundRegistry"]
