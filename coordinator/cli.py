@@ -31,6 +31,8 @@ from swarm.coordinator_client import CoordinatorClient
 
 
 class StatusConfig(BaseModel):
+    """Settings of ``swarm-coordinator status``."""
+
     model_config = ConfigDict(extra="forbid")
 
     coordinator: str = Field(description="coordinator address HOST:PORT")
@@ -41,6 +43,8 @@ class StatusConfig(BaseModel):
 
 
 class BanConfig(BaseModel):
+    """Settings of ``swarm-coordinator ban`` and ``unban``."""
+
     model_config = ConfigDict(extra="forbid")
 
     peer_id: str = Field(description="peer ID to ban or unban")

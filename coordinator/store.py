@@ -91,6 +91,8 @@ EVIDENCE_PREVIEW_BYTES = 512
 
 @dataclass
 class PeerRecord:
+    """One peer as the coordinator records it: identity, state, certificate, last report and credit."""
+
     peer_id: str
     public_key: bytes
     name: str
@@ -124,6 +126,8 @@ class HistoryPoint:
 
 @dataclass(frozen=True)
 class Ban:
+    """A ban on the run's list: whom, why, when, and the size and first bytes of the evidence."""
+
     peer_id: str
     reason: str
     banned_at: float

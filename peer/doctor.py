@@ -58,6 +58,8 @@ class DoctorConfig(
 
 @dataclass
 class Check:
+    """One ``swarm-peer doctor`` finding: ok, warn or fail, what was found, and how to fix it."""
+
     name: str
     level: Literal["ok", "warn", "fail"]
     message: str

@@ -30,6 +30,8 @@ REFRESH_S = 0.5
 
 @dataclass
 class LastRound:
+    """When this peer's last averaging round ended, whether it was applied, and how many peers it had."""
+
     at: float = 0.0  # unix time the round ended, 0 before the first
     ok: bool = False
     peers: int = 0

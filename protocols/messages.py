@@ -43,10 +43,15 @@ PeerIdText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[1-9A
 
 
 class _Body(BaseModel):
+    """Base of every body: strict types, no unknown fields, immutable once parsed."""
+
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 class JoinBody(_Body):
+    """A peer's join request to the coordinator (purpose ``join``): the challenge it answers, its name,
+    device and requested role and, under token admission, its proof of the join token."""
+
     challenge: bytes = Field(min_length=CHALLENGE_BYTES, max_length=CHALLENGE_BYTES)
     name: Name
     device: Name
@@ -55,6 +60,10 @@ class JoinBody(_Body):
 
 
 class JoinAnswerBody(_Body):
+    """The coordinator's answer to a join (purpose ``join-answer``, signed by its key): the challenge it
+    answers, the peer's certificate, the run spec, the DHT's bootstrap addresses, the heartbeat interval
+    and whether the coordinator holds a checkpoint."""
+
     challenge: bytes = Field(min_length=CHALLENGE_BYTES, max_length=CHALLENGE_BYTES)
     certificate: bytes = Field(max_length=4096)
     run_spec: dict[str, Any]
@@ -66,6 +75,9 @@ class JoinAnswerBody(_Body):
 
 
 class HeartbeatBody(_Body):
+    """A peer's periodic heartbeat to the coordinator (purpose ``heartbeat``): a sequence number that must
+    grow, its state, step, parameter hash and metrics, and the peers it suspects."""
+
     seq: int = Field(gt=0)
     state: Literal["online", "paused"]
     step: int = Field(default=0, ge=0, lt=2**63)
@@ -87,11 +99,17 @@ class HeartbeatBody(_Body):
 
 
 class LeaveBody(_Body):
+    """A peer's notice to the coordinator that it leaves the run (purpose ``leave``), with a sequence
+    number that must grow and an optional reason."""
+
     seq: int = Field(gt=0)
     reason: str = Field(default="", max_length=256)
 
 
 class AccuseBody(_Body):
+    """The signed first part of a peer's accusation to the coordinator (purpose ``accuse``): whom it
+    accuses and why, and the SHA-256 and size of the evidence streamed after it."""
+
     accused: str = Field(min_length=1, max_length=128)
     reason: str = Field(max_length=512)
     evidence_sha256: bytes = Field(min_length=32, max_length=32)
@@ -121,6 +139,9 @@ CertificateBytes = Annotated[bytes, Field(max_length=4096)]
 
 
 class ProgressRecordBody(_Body):
+    """A peer's progress record in the DHT (purpose ``progress-record``, signed by the peer): its step,
+    samples, throughput and state hash."""
+
     step: Count
     samples: Count
     samples_per_s: Rate
@@ -130,11 +151,18 @@ class ProgressRecordBody(_Body):
 
 
 class MemberRecordBody(_Body):
+    """A peer's member record in the DHT (purpose ``member-record``, signed by the peer): its coordinator
+    certificate."""
+
     certificate: CertificateBytes
     expires_at: Expiry
 
 
 class StageRecordBody(_Body):
+    """A stage replica's pipeline record in the DHT (purpose ``pipeline-record``, signed by the replica):
+    the stage it serves, its step, throughput, load and hashes, and whether it serves, sits out or has
+    closed the step."""
+
     role: Literal["stage"]
     stage: int = Field(ge=0, le=1024)
     step: Count
@@ -157,6 +185,9 @@ class StageRecordBody(_Body):
 
 
 class TrainerRecordBody(_Body):
+    """A pipeline trainer's record in the DHT (purpose ``pipeline-record``, signed by the trainer): its
+    step, the samples it completed there and its micro-batches in flight."""
+
     role: Literal["trainer"]
     step: Count
     samples: Count
@@ -166,6 +197,9 @@ class TrainerRecordBody(_Body):
 
 
 class CheckpointRecordBody(_Body):
+    """The checkpoint record in the DHT (purpose ``checkpoint-record``, signed by the coordinator): the
+    step and state hash of the latest checkpoint the coordinator serves."""
+
     step: Count
     state_hash: Hash
     expires_at: Expiry

@@ -42,6 +42,8 @@ DEMO_RUN_ID = "demo"
 
 
 class _Section(BaseModel):
+    """Base of every section of a run config: unknown keys are refused, assignments validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

@@ -56,6 +56,9 @@ class Admission:
 
 @dataclass(frozen=True)
 class HeartbeatAnswer:
+    """What the coordinator answered a heartbeat: the state it records for this peer, a renewed
+    certificate (None while the current one is fresh), and its clock."""
+
     state: str
     certificate: PeerCertificate | None
     server_time: float

@@ -55,6 +55,9 @@ _NETWORK_MAX_ROWS = 64
 
 
 class AggregatorFn(Protocol):
+    """A rule: one row of ``contributions`` per sender and one weight each in, the aggregate out; ``seed``
+    fixes any randomness, so every reducer of the same inputs returns the same bits."""
+
     def __call__(self, contributions: torch.Tensor, weights: torch.Tensor, *, seed: int) -> torch.Tensor: ...
 
 

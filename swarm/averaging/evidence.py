@@ -180,6 +180,8 @@ def reduce_chunk(
 
 @dataclass(frozen=True)
 class SignedInput:
+    """One sender's contribution to one chunk, as it was signed: what validators collect and evidence holds."""
+
     sender_index: int
     data: bytes
     signature: bytes

@@ -30,6 +30,8 @@ from protocols import averaging_pb2 as apb
 
 
 class ServesParts(Protocol):
+    """A round that takes an inbound part stream: ``ButterflyAllReduce.serve``."""
+
     def serve(
         self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
     ) -> AsyncIterator[apb.PartChunk]: ...

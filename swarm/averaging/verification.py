@@ -50,6 +50,8 @@ Accuser = Callable[[str, Evidence, str], Awaitable[None]]
 
 @dataclass(frozen=True)
 class Assignment:
+    """One check a validator was drawn for: the part and the chunk of it to recompute."""
+
     part: int
     chunk: int
 

@@ -78,6 +78,9 @@ async def stalled_accusation(
 
 @dataclass(frozen=True)
 class FloodReport:
+    """What ``challenge_flood`` got back: how many join challenges were granted and refused, and the
+    distinct reasons for the refusals."""
+
     granted: int
     refused: int
     refusals: tuple[str, ...]  # the distinct reasons given, first 8

@@ -57,6 +57,9 @@ class AttackContext:
 
 
 class AttackOptions(BaseModel):
+    """The options of an attack that takes none (``equivocator``, ``withholder``); every attack's own
+    options extend them, and unknown fields are refused."""
+
     model_config = ConfigDict(extra="forbid")
 
 
@@ -176,6 +179,8 @@ def alie_z(group_size: int, attackers: int) -> float:
 
 
 class SignFlipOptions(AttackOptions):
+    """Options of ``sign_flip``: ``scale``, the multiple of the reversed honest gradient it sends."""
+
     scale: float = Field(1.0, gt=0, le=1e6, description="send -scale times the honest gradient")
 
 
@@ -190,6 +195,9 @@ class SignFlip(Attack):
 
 
 class RandomDirectionOptions(AttackOptions):
+    """Options of ``random_direction``: ``norm_ratio``, the random vector's norm as a multiple of the
+    honest gradient's."""
+
     norm_ratio: float = Field(
         10.0, gt=0, le=1e6, description="norm of the random vector, as a multiple of the honest norm"
     )
@@ -209,6 +217,9 @@ class RandomDirection(Attack):
 
 
 class LabelFlipOptions(AttackOptions):
+    """Options of ``label_flip``: ``num_classes``, the number of classes: a target y in [0, num_classes)
+    becomes num_classes - 1 - y."""
+
     num_classes: int = Field(256, ge=2, le=10**7, description="targets are class ids in [0, num_classes)")
 
 
@@ -226,6 +237,8 @@ class LabelFlip(Attack):
 
 
 class DelayedGradientOptions(AttackOptions):
+    """Options of ``delayed_gradient``: ``delay``, how many steps old the honest gradient it sends is."""
+
     delay: int = Field(10, ge=1, le=10_000, description="send the honest gradient of this many steps ago")
 
 
@@ -247,12 +260,18 @@ class DelayedGradient(Attack):
 
 
 class EstimateOptions(AttackOptions):
+    """Options of the colluding attacks (``alie``, ``ipm``): ``window``, how many steps of this attacker's
+    own honest gradients estimate the honest mean and spread when no ``peers`` are passed."""
+
     window: int = Field(
         8, ge=1, le=1000, description="own honest gradients of this many steps estimate the honest spread"
     )
 
 
 class AlieOptions(EstimateOptions):
+    """Options of ``alie``: ``z``, the deviation from the honest mean in standard deviations (default: the
+    group's z_max), and ``window``."""
+
     z: float | None = Field(
         None, ge=-100, le=100, description="deviation in standard deviations; default: z_max of the paper"
     )
@@ -279,6 +298,8 @@ class Alie(Attack):
 
 
 class IpmOptions(EstimateOptions):
+    """Options of ``ipm``: ``epsilon``, the multiple of the negated honest mean it sends, and ``window``."""
+
     epsilon: float = Field(0.1, gt=0, le=1e6, description="send -epsilon times the honest mean")
 
 
@@ -302,14 +323,21 @@ class InnerProductManipulation(Attack):
 
 
 class OmniscientOptions(AttackOptions):
+    """Option of the omniscient attacks: ``omniscient`` makes the trainer pass every peer's exact gradient
+    of the step as ``peers``, recomputed from the public batch seeds."""
+
     omniscient: bool = Field(True, description="recompute every peer's gradient from the public batch seeds")
 
 
 class OmniscientAlieOptions(AlieOptions, OmniscientOptions):
+    """Options of ``omniscient_alie``: those of ``alie``, with ``omniscient`` on."""
+
     pass
 
 
 class OmniscientIpmOptions(IpmOptions, OmniscientOptions):
+    """Options of ``omniscient_ipm``: those of ``ipm``, with ``omniscient`` on."""
+
     pass
 
 
@@ -324,6 +352,9 @@ class OmniscientIpm(InnerProductManipulation):
 
 
 class NanOptions(AttackOptions):
+    """Options of ``nan``: ``value``, the non-finite value sent, and ``fraction``, the share of the values
+    (drawn at random) it replaces."""
+
     value: Literal["nan", "inf", "-inf"] = Field("nan", description="the non-finite value sent")
     fraction: float = Field(1.0, gt=0, le=1, description="fraction of the values replaced (random ones)")
 
@@ -346,6 +377,9 @@ class NonFinite(Attack):
 
 
 class HugeWeightOptions(AttackOptions):
+    """Options of ``huge_weight``: ``weight``, the sample count it claims, and ``flip_sign``, whether it
+    also sends the reversed gradient."""
+
     weight: float = Field(1e6, gt=0, le=1e30, description="the weight claimed, whatever the honest one")
     flip_sign: bool = Field(
         True, description="also send the reversed gradient, so that the weight does harm under a mean"
@@ -366,6 +400,9 @@ class HugeWeight(Attack):
 
 
 class BadReducerOptions(AttackOptions):
+    """Options of ``bad_reducer`` and ``refusing_reducer``: ``shift``, the finite offset added to every
+    value of the aggregate, as a multiple of its RMS."""
+
     shift: float = Field(
         1.0, gt=0, le=1e6, description="added to every value, as a multiple of the aggregate's RMS"
     )
@@ -396,6 +433,9 @@ class BadReducer(Attack):
 
 
 class DrawAwareReducerOptions(BadReducerOptions):
+    """Options of ``draw_aware_reducer``: ``shift`` as for ``bad_reducer``, and ``verify_probability``,
+    the run's verify probability, from which it works out the chunks validators will check."""
+
     verify_probability: float = Field(
         1.0, ge=0, le=1, description="the run's verify probability, which the attacker knows"
     )
@@ -430,6 +470,9 @@ class RefusingReducer(BadReducer):
 
 
 class FramerOptions(AttackOptions):
+    """Options of ``framer``: ``trick``, how it forges the evidence: ``numel`` claims a chunk one value
+    longer, ``slot`` substitutes a second contribution signed for the framer's own slot."""
+
     trick: Literal["numel", "slot"] = Field(
         "slot",
         description="numel: claim a chunk one value longer than it is; slot: substitute a second, "

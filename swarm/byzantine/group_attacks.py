@@ -40,11 +40,16 @@ class GroupAttack(Attack):
 
 
 class DuplicateMemberOptions(AttackOptions):
+    """Options of ``duplicate_member``: ``copies``, how many slots (parts of the vector) the leader takes."""
+
     copies: int = Field(3, ge=2, le=64, description="slots the leader takes in its own group")
 
 
 @register_attack("duplicate_member", DuplicateMemberOptions)
 class DuplicateMember(GroupAttack):
+    """Announces a group that lists the leader ``copies`` times, every copy with the leader's gathered
+    entry, so that it reduces that many parts."""
+
     def announce(self, group: Any, leader: Any) -> Any:
         mine = group.gathered[group.peer_ids.index(leader)]
         extra = self.options.copies - 1
@@ -67,6 +72,10 @@ def _with_commitment(entry: bytes, commitment: bytes) -> bytes:
 
 @register_attack("rewrite_commitments", AttackOptions)
 class RewriteCommitments(GroupAttack):
+    """Announces the group with a random nonce commitment in every follower's entry (a signed entry keeps
+    its now wrong signature), so that honest reducers drop each other's chunks as bad reveals and keep
+    only the leader's."""
+
     def announce(self, group: Any, leader: Any) -> Any:
         gathered = tuple(
             entry if peer == leader else _with_commitment(entry, os.urandom(32))
@@ -80,6 +89,9 @@ def attacking_averager(attack: GroupAttack) -> type:
     from swarm.averaging.averager import Averager, RunMatchmaking
 
     class AttackingMatchmaking(RunMatchmaking):
+        """Matchmaking that hands followers the group ``attack.announce`` forged whenever this peer leads;
+        the leader itself keeps the group it assembled."""
+
         async def leader_assemble_group(self):
             group = await super().leader_assemble_group()
             forged = attack.announce(group, self.peer_id)

@@ -54,10 +54,15 @@ class ProtocolTarget:
 
 
 class ProtocolAttackOptions(BaseModel):
+    """The options of a protocol attack that takes none (``far_future``); every attack's own options
+    extend them, and unknown fields are refused."""
+
     model_config = ConfigDict(extra="forbid")
 
 
 class ProtocolAttack:
+    """Sends nothing; each named protocol attack overrides ``mount`` with what it stores or requests."""
+
     name = "none"
 
     def __init__(self, options: Any) -> None:
@@ -117,11 +122,17 @@ async def _store_progress(
 
 
 class AheadOptions(ProtocolAttackOptions):
+    """Options of ``forged_progress`` (and of the other progress forgers): ``steps_ahead``, how many steps
+    past the highest honest step the forged records claim."""
+
     steps_ahead: int = Field(1, ge=0, le=2**62, description="how far ahead of the run the forged step is")
 
 
 @register_protocol_attack("forged_progress", AheadOptions)
 class ForgedProgress(ProtocolAttack):
+    """Stores a progress record ``steps_ahead`` past the run with the poisoned state's hash, twice:
+    unsigned under the attacker node's peer ID, and signed by a fresh, uncertified key under its own."""
+
     async def mount(self, target: ProtocolTarget) -> int:
         step = max(target.step, await observed_step(target.dht, target.run_id)) + self.options.steps_ahead
         key = SigningKey.generate()
@@ -131,11 +142,17 @@ class ForgedProgress(ProtocolAttack):
 
 
 class SybilOptions(AheadOptions):
+    """Options of ``sybil_hash``: ``sybils``, how many made-up peer IDs vouch for the poisoned hash, and
+    ``steps_ahead``."""
+
     sybils: int = Field(8, ge=1, le=256, description="made-up peer IDs that vouch for the poisoned hash")
 
 
 @register_protocol_attack("sybil_hash", SybilOptions)
 class SybilHash(ProtocolAttack):
+    """Stores the same poisoned progress record under ``sybils`` fresh, uncertified keys, each signing
+    its own, to outvote the honest peers."""
+
     async def mount(self, target: ProtocolTarget) -> int:
         step = max(target.step, await observed_step(target.dht, target.run_id)) + self.options.steps_ahead
         keys = [SigningKey.generate() for _ in range(self.options.sybils)]
@@ -146,11 +163,16 @@ class SybilHash(ProtocolAttack):
 
 
 class SubkeyOptions(AheadOptions):
+    """Options of ``malformed_subkey``: ``subkey``, the subkey that is not a peer ID, and ``steps_ahead``."""
+
     subkey: str = Field("!!!!", max_length=64, description="a subkey that is not a base58 peer ID")
 
 
 @register_protocol_attack("malformed_subkey", SubkeyOptions)
 class MalformedSubkey(ProtocolAttack):
+    """Stores a poisoned progress record ahead of the run under ``subkey``, which names no peer: once
+    unsigned, once signed by a fresh key."""
+
     async def mount(self, target: ProtocolTarget) -> int:
         step = max(target.step, await observed_step(target.dht, target.run_id)) + self.options.steps_ahead
         await _store_progress(target.dht, target.run_id, self.options.subkey, step, signer=None)
@@ -162,6 +184,9 @@ class MalformedSubkey(ProtocolAttack):
 
 @register_protocol_attack("far_future")
 class FarFuture(ProtocolAttack):
+    """Stores ``b"junk"`` as a single value expiring about 30 years from now under every record key of the
+    run, to replace the real records."""
+
     async def mount(self, target: ProtocolTarget) -> int:
         expiration = get_dht_time() + FAR_FUTURE_S
         keys = [record_key(target.run_id, kind) for kind in (*PEER_KINDS, *RUN_KINDS)]
@@ -170,6 +195,8 @@ class FarFuture(ProtocolAttack):
 
 
 class FloodOptions(ProtocolAttackOptions):
+    """Options of ``download_flood``: ``requests``, the concurrent state downloads it opens per holder."""
+
     requests: int = Field(16, ge=1, le=1024, description="concurrent state downloads per holder")
 
 

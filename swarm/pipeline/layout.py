@@ -28,6 +28,8 @@ SPLITTABLE = {"gpt": GPTConfig}
 
 @dataclass(frozen=True)
 class StageSpec:
+    """Which blocks of the model stage ``index`` holds, and whether it holds the embedding or the head."""
+
     index: int
     first_block: int
     last_block: int

@@ -23,6 +23,8 @@ def pipeline_key(run_id: str) -> str:
 
 @dataclass(frozen=True)
 class StageRecord:
+    """A stage replica's signed record in the DHT: the stage it serves, its step, state and load."""
+
     peer_id: str
     stage: int
     step: int
@@ -40,6 +42,8 @@ class StageRecord:
 
 @dataclass(frozen=True)
 class TrainerRecord:
+    """A pipeline trainer's signed record in the DHT: its step and the micro-batches it has done and in flight."""
+
     peer_id: str
     step: int
     samples: int  # samples of completed micro-batches at ``step``

@@ -69,6 +69,8 @@ class Refusal(Exception):
 
 @dataclass
 class _Forward:
+    """A forward pass a stage replica holds until its backward arrives (or it expires)."""
+
     inputs: torch.Tensor | None  # the leaf whose gradient goes back (None on the first stage)
     outputs: torch.Tensor | None  # hidden states with their graph, until the backward
     samples: int

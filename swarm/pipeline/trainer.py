@@ -53,6 +53,8 @@ CODE_NAMES = {v: k for k, v in ppb.Code.items()}
 
 
 class StageFailure(Exception):
+    """A stage server refused or failed a micro-batch; ``code`` says why, ``server_step`` where it is."""
+
     def __init__(self, stage: int, peer: str, code: int, message: str, server_step: int | None = None):
         super().__init__(f"stage {stage} server {peer[-8:]}: {CODE_NAMES.get(code, code)}: {message}")
         self.stage, self.peer, self.code, self.server_step = stage, peer, code, server_step
@@ -60,6 +62,8 @@ class StageFailure(Exception):
 
 @dataclass
 class MicroBatch:
+    """A micro-batch a pipeline trainer sends through the stages, and where it was counted (for retries)."""
+
     id: int
     step: int  # the step it is (re)issued at
     inputs: object

@@ -45,6 +45,8 @@ MAX_STEP = 2**62
 
 @dataclass(frozen=True)
 class Position:
+    """Where a peer is: its step and the hash of the state it holds at the start of that step."""
+
     step: int
     state_hash: str
 

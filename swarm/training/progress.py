@@ -18,6 +18,8 @@ from swarm.records import RecordSigner, RecordTrust, record_key
 
 @dataclass(frozen=True)
 class PeerProgress:
+    """One peer's signed progress record as read from the DHT: where it is and how far its batch is."""
+
     peer_id: str
     step: int
     samples: int

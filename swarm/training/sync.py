@@ -48,6 +48,8 @@ class StateMovedOn(NetworkError):
 
 @dataclass(frozen=True)
 class EncodedState:
+    """A peer's full training state at ``step`` as served to downloaders: safetensors bytes and their hash."""
+
     step: int
     state_hash: str
     data: bytes
