@@ -52,10 +52,7 @@ class ServiceLimits(BaseModel):
         15.0, gt=0, le=86_400, description="seconds for one peer to earn one more accusation"
     )
     evidence_read_timeout_s: float = Field(
-        60.0,
-        gt=0,
-        le=3600,
-        description="an accusation's whole stream (signed part and evidence) must arrive within this",
+        60.0, gt=0, le=3600, description="seconds an accusation's stream (signed part and evidence) may take"
     )
     evidence_budget_bytes: int = Field(
         256 << 20,
