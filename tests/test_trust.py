@@ -252,6 +252,14 @@ class Admitted:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+async def within(awaitable, what: str, timeout_s: float):
+    """``awaitable``'s result; an AssertionError naming ``what`` if it takes longer than ``timeout_s``."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"{what} took more than {timeout_s:.0f}s") from None
+
+
 def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_trainers():
     torch.set_num_threads(1)
     run = tiny_run(RUN, max_steps=4, min_group_size=2)
@@ -288,31 +296,38 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
         await far_future.mount(target)
 
     async def scenario() -> None:
-        await publish_and_blind()
+        await within(publish_and_blind(), "publishing the records", 60)
         started = time.monotonic()
         tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
         moves: list[object] = []
         while not all(t.finished for t in trainers):
             assert not any(t.done() and t.exception() for t in tasks), "an honest trainer crashed"
             for attack in record_attacks:
-                await attack.mount(target)
+                await within(attack.mount(target), f"mounting {attack.name}", 30)
             await asyncio.sleep(0.3)
             moves += [m for m in (t._ahead_or_apart() for t in trainers) if m and m[1] == POISON_HASH]
             if time.monotonic() > started + 200:
                 raise AssertionError(f"honest trainers stalled at steps {[t.step for t in trainers]}")
         assert not moves, "no honest peer ever chose the attacker's state"
         assert trainers[0].state_hash == trainers[1].state_hash, "honest peers stay bit-identical"
-        await publish_and_blind()
-        view = await fetch_progress(first.dht, trainers[0].trust)
+        await within(publish_and_blind(), "publishing the records again", 60)
+        view = await within(fetch_progress(first.dht, trainers[0].trust), "reading progress", 30)
         assert set(view) == {p.key.peer_id for p in peers}, "only certified peers are in the view"
-        assert set(await fetch_members(second.dht, RUN, coordinator.public_key)) == set(view)
-        assert await fetch_checkpoint_record(second.dht, RUN, coordinator.public_key) == (0, H3)
-        assert await fetch_ban_list(second.dht, RUN, coordinator.public_key) is not None
+        members = await within(fetch_members(second.dht, RUN, coordinator.public_key), "reading members", 30)
+        assert set(members) == set(view)
+        checkpoint = await within(
+            fetch_checkpoint_record(second.dht, RUN, coordinator.public_key), "reading", 30
+        )
+        assert checkpoint == (0, H3)
+        assert (
+            await within(fetch_ban_list(second.dht, RUN, coordinator.public_key), "reading bans", 30)
+            is not None
+        )
         # The flood gets nothing: the attacker has no signed record, so no holder serves it.
-        await flood.mount(target)
+        await within(flood.mount(target), "the download flood", 60)
         assert flood.received_bytes == 0 and flood.refusals == 2 * 4, "every request reached and was refused"
         stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await within(asyncio.gather(*tasks, return_exceptions=True), "the trainers stopping", 60)
 
     try:
         asyncio.run(scenario())
