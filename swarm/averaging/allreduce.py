@@ -161,12 +161,8 @@ class ButterflyAllReduce:
         mbit: float | None = None,
         out: torch.Tensor | None = None,
     ):
-        p2p, key, attack = settings.p2p, settings.key, settings.attack
-        codec, chunk_values, sender_timeout_s = (
-            settings.codec,
-            settings.chunk_values,
-            settings.sender_timeout_s,
-        )
+        p2p, key, attack, codec = settings.p2p, settings.key, settings.attack, settings.codec
+        chunk_values, sender_timeout_s = settings.chunk_values, settings.sender_timeout_s
         self.p2p, self.servicer_type, self.prefix = p2p, settings.servicer_type, settings.prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
         self.addresses = list(addresses) if addresses is not None else [None] * len(self.peer_ids)
