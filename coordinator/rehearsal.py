@@ -51,11 +51,16 @@ class Rehearsal:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.local.kill_all()
-        for close in reversed(self.on_exit):
-            close()
-        if not self.config.keep:
-            shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            self.local.kill_all()
+            for close in reversed(self.on_exit):
+                try:
+                    close()
+                except Exception as e:  # the others must still run: a lab left up keeps its namespaces
+                    print(f"swarm-sim: clean-up step failed: {e!r}", file=sys.stderr)
+        finally:
+            if not self.config.keep:
+                shutil.rmtree(self.root, ignore_errors=True)
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started

@@ -8,6 +8,7 @@ matchmaking for a while (``PeerPolicy.suspect``): the retry forms without it and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import urllib.request
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from coordinator.localswarm import tiny_run, wait_until
-from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.averaging.allreduce import ButterflyAllReduce, RoundSettings
 from swarm.averaging.averager import Averager
 from swarm.byzantine.attacks import make_attack
 
@@ -90,8 +91,8 @@ class KeepingAverager(Averager):
 class SmallChunks(ButterflyAllReduce):
     """The run's all-reduce with many chunks per part, so that trimming has something to drop."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**{**kwargs, "chunk_values": 1000})
+    def __init__(self, settings: RoundSettings, **kwargs):
+        super().__init__(dataclasses.replace(settings, chunk_values=1000), **kwargs)
 
 
 def test_a_round_keeps_only_what_its_validators_can_ask_for(peers):
