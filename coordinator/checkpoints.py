@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
+from collections.abc import Awaitable
 from pathlib import Path
 
 import hivemind
+from hivemind.p2p import PeerID
 
-from protocols.errors import SwarmError
 from protocols.keys import SigningKey
 from swarm.bans import fetch_ban_list
 from swarm.config import RunConfig
@@ -41,12 +41,19 @@ from swarm.training.checkpoint import (
     save_checkpoint,
 )
 from swarm.training.progress import PeerProgress, fetch_progress
-from swarm.training.state import build_shared_optimizer, encode_state, ensure_optimizer_state, state_tensors
+from swarm.training.state import (
+    DecodedState,
+    build_shared_optimizer,
+    encode_state,
+    ensure_optimizer_state,
+    state_tensors,
+)
 from swarm.training.sync import (
     EncodedState,
     StateServicer,
+    download_limit,
     download_state,
-    peer_id_of,
+    from_any_holder,
     publish_checkpoint_record,
     state_namespace,
 )
@@ -93,7 +100,7 @@ class CheckpointKeeper:
         if self.num_stages > 1:
             await self._start_stages()
             return
-        self._max_bytes = 2 * await asyncio.to_thread(state_size_bytes, self.run) + (1 << 20)
+        self._max_bytes = download_limit(await asyncio.to_thread(state_size_bytes, self.run))
         self.latest = await asyncio.to_thread(load_latest_checkpoint, self.directory)
         if self.latest is not None:
             logger.info(f"resuming from checkpoint of step {self.latest.step} ({self.latest.path.name})")
@@ -150,30 +157,26 @@ class CheckpointKeeper:
             await self._fetch_and_save(target.step, target.state_hash, target.holders)
 
     async def _fetch_and_save(self, step: int, expected: str, holders: list[str]) -> None:
-        random.shuffle(holders)
-        for holder in holders:
-            try:
-                decoded = await download_state(
-                    self._p2p, peer_id_of(holder), namespace=state_namespace(self.run.run_id),
-                    run_id=self.run.run_id, min_step=step, expected_hash=expected, max_bytes=self._max_bytes,
-                    timeout_s=self.run.training.averaging_timeout_s,
-                )  # fmt: skip
-            except SwarmError as e:
-                logger.warning(f"checkpoint of step {step}: discarding state from {holder}: {e}")
-                continue
-            path = await asyncio.to_thread(
-                save_checkpoint, self.directory, decoded.step, decoded.tensors, self.run,
-                keep=self.run.training.keep_checkpoints,
+        def fetch(holder: PeerID) -> Awaitable[DecodedState]:
+            return download_state(
+                self._p2p, holder, namespace=state_namespace(self.run.run_id),
+                run_id=self.run.run_id, min_step=step, expected_hash=expected, max_bytes=self._max_bytes,
+                timeout_s=self.run.training.averaging_timeout_s,
             )  # fmt: skip
-            self.latest = Checkpoint(decoded.step, decoded.tensors, self.run, decoded.state_hash, path)
-            logger.info(
-                f"saved checkpoint of step {decoded.step} ({path.name}, hash {decoded.state_hash[:12]})"
-            )
-            await publish_checkpoint_record(
-                self.dht, self.key, self.run.run_id, step=decoded.step, state_hash=decoded.state_hash,
-                ttl_s=RECORD_TTL_S,
-            )  # fmt: skip
+
+        decoded = await from_any_holder(holders, fetch, f"the state of step {step} to checkpoint")
+        if decoded is None:
             return
+        path = await asyncio.to_thread(
+            save_checkpoint, self.directory, decoded.step, decoded.tensors, self.run,
+            keep=self.run.training.keep_checkpoints,
+        )  # fmt: skip
+        self.latest = Checkpoint(decoded.step, decoded.tensors, self.run, decoded.state_hash, path)
+        logger.info(f"saved checkpoint of step {decoded.step} ({path.name}, hash {decoded.state_hash[:12]})")
+        await publish_checkpoint_record(
+            self.dht, self.key, self.run.run_id, step=decoded.step, state_hash=decoded.state_hash,
+            ttl_s=RECORD_TTL_S,
+        )  # fmt: skip
 
     # --- a run split into pipeline stages ------------------------------------------------------------
 
@@ -267,15 +270,14 @@ class CheckpointKeeper:
         await self._publish_stages()
 
     async def _fetch_stage(self, stage: int, step: int, expected: str, holders: list[str]):
-        random.shuffle(holders)
-        for holder in holders:
-            try:
-                return await download_state(
-                    self._p2p, peer_id_of(holder), namespace=state_namespace(stage_prefix(self.run.run_id, stage)),
-                    run_id=self.run.run_id, min_step=step, expected_hash=expected,
-                    max_bytes=2 * stage_bytes(self.run, stage) + (1 << 20),
-                    timeout_s=self.run.training.averaging_timeout_s,
-                )  # fmt: skip
-            except SwarmError as e:
-                logger.info(f"checkpoint of stage {stage} at step {step}: not from {holder}: {e}")
-        return None
+        def fetch(holder: PeerID) -> Awaitable[DecodedState]:
+            return download_state(
+                self._p2p, holder, namespace=state_namespace(stage_prefix(self.run.run_id, stage)),
+                run_id=self.run.run_id, min_step=step, expected_hash=expected,
+                max_bytes=download_limit(stage_bytes(self.run, stage)),
+                timeout_s=self.run.training.averaging_timeout_s,
+            )  # fmt: skip
+
+        return await from_any_holder(
+            holders, fetch, f"the state of stage {stage} at step {step} to checkpoint"
+        )

@@ -60,6 +60,7 @@ from swarm.training.catchup import Position, catch_up_move
 from swarm.training.state import DecodedState, encode_state, state_tensors
 from swarm.training.sync import (
     EncodedState,
+    download_limit,
     download_state,
     from_any_holder,
     state_namespace,
@@ -297,7 +298,7 @@ class StageWorker(StageMoves):
             return holder, await download_state(
                 self.averager.p2p, holder,
                 namespace=state_namespace(stage_prefix(self.config.run_id, r.index)), run_id=self.config.run_id,
-                min_step=step, expected_hash=expected, max_bytes=2 * stage_bytes(self.config, r.index) + (1 << 20),
+                min_step=step, expected_hash=expected, max_bytes=download_limit(stage_bytes(self.config, r.index)),
                 timeout_s=self.config.training.averaging_timeout_s,
             )  # fmt: skip
 

@@ -20,6 +20,7 @@ from swarm.training.catchup import Position, catch_up_move, quorum
 from swarm.training.state import encode_state, load_state_tensors, state_tensors
 from swarm.training.sync import (
     EncodedState,
+    download_limit,
     download_state,
     fetch_checkpoint_record,
     from_any_holder,
@@ -58,18 +59,19 @@ class CatchUp:
 
     def max_state_bytes(self) -> int:
         tensors = state_tensors(self.synced_model, self.synced_optimizer)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        return 2 * total + (1 << 20)
+        return download_limit(sum(t.numel() * t.element_size() for t in tensors.values()))
 
     async def resync(self, step: int, expected_hash: str, sources: list[str]) -> bool:
         """Download the state of ``step`` from one of ``sources`` that matches ``expected_hash``."""
+
+        max_bytes = self.max_state_bytes()
 
         async def fetch(holder: PeerID) -> tuple[PeerID, float, float]:  # holder, seconds, MiB
             started = time.monotonic()
             decoded = await download_state(
                 self.averager.p2p, holder, namespace=state_namespace(self.config.run_id),
                 run_id=self.config.run_id, min_step=step, expected_hash=expected_hash,
-                max_bytes=self.max_state_bytes(), timeout_s=self.averager.transfer_deadline_s(self.max_state_bytes()),
+                max_bytes=max_bytes, timeout_s=self.averager.transfer_deadline_s(max_bytes),
                 accept_newer=self._vouched_for,
             )  # fmt: skip
             fetched_s = time.monotonic() - started

@@ -69,6 +69,12 @@ def peer_id_of(peer_id: str) -> PeerID:
         raise ProtocolError(f"{str(peer_id)[:64]!r} is not a peer ID") from None
 
 
+def download_limit(tensor_bytes: int) -> int:
+    """The most bytes a state download of ``tensor_bytes`` of tensors may carry: twice the tensors, and
+    1 MiB for the safetensors header and metadata. A holder that sends more is cut off."""
+    return 2 * tensor_bytes + (1 << 20)
+
+
 async def from_any_holder(holders: list[str], fetch: Callable[[PeerID], Awaitable[T]], what: str) -> T | None:
     """``fetch`` from each of ``holders`` in random order until one succeeds: its result, or None. A holder
     that moved on to a later step, or whose state fails a check, is passed over with a log line naming it."""
