@@ -208,13 +208,17 @@ def test_the_coordinator_is_told_who_withholds_and_the_dashboard_shows_it(swarm)
         with urllib.request.urlopen(endpoint["dashboard_url"] + "api/status", timeout=10) as response:
             return {p["name"]: p for p in json.load(response)["peers"]}
 
+    def singled_out(now: dict[str, dict]) -> bool:
+        # An honest peer that was slow in one round on a loaded machine may be avoided for a while too
+        # (and the withholder may name anyone); such a suspicion lapses, the withholder's is renewed.
+        withholder = now.get("peer3", {}).get("suspected_by", 0)
+        return withholder >= 2 and all(now.get(f"peer{i}", {}).get("suspected_by", 0) < withholder for i in range(3))
+
     peers = wait_until(
-        lambda: (now := peers_now()) and now.get("peer3", {}).get("suspected_by", 0) >= 2 and now,
-        timeout_s=200, what="two honest peers to report the withholder",
+        lambda: (now := peers_now()) and singled_out(now) and now,
+        timeout_s=200, what="two honest peers to report the withholder, and more than any honest peer",
     )  # fmt: skip
     assert peers["peer3"]["state"] == "online", "a withholder is avoided and shown, not banned"
-    honest = [peers[f"peer{i}"]["suspected_by"] for i in range(3)]
-    assert max(honest) < peers["peer3"]["suspected_by"], peers
     with urllib.request.urlopen(endpoint["dashboard_url"] + "metrics", timeout=10) as response:
         text = response.read().decode()
     assert any(
