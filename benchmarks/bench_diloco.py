@@ -5,7 +5,8 @@ optionally in the WAN lab with every link capped by the kernel (``--caps``, need
 today's ``sync = every_step`` with fp16 on the wire; it runs ``samples / target_batch`` steps. Peers of
 every_step bring more than the target batch to a step (they compute on while the progress records that
 close the batch travel), so each round the anchor runs first and the diloco configurations of that round
-take what it *measured*: an inner step takes each peer's share of the anchor's samples per step, and the
+take what it *measured*: an inner step takes each peer's share of the anchor's samples per step (to the
+nearest sample, a half rounded up), and the
 outer steps are as many as cover the anchor's samples (``anchor samples / (peers * H * inner_batch)``).
 Every configuration thus processes the same samples, and an outer step covers H anchor steps' samples.
 Per configuration it prints:
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -131,7 +133,7 @@ def configurations(args) -> list[dict]:
 
 def matched_to(anchor: dict, config: dict, peers: int) -> dict:
     """A diloco configuration sized from the anchor's measured samples (see the module docstring)."""
-    micro = max(1, round(anchor["samples_per_round"] / peers))
+    micro = max(1, math.floor(anchor["samples_per_round"] / peers + 0.5))  # half up: 28.5 -> 29
     outer = max(1, round(anchor["samples"] / (peers * config["H"] * micro)))
     return {**config, "inner_batch": micro, "outer": outer}
 

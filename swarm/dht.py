@@ -73,24 +73,48 @@ def start_dht(
     for the run, so the node refuses unsigned records and far-future values under the run's keys.
     ``client_mode``: this machine cannot be dialed (behind NAT), so it stores nothing for others and
     only asks; others do not list it in their routing tables (hivemind's DHT client mode)."""
+    dht = _spawn_dht(
+        identity_path, host=host, port=port, initial_peers=initial_peers, upnp=upnp,
+        startup_timeout_s=startup_timeout_s, validators=validators, client_mode=client_mode,
+    )  # fmt: skip
+    return _await_dht(dht, key, f"{host}:{port}", timeout_s=2 * startup_timeout_s)
+
+
+def _spawn_dht(
+    identity_path: Path,
+    *,
+    host: str,
+    port: int,
+    initial_peers: list[str],
+    upnp: bool = False,
+    startup_timeout_s: float = 30.0,
+    validators: Sequence[RecordValidatorBase] = (),
+    client_mode: bool = False,
+) -> SpawnedDHT:
+    """The DHT's child process, started; ``_await_dht`` waits for it and checks its identity."""
     dht = SpawnedDHT(
         client_mode=client_mode,
         initial_peers=initial_peers,
         record_validators=list(validators),
         host_maddrs=[listen_maddr(host, port)],
         identity_path=str(identity_path),
-        # hivemind's check assumes RSA identities; our Ed25519 peer ID is checked just below.
+        # hivemind's check assumes RSA identities; our Ed25519 peer ID is checked in _await_dht.
         check_if_identity_free=False,
         nat_port_map=upnp,
         startup_timeout=startup_timeout_s,
         start=False,
     )
+    dht.run_in_background(await_ready=False)
+    return dht
+
+
+def _await_dht(dht: SpawnedDHT, key: SigningKey, where: str, *, timeout_s: float) -> hivemind.DHT:
     try:
-        dht.run_in_background(await_ready=True, timeout=2 * startup_timeout_s)
+        dht.wait_until_ready(timeout_s)
     except Exception as e:  # hivemind raises bare P2P/daemon errors with no common base
         if dht.is_alive():
             dht.terminate()
-        raise NetworkError(f"could not start the DHT on {host}:{port}: {e!r}") from None
+        raise NetworkError(f"could not start the DHT on {where}: {e!r}") from None
     if dht.peer_id.to_base58() != key.peer_id:
         dht.shutdown()
         raise ConfigError(f"the DHT came up as {dht.peer_id}, not as identity {key.peer_id}")
@@ -112,11 +136,32 @@ def start_local_dhts(
     benchmarks and tests: a peer signs its records with the key of its DHT's peer ID)."""
     from swarm.identity import create_identity
 
-    nodes: list[tuple[hivemind.DHT, SigningKey]] = []
-    for _ in range(count):
-        peers = initial_peers or (visible_maddrs(nodes[0][0]) if nodes else [])
+    def identity() -> tuple[Path, SigningKey]:
         path = home / f"dht-{len(list(home.glob('dht-*.key')))}.key"
-        key = create_identity(path)
-        dht = start_dht(key, path, host="127.0.0.1", port=0, initial_peers=peers, validators=validators)
-        nodes.append((dht, key))
-    return nodes
+        return path, create_identity(path)
+
+    nodes: list[tuple[hivemind.DHT, SigningKey]] = []
+    if count > 0 and not initial_peers:  # the others bootstrap from the first
+        path, key = identity()
+        nodes.append(
+            (start_dht(key, path, host="127.0.0.1", port=0, initial_peers=[], validators=validators), key)
+        )
+        initial_peers = visible_maddrs(nodes[0][0])
+    # The rest start at once: each child process spends most of its start importing, so on a multi-core
+    # machine they overlap.
+    spawned = []
+    for path, key in [identity() for _ in range(count - len(nodes))]:
+        dht = _spawn_dht(path, host="127.0.0.1", port=0, initial_peers=initial_peers, validators=validators)
+        spawned.append((dht, key))
+    ready: list[tuple[hivemind.DHT, SigningKey]] = []
+    try:
+        for dht, key in spawned:
+            ready.append((_await_dht(dht, key, "127.0.0.1", timeout_s=60.0), key))
+    except BaseException:
+        for dht, _ in spawned[len(ready) :]:
+            if dht.is_alive():
+                dht.terminate()
+        for dht, _ in nodes + ready:
+            dht.shutdown()
+        raise
+    return nodes + ready
