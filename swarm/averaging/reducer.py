@@ -1,0 +1,217 @@
+"""The reducer side of a butterfly round (``ButterflyAllReduce``): this peer's own part.
+
+Every groupmate streams its signed chunks of this peer's part to ``serve``; ``_consume`` checks each
+chunk (the sender's signature over the round, part, chunk, weight and bytes; a finite weight that never
+changes mid-round; the expected part, order, size and encoding) and drops a sender that breaks a rule or
+falls silent, with a log line naming it. ``_reduce_chunks`` waits, chunk by chunk, for every sender still
+active, aggregates them with the run's rule (``reduce_chunk``, the function validators rerun), signs the
+encoded result over the exact inputs it used, and ``serve`` streams those same bytes to every sender,
+then takes the sender's nonce reveal. The state these methods read and write (the round's members,
+digest, inputs, results and events) is set up by ``ButterflyAllReduce.__init__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+from collections.abc import AsyncIterator
+
+import torch
+from hivemind.p2p import PeerID
+
+from protocols import averaging_pb2 as apb
+from protocols.errors import ProtocolError
+from protocols.keys import PublicKey
+from swarm.averaging.evidence import (
+    SignedInput,
+    aggregate_message,
+    aggregation_seed,
+    contribution_message,
+    input_entries,
+    reduce_chunk,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PartReducer:
+    """Takes groupmates' chunks of this peer's part, aggregates, signs, and streams the result back
+    (a mixin of ``ButterflyAllReduce``, whose constructor holds the round's state)."""
+
+    def _drop(self, sender: int, reason: str) -> None:
+        if sender in self._active and sender != self.index:
+            self._active.discard(sender)
+            peer = self.peer_ids[sender].to_base58()
+            self.dropped[peer] = reason
+            logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
+            self._changed.set()
+
+    def _deliver(self, sender: int, chunk: int, values: torch.Tensor, signed: SignedInput) -> None:
+        if sender in self._active:
+            self._inputs[chunk][sender] = (values, signed)
+            self._changed.set()
+
+    def _check_contribution(self, sender: int, message: apb.PartChunk, chunk: int) -> None:
+        """Refuse a chunk whose signature or weight does not hold up."""
+        peer = self.members[sender]
+        if self.key is not None:
+            PublicKey.from_peer_id(peer).verify(
+                message.signature,
+                contribution_message(self.digest, self.index, chunk, peer, message.weight, message.data),
+            )
+        weight = message.weight
+        if not math.isfinite(weight) or weight < 0:
+            raise ProtocolError(f"claims weight {weight!r}; a weight is a finite number >= 0")
+        if chunk == 0:
+            self._weights[sender] = weight
+        elif weight != self._weights.get(sender):
+            raise ProtocolError(f"changed its weight from {self._weights.get(sender)} to {weight} mid-round")
+
+    def _check_reveal(self, sender: int, message: apb.PartChunk) -> None:
+        if message.part_index != self.index or message.chunk_index != len(self._results) or message.data:
+            raise ProtocolError("sent something other than its nonce reveal after its contributions")
+        commitment = self.commitments[sender]
+        if commitment is not None and hashlib.sha256(message.reveal).digest() != commitment:
+            raise ProtocolError("revealed a nonce that does not match its matchmaking commitment")
+        self.reveals[sender] = message.reveal
+
+    async def _reduce_own_part(self) -> None:
+        try:
+            await self._reduce_chunks()
+        except Exception as e:
+            logger.warning(f"reducing part {self.index} of round {self.group_id.hex()[:8]} failed: {e!r}")
+        finally:
+            for event in self._reduced:
+                event.set()  # a chunk with no result ends the groupmates' streams
+            self._settle(self.index)
+
+    async def _reduce_chunks(self) -> None:
+        try:
+            for chunk in range(len(self._results)):
+                lo, hi = self._chunk(self.index, chunk)
+                message = self._contribution(self.index, chunk)
+                if not (math.isfinite(message.weight) and message.weight >= 0):
+                    raise ProtocolError(f"weight {message.weight!r} is not a finite number >= 0")
+                own = self.codec.decode_contribution(message.data, hi - lo, sender="this peer")
+                self.sent[lo:hi] = own
+                signed = SignedInput(self.index, message.data, message.signature, message.weight)
+                self._deliver(self.index, chunk, own, signed)
+        except ProtocolError as e:
+            logger.warning(f"leaving this peer's own values out of round {self.group_id.hex()[:8]}: {e}")
+            self._active.discard(self.index)
+        for chunk in range(len(self._results)):
+            while not self._active.issubset(self._inputs[chunk]):
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=self.sender_timeout_s)
+                except asyncio.TimeoutError:
+                    for sender in self._active - set(self._inputs[chunk]):
+                        self._drop(sender, f"sent nothing for {self.sender_timeout_s:.1f}s")
+            senders = sorted(self._active)
+            if not senders:
+                logger.warning(
+                    f"no valid contribution for part {self.index} in round {self.group_id.hex()[:8]}"
+                )
+                return
+            inputs = [self._inputs[chunk][s] for s in senders]
+            # Claimed weights go in as signed; the rule clips them to a fair share (see reduce_chunk).
+            weights = [signed.weight for _, signed in inputs]
+            seed = aggregation_seed(self.group_id, self.index, chunk)
+            encoded = await asyncio.to_thread(
+                reduce_chunk, self.aggregator, self.codec, [v for v, _ in inputs], weights, seed
+            )
+            lo, hi = self._chunk(self.index, chunk)
+            if self.attack is not None:  # a rehearsed bad reducer returns something else, signed as usual
+                encoded = self._attacked(chunk, encoded, hi - lo)
+            entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
+            signature = self._sign(
+                aggregate_message(self.digest, self.index, chunk, self.members[self.index], entries, encoded)
+            )
+            self.output[lo:hi] = self.codec.decode(encoded, hi - lo, sender="self")
+            self.received[self.index][chunk] = True
+            self._results[chunk] = apb.PartChunk(
+                part_index=self.index, chunk_index=chunk, data=encoded, signature=signature, included=entries
+            )
+            self.evidence[chunk] = [signed for _, signed in inputs]
+            self._inputs[chunk].clear()
+            self._reduced[chunk].set()
+
+    def _attacked(self, chunk: int, encoded: bytes, numel: int) -> bytes:
+        """What a rehearsed bad reducer returns instead of ``encoded``: it may look at the round first."""
+        honest = self.codec.decode(encoded, numel, sender="self")
+        if hasattr(self.attack, "reduce_chunk"):
+            return self.codec.encode(self.attack.reduce_chunk(self, chunk, honest))
+        return self.codec.encode(self.attack.reduce(honest))
+
+    async def serve(
+        self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
+    ) -> AsyncIterator[apb.PartChunk]:
+        """Take a groupmate's chunks of our part, stream the aggregated chunks back, then take its reveal."""
+        if sender not in self.peer_ids or sender == self.p2p.peer_id:
+            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="not a member of this averaging group")
+            return
+        if not self.reduces(self.index):
+            yield apb.PartChunk(code=apb.BAD_CHUNK, error="this member reduces no part in this round")
+            return
+        index = self.peer_ids.index(sender)
+        consumer = asyncio.create_task(self._consume(index, first, stream))
+        try:
+            if getattr(self.attack, "withhold", False):  # a rehearsed withholder returns nothing
+                await consumer
+                return
+            for chunk, event in enumerate(self._reduced):
+                await event.wait()
+                result = self._results[chunk]
+                if result is None:
+                    return
+                await self._throttle(len(result.data))
+                self._count(sent=len(result.data))
+                yield result
+            await consumer  # it ends with the sender's reveal, or a bounded wait for it
+        finally:
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+            self._heard.add(index)
+            self._changed.set()
+
+    async def _consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
+        expected = 0
+        try:
+            message = first
+            while True:
+                if message.part_index != self.index or message.chunk_index != expected:
+                    raise ProtocolError(
+                        f"sent part {message.part_index} chunk {message.chunk_index}, "
+                        f"expected part {self.index} chunk {expected}"
+                    )
+                lo, hi = self._chunk(self.index, expected)
+                peer = self.members[sender]
+                self._count(received=len(message.data))
+                self._check_contribution(sender, message, expected)
+                values = self.codec.decode_contribution(message.data, hi - lo, sender=peer)
+                signed = SignedInput(sender, message.data, message.signature, message.weight)
+                self._deliver(sender, expected, values, signed)
+                expected += 1
+                if expected == len(self._results):
+                    break
+                message = await self._next(stream, self.sender_timeout_s)
+        except ProtocolError as e:
+            self._drop(sender, str(e).removeprefix(f"{self.peer_ids[sender].to_base58()} "))
+            return
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            self._drop(sender, f"stopped after {expected} of {len(self._results)} chunks")
+            return
+        except Exception as e:
+            self._drop(sender, f"stream failed: {e!r}")
+            return
+        peer = self.members[sender]
+        try:
+            self._check_reveal(sender, await self._next(stream, self.reveal_timeout_s))
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            logger.info(f"{peer} revealed no nonce in round {self.group_id.hex()[:8]}")
+        except Exception as e:
+            logger.warning(f"{peer} sent a bad nonce reveal in round {self.group_id.hex()[:8]}: {e!r}")
