@@ -10,6 +10,7 @@ from pathlib import Path
 
 import hivemind
 import pytest
+from helpers import run_tiny_sim
 
 from coordinator.localswarm import LocalSwarm
 from protocols.keys import SigningKey
@@ -33,3 +34,10 @@ def keyed_dhts(tmp_path: Path) -> Iterator[list[tuple[hivemind.DHT, SigningKey]]
     yield nodes
     for node, _ in nodes:
         node.shutdown()
+
+
+@pytest.fixture(scope="session")
+def clean_tiny_sim(tmp_path_factory) -> dict:
+    """One clean ``swarm-sim`` run (3 peers, 6 steps, tiny model, every part checked), shared by the
+    tests that compare a variant with it: about 25 s of processes, started once."""
+    return run_tiny_sim(tmp_path_factory.mktemp("clean-sim"))

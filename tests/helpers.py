@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,8 +14,7 @@ import hivemind
 
 from protocols.keys import SigningKey
 from swarm.averaging.allreduce import ButterflyAllReduce
-from swarm.dht import SpawnedDHT, start_dht
-from swarm.identity import create_identity
+from swarm.dht import SpawnedDHT, start_local_dhts
 
 KEYS: dict[str, SigningKey] = {}  # peer ID -> the identity its DHT runs under (trainers sign with it)
 
@@ -20,16 +22,10 @@ KEYS: dict[str, SigningKey] = {}  # peer ID -> the identity its DHT runs under (
 def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()) -> list[SpawnedDHT]:
     """``count`` DHT nodes on loopback, each under a fresh identity recorded in ``KEYS``; the first
     bootstraps the others unless ``initial_peers`` is given."""
-    dhts: list[SpawnedDHT] = []
     home = Path(tempfile.mkdtemp(prefix="swarm-test-keys-"))
-    for _ in range(count):
-        peers = initial_peers or ([str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [])
-        path = home / f"peer{len(dhts)}.key"
-        key = create_identity(path)
-        dht = start_dht(key, path, host="127.0.0.1", port=0, initial_peers=peers, validators=validators)
-        KEYS[key.peer_id] = key
-        dhts.append(dht)
-    return dhts
+    nodes = start_local_dhts(count, home, initial_peers=initial_peers, validators=validators)
+    KEYS.update((key.peer_id, key) for _, key in nodes)
+    return [dht for dht, _ in nodes]
 
 
 def stock_dht(initial_peers: list[str], attempts: int = 2, ready_timeout_s: float = 60.0) -> hivemind.DHT:
@@ -71,3 +67,16 @@ async def relay_from(source_host: str, target: tuple[str, int]) -> asyncio.Serve
         await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
 
     return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def run_tiny_sim(out_dir: Path, *flags: str, peers: int = 3, steps: int = 6) -> dict:
+    """``swarm-sim`` with the tiny model and every part checked (``--verify-probability 1.0``), as a
+    subprocess; its JSON report. ``flags`` (an attack, a precision...) go after these settings."""
+    out = out_dir / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.sim", "--peers", str(peers), "--steps", str(steps), "--model-size",
+         "tiny", "--verify-probability", "1.0", "--json", str(out), *flags],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(out.read_text())

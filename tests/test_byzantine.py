@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_tiny_sim
 
 from coordinator.localswarm import FAST_MEMBERSHIP, running_coordinator
 from protocols.errors import Banned, SignatureError
@@ -166,39 +164,27 @@ def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, ke
 # (bad_reducer). Each run starts a coordinator and 3-4 peer processes: about 25 s on 2 cores.
 ATTACKS = ["label_flip", "delayed_gradient", "alie", "nan", "huge_weight", "bad_reducer"]
 PROVABLE = {"bad_reducer"}  # an attack whose evidence a validator can take to the coordinator
-SIM_STEPS = "6"
-
-
-def run_sim(tmp_path, *flags: str) -> dict:
-    out = tmp_path / "sim.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--peers", "3", "--steps", SIM_STEPS, "--model-size", "tiny",
-         "--verify-probability", "1.0", "--json", str(out), *flags],
-        capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def clean_run(tmp_path_factory) -> dict:
-    return run_sim(tmp_path_factory.mktemp("clean"))
+SIM_STEPS = 6  # as many as the shared clean run (conftest.clean_tiny_sim)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("attack", ATTACKS)
-def test_honest_peers_train_through_each_attack(tmp_path, clean_run, attack):
+def test_honest_peers_train_through_each_attack(tmp_path, clean_tiny_sim, attack):
     # Once a provable attacker is banned the honest peers alone must meet min_group_size (2f + 1 = 3),
     # which bans never lower: that rehearsal needs 3f + 1 = 4 peers.
     peers = 4 if attack in PROVABLE else 3
-    report = run_sim(tmp_path, "--byzantine", "1", "--attack", attack, "--peers", str(peers))
+    report = run_tiny_sim(tmp_path, "--byzantine", "1", "--attack", attack, peers=peers, steps=SIM_STEPS)
     honest = [p for p in report["peers"] if not p["byzantine"]]
     attacker = next(p for p in report["peers"] if p["byzantine"])
     assert len(honest) == peers - 1 and all(p["param_hash"] == report["final_param_hash"] for p in honest)
     # centered_clip keeps most of what the clean run gained in the same steps.
-    gained = clean_run["initial_val_loss"] - clean_run["final_val_loss"]
-    assert report["final_val_loss"] <= clean_run["final_val_loss"] + 0.5 * gained, (attack, report, clean_run)
+    gained = clean_tiny_sim["initial_val_loss"] - clean_tiny_sim["final_val_loss"]
+    assert report["final_val_loss"] <= clean_tiny_sim["final_val_loss"] + 0.5 * gained, (
+        attack,
+        report,
+        clean_tiny_sim,
+    )
     if attack in PROVABLE:
         assert attacker["banned"] and "differs from the rule's result" in attacker["ban_reason"]
     else:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
+from helpers import run_tiny_sim
 
 from protocols.errors import ConfigError
 from swarm.config import OptimizerConfig, RunConfig
@@ -144,20 +141,14 @@ def test_a_cpu_volunteer_of_an_fp16_run_says_so_at_join_and_exits(swarm) -> None
 
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
-def test_a_bf16_swarm_with_checkpointing_stays_bit_identical_and_learns_like_fp32(tmp_path) -> None:
-    """3 peers with ``precision = "bf16"`` and activation checkpointing against the same run in fp32."""
-    final = {}
-    for precision, flags in (("fp32", []), ("bf16", ["--activation-checkpointing"])):
-        out = tmp_path / f"{precision}.json"
-        result = subprocess.run(
-            [sys.executable, "-m", "coordinator.sim", "--peers", "3", "--steps", "6", "--model-size", "tiny",
-             "--precision", precision, *flags, "--json", str(out)],
-            capture_output=True, text=True, timeout=480,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        report = json.loads(out.read_text())
-        assert len(report["peers"]) == 3 and all(p["step"] == 6 for p in report["peers"])
-        assert {p["param_hash"] for p in report["peers"]} == {report["final_param_hash"]}, "bit-identical"
-        assert report["final_val_loss"] < report["initial_val_loss"]
-        final[precision] = report["final_val_loss"]
-    assert final["bf16"] == pytest.approx(final["fp32"], rel=0.02), final
+def test_a_bf16_swarm_with_checkpointing_stays_bit_identical_and_learns_like_fp32(
+    tmp_path, clean_tiny_sim
+) -> None:
+    """3 peers with ``precision = "bf16"`` and activation checkpointing against the same run in fp32
+    (the shared clean run: 3 peers, 6 steps, tiny model)."""
+    report = run_tiny_sim(tmp_path, "--precision", "bf16", "--activation-checkpointing")
+    for run in (clean_tiny_sim, report):
+        assert len(run["peers"]) == 3 and all(p["step"] == 6 for p in run["peers"])
+        assert {p["param_hash"] for p in run["peers"]} == {run["final_param_hash"]}, "bit-identical"
+        assert run["final_val_loss"] < run["initial_val_loss"]
+    assert report["final_val_loss"] == pytest.approx(clean_tiny_sim["final_val_loss"], rel=0.02)

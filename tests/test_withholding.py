@@ -212,7 +212,9 @@ def test_the_coordinator_is_told_who_withholds_and_the_dashboard_shows_it(swarm)
         # An honest peer that was slow in one round on a loaded machine may be avoided for a while too
         # (and the withholder may name anyone); such a suspicion lapses, the withholder's is renewed.
         withholder = now.get("peer3", {}).get("suspected_by", 0)
-        return withholder >= 2 and all(now.get(f"peer{i}", {}).get("suspected_by", 0) < withholder for i in range(3))
+        return withholder >= 2 and all(
+            now.get(f"peer{i}", {}).get("suspected_by", 0) < withholder for i in range(3)
+        )
 
     peers = wait_until(
         lambda: (now := peers_now()) and singled_out(now) and now,
