@@ -104,7 +104,10 @@ def _spawn_dht(
         startup_timeout=startup_timeout_s,
         start=False,
     )
-    dht.run_in_background(await_ready=False)
+    try:
+        dht.run_in_background(await_ready=False)
+    except Exception as e:
+        raise NetworkError(f"could not start the DHT's process for {host}:{port}: {e!r}") from None
     return dht
 
 
