@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from multiprocessing.popen_spawn_posix import Popen as SpawnPopen
 from pathlib import Path
+from typing import Any
 
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
@@ -74,35 +75,22 @@ def start_dht(
     ``client_mode``: this machine cannot be dialed (behind NAT), so it stores nothing for others and
     only asks; others do not list it in their routing tables (hivemind's DHT client mode)."""
     dht = _spawn_dht(
-        identity_path, host=host, port=port, initial_peers=initial_peers, upnp=upnp,
-        startup_timeout_s=startup_timeout_s, validators=validators, client_mode=client_mode,
+        identity_path, host, port, initial_peers=initial_peers, record_validators=list(validators),
+        client_mode=client_mode, nat_port_map=upnp, startup_timeout=startup_timeout_s,
     )  # fmt: skip
     return _await_dht(dht, key, f"{host}:{port}", timeout_s=2 * startup_timeout_s)
 
 
-def _spawn_dht(
-    identity_path: Path,
-    *,
-    host: str,
-    port: int,
-    initial_peers: list[str],
-    upnp: bool = False,
-    startup_timeout_s: float = 30.0,
-    validators: Sequence[RecordValidatorBase] = (),
-    client_mode: bool = False,
-) -> SpawnedDHT:
-    """The DHT's child process, started; ``_await_dht`` waits for it and checks its identity."""
+def _spawn_dht(identity_path: Path, host: str, port: int, **hivemind_options: Any) -> SpawnedDHT:
+    """The DHT's child process, started (``hivemind_options``: ``hivemind.DHT``'s own arguments, such as
+    ``initial_peers``); ``_await_dht`` waits for it and checks its identity."""
     dht = SpawnedDHT(
-        client_mode=client_mode,
-        initial_peers=initial_peers,
-        record_validators=list(validators),
         host_maddrs=[listen_maddr(host, port)],
         identity_path=str(identity_path),
         # hivemind's check assumes RSA identities; our Ed25519 peer ID is checked in _await_dht.
         check_if_identity_free=False,
-        nat_port_map=upnp,
-        startup_timeout=startup_timeout_s,
         start=False,
+        **hivemind_options,
     )
     try:
         dht.run_in_background(await_ready=False)
@@ -154,7 +142,9 @@ def start_local_dhts(
     # machine they overlap.
     spawned = []
     for path, key in [identity() for _ in range(count - len(nodes))]:
-        dht = _spawn_dht(path, host="127.0.0.1", port=0, initial_peers=initial_peers, validators=validators)
+        dht = _spawn_dht(
+            path, "127.0.0.1", 0, initial_peers=initial_peers, record_validators=list(validators)
+        )
         spawned.append((dht, key))
     ready: list[tuple[hivemind.DHT, SigningKey]] = []
     try:
