@@ -29,11 +29,12 @@ def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()
 
 
 def stock_dht(initial_peers: list[str], attempts: int = 2, ready_timeout_s: float = 60.0) -> hivemind.DHT:
-    """A stock ``hivemind.DHT`` with a fresh key (what an attacker who skips admission runs), joined to
-    ``initial_peers``. Its start-up waits without a limit inside hivemind and has hung once in a loaded
-    suite; here each try is bounded and a hung one is shut down and tried again."""
+    """A stock ``hivemind.DHT`` with a fresh key and no record validators (what an attacker who skips
+    admission runs), joined to ``initial_peers``. Its child process is spawned, not forked
+    (``SpawnedDHT``): one forked from this threaded test process hung in a loaded suite, at start-up once
+    and mid-test once (a store that never returned). Each start-up try is bounded as well."""
     for attempt in range(attempts):
-        dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=False)
+        dht = SpawnedDHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=False)
         try:
             dht.run_in_background(await_ready=True, timeout=ready_timeout_s)
             return dht

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from protocols import averaging_pb2 as apb
 from protocols.envelope import open_envelope
 from protocols.keys import SigningKey
+from swarm.dht import SpawnedDHT
 from swarm.records import PEER_KINDS, RUN_KINDS, record_key, seal_peer_record
 from swarm.registry import Registry
 
@@ -233,7 +234,9 @@ async def rehearse(
     """Mount ``names`` every ``interval_s`` for ``duration_s`` from a stock hivemind.DHT; returns what was sent."""
     from swarm.training.sync import state_namespace
 
-    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    # hivemind's DHT with a fresh key and no validators, in a spawned child: a fork of this threaded
+    # process can hang on a lock held at the moment of the fork (see swarm.dht).
+    dht = SpawnedDHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     attacks = [make_protocol_attack(n, {"requests": 2} if n == "download_flood" else None) for n in names]
     sent = dict.fromkeys(names, 0)
     target = ProtocolTarget(dht, run_id, state_namespace=state_namespace(run_id))
