@@ -6,8 +6,8 @@ today's ``sync = every_step`` with fp16 on the wire; it runs ``samples / target_
 every_step bring more than the target batch to a step (they compute on while the progress records that
 close the batch travel), so each round the anchor runs first and the diloco configurations of that round
 take what it *measured*: an inner step takes each peer's share of the anchor's samples per step (to the
-nearest sample, a half rounded up), and the
-outer steps are as many as cover the anchor's samples (``anchor samples / (peers * H * inner_batch)``).
+nearest sample, a half rounded up), and the outer steps are as many as cover the anchor's samples
+(``anchor samples / (peers * H * inner_batch)``).
 Every configuration thus processes the same samples, and an outer step covers H anchor steps' samples.
 Per configuration it prints:
 
