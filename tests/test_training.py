@@ -196,6 +196,30 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
     assert f"discarding state from {dhts[1].peer_id.to_base58()}" in caplog.text
 
 
+def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim():
+    """A peer whose groupmates already claim the whole batch still computes a micro-batch before its
+    round. Before, a slow peer (or one whose view held an inflated claim) joined with weight 0: it counted
+    toward the group's 2f + 1 but the rule left it out, so one attacker faced one honest sender (a
+    whole-run rehearsal made no progress in such a step)."""
+    run = tiny_run("own-samples")
+    dhts = start_dhts(1)
+    try:
+        (trainer,) = trainers_for(run, dhts)
+        now = time.time()
+        target = run.training.target_batch_size
+        others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
+        trainer.view = {p.peer_id: p for p in others}
+        trainer._views = trainer._step_view + 1  # a view fetched after this step began
+        assert trainer.samples == 0
+        assert trainer._wants_compute() and not trainer._ready_for_round()
+        trainer._micro_step()
+        assert trainer.samples == run.training.micro_batch_size
+        assert trainer._ready_for_round() and not trainer._wants_compute()
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
 def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not_move_it():
     """The catch-up rule's stall clock starts at a peer's first round attempt at its step, not at the
     step's start. Before, a peer still computing a batch that took longer than a matchmaking window plus a

@@ -65,6 +65,7 @@ from swarm.averaging.evidence import (
     split_bounds,
 )
 from swarm.averaging.reducer import PartReducer
+from swarm.averaging.repair import PartRepair, PartRepairs
 from swarm.averaging.transport import DataPlane
 from swarm.ratelimit import RateLimiter
 
@@ -139,7 +140,7 @@ class RoundSettings:
     chunk_values: int | None = None  # values per chunk; None: the layout's for the group size
 
 
-class ButterflyAllReduce(PartReducer):
+class ButterflyAllReduce(PartReducer, PartRepairs):
     """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult.
 
     ``settings`` holds what the peer's rounds share; the rest is this round's: its group (ID, members,
@@ -249,6 +250,11 @@ class ButterflyAllReduce(PartReducer):
         self._tasks: list[asyncio.Task] = []
         self.revealed: asyncio.Task | None = None
         self._kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
+        # Repairs of parts whose reducer failed (see ``repair``): those this peer stands in for, the
+        # signer of each part that came from a substitute's re-reduction, and when each direct stream ended.
+        self.repairs: dict[int, PartRepair] = {}
+        self.signers: dict[int, int] = {}
+        self._direct_done = {p: asyncio.Event() for p in range(len(self.peer_ids))}
 
     def _keep_committed(self, commitments: list[bytes | None], nonce: bytes, flags: list[bool]) -> list[bool]:
         """Leave out members with no nonce commitment (all honest members see the same list); returns
@@ -352,10 +358,13 @@ class ButterflyAllReduce(PartReducer):
         message = self._contribution(part, chunk)
         return SignedInput(self.index, message.data, message.signature, message.weight)
 
-    def _check_answer(self, part: int, chunk: int, message: apb.PartChunk, sent: bytes) -> None:
-        """A reducer's aggregate must be signed by it, cover more than half of the group, and list this
-        peer's input (if at all) as the one it sent, whose SHA-256 is ``sent``."""
-        reducer = self.members[part]
+    def _check_answer(
+        self, part: int, chunk: int, message: apb.PartChunk, sent: bytes, *, signer: int | None = None
+    ) -> None:
+        """A reducer's aggregate must be signed by it (or by ``signer``, the part's substitute), cover
+        more than half of the group, and list this peer's input (if at all) as the one it sent, whose
+        SHA-256 is ``sent``."""
+        reducer = self.members[part if signer is None else signer]
         if self.key is not None:
             PublicKey.from_peer_id(reducer).verify(
                 message.signature,
@@ -428,11 +437,15 @@ class ButterflyAllReduce(PartReducer):
                 self.received[part][expected] = True
                 expected += 1
         except Exception as e:
+            self._direct_done[part].set()
             if isinstance(e, StopAsyncIteration):
                 e = ProtocolError(f"reducer ended its stream after {expected} of {chunks} chunks")
             logger.warning(
                 f"reducer {peer.to_base58()} of part {part} failed in round {self.group_id.hex()[:8]}: {e!r}"
             )
+            if stream is not None and hasattr(stream, "aclose"):
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
             self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
             self._handed.pop(part, None)
             self._handed_more.set()
@@ -440,11 +453,12 @@ class ButterflyAllReduce(PartReducer):
             # its stream to us yet, and would otherwise hold our part for the whole silence deadline.
             self._drop(part, f"failed as reducer: {e!r}")
             (self.denied_by if denied else self.failed_reducers).append(peer.to_base58())
+            # The part may still come, from its substitute, before this peer reveals (see ``repair``).
+            if not denied and await self._recover(part):
+                logger.info(f"part {part} of round {self.group_id.hex()[:8]} came from its substitute")
             self._settle(part)
-            if stream is not None and hasattr(stream, "aclose"):
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
             return
+        self._direct_done[part].set()
         self._settle(part)
         # Phase two: the stream stays open until our reveal has gone out and the reducer has its own.
         with contextlib.suppress(Exception):
@@ -476,7 +490,7 @@ class ButterflyAllReduce(PartReducer):
             return self._result(False)
         others = [p for p in range(len(self.peer_ids)) if p != self.index and self.reduces(p)]
         self._handed = {p: 0 for p in others if len(self.part_chunks[p]) > 1}
-        self._tasks = [asyncio.create_task(self._reduce_own_part())]
+        self._tasks.append(asyncio.create_task(self._reduce_own_part()))
         self._tasks += [asyncio.create_task(self._exchange_with(part)) for part in others]
         try:
             await self._delivered.wait()
@@ -521,6 +535,8 @@ class ButterflyAllReduce(PartReducer):
         self.local = None
         self.evidence = [inputs if c == drawn[self.index] else [] for c, inputs in enumerate(self.evidence)]
         self.answers = [{c: a for c, a in got.items() if c == drawn[p]} for p, got in enumerate(self.answers)]
+        for part, repair in self.repairs.items():
+            repair.trim(drawn[part])
 
     def close(self) -> None:
         for task in self._tasks:

@@ -203,9 +203,13 @@ def _round_fields(body: dict) -> dict:
         raise ProtocolError("evidence names its reducers other than as a list of flags")
     if reducers and (len(reducers) != len(members) or all(reducers) or not any(reducers)):
         raise ProtocolError("evidence names reducer flags that do not fit its members")
+    signer = body.get("signer")
+    if signer is not None and (type(signer) is not int or not 0 <= signer < len(members) or signer == part):
+        raise ProtocolError("evidence names as the part's substitute signer no other member of the group")
     return {
         "prefix": str(body["prefix"]), "group_id": bytes(body["group_id"]), "members": members,
         "commitments": commitments, "part": part, "chunk": chunk, "reducers": tuple(reducers),
+        "signer": signer,
     }  # fmt: skip
 
 
@@ -226,6 +230,14 @@ class RoundEvidence:
     chunk: int
     # Which members reduce a part (``reducer_mask``): the layout the judge computes, fixed by the digest.
     reducers: tuple[bool, ...] = field(default=(), kw_only=True)
+    # The member that signed the part's aggregate when it is not the part's reducer: its substitute,
+    # which re-reduced the part after the reducer failed to deliver it (see ``repair``).
+    signer: int | None = field(default=None, kw_only=True)
+
+    @property
+    def reducer_index(self) -> int:
+        """The member whose signed aggregate (and whose own input to it) the evidence is about."""
+        return self.part if self.signer is None else self.signer
 
     @property
     def digest(self) -> bytes:
@@ -251,6 +263,7 @@ class RoundEvidence:
             "prefix": self.prefix, "group_id": self.group_id, "members": list(self.members),
             "commitments": list(self.commitments), "part": self.part, "chunk": self.chunk,
             **({"reducers": list(self.reducers)} if self.reducers else {}),
+            **({"signer": self.signer} if self.signer is not None else {}),
         }  # fmt: skip
 
 
@@ -269,7 +282,7 @@ class BadAggregateEvidence(RoundEvidence):
 
     @property
     def reducer(self) -> str:
-        return self.members[self.part]
+        return self.members[self.reducer_index]
 
     @property
     def accused(self) -> str:
@@ -401,15 +414,14 @@ class EquivocationEvidence(RoundEvidence):
         return f"{sender} signed two different contributions to part {self.part} chunk {self.chunk}"
 
     def _judge_against_own_commitment(self, reducer: str) -> str:
-        if self.first.sender_index != self.part:
+        if self.first.sender_index != self.reducer_index:
             raise ProtocolError("an input set against a commitment must be the reducer's own")
         PublicKey.from_peer_id(reducer).verify(
             self.output_signature,
             aggregate_message(self.digest, self.part, self.chunk, reducer, self.entries, self.output),
         )
-        own = next(
-            (e for e in parse_entries(self.entries, len(self.members)) if e.sender_index == self.part), None
-        )
+        entries = parse_entries(self.entries, len(self.members))
+        own = next((e for e in entries if e.sender_index == self.reducer_index), None)
         if own is None:
             raise ProtocolError("the reducer's input list holds no input of its own")
         if own.weight == self.first.weight and own.data_hash == hashlib.sha256(self.first.data).digest():

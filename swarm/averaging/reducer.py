@@ -157,6 +157,13 @@ class PartReducer:
             yield apb.PartChunk(code=apb.BAD_CHUNK, error="this member reduces no part in this round")
             return
         index = self.peer_ids.index(sender)
+        if first.part_index != self.index:  # a part whose reducer failed this sender (see ``repair``)
+            async for message in self._serve_repair(first, stream, index):
+                yield message
+            return
+        if self.revealed is not None:  # this part was reduced without that sender
+            yield apb.PartChunk(code=apb.BAD_GROUP, error="this round's first phase is over here")
+            return
         consumer = asyncio.create_task(self._consume(index, first, stream))
         try:
             if getattr(self.attack, "withhold", False):  # a rehearsed withholder returns nothing

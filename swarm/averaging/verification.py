@@ -112,6 +112,8 @@ async def serve_inputs(
             item = attack.show(runner, part, chunk, item)
     elif part == runner.index:
         item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
+    elif part in runner.repairs:  # a part this peer re-reduced for a reducer that failed to deliver it
+        item = next((i for i in runner.repairs[part].evidence[chunk] if i.sender_index == index), None)
     if item is None:
         yield apb.SignedInput(code=apb.NO_EVIDENCE, error=f"holds no input of member {index} to that chunk")
         return
@@ -135,13 +137,16 @@ class _Check:
 
     def __init__(self, runner, assignment, answer, *, servicer_type, p2p, codec, timeout_s):
         self.runner, self.part, self.chunk, self.answer = runner, assignment.part, assignment.chunk, answer
+        # Who signed the aggregate: the part's reducer, or the substitute that re-reduced it.
+        signer = runner.signers.get(self.part)
+        self.signer = self.part if signer is None else signer
         self.servicer_type, self.p2p, self.timeout_s = servicer_type, p2p, timeout_s
         lo, hi = runner._chunk(self.part, self.chunk)
         self.numel, self.max_bytes = hi - lo, codec.max_bytes(hi - lo)
         self.round = dict(
             prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members),
             commitments=tuple(c for c in runner.commitments if c), part=self.part, chunk=self.chunk,
-            reducers=runner.reducers,
+            reducers=runner.reducers, signer=signer,
         )  # fmt: skip
 
     async def fetch(self, holder: int, sender: int) -> SignedInput:
@@ -175,32 +180,32 @@ class _Check:
 
     async def collect(self, entry: Entry, outcome: Outcome) -> SignedInput | Evidence | None:
         """The input behind ``entry``: from its sender, else from the reducer; or proof of equivocation."""
-        runner, index, part = self.runner, entry.sender_index, self.part
+        runner, index, holder = self.runner, entry.sender_index, self.signer  # it holds what it signed for
         if index == runner.index:
-            return runner.own_input(part, self.chunk)  # the drawn chunk's input is always kept
+            return runner.own_input(self.part, self.chunk)  # the drawn chunk's input is always kept
         shown = held = None
-        if index != part:
+        if index != holder:
             shown = await self._try(index, index)
             if shown is not None and _matches(shown, entry):
                 return shown
-        held = await self._try(part, index)
+        held = await self._try(holder, index)
         if held is not None and _matches(held, entry):
             if shown is not None:  # the sender signed this one too: it shows validators another
                 return EquivocationEvidence(**self.round, first=shown, second=held)
             return held
-        if held is not None and index == part:  # the reducer's own input contradicts its own list
+        if held is not None and index == holder:  # the reducer's own input contradicts its own list
             return EquivocationEvidence(
                 **self.round, first=held, second=None, entries=self.answer.included, output=self.answer.data,
                 output_signature=self.answer.signature,
             )  # fmt: skip
         if shown is not None and held is not None and (shown.weight, shown.data) != (held.weight, held.data):
             return EquivocationEvidence(**self.round, first=shown, second=held)
-        sender, reducer = runner.members[index], runner.members[part]
+        sender, reducer = runner.members[index], runner.members[holder]
         logger.warning(
             f"neither {sender} nor reducer {reducer} showed the input of {sender} that the reducer signed "
-            f"for in part {part} chunk {self.chunk} of round {runner.group_id.hex()[:8]}"
+            f"for in part {self.part} chunk {self.chunk} of round {runner.group_id.hex()[:8]}"
         )
-        outcome.unshown += [reducer] if index == part else [sender, reducer]
+        outcome.unshown += [reducer] if index == holder else [sender, reducer]
         return None
 
     async def _try(self, holder: int, sender: int) -> SignedInput | None:
@@ -228,12 +233,14 @@ async def check_reducer(
     """Recompute one chunk of a reducer's part from inputs collected from their senders."""
     part, chunk, outcome = assignment.part, assignment.chunk, Outcome()
     answer = runner.answers[part].get(chunk)
-    reducer = runner.members[part]
     if answer is None:
         return outcome
     check = _Check(
         runner, assignment, answer, servicer_type=servicer_type, p2p=p2p, codec=codec, timeout_s=timeout_s
     )
+    if check.signer == runner.index:  # this peer re-reduced the part itself
+        return outcome
+    reducer = runner.members[check.signer]
     entries = parse_entries(answer.included, len(runner.members))  # checked when the answer came
     found = await asyncio.gather(*(check.collect(e, outcome) for e in entries))
     equivocations = [f for f in found if isinstance(f, EquivocationEvidence)]

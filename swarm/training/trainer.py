@@ -232,7 +232,10 @@ class Trainer(CatchUp):
         return float(self.samples)
 
     def _wants_compute(self) -> bool:
-        return self._samples_at_step() < self.config.training.target_batch_size
+        # A peer always brings at least one micro-batch: one that joined a round with none would count
+        # toward the group's size but not toward the aggregate, so the attackers among the senders the
+        # rule uses could be a majority of a group whose size says 2f + 1.
+        return not self.samples or self._samples_at_step() < self.config.training.target_batch_size
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -335,7 +338,8 @@ class Trainer(CatchUp):
     def _ready_for_round(self) -> bool:
         """The peers at this step hold the target batch, by a view fetched after this step began."""
         fresh_view = self._views > self._step_view
-        return fresh_view and self._samples_at_step() >= self.config.training.target_batch_size
+        target = self.config.training.target_batch_size
+        return fresh_view and self.samples > 0 and self._samples_at_step() >= target
 
     async def _round(self) -> None:
         # Alone only if nobody else is training: peers at another step will soon be at this one.
