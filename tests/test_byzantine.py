@@ -14,7 +14,7 @@ import torch
 from helpers import run_tiny_sim
 
 from coordinator.localswarm import FAST_MEMBERSHIP, running_coordinator
-from protocols.errors import Banned, SignatureError
+from protocols.errors import Banned, ProtocolError, SignatureError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.compression import get_codec
@@ -44,9 +44,15 @@ CODEC = get_codec("fp16")
 
 
 def signed_round(
-    keys: list[SigningKey], *, shift: float = 0.0, part: int = 0, vector: int = VECTOR
+    keys: list[SigningKey],
+    *,
+    shift: float = 0.0,
+    part: int = 0,
+    vector: int = VECTOR,
+    signer: int | None = None,
 ) -> BadAggregateEvidence:
-    """One chunk of part ``part`` as its reducer ``keys[part]`` aggregates it (shifted by ``shift``)."""
+    """One chunk of part ``part`` as its reducer ``keys[part]`` aggregates it (shifted by ``shift``), or
+    as its substitute ``keys[signer]`` re-reduces it."""
     members = [k.peer_id for k in keys]
     group_id, chunk = b"group-0001", 0
     digest = round_digest(RUN.replace(".", "_"), group_id, members)
@@ -65,12 +71,12 @@ def signed_round(
     )
     output = CODEC.encode(CODEC.decode(honest, numel, sender="x") + shift) if shift else honest
     entries = input_entries([(i.sender_index, i.weight, i.data) for i in inputs])
-    reducer = members[part]
-    signature = keys[part].sign(aggregate_message(digest, part, chunk, reducer, entries, output))
+    by = part if signer is None else signer
+    signature = keys[by].sign(aggregate_message(digest, part, chunk, members[by], entries, output))
     return BadAggregateEvidence(
         prefix=RUN.replace(".", "_"), group_id=group_id, members=tuple(members), commitments=(), part=part,
         chunk=chunk, numel=numel, inputs=tuple(inputs), output=output, output_signature=signature,
-        entries=entries,
+        entries=entries, signer=signer,
     )  # fmt: skip
 
 
@@ -103,6 +109,21 @@ def test_a_correct_aggregate_or_tampered_evidence_clears_the_reducer(keys):
     partial = dataclasses.replace(honest, inputs=honest.inputs[:2])
     with pytest.raises(Exception, match="aggregated"):
         judge(partial)
+
+
+def test_a_substitutes_aggregate_is_judged_against_its_own_signature(keys):
+    # A part re-reduced by its substitute (member 1 for part 0): a lie convicts the substitute, the right
+    # result clears it, and nobody can pin the substitute's aggregate on another member.
+    lie = signed_round(keys, shift=0.5, signer=1)
+    assert parse_evidence(lie.to_bytes()).accused == keys[1].peer_id
+    assert "differs from the rule's result" in judge(lie)
+    honest = signed_round(keys, signer=1)
+    assert judge(honest) is None
+    for other in (2, None):  # another member, or the part's own reducer, never signed that aggregate
+        with pytest.raises(SignatureError):
+            judge(dataclasses.replace(lie, signer=other))
+    with pytest.raises(ProtocolError, match="substitute"):
+        parse_evidence(dataclasses.replace(lie, signer=len(keys)).to_bytes())
 
 
 def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, keys):

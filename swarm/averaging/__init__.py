@@ -8,6 +8,7 @@
 - ``evidence``: what round members sign, the run's chunk layout, and evidence a third party can judge
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits
 - ``reducer``: ``PartReducer``, the round's reducer side: check, aggregate, sign and return this peer's part
+- ``repair``: ``PartRepairs``, a withheld part relayed or re-reduced by its substitute in the same round
 - ``verification``: validators drawn after delivery, who collect signed inputs and recompute a chunk
 - ``transport``: ``DataPlane``, a direct TCP path for the bulk part streams beside libp2p
 - ``deadlines``: the data path's deadlines from measured upload throughput and the bytes moved

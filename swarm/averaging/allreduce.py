@@ -10,7 +10,8 @@ adds compressed deltas to each peer's own values, which leaves peers differing i
 Faults: a sender that is silent for longer than the round's silence deadline (``sender_timeout_s`` plus
 the time one chunk takes at the round's rate, see ``deadlines``) or sends a chunk of the wrong part,
 order, size or encoding is dropped from the aggregation with a log line naming it, and the round goes
-on without it. A reducer that fails leaves its part incomplete; the caller sees ``complete=False`` and must not
+on without it. A part whose reducer fails a sender comes from the part's substitute instead (see
+``repair``); when that fails too the part is missing, the caller sees ``complete=False`` and must not
 apply the round (it retries, or resynchronizes from peers that completed it).
 
 Signatures: given the peer's key, every contribution and every aggregate chunk is signed (see
@@ -26,7 +27,8 @@ it before it has signed and delivered its aggregate. ``run()`` returns after the
 
 Layout of the code: this module holds the round's state, the sender side and the two phases; the
 reducer side (checking, aggregating, signing and returning this peer's own part) is
-``reducer.PartReducer``, which ``ButterflyAllReduce`` extends.
+``reducer.PartReducer`` and the substitute's side of a repair is ``repair.PartRepairs``, both of which
+``ButterflyAllReduce`` extends.
 
 Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
 (see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
