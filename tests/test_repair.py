@@ -52,7 +52,11 @@ class WithholdsFromOne(Roles):
     withhold_from = frozenset({2})
 
 
-def run_round(peers, runner_type, vectors):
+class WithholdsFromTheSubstitute(Roles):
+    withhold_from = frozenset({1})
+
+
+def run_round(peers, runner_type, vectors, averaging_timeout_s: float = 30.0):
     """One round among the three peers: (its outcome, runner and vector) per member in member order, member
     2's check of part 0, and an averager (for the run's rule and codec)."""
 
@@ -77,7 +81,8 @@ def run_round(peers, runner_type, vectors):
         )
         runners = [next(iter(a.rounds.recent.values())) for a in averagers]
         for runner in runners:
-            await runner.revealed
+            if runner.revealed is not None:  # None: the round ran out of time here
+                await runner.revealed
         by_index = sorted(zip(runners, outcomes, averagers, vectors, strict=True), key=lambda r: r[0].index)
         checks = []
         for runner, _, averager, _ in by_index[2:]:  # member 2 checks part 0 as a validator would
@@ -140,3 +145,18 @@ def test_a_part_the_substitute_received_is_relayed_so_every_member_holds_the_sam
     assert all(o[1].complete for o in (zero, one, two))
     assert torch.equal(zero[1].vector, one[1].vector) and torch.equal(one[1].vector, two[1].vector)
     assert 0 not in validator.signers, "member 2 holds the reducer's own signed aggregate, relayed"
+
+
+def test_a_part_the_reducer_gave_some_member_is_never_re_reduced_for_the_others(keyed_dhts):
+    # The reducer serves member 2 but not its substitute: member 2 never asks for a repair, so the
+    # substitute, which waits for every other member's inputs, never signs a second version of the part.
+    # Member 2's round completes with the reducer's aggregate; the substitute's is incomplete (it retries
+    # or catches up), and attackers could not have made up most of a re-reduction's inputs either.
+    results, (check,), _ = run_round(
+        keyed_dhts, WithholdsFromTheSubstitute, vectors_for(keyed_dhts, 3), averaging_timeout_s=8.0
+    )
+    (_, _, _), (one, substitute, _), (two, validator, _) = results
+    assert two[1].complete and 0 not in validator.signers
+    assert not one[1].complete and 0 not in substitute.signers
+    assert substitute.repairs[0].results == [None] * len(substitute.repairs[0].results)
+    assert check.verdict is None and check.evidence.signer is None, "member 2 checked the reducer's own"

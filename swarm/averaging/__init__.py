@@ -7,6 +7,7 @@
 - ``policy``: ``PeerPolicy``, who a peer may average with (certified, not banned, not a suspect)
 - ``evidence``: what round members sign, the run's chunk layout, and evidence a third party can judge
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits
+- ``sender``: ``PartSender``, the round's sender side: stream this peer's chunks, check the aggregates back
 - ``reducer``: ``PartReducer``, the round's reducer side: check, aggregate, sign and return this peer's part
 - ``repair``: ``PartRepairs``, a withheld part relayed or re-reduced by its substitute in the same round
 - ``verification``: validators drawn after delivery, who collect signed inputs and recompute a chunk

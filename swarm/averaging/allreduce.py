@@ -25,10 +25,10 @@ after every part has arrived or failed for them, on the same streams, so no redu
 it before it has signed and delivered its aggregate. ``run()`` returns after the first phase;
 ``revealed`` completes after the second.
 
-Layout of the code: this module holds the round's state, the sender side and the two phases; the
-reducer side (checking, aggregating, signing and returning this peer's own part) is
-``reducer.PartReducer`` and the substitute's side of a repair is ``repair.PartRepairs``, both of which
-``ButterflyAllReduce`` extends.
+Layout of the code: this module holds the round's state and the two phases; ``ButterflyAllReduce``
+extends the sender side (streaming this peer's chunks of the other parts and checking what comes back)
+in ``sender.PartSender``, the reducer side (checking, aggregating, signing and returning this peer's own
+part) in ``reducer.PartReducer``, and a substitute's side of a repair in ``repair.PartRepairs``.
 
 Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
 (see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
@@ -46,28 +46,24 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID, ServicerBase
-from hivemind.utils.asyncio import aiter_with_timeout
 
 from protocols import averaging_pb2 as apb
-from protocols.errors import ProtocolError, SwarmError
-from protocols.keys import PublicKey, SigningKey
+from protocols.keys import SigningKey
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
 from swarm.averaging.deadlines import round_deadlines
 from swarm.averaging.evidence import (
     DEFAULT_CHUNK_VALUES,
     SignedInput,
-    aggregate_message,
     chunk_bounds,
-    contribution_message,
     layout_chunk_values,
-    parse_entries,
     reducer_mask,
     round_digest,
     split_bounds,
 )
 from swarm.averaging.reducer import PartReducer
 from swarm.averaging.repair import PartRepair, PartRepairs
+from swarm.averaging.sender import PartSender
 from swarm.averaging.transport import DataPlane
 from swarm.ratelimit import RateLimiter
 
@@ -142,7 +138,7 @@ class RoundSettings:
     chunk_values: int | None = None  # values per chunk; None: the layout's for the group size
 
 
-class ButterflyAllReduce(PartReducer, PartRepairs):
+class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
     """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult.
 
     ``settings`` holds what the peer's rounds share; the rest is this round's: its group (ID, members,
@@ -257,6 +253,7 @@ class ButterflyAllReduce(PartReducer, PartRepairs):
         self.repairs: dict[int, PartRepair] = {}
         self.signers: dict[int, int] = {}
         self._direct_done = {p: asyncio.Event() for p in range(len(self.peer_ids))}
+        self._closed = False
 
     def _keep_committed(self, commitments: list[bytes | None], nonce: bytes, flags: list[bool]) -> list[bool]:
         """Leave out members with no nonce commitment (all honest members see the same list); returns
@@ -329,156 +326,6 @@ class ButterflyAllReduce(PartReducer, PartRepairs):
     async def _next(self, stream: AsyncIterator[apb.PartChunk], timeout_s: float) -> apb.PartChunk:
         return await asyncio.wait_for(stream.__anext__(), timeout_s)
 
-    # --- sender --------------------------------------------------------------------------------------
-
-    def encode_contribution(self, part: int, chunk: int) -> bytes:
-        """This peer's values for one chunk of another peer's part, as sent on the wire."""
-        lo, hi = self._chunk(part, chunk)
-        return self.codec.encode_contribution(self.local[lo:hi])
-
-    def _contribution(self, part: int, chunk: int) -> apb.PartChunk:
-        data = self.encode_contribution(part, chunk)
-        me = self.members[self.index]
-        return apb.PartChunk(
-            group_id=self.group_id if chunk == 0 else b"",
-            part_index=part,
-            chunk_index=chunk,
-            data=data,
-            weight=self.weight,
-            signature=self._sign(contribution_message(self.digest, part, chunk, me, self.weight, data)),
-        )
-
-    def reveals_to(self, part: int) -> bool:
-        """Whether this peer reveals its nonce to the reducer of ``part`` (an honest one always does)."""
-        return True
-
-    def own_input(self, part: int, chunk: int) -> SignedInput | None:
-        """This peer's signed contribution to one chunk of a part (Ed25519 signs the same bytes the same);
-        None for a chunk that no validator drew once the round is trimmed."""
-        if self.local is None:
-            return self._kept_inputs.get((part, chunk))
-        message = self._contribution(part, chunk)
-        return SignedInput(self.index, message.data, message.signature, message.weight)
-
-    def _check_answer(
-        self, part: int, chunk: int, message: apb.PartChunk, sent: bytes, *, signer: int | None = None
-    ) -> None:
-        """A reducer's aggregate must be signed by it (or by ``signer``, the part's substitute), cover
-        more than half of the group, and list this peer's input (if at all) as the one it sent, whose
-        SHA-256 is ``sent``."""
-        reducer = self.members[part if signer is None else signer]
-        if self.key is not None:
-            PublicKey.from_peer_id(reducer).verify(
-                message.signature,
-                aggregate_message(self.digest, part, chunk, reducer, message.included, message.data),
-            )
-            entries = parse_entries(message.included, len(self.members))
-            if 2 * len(entries) <= len(self.members):
-                raise ProtocolError(f"aggregated only {len(entries)} of {len(self.members)} members")
-            mine = next((e for e in entries if e.sender_index == self.index), None)
-            if mine is not None and (mine.weight != self.weight or mine.data_hash != sent):
-                raise ProtocolError(
-                    "signed that it aggregated an input of this peer that this peer never sent"
-                )
-
-    async def _pace(self, part: int, chunk: int, lead: int = 2) -> None:
-        """Hold the stream to reducer ``part`` until every other reducer's stream has been handed all but
-        ``lead`` of the chunks before ``chunk``. Without it, TCP's share of the uplink lets one stream run
-        ahead: its reducer finishes early and idles, while a reducer whose inputs lag still has every
-        aggregate to send when the others are done (measured in the WAN lab: about 2 s of a 13 s round
-        at 10 Mbit/s). The wait is bounded, so a stalled reducer never holds the others for long."""
-        deadline = asyncio.get_running_loop().time() + self.sender_timeout_s / 4
-        while self._handed and chunk > min(self._handed.values()) + lead:
-            self._handed_more.clear()
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._handed_more.wait(), left)
-
-    async def _exchange_with(self, part: int) -> None:
-        peer = self.peer_ids[part]
-        chunks = len(self.part_chunks[part]) - 1
-        sent: list[bytes] = []
-
-        async def outgoing() -> AsyncIterator[apb.PartChunk]:
-            for chunk in range(chunks):
-                await self._pace(part, chunk)
-                message = self._contribution(part, chunk)
-                sent.append(hashlib.sha256(message.data).digest())
-                lo, hi = self._chunk(part, chunk)
-                with contextlib.suppress(ProtocolError):  # a rehearsed bad sender's bytes stay unrecorded
-                    self.sent[lo:hi] = self.codec.decode_contribution(message.data, hi - lo, sender="self")
-                await self._throttle(len(message.data))
-                self._count(sent=len(message.data))
-                self.contributed_bytes += len(message.data)
-                self._handed[part] = chunk + 1
-                self._handed_more.set()
-                yield message
-            self._handed.pop(part, None)
-            self._handed_more.set()
-            await self._delivered.wait()
-            if self.reveals_to(part):
-                yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=self.nonce)
-
-        stream, expected, denied = None, 0, False
-        try:
-            stream = await self._open(part, outgoing())
-            while expected < chunks:
-                message = await self._next(stream, 2 * self.sender_timeout_s)
-                if message.code != apb.OK:
-                    denied = expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
-                    raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
-                if message.part_index != part or message.chunk_index != expected:
-                    raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
-                lo, hi = self._chunk(part, expected)
-                self._count(received=len(message.data))
-                self._check_answer(part, expected, message, sent[expected])
-                self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=peer.to_base58())
-                self.answers[part][expected] = message
-                self.received[part][expected] = True
-                expected += 1
-        except Exception as e:
-            self._direct_done[part].set()
-            if isinstance(e, StopAsyncIteration):
-                e = ProtocolError(f"reducer ended its stream after {expected} of {chunks} chunks")
-            logger.warning(
-                f"reducer {peer.to_base58()} of part {part} failed in round {self.group_id.hex()[:8]}: {e!r}"
-            )
-            if stream is not None and hasattr(stream, "aclose"):
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
-            self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
-            self._handed.pop(part, None)
-            self._handed_more.set()
-            # Nor wait for its contributions to our part: a peer that died mid-round may not have opened
-            # its stream to us yet, and would otherwise hold our part for the whole silence deadline.
-            self._drop(part, f"failed as reducer: {e!r}")
-            (self.denied_by if denied else self.failed_reducers).append(peer.to_base58())
-            # The part may still come, from its substitute, before this peer reveals (see ``repair``).
-            if not denied and await self._recover(part):
-                logger.info(f"part {part} of round {self.group_id.hex()[:8]} came from its substitute")
-            self._settle(part)
-            return
-        self._direct_done[part].set()
-        self._settle(part)
-        # Phase two: the stream stays open until our reveal has gone out and the reducer has its own.
-        with contextlib.suppress(Exception):
-            async for _ in aiter_with_timeout(stream, self.reveal_timeout_s + self.sender_timeout_s):
-                pass
-
-    async def _open(self, part: int, outgoing: AsyncIterator[apb.PartChunk]) -> AsyncIterator[apb.PartChunk]:
-        """The reducer's answer stream: over its data address when it has one that answers, else libp2p."""
-        peer, address = self.peer_ids[part], self.addresses[part]
-        if self.data_plane is not None and address is not None:
-            try:
-                connection = await self.data_plane.connect(address, peer, timeout_s=self.connect_timeout_s)
-                return connection.exchange(outgoing)
-            except SwarmError as e:
-                logger.info(f"reaching {peer.to_base58()} through libp2p: {e}")
-        stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
-        return await stub.rpc_aggregate_part(outgoing)
-
     def _result(self, complete: bool) -> RoundResult:
         return RoundResult(
             self.output, complete, dict(self.dropped), self.bytes_sent, self.bytes_received,
@@ -541,5 +388,6 @@ class ButterflyAllReduce(PartReducer, PartRepairs):
             repair.trim(drawn[part])
 
     def close(self) -> None:
+        self._closed = True
         for task in self._tasks:
             task.cancel()

@@ -48,27 +48,35 @@ class PartReducer:
             self.dropped[peer] = reason
             logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
             self._changed.set()
+            for repair in self.repairs.values():  # one input fewer to wait for
+                repair.changed.set()
 
     def _deliver(self, sender: int, chunk: int, values: torch.Tensor, signed: SignedInput) -> None:
         if sender in self._active:
             self._inputs[chunk][sender] = (values, signed)
             self._changed.set()
 
-    def _check_contribution(self, sender: int, message: apb.PartChunk, chunk: int) -> None:
-        """Refuse a chunk whose signature or weight does not hold up."""
+    def _check_contribution(
+        self, sender: int, message: apb.PartChunk, chunk: int, *, part: int | None = None,
+        weights: dict[int, float] | None = None,
+    ) -> None:  # fmt: skip
+        """Refuse a chunk of our part (or of ``part``, which we stand in for) whose signature or weight
+        does not hold up; ``weights`` holds each sender's weight from its first chunk."""
+        part = self.index if part is None else part
+        weights = self._weights if weights is None else weights
         peer = self.members[sender]
         if self.key is not None:
             PublicKey.from_peer_id(peer).verify(
                 message.signature,
-                contribution_message(self.digest, self.index, chunk, peer, message.weight, message.data),
+                contribution_message(self.digest, part, chunk, peer, message.weight, message.data),
             )
         weight = message.weight
         if not math.isfinite(weight) or weight < 0:
             raise ProtocolError(f"claims weight {weight!r}; a weight is a finite number >= 0")
         if chunk == 0:
-            self._weights[sender] = weight
-        elif weight != self._weights.get(sender):
-            raise ProtocolError(f"changed its weight from {self._weights.get(sender)} to {weight} mid-round")
+            weights[sender] = weight
+        elif weight != weights.get(sender):
+            raise ProtocolError(f"changed its weight from {weights.get(sender)} to {weight} mid-round")
 
     def _check_reveal(self, sender: int, message: apb.PartChunk) -> None:
         if message.part_index != self.index or message.chunk_index != len(self._results) or message.data:
@@ -117,32 +125,40 @@ class PartReducer:
                 )
                 return
             inputs = [self._inputs[chunk][s] for s in senders]
-            # Claimed weights go in as signed; the rule clips them to a fair share (see reduce_chunk).
-            weights = [signed.weight for _, signed in inputs]
-            seed = aggregation_seed(self.group_id, self.index, chunk)
-            encoded = await asyncio.to_thread(
-                reduce_chunk, self.aggregator, self.codec, [v for v, _ in inputs], weights, seed
-            )
+            result = await self._aggregate(self.index, chunk, inputs)
             lo, hi = self._chunk(self.index, chunk)
-            if self.attack is not None:  # a rehearsed bad reducer returns something else, signed as usual
-                encoded = self._attacked(chunk, encoded, hi - lo)
-            entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
-            signature = self._sign(
-                aggregate_message(self.digest, self.index, chunk, self.members[self.index], entries, encoded)
-            )
-            self.output[lo:hi] = self.codec.decode(encoded, hi - lo, sender="self")
+            self.output[lo:hi] = self.codec.decode(result.data, hi - lo, sender="self")
             self.received[self.index][chunk] = True
-            self._results[chunk] = apb.PartChunk(
-                part_index=self.index, chunk_index=chunk, data=encoded, signature=signature, included=entries
-            )
+            self._results[chunk] = result
             self.evidence[chunk] = [signed for _, signed in inputs]
             self._inputs[chunk].clear()
             self._reduced[chunk].set()
 
-    def _attacked(self, chunk: int, encoded: bytes, numel: int) -> bytes:
-        """What a rehearsed bad reducer returns instead of ``encoded``: it may look at the round first."""
+    async def _aggregate(
+        self, part: int, chunk: int, inputs: list[tuple[torch.Tensor, SignedInput]]
+    ) -> apb.PartChunk:
+        """One chunk of ``part`` aggregated from ``inputs`` (decoded values and signed input, in sender
+        order) under the run's rule, and signed by this peer over exactly those inputs. Claimed weights go
+        in as signed; the rule clips them to a fair share (see ``reduce_chunk``)."""
+        encoded = await asyncio.to_thread(
+            reduce_chunk, self.aggregator, self.codec, [v for v, _ in inputs],
+            [signed.weight for _, signed in inputs], aggregation_seed(self.group_id, part, chunk),
+        )  # fmt: skip
+        if self.attack is not None:  # a rehearsed bad reducer returns something else, signed as usual
+            lo, hi = self._chunk(part, chunk)
+            encoded = self._attacked(part, chunk, encoded, hi - lo)
+        entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
+        me = self.members[self.index]
+        signature = self._sign(aggregate_message(self.digest, part, chunk, me, entries, encoded))
+        return apb.PartChunk(
+            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries
+        )
+
+    def _attacked(self, part: int, chunk: int, encoded: bytes, numel: int) -> bytes:
+        """What a rehearsed bad reducer returns instead of ``encoded``: it may look at the round first
+        (for its own part; as a substitute it lies throughout)."""
         honest = self.codec.decode(encoded, numel, sender="self")
-        if hasattr(self.attack, "reduce_chunk"):
+        if hasattr(self.attack, "reduce_chunk") and part == self.index:
             return self.codec.encode(self.attack.reduce_chunk(self, chunk, honest))
         return self.codec.encode(self.attack.reduce(honest))
 

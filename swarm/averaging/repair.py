@@ -7,11 +7,13 @@ reducer (Ed25519 signs the same bytes the same), and takes back ``p``'s aggregat
 
 - **relayed**: when the substitute itself received the reducer's whole aggregate, it passes on those
   signed chunks, so members that got the part from its reducer and those that did not hold the same bits;
-- **re-reduced**: otherwise the substitute waits until every other member but the reducer has sent its
-  chunks of ``p`` or fell silent for the round's silence deadline, aggregates them and its own with the
-  run's rule and the same seed (``aggregation_seed`` names the part, not who reduces it), and signs the
-  result over the exact inputs it used, as a reducer does. It re-reduces only with more than half of the
-  group's inputs, the floor every sender checks; with fewer the part stays missing, as before.
+- **re-reduced**: otherwise the substitute waits until every other member still in the round (all but
+  the reducer and those already dropped for silence) has sent its chunks of ``p``, aggregates them and
+  its own with the run's rule and the same seed (``aggregation_seed`` names the part, not who reduces
+  it), and signs the result over the exact inputs it used, as a reducer does. A member the reducer did
+  serve never asks, so then the repair runs out of time and the part stays missing, as before: members
+  never end with two versions of a part, and attackers that are a minority of the group are a minority
+  of the inputs. Chunks are streamed back as they are signed; one repair stream per sender.
 
 A re-reduced part is checked by validators like any other: its answers name the substitute as their
 signer (``ButterflyAllReduce.signers``), the substitute shows the inputs it aggregated, and the evidence
@@ -19,9 +21,9 @@ names it (``RoundEvidence.signer``). Reveals wait for repairs (a sender's phase 
 part arrived, by either path, or failed), so the substitute, like a reducer, signs before it can know
 the draw. The reducer that did not deliver is still reported and avoided (``failed_reducers``).
 
-A reducer that delivers to some members and not others, including the substitute, leaves those it
-served with its aggregate and the rest with the substitute's: the trainers' state check (the majority
-of a group holding one state hash) then moves the fewer to the state most hold.
+What a repair cannot do: any member (an attacker too) can veto it by not asking, and a reducer that
+delivers to some members but not to the substitute leaves the rest with an incomplete round, to retry or
+to catch up by download.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,14 +39,8 @@ import torch
 
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
-from protocols.keys import PublicKey
 from swarm.averaging.evidence import (
     SignedInput,
-    aggregate_message,
-    aggregation_seed,
-    contribution_message,
-    input_entries,
-    reduce_chunk,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,10 +55,10 @@ class PartRepair:
         self.inputs: list[dict[int, tuple[torch.Tensor, SignedInput]]] = [{} for _ in range(chunks)]
         self.weights: dict[int, float] = {}
         self.results: list[apb.PartChunk | None] = [None] * chunks
+        self.ready = [asyncio.Event() for _ in range(chunks)]  # set once a chunk's result is known, or failed
         self.evidence: list[list[SignedInput]] = [[] for _ in range(chunks)]  # what a validator may ask for
         self.relayed = False
-        # Senders it waits for: every member but the part's reducer, less those already silent to us.
-        self.active = {i for i in runner._active if i != part} | {runner.index}
+        self.streams: set[int] = set()  # senders that opened a repair stream: one each
         self.changed, self.done = asyncio.Event(), asyncio.Event()
         self.task = asyncio.create_task(self._run())
 
@@ -71,22 +66,21 @@ class PartRepair:
     def complete(self) -> bool:
         return all(r is not None for r in self.results)
 
-    def deliver(self, sender: int, chunk: int, values: torch.Tensor, signed: SignedInput) -> None:
-        if sender in self.active and not self.done.is_set():
-            self.inputs[chunk][sender] = (values, signed)
-            self.changed.set()
+    def senders(self) -> set[int]:
+        """Whose inputs it waits for: every member still in the round here (not dropped from this peer's
+        own part) but the part's reducer. A member the reducer served never comes, so the part is never
+        re-reduced while an honest member holds the reducer's version, and attackers can never make up
+        the majority of its inputs while they are a minority of the group."""
+        return (self.runner._active - {self.part}) | {self.runner.index}
 
-    def drop(self, sender: int, reason: str) -> None:
-        if sender in self.active and sender != self.runner.index:
-            self.active.discard(sender)
-            logger.info(
-                f"repair of part {self.part} in round {self.runner.group_id.hex()[:8]} goes on without "
-                f"{self.runner.members[sender]}: {reason}"
-            )
+    def deliver(self, sender: int, chunk: int, values: torch.Tensor, signed: SignedInput) -> None:
+        if not self.done.is_set():
+            self.inputs[chunk][sender] = (values, signed)
             self.changed.set()
 
     async def _run(self) -> None:
         runner, part = self.runner, self.part
+        loop = asyncio.get_running_loop()
         try:
             # This peer's own stream to the reducer must have ended (its deadlines bound it).
             await asyncio.wait_for(runner._direct_done[part].wait(), runner.round_timeout_s)
@@ -100,41 +94,34 @@ class PartRepair:
                 own = runner.codec.decode_contribution(message.data, hi - lo, sender="this peer")
                 signed = SignedInput(runner.index, message.data, message.signature, message.weight)
                 self.deliver(runner.index, chunk, own, signed)
+            deadline = loop.time() + runner.round_timeout_s
             for chunk in range(len(self.results)):
-                await self._reduce(chunk)
+                await self._reduce(chunk, deadline)
+                self.ready[chunk].set()  # streamed as soon as it is signed
         except Exception as e:
             logger.warning(f"repairing part {part} of round {runner.group_id.hex()[:8]} failed: {e!r}")
             self.results = [None] * len(self.results)
         finally:
+            for event in self.ready:
+                event.set()
             self.done.set()
 
-    async def _reduce(self, chunk: int) -> None:
+    async def _reduce(self, chunk: int, deadline: float) -> None:
         runner, part = self.runner, self.part
-        while not self.active.issubset(self.inputs[chunk]):
+        loop = asyncio.get_running_loop()
+        while not self.senders() <= set(self.inputs[chunk]):
             self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), timeout=runner.sender_timeout_s)
-            except asyncio.TimeoutError:
-                for sender in self.active - set(self.inputs[chunk]):
-                    self.drop(sender, f"sent nothing for {runner.sender_timeout_s:.1f}s")
-        senders = sorted(self.active)
+            left = deadline - loop.time()
+            if left <= 0:
+                missing = [runner.members[i] for i in sorted(self.senders() - set(self.inputs[chunk]))]
+                raise ProtocolError(f"no input to chunk {chunk} from {missing}: they may hold the reducer's")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), left)
+        senders = sorted(self.senders())
         if 2 * len(senders) <= len(runner.members):
-            raise ProtocolError(f"only {len(senders)} of {len(runner.members)} members sent their inputs")
+            raise ProtocolError(f"only {len(senders)} of {len(runner.members)} members are left to aggregate")
         inputs = [self.inputs[chunk][s] for s in senders]
-        encoded = await asyncio.to_thread(
-            reduce_chunk, runner.aggregator, runner.codec, [v for v, _ in inputs],
-            [s.weight for _, s in inputs], aggregation_seed(runner.group_id, part, chunk),
-        )  # fmt: skip
-        lo, hi = runner._chunk(part, chunk)
-        if runner.attack is not None:  # a rehearsed bad reducer lies as a substitute too
-            honest = runner.codec.decode(encoded, hi - lo, sender="self")
-            encoded = runner.codec.encode(runner.attack.reduce(honest))
-        entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
-        me = runner.members[runner.index]
-        signature = runner._sign(aggregate_message(runner.digest, part, chunk, me, entries, encoded))
-        self.results[chunk] = apb.PartChunk(
-            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries
-        )
+        self.results[chunk] = await runner._aggregate(part, chunk, inputs)
         self.evidence[chunk] = [signed for _, signed in inputs]
         self.inputs[chunk].clear()
 
@@ -146,15 +133,7 @@ class PartRepair:
             while True:
                 if message.part_index != self.part or message.chunk_index != expected:
                     raise ProtocolError(f"sent part {message.part_index} chunk {message.chunk_index}")
-                if runner.key is not None:
-                    PublicKey.from_peer_id(peer).verify(
-                        message.signature,
-                        contribution_message(runner.digest, self.part, expected, peer, message.weight, message.data),
-                    )  # fmt: skip
-                if not math.isfinite(message.weight) or message.weight < 0:
-                    raise ProtocolError(f"claims weight {message.weight!r}")
-                if self.weights.setdefault(sender, message.weight) != message.weight:
-                    raise ProtocolError("changed its weight mid-round")
+                runner._check_contribution(sender, message, expected, part=self.part, weights=self.weights)
                 lo, hi = runner._chunk(self.part, expected)
                 runner._count(received=len(message.data))
                 values = runner.codec.decode_contribution(message.data, hi - lo, sender=peer)
@@ -168,8 +147,8 @@ class PartRepair:
                 if expected == len(self.results):
                     return
                 message = await runner._next(stream, runner.sender_timeout_s)
-        except Exception as e:
-            self.drop(sender, f"{e!r}")
+        except Exception as e:  # its input stays missing: the repair fails at its deadline
+            logger.info(f"{peer} sent a bad repair stream for part {self.part}: {e!r}")
 
     def trim(self, drawn: int | None) -> None:
         self.evidence = [inputs if c == drawn else [] for c, inputs in enumerate(self.evidence)]
@@ -203,17 +182,22 @@ class PartRepairs:
         ):
             yield apb.PartChunk(code=apb.BAD_CHUNK, error=f"this member does not stand in for part {part}")
             return
-        if part not in self.repairs and self.revealed is not None and self.revealed.done():
+        if self._closed:
             yield apb.PartChunk(code=apb.BAD_GROUP, error="this round is over here")
             return
         repair = self._repair_for(part)
+        if sender in repair.streams:
+            yield apb.PartChunk(
+                code=apb.BAD_CHUNK, error=f"already taking this member's inputs to part {part}"
+            )
+            return
+        repair.streams.add(sender)
         consumer = asyncio.create_task(repair.consume(sender, first, stream))
         try:
-            await asyncio.wait_for(repair.done.wait(), self.round_timeout_s)
-            if getattr(self.attack, "withhold", False):  # a rehearsed withholder withholds here too
-                return
-            for result in repair.results:
-                if result is None:
+            for chunk, ready in enumerate(repair.ready):
+                await ready.wait()  # the repair's own deadline bounds this
+                result = repair.results[chunk]
+                if result is None or getattr(self.attack, "withhold", False):  # a rehearsed withholder
                     return
                 await self._throttle(len(result.data))
                 self._count(sent=len(result.data))
@@ -251,12 +235,11 @@ class PartRepairs:
 
     async def _recover_from(self, part: int, substitute: int) -> int:
         chunks = len(self.part_chunks[part]) - 1
-        sent: list[bytes] = []
+        messages = [self._contribution(part, chunk) for chunk in range(chunks)]
+        sent = [hashlib.sha256(m.data).digest() for m in messages]  # a relay may answer before we send
 
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
-            for chunk in range(chunks):
-                message = self._contribution(part, chunk)
-                sent.append(hashlib.sha256(message.data).digest())
+            for message in messages:
                 await self._throttle(len(message.data))
                 self._count(sent=len(message.data))
                 yield message
@@ -265,8 +248,9 @@ class PartRepairs:
         signer = None
         try:
             for expected in range(chunks):
-                # The substitute first waits out its own stream to the reducer and the other senders.
-                message = await self._next(stream, 4 * self.sender_timeout_s)
+                # The substitute first waits out its own stream to the reducer and the other senders;
+                # the round's own deadline bounds the whole wait.
+                message = await self._next(stream, self.round_timeout_s)
                 if message.code != apb.OK:
                     raise ProtocolError(f"answered {apb.Code.Name(message.code)}: {message.error[:200]}")
                 if message.part_index != part or message.chunk_index != expected:

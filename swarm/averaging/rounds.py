@@ -115,9 +115,8 @@ class PartRouter:
             return
         # The sender may have learned of the group a moment before we did; a round whose first phase is
         # over here may still stand in for a part that another member's reducer failed (see ``repair``).
-        runner = self.rounds.recent.get(first.group_id) or await self.rounds.wait_for(
-            first.group_id, self.wait_s
-        )
+        runner = self.rounds.live.get(first.group_id) or self.rounds.recent.get(first.group_id)
+        runner = runner or await self.rounds.wait_for(first.group_id, self.wait_s)
         if runner is None:
             yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
             return
