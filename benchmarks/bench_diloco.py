@@ -8,7 +8,9 @@ close the batch travel), so each round the anchor runs first and the diloco conf
 take what it *measured*: an inner step takes each peer's share of the anchor's samples per step (to the
 nearest sample, a half rounded up), and the outer steps are as many as cover the anchor's samples
 (``anchor samples / (peers * H * inner_batch)``).
-Every configuration thus processes the same samples, and an outer step covers H anchor steps' samples.
+Every configuration thus processes about the same samples (a diloco window holds at least H inner steps
+of every peer, and a faster peer trains on until the slowest has done its H, so a little more: the
+samples column shows how many), and an outer step covers at least H anchor steps' samples.
 Per configuration it prints:
 
 - final validation loss (the coordinator's last checkpoint, evaluated independently) and its ratio to

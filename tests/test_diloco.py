@@ -15,6 +15,7 @@ from protocols.errors import ConfigError
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.training.diloco import DilocoTrainer, trainer_class
+from swarm.training.progress import PeerProgress
 from swarm.training.state import build_shared_optimizer, state_tensors
 from swarm.training.trainer import Trainer
 
@@ -99,6 +100,31 @@ def test_outer_steps_keep_peers_identical_and_loss_falls(compression, overlap):
     finally:
         for d in dhts:
             d.shutdown()
+
+
+def test_one_claim_cannot_cut_the_window_short_and_a_laggard_holds_it_at_most_twice_as_long():
+    """Progress records are signed claims nobody checks. Before, one record claiming a full window closed
+    every other peer's window after its first inner step, so the run averaged as often as every_step."""
+    run = diloco_run()
+    dhts = start_dhts(1)
+    try:
+        (trainer,) = peers_for(run, dhts)
+        batch = run.training.micro_batch_size
+        full = INNER_STEPS * batch
+        now = time.time()
+        trainer.view = {"liar": PeerProgress("liar", 0, 10**9, 1.0, trainer.state_hash, now)}
+        trainer.inner, trainer.samples = 1, batch
+        assert trainer._wants_compute() and not trainer._ready_for_round(), "the claim closes nothing"
+        trainer.inner, trainer.samples = INNER_STEPS, full
+        assert trainer._ready_for_round(), "every peer at the step has done its inner steps"
+        # A peer at the same step that lags (or claims it does): this one trains on, up to 2H.
+        trainer.view["slow"] = PeerProgress("slow", 0, batch, 1.0, trainer.state_hash, now)
+        assert trainer._wants_compute()
+        trainer.inner, trainer.samples = 2 * INNER_STEPS, 2 * full
+        assert trainer._ready_for_round()
+    finally:
+        for dht in dhts:
+            dht.shutdown()
 
 
 def test_a_late_joiner_downloads_the_synced_state_with_the_outer_momentum():

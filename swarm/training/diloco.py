@@ -7,9 +7,9 @@ the same signed, robust butterfly as a gradient, and every peer applies the resu
 with the ``[outer_optimizer]`` (Nesterov SGD). Synced parameters and outer momentum are the state that
 is hashed, voted on, checkpointed and downloaded by late joiners; a step of the run is an outer step.
 
-Peers of different speeds: a peer that has done its ``inner_steps`` ends the window; the others see it in
-the progress records and bring what they have, weighted by their samples (signed claims, as for
-gradients).
+Peers of different speeds: the window ends once every peer at the outer step has done its
+``inner_steps`` (as the progress records show), or a peer has done twice as many; faster peers train on
+meanwhile, and each brings what it has, weighted by its samples (signed claims, as for gradients).
 
 With a sparse wire codec (``compression = "topk"``) each peer keeps what the wire did not carry of its
 pseudo-gradient (error feedback) and adds it to the next one.
@@ -119,17 +119,23 @@ class DilocoTrainer(Trainer):
         return loss
 
     def _window_closed(self) -> bool:
-        """Another peer at this outer step has done all its inner steps: bring what this one has."""
-        full = self.config.training.inner_steps * self.config.training.micro_batch_size
-        return any(
-            p.step == self.step and p.samples >= full for k, p in self.view.items() if k != self.peer_id
-        )
+        """Every peer at this outer step, this one included, has done its ``inner_steps`` (by the samples
+        its signed progress record claims), or this one has done twice as many. Peers that get there
+        first train on until the last one does, so no peer idles and a window holds at least
+        ``inner_steps`` of every peer's samples. A claim, which nobody checks, can only hold the window
+        open, and then no longer than ``2 * inner_steps``: claiming a full window at once cannot cut the
+        others' windows short (before, one such claim closed every window after one inner step, and
+        the run averaged as often as with ``every_step``)."""
+        training = self.config.training
+        if self.inner >= 2 * training.inner_steps:
+            return True
+        full = training.inner_steps * training.micro_batch_size
+        others = [p.samples for k, p in self.view.items() if k != self.peer_id and p.step == self.step]
+        return self.samples >= full and all(samples >= full for samples in others)
 
     def _wants_compute(self) -> bool:
         # At least one inner step: a peer that arrives after the window closed brings that much.
-        if self.inner == 0:
-            return True
-        return self.inner < self.config.training.inner_steps and not self._window_closed()
+        return self.inner == 0 or not self._window_closed()
 
     def _ready_for_round(self) -> bool:
         return self.inner > 0 and not self._wants_compute()
