@@ -9,7 +9,8 @@ is hashed, voted on, checkpointed and downloaded by late joiners; a step of the 
 
 Peers of different speeds: the window ends once every peer at the outer step has done its
 ``inner_steps`` (as the progress records show), or a peer has done twice as many; faster peers train on
-meanwhile, and each brings what it has, weighted by its samples (signed claims, as for gradients).
+meanwhile, and each brings what it has, weighted by its samples (signed claims, as for gradients). With
+``outer_overlap`` each peer's window ends at its own ``inner_steps``.
 
 With a sparse wire codec (``compression = "topk"``) each peer keeps what the wire did not carry of its
 pseudo-gradient (error feedback) and adds it to the next one.
@@ -127,6 +128,10 @@ class DilocoTrainer(Trainer):
         others' windows short (before, one such claim closed every window after one inner step, and
         the run averaged as often as with ``every_step``)."""
         training = self.config.training
+        if self.overlap:
+            # A round lands one window late, so the records of two consecutive windows carry the same
+            # step: another peer's count says nothing about this window. Each closes at its own H.
+            return self.inner >= training.inner_steps
         if self.inner >= 2 * training.inner_steps:
             return True
         full = training.inner_steps * training.micro_batch_size
