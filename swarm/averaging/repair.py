@@ -1,7 +1,8 @@
 """Rounds that finish despite a withholder: a part whose reducer did not deliver is re-reduced in the round.
 
 When the reducer of part ``p`` fails a sender (silence, a broken stream, an answer that does not hold
-up), the sender turns to ``p``'s *substitute*: the next member after ``p``, in member order, that reduces
+up; not a denial that it is in the round, which puts the group itself in doubt), the sender turns to
+``p``'s *substitute*: the next member after ``p``, in member order, that reduces
 a part (``substitute``). It streams the substitute the same signed contributions to ``p`` it sent the
 reducer (Ed25519 signs the same bytes the same), and takes back ``p``'s aggregate:
 

@@ -157,7 +157,9 @@ class PartSender:
             self._drop(part, f"failed as reducer: {e!r}")
             (self.denied_by if denied else self.failed_reducers).append(peer.to_base58())
             # The part may still come, from its substitute, before this peer reveals (see ``repair``).
-            if await self._recover(part):
+            # Not when the reducer denies the round: then the group itself is in doubt (its leader may
+            # have listed an absent member), and the round fails and the leader is avoided.
+            if not denied and await self._recover(part):
                 logger.info(f"part {part} of round {self.group_id.hex()[:8]} came from its substitute")
             self._settle(part)
             return
