@@ -99,13 +99,11 @@ class PartReducer:
     async def _reduce_chunks(self) -> None:
         try:
             for chunk in range(len(self._results)):
+                own, signed = self._own_decoded(self.index, chunk)
+                if not (math.isfinite(signed.weight) and signed.weight >= 0):
+                    raise ProtocolError(f"weight {signed.weight!r} is not a finite number >= 0")
                 lo, hi = self._chunk(self.index, chunk)
-                message = self._contribution(self.index, chunk)
-                if not (math.isfinite(message.weight) and message.weight >= 0):
-                    raise ProtocolError(f"weight {message.weight!r} is not a finite number >= 0")
-                own = self.codec.decode_contribution(message.data, hi - lo, sender="this peer")
                 self.sent[lo:hi] = own
-                signed = SignedInput(self.index, message.data, message.signature, message.weight)
                 self._deliver(self.index, chunk, own, signed)
         except ProtocolError as e:
             logger.warning(f"leaving this peer's own values out of round {self.group_id.hex()[:8]}: {e}")

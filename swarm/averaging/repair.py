@@ -90,11 +90,7 @@ class PartRepair:
                 self.relayed = True
                 return
             for chunk in range(len(self.results)):
-                message = runner._contribution(part, chunk)
-                lo, hi = runner._chunk(part, chunk)
-                own = runner.codec.decode_contribution(message.data, hi - lo, sender="this peer")
-                signed = SignedInput(runner.index, message.data, message.signature, message.weight)
-                self.deliver(runner.index, chunk, own, signed)
+                self.deliver(runner.index, chunk, *runner._own_decoded(part, chunk))
             deadline = loop.time() + runner.round_timeout_s
             for chunk in range(len(self.results)):
                 await self._reduce(chunk, deadline)
@@ -278,9 +274,3 @@ class PartRepairs:
             except Exception as e:
                 error = e
         raise ProtocolError(f"an answer of part {part} chunk {chunk} does not hold up: {error!r}")
-
-    def _take(self, part: int, chunk: int, message: apb.PartChunk) -> None:
-        lo, hi = self._chunk(part, chunk)
-        self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=self.members[part])
-        self.answers[part][chunk] = message
-        self.received[part][chunk] = True

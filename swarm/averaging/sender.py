@@ -18,6 +18,7 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator
 
+import torch
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from protocols import averaging_pb2 as apb
@@ -48,6 +49,14 @@ class PartSender:
             weight=self.weight,
             signature=self._sign(contribution_message(self.digest, part, chunk, me, self.weight, data)),
         )
+
+    def _own_decoded(self, part: int, chunk: int) -> tuple[torch.Tensor, SignedInput]:
+        """This peer's values for one chunk of ``part`` as a reducer decodes them from the wire bytes,
+        and its signed contribution: what it aggregates of its own, as reducer or as substitute."""
+        message = self._contribution(part, chunk)
+        lo, hi = self._chunk(part, chunk)
+        values = self.codec.decode_contribution(message.data, hi - lo, sender="this peer")
+        return values, SignedInput(self.index, message.data, message.signature, message.weight)
 
     def reveals_to(self, part: int) -> bool:
         """Whether this peer reveals its nonce to the reducer of ``part`` (an honest one always does)."""
@@ -132,12 +141,9 @@ class PartSender:
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
                 if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
-                lo, hi = self._chunk(part, expected)
                 self._count(received=len(message.data))
                 self._check_answer(part, expected, message, sent[expected])
-                self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=peer.to_base58())
-                self.answers[part][expected] = message
-                self.received[part][expected] = True
+                self._take(part, expected, message)
                 expected += 1
         except Exception as e:
             self._direct_done[part].set()
@@ -169,6 +175,13 @@ class PartSender:
         with contextlib.suppress(Exception):
             async for _ in aiter_with_timeout(stream, self.reveal_timeout_s + self.sender_timeout_s):
                 pass
+
+    def _take(self, part: int, chunk: int, message: apb.PartChunk) -> None:
+        """A checked aggregate chunk of ``part``: its decoded bytes into the output, kept for validators."""
+        lo, hi = self._chunk(part, chunk)
+        self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=self.members[part])
+        self.answers[part][chunk] = message
+        self.received[part][chunk] = True
 
     async def _open(self, part: int, outgoing: AsyncIterator[apb.PartChunk]) -> AsyncIterator[apb.PartChunk]:
         """The reducer's answer stream: over its data address when it has one that answers, else libp2p."""
