@@ -32,6 +32,7 @@ Usage::
     python benchmarks/bench_diloco.py --caps 100,10                   # in the WAN lab (root)
     python benchmarks/bench_diloco.py --inner-steps 10,50,100 --codecs fp16,int8,topk --model-size demo
     python benchmarks/bench_diloco.py --inner-steps 100 --codecs int8 --overlap off,on
+    python benchmarks/bench_diloco.py --inner-steps 100 --codecs int8 --outer default,1:0
     python benchmarks/bench_diloco.py --quick                         # smoke test
 """
 
@@ -66,6 +67,9 @@ def sim_command(args, config: dict, out: Path) -> list[str]:
         command += ["--sync", "diloco", "--inner-steps", str(config["H"]), "--steps", str(config["outer"])]
         if config.get("overlap"):
             command += ["--outer-overlap"]
+        if config.get("outer"):
+            outer_lr, outer_momentum = config["outer"]
+            command += ["--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum)]
     else:
         command += ["--steps", str(max(1, args.samples // TARGET_BATCH))]
     if config["cap"]:
@@ -129,8 +133,33 @@ def configurations(args) -> list[dict]:
         for h in (int(x) for x in args.inner_steps.split(",")):
             for codec in args.codecs.split(","):
                 for overlap in (v == "on" for v in args.overlap.split(",")):
-                    configs.append({"sync": "diloco", "H": h, "codec": codec, "cap": cap, "overlap": overlap})
+                    for outer in outer_variants(args.outer):
+                        configs.append(
+                            {
+                                "sync": "diloco",
+                                "H": h,
+                                "codec": codec,
+                                "cap": cap,
+                                "overlap": overlap,
+                                "outer": outer,
+                            }
+                        )
     return configs
+
+
+def outer_variants(text: str) -> list[tuple[float, float] | None]:
+    """``default,1:0`` -> the run's default outer optimizer, then lr 1 with momentum 0 (plain SGD)."""
+    variants = []
+    for item in text.split(","):
+        if item == "default":
+            variants.append(None)
+            continue
+        lr, _, momentum = item.partition(":")
+        try:
+            variants.append((float(lr), float(momentum or 0)))
+        except ValueError:
+            raise SystemExit(f"--outer: {item!r} is neither 'default' nor LR:MOMENTUM") from None
+    return variants
 
 
 def matched_to(anchor: dict, config: dict, peers: int) -> dict:
@@ -145,6 +174,8 @@ def label(config: dict) -> str:
     name = "every_step" if config["sync"] == "every_step" else f"diloco H={config['H']}"
     if config.get("overlap"):
         name += " overlap"
+    if config.get("outer"):
+        name += " outer lr {:g} momentum {:g}".format(*config["outer"])
     return f"{name} {config['codec']} ({cap})"
 
 
@@ -160,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--overlap", default="off", help="diloco outer_overlap variants: off, on, or off,on (both)"
+    )
+    parser.add_argument(
+        "--outer",
+        default="default",
+        help="diloco outer optimizers: 'default' (the run's, which depends on the codec) or LR:MOMENTUM "
+        "(momentum 0: plain SGD), comma-separated",
     )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--repeat", type=int, default=1)

@@ -29,9 +29,14 @@ from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
 from swarm.config import RunConfig
 
+EVAL_WINDOWS = 256  # validation windows of the sim's own evaluation, spread over the whole split
+EVAL_BATCH = 16
+
 
 def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
-    """Validation loss and parameter hash of the run's initial weights, or of a checkpoint's."""
+    """Validation loss and parameter hash of the run's initial weights, or of a checkpoint's, over
+    ``EVAL_WINDOWS`` fixed windows of the validation split (a mean over batches of equal size, but the
+    last, which may hold fewer when the split is small)."""
     import torch
 
     from swarm.data import build_dataset
@@ -45,9 +50,8 @@ def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
         load_state_tensors(model, optimizer, load_checkpoint(checkpoint).tensors)
     dataset = build_dataset(run.dataset.name, run.dataset.config)
     seq_len = model_config(run.model.name, run.model.config).seq_len
-    batches = dataset.validation_batches(
-        run.training.micro_batch_size, seq_len, run.training.validation_batches
-    )
+    # The same windows whatever the run's micro-batch, so runs of different configurations compare.
+    batches = dataset.validation_batches(EVAL_BATCH, seq_len, EVAL_WINDOWS // EVAL_BATCH)
     model.eval()
     with torch.no_grad():
         loss = sum(float(model.loss(x, y)) for x, y in batches) / len(batches)

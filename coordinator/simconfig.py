@@ -59,6 +59,12 @@ class SimConfig(BaseModel):
     compression: Literal["fp16", "none", "int8", "topk"] = Field(
         "fp16", description="wire encoding of what peers average (topk: sparse, with error feedback)"
     )
+    outer_lr: float | None = Field(
+        None, gt=0, le=10, description="diloco: outer learning rate (default: the run's, see docs/diloco.md)"
+    )
+    outer_momentum: float | None = Field(
+        None, ge=0, lt=1, description="diloco: outer Nesterov momentum, 0 for plain SGD (default: the run's)"
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="the run's forward/backward precision (fp16 needs every peer on a GPU)"
     )
@@ -183,8 +189,14 @@ def build_run(config: SimConfig) -> RunConfig:
     steps = config.steps
     # The inner learning-rate schedule of diloco counts inner steps.
     optimizer_steps = steps * config.inner_steps if config.sync == "diloco" else steps
+    outer = {}
+    if config.outer_lr is not None:
+        outer["lr"] = config.outer_lr
+    if config.outer_momentum is not None:
+        outer.update(momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
     return RunConfig(
         run_id="swarm-sim",
+        **({"outer_optimizer": outer} if outer else {}),
         description="A local rehearsal of the demo run.",
         model={"name": "gpt", "config": PRESETS[config.model_size]},
         dataset={"name": "stdlib", "config": {}},

@@ -156,6 +156,10 @@ class OuterOptimizerConfig(_Section):
         return self
 
 
+# The outer optimizer of a topk run that names none (RunConfig._sparse_outer_defaults).
+SPARSE_OUTER_OPTIMIZER = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+
+
 class TrainingConfig(_Section):
     """How peers accumulate, average and checkpoint."""
 
@@ -174,6 +178,13 @@ class TrainingConfig(_Section):
         gt=0,
         le=1,
         description="topk: the share of each block's values a sender keeps (largest magnitude)",
+    )
+    topk_feedback_decay: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="topk: what the wire left out of a peer's last contribution is scaled by this before its "
+        "next pseudo-gradient is added (error feedback with decay, SparseLoCo's beta; 1: no decay)",
     )
     aggregator: str = Field(
         "centered_clip",
@@ -325,6 +336,23 @@ class RunConfig(_Section):
     pipeline: PipelineConfig = Field(
         default_factory=PipelineConfig, description="pipeline stages (SWARM); 1 stage: data-parallel"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sparse_outer_defaults(cls, data: Any) -> Any:
+        """In a topk run the outer optimizer's defaults are plain SGD at lr 1 (SparseLoCo): the decaying
+        error feedback already carries momentum, and the DiLoCo defaults (Nesterov, momentum 0.9) on top
+        of undecayed feedback diverged on the small model (docs/diloco.md). Fields the config names win."""
+        if not isinstance(data, dict):
+            return data
+        training = data.get("training")
+        compression = training.get("compression") if isinstance(training, dict) else None
+        if isinstance(training, TrainingConfig):
+            compression = training.compression
+        named = data.get("outer_optimizer", {})
+        if compression != "topk" or not isinstance(named, dict):
+            return data
+        return {**data, "outer_optimizer": {**SPARSE_OUTER_OPTIMIZER, **named}}
 
     @model_validator(mode="after")
     def _compression_fits_the_sync(self) -> RunConfig:

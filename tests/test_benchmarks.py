@@ -146,6 +146,18 @@ def test_diloco_benchmark_compares_outer_steps_with_every_step_at_equal_samples(
     assert diloco["val_loss"] < diloco["initial_val_loss"], output[-3000:]
 
 
+def test_diloco_recipes_train_every_recipe_at_equal_samples_in_one_process(tmp_path: Path):
+    output = run_benchmark("diloco_recipes.py", "--json", str(tmp_path / "recipes.json"))
+
+    rows = json.loads((tmp_path / "recipes.json").read_text())
+    assert [r["name"] for r in rows] == ["every_step", "int8 H=10", "topk H=10"], output
+    every_step, int8, topk = rows
+    # Equal samples: 20 steps of 2 x 8 samples against 2 outer steps of 10 inner steps of 2 x 8.
+    assert (every_step["steps"], int8["steps"], topk["steps"]) == (20, 2, 2)
+    assert all(r["val_loss"] < r["initial_val_loss"] for r in rows), output[-3000:]
+    assert every_step["loss_ratio"] == 1.0 and int8["loss_ratio"] > 0
+
+
 def test_honest_cost_benchmark_replays_the_demo_under_each_rule(tmp_path: Path):
     output = run_benchmark("bench_honest_cost.py", "--json", str(tmp_path / "cost.json"))
 

@@ -134,6 +134,23 @@ def test_codec_choice_comes_from_the_run_config():
             RunConfig(run_id="r", training={**diloco, "topk_density": bad})
 
 
+def test_a_topk_run_defaults_to_plain_outer_sgd_and_keeps_an_outer_optimizer_it_names():
+    diloco = {"sync": "diloco", "compression": "topk"}
+    sparse = RunConfig(run_id="r", training=diloco)
+    assert (sparse.outer_optimizer.lr, sparse.outer_optimizer.momentum) == (1.0, 0.0)
+    assert not sparse.outer_optimizer.nesterov and sparse.training.topk_feedback_decay == 0.95
+    named = RunConfig(run_id="r", training=diloco, outer_optimizer={"lr": 0.5})
+    assert (named.outer_optimizer.lr, named.outer_optimizer.momentum) == (0.5, 0.0)
+    nesterov = RunConfig(run_id="r", training=diloco, outer_optimizer={"momentum": 0.9, "nesterov": True})
+    assert (nesterov.outer_optimizer.lr, nesterov.outer_optimizer.momentum) == (1.0, 0.9)
+    dense = RunConfig(run_id="r", training={**diloco, "compression": "int8"})
+    assert (dense.outer_optimizer.lr, dense.outer_optimizer.momentum) == (0.7, 0.9)
+    # What a coordinator serves names its outer optimizer, so peers read the same one back.
+    assert RunConfig.parse(sparse.model_dump()).outer_optimizer == sparse.outer_optimizer
+    with pytest.raises(ValueError, match="topk_feedback_decay"):
+        RunConfig(run_id="r", training={**diloco, "topk_feedback_decay": 1.5})
+
+
 # --- hostile bytes ---------------------------------------------------------------------------------------
 
 

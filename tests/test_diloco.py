@@ -102,6 +102,32 @@ def test_outer_steps_keep_peers_identical_and_loss_falls(compression, overlap):
             d.shutdown()
 
 
+def test_topk_error_feedback_decays_what_the_wire_left_out():
+    run = diloco_run(compression="topk", topk_feedback_decay=0.5)
+    dhts = start_dhts(1)
+    try:
+        trainer = peers_for(run, dhts)[0]
+        with torch.no_grad():
+            for p in trainer.params:
+                p.add_(0.01)  # a window of local progress: the pseudo-gradient is -0.01 everywhere
+        trainer.residual = torch.full((trainer.numel,), 0.2)
+        assert torch.allclose(trainer._contribution(), torch.full((trainer.numel,), -0.01 + 0.5 * 0.2))
+        sent = torch.zeros(trainer.numel)
+        sent[0] = 0.09
+
+        class Result:
+            vector = torch.zeros(trainer.numel)
+
+        Result.sent = sent
+        contribution = trainer._contribution()
+        trainer._apply_round(Result())
+        # What was not sent waits for the next window; the window starts again from the synced copy.
+        assert torch.equal(trainer.residual, contribution - sent)
+        assert torch.equal(trainer._contribution(), 0.5 * (contribution - sent))
+    finally:
+        dhts[0].shutdown()
+
+
 def test_one_claim_cannot_cut_the_window_short_and_a_laggard_holds_it_at_most_twice_as_long():
     """Progress records are signed claims nobody checks. Before, one record claiming a full window closed
     every other peer's window after its first inner step, so the run averaged as often as every_step."""

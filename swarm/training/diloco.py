@@ -13,7 +13,9 @@ meanwhile, and each brings what it has, weighted by its samples (signed claims, 
 ``outer_overlap`` each peer's window ends at its own ``inner_steps``.
 
 With a sparse wire codec (``compression = "topk"``) each peer keeps what the wire did not carry of its
-pseudo-gradient (error feedback) and adds it to the next one.
+pseudo-gradient (error feedback) and adds it, scaled by ``topk_feedback_decay``, to the next one
+(SparseLoCo); such a run's default outer optimizer is plain SGD at lr 1, the decaying feedback being
+its momentum.
 
 With ``outer_overlap`` the outer round runs in the background while the next inner steps compute, and
 its result is applied one outer step late (see :class:`DilocoTrainer` for the exact update).
@@ -90,6 +92,7 @@ class DilocoTrainer(Trainer):
         self.inner = 0  # local optimizer steps in this window
         sparse = run.training.compression == "topk"
         self.residual = torch.zeros(self.numel) if sparse else None  # error feedback, never shared
+        self.feedback_decay = run.training.topk_feedback_decay
         self._stats.update(outer_steps=0.0, inner_steps=0.0)
         # outer_overlap: the round in flight, what it sends (and for how many samples), where the local
         # window began, and whether the round's result has reached the synced copy.
@@ -152,7 +155,7 @@ class DilocoTrainer(Trainer):
             return self._outbox
         pseudo = _flat(self.synced_params) - _flat(self.params)
         if self.residual is not None:
-            pseudo += self.residual
+            pseudo += self.feedback_decay * self.residual
         return pseudo
 
     def _round_weight(self) -> float:
@@ -213,7 +216,7 @@ class DilocoTrainer(Trainer):
             self._outbox_samples += self.samples
         else:
             if self.residual is not None:
-                delta += self.residual
+                delta += self.feedback_decay * self.residual
             self._outbox_samples = self.samples
             if self._outbox is not None:
                 _write_flat(self.params, _flat(self.synced_params) - (start - local))

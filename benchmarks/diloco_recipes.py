@@ -1,0 +1,251 @@
+"""Diloco recipes at equal samples in one process, without the network: which H, inner batch, codec,
+outer optimizer and error-feedback decay reach what validation loss, in minutes instead of hours.
+
+Each recipe trains ``--peers`` replicas in turn from the same synced weights for H inner steps on their
+own batches (the public seeds of ``derive_seed``), encodes each pseudo-gradient with the run's codec,
+aggregates the decoded contributions with the run's rule (``centered_clip``, equal weights), encodes the
+result once as a reducer does, and applies it with the run's outer optimizer; ``every_step`` takes one
+optimizer step per ``peers * batch`` samples on the mean gradient. Model, data, schedule, clipping,
+codecs, optimizers and aggregator are the swarm's own (``build_run`` of ``swarm-sim``); what is left
+out is everything the network adds: matchmaking, windows that close on other peers' progress,
+stragglers, attackers, bytes. The swarm's own figures come from ``bench_diloco.py``; this script is
+where a recipe is chosen before such a run.
+
+Recipes are written as ``every_step`` or ``CODEC H=100 [batch=28] [outer=LR:MOMENTUM] [decay=0.95]
+[density=0.01]`` (outer and decay default to the run's, which depend on the codec; see docs/diloco.md).
+Every recipe processes ``--samples`` samples (diloco: ``samples / (peers * H * batch)`` outer steps,
+rounded); ``--repeat`` rounds interleave the recipes (A, B, A, B...) and each round draws other batches.
+
+Usage::
+
+    python benchmarks/diloco_recipes.py --samples 11200 --recipes "every_step" "int8 H=100" "int8 H=100 outer=1:0"
+    python benchmarks/diloco_recipes.py --quick                       # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from coordinator.sim import EVAL_BATCH, EVAL_WINDOWS  # noqa: E402
+from coordinator.simconfig import PRESETS, SimConfig, build_run  # noqa: E402
+from swarm.averaging.aggregators import get_aggregator  # noqa: E402
+from swarm.averaging.compression import get_codec  # noqa: E402
+from swarm.data import build_dataset  # noqa: E402
+from swarm.data.seeds import derive_seed  # noqa: E402
+from swarm.models import build_model  # noqa: E402
+from swarm.training.state import (  # noqa: E402
+    build_optimizer,
+    build_outer_optimizer,
+    clip_gradients,
+    learning_rate,
+    set_flat_gradient,
+    set_learning_rate,
+)
+
+KEYS = {"H": int, "batch": int, "decay": float, "density": float}
+
+
+def parse_recipe(text: str, default_batch: int) -> dict:
+    words = text.split()
+    if words == ["every_step"]:
+        return {"name": text, "sync": "every_step", "batch": default_batch}
+    if not words or words[0] not in ("fp16", "none", "int8", "topk"):
+        raise SystemExit(f"recipe {text!r}: start with every_step or a codec (fp16, none, int8, topk)")
+    recipe = {"name": text, "sync": "diloco", "codec": words[0], "batch": default_batch, "H": 100}
+    for word in words[1:]:
+        key, _, value = word.partition("=")
+        try:
+            if key == "outer":
+                lr, _, momentum = value.partition(":")
+                recipe["outer"] = (float(lr), float(momentum or 0))
+            elif key in KEYS:
+                recipe[key] = KEYS[key](value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(
+                f"recipe {text!r}: cannot read {word!r} (keys: H, batch, outer, decay, density)"
+            ) from None
+    return recipe
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _write(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _gradient_step(model, dataset, seed: int, batch: int, seq_len: int) -> None:
+    inputs, targets = dataset.sample_batch(seed, batch, seq_len)
+    model.loss(inputs, targets).backward()
+
+
+def _validate(model, batches) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
+    model.train()
+    return loss
+
+
+class Lab:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.shape = {**PRESETS[args.model_size]}
+        self.seq_len = self.shape.get("seq_len", 256)
+        run = build_run(SimConfig(peers=args.peers, steps=1, model_size=args.model_size, lr=args.lr))
+        self.dataset = build_dataset(run.dataset.name, run.dataset.config)
+        self.validation = self.dataset.validation_batches(
+            EVAL_BATCH, self.seq_len, EVAL_WINDOWS // EVAL_BATCH
+        )
+        initial = build_model("gpt", self.shape, seed=run.training.seed)
+        self.initial_val_loss = _validate(initial, self.validation)
+
+    def run(self, recipe: dict, round_index: int) -> dict:
+        started = time.perf_counter()
+        tag = f"lab{round_index}"
+        if recipe["sync"] == "every_step":
+            loss, steps = self._every_step(recipe, tag)
+        else:
+            loss, steps = self._diloco(recipe, tag)
+        return {
+            **recipe,
+            "round": round_index,
+            "val_loss": loss,
+            "initial_val_loss": self.initial_val_loss,
+            "steps": steps,
+            "s": time.perf_counter() - started,
+        }
+
+    def _sim(self, recipe: dict, steps: int):
+        outer = recipe.get("outer")
+        return build_run(
+            SimConfig(
+                peers=self.args.peers,
+                steps=steps,
+                model_size=self.args.model_size,
+                lr=self.args.lr,
+                sync=recipe["sync"],
+                inner_steps=recipe.get("H", 1),
+                compression=recipe.get("codec", "fp16"),
+                outer_lr=outer[0] if outer else None,
+                outer_momentum=outer[1] if outer else None,
+            )  # fmt: skip
+        )
+
+    def _every_step(self, recipe: dict, tag: str) -> tuple[float, int]:
+        peers, batch = self.args.peers, recipe["batch"]
+        steps = max(1, round(self.args.samples / (peers * batch)))
+        run = self._sim(recipe, steps)
+        model = build_model("gpt", self.shape, seed=run.training.seed)
+        optimizer = build_optimizer(model, run.optimizer)
+        for step in range(steps):
+            for peer in range(peers):
+                _gradient_step(
+                    model, self.dataset, derive_seed(tag, f"peer{peer}", step), batch, self.seq_len
+                )
+            for p in model.parameters():
+                p.grad.div_(peers)
+            clip_gradients(model, run.optimizer.grad_clip_norm)
+            set_learning_rate(optimizer, learning_rate(run.optimizer, step))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return _validate(model, self.validation), steps
+
+    def _diloco(self, recipe: dict, tag: str) -> tuple[float, int]:
+        peers, batch, inner_steps = self.args.peers, recipe["batch"], recipe["H"]
+        outer_steps = max(1, round(self.args.samples / (peers * inner_steps * batch)))
+        run = self._sim(recipe, outer_steps)
+        decay = recipe.get("decay", run.training.topk_feedback_decay)
+        codec = get_codec(recipe["codec"], topk_density=recipe.get("density", run.training.topk_density))
+        aggregate = get_aggregator(run.training.aggregator, run.training.aggregator_options)
+        synced = build_model("gpt", self.shape, seed=run.training.seed)
+        outer = build_outer_optimizer(synced, run.outer_optimizer)
+        replicas = [build_model("gpt", self.shape, seed=run.training.seed) for _ in range(peers)]
+        inner = [build_optimizer(m, run.optimizer) for m in replicas]  # local state, never averaged
+        numel = sum(p.numel() for p in synced.parameters())
+        residual = [torch.zeros(numel) for _ in range(peers)] if recipe["codec"] == "topk" else None
+        for step in range(outer_steps):
+            start, sent = _flat(synced), []
+            for peer, (model, optimizer) in enumerate(zip(replicas, inner, strict=True)):
+                _write(model, start)
+                for i in range(inner_steps):
+                    seed = derive_seed(tag, f"peer{peer}", step, i)
+                    _gradient_step(model, self.dataset, seed, batch, self.seq_len)
+                    clip_gradients(model, run.optimizer.grad_clip_norm)
+                    set_learning_rate(optimizer, learning_rate(run.optimizer, step * inner_steps + i))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                pseudo = start - _flat(model)
+                if residual is not None:
+                    pseudo += decay * residual[peer]
+                wire = codec.encode_contribution(pseudo)
+                sent.append(codec.decode_contribution(wire, numel, sender=f"peer{peer}"))
+                if residual is not None:
+                    residual[peer] = pseudo - sent[-1]
+            result = aggregate(torch.stack(sent), torch.ones(peers), seed=step)
+            set_flat_gradient(
+                list(synced.parameters()), codec.decode(codec.encode(result), numel, sender="reducer")
+            )
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+        return _validate(synced, self.validation), outer_steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipes", nargs="+", default=["every_step", "int8 H=100", "int8 H=100 outer=1:0"])
+    parser.add_argument("--samples", type=int, default=11200, help="samples every recipe processes")
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=28, help="samples per peer per (inner) step")
+    parser.add_argument("--model-size", default="small", choices=["tiny", "small", "demo"])
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, a few hundred samples")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model_size, args.samples, args.batch = "tiny", 320, 8
+        args.recipes = ["every_step", "int8 H=10", "topk H=10"]
+    torch.set_num_threads(args.threads)
+    recipes = [parse_recipe(text, args.batch) for text in args.recipes]
+    lab = Lab(args)
+    rows = []
+    for round_index in range(args.repeat):
+        for recipe in recipes:  # interleaved: every recipe once per round
+            row = lab.run(recipe, round_index)
+            rows.append(row)
+            print(f"round {round_index} {row['name']}: val {row['val_loss']:.4f} ({row['steps']} steps, {row['s']:.0f}s)", flush=True)  # fmt: skip
+    print(
+        f"\n{args.peers} peers, model {args.model_size}, {args.samples} samples per recipe, "
+        f"initial val loss {lab.initial_val_loss:.4f}"
+    )
+    print("| round | recipe | steps | val loss (vs every_step) |\n|---|---|---|---|")
+    for row in rows:
+        anchor = next((r for r in rows if r["sync"] == "every_step" and r["round"] == row["round"]), None)
+        row["loss_ratio"] = row["val_loss"] / anchor["val_loss"] if anchor else None
+        ratio = f" ({row['loss_ratio']:.3f})" if anchor else ""
+        print(f"| {row['round']} | {row['name']} | {row['steps']} | {row['val_loss']:.4f}{ratio} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
