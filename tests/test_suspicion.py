@@ -57,6 +57,9 @@ def test_an_offence_seen_again_while_avoided_escalates_nothing_and_an_old_one_is
         clock.now += 1.0
         suspects.add("w", "withheld")
     assert avoided_for(suspects, "w", clock) == SUSPECT_S - 5.0
+    clock.now += SUSPECT_S - 5.3  # 0.3 s left: the refusal says so, rounded up, not "for 0s more"
+    assert "for 1s more" in suspects.refusal("w")
+    clock.now -= SUSPECT_S - 5.3
     clock.now += SUSPECT_S + suspects.repeat_window_s + 1.0
     assert suspects.refusal("w") is None and len(suspects) == 0
     suspects.add("w", "withheld")

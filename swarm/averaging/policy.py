@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
@@ -116,7 +117,8 @@ class Suspects:
             return None
         if left_s <= 0 or (held.leader_only and not as_leader):
             return None
-        return f"avoided{' as a leader' if held.leader_only else ''} for {left_s:.0f}s more: {held.reason}"
+        # Rounded up: a peer still avoided for 0.3 s is not "avoided for 0s more".
+        return f"avoided{' as a leader' if held.leader_only else ''} for {math.ceil(left_s)}s more: {held.reason}"
 
 
 class PeerPolicy:
