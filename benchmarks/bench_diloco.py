@@ -67,8 +67,8 @@ def sim_command(args, config: dict, out: Path) -> list[str]:
         command += ["--sync", "diloco", "--inner-steps", str(config["H"]), "--steps", str(config["outer"])]
         if config.get("overlap"):
             command += ["--outer-overlap"]
-        if config.get("outer"):
-            outer_lr, outer_momentum = config["outer"]
+        if config.get("outer_optimizer"):
+            outer_lr, outer_momentum = config["outer_optimizer"]
             command += ["--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum)]
     else:
         command += ["--steps", str(max(1, args.samples // TARGET_BATCH))]
@@ -141,7 +141,7 @@ def configurations(args) -> list[dict]:
                                 "codec": codec,
                                 "cap": cap,
                                 "overlap": overlap,
-                                "outer": outer,
+                                "outer_optimizer": outer,
                             }
                         )
     return configs
@@ -174,8 +174,8 @@ def label(config: dict) -> str:
     name = "every_step" if config["sync"] == "every_step" else f"diloco H={config['H']}"
     if config.get("overlap"):
         name += " overlap"
-    if config.get("outer"):
-        name += " outer lr {:g} momentum {:g}".format(*config["outer"])
+    if config.get("outer_optimizer"):
+        name += " outer lr {:g} momentum {:g}".format(*config["outer_optimizer"])
     return f"{name} {config['codec']} ({cap})"
 
 
