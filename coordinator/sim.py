@@ -158,6 +158,9 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         link = LinkSpec.parse(config.wan) if config.wan else LinkSpec()
         lab = WanLab(hosts=config.peers + 1, nat=config.nat, link=link, reaper=local.reaper)
         rehearsal.on_exit.append(lab.down)
+    # Before any peer starts: evaluating 256 windows takes seconds, and the peers' own evaluations
+    # of those seconds would go unrecorded in val_history.
+    initial_loss, _ = evaluate(run, None)
     churn_events: list[dict] = []
     val_history: list[float] = []
     link_samples: list[tuple[float, list[int]]] = []  # (time, bytes each peer's link sent), in the lab
@@ -195,7 +198,6 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         local.spawn("protocol-attacker", ["-m", "swarm.byzantine.protocol_attacks", "--run-id", run.run_id,
                                           "--initial-peers", *coordinator.extra["dht_initial_peers"],
                                           "--attack", *mounted])  # fmt: skip
-    initial_loss, _ = evaluate(run, None)
     churned = False
     final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
     while True:
