@@ -149,14 +149,15 @@ def configurations(args) -> list[dict]:
 
 def outer_variants(text: str) -> list[tuple[float, float] | None]:
     """``default,1:0`` -> the run's default outer optimizer, then lr 1 with momentum 0 (plain SGD)."""
+    from coordinator.simconfig import parse_outer_optimizer
+
     variants = []
     for item in text.split(","):
         if item == "default":
             variants.append(None)
             continue
-        lr, _, momentum = item.partition(":")
         try:
-            variants.append((float(lr), float(momentum or 0)))
+            variants.append(parse_outer_optimizer(item))
         except ValueError:
             raise SystemExit(f"--outer: {item!r} is neither 'default' nor LR:MOMENTUM") from None
     return variants

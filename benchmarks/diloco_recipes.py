@@ -35,13 +35,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from coordinator.sim import EVAL_BATCH, EVAL_WINDOWS  # noqa: E402
-from coordinator.simconfig import PRESETS, SimConfig, build_run  # noqa: E402
+from coordinator.sim import eval_batches, validation_loss  # noqa: E402
+from coordinator.simconfig import PRESETS, SimConfig, build_run, parse_outer_optimizer  # noqa: E402
 from swarm.averaging.aggregators import get_aggregator  # noqa: E402
 from swarm.averaging.compression import get_codec  # noqa: E402
 from swarm.data import build_dataset  # noqa: E402
 from swarm.data.seeds import derive_seed  # noqa: E402
 from swarm.models import build_model  # noqa: E402
+from swarm.training.diloco import flat_params, write_flat_params  # noqa: E402
 from swarm.training.state import (  # noqa: E402
     build_optimizer,
     build_outer_optimizer,
@@ -65,8 +66,7 @@ def parse_recipe(text: str, default_batch: int) -> dict:
         key, _, value = word.partition("=")
         try:
             if key == "outer":
-                lr, _, momentum = value.partition(":")
-                recipe["outer"] = (float(lr), float(momentum or 0))
+                recipe["outer"] = parse_outer_optimizer(value)
             elif key in KEYS:
                 recipe[key] = KEYS[key](value)
             else:
@@ -78,29 +78,9 @@ def parse_recipe(text: str, default_batch: int) -> dict:
     return recipe
 
 
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def _write(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
 def _gradient_step(model, dataset, seed: int, batch: int, seq_len: int) -> None:
     inputs, targets = dataset.sample_batch(seed, batch, seq_len)
     model.loss(inputs, targets).backward()
-
-
-def _validate(model, batches) -> float:
-    model.eval()
-    with torch.no_grad():
-        loss = sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
-    model.train()
-    return loss
 
 
 class Lab:
@@ -110,11 +90,9 @@ class Lab:
         self.seq_len = self.shape.get("seq_len", 256)
         run = build_run(SimConfig(peers=args.peers, steps=1, model_size=args.model_size, lr=args.lr))
         self.dataset = build_dataset(run.dataset.name, run.dataset.config)
-        self.validation = self.dataset.validation_batches(
-            EVAL_BATCH, self.seq_len, EVAL_WINDOWS // EVAL_BATCH
-        )
+        self.validation = eval_batches(self.dataset, self.seq_len)  # what swarm-sim judges runs on
         initial = build_model("gpt", self.shape, seed=run.training.seed)
-        self.initial_val_loss = _validate(initial, self.validation)
+        self.initial_val_loss = validation_loss(initial, self.validation)
 
     def run(self, recipe: dict, round_index: int) -> dict:
         started = time.perf_counter()
@@ -165,7 +143,7 @@ class Lab:
             set_learning_rate(optimizer, learning_rate(run.optimizer, step))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return _validate(model, self.validation), steps
+        return validation_loss(model, self.validation), steps
 
     def _diloco(self, recipe: dict, tag: str) -> tuple[float, int]:
         peers, batch, inner_steps = self.args.peers, recipe["batch"], recipe["H"]
@@ -181,9 +159,9 @@ class Lab:
         numel = sum(p.numel() for p in synced.parameters())
         residual = [torch.zeros(numel) for _ in range(peers)] if recipe["codec"] == "topk" else None
         for step in range(outer_steps):
-            start, sent = _flat(synced), []
+            start, sent = flat_params(list(synced.parameters())), []
             for peer, (model, optimizer) in enumerate(zip(replicas, inner, strict=True)):
-                _write(model, start)
+                write_flat_params(list(model.parameters()), start)
                 for i in range(inner_steps):
                     seed = derive_seed(tag, f"peer{peer}", step, i)
                     _gradient_step(model, self.dataset, seed, batch, self.seq_len)
@@ -191,7 +169,7 @@ class Lab:
                     set_learning_rate(optimizer, learning_rate(run.optimizer, step * inner_steps + i))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                pseudo = start - _flat(model)
+                pseudo = start - flat_params(list(model.parameters()))
                 if residual is not None:
                     pseudo += decay * residual[peer]
                 wire = codec.encode_contribution(pseudo)
@@ -204,7 +182,7 @@ class Lab:
             )
             outer.step()
             outer.zero_grad(set_to_none=True)
-        return _validate(synced, self.validation), outer_steps
+        return validation_loss(synced, self.validation), outer_steps
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,6 @@ def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
     """Validation loss and parameter hash of the run's initial weights, or of a checkpoint's, over
     ``EVAL_WINDOWS`` fixed windows of the validation split (a mean over batches of equal size, but the
     last, which may hold fewer when the split is small)."""
-    import torch
 
     from swarm.data import build_dataset
     from swarm.models import build_model, model_config
@@ -50,12 +49,22 @@ def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
         load_state_tensors(model, optimizer, load_checkpoint(checkpoint).tensors)
     dataset = build_dataset(run.dataset.name, run.dataset.config)
     seq_len = model_config(run.model.name, run.model.config).seq_len
-    # The same windows whatever the run's micro-batch, so runs of different configurations compare.
-    batches = dataset.validation_batches(EVAL_BATCH, seq_len, EVAL_WINDOWS // EVAL_BATCH)
+    return validation_loss(model, eval_batches(dataset, seq_len)), params_hash(model)
+
+
+def eval_batches(dataset, seq_len: int) -> list:
+    """The ``EVAL_WINDOWS`` windows every run is judged on, whatever its micro-batch, so that runs of
+    different configurations compare."""
+    return dataset.validation_batches(EVAL_BATCH, seq_len, EVAL_WINDOWS // EVAL_BATCH)
+
+
+def validation_loss(model, batches: list) -> float:
+    """The mean loss of ``model`` (left in eval mode) over ``batches``."""
+    import torch
+
     model.eval()
     with torch.no_grad():
-        loss = sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
-    return loss, params_hash(model)
+        return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
 
 
 def throughput(steps: int, target_batch_size: int, seconds: float) -> float:

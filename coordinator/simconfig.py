@@ -185,6 +185,12 @@ def samples_per_step(config: SimConfig) -> int:
     return config.target_batch_size
 
 
+def parse_outer_optimizer(text: str) -> tuple[float, float]:
+    """``"1:0"`` -> (outer lr 1, outer momentum 0); the momentum may be left out (0). ValueError if not."""
+    lr, _, momentum = text.partition(":")
+    return float(lr), float(momentum or 0)
+
+
 def build_run(config: SimConfig) -> RunConfig:
     steps = config.steps
     # The inner learning-rate schedule of diloco counts inner steps.

@@ -55,11 +55,13 @@ def trainer_class(run: RunConfig) -> type[Trainer]:
     return DilocoTrainer if run.training.sync == "diloco" else Trainer
 
 
-def _flat(params: list[torch.nn.Parameter]) -> torch.Tensor:
+def flat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """``params`` as one float32 vector on the CPU."""
     return torch.cat([p.detach().flatten().to("cpu", torch.float32) for p in params])
 
 
-def _write_flat(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+def write_flat_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy the vector ``flat`` (as ``flat_params`` makes it) into ``params``."""
     offset = 0
     with torch.no_grad():
         for p in params:
@@ -153,7 +155,7 @@ class DilocoTrainer(Trainer):
     def _contribution(self) -> torch.Tensor:
         if self.overlap:
             return self._outbox
-        pseudo = _flat(self.synced_params) - _flat(self.params)
+        pseudo = flat_params(self.synced_params) - flat_params(self.params)
         if self.residual is not None:
             pseudo += self.feedback_decay * self.residual
         return pseudo
@@ -208,8 +210,8 @@ class DilocoTrainer(Trainer):
 
         If the last round reached the synced copy, the local copy moves onto the new synced copy plus this
         window's own progress; if it failed, its contribution is sent again with this window's."""
-        local = _flat(self.params)
-        start = self._window_start if self._window_start is not None else _flat(self.synced_params)
+        local = flat_params(self.params)
+        start = self._window_start if self._window_start is not None else flat_params(self.synced_params)
         delta = start - local
         if self._outbox is not None and not self._outbox_applied:
             delta += self._outbox
@@ -219,9 +221,9 @@ class DilocoTrainer(Trainer):
                 delta += self.feedback_decay * self.residual
             self._outbox_samples = self.samples
             if self._outbox is not None:
-                _write_flat(self.params, _flat(self.synced_params) - (start - local))
+                write_flat_params(self.params, flat_params(self.synced_params) - (start - local))
         self._outbox, self._outbox_applied = delta, False
-        self._window_start = _flat(self.params)
+        self._window_start = flat_params(self.params)
         super()._reset_accumulation()
         self.inner = 0
 
@@ -258,4 +260,4 @@ class DilocoTrainer(Trainer):
                 local.copy_(synced)
 
 
-__all__ = ["DilocoTrainer", "trainer_class"]
+__all__ = ["DilocoTrainer", "flat_params", "trainer_class", "write_flat_params"]
