@@ -147,3 +147,52 @@ def test_microbatches_the_last_step_outran_are_left_over_not_lost():
     assert metrics["microbatches_lost"] == 1, (
         f"micro-batch {dropped.id} is lost: it neither completed nor waits"
     )
+
+
+def test_a_closing_stage_takes_the_backward_of_a_forward_it_holds_and_nothing_new():
+    """A stage closes its step once the trainers' records say the batch is done; a record may lag the
+    trainer's last micro-batch, which ran forward here and was counted by the last stage at this step.
+    The closing stage takes that micro-batch's backward (the later stages' rounds hold its samples) and
+    its worker waits for it, bounded; new forwards, and backwards of forwards it never ran, stay
+    refused. Before the fix the backward was refused as BUSY: the last stage applied 32 samples at the
+    step and the first 24 (seen in tests/test_pipeline_moves.py)."""
+    from swarm.averaging.compression import get_codec
+    from swarm.pipeline.replica import Refusal, StageReplica
+    from swarm.pipeline.wire import encode_floats, encode_ids
+
+    torch.set_num_threads(1)
+    run = retry_run()
+    replica = StageReplica(run, 0)
+    codec = get_codec(run.training.compression)
+    batch = 2
+
+    def forward(microbatch_id: int) -> ppb.ForwardReply:
+        ids = encode_ids(
+            torch.randint(0, 256, (batch, 32), generator=torch.Generator().manual_seed(microbatch_id))
+        )
+        request = ppb.ForwardRequest(
+            run_id=run.run_id, stage=0, step=0, microbatch_id=microbatch_id, inputs=ids
+        )
+        return replica.forward(request)
+
+    def backward(microbatch_id: int, outputs: ppb.Tensor) -> ppb.BackwardReply:
+        grad = torch.full(list(outputs.shape), 1e-3)
+        return replica.backward(ppb.BackwardRequest(run_id=run.run_id, stage=0, step=0, microbatch_id=microbatch_id,
+                                                    grad_outputs=encode_floats(grad, codec)))  # fmt: skip
+
+    try:
+        first = forward(1).outputs
+        replica.closing = True  # what StageWorker._step_round sets before it waits for backwards
+        assert replica.samples == 0
+        backward(1, first)  # before the fix: Refusal BUSY "step 0 is closed"
+        assert replica.samples == batch and replica.awaiting_backward() == 0, (
+            "the held micro-batch counts here"
+        )
+        with pytest.raises(Refusal, match="is closed") as refused:
+            forward(2)
+        assert refused.value.code == ppb.BUSY
+        with pytest.raises(Refusal, match="is closed"):
+            backward(3, first)
+        assert replica.samples == batch
+    finally:
+        replica.close()

@@ -174,14 +174,17 @@ class StageReplica:
         self.stats["refused"] += 1
         return Refusal(code, message, self.step)
 
-    def _check_request(self, run_id: str, stage: int, step: int, inference: bool) -> None:
+    def _check_request(self, run_id: str, stage: int, step: int, inference: bool, held: bool = False) -> None:
+        """``held``: a backward of a forward this replica holds, which a closing step still takes: the
+        later stages counted that micro-batch at this step already, so refusing it here would leave
+        their rounds holding samples this stage's round lacks."""
         if run_id != self.run.run_id:
             raise self._refuse(ppb.BAD_REQUEST, f"this server serves run {self.run.run_id!r}, not {run_id!r}")
         if stage != self.index:
             raise self._refuse(ppb.BAD_REQUEST, f"this server serves stage {self.index}, not stage {stage}")
         if step != self.step:
             raise self._refuse(ppb.WRONG_STEP, f"this server is at step {self.step}, not {step}")
-        if self.closing and not inference:
+        if self.closing and not inference and not held:
             raise self._refuse(ppb.BUSY, f"step {self.step} is closed: its gradients are being averaged")
         if self.paused:
             raise self._refuse(ppb.BUSY, "this server is paused by its volunteer")
@@ -204,6 +207,12 @@ class StageReplica:
                 f"targets go to the last stage ({self.num_stages - 1}), not stage {self.index}"
             )
         return inputs, targets
+
+    def awaiting_backward(self) -> int:
+        """Micro-batches run forward here at this step whose backward has not come (expired ones
+        dropped); runs on the worker thread."""
+        self._purge(time.monotonic())
+        return sum(1 for f in self.forwards.values() if f.result is None)
 
     def _purge(self, now: float) -> None:
         ttl = self.run.pipeline.forward_state_ttl_s
@@ -286,7 +295,8 @@ class StageReplica:
 
     def backward(self, request: ppb.BackwardRequest) -> ppb.BackwardReply:
         """Backward of a micro-batch this replica ran forward at this step; runs on the worker thread."""
-        self._check_request(request.run_id, request.stage, request.step, inference=False)
+        held = request.microbatch_id in self.forwards
+        self._check_request(request.run_id, request.stage, request.step, inference=False, held=held)
         if self.is_last:
             raise self._refuse(ppb.BAD_REQUEST, "the last stage runs its backward with the forward")
         entry = self.forwards.get(request.microbatch_id)

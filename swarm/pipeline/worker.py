@@ -353,6 +353,15 @@ class StageWorker(StageMoves):
             time.monotonic() - self._behind_since > training.matchmaking_time_s + training.averaging_timeout_s
         )
 
+    async def _await_backwards(self) -> None:
+        """Let the micro-batches run forward here come back for their backward (bounded by one request's
+        timeout): a trainer's record may lag its last micro-batch, which the later stages count at
+        this step, so closing without it would apply their share of it without this stage's."""
+        r = self.replica
+        deadline = time.monotonic() + self.config.pipeline.request_timeout_s
+        while await r.compute(r.awaiting_backward) and time.monotonic() < deadline:
+            await asyncio.sleep(self.config.pipeline.announce_interval_s / 4)
+
     async def _settle_duplicates(self) -> None:
         """Exactly once per micro-batch: wait (bounded) until the stage's other replicas at this step have
         closed it too, then drop what a later attempt counted elsewhere (``StageReplica.drop_superseded``)."""
@@ -382,6 +391,7 @@ class StageWorker(StageMoves):
             self._step_since = time.monotonic()  # the step's first round: stalled counts from here
         r.closing = True  # new work for this step is refused from now on
         started = time.monotonic()
+        await self._await_backwards()
         await self._settle_duplicates()
         self._stats["settle_s"] += time.monotonic() - started
         started = time.monotonic()
