@@ -152,9 +152,9 @@ def test_microbatches_the_last_step_outran_are_left_over_not_lost():
 def test_a_closing_stage_takes_the_backward_of_a_forward_it_holds_and_nothing_new():
     """A stage closes its step once the trainers' records say the batch is done; a record may lag the
     trainer's last micro-batch, which ran forward here and was counted by the last stage at this step.
-    The closing stage takes that micro-batch's backward (the later stages' rounds hold its samples) and
-    its worker waits for it, bounded; new forwards, and backwards of forwards it never ran, stay
-    refused. Before the fix the backward was refused as BUSY: the last stage applied 32 samples at the
+    The closing stage takes that micro-batch's backward (the later stages' rounds hold its samples; its
+    worker waits for such backwards, bounded, in ``StageWorker._await_backwards``); new forwards, and
+    backwards of forwards it never ran, stay refused. Before the fix the backward was refused as BUSY: the last stage applied 32 samples at the
     step and the first 24 (seen in tests/test_pipeline_moves.py)."""
     from swarm.averaging.compression import get_codec
     from swarm.pipeline.replica import Refusal, StageReplica
