@@ -56,7 +56,7 @@ class WithholdsFromTheSubstitute(Roles):
     withhold_from = frozenset({1})
 
 
-def run_round(peers, runner_type, vectors, averaging_timeout_s: float = 30.0):
+def run_round(peers, runner_type, vectors, averaging_timeout_s: float = 8.0):
     """One round among the three peers: (its outcome, runner and vector) per member in member order, member
     2's check of part 0, and an averager (for the run's rule and codec)."""
 
@@ -69,6 +69,7 @@ def run_round(peers, runner_type, vectors, averaging_timeout_s: float = 30.0):
                 signing_key=key,
                 matchmaking_time_s=1.0,
                 sender_timeout_s=1.0,
+                averaging_timeout_s=averaging_timeout_s,
                 data_plane=False,
                 runner_type=runner_type,
             )  # fmt: skip
@@ -81,7 +82,9 @@ def run_round(peers, runner_type, vectors, averaging_timeout_s: float = 30.0):
         )
         runners = [next(iter(a.rounds.recent.values())) for a in averagers]
         for runner in runners:
-            if runner.revealed is not None:  # None: the round ran out of time here
+            # The honest members' draws; the withholder's own reveal phase waits out its deadline (its
+            # reducer role never finishes), which no assertion needs.
+            if runner.revealed is not None and runner.index != 0:  # None: the round ran out of time here
                 await runner.revealed
         by_index = sorted(zip(runners, outcomes, averagers, vectors, strict=True), key=lambda r: r[0].index)
         checks = []
