@@ -192,3 +192,23 @@ def test_a_sign_flipping_peer_does_not_steer_diloco_with_centered_clip():
     finally:
         for d in dhts:
             d.shutdown()
+
+
+def test_compute_utilization_leaves_out_the_validations_inside_the_training_window():
+    """A validation neither trains nor waits on other peers: with outer steps of minutes and an evaluation
+    after each, counting it as idle took a point or two off the utilization the WAN tables report."""
+    dhts = start_dhts(1)
+    try:
+        (trainer,) = peers_for(diloco_run(), dhts)
+        trainer._validate = lambda: (time.sleep(0.5), 3.0)[1]  # an evaluation that takes half a second
+        asyncio.run(trainer._evaluate())  # before the first micro-batch: outside the window
+        assert trainer.metrics()["eval_s"] == 0
+        trainer._first_compute = time.monotonic() - 10.0  # a window of 10 s, 4 of them computing...
+        trainer._stats["compute_s"] = 4.0
+        asyncio.run(trainer._evaluate())  # ...and a validation inside it
+        trainer._finished_at = time.monotonic()
+        metrics = trainer.metrics()
+        assert metrics["eval_s"] >= 0.5 and metrics["val_loss"] == 3.0
+        assert metrics["compute_utilization"] == pytest.approx(0.4, abs=0.01), metrics
+    finally:
+        dhts[0].shutdown()

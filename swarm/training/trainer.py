@@ -151,13 +151,14 @@ class Trainer(CatchUp):
         self._validation = None
         self._stats = dict(
             train_loss=float("nan"), val_loss=float("nan"), val_step=-1.0, rounds_ok=0.0, rounds_failed=0.0,
-            resyncs=0.0, compute_s=0.0, averaging_s=0.0, last_round_s=0.0,
+            resyncs=0.0, compute_s=0.0, averaging_s=0.0, last_round_s=0.0, eval_s=0.0,
         )  # fmt: skip
         self._started = time.monotonic()
         # When this peer first tried a round at its current step (None before it has): the catch-up
         # rule's stall clock, which time spent computing the batch must not start.
         self._rounds_since: float | None = None
-        # The training window that compute_utilization covers: first micro-batch to max_steps.
+        # The training window that compute_utilization covers: first micro-batch to max_steps, less the
+        # validations inside it (eval_s), which neither train nor wait on other peers.
         self._first_compute: float | None = None
         self._finished_at: float | None = None
         self._sps = 0.0
@@ -177,7 +178,7 @@ class Trainer(CatchUp):
 
     def metrics(self) -> dict[str, float]:
         started = self._first_compute if self._first_compute is not None else time.monotonic()
-        wall = max((self._finished_at or time.monotonic()) - started, 1e-9)
+        wall = max((self._finished_at or time.monotonic()) - started - self._stats["eval_s"], 1e-9)
         return {
             **self._stats,
             "bytes_sent": float(self.averager.traffic.sent),
@@ -286,7 +287,10 @@ class Trainer(CatchUp):
         return sum(losses) / len(losses)
 
     async def _evaluate(self) -> None:
+        started = time.monotonic()
         self._stats["val_loss"] = await asyncio.to_thread(self._validate)
+        if self._first_compute is not None and self._finished_at is None:  # inside the training window
+            self._stats["eval_s"] += time.monotonic() - started
         self._stats["val_step"] = float(self.step)
         if self.first_validation is None:
             self.first_validation = (self.step, self._stats["val_loss"])
