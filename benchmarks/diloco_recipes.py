@@ -12,9 +12,12 @@ stragglers, attackers, bytes. The swarm's own figures come from ``bench_diloco.p
 where a recipe is chosen before such a run.
 
 Recipes are written as ``every_step`` or ``CODEC H=100 [batch=28] [outer=LR:MOMENTUM] [decay=0.95]
-[density=0.01]`` (outer and decay default to the run's, which depend on the codec; see docs/diloco.md).
-Every recipe processes ``--samples`` samples (diloco: ``samples / (peers * H * batch)`` outer steps,
-rounded); ``--repeat`` rounds interleave the recipes (A, B, A, B...) and each round draws other batches.
+[density=0.01] [overlap]`` (outer and decay default to the run's, which depend on the codec; see
+docs/diloco.md). Every recipe processes ``--samples`` samples (diloco: ``samples / (peers * H * batch)``
+windows, rounded); ``--repeat`` rounds interleave the recipes (A, B, A, B...) and each round draws other
+batches. ``overlap`` replays ``outer_overlap``: each window's round lands at the end of the next window,
+so W windows apply W - 1 outer steps (the last window's round would land in a window the run no longer
+has), and each replica moves onto the new synced copy less its own newest window, as the trainer does.
 
 Usage::
 
@@ -65,7 +68,9 @@ def parse_recipe(text: str, default_batch: int) -> dict:
     for word in words[1:]:
         key, _, value = word.partition("=")
         try:
-            if key == "outer":
+            if word == "overlap":
+                recipe["overlap"] = True
+            elif key == "outer":
                 recipe["outer"] = parse_outer_optimizer(value)
             elif key in KEYS:
                 recipe[key] = KEYS[key](value)
@@ -73,7 +78,7 @@ def parse_recipe(text: str, default_batch: int) -> dict:
                 raise ValueError
         except ValueError:
             raise SystemExit(
-                f"recipe {text!r}: cannot read {word!r} (keys: H, batch, outer, decay, density)"
+                f"recipe {text!r}: cannot read {word!r} (keys: H, batch, outer, decay, density; or overlap)"
             ) from None
     return recipe
 
@@ -158,31 +163,52 @@ class Lab:
         inner = [build_optimizer(m, run.optimizer) for m in replicas]  # local state, never averaged
         numel = sum(p.numel() for p in synced.parameters())
         residual = [torch.zeros(numel) for _ in range(peers)] if recipe["codec"] == "topk" else None
-        for step in range(outer_steps):
-            start, sent = flat_params(list(synced.parameters())), []
-            for peer, (model, optimizer) in enumerate(zip(replicas, inner, strict=True)):
-                write_flat_params(list(model.parameters()), start)
-                for i in range(inner_steps):
-                    seed = derive_seed(tag, f"peer{peer}", step, i)
-                    _gradient_step(model, self.dataset, seed, batch, self.seq_len)
-                    clip_gradients(model, run.optimizer.grad_clip_norm)
-                    set_learning_rate(optimizer, learning_rate(run.optimizer, step * inner_steps + i))
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                pseudo = start - flat_params(list(model.parameters()))
-                if residual is not None:
-                    pseudo += decay * residual[peer]
-                wire = codec.encode_contribution(pseudo)
-                sent.append(codec.decode_contribution(wire, numel, sender=f"peer{peer}"))
-                if residual is not None:
-                    residual[peer] = pseudo - sent[-1]
-            result = aggregate(torch.stack(sent), torch.ones(peers), seed=step)
+        overlap = recipe.get("overlap", False)
+        initial = flat_params(list(synced.parameters()))
+        starts = [initial.clone() for _ in range(peers)]  # where each replica's window starts
+        pending: torch.Tensor | None = None  # overlap: the round in flight, applied one window late
+
+        def outer_step(result: torch.Tensor) -> None:
             set_flat_gradient(
                 list(synced.parameters()), codec.decode(codec.encode(result), numel, sender="reducer")
             )
             outer.step()
             outer.zero_grad(set_to_none=True)
-        return validation_loss(synced, self.validation), outer_steps
+
+        for window in range(outer_steps):
+            sent = []
+            for peer, (model, optimizer) in enumerate(zip(replicas, inner, strict=True)):
+                params = list(model.parameters())
+                write_flat_params(params, starts[peer])
+                for i in range(inner_steps):
+                    seed = derive_seed(tag, f"peer{peer}", window, i)
+                    _gradient_step(model, self.dataset, seed, batch, self.seq_len)
+                    clip_gradients(model, run.optimizer.grad_clip_norm)
+                    set_learning_rate(optimizer, learning_rate(run.optimizer, window * inner_steps + i))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                progress = starts[peer] - flat_params(params)
+                pseudo = progress + decay * residual[peer] if residual is not None else progress
+                wire = codec.encode_contribution(pseudo)
+                sent.append(codec.decode_contribution(wire, numel, sender=f"peer{peer}"))
+                if residual is not None:
+                    residual[peer] = pseudo - sent[-1]
+                starts[peer] = progress  # for now this window's own progress; its next start follows
+            result = aggregate(torch.stack(sent), torch.ones(peers), seed=window)
+            if not overlap:
+                outer_step(result)
+                synced_now = flat_params(list(synced.parameters()))
+                starts = [synced_now.clone() for _ in range(peers)]
+                continue
+            if pending is not None:  # the previous window's round lands now
+                outer_step(pending)
+            synced_now = flat_params(list(synced.parameters()))
+            # Onto the synced copy, keeping this window's progress (the first window has nothing landed:
+            # its replicas go on from where they are).
+            starts = [(synced_now if pending is not None else initial) - progress for progress in starts]
+            pending = result
+        applied = outer_steps - 1 if overlap else outer_steps
+        return validation_loss(synced, self.validation), applied
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.model_size, args.samples, args.batch = "tiny", 320, 8
-        args.recipes = ["every_step", "int8 H=10", "topk H=10"]
+        args.recipes = ["every_step", "int8 H=10", "topk H=10", "int8 H=10 overlap"]
     torch.set_num_threads(args.threads)
     recipes = [parse_recipe(text, args.batch) for text in args.recipes]
     lab = Lab(args)

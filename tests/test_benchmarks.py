@@ -150,10 +150,11 @@ def test_diloco_recipes_train_every_recipe_at_equal_samples_in_one_process(tmp_p
     output = run_benchmark("diloco_recipes.py", "--json", str(tmp_path / "recipes.json"))
 
     rows = json.loads((tmp_path / "recipes.json").read_text())
-    assert [r["name"] for r in rows] == ["every_step", "int8 H=10", "topk H=10"], output
-    every_step, int8, topk = rows
-    # Equal samples: 20 steps of 2 x 8 samples against 2 outer steps of 10 inner steps of 2 x 8.
-    assert (every_step["steps"], int8["steps"], topk["steps"]) == (20, 2, 2)
+    assert [r["name"] for r in rows] == ["every_step", "int8 H=10", "topk H=10", "int8 H=10 overlap"], output
+    every_step, int8, topk, overlap = rows
+    # Equal samples: 20 steps of 2 x 8 samples against 2 windows of 10 inner steps of 2 x 8, whose rounds
+    # all land (overlap: the second window's would land one window later, after the run).
+    assert (every_step["steps"], int8["steps"], topk["steps"], overlap["steps"]) == (20, 2, 2, 1)
     assert all(r["val_loss"] < r["initial_val_loss"] for r in rows), output[-3000:]
     assert every_step["loss_ratio"] == 1.0 and int8["loss_ratio"] > 0
 
