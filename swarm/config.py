@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -156,8 +157,17 @@ class OuterOptimizerConfig(_Section):
         return self
 
 
-# The outer optimizer of a topk run that names none (RunConfig._sparse_outer_defaults).
-SPARSE_OUTER_OPTIMIZER = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+def _lax_bool(value: Any) -> bool:
+    """``value`` as the bool field it is meant for would read it (false if it reads none: that field's own
+    validation names the bad value)."""
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return False
+
+
+# The outer optimizer of a topk or outer_overlap run that names none (RunConfig._plain_outer_defaults).
+PLAIN_OUTER_OPTIMIZER = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
 
 
 class TrainingConfig(_Section):
@@ -339,20 +349,24 @@ class RunConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _sparse_outer_defaults(cls, data: Any) -> Any:
-        """In a topk run the outer optimizer's defaults are plain SGD at lr 1 (SparseLoCo): the decaying
-        error feedback already carries momentum, and the DiLoCo defaults (Nesterov, momentum 0.9) on top
-        of undecayed feedback diverged on the small model (docs/diloco.md). Fields the config names win."""
+    def _plain_outer_defaults(cls, data: Any) -> Any:
+        """In a topk or an outer_overlap run the outer optimizer's defaults are plain SGD at lr 1. topk
+        (SparseLoCo): the decaying error feedback already carries momentum, and the DiLoCo defaults
+        (Nesterov, momentum 0.9) on top of undecayed feedback diverged on the small model. outer_overlap:
+        momentum 0.9 on pseudo-gradients that land one window late overshoots, 1.45x every_step's loss
+        after 8 windows of H = 100 against 1.12x with plain SGD (docs/diloco.md, "Recipes"). Fields the
+        config names win."""
         if not isinstance(data, dict):
             return data
         training = data.get("training")
         compression = training.get("compression") if isinstance(training, dict) else None
+        overlap = _lax_bool(training.get("outer_overlap")) if isinstance(training, dict) else False
         if isinstance(training, TrainingConfig):
-            compression = training.compression
+            compression, overlap = training.compression, training.outer_overlap
         named = data.get("outer_optimizer", {})
-        if compression != "topk" or not isinstance(named, dict):
+        if (compression != "topk" and not overlap) or not isinstance(named, dict):
             return data
-        return {**data, "outer_optimizer": {**SPARSE_OUTER_OPTIMIZER, **named}}
+        return {**data, "outer_optimizer": {**PLAIN_OUTER_OPTIMIZER, **named}}
 
     @model_validator(mode="after")
     def _compression_fits_the_sync(self) -> RunConfig:

@@ -134,6 +134,27 @@ def test_codec_choice_comes_from_the_run_config():
             RunConfig(run_id="r", training={**diloco, "topk_density": bad})
 
 
+def test_an_outer_overlap_run_defaults_to_plain_outer_sgd_and_keeps_an_outer_optimizer_it_names():
+    # Momentum 0.9 on pseudo-gradients that land one window late overshot (docs/diloco.md, "Recipes").
+    diloco = {"sync": "diloco", "compression": "int8", "outer_overlap": True}
+    late = RunConfig(run_id="r", training=diloco)
+    assert (late.outer_optimizer.lr, late.outer_optimizer.momentum, late.outer_optimizer.nesterov) == (
+        1,
+        0,
+        False,
+    )
+    assert RunConfig.parse(
+        {"run_id": "r", "training": {**diloco, "outer_overlap": "true"}}
+    ).outer_optimizer == (late.outer_optimizer)
+    named = RunConfig(
+        run_id="r", training=diloco, outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    )
+    assert (named.outer_optimizer.lr, named.outer_optimizer.momentum) == (0.7, 0.9)
+    on_time = RunConfig(run_id="r", training={**diloco, "outer_overlap": False})
+    assert (on_time.outer_optimizer.lr, on_time.outer_optimizer.momentum) == (0.7, 0.9)
+    assert RunConfig.parse(late.model_dump()).outer_optimizer == late.outer_optimizer
+
+
 def test_a_topk_run_defaults_to_plain_outer_sgd_and_keeps_an_outer_optimizer_it_names():
     diloco = {"sync": "diloco", "compression": "topk"}
     sparse = RunConfig(run_id="r", training=diloco)
