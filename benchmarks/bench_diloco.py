@@ -18,10 +18,14 @@ Per configuration it prints:
 - bytes on the wire per sample: averaging bytes every honest peer sent / samples in applied rounds, and
   how many times fewer than the anchor (the issue's target: >= 200x for int8 at H=100, >= 2000x topk);
 - compute utilization: the share of each peer's training window (its first micro-batch to its last
-  step) spent in forward, backward and optimizer steps (every inner step, and the step that applies a
-  round); the rest is matchmaking, the all-reduce, evaluations and waiting;
+  step, less its validations) spent in forward, backward and optimizer steps (every inner step, and the
+  step that applies a round); the rest is matchmaking, the all-reduce and waiting;
 - the robust aggregator's cost per outer step (``centered_clip`` timed in this process on as many
   pseudo-gradients of the model's size as there are peers) as a share of the outer step's wall time.
+
+``--inner-split K`` gives every diloco configuration K times the inner steps at a K-th of the matched
+inner batch: the same samples and bytes per outer step, K times the inner optimizer steps (on the small
+model, ``diloco_recipes.py`` found H = 200 at batch 14 ahead of H = 100 at batch 28; docs/diloco.md).
 
 Configurations interleave round by round (anchor, then each diloco variant, then the anchor again...)
 so that a background load biases none of them; ``--repeat`` rounds, each shown.
@@ -33,6 +37,7 @@ Usage::
     python benchmarks/bench_diloco.py --inner-steps 10,50,100 --codecs fp16,int8,topk --model-size demo
     python benchmarks/bench_diloco.py --inner-steps 100 --codecs int8 --overlap off,on
     python benchmarks/bench_diloco.py --inner-steps 100 --codecs int8 --outer default,1:0
+    python benchmarks/bench_diloco.py --inner-steps 100 --codecs int8 --inner-split 2   # H=200, half batch
     python benchmarks/bench_diloco.py --quick                         # smoke test
 """
 
@@ -163,11 +168,12 @@ def outer_variants(text: str) -> list[tuple[float, float] | None]:
     return variants
 
 
-def matched_to(anchor: dict, config: dict, peers: int) -> dict:
+def matched_to(anchor: dict, config: dict, peers: int, split: int = 1) -> dict:
     """A diloco configuration sized from the anchor's measured samples (see the module docstring)."""
-    micro = max(1, math.floor(anchor["samples_per_round"] / peers + 0.5))  # half up: 28.5 -> 29
-    outer = max(1, round(anchor["samples"] / (peers * config["H"] * micro)))
-    return {**config, "inner_batch": micro, "outer": outer}
+    micro = max(1, math.floor(anchor["samples_per_round"] / (peers * split) + 0.5))  # half up: 28.5 -> 29
+    inner_steps = config["H"] * split
+    outer = max(1, round(anchor["samples"] / (peers * inner_steps * micro)))
+    return {**config, "H": inner_steps, "inner_batch": micro, "outer": outer}
 
 
 def label(config: dict) -> str:
@@ -199,12 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         help="diloco outer optimizers: 'default' (the run's, which depends on the codec) or LR:MOMENTUM "
         "(momentum 0: plain SGD), comma-separated",
     )
+    parser.add_argument(
+        "--inner-split", type=int, default=1, help="diloco: K times the inner steps at 1/K of the inner batch"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--timeout-s", type=int, default=1500)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 configurations")
     args = parser.parse_args(argv)
+    if args.inner_split < 1:
+        parser.error(f"--inner-split must be at least 1, not {args.inner_split}")
     if args.quick:
         args.model_size, args.samples, args.inner_steps, args.codecs = "tiny", 640, "20", "int8"
         args.timeout_s = 300
@@ -214,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         anchors: dict = {}
         for config in configs:  # interleaved: every configuration once per round
             if config["sync"] == "diloco":
-                config = matched_to(anchors[config["cap"]], config, args.peers)
+                config = matched_to(anchors[config["cap"]], config, args.peers, args.inner_split)
             row = run_one(args, config)
             if config["sync"] == "every_step":
                 anchors[config["cap"]] = row
