@@ -137,22 +137,18 @@ def test_codec_choice_comes_from_the_run_config():
 def test_an_outer_overlap_run_defaults_to_plain_outer_sgd_and_keeps_an_outer_optimizer_it_names():
     # Momentum 0.9 on pseudo-gradients that land one window late overshot (docs/diloco.md, "Recipes").
     diloco = {"sync": "diloco", "compression": "int8", "outer_overlap": True}
-    late = RunConfig(run_id="r", training=diloco)
-    assert (late.outer_optimizer.lr, late.outer_optimizer.momentum, late.outer_optimizer.nesterov) == (
-        1,
-        0,
-        False,
-    )
-    assert RunConfig.parse(
-        {"run_id": "r", "training": {**diloco, "outer_overlap": "true"}}
-    ).outer_optimizer == (late.outer_optimizer)
-    named = RunConfig(
-        run_id="r", training=diloco, outer_optimizer={"lr": 0.7, "momentum": 0.9, "nesterov": True}
-    )
-    assert (named.outer_optimizer.lr, named.outer_optimizer.momentum) == (0.7, 0.9)
-    on_time = RunConfig(run_id="r", training={**diloco, "outer_overlap": False})
-    assert (on_time.outer_optimizer.lr, on_time.outer_optimizer.momentum) == (0.7, 0.9)
-    assert RunConfig.parse(late.model_dump()).outer_optimizer == late.outer_optimizer
+    late = RunConfig(run_id="r", training=diloco).outer_optimizer
+    assert (late.lr, late.momentum, late.nesterov) == (1.0, 0.0, False)
+    spelled = RunConfig.parse({"run_id": "r", "training": {**diloco, "outer_overlap": "true"}})
+    assert spelled.outer_optimizer == late
+    nesterov = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    named = RunConfig(run_id="r", training=diloco, outer_optimizer=nesterov).outer_optimizer
+    assert (named.lr, named.momentum, named.nesterov) == (0.7, 0.9, True)
+    on_time = RunConfig(run_id="r", training={**diloco, "outer_overlap": False}).outer_optimizer
+    assert (on_time.lr, on_time.momentum, on_time.nesterov) == (0.7, 0.9, True)
+    # What a coordinator serves names its outer optimizer, so peers read the same one back.
+    served = RunConfig(run_id="r", training=diloco)
+    assert RunConfig.parse(served.model_dump()).outer_optimizer == late
 
 
 def test_a_topk_run_defaults_to_plain_outer_sgd_and_keeps_an_outer_optimizer_it_names():
