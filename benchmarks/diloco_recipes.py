@@ -165,7 +165,7 @@ class Lab:
         residual = [torch.zeros(numel) for _ in range(peers)] if recipe["codec"] == "topk" else None
         overlap = recipe.get("overlap", False)
         initial = flat_params(list(synced.parameters()))
-        starts = [initial.clone() for _ in range(peers)]  # where each replica's window starts
+        starts = [initial] * peers  # where each replica's window starts (never written in place)
         pending: torch.Tensor | None = None  # overlap: the round in flight, applied one window late
 
         def outer_step(result: torch.Tensor) -> None:
@@ -198,7 +198,7 @@ class Lab:
             if not overlap:
                 outer_step(result)
                 synced_now = flat_params(list(synced.parameters()))
-                starts = [synced_now.clone() for _ in range(peers)]
+                starts = [synced_now] * peers
                 continue
             if pending is not None:  # the previous window's round lands now
                 outer_step(pending)
