@@ -63,7 +63,7 @@ TARGET_BATCH = 32
 def sim_command(args, config: dict, out: Path) -> list[str]:
     micro = config.get("inner_batch", MICRO_BATCH)
     command = [
-        sys.executable, "-m", "coordinator.sim", "--peers", str(args.peers), "--model-size", args.model_size,
+        sys.executable, "-m", "lab.sim", "--peers", str(args.peers), "--model-size", args.model_size,
         "--micro-batch-size", str(micro), "--target-batch-size", str(TARGET_BATCH), "--lr", str(args.lr),
         "--compression", config["codec"], "--json", str(out), "--timeout-s", str(args.timeout_s),
         "--verify-probability", "0.25",
@@ -113,7 +113,7 @@ def aggregator_seconds(model_size: str, peers: int, repeats: int = 3) -> float:
     vector: the upper bound of any reducer's part)."""
     import torch
 
-    from coordinator.simconfig import PRESETS
+    from lab.simconfig import PRESETS
     from swarm.averaging.aggregators import get_aggregator
     from swarm.models import build_model
 
@@ -154,7 +154,7 @@ def configurations(args) -> list[dict]:
 
 def outer_variants(text: str) -> list[tuple[float, float] | None]:
     """``default,1:0`` -> the run's default outer optimizer, then lr 1 with momentum 0 (plain SGD)."""
-    from coordinator.simconfig import parse_outer_optimizer
+    from lab.simconfig import parse_outer_optimizer
 
     variants = []
     for item in text.split(","):

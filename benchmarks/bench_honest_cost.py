@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from coordinator.simconfig import SimConfig, build_run
+from lab.simconfig import SimConfig, build_run
 from swarm.averaging.aggregators import AGGREGATORS, get_aggregator
 from swarm.averaging.evidence import DEFAULT_CHUNK_VALUES
 from swarm.data.builder import build_dataset

@@ -53,7 +53,7 @@ def run_sim(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sim.json"
         command = [
-            sys.executable, "-m", "coordinator.sim", "--peers", str(peers), "--steps", str(steps),
+            sys.executable, "-m", "lab.sim", "--peers", str(peers), "--steps", str(steps),
             "--model-size", model_size, "--wan", f"up={up}mbit,down={down}mbit", "--nat", str(nat),
             "--json", str(out), "--timeout-s", str(timeout_s),
         ]  # fmt: skip
@@ -168,8 +168,8 @@ def run_rounds(
 ) -> dict:
     """All-reduce rounds alone (no training) among lab hosts: round time against the link minimum.
     The timeouts are the floors of the rounds' deadlines (the run config's defaults unless given)."""
-    from coordinator.localswarm import LocalSwarm
-    from coordinator.wanlab import LinkSpec, WanLab
+    from lab.localswarm import LocalSwarm
+    from lab.wanlab import LinkSpec, WanLab
 
     timeline: list[tuple[float, list[int]]] = []
     stop = threading.Event()
@@ -270,9 +270,9 @@ def _clock_s(t: float) -> float:
 def run_churn(peers: int, model_size: str, up: float, down: float, timeout_s: int) -> dict:
     """Kill the last peer while its uplink is busy; time the survivors' next round, then its state download."""
     from coordinator.cli import status_to_dict
-    from coordinator.localswarm import LocalSwarm, status
-    from coordinator.simconfig import SimConfig, build_run
-    from coordinator.wanlab import LinkSpec, WanLab
+    from lab.localswarm import LocalSwarm, status
+    from lab.simconfig import SimConfig, build_run
+    from lab.wanlab import LinkSpec, WanLab
 
     run = build_run(SimConfig(peers=peers, steps=10_000, model_size=model_size, churn=True))
     with tempfile.TemporaryDirectory() as tmp:

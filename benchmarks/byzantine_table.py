@@ -33,7 +33,7 @@ def run_sim(flags: list[str], timeout_s: float) -> dict:
         started = time.monotonic()
         try:
             result = subprocess.run(
-                [sys.executable, "-m", "coordinator.sim", "--json", str(out), *flags],
+                [sys.executable, "-m", "lab.sim", "--json", str(out), *flags],
                 capture_output=True, text=True, timeout=timeout_s,
             )  # fmt: skip
         except subprocess.TimeoutExpired:

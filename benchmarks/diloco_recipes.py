@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from coordinator.sim import eval_batches, validation_loss  # noqa: E402
-from coordinator.simconfig import PRESETS, SimConfig, build_run, parse_outer_optimizer  # noqa: E402
+from lab.sim import eval_batches, validation_loss  # noqa: E402
+from lab.simconfig import PRESETS, SimConfig, build_run, parse_outer_optimizer  # noqa: E402
 from swarm.averaging.aggregators import get_aggregator  # noqa: E402
 from swarm.averaging.compression import get_codec  # noqa: E402
 from swarm.data import build_dataset  # noqa: E402

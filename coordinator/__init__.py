@@ -12,12 +12,6 @@
 - ``checkpoints``: ``CheckpointKeeper``, which fetches the state the peers agree on and keeps it on disk
 - ``dialback``: the DialBack RPC with which ``swarm-peer doctor`` learns whether peers can reach it
 - ``cli``: the ``swarm-coordinator`` entry point (start, status, ban, unban)
-- ``localswarm``: ``LocalSwarm``, a coordinator and peers as processes on loopback (sims, tests, demo)
-- ``wanlab``: ``WanLab``, hosts in network namespaces behind kernel-capped links and NAT (``--wan``, ``--nat``)
-- ``simconfig``: ``SimConfig``, the settings of ``swarm-sim`` (its flags), and the run it trains
-- ``rehearsal``: ``Rehearsal``, the skeleton both sims share: log directory, processes, bounds, report
-- ``sim``: the ``swarm-sim`` entry point: rehearse a data-parallel run, then check it
-- ``pipeline_sim``: ``swarm-sim --stages S``: rehearse a pipeline run, then check it
 """
 
 import swarm.hivemind_import  # noqa: F401  (first hivemind import: see its docstring)

@@ -1,4 +1,4 @@
-"""Fixtures for tests that run real coordinator and peer processes on loopback (see coordinator/localswarm.py).
+"""Fixtures for tests that run real coordinator and peer processes on loopback (see lab/localswarm.py).
 
 Every child process is started in its own session and reaped after each test, whatever the outcome.
 """
@@ -12,7 +12,7 @@ import hivemind
 import pytest
 from helpers import run_tiny_sim
 
-from coordinator.localswarm import LocalSwarm
+from lab.localswarm import LocalSwarm
 from protocols.keys import SigningKey
 from swarm.dht import start_local_dhts
 

@@ -75,7 +75,7 @@ def run_tiny_sim(out_dir: Path, *flags: str, peers: int = 3, steps: int = 6) -> 
     subprocess; its JSON report. ``flags`` (an attack, a precision...) go after these settings."""
     out = out_dir / "sim.json"
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--peers", str(peers), "--steps", str(steps), "--model-size",
+        [sys.executable, "-m", "lab.sim", "--peers", str(peers), "--steps", str(steps), "--model-size",
          "tiny", "--verify-probability", "1.0", "--json", str(out), *flags],
         capture_output=True, text=True, timeout=400,
     )  # fmt: skip

@@ -20,9 +20,9 @@ import pytest
 from helpers import relay_from
 
 from coordinator.limits import KeyedBuckets, ServiceLimits, caller_key
-from coordinator.localswarm import tiny_run
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
+from lab.localswarm import tiny_run
 from protocols import coordinator_pb2 as pb
 from protocols.envelope import seal
 from protocols.errors import NetworkError, ProtocolError

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import KEYS, start_dhts
 
-from coordinator.localswarm import tiny_run
+from lab.localswarm import tiny_run
 from protocols.errors import ConfigError
 from swarm.byzantine import attack_names, attack_options, make_attack
 from swarm.byzantine.attacks import alie_z

@@ -14,8 +14,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from coordinator.localswarm import running_coordinator, tiny_run
 from coordinator.store import ban_sync
+from lab.localswarm import running_coordinator, tiny_run
 from protocols.keys import SigningKey
 from swarm.bans import (
     MAX_BANNED,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import run_tiny_sim
 
-from coordinator.localswarm import FAST_MEMBERSHIP, running_coordinator
+from lab.localswarm import FAST_MEMBERSHIP, running_coordinator
 from protocols.errors import Banned, ProtocolError, SignatureError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.localswarm import FAST_MEMBERSHIP, Child, LocalSwarm, running_coordinator, status, wait_until
+from lab.localswarm import FAST_MEMBERSHIP, Child, LocalSwarm, running_coordinator, status, wait_until
 from protocols import coordinator_pb2 as pb
 from protocols.codec import pack, unpack
 from protocols.envelope import seal

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.localswarm import Child, LocalSwarm, tiny_run, wait_until
 from coordinator.metrics import MetricsLogger
 from coordinator.store import HistoryPoint, PeerRecord, Store
+from lab.localswarm import Child, LocalSwarm, tiny_run, wait_until
 from protocols.errors import ConfigError
 from swarm.config import RunConfig
 from swarm.identity import load_identity

@@ -20,7 +20,7 @@ import torch
 from helpers import KEYS, start_dhts
 from hivemind.p2p import PeerID
 
-from coordinator.localswarm import tiny_run
+from lab.localswarm import tiny_run
 from peer.device import describe_device, resolve_device
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
@@ -171,7 +171,7 @@ def test_swarm_sim_with_gpu_peers_and_no_gpu_fails_fast_naming_the_cause(tmp_pat
     if HAS_CUDA:
         pytest.skip("checks the message shown on machines without a GPU")
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--peers", "1", "--gpu-peers", "1", "--model-size", "tiny",
+        [sys.executable, "-m", "lab.sim", "--peers", "1", "--gpu-peers", "1", "--model-size", "tiny",
          "--steps", "1", "--timeout-s", "100"],
         capture_output=True, text=True, timeout=110, cwd=ROOT, env={**os.environ, "HOME": str(tmp_path)},
     )  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import KEYS, start_dhts
 
-from coordinator.localswarm import tiny_run
+from lab.localswarm import tiny_run
 from protocols.errors import ConfigError
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.dialback import DialBackService, caller_host
-from coordinator.localswarm import free_port, running_coordinator, tiny_run
+from lab.localswarm import free_port, running_coordinator, tiny_run
 from protocols import coordinator_pb2 as pb
 from protocols.errors import NetworkError, ProtocolError
 from protocols.version import PROTOCOL_VERSION

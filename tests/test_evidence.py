@@ -15,7 +15,7 @@ import hashlib
 import pytest
 import torch
 
-from coordinator.localswarm import FAST_MEMBERSHIP, running_coordinator
+from lab.localswarm import FAST_MEMBERSHIP, running_coordinator
 from protocols.errors import ProtocolError, SignatureError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator

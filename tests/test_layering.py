@@ -1,8 +1,9 @@
 """Guard rails for the shape of the code: layering, no import cycles, and package maps that are true.
 
-The layers are ``protocols`` <- ``swarm`` <- ``peer``, ``coordinator`` (docs/architecture.md): protocols
-imports nothing of ours, swarm imports neither application, and the two applications do not import each
-other (the coordinator never runs a volunteer, and a volunteer reaches the coordinator only over gRPC).
+The layers are ``protocols`` <- ``swarm`` <- ``peer``, ``coordinator`` <- ``lab`` (docs/architecture.md):
+protocols imports nothing of ours, swarm imports neither application, the two applications do not import
+each other (the coordinator never runs a volunteer, and a volunteer reaches the coordinator only over
+gRPC), and no package imports the lab that rehearses them.
 
 Imports are read with ``ast``, so a module is never executed. Module-level and function-level imports
 both count: a lazy import is still a dependency. Imports under ``if TYPE_CHECKING:`` are left out, as
@@ -20,13 +21,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("protocols", "swarm", "peer", "coordinator")
+PACKAGES = ("protocols", "swarm", "peer", "coordinator", "lab")
 # What each top-level package may import of ours, besides itself.
 ALLOWED = {
     "protocols": set(),
     "swarm": {"protocols"},
     "peer": {"protocols", "swarm"},
     "coordinator": {"protocols", "swarm"},
+    # The lab composes both applications into whole runs on one machine; nothing imports it.
+    "lab": {"protocols", "swarm", "peer", "coordinator"},
 }
 
 Edge = tuple[str, str, int]  # importer, imported, line

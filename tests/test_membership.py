@@ -13,7 +13,7 @@ import hivemind
 import pytest
 from helpers import stock_dht
 
-from coordinator.localswarm import FAST_MEMBERSHIP, LocalSwarm, free_port, peer_states, status, wait_until
+from lab.localswarm import FAST_MEMBERSHIP, LocalSwarm, free_port, peer_states, status, wait_until
 from protocols.certificates import issue_certificate
 from protocols.keys import PublicKey, SigningKey
 from swarm.config import RunConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.localswarm import LocalSwarm, tiny_run, wait_until
+from lab.localswarm import LocalSwarm, tiny_run, wait_until
 from peer.panel import Panel
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

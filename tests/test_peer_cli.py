@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.localswarm import running_coordinator
+from lab.localswarm import running_coordinator
 from protocols.keys import SigningKey
 from swarm.config import MembershipConfig, RunConfig
 from swarm.coordinator_client import CoordinatorClient

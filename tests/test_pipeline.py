@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.localswarm import tiny_run
+from lab.localswarm import tiny_run
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ConfigError
 from swarm.averaging.compression import get_codec
@@ -191,7 +191,7 @@ def test_swarm_sim_pipeline_long_rehearsal_kill_replace_rebalance(tmp_path: Path
     """The cheapest pipeline rehearsal that shows a killed replica replaced, rebalancing, nothing lost."""
     out = tmp_path / "sim.json"
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--stages", "2", "--peers-per-stage", "2", "--trainers", "2",
+        [sys.executable, "-m", "lab.sim", "--stages", "2", "--peers-per-stage", "2", "--trainers", "2",
          "--kill-stage-peer-at", "3", "--replace-into-stage", "0", "--steps", "14", "--model-size", "tiny",
          "--json", str(out), "--timeout-s", "360"],
         capture_output=True, text=True, timeout=400, cwd=ROOT,

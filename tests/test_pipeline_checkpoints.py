@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.cli import status_to_dict
-from coordinator.localswarm import LocalSwarm, status, tiny_run
+from lab.localswarm import LocalSwarm, status, tiny_run
 from swarm.config import RunConfig
 from swarm.training.checkpoint import load_latest_checkpoint
 

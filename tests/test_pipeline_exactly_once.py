@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.localswarm import tiny_run
+from lab.localswarm import tiny_run
 from protocols import pipeline_pb2 as ppb
 from protocols.keys import SigningKey
 from swarm.config import RunConfig

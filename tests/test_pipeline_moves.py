@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.localswarm import tiny_run
+from lab.localswarm import tiny_run
 from swarm.config import RunConfig
 from swarm.dht import start_local_dhts
 from swarm.pipeline.trainer import PipelineTrainer

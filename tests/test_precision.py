@@ -131,7 +131,7 @@ def test_fp16_on_a_gpu_keeps_fp32_gradients_and_tracks_fp32() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU peer is what cannot honour fp16")
 def test_a_cpu_volunteer_of_an_fp16_run_says_so_at_join_and_exits(swarm) -> None:
-    from coordinator.localswarm import tiny_run
+    from lab.localswarm import tiny_run
 
     coordinator = swarm.start_coordinator(tiny_run(precision="fp16"))
     peer = swarm.start_peer(coordinator.extra["address"], "cpu-peer")

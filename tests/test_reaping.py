@@ -60,7 +60,7 @@ def _command(pid: int) -> str:
 @pytest.mark.timeout(240)
 def test_swarm_sim_killed_outright_takes_its_whole_swarm_with_it(tmp_path: Path) -> None:
     sim = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.sim", "--peers", "2", "--steps", "100000", "--model-size", "tiny",
+        [sys.executable, "-m", "lab.sim", "--peers", "2", "--steps", "100000", "--model-size", "tiny",
          "--timeout-s", "600"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -21,7 +21,7 @@ import asyncio
 import pytest
 import torch
 
-from coordinator.localswarm import FAST_MEMBERSHIP, running_coordinator
+from lab.localswarm import FAST_MEMBERSHIP, running_coordinator
 from swarm.averaging.averager import Averager
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig

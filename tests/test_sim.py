@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 def test_swarm_sim_trains_with_churn_and_peers_agree(tmp_path: Path):
     out = tmp_path / "sim.json"
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--peers", "3", "--steps", "8", "--model-size", "tiny",
+        [sys.executable, "-m", "lab.sim", "--peers", "3", "--steps", "8", "--model-size", "tiny",
          "--churn", "--json", str(out)],
         capture_output=True, text=True, timeout=540,
     )  # fmt: skip
@@ -35,11 +35,11 @@ def test_swarm_sim_trains_with_churn_and_peers_agree(tmp_path: Path):
 
 def test_swarm_sim_rejects_bad_flags():
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--peers", "0"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "lab.sim", "--peers", "0"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and "--peers" in result.stderr
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--stages", "2", "--replace-into-stage", "2",
+        [sys.executable, "-m", "lab.sim", "--stages", "2", "--replace-into-stage", "2",
          "--kill-stage-peer-at", "3"], capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert (
@@ -57,7 +57,7 @@ def test_demo_run_learns_without_a_spike(tmp_path: Path):
     # more than 15% over the one before, and the last one is the lowest.
     out = tmp_path / "sim.json"
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.sim", "--peers", "3", "--steps", "9", "--json", str(out)],
+        [sys.executable, "-m", "lab.sim", "--peers", "3", "--steps", "9", "--json", str(out)],
         capture_output=True, text=True, timeout=540,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -17,9 +17,9 @@ import grpc
 import pytest
 import torch
 
-from coordinator.localswarm import tiny_run
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
+from lab.localswarm import tiny_run
 from protocols.errors import ProtocolError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator

@@ -12,9 +12,9 @@ import pytest
 
 from coordinator.credit import CHECKPOINT_MARGIN_PERIODS
 from coordinator.limits import ServiceLimits
-from coordinator.localswarm import tiny_run
 from coordinator.service import CoordinatorService
 from coordinator.store import PeerRecord, Store, ban_sync, unban_sync
+from lab.localswarm import tiny_run
 from protocols.keys import SigningKey
 
 pytestmark = pytest.mark.timeout(60)

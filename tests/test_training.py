@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import KEYS, VanishingAllReduce, start_dhts
 
-from coordinator.localswarm import running_coordinator, tiny_run
+from lab.localswarm import running_coordinator, tiny_run
 from protocols.certificates import issue_certificate
 from protocols.keys import SigningKey
 from swarm.coordinator_client import CoordinatorClient

@@ -19,7 +19,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
-from coordinator.localswarm import tiny_run
+from lab.localswarm import tiny_run
 from protocols.certificates import issue_certificate
 from protocols.keys import SigningKey
 from swarm.bans import ban_list_pages, fetch_ban_list, publish_ban_list

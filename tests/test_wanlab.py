@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.localswarm import LocalSwarm, Reaper, tiny_run
-from coordinator.wanlab import NETNS_DIR, LinkSpec, WanLab, check_lab_possible, peak_mbit
+from lab.localswarm import LocalSwarm, Reaper, tiny_run
+from lab.wanlab import NETNS_DIR, LinkSpec, WanLab, check_lab_possible, peak_mbit
 from protocols.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,8 +113,8 @@ def test_a_lab_killed_outright_leaves_no_namespace(tmp_path: Path):
     script = textwrap.dedent(
         """
         import time
-        from coordinator.localswarm import Reaper
-        from coordinator.wanlab import LinkSpec, WanLab
+        from lab.localswarm import Reaper
+        from lab.wanlab import LinkSpec, WanLab
         lab = WanLab(hosts=2, nat=1, link=LinkSpec(up_mbit=10), reaper=Reaper())
         lab.up()
         print(lab.prefix, flush=True)

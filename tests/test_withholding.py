@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 
-from coordinator.localswarm import tiny_run, wait_until
+from lab.localswarm import tiny_run, wait_until
 from swarm.averaging.allreduce import ButterflyAllReduce, RoundSettings
 from swarm.averaging.averager import Averager
 from swarm.averaging.evidence import split_bounds

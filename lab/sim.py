@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from coordinator.cli import status_to_dict
-from coordinator.localswarm import status, wait_until
-from coordinator.rehearsal import Rehearsal
-from coordinator.simconfig import SimConfig, build_run, samples_per_step
-from coordinator.wanlab import LinkSpec, WanLab, peak_mbit
+from lab.localswarm import status, wait_until
+from lab.rehearsal import Rehearsal
+from lab.simconfig import SimConfig, build_run, samples_per_step
+from lab.wanlab import LinkSpec, WanLab, peak_mbit
 from protocols.errors import SwarmError
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
@@ -144,7 +144,7 @@ class Progress:
 def simulate(config: SimConfig) -> int:
     run = build_run(config)
     if config.stages:
-        from coordinator.pipeline_sim import simulate_pipeline
+        from lab.pipeline_sim import simulate_pipeline
 
         return simulate_pipeline(config, run)
     with Rehearsal(config) as rehearsal:

@@ -5,7 +5,7 @@ flags of ``swarm-sim`` are derived from its fields.
 
 Example::
 
-    from coordinator.simconfig import SimConfig, build_run
+    from lab.simconfig import SimConfig, build_run
     run = build_run(SimConfig(peers=3, steps=8, model_size="tiny"))
 """
 
@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from coordinator.localswarm import FAST_MEMBERSHIP
-from coordinator.wanlab import LinkSpec
+from lab.localswarm import FAST_MEMBERSHIP
+from lab.wanlab import LinkSpec
 from protocols.errors import SwarmError
 from swarm.config import RunConfig
 
@@ -104,7 +104,7 @@ class SimConfig(BaseModel):
         None,
         max_length=64,
         description="run the coordinator and each peer in its own network namespace on a link capped by the "
-        "kernel, e.g. up=20mbit,down=100mbit (needs root; see coordinator/wanlab.py)",
+        "kernel, e.g. up=20mbit,down=100mbit (needs root; see lab/wanlab.py)",
     )
     nat: int = Field(
         0, ge=0, le=16, description="how many peers (the last ones) sit behind NAT; implies the lab"

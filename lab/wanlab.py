@@ -8,7 +8,7 @@ dialed, since nothing outside routes to its private address and the box forwards
 
 Addresses are private ones that exist only inside the lab's namespaces (10.77.K.0/24 for host K's
 link, 192.168.K.0/24 behind host K's NAT box); the machine's own namespace is never changed. Names
-carry this process's ID, every namespace is removed on exit, and a :class:`~coordinator.localswarm.Reaper`
+carry this process's ID, every namespace is removed on exit, and a :class:`~lab.localswarm.Reaper`
 given to the lab removes them even when this process is killed outright. Creating a lab needs root:
 without it the lab raises a ``ConfigError`` that says so.
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from protocols.errors import ConfigError, SwarmError
 
 if TYPE_CHECKING:
-    from coordinator.localswarm import Reaper
+    from lab.localswarm import Reaper
 
 NETNS_DIR = Path("/run/netns")
 # Big enough for a veth's offloaded 64 KiB segments; tbf drops any packet larger than its bucket.

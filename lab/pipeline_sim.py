@@ -25,9 +25,9 @@ import signal
 import time
 
 from coordinator.cli import status_to_dict
-from coordinator.localswarm import status
-from coordinator.rehearsal import Rehearsal
-from coordinator.simconfig import SimConfig
+from lab.localswarm import status
+from lab.rehearsal import Rehearsal
+from lab.simconfig import SimConfig
 from protocols.errors import SwarmError
 from swarm.config import RunConfig
 

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.localswarm import Child, LocalSwarm
-from coordinator.simconfig import SimConfig
+from lab.localswarm import Child, LocalSwarm
+from lab.simconfig import SimConfig
 from protocols.errors import SwarmError
 
 

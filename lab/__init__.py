@@ -1,0 +1,12 @@
+"""The lab: whole runs rehearsed on one machine. It composes a coordinator and volunteers as separate
+processes, so it sits above ``peer`` and ``coordinator`` and neither of them imports it.
+
+- ``localswarm``: ``LocalSwarm``, a coordinator and peers as processes on loopback (sims, tests, demo)
+- ``wanlab``: ``WanLab``, hosts in network namespaces behind kernel-capped links and NAT (``--wan``, ``--nat``)
+- ``simconfig``: ``SimConfig``, the settings of ``swarm-sim`` (its flags), and the run it trains
+- ``rehearsal``: ``Rehearsal``, the skeleton both sims share: log directory, processes, bounds, report
+- ``sim``: the ``swarm-sim`` entry point: rehearse a data-parallel run, then check it
+- ``pipeline_sim``: ``swarm-sim --stages S``: rehearse a pipeline run, then check it
+"""
+
+import swarm.hivemind_import  # noqa: F401  (first hivemind import: see its docstring)
