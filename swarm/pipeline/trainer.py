@@ -38,13 +38,14 @@ from hivemind.p2p import PeerID
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
+from protocols.messages import MAX_ATTEMPT
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import model_config
 from swarm.pipeline.balance import pick_server
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
 from swarm.pipeline.server import StageServicer, pipeline_namespace
-from swarm.pipeline.wire import encode_ids
+from swarm.pipeline.wire import encode_ids, sign_attempt
 from swarm.records import RecordSigner, RecordTrust
 
 logger = logging.getLogger(__name__)
@@ -215,17 +216,24 @@ class PipelineTrainer:
             if peer is None:
                 raise StageFailure(stage, "-", ppb.BUSY, f"no replica of stage {stage} serves step {mb.step}")
             route.append(peer)
-        # The attempt number lets the stage's replicas keep only the latest copy of a retried micro-batch.
-        base = dict(run_id=self.config.run_id, step=mb.step, microbatch_id=mb.id, attempt=mb.attempts + 1)
+        # The attempt number lets the stage's replicas keep only the latest copy of a retried micro-batch;
+        # signed, so that only this trainer can retire a copy of its micro-batch.
+        attempt = min(mb.attempts + 1, MAX_ATTEMPT)
+        base = dict(run_id=self.config.run_id, step=mb.step, microbatch_id=mb.id, attempt=attempt)
+        signed = {
+            stage: sign_attempt(self.records.key, self.config.run_id, stage, mb.step, mb.id, attempt)
+            if attempt > 1 else b""
+            for stage in range(self.num_stages)
+        }  # fmt: skip
         hidden = encode_ids(mb.inputs)
         last = self.num_stages - 1
         for stage in range(last):
-            reply = await self._call(
-                stage, route[stage], "rpc_forward", ppb.ForwardRequest(stage=stage, inputs=hidden, **base)
-            )
+            request = ppb.ForwardRequest(stage=stage, inputs=hidden, attempt_signature=signed[stage], **base)
+            reply = await self._call(stage, route[stage], "rpc_forward", request)
             hidden = reply.outputs
         reply = await self._call(last, route[last], "rpc_forward",
-                                 ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets), **base))  # fmt: skip
+                                 ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets),
+                                                    attempt_signature=signed[last], **base))  # fmt: skip
         mb.counted_by[last] = route[last]
         loss, grad = reply.loss, reply.grad_inputs
         for stage in range(last - 1, -1, -1):
@@ -233,7 +241,7 @@ class PipelineTrainer:
                 stage,
                 route[stage],
                 "rpc_backward",
-                ppb.BackwardRequest(stage=stage, grad_outputs=grad, **base),
+                ppb.BackwardRequest(stage=stage, grad_outputs=grad, attempt_signature=signed[stage], **base),
             )
             mb.counted_by[stage] = route[stage]
             grad = reply.grad_inputs

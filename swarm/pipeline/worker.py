@@ -375,10 +375,8 @@ class StageWorker(StageMoves):
                 break
             await asyncio.sleep(interval / 2)
             await self._refresh_view()
-        latest: dict[int, int] = {}
-        for x in others:
-            for key, attempt in x.retried if x.step == r.step else ():
-                latest[key] = max(latest.get(key, 0), attempt)
+        claims = [c for x in others if x.step == r.step for c in x.retried]
+        latest = await r.compute(r.superseding, claims) if claims else {}
         dropped = await r.compute(r.drop_superseded, latest) if latest else 0
         if dropped:
             self._stats["samples_dropped"] = self._stats.get("samples_dropped", 0.0) + dropped
