@@ -21,7 +21,7 @@ from swarm.averaging.compression import get_codec
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
-from swarm.pipeline.records import PipelineView, StageRecord
+from swarm.pipeline.records import PipelineView, StageRecord, TrainerRecord
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.pipeline.wire import encode_floats, encode_ids, sign_attempt
@@ -156,5 +156,36 @@ def test_a_retry_without_its_trainers_signature_is_refused_by_name():
         request.attempt_signature = sign_attempt(trainer, run.run_id, 1, 0, 7, 3)
         assert serve(StageServicer(replica, gate), trainer, request).code == ppb.OK
         assert replica.retried() == [(trainer.peer_id, 7, 3, request.attempt_signature)]
+    finally:
+        replica.close()
+
+
+def test_stuck_in_flight_holds_a_done_step_only_for_a_served_trainer_and_only_for_a_timeout():
+    """Before the fix, one trainer record claiming a micro-batch in flight kept every stage from closing
+    its step, forever."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    replica = StageReplica(run, 1)
+    try:
+        worker = stage_worker(run, replica)
+        worker._views = 1
+        honest = TrainerRecord(
+            SigningKey.generate().peer_id, 0, run.training.target_batch_size, 0, time.time()
+        )
+        attacker = SigningKey.generate().peer_id
+        stuck = make_attack("stuck_in_flight", group_size=2, attackers=1).announce(
+            TrainerRecord(attacker, 0, 0, 0, time.time())
+        )
+        assert stuck.in_flight == 1
+        worker.view = PipelineView(trainers=[honest, stuck])
+        assert worker._ready_to_step(), "a trainer this stage never served held its step"
+        replica.served.add(attacker)  # it did send a micro-batch here: its claim holds the step, bounded
+        started = time.monotonic()
+        assert not worker._ready_to_step()
+        limit_s = run.pipeline.request_timeout_s
+        while not worker._ready_to_step() and time.monotonic() - started < 3 * limit_s:
+            time.sleep(0.05)
+        held = time.monotonic() - started
+        assert limit_s <= held < 2 * limit_s, f"the claim held the step for {held:.1f}s"
     finally:
         replica.close()
