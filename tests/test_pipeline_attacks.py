@@ -189,3 +189,28 @@ def test_stuck_in_flight_holds_a_done_step_only_for_a_served_trainer_and_only_fo
         assert limit_s <= held < 2 * limit_s, f"the claim held the step for {held:.1f}s"
     finally:
         replica.close()
+
+
+def test_a_replica_claiming_1e12_samples_per_s_gets_only_what_the_trainer_measured():
+    """Before the fix, a replica announcing 1e12 samples/s got every micro-batch (share 1.0 of 2,000)."""
+    from swarm.pipeline.trainer import PipelineTrainer
+
+    key = SigningKey.generate()
+    trainer = PipelineTrainer(attack_run(), None, peer_id=key.peer_id, seed=0, signing_key=key)
+    honest = [
+        StageRecord(SigningKey.generate().peer_id, 0, 0, 50.0, 0.5, HASH, HASH, time.time()) for _ in range(2)
+    ]
+    liar = make_attack("stage_throughput_lie", group_size=3, attackers=1).announce(
+        StageRecord(SigningKey.generate().peer_id, 0, 0, 50.0, 0.5, HASH, HASH, time.time())
+    )
+    assert liar.samples_per_s == 1e12
+    trainer.view = PipelineView(stages={0: [*honest, liar]})
+
+    def share(picks: int = 2000) -> float:
+        return sum(trainer._choose(0, 0) == liar.peer_id for _ in range(picks)) / picks
+
+    assert share() < 0.45, "the self-reported rate routed the trainer's work"
+    for record in honest:  # measured: honest replicas at 50 samples/s, the liar 1,000x faster
+        trainer.measured.record(record.peer_id, BATCH, BATCH / 50.0)
+    trainer.measured.record(liar.peer_id, BATCH, BATCH / 50_000.0)
+    assert share() < 0.55, "a replica got more than twice the median replica's share"
