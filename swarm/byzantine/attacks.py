@@ -1,7 +1,7 @@
-"""Named attacks a Byzantine peer can mount, each a small object with four hooks.
+"""Named attacks a Byzantine peer can mount, each a small object with five hooks.
 
 The trainer and the all-reduce of a peer playing attacker call the hooks of its :class:`Attack` at the
-four points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
+five points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
 otherwise:
 
 - ``batch(inputs, targets) -> (inputs, targets)``: the data the peer trains on (``label_flip``);
