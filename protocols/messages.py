@@ -34,6 +34,10 @@ MAX_BAN_PAGES = 128
 MAX_METRICS = 64
 # Peers a heartbeat may name as ones its sender avoids for breaking rounds (``PeerPolicy`` suspects).
 MAX_SUSPECT_REPORTS = 16
+#: A pipeline trainer's highest attempt number for one micro-batch at one step (a sanity bound).
+MAX_ATTEMPT = 1 << 16
+#: Retried micro-batches a stage replica announces per step at most (about 140 bytes each).
+MAX_RETRIED_CLAIMS = 64
 PEER_STATES = ("online", "offline", "left", "banned")
 REQUESTED_ROLES = ("auto", "data", "stage", "trainer")
 
@@ -176,12 +180,27 @@ class StageRecordBody(_Body):
     joining: bool = False
     # True once the replica closed ``step``: what it counted there is final.
     closing: bool = False
-    # [micro-batch ID, attempt] of the micro-batches it counted at ``step`` on a retry (attempt > 1).
-    retried: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(
-        default=[], max_length=256
+    # [trainer, micro-batch ID, attempt, the trainer's signature of the attempt] of the micro-batches it
+    # counted at ``step`` on a retry (attempt > 1); replicas check the signature before acting on one.
+    retried: list[Annotated[list[str | int | bytes], Field(min_length=4, max_length=4)]] = Field(
+        default=[], max_length=MAX_RETRIED_CLAIMS
     )
     certificate: CertificateBytes = b""
     expires_at: Expiry
+
+    @field_validator("retried")
+    @classmethod
+    def _retried_claims(cls, claims: list[list[Any]]) -> list[list[Any]]:
+        for i, (trainer, microbatch_id, attempt, signature) in enumerate(claims):
+            if not (isinstance(trainer, str) and 1 <= len(trainer) <= 128 and trainer.isalnum()):
+                raise ValueError(f"retried[{i}]: the trainer must be a peer ID")
+            if not (isinstance(microbatch_id, int) and 0 <= microbatch_id < 2**63):
+                raise ValueError(f"retried[{i}]: the micro-batch ID must be an integer in [0, 2**63)")
+            if not (isinstance(attempt, int) and 2 <= attempt <= MAX_ATTEMPT):
+                raise ValueError(f"retried[{i}]: the attempt must be an integer in [2, {MAX_ATTEMPT}]")
+            if not (isinstance(signature, bytes) and len(signature) == 64):
+                raise ValueError(f"retried[{i}]: the signature must be 64 bytes")
+        return claims
 
 
 class TrainerRecordBody(_Body):

@@ -48,7 +48,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "step", "microbatch_id", "inputs", "targets", "inference", "attempt")
+    __slots__ = ("run_id", "stage", "step", "microbatch_id", "inputs", "targets", "inference", "attempt", "attempt_signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class ForwardRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     step: int
@@ -65,7 +66,8 @@ class ForwardRequest(_message.Message):
     targets: Tensor
     inference: bool
     attempt: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., inference: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
+    attempt_signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., inference: _Optional[bool] = ..., attempt: _Optional[int] = ..., attempt_signature: _Optional[bytes] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("code", "error", "step", "outputs", "grad_inputs", "loss")
@@ -84,20 +86,22 @@ class ForwardReply(_message.Message):
     def __init__(self, code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., step: _Optional[int] = ..., outputs: _Optional[_Union[Tensor, _Mapping]] = ..., grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "step", "microbatch_id", "grad_outputs", "attempt")
+    __slots__ = ("run_id", "stage", "step", "microbatch_id", "grad_outputs", "attempt", "attempt_signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     step: int
     microbatch_id: int
     grad_outputs: Tensor
     attempt: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
+    attempt_signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., attempt: _Optional[int] = ..., attempt_signature: _Optional[bytes] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
     __slots__ = ("code", "error", "step", "grad_inputs")

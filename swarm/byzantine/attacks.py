@@ -1,14 +1,15 @@
-"""Named attacks a Byzantine peer can mount, each a small object with four hooks.
+"""Named attacks a Byzantine peer can mount, each a small object with five hooks.
 
 The trainer and the all-reduce of a peer playing attacker call the hooks of its :class:`Attack` at the
-four points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
+five points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
 otherwise:
 
 - ``batch(inputs, targets) -> (inputs, targets)``: the data the peer trains on (``label_flip``);
 - ``contribution(honest, step, *, peers=None) -> Tensor``: the gradient it sends, given the honest one
   it computed (``sign_flip``, ``random_direction``, ``delayed_gradient``, ``alie``, ``ipm``, ``nan``);
 - ``weight(claimed) -> float``: the weight (sample count) it claims (``huge_weight``);
-- ``reduce(aggregate) -> Tensor``: what it returns as the reducer of a part (``bad_reducer``).
+- ``reduce(aggregate) -> Tensor``: what it returns as the reducer of a part (``bad_reducer``);
+- ``announce(record) -> record``: the pipeline record it publishes (``swarm.byzantine.pipeline_attacks``).
 
 Attacks that model collusion (``alie``, ``ipm``) need an estimate of the honest gradients' mean and
 spread. Colluding attackers know their own honest gradients: pass them stacked as ``peers`` (this
@@ -84,6 +85,10 @@ class Attack:
 
     def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
         return aggregate
+
+    def announce(self, record: object) -> object:
+        """The pipeline record (``StageRecord`` or ``TrainerRecord``) this peer signs and publishes."""
+        return record
 
     @property
     def omniscient(self) -> bool:

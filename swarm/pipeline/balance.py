@@ -4,8 +4,12 @@ All three decisions read only the pipeline view from the DHT, so every peer reas
 
 - ``choose_stage``: a joining peer takes the stage with the least total throughput among those that fit
   in its memory (ties: fewer replicas, then the lower index).
-- ``pick_server``: trainers wire micro-batches at random, weighted by each replica's throughput
-  (stochastic wiring): a fast replica gets proportionally more traffic, a slow one still some.
+- ``pick_server``: trainers wire micro-batches at random, weighted by the throughput the trainer itself
+  measured of each replica (``Measured``), capped at ``MEASURED_CAP`` times the stage's median
+  (stochastic wiring): a fast replica gets more traffic, a slow one still some. A replica's self-reported
+  rate never routes a trainer's work: one that claims 1e12 samples/s gets a replica's share until it is
+  measured. (``choose_stage`` and ``rebalance_move`` still read the reported rates: a lie there moves
+  only the liar.)
 - ``rebalance_move``: a peer moves from the stage with the most throughput to the bottleneck only when
   the move raises the pipeline's slowest stage by a margin, and only one peer of a stage moves at a time.
 """
@@ -13,12 +17,37 @@ All three decisions read only the pipeline view from the DHT, so every peer reas
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Sequence
 
 from swarm.pipeline.records import PipelineView, StageRecord
 
-# A replica that has not measured itself yet still gets traffic.
-_MIN_WEIGHT = 1e-3
+#: A replica's routing weight is at most this multiple of the median measured rate of its stage.
+MEASURED_CAP = 2.0
+_MIN_WEIGHT = 1e-9
+
+
+class Measured:
+    """Samples per second of the calls a trainer made to each replica (a moving average of its own timings).
+
+    Example::
+
+        measured.record(peer_id, samples=8, seconds=0.2)
+        weights = measured.weights([a, b, c])   # unmeasured replicas weigh as the median one
+    """
+
+    def __init__(self) -> None:
+        self.rates: dict[str, float] = {}
+
+    def record(self, peer_id: str, samples: int, seconds: float) -> None:
+        rate = samples / max(seconds, 1e-6)
+        old = self.rates.get(peer_id)
+        self.rates[peer_id] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def weights(self, peer_ids: Sequence[str]) -> list[float]:
+        known = [self.rates[p] for p in peer_ids if p in self.rates]
+        median = statistics.median(known) if known else 1.0
+        return [max(min(self.rates.get(p, median), MEASURED_CAP * median), _MIN_WEIGHT) for p in peer_ids]
 
 
 def choose_stage(view: PipelineView, num_stages: int, fits: Sequence[bool]) -> int | None:
@@ -30,13 +59,18 @@ def choose_stage(view: PipelineView, num_stages: int, fits: Sequence[bool]) -> i
 
 
 def pick_server(
-    replicas: Sequence[StageRecord], rng: random.Random, *, avoid: set[str] = frozenset()
+    replicas: Sequence[StageRecord],
+    rng: random.Random,
+    *,
+    avoid: set[str] = frozenset(),
+    measured: Measured | None = None,
 ) -> StageRecord | None:
-    """One replica at random, weighted by throughput; replicas in ``avoid`` only when nothing else is left."""
+    """One replica at random, weighted by the throughput the caller ``measured`` (equal weights without
+    it); replicas in ``avoid`` only when nothing else is left."""
     usable = [r for r in replicas if r.peer_id not in avoid] or list(replicas)
     if not usable:
         return None
-    weights = [max(r.samples_per_s * (1.0 - 0.5 * r.load), _MIN_WEIGHT) for r in usable]
+    weights = (measured or Measured()).weights([r.peer_id for r in usable])
     return rng.choices(usable, weights=weights, k=1)[0]
 
 

@@ -37,7 +37,8 @@ class StageRecord:
     serving: bool = True  # False: loading the stage's state, or draining before it leaves; serves no one
     joining: bool = False  # it sits out the current step of the stage it joined: it takes no round
     closing: bool = False  # it closed ``step``: what it counted there is final
-    retried: tuple[tuple[int, int], ...] = ()  # (micro-batch, attempt) it counted at ``step`` on a retry
+    # (trainer, micro-batch, attempt, the trainer's signature of it) it counted at ``step`` on a retry
+    retried: tuple[tuple[str, int, int, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ async def fetch_view(dht: hivemind.DHT, trust: RecordTrust, num_stages: int) -> 
         if b.role == "stage" and b.stage < num_stages:
             record = StageRecord(peer_id, b.stage, b.step, b.samples_per_s, b.load, b.state_hash, b.param_hash,
                                  r.issued_at, serving=b.serving, joining=b.joining, closing=b.closing,
-                                 retried=tuple((k, a) for k, a in b.retried))  # fmt: skip
+                                 retried=tuple(tuple(c) for c in b.retried))  # fmt: skip
             view.holders.setdefault(b.stage, []).append(record)
             if b.serving:
                 view.stages.setdefault(b.stage, []).append(record)

@@ -1,17 +1,21 @@
 """One replica of one pipeline stage: its part of the model, optimizer, and the micro-batches it serves.
 
 Compute runs on one worker thread per replica, so requests from many trainers are served in turn and
-the event loop never blocks. A forward keeps the micro-batch's graph (keyed by micro-batch ID, dropped
-after ``forward_state_ttl_s``) until its backward arrives. A backward adds the micro-batch's gradient
-to the replica's accumulated gradient once per micro-batch ID and step: a retried micro-batch that
-reaches the same replica again gets the same answer back and is not counted twice.
+the event loop never blocks. Micro-batches belong to the trainer that sent them: everything kept of one
+is keyed by (caller, micro-batch ID), where the caller is the peer ID the transport authenticated, so a
+peer that sends another trainer's ID first only runs a micro-batch of its own. A forward keeps the
+micro-batch's graph (dropped after ``forward_state_ttl_s``) until its backward arrives. A backward adds
+the micro-batch's gradient to the replica's accumulated gradient once per key and step: a retried
+micro-batch that reaches the same replica again from its trainer gets the same answer back and is not
+counted twice.
 
 A retry that reaches *another* replica of the stage (the first timed out, but was only slow) is
 counted there too; the replica group settles it when the step closes. Every request carries the
 trainer's attempt number, and a replica remembers, per micro-batch it counted, the latest attempt that
 reached it (``claims``): the trainer's final, successful path holds the latest attempt at every stage.
-Replicas announce the micro-batches they hold with an attempt above 1, and one that finds another
-replica holding a later attempt of a micro-batch it counted drops it: it replays the micro-batches it
+An attempt above 1 comes with the trainer's signature of it (``swarm.pipeline.wire.attempt_ticket``).
+Replicas announce the micro-batches they hold with an attempt above 1, with that signature, and one that
+finds another replica holding a later, validly signed attempt of a micro-batch it counted drops it: it replays the micro-batches it
 keeps (their inputs, gradients and random state are kept until the step closes) from a zero gradient,
 so its gradient is bit for bit the one it would hold had the retry never reached it.
 
@@ -34,12 +38,13 @@ import torch.nn.functional as F
 
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ProtocolError
+from protocols.messages import MAX_RETRIED_CLAIMS
 from swarm.averaging.compression import get_codec
 from swarm.config import RunConfig
 from swarm.models import model_config
 from swarm.models.gpt import VOCAB_SIZE
 from swarm.pipeline.layout import build_stage, stage_layout
-from swarm.pipeline.wire import decode_floats, decode_ids, encode_floats
+from swarm.pipeline.wire import check_attempt, decode_floats, decode_ids, encode_floats
 from swarm.training.state import (
     apply_flat_gradient,
     build_optimizer,
@@ -55,8 +60,8 @@ T = TypeVar("T")
 
 #: Forward states one replica keeps at most; past it a new forward is refused (BUSY) until some expire.
 MAX_FORWARD_STATES = 512
-#: Retried micro-batches a replica announces per step at most (each about 12 bytes of its DHT record).
-MAX_RETRIED_CLAIMS = 256
+#: A micro-batch as a replica keeps it: (the trainer that sent it, its ID).
+Key = tuple[str, int]
 
 
 class Refusal(Exception):
@@ -81,6 +86,7 @@ class _Forward:
     loss: float = math.nan
     request: ppb.ForwardRequest | None = None  # what a replay of this micro-batch recomputes from
     rng: torch.Tensor | None = None  # the random state its forward ran with (dropout)
+    signature: bytes = b""  # the trainer's signature of the latest attempt that reached it here
 
 
 class StageReplica:
@@ -107,9 +113,10 @@ class StageReplica:
         self.max_batch = run.training.micro_batch_size
         self.step = 0
         self.samples = 0
-        self.claims: dict[int, int] = {}  # counted micro-batch -> the latest attempt that reached it here
-        self._replay: dict[int, tuple[_Forward, ppb.Tensor | None]] = {}  # in counting order
-        self.forwards: dict[int, _Forward] = {}
+        self.claims: dict[Key, int] = {}  # counted micro-batch -> the latest attempt that reached it here
+        self._replay: dict[Key, tuple[_Forward, ppb.Tensor | None]] = {}  # in counting order
+        self.forwards: dict[Key, _Forward] = {}
+        self.served: set[str] = set()  # trainers that sent a micro-batch here at this step
         self.closing = False  # the step's gradient is being averaged: no more work for this step
         self.paused = False  # the volunteer paused: no new micro-batches
         self.leaving = False  # draining before a move: backwards of forwards served here only
@@ -219,8 +226,16 @@ class StageReplica:
         for key in [k for k, f in self.forwards.items() if f.result is None and now - f.created > ttl]:
             del self.forwards[key]
 
-    def forward(self, request: ppb.ForwardRequest) -> ppb.ForwardReply:
-        """Serve a forward (on the last stage: forward, loss and backward); runs on the worker thread."""
+    def _check_attempt(self, caller: str, request: ppb.ForwardRequest | ppb.BackwardRequest) -> None:
+        try:
+            check_attempt(self.run.run_id, self.index, request.step, caller, request.microbatch_id,
+                          request.attempt, request.attempt_signature)  # fmt: skip
+        except ProtocolError as e:
+            raise self._refuse(ppb.BAD_REQUEST, str(e)) from None
+
+    def forward(self, request: ppb.ForwardRequest, caller: str = "") -> ppb.ForwardReply:
+        """Serve a forward (on the last stage: forward, loss and backward) to ``caller``, the peer ID the
+        transport authenticated; runs on the worker thread."""
         self._check_request(request.run_id, request.stage, request.step, request.inference)
         try:
             inputs, targets = self._inputs(request)
@@ -228,11 +243,12 @@ class StageReplica:
             raise self._refuse(ppb.BAD_REQUEST, str(e)) from None
         if request.inference:
             return self._infer(inputs, targets)
-        key = request.microbatch_id
+        self._check_attempt(caller, request)
+        key = (caller, request.microbatch_id)
         known = self.forwards.get(key)
         if known is not None and known.result is not None:
             self.stats["repeats"] += 1  # a retried micro-batch: same answer, counted once
-            self._claim(key, request.attempt)
+            self._claim(key, request.attempt, request.attempt_signature)
             return ppb.ForwardReply(
                 step=self.step, outputs=known.reply, grad_inputs=known.result, loss=known.loss
             )
@@ -251,18 +267,19 @@ class StageReplica:
         self.model.train()
         x = inputs.to(self.device) if leaf is None else leaf
         self.stats["forwards"] += 1
+        self.served.add(caller)
         rng = torch.get_rng_state()
         if self.is_last:
             loss = self.model.loss(x, targets.to(self.device))
             (loss * inputs.shape[0]).backward()  # gradient of the sum; divided by the count when averaged
             entry = _Forward(leaf, None, inputs.shape[0], now, 0.0, loss=float(loss.detach()))
-            entry.request, entry.rng = request, rng
+            entry.request, entry.rng, entry.signature = request, rng, request.attempt_signature
             entry.result = self._grad_reply(leaf)
             self._count(key, entry, time.monotonic() - started, request.attempt, None)
             return ppb.ForwardReply(step=self.step, grad_inputs=entry.result, loss=entry.loss)
         outputs = self.model(x)
         entry = _Forward(leaf, outputs, inputs.shape[0], now, time.monotonic() - started)
-        entry.request, entry.rng = request, rng
+        entry.request, entry.rng, entry.signature = request, rng, request.attempt_signature
         entry.reply = encode_floats(outputs.detach(), self.codec)
         self.forwards[key] = entry
         return ppb.ForwardReply(step=self.step, outputs=entry.reply)
@@ -282,7 +299,7 @@ class StageReplica:
         return encode_floats(leaf.grad, self.codec)
 
     def _count(
-        self, key: int, entry: _Forward, seconds: float, attempt: int, grad_outputs: ppb.Tensor | None
+        self, key: Key, entry: _Forward, seconds: float, attempt: int, grad_outputs: ppb.Tensor | None
     ) -> None:
         entry.inputs = entry.outputs = None  # the graph is spent; keep only the answer
         entry.compute_s += seconds
@@ -293,13 +310,15 @@ class StageReplica:
         self.busy_s += entry.compute_s
         self._rate(entry.samples, entry.compute_s)
 
-    def backward(self, request: ppb.BackwardRequest) -> ppb.BackwardReply:
-        """Backward of a micro-batch this replica ran forward at this step; runs on the worker thread."""
-        held = request.microbatch_id in self.forwards
+    def backward(self, request: ppb.BackwardRequest, caller: str = "") -> ppb.BackwardReply:
+        """Backward of a micro-batch ``caller`` ran forward here at this step; runs on the worker thread."""
+        key = (caller, request.microbatch_id)
+        held = key in self.forwards
         self._check_request(request.run_id, request.stage, request.step, inference=False, held=held)
         if self.is_last:
             raise self._refuse(ppb.BAD_REQUEST, "the last stage runs its backward with the forward")
-        entry = self.forwards.get(request.microbatch_id)
+        self._check_attempt(caller, request)
+        entry = self.forwards.get(key)
         if entry is None:
             raise self._refuse(
                 ppb.UNKNOWN_MICROBATCH,
@@ -307,7 +326,7 @@ class StageReplica:
             )
         if entry.result is not None:
             self.stats["repeats"] += 1
-            self._claim(request.microbatch_id, request.attempt)
+            self._claim(key, request.attempt, request.attempt_signature)
             return ppb.BackwardReply(step=self.step, grad_inputs=entry.result)
         try:
             grad = decode_floats(
@@ -325,25 +344,42 @@ class StageReplica:
         torch.autograd.backward(entry.outputs, grad.to(self.device, entry.outputs.dtype))
         self.stats["backwards"] += 1
         entry.result = self._grad_reply(entry.inputs)
-        self._count(
-            request.microbatch_id, entry, time.monotonic() - started, request.attempt, request.grad_outputs
-        )
+        if request.attempt > max(entry.request.attempt, 1):
+            entry.signature = request.attempt_signature
+        self._count(key, entry, time.monotonic() - started, request.attempt, request.grad_outputs)
         return ppb.BackwardReply(step=self.step, grad_inputs=entry.result)
 
-    def _claim(self, key: int, attempt: int) -> None:
-        if key in self.claims:
-            self.claims[key] = max(self.claims[key], attempt)
+    def _claim(self, key: Key, attempt: int, signature: bytes) -> None:
+        if key in self.claims and attempt > self.claims[key]:
+            self.claims[key] = attempt
+            self.forwards[key].signature = signature
 
-    def retried(self) -> list[tuple[int, int]]:
-        """The micro-batches counted here at this step on a retry, with the latest attempt: what the other
-        replicas of the stage need to drop the copies an earlier attempt left with them."""
+    def retried(self) -> list[tuple[str, int, int, bytes]]:
+        """The micro-batches counted here at this step on a retry: (trainer, ID, latest attempt, the
+        trainer's signature of it), what the other replicas of the stage need to drop the copies an
+        earlier attempt left with them."""
         claims = sorted((a, k) for k, a in list(self.claims.items()) if a > 1)[-MAX_RETRIED_CLAIMS:]
-        return sorted((k, a) for a, k in claims)
+        return sorted((k[0], k[1], a, self.forwards[k].signature) for a, k in claims)
 
-    def drop_superseded(self, latest: dict[int, int]) -> int:
+    def superseding(self, claims: list[tuple[str, int, int, bytes]]) -> dict[Key, int]:
+        """Of ``claims`` (another replica's ``retried``), those signed by the micro-batch's own trainer
+        for this stage and step: micro-batch -> the latest such attempt. The rest are ignored."""
+        latest: dict[Key, int] = {}
+        for trainer, microbatch_id, attempt, signature in claims:
+            try:
+                check_attempt(
+                    self.run.run_id, self.index, self.step, trainer, microbatch_id, attempt, signature
+                )
+            except ProtocolError:
+                continue
+            key = (trainer, microbatch_id)
+            latest[key] = max(latest.get(key, 0), attempt)
+        return latest
+
+    def drop_superseded(self, latest: dict[Key, int]) -> int:
         """Drop the micro-batches that reached another replica of the stage on a later attempt (``latest``:
-        micro-batch -> the latest attempt any other replica holds) and rebuild the gradient from the rest,
-        replayed in counting order; returns the samples dropped."""
+        micro-batch -> the latest attempt any other replica holds, from ``superseding``) and rebuild the
+        gradient from the rest, replayed in counting order; returns the samples dropped."""
         gone = {k for k, a in self.claims.items() if latest.get(k, 0) > a}
         if not gone:
             return 0
@@ -401,6 +437,7 @@ class StageReplica:
         self.claims.clear()
         self._replay.clear()
         self.forwards.clear()
+        self.served.clear()
         self.closing = False
 
     def load(self, step: int, tensors: dict[str, torch.Tensor]) -> None:

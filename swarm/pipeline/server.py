@@ -50,7 +50,7 @@ class StageServicer(ServicerBase):
             return reply_type(code=code, error=message, step=self.replica.step)
         method = self.replica.forward if kind == "forward" else self.replica.backward
         try:
-            return await self.replica.compute(method, request)
+            return await self.replica.compute(method, request, caller)
         except Refusal as e:
             if e.code == ppb.BAD_REQUEST:
                 logger.warning(f"stage {self.replica.index}: bad {kind} from {caller}: {e.message}")

@@ -1,9 +1,10 @@
 """A pipeline trainer: streams micro-batches through one server per stage, forward then backward.
 
 For each micro-batch (its ID is the sampling seed of run, trainer, step and index, so anyone can
-recompute its data) the trainer picks one replica per stage at random, weighted by throughput
-(stochastic wiring), sends the activations forward stage by stage, lets the last stage compute the loss
-and its backward, and sends the gradients back stage by stage. A refusal, an error or a timeout at any
+recompute its data) the trainer picks one replica per stage at random, weighted by the throughput it
+measured of each (capped at twice the stage's median; stochastic wiring), sends the activations forward
+stage by stage, lets the last stage compute the loss and its backward, and sends the gradients back
+stage by stage. A refusal, an error or a timeout at any
 stage retries the whole micro-batch from the first stage, avoiding the server that failed; stages whose
 backward already counted the micro-batch are asked again (they answer without counting it twice). A
 micro-batch counts once, when the first stage's backward completes. Nothing is dropped: a micro-batch
@@ -38,13 +39,14 @@ from hivemind.p2p import PeerID
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
+from protocols.messages import MAX_ATTEMPT
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import model_config
-from swarm.pipeline.balance import pick_server
+from swarm.pipeline.balance import Measured, pick_server
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
 from swarm.pipeline.server import StageServicer, pipeline_namespace
-from swarm.pipeline.wire import encode_ids
+from swarm.pipeline.wire import encode_ids, sign_attempt
 from swarm.records import RecordSigner, RecordTrust
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class PipelineTrainer:
         self.completed: set[int] = set()
         self.completed_at: Counter[int] = Counter()  # step -> samples of micro-batches completed there
         self.avoid: dict[str, float] = {}
+        self.measured = Measured()  # what this trainer timed of each replica: its only routing input
         self.finished = False
         self.paused = False  # set by pause(): no new micro-batches; those in flight complete
         self.first_validation: tuple[int, float] | None = None
@@ -188,7 +191,7 @@ class PipelineTrainer:
     def _choose(self, stage: int, step: int) -> str | None:
         now = time.monotonic()
         avoid = {p for p, until in self.avoid.items() if until > now}
-        record = pick_server(self.view.replicas(stage, step), self.rng, avoid=avoid)
+        record = pick_server(self.view.replicas(stage, step), self.rng, avoid=avoid, measured=self.measured)
         return record.peer_id if record else None
 
     async def _call(self, stage: int, peer: str, method: str, request):
@@ -196,6 +199,7 @@ class PipelineTrainer:
             self.p2p, PeerID.from_base58(peer), namespace=pipeline_namespace(self.config.run_id, stage)
         )
         timeout = self.config.pipeline.request_timeout_s
+        started = time.monotonic()
         try:
             reply = await getattr(stub, method)(request, timeout=timeout)
         except asyncio.TimeoutError:
@@ -206,6 +210,7 @@ class PipelineTrainer:
             raise StageFailure(stage, peer, -1, f"call failed: {e!r}"[:300]) from None
         if reply.code != ppb.OK:
             raise StageFailure(stage, peer, reply.code, reply.error[:500], reply.step)
+        self.measured.record(peer, self.batch, time.monotonic() - started)
         return reply
 
     async def _attempt(self, mb: MicroBatch) -> float:
@@ -215,17 +220,24 @@ class PipelineTrainer:
             if peer is None:
                 raise StageFailure(stage, "-", ppb.BUSY, f"no replica of stage {stage} serves step {mb.step}")
             route.append(peer)
-        # The attempt number lets the stage's replicas keep only the latest copy of a retried micro-batch.
-        base = dict(run_id=self.config.run_id, step=mb.step, microbatch_id=mb.id, attempt=mb.attempts + 1)
+        # The attempt number lets the stage's replicas keep only the latest copy of a retried micro-batch;
+        # signed, so that only this trainer can retire a copy of its micro-batch.
+        attempt = min(mb.attempts + 1, MAX_ATTEMPT)
+        base = dict(run_id=self.config.run_id, step=mb.step, microbatch_id=mb.id, attempt=attempt)
+        signed = {
+            stage: sign_attempt(self.records.key, self.config.run_id, stage, mb.step, mb.id, attempt)
+            if attempt > 1 else b""
+            for stage in range(self.num_stages)
+        }  # fmt: skip
         hidden = encode_ids(mb.inputs)
         last = self.num_stages - 1
         for stage in range(last):
-            reply = await self._call(
-                stage, route[stage], "rpc_forward", ppb.ForwardRequest(stage=stage, inputs=hidden, **base)
-            )
+            request = ppb.ForwardRequest(stage=stage, inputs=hidden, attempt_signature=signed[stage], **base)
+            reply = await self._call(stage, route[stage], "rpc_forward", request)
             hidden = reply.outputs
         reply = await self._call(last, route[last], "rpc_forward",
-                                 ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets), **base))  # fmt: skip
+                                 ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets),
+                                                    attempt_signature=signed[last], **base))  # fmt: skip
         mb.counted_by[last] = route[last]
         loss, grad = reply.loss, reply.grad_inputs
         for stage in range(last - 1, -1, -1):
@@ -233,7 +245,7 @@ class PipelineTrainer:
                 stage,
                 route[stage],
                 "rpc_backward",
-                ppb.BackwardRequest(stage=stage, grad_outputs=grad, **base),
+                ppb.BackwardRequest(stage=stage, grad_outputs=grad, attempt_signature=signed[stage], **base),
             )
             mb.counted_by[stage] = route[stage]
             grad = reply.grad_inputs

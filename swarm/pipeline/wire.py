@@ -4,6 +4,10 @@ Hidden states and their gradients travel in the run's compression (fp16 by defau
 codec as averaging: saturating, little-endian); token IDs and targets as int64. Decoding checks the
 dtype, the rank and every dimension against what the receiver expects, the byte count, finiteness and
 the range of token IDs, and raises a ProtocolError that says which of them was wrong.
+
+A retry (attempt > 1) carries the trainer's signature of its attempt ticket (``attempt_ticket``): the
+stage's replicas drop an earlier copy of a micro-batch only on a ticket its own trainer signed, so
+nobody can retire another trainer's micro-batch.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import numpy as np
 import torch
 
 from protocols import pipeline_pb2 as ppb
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, SwarmError
+from protocols.keys import PublicKey, SigningKey
+from protocols.messages import MAX_ATTEMPT
 from swarm.averaging.compression import Codec
 from swarm.models.gpt import VOCAB_SIZE
 
@@ -89,3 +95,36 @@ def decode_ids(message: ppb.Tensor, expected: list[int | tuple[int, int]], *, wh
 
 def shape_of(message: ppb.Tensor) -> list[int]:
     return list(message.shape)
+
+
+def attempt_ticket(
+    run_id: str, stage: int, step: int, trainer: str, microbatch_id: int, attempt: int
+) -> bytes:
+    """What a trainer signs for attempt ``attempt`` of its micro-batch at one stage and step."""
+    return (
+        f"swarm-pipeline-attempt\0{run_id}\0{stage}\0{step}\0{trainer}\0{microbatch_id}\0{attempt}".encode()
+    )
+
+
+def sign_attempt(
+    key: SigningKey, run_id: str, stage: int, step: int, microbatch_id: int, attempt: int
+) -> bytes:
+    return key.sign(attempt_ticket(run_id, stage, step, key.peer_id, microbatch_id, attempt))
+
+
+def check_attempt(
+    run_id: str, stage: int, step: int, trainer: str, microbatch_id: int, attempt: int, signature: bytes
+) -> None:
+    """Raise a ProtocolError unless ``trainer`` signed this attempt (attempt 1 needs no signature)."""
+    if not 0 <= attempt <= MAX_ATTEMPT:
+        raise ProtocolError(f"attempt {attempt} is over the bound {MAX_ATTEMPT}")
+    if attempt <= 1:
+        return
+    try:
+        PublicKey.from_peer_id(trainer).verify(
+            signature, attempt_ticket(run_id, stage, step, trainer, microbatch_id, attempt)
+        )
+    except SwarmError as e:
+        raise ProtocolError(
+            f"attempt {attempt} of micro-batch {microbatch_id} is not signed by its trainer {trainer}: {e}"
+        ) from None

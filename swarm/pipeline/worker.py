@@ -146,6 +146,7 @@ class StageWorker(StageMoves):
         self.applied: dict[int, dict[int, float]] = {}
         self._serving = False  # announced as serving: handlers registered, state in line with the stage
         self._behind_since: float | None = None  # since when another stage is past this replica's step
+        self._held_since: float | None = None  # since when only in-flight claims hold a done step
         self._joining_at: int | None = None  # joined the stage at this step; serves from the next one
         self._leave_to: int | None = None  # the stage a requested move goes to
         self._leave_since = 0.0
@@ -308,7 +309,7 @@ class StageWorker(StageMoves):
         holder, decoded = loaded
         await r.compute(r.load, decoded.step, decoded.tensors)
         await r.commit()
-        self._step_view, self._step_since = self._views, time.monotonic()
+        self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["resyncs"] += 1
         logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder.to_base58()}")
         return True
@@ -329,11 +330,22 @@ class StageWorker(StageMoves):
             logger.warning(f"stage {r.index}: another stage has been past step {r.step} for a stall; closing it "
                            f"with the {r.samples} samples counted here")  # fmt: skip
             return True
-        return (
-            bool(trainers)
-            and done >= self.config.training.target_batch_size
-            and not any(t.in_flight for t in trainers)
-        )
+        if not trainers or done < self.config.training.target_batch_size:
+            self._held_since = None
+            return False
+        # Any peer may publish a trainer record: an in-flight claim holds the step only for a trainer whose
+        # micro-batches this replica served at this step, and for one request's timeout at most.
+        holding = [t.peer_id for t in trainers if t.in_flight and t.peer_id in r.served]
+        if not holding:
+            return True
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+        if now - self._held_since <= self.config.pipeline.request_timeout_s:
+            return False
+        logger.info(f"stage {r.index}: step {r.step} held by in-flight claims of {len(holding)} trainers for "
+                    f"{now - self._held_since:.1f}s; closing it")  # fmt: skip
+        return True
 
     def _left_behind(self) -> bool:
         """Every server of another stage is past this step, and has been for longer than a round may take:
@@ -375,10 +387,8 @@ class StageWorker(StageMoves):
                 break
             await asyncio.sleep(interval / 2)
             await self._refresh_view()
-        latest: dict[int, int] = {}
-        for x in others:
-            for key, attempt in x.retried if x.step == r.step else ():
-                latest[key] = max(latest.get(key, 0), attempt)
+        claims = [c for x in others if x.step == r.step for c in x.retried]
+        latest = await r.compute(r.superseding, claims) if claims else {}
         dropped = await r.compute(r.drop_superseded, latest) if latest else 0
         if dropped:
             self._stats["samples_dropped"] = self._stats.get("samples_dropped", 0.0) + dropped
@@ -409,7 +419,7 @@ class StageWorker(StageMoves):
             return  # a catch-up replaced the state meanwhile
         await r.compute(r.apply, result.vector)
         await r.commit()
-        self._step_view, self._step_since = self._views, time.monotonic()
+        self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["rounds_ok"] += 1
         self.applied.setdefault(r.index, {})[extra["step"]] = sum(group.weights)
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "

@@ -1,0 +1,216 @@
+"""The SWARM pipeline against one admitted attacker, with the real replica, server, worker and trainer.
+
+Each test mounts a named attack from ``swarm.byzantine.pipeline_attacks`` and asserts what the honest
+trainers and replicas care about: their own micro-batches counted and answered, their counts kept,
+their steps closed, their work routed by what they measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.p2p import P2PContext, PeerID
+
+from protocols import pipeline_pb2 as ppb
+from protocols.keys import SigningKey
+from protocols.messages import StageRecordBody
+from swarm.averaging.compression import get_codec
+from swarm.byzantine.attacks import make_attack
+from swarm.config import RunConfig
+from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.records import PipelineView, StageRecord, TrainerRecord
+from swarm.pipeline.replica import StageReplica
+from swarm.pipeline.server import StageServicer
+from swarm.pipeline.wire import encode_floats, encode_ids, sign_attempt
+
+pytestmark = pytest.mark.timeout(60)
+
+BATCH = 2
+HASH = "0" * 64
+
+
+def attack_run() -> RunConfig:
+    return RunConfig(
+        run_id="pipeline-attacks",
+        model={"name": "gpt", "config": {"d_model": 32, "n_layer": 2, "n_head": 2, "seq_len": 32}},
+        pipeline={"stages": 2, "request_timeout_s": 2.0, "announce_interval_s": 0.2},
+        training={"target_batch_size": 4, "micro_batch_size": BATCH},
+    )
+
+
+def last_stage_request(run: RunConfig, microbatch_id: int, seed: int, attempt: int = 0) -> ppb.ForwardRequest:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(BATCH, 32, 32, generator=generator)
+    targets = torch.randint(0, 256, (BATCH, 32), generator=generator)
+    return ppb.ForwardRequest(run_id=run.run_id, stage=1, step=0, microbatch_id=microbatch_id, attempt=attempt,
+                              inputs=encode_floats(hidden, get_codec(run.training.compression)),
+                              targets=encode_ids(targets))  # fmt: skip
+
+
+def serve(servicer: StageServicer, key: SigningKey, request: ppb.ForwardRequest) -> ppb.ForwardReply:
+    """The request as the server's handler sees it from ``key``'s peer (libp2p authenticates the caller)."""
+    me = PeerID.from_base58(SigningKey.generate().peer_id)
+    context = P2PContext("forward", me, PeerID.from_base58(key.peer_id))
+    torch.manual_seed(0)  # the same dropout draws for the honest call and its reference
+    return asyncio.run(servicer.rpc_forward(request, context))
+
+
+def test_front_runner_under_an_honest_trainers_id_gets_neither_its_count_nor_its_answer():
+    """Micro-batch IDs are public seeds. Before the fix, an attacker that called first under an honest
+    trainer's ID was counted instead of it, and the honest trainer got the attacker's grad_inputs back."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    honest, attacker = SigningKey.generate(), SigningKey.generate()
+    gate = PeerGate(None, run.run_id, None, allowed={honest.peer_id, attacker.peer_id})
+    replica, reference = StageReplica(run, 1), StageReplica(run, 1)
+    victim_id = 12345
+    mine = last_stage_request(run, victim_id, seed=1)
+    stolen = make_attack("front_runner", group_size=2, attackers=1).request_as(
+        last_stage_request(run, 999, seed=2), victim_id
+    )
+    try:
+        servicer = StageServicer(replica, gate)
+        assert serve(servicer, attacker, stolen).code == ppb.OK
+        answer = serve(servicer, honest, mine)
+        expected = serve(StageServicer(reference, gate), honest, mine)
+        assert answer.code == ppb.OK and answer.grad_inputs.data == expected.grad_inputs.data, (
+            "the honest trainer got another caller's grad_inputs for its micro-batch"
+        )
+        assert answer.loss == expected.loss
+        assert replica.samples == 2 * BATCH, "the honest micro-batch was not counted"
+        assert replica.stats["repeats"] == 0
+    finally:
+        replica.close()
+        reference.close()
+
+
+def settle(worker, claims: list[StageRecord]) -> int:
+    worker.view = PipelineView(holders={1: claims})
+    asyncio.run(worker._settle_duplicates())
+    return worker.replica.samples
+
+
+def stage_worker(run: RunConfig, replica: StageReplica):
+    from swarm.pipeline.worker import StageWorker
+
+    key = SigningKey.generate()
+    worker = StageWorker(run, None, peer_id=key.peer_id, stage=1, signing_key=key, rebalance=False)
+    worker.replica = replica
+    return worker
+
+
+def test_forged_retried_claims_drop_nothing_and_only_the_trainers_own_retry_does():
+    """Before the fix, a stage record claiming a later attempt of every honest micro-batch made the honest
+    replica drop all it counted (it then entered the stage round with weight 0)."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    trainer = SigningKey.generate()
+    replica = StageReplica(run, 1)
+    gate = PeerGate(None, run.run_id, None, allowed={trainer.peer_id})
+    try:
+        servicer = StageServicer(replica, gate)
+        for microbatch_id in (1, 2):
+            assert (
+                serve(servicer, trainer, last_stage_request(run, microbatch_id, seed=microbatch_id)).code
+                == ppb.OK
+            )
+        assert replica.samples == 2 * BATCH
+        attack = make_attack("forged_retried", group_size=3, attackers=1)
+        attack.victims = [(trainer.peer_id, 1), (trainer.peer_id, 2)]
+        liar = StageRecord(
+            SigningKey.generate().peer_id, 1, 0, 1.0, 0.0, HASH, HASH, time.time(), closing=True
+        )
+        forged = attack.announce(liar)
+        body = {"role": "stage", "stage": 1, "step": 0, "samples_per_s": 1.0, "load": 0.0, "state_hash": HASH,
+                "param_hash": HASH, "closing": True, "retried": [list(c) for c in forged.retried],
+                "expires_at": time.time() + 60}  # fmt: skip
+        StageRecordBody.model_validate(body)  # the forged record passes the schema: only signatures stop it
+        worker = stage_worker(run, replica)
+        assert settle(worker, [forged]) == 2 * BATCH, "a forged retry claim dropped honest samples"
+        # The trainer's own retry of micro-batch 2, counted elsewhere at attempt 2, does drop it here.
+        signature = sign_attempt(trainer, run.run_id, 1, 0, 2, 2)
+        genuine = StageRecord(liar.peer_id, 1, 0, 1.0, 0.0, HASH, HASH, time.time(), closing=True,
+                              retried=((trainer.peer_id, 2, 2, signature),))  # fmt: skip
+        assert settle(worker, [genuine]) == BATCH
+        over = StageRecord(liar.peer_id, 1, 0, 1.0, 0.0, HASH, HASH, time.time(), closing=True,
+                           retried=((trainer.peer_id, 1, 2, signature),))  # fmt: skip
+        assert settle(worker, [over]) == BATCH, "a signature of one micro-batch's attempt retired another"
+    finally:
+        replica.close()
+
+
+def test_a_retry_without_its_trainers_signature_is_refused_by_name():
+    torch.set_num_threads(1)
+    run = attack_run()
+    trainer, attacker = SigningKey.generate(), SigningKey.generate()
+    replica = StageReplica(run, 1)
+    gate = PeerGate(None, run.run_id, None, allowed={trainer.peer_id, attacker.peer_id})
+    try:
+        request = last_stage_request(run, 7, seed=7, attempt=3)
+        request.attempt_signature = sign_attempt(attacker, run.run_id, 1, 0, 7, 3)
+        reply = serve(StageServicer(replica, gate), trainer, request)
+        assert reply.code == ppb.BAD_REQUEST and "not signed by its trainer" in reply.error
+        request.attempt_signature = sign_attempt(trainer, run.run_id, 1, 0, 7, 3)
+        assert serve(StageServicer(replica, gate), trainer, request).code == ppb.OK
+        assert replica.retried() == [(trainer.peer_id, 7, 3, request.attempt_signature)]
+    finally:
+        replica.close()
+
+
+def test_stuck_in_flight_holds_a_done_step_only_for_a_served_trainer_and_only_for_a_timeout():
+    """Before the fix, one trainer record claiming a micro-batch in flight kept every stage from closing
+    its step, forever."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    replica = StageReplica(run, 1)
+    try:
+        worker = stage_worker(run, replica)
+        worker._views = 1
+        honest = TrainerRecord(
+            SigningKey.generate().peer_id, 0, run.training.target_batch_size, 0, time.time()
+        )
+        attacker = SigningKey.generate().peer_id
+        stuck = make_attack("stuck_in_flight", group_size=2, attackers=1).announce(
+            TrainerRecord(attacker, 0, 0, 0, time.time())
+        )
+        assert stuck.in_flight == 1
+        worker.view = PipelineView(trainers=[honest, stuck])
+        assert worker._ready_to_step(), "a trainer this stage never served held its step"
+        replica.served.add(attacker)  # it did send a micro-batch here: its claim holds the step, bounded
+        started = time.monotonic()
+        assert not worker._ready_to_step()
+        limit_s = run.pipeline.request_timeout_s
+        while not worker._ready_to_step() and time.monotonic() - started < 3 * limit_s:
+            time.sleep(0.05)
+        held = time.monotonic() - started
+        assert limit_s <= held < 2 * limit_s, f"the claim held the step for {held:.1f}s"
+    finally:
+        replica.close()
+
+
+def test_a_replica_claiming_1e12_samples_per_s_gets_only_what_the_trainer_measured():
+    """Before the fix, a replica announcing 1e12 samples/s got every micro-batch (share 1.0 of 2,000)."""
+    from swarm.pipeline.trainer import PipelineTrainer
+
+    key = SigningKey.generate()
+    trainer = PipelineTrainer(attack_run(), None, peer_id=key.peer_id, seed=0, signing_key=key)
+    honest = [
+        StageRecord(SigningKey.generate().peer_id, 0, 0, 50.0, 0.5, HASH, HASH, time.time()) for _ in range(2)
+    ]
+    liar = make_attack("stage_throughput_lie", group_size=3, attackers=1).announce(
+        StageRecord(SigningKey.generate().peer_id, 0, 0, 50.0, 0.5, HASH, HASH, time.time())
+    )
+    assert liar.samples_per_s == 1e12
+    trainer.view = PipelineView(stages={0: [*honest, liar]})
+
+    def share(picks: int = 2000) -> float:
+        return sum(trainer._choose(0, 0) == liar.peer_id for _ in range(picks)) / picks
+
+    assert share() < 0.45, "the self-reported rate routed the trainer's work"
+    for record in honest:  # measured: honest replicas at 50 samples/s, the liar 1,000x faster
+        trainer.measured.record(record.peer_id, BATCH, BATCH / 50.0)
+    trainer.measured.record(liar.peer_id, BATCH, BATCH / 50_000.0)
+    assert share() < 0.55, "a replica got more than twice the median replica's share"
