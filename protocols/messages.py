@@ -26,6 +26,8 @@ PROGRESS_RECORD = "progress-record"
 PIPELINE_RECORD = "pipeline-record"
 MEMBER_RECORD = "member-record"
 CHECKPOINT_RECORD = "checkpoint-record"
+# A matchmaking declaration: "this peer leads/looks for a group under this key until then" (swarm.averaging.declarations).
+GROUP_DECLARATION = "group-declaration"
 
 CHALLENGE_BYTES = 32
 # A ban list page stays under 16 KiB (see swarm.bans); 128 pages hold 25,600 peer IDs.
