@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+import hivemind.dht.node
 import hivemind.dht.protocol
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import RecordValidatorBase
 
 from protocols.errors import ConfigError, NetworkError
@@ -39,9 +42,26 @@ def listen_maddr(host: str, port: int) -> str:
     return f"/ip{address.version}/{address}/tcp/{port}"
 
 
+class CheckedProtocol(DHTProtocol):
+    """hivemind's DHT protocol that refuses an empty dictionary, in a store or in a node's answer.
+
+    An empty dictionary passes every record validator (it holds no record to check), and hivemind's
+    lookup keeps whichever answer expires last: a node that answered with an empty dictionary expiring in
+    30 years would hide a key's real value (the ban list, a checkpoint record) from every reader that
+    asks it. Honest nodes never send one: a dictionary expires with its last entry.
+    """
+
+    def _validate_dictionary(self, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
+        with dictionary.freeze():
+            if not dictionary.data:
+                return False
+        return super()._validate_dictionary(key_bytes, dictionary)
+
+
 class SpawnedDHT(hivemind.DHT):
     """hivemind's DHT in a spawned (not forked) child that exits when its parent dies, even by SIGKILL,
-    and keeps no more for others than its ``storage_limits`` (``swarm.dhtstorage``)."""
+    keeps no more for others than its ``storage_limits`` (``swarm.dhtstorage``) and refuses empty
+    dictionaries (``CheckedProtocol``)."""
 
     storage_limits = StorageLimits()
 
@@ -50,10 +70,11 @@ class SpawnedDHT(hivemind.DHT):
         return SpawnPopen(process_obj)
 
     def run(self) -> None:
-        # hivemind's protocol builds its storage and cache from this module-level name and takes no
-        # storage argument; this runs in the DHT's own child process, so nothing else sees the change.
+        # hivemind builds its protocol, storage and cache from these module-level names and takes no
+        # argument for them; this runs in the DHT's own child process, so nothing else sees the change.
         BoundedStorage.limits = self.storage_limits
         hivemind.dht.protocol.DHTLocalStorage = BoundedStorage
+        hivemind.dht.node.DHTProtocol = CheckedProtocol
         parent = os.getppid()
 
         def watch_parent() -> None:

@@ -13,16 +13,18 @@ import pytest
 import torch
 from helpers import stock_dht
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.timed_storage import TimedStorage
 
 from protocols.envelope import seal
 from protocols.keys import SigningKey
 from protocols.messages import CHECKPOINT_RECORD, MAX_BAN_PAGES
 from swarm.averaging.averager import Averager
 from swarm.averaging.declarations import matchmaking_key, seal_declaration
-from swarm.bans import ban_list_key
+from swarm.bans import ban_list_key, fetch_ban_list, publish_ban_list
 from swarm.config import PipelineConfig
 from swarm.dht import start_local_dhts, visible_maddrs
 from swarm.dhtstorage import BoundedStorage, StorageLimits, storage_usage
@@ -94,6 +96,38 @@ def test_a_strangers_stores_are_refused_and_honest_peers_still_average(tmp_path)
         # What the honest nodes keep now is the two signed declarations, nothing of the stranger's.
         entries = sum(dht.run_coroutine(storage_usage)[0] for dht, _ in honest)
         assert 0 < entries <= 2 * 3
+    finally:
+        stranger.shutdown()
+        for dht, _ in honest:
+            dht.shutdown()
+
+
+async def _plant_empty_dictionary(dht, node, *, key: str, expiration_time: float) -> None:
+    """What an attacker's node runs: hold an empty dictionary under ``key``, to answer lookups with it."""
+    TimedStorage.store(
+        node.protocol.storage, DHTID.generate(source=key), DictionaryDHTValue(), expiration_time
+    )
+
+
+@pytest.mark.timeout(150)
+def test_an_empty_dictionary_from_a_strangers_node_does_not_hide_the_ban_list(tmp_path):
+    coordinator = SigningKey.generate()
+    honest = start_local_dhts(3, tmp_path, validators=[RunValidator(RUN, coordinator.public_key)])
+    stranger = stock_dht(visible_maddrs(honest[0][0]))
+    try:
+        banned = {SigningKey.generate().peer_id}
+        assert asyncio.run(
+            publish_ban_list(honest[0][0], coordinator, RUN, banned, changed_at=time.time(), ttl_s=60)
+        )
+        far = get_dht_time() + THIRTY_YEARS_S
+        stranger.run_coroutine(
+            functools.partial(_plant_empty_dictionary, key=ban_list_key(RUN), expiration_time=far)
+        )
+        for dht, _ in honest[1:]:
+            found = asyncio.run(fetch_ban_list(dht, RUN, coordinator.public_key))
+            assert found is not None and found[1] == banned, (
+                "the stranger's empty dictionary hid the ban list"
+            )
     finally:
         stranger.shutdown()
         for dht, _ in honest:
