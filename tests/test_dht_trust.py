@@ -4,10 +4,12 @@ has a check, and every other key is refused."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import functools
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,6 +185,49 @@ def test_every_key_the_run_uses_has_a_check_and_every_other_key_is_refused():
     assert not validator.validate(
         _record(record_key(stage, "checkpoint"), seal(signer, CHECKPOINT_RECORD, RUN, body), now + 60)
     ), "a checkpoint record signed for the run passed as a stage's"
+
+
+# The functions whose keys ``run_keys`` lists (see the test above), and the one name hivemind's
+# matchmaking passes its key under (``SignedGroupKeyManager.declare_averager``'s ``group_key``).
+KEY_FUNCTIONS = {
+    "record_key",
+    "ban_list_key",
+    "checkpoint_key",
+    "members_key",
+    "progress_key",
+    "pipeline_key",
+}
+KEY_NAMES = {"group_key"}
+
+
+@pytest.mark.timeout(30)
+def test_every_dht_store_in_the_code_uses_a_listed_key():
+    """A new ``dht.store`` under a key built some other way fails here until its key is listed in
+    ``swarm.keyspace.run_keys`` (and given a check) and its function added above."""
+    root = Path(__file__).resolve().parents[1]
+    stores = []
+    for package in ("swarm", "peer", "coordinator", "lab"):
+        for path in sorted((root / package).rglob("*.py")):
+            if "byzantine" in path.parts:  # rehearsed attacks store junk on purpose
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                receiver = node.func.value
+                named_dht = isinstance(receiver, ast.Name) and receiver.id == "dht"
+                if node.func.attr != "store" or not (named_dht or getattr(receiver, "attr", None) == "dht"):
+                    continue
+                key = node.args[0] if node.args else next(k.value for k in node.keywords if k.arg == "key")
+                built_by = getattr(getattr(key, "func", None), "id", None) or getattr(key, "id", None)
+                stores.append((f"{path.relative_to(root)}:{node.lineno}", built_by))
+    assert len(stores) >= 5, stores
+    for where, built_by in stores:
+        assert built_by in KEY_FUNCTIONS | KEY_NAMES, (
+            f"{where} stores under a key swarm.keyspace does not list"
+        )
+    assert {record_key(RUN, kind) for kind in ("progress", "pipeline", "members", "checkpoint")} <= set(
+        run_keys(RUN)
+    )
 
 
 @pytest.mark.timeout(30)
