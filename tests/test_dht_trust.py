@@ -55,9 +55,17 @@ async def _flood(dht, node, *, count: int, size: int, expiration_time: float) ->
         await node.store(os.urandom(16).hex(), os.urandom(size), expiration_time)
 
 
+async def _plant_empty_dictionary(dht, node, *, key: str, expiration_time: float) -> None:
+    """What an attacker's node runs: hold an empty dictionary under ``key``, to answer lookups with it."""
+    TimedStorage.store(
+        node.protocol.storage, DHTID.generate(source=key), DictionaryDHTValue(), expiration_time
+    )
+
+
 @pytest.mark.timeout(150)
 def test_a_strangers_stores_are_refused_and_honest_peers_still_average(tmp_path):
-    honest = start_local_dhts(3, tmp_path, validators=[RunValidator(RUN, None)])
+    coordinator = SigningKey.generate()
+    honest = start_local_dhts(3, tmp_path, validators=[RunValidator(RUN, coordinator.public_key)])
     stranger = stock_dht(visible_maddrs(honest[0][0]))
     try:
         far = get_dht_time() + THIRTY_YEARS_S
@@ -75,6 +83,20 @@ def test_a_strangers_stores_are_refused_and_honest_peers_still_average(tmp_path)
             entries, nbytes = dht.run_coroutine(storage_usage)
             assert (entries, nbytes) == (0, 0), "an honest node kept something a stranger stored"
         assert honest[1][0].get(matchmaking_key(RUN), latest=True) is None
+
+        # (d) an empty dictionary expiring last, served by the stranger's node, would hide the ban list.
+        banned = {SigningKey.generate().peer_id}
+        assert asyncio.run(
+            publish_ban_list(honest[0][0], coordinator, RUN, banned, changed_at=time.time(), ttl_s=60)
+        )
+        stranger.run_coroutine(
+            functools.partial(_plant_empty_dictionary, key=ban_list_key(RUN), expiration_time=far)
+        )
+        for dht, _ in honest[1:]:
+            found = asyncio.run(fetch_ban_list(dht, RUN, coordinator.public_key))
+            assert found is not None and found[1] == banned, (
+                "the stranger's empty dictionary hid the ban list"
+            )
 
         keys = {d.peer_id.to_base58(): k for d, k in honest}
 
@@ -95,41 +117,11 @@ def test_a_strangers_stores_are_refused_and_honest_peers_still_average(tmp_path)
         assert len(group.peer_ids) == 2 and first.complete and second.complete
         assert torch.equal(first.vector, second.vector), "the two honest peers must hold the same bits"
         assert torch.allclose(first.vector, torch.full((NUMEL,), 0.5), atol=1e-3)
-        # What the honest nodes keep now is the two signed declarations, nothing of the stranger's.
-        entries = sum(dht.run_coroutine(storage_usage)[0] for dht, _ in honest)
-        assert 0 < entries <= 2 * 3
-    finally:
-        stranger.shutdown()
-        for dht, _ in honest:
-            dht.shutdown()
-
-
-async def _plant_empty_dictionary(dht, node, *, key: str, expiration_time: float) -> None:
-    """What an attacker's node runs: hold an empty dictionary under ``key``, to answer lookups with it."""
-    TimedStorage.store(
-        node.protocol.storage, DHTID.generate(source=key), DictionaryDHTValue(), expiration_time
-    )
-
-
-@pytest.mark.timeout(150)
-def test_an_empty_dictionary_from_a_strangers_node_does_not_hide_the_ban_list(tmp_path):
-    coordinator = SigningKey.generate()
-    honest = start_local_dhts(3, tmp_path, validators=[RunValidator(RUN, coordinator.public_key)])
-    stranger = stock_dht(visible_maddrs(honest[0][0]))
-    try:
-        banned = {SigningKey.generate().peer_id}
-        assert asyncio.run(
-            publish_ban_list(honest[0][0], coordinator, RUN, banned, changed_at=time.time(), ttl_s=60)
-        )
-        far = get_dht_time() + THIRTY_YEARS_S
-        stranger.run_coroutine(
-            functools.partial(_plant_empty_dictionary, key=ban_list_key(RUN), expiration_time=far)
-        )
-        for dht, _ in honest[1:]:
-            found = asyncio.run(fetch_ban_list(dht, RUN, coordinator.public_key))
-            assert found is not None and found[1] == banned, (
-                "the stranger's empty dictionary hid the ban list"
-            )
+        # The honest nodes keep the ban list page and two declarations (each in storage and cache at most),
+        # none of the stranger's 16 MiB.
+        usage = [dht.run_coroutine(storage_usage) for dht, _ in honest]
+        assert 0 < sum(entries for entries, _ in usage) <= 3 * 3 * 2
+        assert sum(nbytes for _, nbytes in usage) < 64 << 10
     finally:
         stranger.shutdown()
         for dht, _ in honest:
