@@ -207,6 +207,14 @@ class CheckpointRecordBody(_Body):
     expires_at: Expiry
 
 
+class DeclarationBody(_Body):
+    """A matchmaking declaration in the DHT (purpose ``group-declaration``, signed by the declaring peer,
+    bound to the matchmaking key): whether it still looks for a group, and until when."""
+
+    looking: bool
+    expires_at: Expiry
+
+
 Body = TypeVar("Body", bound=_Body)
 
 

@@ -28,12 +28,11 @@ from hivemind.averaging.key_manager import GroupKey, GroupKeyManager
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import DHTExpiration, get_dht_time
-from pydantic import BaseModel, ConfigDict, Field
 
 from protocols.envelope import MAX_CLOCK_SKEW_S, open_envelope, seal
 from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import SigningKey
-from protocols.messages import GROUP_DECLARATION, parse_body
+from protocols.messages import GROUP_DECLARATION, DeclarationBody, parse_body
 
 # A declaration lives until its group's window closes: at most ``matchmaking_time_s`` (300 s) ahead.
 MAX_DECLARATION_TTL_S = 360.0
@@ -45,15 +44,6 @@ EXPIRY_SLACK_S = 1e-3
 MAX_SUBKEY_BYTES = 64
 
 logger = logging.getLogger(__name__)
-
-
-class DeclarationBody(BaseModel):
-    """What a declaring peer signs: whether it still looks for a group, and until when."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-    looking: bool = Field(description="True: lead or join a group now; False: withdrawn")
-    expires_at: float = Field(allow_inf_nan=False, description="the latest expiry the DHT may store")
 
 
 def matchmaking_key(prefix: str) -> GroupKey:
