@@ -31,12 +31,12 @@ from coordinator.metrics import MetricsLogger, history_point, run_snapshot
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from protocols.errors import ConfigError, NetworkError
-from swarm.bans import MAX_BANNED, BanPageValidator, publish_ban_list
+from swarm.bans import MAX_BANNED, publish_ban_list
 from swarm.components import check_components
 from swarm.config import RunConfig
 from swarm.dht import start_dht, visible_maddrs
 from swarm.identity import load_or_create_identity
-from swarm.records import TrustValidator
+from swarm.keyspace import RunValidator
 from swarm.rpc import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -110,10 +110,7 @@ class CoordinatorNode:
                 port=config.dht_port,
                 initial_peers=[],
                 upnp=config.upnp,
-                validators=[
-                    TrustValidator(run.run_id, key.public_key),
-                    BanPageValidator(run.run_id, key.public_key),
-                ],
+                validators=[RunValidator(run.run_id, key.public_key)],
             )
             self.dht_initial_peers = visible_maddrs(self._dht)
             keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")

@@ -39,7 +39,6 @@ from protocols.errors import (
 )
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import MAX_SUSPECT_REPORTS
-from swarm.bans import BanPageValidator
 from swarm.byzantine.attacks import make_attack
 from swarm.components import check_components
 from swarm.config import RunConfig
@@ -47,10 +46,11 @@ from swarm.coordinator_client import Admission, CoordinatorClient
 from swarm.data import derive_seed
 from swarm.dht import start_dht
 from swarm.identity import load_or_create_identity
+from swarm.keyspace import RunValidator
 from swarm.membership import fetch_members, publish_certificate
 from swarm.pipeline.trainer import PipelineTrainer
 from swarm.pipeline.worker import StageWorker, available_memory_bytes
-from swarm.records import RecordSigner, TrustValidator
+from swarm.records import RecordSigner
 from swarm.training.diloco import trainer_class
 from swarm.training.precision import check_precision
 from swarm.training.trainer import Trainer
@@ -389,10 +389,7 @@ class Volunteer:
                 port=config.port,
                 initial_peers=admission.dht_initial_peers,
                 upnp=config.upnp,
-                validators=[
-                    TrustValidator(self.run_config.run_id, self.coordinator_key),
-                    BanPageValidator(self.run_config.run_id, self.coordinator_key),
-                ],
+                validators=[RunValidator(self.run_config.run_id, self.coordinator_key)],
                 client_mode=not self.dialable,
             )
             self.records = RecordSigner(self.key, self.certificate.encoded)

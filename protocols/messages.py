@@ -26,6 +26,8 @@ PROGRESS_RECORD = "progress-record"
 PIPELINE_RECORD = "pipeline-record"
 MEMBER_RECORD = "member-record"
 CHECKPOINT_RECORD = "checkpoint-record"
+# A matchmaking declaration: "this peer leads/looks for a group under this key until then" (swarm.averaging.declarations).
+GROUP_DECLARATION = "group-declaration"
 
 CHALLENGE_BYTES = 32
 # A ban list page stays under 16 KiB (see swarm.bans); 128 pages hold 25,600 peer IDs.
@@ -221,6 +223,14 @@ class CheckpointRecordBody(_Body):
 
     step: Count
     state_hash: Hash
+    expires_at: Expiry
+
+
+class DeclarationBody(_Body):
+    """A matchmaking declaration in the DHT (purpose ``group-declaration``, signed by the declaring peer,
+    bound to the matchmaking key): whether it still looks for a group, and until when."""
+
+    looking: bool
     expires_at: Expiry
 
 

@@ -8,7 +8,9 @@
 - ``membership``: verified peer certificates published in the DHT
 - ``records``: signed DHT records, the one trust boundary for everything read from the run's DHT
 - ``bans``: the coordinator-signed ban list, published in pages in the DHT and enforced by every peer
+- ``keyspace``: every DHT key a run uses, each with its check (``RunValidator``); other keys are refused
 - ``dht``: starting hivemind's DHT under a swarm identity
+- ``dhtstorage``: ``BoundedStorage``, what a DHT node keeps for others, bounded in total and per signer
 - ``hivemind_import``: hivemind imported once, with its one import-time torch warning filtered
 - ``registry``: named registries with typed configs (shared by models and datasets)
 - ``models``: the model registry and the built-in byte-level ``gpt``

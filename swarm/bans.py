@@ -11,9 +11,9 @@ keeps the list it had. Readers look at page 0 first and fetch the other pages on
 a list they have not assembled yet, so an unchanged list costs one lookup however long it is.
 
 Page 0 is a run record that ``swarm.records.TrustValidator`` checks on every DHT node; pages 1 and on
-are checked by ``BanPageValidator``, which every node that stores records must run beside it, or a
-stranger could store junk that outlives the real page under ``<run>.bans.k`` and keep long lists from
-ever assembling again.
+are checked by ``BanPageValidator``; ``swarm.keyspace.RunValidator`` routes each page's key to its check,
+or a stranger could store junk that outlives the real page under ``<run>.bans.k`` and keep long lists
+from ever assembling again.
 
 Pages are small because a value stored through hivemind's DHT crosses a pipe into the DHT process,
 and a message over 16 KiB reaches it in two writes that the DHT process can read half of under load.
@@ -133,7 +133,8 @@ def assemble_ban_list(
 class BanPageValidator(RecordValidatorBase):
     """hivemind record validator for pages 1 and on of one run's ban list: each must be a page of that
     number signed by the coordinator (any key when the node knows none), one value with no subkey, and
-    expire within ``MAX_PAGE_TTL_S`` of its signature. Other keys pass through.
+    expire within ``MAX_PAGE_TTL_S`` of its signature. Other keys pass through: a DHT node runs it inside
+    ``swarm.keyspace.RunValidator``, which refuses every key the run does not use.
 
     Picklable (plain attributes only): the DHT runs it in its spawned child process.
     """
@@ -148,8 +149,10 @@ class BanPageValidator(RecordValidatorBase):
 
     def validate(self, record: DHTRecord) -> bool:
         page = self.pages.get(record.key)
-        if page is None:
-            return True
+        return True if page is None else self.check(record, page)
+
+    def check(self, record: DHTRecord, page: int) -> bool:
+        """Whether ``record`` is page ``page`` of the run's ban list, signed by the coordinator."""
         try:
             if record.subkey != _REGULAR_SUBKEY or len(record.value) > MAX_PAGE_BYTES:
                 raise ProtocolError("not a single value of at most 16 KiB")

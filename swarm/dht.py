@@ -2,7 +2,8 @@
 
 hivemind runs its DHT in a child process. We start that child with ``spawn`` rather than ``fork``:
 our processes already run grpc and executor threads when the DHT starts, and a child forked from a
-threaded process can hang on a lock some other thread held at the moment of the fork.
+threaded process can hang on a lock some other thread held at the moment of the fork. The child keeps
+no more for others than its ``StorageLimits`` (``swarm.dhtstorage``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+import hivemind.dht.node
+import hivemind.dht.protocol
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import RecordValidatorBase
 
 from protocols.errors import ConfigError, NetworkError
 from protocols.keys import SigningKey
+from swarm.dhtstorage import BoundedStorage, StorageLimits
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +42,39 @@ def listen_maddr(host: str, port: int) -> str:
     return f"/ip{address.version}/{address}/tcp/{port}"
 
 
+class CheckedProtocol(DHTProtocol):
+    """hivemind's DHT protocol that refuses an empty dictionary, in a store or in a node's answer.
+
+    An empty dictionary passes every record validator (it holds no record to check), and hivemind's
+    lookup keeps whichever answer expires last: a node that answered with an empty dictionary expiring in
+    30 years would hide a key's real value (the ban list, a checkpoint record) from every reader that
+    asks it. Honest nodes never send one: a dictionary expires with its last entry.
+    """
+
+    def _validate_dictionary(self, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
+        with dictionary.freeze():
+            if not dictionary.data:
+                return False
+        return super()._validate_dictionary(key_bytes, dictionary)
+
+
 class SpawnedDHT(hivemind.DHT):
-    """hivemind's DHT in a spawned (not forked) child that exits when its parent dies, even by SIGKILL."""
+    """hivemind's DHT in a spawned (not forked) child that exits when its parent dies, even by SIGKILL,
+    keeps no more for others than its ``storage_limits`` (``swarm.dhtstorage``) and refuses empty
+    dictionaries (``CheckedProtocol``)."""
+
+    storage_limits = StorageLimits()
 
     @staticmethod
     def _Popen(process_obj: hivemind.DHT) -> SpawnPopen:
         return SpawnPopen(process_obj)
 
     def run(self) -> None:
+        # hivemind builds its protocol, storage and cache from these module-level names and takes no
+        # argument for them; this runs in the DHT's own child process, so nothing else sees the change.
+        BoundedStorage.limits = self.storage_limits
+        hivemind.dht.protocol.DHTLocalStorage = BoundedStorage
+        hivemind.dht.node.DHTProtocol = CheckedProtocol
         parent = os.getppid()
 
         def watch_parent() -> None:
@@ -70,8 +101,9 @@ def start_dht(
 ) -> hivemind.DHT:
     """Start a DHT node whose libp2p identity is ``identity_path`` (which must hold ``key``).
 
-    ``validators`` check every record this node stores or receives: pass ``swarm.records.TrustValidator``
-    for the run, so the node refuses unsigned records and far-future values under the run's keys.
+    ``validators`` check every record this node stores or receives: pass ``swarm.keyspace.RunValidator``
+    for the run, so the node refuses every key the run does not use, and unsigned records and far-future
+    values under the keys it does.
     ``client_mode``: this machine cannot be dialed (behind NAT), so it stores nothing for others and
     only asks; others do not list it in their routing tables (hivemind's DHT client mode)."""
     dht = _spawn_dht(
@@ -81,7 +113,13 @@ def start_dht(
     return _await_dht(dht, key, f"{host}:{port}", timeout_s=2 * startup_timeout_s)
 
 
-def _spawn_dht(identity_path: Path, host: str, port: int, **hivemind_options: Any) -> SpawnedDHT:
+def _spawn_dht(
+    identity_path: Path,
+    host: str,
+    port: int,
+    storage_limits: StorageLimits | None = None,
+    **hivemind_options: Any,
+) -> SpawnedDHT:
     """The DHT's child process, started (``hivemind_options``: ``hivemind.DHT``'s own arguments, such as
     ``initial_peers``); ``_await_dht`` waits for it and checks its identity."""
     dht = SpawnedDHT(
@@ -92,6 +130,8 @@ def _spawn_dht(identity_path: Path, host: str, port: int, **hivemind_options: An
         start=False,
         **hivemind_options,
     )
+    if storage_limits is not None:
+        dht.storage_limits = storage_limits
     try:
         dht.run_in_background(await_ready=False)
     except Exception as e:
@@ -122,9 +162,11 @@ def start_local_dhts(
     *,
     initial_peers: list[str] | None = None,
     validators: Sequence[RecordValidatorBase] = (),
+    storage_limits: StorageLimits | None = None,
 ) -> list[tuple[hivemind.DHT, SigningKey]]:
     """``count`` DHT nodes on loopback, each under a fresh identity in ``home`` (for local rehearsals,
-    benchmarks and tests: a peer signs its records with the key of its DHT's peer ID)."""
+    benchmarks and tests: a peer signs its records with the key of its DHT's peer ID), each keeping at
+    most ``storage_limits`` (default: ``StorageLimits()``)."""
     from swarm.identity import create_identity
 
     def identity() -> tuple[Path, SigningKey]:
@@ -134,16 +176,22 @@ def start_local_dhts(
     nodes: list[tuple[hivemind.DHT, SigningKey]] = []
     if count > 0 and not initial_peers:  # the others bootstrap from the first
         path, key = identity()
-        nodes.append(
-            (start_dht(key, path, host="127.0.0.1", port=0, initial_peers=[], validators=validators), key)
+        dht = _spawn_dht(
+            path, "127.0.0.1", 0, storage_limits, initial_peers=[], record_validators=list(validators)
         )
+        nodes.append((_await_dht(dht, key, "127.0.0.1", timeout_s=60.0), key))
         initial_peers = visible_maddrs(nodes[0][0])
     # The rest start at once: each child process spends most of its start importing, so on a multi-core
     # machine they overlap.
     spawned = []
     for path, key in [identity() for _ in range(count - len(nodes))]:
         dht = _spawn_dht(
-            path, "127.0.0.1", 0, initial_peers=initial_peers, record_validators=list(validators)
+            path,
+            "127.0.0.1",
+            0,
+            storage_limits,
+            initial_peers=initial_peers,
+            record_validators=list(validators),
         )
         spawned.append((dht, key))
     ready: list[tuple[hivemind.DHT, SigningKey]] = []

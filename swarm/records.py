@@ -9,9 +9,9 @@ signer, with an expiration no later than ``MAX_TTL_S[kind]`` after it was signed
   certificate, so anyone holding the coordinator key checks admission offline;
 - run records (``checkpoint``, ``bans``) are single values signed by the coordinator key.
 
-``TrustValidator`` enforces this inside every DHT the project starts (hivemind calls it when a node
-asks us to store a record and when a node answers our query), so honest nodes refuse junk and
-far-future values. An attacker's own node skips validators, so readers check every record again with
+``TrustValidator`` enforces this inside every DHT the project starts (through
+``swarm.keyspace.RunValidator``; hivemind calls it when a node asks us to store a record and when a node
+answers our query), so honest nodes refuse junk and far-future values. An attacker's own node skips validators, so readers check every record again with
 ``open_peer_record``/``open_run_record`` and also drop records of banned peers (``RecordTrust``).
 Without a coordinator key (a local run with no admission) a record needs a valid signature only.
 """
@@ -199,8 +199,10 @@ def open_run_record(
 
 
 class TrustValidator(RecordValidatorBase):
-    """hivemind record validator for one run's keys; other keys (e.g. matchmaking) pass through.
+    """hivemind record validator for one run's signed records (``VALIDATED_KINDS``).
 
+    It checks only its own keys and passes others: a DHT node runs it inside ``swarm.keyspace.RunValidator``,
+    which routes every key the run uses to its check and refuses every other key.
     Picklable (plain attributes only): the DHT runs it in its spawned child process.
     """
 
@@ -213,8 +215,11 @@ class TrustValidator(RecordValidatorBase):
 
     def validate(self, record: DHTRecord) -> bool:
         kind = self.kinds.get(record.key)
-        if kind is None:
-            return True
+        return True if kind is None else self.check(record, kind, self.run_id)
+
+    def check(self, record: DHTRecord, kind: str, run_id: str) -> bool:
+        """Whether ``record`` is a valid ``kind`` record signed for ``run_id`` (the run, or a stage prefix
+        for a stage's checkpoint record)."""
         coordinator_key = PublicKey(self.coordinator_raw) if self.coordinator_raw is not None else None
         try:
             if len(record.value) > MAX_RUN_RECORD_BYTES + 64:
@@ -223,14 +228,14 @@ class TrustValidator(RecordValidatorBase):
             if kind in RUN_KINDS:
                 if record.subkey != _REGULAR_SUBKEY:
                     raise ProtocolError("a run record has no subkeys")
-                open_run_record(kind, self.run_id, value, record.expiration_time, coordinator_key)
+                open_run_record(kind, run_id, value, record.expiration_time, coordinator_key)
             else:
                 if record.subkey == _REGULAR_SUBKEY:
                     raise ProtocolError("a per-peer record needs a subkey")
                 subkey = MSGPackSerializer.loads(record.subkey)
-                open_peer_record(kind, self.run_id, subkey, value, record.expiration_time, coordinator_key)
+                open_peer_record(kind, run_id, subkey, value, record.expiration_time, coordinator_key)
         except Exception as e:  # anything a stranger's bytes can raise: refuse the record, never crash
-            logger.debug(f"refusing a {kind} record of run {self.run_id!r}: {e}")
+            logger.debug(f"refusing a {kind} record of {run_id!r}: {e}")
             return False
         return True
 

@@ -1,8 +1,8 @@
 """Averaging rounds among the peers of a run: hivemind's matchmaking finds the group, our runner reduces.
 
 ``Averager`` lives in the peer's own event loop and talks through a replica of the DHT's libp2p
-daemon. It registers two handlers under the run's prefix: matchmaking (hivemind's) and the all-reduce
-parts (``ButterflyAllReduce``). Given the peer's signing key it also listens for part streams on a TCP
+daemon. It registers two handlers under the run's prefix: matchmaking (hivemind's, declaring under one
+fixed key with signed values: ``declarations``) and the all-reduce parts (``ButterflyAllReduce``). Given the peer's signing key it also listens for part streams on a TCP
 data address, announced to its groupmates in the matchmaking data (see ``transport``), and signs its
 matchmaking entry. Its ``PeerPolicy`` says whom it may meet: matchmaking neither leads nor follows a
 peer the policy refuses, and every group is checked before its round (``groups.check_group``). Build
@@ -50,6 +50,7 @@ from swarm.averaging.allreduce import (
 )
 from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
 from swarm.averaging.deadlines import Throughput, round_mbit, transfer_deadline_s
+from swarm.averaging.declarations import SignedGroupKeyManager
 from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
 from swarm.averaging.groups import (
     GroupEntryBody,
@@ -114,10 +115,16 @@ class RunMatchmaking(Matchmaking):
     """hivemind's matchmaking that neither leads nor follows a peer its ``PeerPolicy`` refuses
     (uncertified, banned or suspect), and remembers who led the last group it was in."""
 
-    def __init__(self, *args, policy: PeerPolicy, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, p2p, schema_hash, dht, *, policy: PeerPolicy, signing_key: SigningKey | None, **kwargs
+    ):
+        super().__init__(p2p, schema_hash, dht, **kwargs)
         self.policy = policy
         self.leader: PeerID | None = None
+        if signing_key is not None:  # the run's DHT nodes refuse hivemind's unsigned declarations
+            self.group_key_manager = SignedGroupKeyManager(
+                dht, self._prefix, self.target_group_size, signing_key
+            )
 
     async def rpc_join_group(self, request, context):
         # Bounded well inside the follower's wait for our first answer.
@@ -322,6 +329,7 @@ class Averager:
             request_timeout=max(0.5, self.matchmaking_time_s / 2),
             client_mode=self.client_mode,
             policy=self.policy,
+            signing_key=self.signing_key,
         )
         if self.signing_key is not None and self.use_data_plane:
             await self._start_data_plane()

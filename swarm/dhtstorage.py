@@ -1,0 +1,156 @@
+"""Bounded storage for a DHT node: what a node keeps for others has a ceiling, in total and per signer.
+
+hivemind's ``DHTLocalStorage`` keeps every record it is asked to store until it expires, with no bound
+(its cache's ``maxsize`` evicts the entry that expires first, which an attacker's far-expiring records
+would turn against honest ones). ``BoundedStorage`` refuses, never evicts: a new entry is stored only
+while the node holds fewer than ``max_entries`` entries and ``max_bytes`` bytes, its key fewer than
+``max_subkeys_per_key`` subkeys, and its subkey (a per-peer record's subkey is its signer) fewer than
+``max_bytes_per_subkey`` bytes across keys. An entry already held may always be refreshed by a newer one
+of no more bytes than the bounds leave, so an honest peer that re-announces keeps its place however full
+the node is; what fills a node empties when it expires (every key's records are bounded in lifetime by
+``swarm.keyspace.RunValidator``).
+
+``swarm.dht`` installs it in every DHT child it starts (hivemind builds its storage itself and takes no
+storage argument).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+
+from hivemind.dht.routing import DHTID, BinaryDHTValue, Subkey
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.utils import DHTExpiration, get_dht_time
+
+
+@dataclass(frozen=True)
+class StorageLimits:
+    """The most one DHT node keeps for others (its storage and its cache each)."""
+
+    max_entries: int = 16384  # values and dictionary entries in all
+    max_bytes: int = 64 << 20  # their value bytes in all
+    max_subkeys_per_key: int = 4096  # entries of one dictionary (per-peer records: peers)
+    max_bytes_per_subkey: int = 256 << 10  # one subkey's (one signer's) value bytes across keys
+
+
+class BoundedStorage(DHTLocalStorage):
+    """``DHTLocalStorage`` that refuses what would pass its ``StorageLimits`` (class attribute ``limits``,
+    set in the DHT child before hivemind builds its storage)."""
+
+    limits = StorageLimits()
+
+    def __init__(self, maxsize: int | None = None):
+        super().__init__(maxsize)
+        self._held: dict[tuple[DHTID, Subkey | None], tuple[int, DHTExpiration]] = {}
+        self._expiry_heap: list[tuple[DHTExpiration, int, DHTID, Subkey | None]] = []
+        self._pushed = 0
+        self._bytes = 0
+        self._per_key: Counter[DHTID] = Counter()
+        self._per_subkey: Counter[Subkey] = Counter()
+
+    def store(
+        self, key: DHTID, value: BinaryDHTValue, expiration_time: DHTExpiration, subkey: Subkey | None = None
+    ) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time)
+        if isinstance(value, DictionaryDHTValue):  # a found dictionary cached whole: entry by entry
+            with value.freeze():
+                items = list(value.items())
+            results = [self.store_subkey(key, sub, item.value, item.expiration_time) for sub, item in items]
+            return any(results)
+        if not self._admit(key, None, len(value)):
+            return False
+        stored = super().store(key, value, expiration_time)
+        if stored:
+            self._account(key, None, len(value), expiration_time)
+        return stored
+
+    def store_subkey(
+        self, key: DHTID, subkey: Subkey, value: BinaryDHTValue, expiration_time: DHTExpiration
+    ) -> bool:
+        if not self._admit(key, subkey, len(value)):
+            return False
+        stored = super().store_subkey(key, subkey, value, expiration_time)
+        if stored:
+            self._account(key, subkey, len(value), expiration_time)
+        return stored
+
+    @property
+    def held_bytes(self) -> int:
+        """Value bytes of the entries held now."""
+        self._forget_expired()
+        return self._bytes
+
+    @property
+    def held_entries(self) -> int:
+        self._forget_expired()
+        return len(self._held)
+
+    def _admit(self, key: DHTID, subkey: Subkey | None, nbytes: int) -> bool:
+        self._forget_expired()
+        limits = self.limits
+        held = self._held.get((key, subkey))
+        grows = nbytes - (held[0] if held is not None else 0)
+        if self._bytes + grows > limits.max_bytes:
+            return False
+        if subkey is not None and self._per_subkey[_signer(subkey)] + grows > limits.max_bytes_per_subkey:
+            return False
+        if held is None:
+            if len(self._held) >= limits.max_entries:
+                return False
+            if subkey is not None and self._per_key[key] >= limits.max_subkeys_per_key:
+                return False
+        return True
+
+    def _account(
+        self, key: DHTID, subkey: Subkey | None, nbytes: int, expiration_time: DHTExpiration
+    ) -> None:
+        self._release(key, subkey)
+        self._held[key, subkey] = (nbytes, expiration_time)
+        self._bytes += nbytes
+        if subkey is not None:
+            self._per_key[key] += 1
+            self._per_subkey[_signer(subkey)] += nbytes
+        self._pushed += 1  # a tie-breaker, so the heap never compares keys
+        heapq.heappush(self._expiry_heap, (expiration_time, self._pushed, key, subkey))
+
+    def _release(self, key: DHTID, subkey: Subkey | None) -> None:
+        held = self._held.pop((key, subkey), None)
+        if held is None:
+            return
+        self._bytes -= held[0]
+        if subkey is not None:
+            self._per_key[key] -= 1
+            if self._per_key[key] <= 0:
+                del self._per_key[key]
+            signer = _signer(subkey)
+            self._per_subkey[signer] -= held[0]
+            if self._per_subkey[signer] <= 0:
+                del self._per_subkey[signer]
+
+    def _forget_expired(self) -> None:
+        now = get_dht_time()
+        while self._expiry_heap and self._expiry_heap[0][0] < now:
+            expiration_time, _, key, subkey = heapq.heappop(self._expiry_heap)
+            held = self._held.get((key, subkey))
+            if held is not None and held[1] == expiration_time:  # else refreshed since: a later entry counts
+                self._release(key, subkey)
+
+
+def _signer(subkey: Subkey) -> Subkey:
+    # Subkeys are msgpack scalars (peer ID strings or bytes); a stray unhashable one counts as one signer.
+    try:
+        hash(subkey)
+    except TypeError:
+        return repr(subkey)[:128]
+    return subkey
+
+
+async def storage_usage(dht: object, node: object) -> tuple[int, int]:
+    """(entries, value bytes) a DHT node keeps for others, storage and cache together: pass to
+    ``dht.run_coroutine`` to ask the DHT's child process."""
+    stores = [node.protocol.storage, node.protocol.cache]  # type: ignore[attr-defined]
+    bounded = [s for s in stores if isinstance(s, BoundedStorage)]
+    return sum(s.held_entries for s in bounded), sum(s.held_bytes for s in bounded)

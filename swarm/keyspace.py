@@ -1,0 +1,105 @@
+"""Every DHT key a run uses, each with its check: the DHT denies by default.
+
+hivemind hashes each key to a 160-bit ID before it reaches a node, so a node cannot tell a run's keys by
+their names; it can tell them by their hashes. ``run_keys`` lists every key of a run in one place:
+
+- the signed records (``<run>.progress``, ``.pipeline``, ``.members``, ``.checkpoint``, ``.bans``);
+- pages 1 and on of the ban list (``<run>.bans.<k>``, ``swarm.bans``);
+- each pipeline stage's checkpoint record (``<run>.stage<k>.checkpoint``, signed for the stage prefix),
+  for every stage a run may have (``MAX_STAGES``);
+- the matchmaking key of the run's averagers and of each stage's (``<prefix>.0b``, signed declarations:
+  ``swarm.averaging.declarations``).
+
+``RunValidator`` routes each of these keys to its check and refuses every other key, so a stranger can
+store nothing that is not a valid record of the run. Every DHT a peer or the coordinator starts runs it.
+
+Example::
+
+    start_dht(key, path, host="0.0.0.0", port=0, initial_peers=peers, validators=[RunValidator(run_id, ck)])
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
+
+from protocols.keys import PublicKey
+from protocols.messages import MAX_BAN_PAGES
+from swarm.averaging.declarations import MAX_DECLARATION_BYTES, matchmaking_key, open_declaration
+from swarm.bans import BanPageValidator, ban_list_key
+from swarm.records import VALIDATED_KINDS, TrustValidator, record_key
+
+logger = logging.getLogger(__name__)
+
+#: The most pipeline stages a run may have (``PipelineConfig.stages``); every stage's keys are listed.
+MAX_STAGES = 64
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """How one key is checked: ``check`` names the check, ``scope`` what its records are signed for
+    (a run ID, a stage prefix or a matchmaking key) and ``arg`` the record kind or ban page."""
+
+    check: str  # "record", "ban_page" or "declaration"
+    scope: str
+    arg: str | int | None = None
+
+
+def stage_prefix(run_id: str, stage: int) -> str:
+    """The prefix of stage ``stage``'s records and averagers (as ``swarm.pipeline.moves.stage_prefix``)."""
+    return f"{run_id}.stage{stage}"
+
+
+def run_keys(run_id: str) -> dict[str, KeyRule]:
+    """Every DHT key of run ``run_id``, by name, with how its records are checked."""
+    keys = {record_key(run_id, kind): KeyRule("record", run_id, kind) for kind in VALIDATED_KINDS}
+    keys.update(
+        {ban_list_key(run_id, page): KeyRule("ban_page", run_id, page) for page in range(1, MAX_BAN_PAGES)}
+    )
+    prefixes = [run_id] + [stage_prefix(run_id, stage) for stage in range(MAX_STAGES)]
+    for prefix in prefixes[1:]:
+        keys[record_key(prefix, "checkpoint")] = KeyRule("record", prefix, "checkpoint")
+    for prefix in prefixes:
+        keys[matchmaking_key(prefix)] = KeyRule("declaration", matchmaking_key(prefix))
+    return keys
+
+
+class RunValidator(RecordValidatorBase):
+    """hivemind record validator of one run that refuses every key ``run_keys`` does not list.
+
+    Picklable (plain attributes only): the DHT runs it in its spawned child process.
+    """
+
+    def __init__(self, run_id: str, coordinator_key: PublicKey | None):
+        self.run_id = run_id
+        self.records = TrustValidator(run_id, coordinator_key)
+        self.ban_pages = BanPageValidator(run_id, coordinator_key)
+        self.rules = {DHTID.generate(source=name).to_bytes(): rule for name, rule in run_keys(run_id).items()}
+
+    def validate(self, record: DHTRecord) -> bool:
+        rule = self.rules.get(record.key)
+        if rule is None:
+            logger.debug(f"refusing a record under a key run {self.run_id!r} does not use")
+            return False
+        if rule.check == "record":
+            return self.records.check(record, str(rule.arg), rule.scope)
+        if rule.check == "ban_page":
+            return self.ban_pages.check(record, int(rule.arg))
+        return _check_declaration(record, rule.scope)
+
+
+def _check_declaration(record: DHTRecord, group_key: str) -> bool:
+    try:
+        if len(record.value) > MAX_DECLARATION_BYTES + 16 or len(record.subkey) > MAX_DECLARATION_BYTES:
+            raise ValueError("the entry is too large")
+        subkey = MSGPackSerializer.loads(record.subkey)
+        value = MSGPackSerializer.loads(record.value)
+        open_declaration(group_key, subkey, value, record.expiration_time)
+    except Exception as e:  # anything a stranger's bytes can raise: refuse the record, never crash
+        logger.debug(f"refusing a declaration under {group_key!r}: {e}")
+        return False
+    return True

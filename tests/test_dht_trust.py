@@ -1,0 +1,275 @@
+"""Deny by default in the DHT: a stranger (no certificate, no validators) stores nothing an honest node
+keeps, cannot stop groups from forming, and cannot fill an honest node's storage; every key the run uses
+has a check, and every other key is refused."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import functools
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import stock_dht
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.timed_storage import TimedStorage
+
+from protocols.envelope import seal
+from protocols.keys import SigningKey
+from protocols.messages import CHECKPOINT_RECORD, MAX_BAN_PAGES
+from swarm.averaging.averager import Averager
+from swarm.averaging.declarations import matchmaking_key, seal_declaration
+from swarm.bans import ban_list_key, fetch_ban_list, publish_ban_list
+from swarm.config import PipelineConfig
+from swarm.dht import start_local_dhts, visible_maddrs
+from swarm.dhtstorage import BoundedStorage, StorageLimits, storage_usage
+from swarm.keyspace import MAX_STAGES, RunValidator, run_keys, stage_prefix
+from swarm.pipeline.moves import stage_prefix as pipeline_stage_prefix
+from swarm.records import VALIDATED_KINDS, record_key, seal_peer_record
+
+RUN = "dht-trust-run"
+THIRTY_YEARS_S = 30 * 365 * 86400.0
+NUMEL = 1000
+REGULAR = MSGPackSerializer.dumps(None)
+
+
+def _record(key: str, value: object, expiration_time: float, subkey: object = None) -> DHTRecord:
+    return DHTRecord(
+        DHTID.generate(source=key).to_bytes(),
+        MSGPackSerializer.dumps(subkey),
+        MSGPackSerializer.dumps(value),
+        expiration_time,
+    )
+
+
+async def _flood(dht, node, *, count: int, size: int, expiration_time: float) -> None:
+    """What an attacker's node runs: ``count`` random values of ``size`` bytes under random keys."""
+    for _ in range(count):
+        await node.store(os.urandom(16).hex(), os.urandom(size), expiration_time)
+
+
+async def _plant_empty_dictionary(dht, node, *, key: str, expiration_time: float) -> None:
+    """What an attacker's node runs: hold an empty dictionary under ``key``, to answer lookups with it."""
+    TimedStorage.store(
+        node.protocol.storage, DHTID.generate(source=key), DictionaryDHTValue(), expiration_time
+    )
+
+
+@pytest.mark.timeout(150)
+def test_a_strangers_stores_are_refused_and_honest_peers_still_average(tmp_path):
+    coordinator = SigningKey.generate()
+    honest = start_local_dhts(3, tmp_path, validators=[RunValidator(RUN, coordinator.public_key)])
+    stranger = stock_dht(visible_maddrs(honest[0][0]))
+    try:
+        far = get_dht_time() + THIRTY_YEARS_S
+        # (a) a plain far-future value on the matchmaking key, and an unsigned hivemind declaration;
+        stranger.store(matchmaking_key(RUN), True, far)
+        stranger.store(matchmaking_key(RUN), True, get_dht_time() + 60, subkey=stranger.peer_id.to_bytes())
+        # (b) junk under a random key and under the run's record keys;
+        stranger.store(f"junk-{os.urandom(8).hex()}", b"junk", far)
+        for kind in VALIDATED_KINDS:
+            stranger.store(record_key(RUN, kind), b"junk", far, subkey="someone")
+        # (c) many large records: 16 x 1 MiB under random keys, built inside the stranger's DHT process.
+        stranger.run_coroutine(functools.partial(_flood, count=16, size=1 << 20, expiration_time=far))
+
+        for dht, _ in honest:
+            entries, nbytes = dht.run_coroutine(storage_usage)
+            assert (entries, nbytes) == (0, 0), "an honest node kept something a stranger stored"
+        assert honest[1][0].get(matchmaking_key(RUN), latest=True) is None
+
+        # (d) an empty dictionary expiring last, served by the stranger's node, would hide the ban list.
+        banned = {SigningKey.generate().peer_id}
+        assert asyncio.run(
+            publish_ban_list(honest[0][0], coordinator, RUN, banned, changed_at=time.time(), ttl_s=60)
+        )
+        stranger.run_coroutine(
+            functools.partial(_plant_empty_dictionary, key=ban_list_key(RUN), expiration_time=far)
+        )
+        for dht, _ in honest[1:]:
+            found = asyncio.run(fetch_ban_list(dht, RUN, coordinator.public_key))
+            assert found is not None and found[1] == banned, (
+                "the stranger's empty dictionary hid the ban list"
+            )
+
+        keys = {d.peer_id.to_base58(): k for d, k in honest}
+
+        async def average() -> list:
+            averagers = [
+                Averager(d, prefix=RUN, numel=NUMEL, signing_key=keys[d.peer_id.to_base58()],
+                         matchmaking_time_s=1.0, data_plane=False)
+                for d, _ in honest[:2]
+            ]  # fmt: skip
+            for averager in averagers:
+                await averager.start()
+            inputs = [torch.full((NUMEL,), float(i)) for i in range(2)]
+            return await asyncio.gather(*(a.average(v, 1.0) for a, v in zip(averagers, inputs, strict=True)))
+
+        outcomes = asyncio.run(average())
+        assert all(o is not None for o in outcomes), "no group formed after the stranger's stores"
+        (group, first), (_, second) = outcomes
+        assert len(group.peer_ids) == 2 and first.complete and second.complete
+        assert torch.equal(first.vector, second.vector), "the two honest peers must hold the same bits"
+        assert torch.allclose(first.vector, torch.full((NUMEL,), 0.5), atol=1e-3)
+        # The honest nodes keep the ban list page and two declarations (each in storage and cache at most),
+        # none of the stranger's 16 MiB.
+        usage = [dht.run_coroutine(storage_usage) for dht, _ in honest]
+        assert 0 < sum(entries for entries, _ in usage) <= 3 * 3 * 2
+        assert sum(nbytes for _, nbytes in usage) < 64 << 10
+    finally:
+        stranger.shutdown()
+        for dht, _ in honest:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_every_key_the_run_uses_has_a_check_and_every_other_key_is_refused():
+    validator = RunValidator(RUN, None)
+    keys = run_keys(RUN)
+    now, far = get_dht_time(), get_dht_time() + THIRTY_YEARS_S
+    # Every key the code builds is listed: record kinds, ban pages, each stage's checkpoint and
+    # matchmaking key (under the pipeline's own prefix function), and the run's matchmaking key.
+    built = [record_key(RUN, kind) for kind in VALIDATED_KINDS]
+    built += [ban_list_key(RUN, page) for page in range(1, MAX_BAN_PAGES)]
+    for stage in range(MAX_STAGES):
+        assert pipeline_stage_prefix(RUN, stage) == stage_prefix(RUN, stage)
+        built += [record_key(pipeline_stage_prefix(RUN, stage), "checkpoint")]
+        built += [matchmaking_key(pipeline_stage_prefix(RUN, stage))]
+    built.append(matchmaking_key(RUN))
+    assert set(built) == set(keys), "a key the run uses is not listed in swarm.keyspace.run_keys"
+    assert PipelineConfig.model_fields["stages"].metadata[-1].le == MAX_STAGES
+
+    # Each listed key has a check: junk, plain or per subkey, far-future or not, is refused.
+    for key in keys:
+        for subkey in (None, "peer", b"peer"):
+            for expiration in (now + 30, far):
+                assert not validator.validate(_record(key, b"junk", expiration, subkey)), key
+                assert not validator.validate(_record(key, True, expiration, subkey)), key
+    # Every other key is refused, even with a value that would be valid under a listed key.
+    signer = SigningKey.generate()
+    peer_bytes = PeerID.from_base58(signer.peer_id).to_bytes()
+    declaration = seal_declaration(signer, matchmaking_key(RUN), looking=True, expires_at=now + 5)
+    for other in (
+        "anything",
+        f"{RUN}.progress2",
+        f"{RUN}_stage64.0b",
+        matchmaking_key("another-run"),
+        f"{RUN}.0b1",
+    ):
+        assert not validator.validate(_record(other, declaration, now + 5, peer_bytes)), other
+
+    # Valid records under their own keys pass.
+    assert validator.validate(_record(matchmaking_key(RUN), declaration, now + 5, peer_bytes))
+    progress = seal_peer_record(signer, "progress", RUN, {"step": 1, "samples": 1, "samples_per_s": 1.0,
+                                                         "state_hash": "0" * 64}, b"", expires_at=now + 60)  # fmt: skip
+    assert validator.validate(_record(record_key(RUN, "progress"), progress, now + 60, signer.peer_id))
+    stage = stage_prefix(RUN, 3)
+    body = {"step": 1, "state_hash": "0" * 64, "expires_at": now + 60}
+    assert validator.validate(
+        _record(record_key(stage, "checkpoint"), seal(signer, CHECKPOINT_RECORD, stage, body), now + 60)
+    )
+    assert not validator.validate(
+        _record(record_key(stage, "checkpoint"), seal(signer, CHECKPOINT_RECORD, RUN, body), now + 60)
+    ), "a checkpoint record signed for the run passed as a stage's"
+
+
+# The functions whose keys ``run_keys`` lists (see the test above), and the one name hivemind's
+# matchmaking passes its key under (``SignedGroupKeyManager.declare_averager``'s ``group_key``).
+KEY_FUNCTIONS = {
+    "record_key",
+    "ban_list_key",
+    "checkpoint_key",
+    "members_key",
+    "progress_key",
+    "pipeline_key",
+}
+KEY_NAMES = {"group_key"}
+
+
+@pytest.mark.timeout(30)
+def test_every_dht_store_in_the_code_uses_a_listed_key():
+    """A new ``dht.store`` under a key built some other way fails here until its key is listed in
+    ``swarm.keyspace.run_keys`` (and given a check) and its function added above."""
+    root = Path(__file__).resolve().parents[1]
+    stores = []
+    for package in ("swarm", "peer", "coordinator", "lab"):
+        for path in sorted((root / package).rglob("*.py")):
+            if "byzantine" in path.parts:  # rehearsed attacks store junk on purpose
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                receiver = node.func.value
+                name = getattr(receiver, "id", None) or getattr(receiver, "attr", None) or ""
+                if node.func.attr != "store" or "dht" not in name:
+                    continue
+                key = node.args[0] if node.args else next(k.value for k in node.keywords if k.arg == "key")
+                built_by = getattr(getattr(key, "func", None), "id", None) or getattr(key, "id", None)
+                stores.append((f"{path.relative_to(root)}:{node.lineno}", built_by))
+    assert len(stores) >= 5, stores
+    for where, built_by in stores:
+        assert built_by in KEY_FUNCTIONS | KEY_NAMES, (
+            f"{where} stores under a key swarm.keyspace does not list"
+        )
+    assert {record_key(RUN, kind) for kind in ("progress", "pipeline", "members", "checkpoint")} <= set(
+        run_keys(RUN)
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_declaration_must_be_signed_by_its_subkey_and_expire_soon():
+    validator = RunValidator(RUN, None)
+    key = matchmaking_key(RUN)
+    me, other = SigningKey.generate(), SigningKey.generate()
+    mine = PeerID.from_base58(me.peer_id).to_bytes()
+    now = get_dht_time()
+    good = seal_declaration(me, key, looking=True, expires_at=now + 5)
+    assert validator.validate(_record(key, good, now + 5, mine))
+    assert not validator.validate(_record(key, good, now + 5, None)), (
+        "a plain value would replace the dictionary"
+    )
+    assert not validator.validate(_record(key, good, now + 5, PeerID.from_base58(other.peer_id).to_bytes()))
+    assert not validator.validate(_record(key, good, now + 60, mine)), "stored to outlive what its signer set"
+    long = seal_declaration(me, key, looking=True, expires_at=now + 3600)
+    assert not validator.validate(_record(key, long, now + 3600, mine)), "signed to live past the bound"
+    elsewhere = seal_declaration(me, matchmaking_key("another-run"), looking=True, expires_at=now + 5)
+    assert not validator.validate(_record(key, elsewhere, now + 5, mine)), "a declaration of another key"
+
+
+@pytest.mark.timeout(30)
+def test_bounded_storage_refuses_past_its_limits_and_keeps_what_it_holds(monkeypatch):
+    monkeypatch.setattr(
+        BoundedStorage,
+        "limits",
+        StorageLimits(max_entries=8, max_bytes=4000, max_subkeys_per_key=4, max_bytes_per_subkey=1500),
+    )
+    storage = BoundedStorage()
+    key, other = DHTID.generate(source="k"), DHTID.generate(source="other")
+    now = get_dht_time()
+    honest = b"h" * 100
+    assert storage.store(key, honest, now + 10, subkey="honest")
+    # One signer is held to its bytes across keys.
+    assert storage.store(other, b"s" * 1000, now + 10, subkey="sybil")
+    assert not storage.store(DHTID.generate(source="third"), b"s" * 1000, now + 10, subkey="sybil")
+    # One key is held to its subkeys, refusing (not evicting) the newcomers.
+    for i in range(3):
+        assert storage.store(key, b"x" * 100, now + 1000, subkey=f"sybil-{i}")
+    assert not storage.store(key, b"x" * 100, now + 1000, subkey="sybil-late")
+    assert storage.get(key).value.get("honest").value == honest, "a full key evicted an honest entry"
+    # ...but an entry already held is refreshed.
+    assert storage.store(key, honest, now + 20, subkey="honest")
+    # The whole node is held to its bytes and entries.
+    assert storage.store(DHTID.generate(source="a"), b"a" * 1400, now + 10)
+    assert not storage.store(DHTID.generate(source="b"), b"b" * 1400, now + 10)
+    assert storage.held_bytes <= 4000 and storage.held_entries <= 8
+    # What expires makes room again.
+    assert storage.store(DHTID.generate(source="short"), b"c" * 10, now + 0.2)
+    time.sleep(0.3)
+    entries = storage.held_entries
+    assert storage.held_bytes == 100 + 1000 + 300 + 1400 and entries == 6
