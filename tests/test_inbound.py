@@ -20,6 +20,8 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from protocols import averaging_pb2 as apb
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
+from swarm.averaging.averager import Averager, AveragingServicer
+from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.transport import DataPlane
 from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
 from swarm.training.sync import StateServicer, state_namespace
@@ -243,3 +245,38 @@ def test_the_data_plane_refuses_an_uncertified_key_before_reading_a_frame():
     assert outcome != "connected", "the stranger's handshake must fail"
     assert senders == [member.peer_id], "only the certified member reached the handler"
     assert echoed == 7
+
+
+@pytest.mark.timeout(120)
+def test_a_part_stream_from_an_uncertified_peer_is_refused_before_its_first_byte(keyed_dhts):
+    """The averager's libp2p part handler asks the peer policy before it reads: a stranger is told why at
+    once, with nothing sent; a certified member's stream stays open, waiting for its chunks."""
+    (honest, honest_key), (member, _), (stranger, _) = keyed_dhts
+    policy = PeerPolicy(None, RUN, allowed=[honest.peer_id.to_base58(), member.peer_id.to_base58()])
+    averager = Averager(
+        honest, numel=1024, signing_key=honest_key, prefix=RUN, data_plane=False, policy=policy
+    )
+    name = AveragingServicer._get_handle_name(RUN, "rpc_aggregate_part")
+
+    async def scenario() -> tuple[bytes, bool, int]:
+        await averager.start()
+        _, reader, writer = await (await stranger.replicate_p2p()).call_binary_stream_handler(
+            averager.peer_id, name
+        )
+        refusal = await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+        _, reader, writer = await (await member.replicate_p2p()).call_binary_stream_handler(
+            averager.peer_id, name
+        )
+        try:
+            await asyncio.wait_for(reader.read(1), 1.0)
+            waiting = False
+        except asyncio.TimeoutError:
+            waiting = True
+        writer.close()
+        await averager.shutdown()
+        return refusal, waiting, averager.servicer.inbound_refused
+
+    refusal, waiting, refused = asyncio.run(scenario())
+    assert b"not a certified member" in refusal and refused == 1
+    assert waiting, "a certified member's stream is read, not refused"
