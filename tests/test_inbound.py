@@ -122,41 +122,45 @@ def test_a_request_at_the_bound_is_served_and_one_byte_more_is_refused():
 
 @pytest.mark.timeout(60)
 def test_the_stream_past_the_per_peer_cap_is_refused_and_a_closed_one_frees_its_slot():
-    async def scenario() -> tuple[list[bytes], bytes, list[str]]:
-        honest, stranger, servicer = await state_pair()
+    """Five silent streams from one peer: whichever reaches the handler last is refused unread, the other
+    four wait for their request; once they close, the peer is served again."""
+    cap = 4  # StateServicer's max_streams_per_peer
+
+    async def first_bytes(reader: asyncio.StreamReader) -> bytes:
         try:
-            cap = StateServicer.bounds["rpc_download_state"](servicer).max_streams_per_peer
-            held = [
-                await stranger.call_binary_stream_handler(honest.peer_id, handle_name()) for _ in range(cap)
+            return await asyncio.wait_for(reader.read(4096), 3)
+        except asyncio.TimeoutError:
+            return b""  # accepted: the handler waits for the request
+
+    async def scenario() -> tuple[list[bytes], list[str]]:
+        honest, stranger, _ = await state_pair()
+        try:
+            streams = [
+                await stranger.call_binary_stream_handler(honest.peer_id, handle_name())
+                for _ in range(cap + 1)
             ]
-            _, reader, writer = await stranger.call_binary_stream_handler(honest.peer_id, handle_name())
-            extra = await asyncio.wait_for(reader.read(4096), 10)
-            writer.close()
-            early = []
-            for _, held_reader, _ in held:  # the held streams are still open: nothing was answered on them
-                with pytest.raises(asyncio.TimeoutError):
-                    early.append(await asyncio.wait_for(held_reader.read(1), 0.2))
-            for _, _, held_writer in held:
-                held_writer.close()
+            answers = await asyncio.gather(*(first_bytes(reader) for _, reader, _ in streams))
+            for _, _, writer in streams:
+                writer.close()
             stub = StateServicer.get_stub(stranger, honest.peer_id, namespace=state_namespace(RUN))
-            answers: list[str] = []
+            served: list[str] = []
             deadline = time.monotonic() + 10
-            while not answers and time.monotonic() < deadline:  # the server sees the closes shortly after
+            while not served and time.monotonic() < deadline:  # the server sees the closes shortly after
                 try:
-                    answers = [
+                    served = [
                         c.error async for c in await stub.rpc_download_state(apb.StateRequest(run_id=RUN))
                     ]
                 except P2PHandlerError:
                     await asyncio.sleep(0.1)
-            return early, extra, answers
+            return answers, served
         finally:
             await stranger.shutdown()
             await honest.shutdown()
 
-    early, extra, answers = asyncio.run(scenario())
-    assert early == []
-    assert b"already has 4 streams open" in extra, extra
-    assert answers and "is not a member" in answers[0], "a freed slot serves the next stream"
+    answers, served = asyncio.run(scenario())
+    refused = [a for a in answers if a]
+    assert len(refused) == 1 and b"already has 4 streams open" in refused[0], answers
+    assert served and "is not a member" in served[0], "a freed slot serves the next stream"
 
 
 def project_servicers() -> list[type[ServicerBase]]:
