@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from google.protobuf.message import DecodeError, Message
-from hivemind.p2p import P2P, P2PContext, ServicerBase
-from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, P2PHandlerError
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.p2p.servicer import RPCHandler, StubBase
 from hivemind.proto.p2pd_pb2 import RPCError
+from hivemind.utils.asyncio import as_aiter
 
 from protocols.errors import ConfigError, MessageTooLarge, ProtocolError
 
@@ -119,6 +121,9 @@ class BoundedServicer(ServicerBase):
 
     registered: ClassVar[list[type[BoundedServicer]]] = []
     bounds: ClassVar[dict[str, Callable[[Any], HandlerBound]]] = {}
+    reply_bytes: ClassVar[
+        dict[str, int]
+    ] = {}  # the largest reply message a caller reads, per streaming handler
     inbound_refused: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -136,7 +141,32 @@ class BoundedServicer(ServicerBase):
     def unbounded_handlers(cls) -> list[str]:
         """The ``rpc_*`` methods of this class that have no entry in ``bounds`` (registering refuses them)."""
         cls._collect_rpc_handlers()
-        return [h.method_name for h in cls._rpc_handlers if h.method_name not in cls.bounds]
+        return [
+            h.method_name
+            for h in cls._rpc_handlers
+            if h.method_name not in cls.bounds or (h.stream_output and h.method_name not in cls.reply_bytes)
+        ]
+
+    @classmethod
+    def _make_rpc_caller(cls, handler: RPCHandler) -> Callable:
+        if not handler.stream_input and not handler.stream_output:
+            return super()._make_rpc_caller(handler)  # the daemon bounds unary replies
+
+        async def caller(self: StubBase, input: Any, timeout: float | None = None) -> Any:
+            if handler.stream_output and timeout is not None:
+                raise ValueError("timeouts for handlers returning streams are not supported")
+            max_bytes = cls.reply_bytes.get(handler.method_name, UNARY_MAX_BYTES)
+            name = cls._get_handle_name(self._namespace, handler.method_name)
+            requests = input if isinstance(input, AsyncIterator) else as_aiter(input)
+            replies = await call_bounded(
+                self._p2p, self._peer, name, requests, handler.response_type, max_bytes
+            )
+            if handler.stream_output:
+                return replies
+            return await asyncio.wait_for(_first(replies), timeout)
+
+        caller.__name__ = handler.method_name
+        return caller
 
     async def admission(self, peer_id: str) -> str | None:
         """Why ``peer_id`` may not send to this servicer at all (asked before its first byte); None: it may.
@@ -274,6 +304,44 @@ class BoundedServicer(ServicerBase):
                 await P2P.send_protobuf(RPCError(message=str(e)), writer)
         finally:
             processing.cancel()
+
+
+async def call_bounded(
+    p2p: P2P,
+    peer: PeerID,
+    name: str,
+    requests: AsyncIterator[Message],
+    reply_type: type[Message],
+    max_bytes: int,
+) -> AsyncIterator[Message]:
+    """hivemind's ``_iterate_protobuf_stream_handler`` with a bounded reader: a reply whose length exceeds
+    ``max_bytes`` ends the call with MessageTooLarge, unread, instead of being buffered."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, name)
+
+    async def send() -> None:
+        async for request in requests:
+            await P2P.send_protobuf(request, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+    async def receive() -> AsyncIterator[Message]:
+        with closing(writer):
+            try:
+                while True:
+                    try:
+                        reply, error = await receive_bounded(reader, reply_type, max_bytes)
+                    except asyncio.IncompleteReadError:
+                        break
+                    except MessageTooLarge as e:
+                        raise MessageTooLarge(f"{name} at {peer}: {e}") from None
+                    if error is not None:
+                        raise P2PHandlerError(f"Failed to call handler `{name}` at {peer}: {error.message}")
+                    yield reply
+                await sending
+            finally:
+                sending.cancel()
+
+    sending = asyncio.create_task(send())
+    return receive()
 
 
 async def _first(requests: AsyncIterator[Message]) -> Message:

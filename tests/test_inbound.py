@@ -24,7 +24,7 @@ from swarm.averaging.averager import Averager, AveragingServicer
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.transport import DataPlane
 from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
-from swarm.training.sync import StateServicer, state_namespace
+from swarm.training.sync import StateServicer, download_state, state_namespace
 
 RUN = "inbound-run"
 CLAIMED_BYTES = 192 << 20
@@ -95,6 +95,48 @@ def test_an_oversized_length_prefix_is_refused_before_its_bytes_are_buffered():
     growth, refused, closed = asyncio.run(scenario())
     assert growth < 16 << 20, f"the honest process grew by {growth / 2**20:.0f} MiB"
     assert refused == 1 and closed, "the stream is refused and closed"
+
+
+@pytest.mark.timeout(90)
+def test_a_holder_that_claims_a_192_mib_chunk_fails_the_download_without_being_buffered():
+    """The caller's side of a stream is inbound too: a hostile state holder answers with a huge length."""
+
+    async def scenario() -> tuple[int, str]:
+        victim = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        holder = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await victim.get_visible_maddrs()
+        )
+
+        async def hostile(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(64)  # the request
+            writer.write(P2P.MESSAGE_MARKER + CLAIMED_BYTES.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            chunk, deadline = bytes(1 << 20), time.monotonic() + ATTACK_TIMEOUT_S
+            for _ in range(SENT_BYTES // len(chunk)):
+                if time.monotonic() > deadline:
+                    break
+                try:
+                    writer.write(chunk)
+                    await asyncio.wait_for(writer.drain(), 5)
+                except (ConnectionError, asyncio.TimeoutError):
+                    break  # the victim closed the stream: what we want
+            writer.close()
+
+        await holder.add_binary_stream_handler(handle_name(), hostile)
+        baseline = rss_bytes()
+        try:
+            await download_state(victim, holder.peer_id, namespace=state_namespace(RUN), run_id=RUN, min_step=0,
+                                 expected_hash="0" * 64, max_bytes=8 << 20, timeout_s=30)  # fmt: skip
+            outcome = "downloaded"
+        except Exception as e:
+            outcome = repr(e)
+        growth = rss_bytes() - baseline
+        await holder.shutdown()
+        await victim.shutdown()
+        return growth, outcome
+
+    growth, outcome = asyncio.run(scenario())
+    assert "MessageTooLarge" in outcome and "exceeds" in outcome, outcome
+    assert growth < 16 << 20, f"the caller grew by {growth / 2**20:.0f} MiB"
 
 
 @pytest.mark.timeout(60)

@@ -64,7 +64,7 @@ from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.rounds import PartRouter, RoundRegistry
 from swarm.averaging.transport import MAX_CONNECTIONS_PER_PEER, DataPlane, announce_host
 from swarm.averaging.verification import Accuser, serve_inputs, validate_round
-from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
+from swarm.inbound import SMALL_REQUEST_BYTES, UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class AveragingServicer(BoundedServicer):
         "rpc_aggregate_part": lambda self: HandlerBound(self.averager.max_frame, MAX_CONNECTIONS_PER_PEER),
         "rpc_round_inputs": lambda self: HandlerBound(SMALL_REQUEST_BYTES, MAX_CONNECTIONS_PER_PEER),
     }
+    reply_bytes = dict.fromkeys(bounds, UNARY_MAX_BYTES)  # a chunk at fp32 with its inputs is far less
 
     def __init__(self, averager: Averager):
         self.averager = averager

@@ -104,6 +104,7 @@ class StateServicer(BoundedServicer):
             SMALL_REQUEST_BYTES, max(4, self.max_uploads_per_peer)
         )
     }
+    reply_bytes = {"rpc_download_state": CHUNK_BYTES + SMALL_REQUEST_BYTES}  # a chunk and the first's header
 
     def __init__(
         self,
