@@ -227,7 +227,11 @@ class BoundedServicer(ServicerBase):
         return serve
 
     async def _admission_or_leave(self, peer: str, slots: _Slots) -> str | None:
-        reason = await self.admission(peer)
+        try:
+            reason = await self.admission(peer)
+        except BaseException:
+            slots.leave(peer)
+            raise
         if reason is not None:
             slots.leave(peer)
         return reason
@@ -295,7 +299,7 @@ class BoundedServicer(ServicerBase):
                     return
                 try:
                     request, _ = receiving.result()
-                except asyncio.IncompleteReadError:
+                except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the caller closed the stream or died
                 await requests.put(request)  # None: the caller's end of stream
         except (ProtocolError, DecodeError) as e:
