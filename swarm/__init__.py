@@ -20,6 +20,7 @@
 - ``pipeline``: SWARM pipeline parallelism: stage servers, stage workers and pipeline trainers
 - ``byzantine``: named attacks for rehearsal (``swarm-sim --byzantine K --attack NAME``)
 - ``rpc``: how errors cross the gRPC boundary
+- ``inbound``: ``BoundedServicer``, the size, stream and admission bounds of every libp2p handler
 - ``ratelimit``: ``RateLimiter``, the token bucket behind a peer's ``--max-upload-mbps``
 - ``cliargs``: CLI flags derived from typed configs
 - ``runtime``: process entry helpers (uvloop, logging, signals); only CLIs call them

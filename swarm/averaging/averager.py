@@ -32,7 +32,7 @@ import hivemind
 import torch
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
-from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
@@ -40,6 +40,7 @@ from protocols import averaging_pb2 as apb
 from protocols.envelope import MAX_CLOCK_SKEW_S
 from protocols.errors import ConfigError, SwarmError
 from protocols.keys import SigningKey
+from protocols.version import MAX_ENVELOPE_BYTES
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import (
     DEFAULT_CHUNK_VALUES,
@@ -62,8 +63,9 @@ from swarm.averaging.groups import (
 )
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.rounds import PartRouter, RoundRegistry
-from swarm.averaging.transport import DataPlane, announce_host
+from swarm.averaging.transport import MAX_CONNECTIONS_PER_PEER, DataPlane, announce_host
 from swarm.averaging.verification import Accuser, serve_inputs, validate_round
+from swarm.inbound import SMALL_REQUEST_BYTES, UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
@@ -84,11 +86,23 @@ class GroupRound:
     uplinks_mbit: list[float | None] | None = None  # each member's declared upload rate; see deadlines.py
 
 
-class AveragingServicer(ServicerBase):
-    """The P2P handlers of an averager (hivemind finds the ``rpc_*`` methods by their annotations)."""
+class AveragingServicer(BoundedServicer):
+    """The P2P handlers of an averager (hivemind finds the ``rpc_*`` methods by their annotations).
+    A part stream's messages are bounded like the data plane's frames; the others are small requests."""
+
+    bounds = {
+        "rpc_join_group": lambda self: HandlerBound(MAX_ENVELOPE_BYTES + SMALL_REQUEST_BYTES, 4),
+        "rpc_aggregate_part": lambda self: HandlerBound(self.averager.max_frame, MAX_CONNECTIONS_PER_PEER),
+        "rpc_round_inputs": lambda self: HandlerBound(SMALL_REQUEST_BYTES, MAX_CONNECTIONS_PER_PEER),
+    }
+    reply_bytes = dict.fromkeys(bounds, UNARY_MAX_BYTES)  # a chunk at fp32 with its inputs is far less
 
     def __init__(self, averager: Averager):
         self.averager = averager
+
+    async def admission(self, peer_id: str) -> str | None:
+        # Within a follower's wait for the leader's first answer, like matchmaking's own check.
+        return await self.averager.policy.admission(peer_id, timeout_s=self.averager.matchmaking_time_s / 4)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -344,7 +358,13 @@ class Averager:
             maddrs = await self.p2p.get_visible_maddrs()
             visible = [str(m).split("/")[2] for m in maddrs if str(m).startswith(("/ip4/", "/ip6/"))]
             host = announce_host(self.data_host, visible)
-        plane = DataPlane(self.signing_key, self.prefix, self.route_part, max_frame=self.max_frame)
+        plane = DataPlane(
+            self.signing_key,
+            self.prefix,
+            self.route_part,
+            max_frame=self.max_frame,
+            admission=self.policy.admission,
+        )
         try:
             address = await plane.start(self.data_host, self.data_port, host)
         except SwarmError as e:

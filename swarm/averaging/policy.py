@@ -259,6 +259,14 @@ class PeerPolicy:
             return f"not a certified member of run {self.run_id!r} (no valid certificate in the DHT)"
         return None
 
+    async def admission(self, peer_id: str, timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> str | None:
+        """Why ``peer_id`` may send this peer nothing at all (banned, or no certificate after a refresh of at
+        most ``timeout_s``); None if it may. Suspicion is left to the round: a suspect is still certified."""
+        await self.admit([peer_id], timeout_s=timeout_s)
+        if peer_id in self._banned:
+            return "banned by the coordinator"
+        return None if self.certified(peer_id) else f"not a certified member of run {self.run_id!r}"
+
     async def admit(self, peer_ids: Iterable[str], timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> None:
         """Refresh the members when any of ``peer_ids`` is not a known member yet, for at most ``timeout_s``."""
         if all(self.certified(p) for p in peer_ids):

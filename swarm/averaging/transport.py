@@ -8,7 +8,8 @@ a wrong announced address) is reached through libp2p as before; the caller falls
 ``NetworkError`` from ``DataPlane.connect``.
 
 Both ends prove their identity first, with the same Ed25519 key as their libp2p peer ID, by signing the
-other side's fresh nonce (so a recorded handshake is worthless). After that the stream is a sequence of
+other side's fresh nonce (so a recorded handshake is worthless), and the listener asks its ``admission``
+(certificate, ban list) about the proven key before it answers or reads a frame. After that the stream is a sequence of
 frames, each a 4-byte big-endian length and one ``PartChunk``; the payloads are not encrypted (gradients
 of a public run are not secret) and a frame larger than the round could need ends the connection.
 
@@ -37,12 +38,12 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import PeerID
 
 from protocols import averaging_pb2 as apb
-from protocols.errors import NetworkError, ProtocolError, SecurityError, SwarmError
+from protocols.errors import AdmissionDenied, NetworkError, ProtocolError, SecurityError, SwarmError
 from protocols.keys import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, PublicKey, SigningKey
 from protocols.version import SIGNATURE_DOMAIN
 
@@ -303,8 +304,10 @@ class DataPlane:
         max_handshakes_per_host: int = MAX_HANDSHAKES_PER_HOST,
         max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST,
         write_timeout_s: float = WRITE_TIMEOUT_S,
+        admission: Callable[[str], Awaitable[str | None]] | None = None,
     ):
         self.key, self.prefix, self.handler, self.max_frame = key, prefix, handler, max_frame
+        self.admission = admission
         self.max_connections = max_connections
         self.max_connections_per_peer = max_connections_per_peer
         self.max_handshakes_per_host = max_handshakes_per_host
@@ -411,6 +414,9 @@ class DataPlane:
         client_nonce = body[PUBLIC_KEY_BYTES : PUBLIC_KEY_BYTES + NONCE_BYTES]
         signature = body[PUBLIC_KEY_BYTES + NONCE_BYTES :]
         client.verify(signature, _transcript(b"client", self.prefix, nonce, self.key.peer_id))
+        refusal = None if self.admission is None else await self.admission(client.peer_id)
+        if refusal is not None:
+            raise AdmissionDenied(f"{client.peer_id}: {refusal}")
         self._admit_peer(client.peer_id)  # before answering: a refused client's connect() fails
         try:
             answer = self.key.sign(_transcript(b"server", self.prefix, client_nonce, client.peer_id))

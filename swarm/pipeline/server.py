@@ -13,17 +13,20 @@ import logging
 from hivemind.p2p import P2PContext, ServicerBase
 
 from protocols import pipeline_pb2 as ppb
+from swarm.inbound import UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.replica import Refusal, StageReplica
 
 logger = logging.getLogger(__name__)
+
+MAX_CALLS_PER_PEER = 64  # forward and backward calls one trainer has in flight at one server
 
 
 def pipeline_namespace(run_id: str, stage: int) -> str:
     return f"{run_id.replace('.', '_')}_pipeline_stage{stage}"
 
 
-class StageServicer(ServicerBase):
+class StageServicer(BoundedServicer):
     """Serves one replica's forward and backward to trainers (hivemind finds ``rpc_*`` by annotations).
 
     Example::
@@ -31,6 +34,12 @@ class StageServicer(ServicerBase):
         servicer = StageServicer(replica, gate)
         await servicer.add_p2p_handlers(p2p, namespace=pipeline_namespace(run_id, replica.index))
     """
+
+    # Unary: a request is at most what the p2p daemon lets through (activations of one micro-batch).
+    bounds = {
+        "rpc_forward": lambda self: HandlerBound(UNARY_MAX_BYTES, MAX_CALLS_PER_PEER),
+        "rpc_backward": lambda self: HandlerBound(UNARY_MAX_BYTES, MAX_CALLS_PER_PEER),
+    }
 
     def __init__(self, replica: StageReplica, gate: PeerGate):
         self.replica, self.gate = replica, gate

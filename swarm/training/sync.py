@@ -22,7 +22,7 @@ from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemin
 from typing import TypeVar
 
 import hivemind
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils import get_dht_time
 
 from protocols import averaging_pb2 as apb
@@ -30,6 +30,7 @@ from protocols.envelope import seal
 from protocols.errors import NetworkError, ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import CHECKPOINT_RECORD, CheckpointRecordBody, parse_body
+from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
 from swarm.ratelimit import RateLimiter
 from swarm.records import LogOnce, open_run_record, record_key, record_ttl_s
 from swarm.training.state import DecodedState, decode_state
@@ -93,8 +94,17 @@ def state_namespace(prefix: str) -> str:
     return f"{prefix.replace('.', '_')}_state"
 
 
-class StateServicer(ServicerBase):
-    """Serves this peer's state to admitted peers that ask for it (hivemind finds ``rpc_*`` by annotations)."""
+class StateServicer(BoundedServicer):
+    """Serves this peer's state to admitted peers that ask for it (hivemind finds ``rpc_*`` by annotations).
+    The request is a run ID and a step; a caller may hold a few streams so that the handler's own limits
+    (``max_uploads_per_peer``) answer with a reason."""
+
+    bounds = {
+        "rpc_download_state": lambda self: HandlerBound(
+            SMALL_REQUEST_BYTES, max(4, self.max_uploads_per_peer)
+        )
+    }
+    reply_bytes = {"rpc_download_state": CHUNK_BYTES + SMALL_REQUEST_BYTES}  # a chunk and the first's header
 
     def __init__(
         self,
