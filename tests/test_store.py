@@ -172,7 +172,8 @@ def test_the_published_ban_list_leaves_out_expired_certificates(tmp_path: Path):
             await store.admit(peer("valid", cert_expires_at=now + 3600))
             for p in ("expired", "valid", "never-joined"):
                 await store.ban(p, "x")
-            assert await store.enforced_bans(now, grace_s=600) == ["valid", "never-joined"]
+            # The newest ban first, so a fresh ban always makes the list.
+            assert await store.enforced_bans(now, grace_s=600) == ["never-joined", "valid"]
             assert len(await store.list_bans()) == 3
         finally:
             store.close()
@@ -223,14 +224,23 @@ def test_the_cli_bans_and_unbans_on_its_own_connection(tmp_path: Path):
     run(scenario())
 
 
-def test_suspicions_count_distinct_online_unbanned_reporters_and_each_keeps_only_its_latest_list(
+def test_suspicions_count_distinct_online_unbanned_credited_reporters_and_each_keeps_only_its_latest_list(
     tmp_path: Path,
 ):
+    sybils = [f"sybil{i}" for i in range(8)]
+
     async def scenario() -> dict[str, int]:
         store = Store.open_sync(tmp_path / "c.db", "suspicions", max_samples_per_step=32)
         try:
-            for p in ("a", "b", "c", "liar", "w"):
+            for p in ("a", "b", "c", "liar", "w", *sybils):
                 await store.admit(peer(p))
+            with sqlite3.connect(
+                tmp_path / "c.db"
+            ) as db:  # credit earned in rounds, as merge_credit keeps it
+                db.executemany(
+                    "INSERT INTO credit (peer_id, samples) VALUES (?, 64)",
+                    [(p,) for p in ("a", "b", "c", "liar")],
+                )
 
             async def beat(reporter: str, seq: int, suspects: list[str]) -> None:
                 await store.record_heartbeat(reporter, seq=seq, seen_at=float(seq), metrics={}, step=0,
@@ -242,6 +252,8 @@ def test_suspicions_count_distinct_online_unbanned_reporters_and_each_keeps_only
             await beat("c", 2, ["w"])  # its new list replaces the old: "b" is no longer avoided by "c"
             await beat("liar", 1, ["a", "b", "c"])
             await store.ban("liar", "rehearsal")  # a banned reporter's word stops counting
+            for sybil in sybils:  # fresh identities with no verified work: their word counts for nothing
+                await beat(sybil, 1, ["a", "b", "c"])
             return await store.suspicion_counts()
         finally:
             store.close()
