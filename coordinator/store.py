@@ -32,7 +32,7 @@ from coordinator.banlist import (  # noqa: F401  (the CLI and metrics import the
     upgrade,
 )
 from coordinator.banlist import SCHEMA as BANS_SCHEMA
-from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, verify_step
+from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, round_share, verify_step
 from coordinator.suspicions import SCHEMA as SUSPICIONS_SCHEMA
 from coordinator.suspicions import record_suspicions, suspicion_counts
 from protocols.errors import ConfigError
@@ -313,8 +313,9 @@ class Store:
                         max_steps_per_s=self.max_verified_steps_per_s,
                         max_step=ceiling,
                     )
-                    if CONTRIBUTED in metrics and step <= verified:
-                        merge_credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
+                    share = round_share(db, step, param_hash, self.max_samples_per_step)
+                    if CONTRIBUTED in metrics and step <= verified and share is not None:
+                        merge_credit(db, peer_id, metrics[CONTRIBUTED], step, share)
                     record_suspicions(db, peer_id, suspects or (), seen_at)
             return cursor.rowcount == 1
 

@@ -42,7 +42,7 @@ def test_a_heartbeat_and_its_credit_commit_together(tmp_path: Path):
                 )
             with pytest.raises(sqlite3.IntegrityError):
                 await store.record_heartbeat(
-                    "p", seq=2, seen_at=2.0, metrics={"contributed_samples": 5.0}, step=0, param_hash=""
+                    "p", seq=2, seen_at=2.0, metrics={"contributed_samples": 5.0}, step=0, param_hash="a" * 64
                 )
             record = await store.get_peer("p")
             assert (record.last_seq, record.last_seen) == (1, 1.0), (
@@ -78,9 +78,9 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
                 await beat(p, 0, 0, honest)  # baselines
             for _ in range(2):  # a report made before the step was verified is merged on the next beat
                 for p in ("h1", "h2", "h3"):
-                    await beat(p, 2, 64, honest)
+                    await beat(p, 2, 20, honest)  # each its share of two 32-sample rounds among three
             assert await store.verified_step() == 2
-            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [64, 64, 64]
+            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [20, 20, 20]
             # Two Sybils claim step 1,000,000 with the same made-up hash and a huge count.
             for p in ("s1", "s2"):
                 assert await beat(p, 1_000_000, 1e12, fake) == 0
@@ -91,14 +91,45 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
             # The honest majority moves on; its credit follows.
             for _ in range(2):
                 for p in ("h1", "h2", "h3"):
-                    await beat(p, 3, 96, honest.replace("a", "b"))
+                    await beat(p, 3, 30, honest.replace("a", "b"))
             assert await store.verified_step() == 3
-            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [96, 96, 96]
+            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [30, 30, 30]
             assert (await store.get_peer("s1")).contributed_samples == 0
         finally:
             store.close()
 
     run(scenario())
+
+
+def test_a_freeloader_that_copies_the_public_step_and_hash_earns_no_more_than_an_honest_share(tmp_path: Path):
+    """Four honest peers each compute a quarter of every 64-sample round; a fifth reports the step and
+    hash it reads from Status and claims the whole batch each step. Once it was credited 4 times an
+    honest peer; now each step's credit is at most twice the average share of the peers at that state."""
+    target, honest_peers, steps = 64, ("h1", "h2", "h3", "h4"), 12
+
+    async def scenario() -> dict[str, float]:
+        store = Store.open_sync(tmp_path / "c.db", "freeload", max_samples_per_step=target)
+        seq = iter(range(1, 10_000))
+        try:
+            for p in (*honest_peers, "free"):
+                await store.admit(peer(p))
+            for step in range(steps + 1):
+                state = f"{step:064x}"
+                for p in [*honest_peers, "free"] * 2:  # every peer beats twice while the run is at a step
+                    reported = step * target * (1.0 if p == "free" else 1 / len(honest_peers))
+                    await store.record_heartbeat(
+                        p, seq=next(seq), seen_at=10.0 * next(seq), metrics={"contributed_samples": reported},
+                        step=step, param_hash=state,
+                    )  # fmt: skip
+            return {p: (await store.get_peer(p)).contributed_samples for p in (*honest_peers, "free")}
+        finally:
+            store.close()
+
+    credit = run(scenario())
+    honest = min(credit[p] for p in honest_peers)
+    assert honest > 0
+    assert credit["free"] <= 2 * honest, credit
+    assert honest >= 0.75 * steps * target / len(honest_peers), "honest work is credited"
 
 
 def test_sybils_that_outnumber_the_honest_move_the_verified_step_only_at_the_run_s_pace(tmp_path: Path):
