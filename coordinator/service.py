@@ -372,6 +372,10 @@ class CoordinatorService:
             raise ProtocolError(f"accusation from {peer} {late}") from None
         sender = envelope.sender
         body = parse_body(AccuseBody, envelope.body, sender=sender, what="accusation")
+        if await self.store.get_peer(body.accused) is None:
+            # No honest round holds an uncertified member, and a ban of a key that never held a
+            # certificate would stay on the ban list forever: refuse it, banning nobody.
+            raise ProtocolError(f"accusation from {sender}: {body.accused} is not a peer of this run")
         self._admit_accusation(sender)
         reader = EvidenceReader(self._evidence_budget, caller_key(peer))
         try:

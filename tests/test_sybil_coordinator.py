@@ -201,3 +201,18 @@ def test_a_fresh_conviction_heads_a_ban_list_full_of_self_banned_sybils(tmp_path
             assert sybils < MAX_BANNED
 
     asyncio.run(scenario())
+
+
+def test_a_conviction_of_a_key_that_never_joined_is_refused(tmp_path: Path):
+    """Two Sybils could fabricate a round with a fresh key as its lying reducer: once, the conviction
+    banned that key, which never held a certificate and so stayed on the ban list for good."""
+
+    async def scenario() -> None:
+        async with serving(tmp_path, ServiceLimits()) as (address, store, service):
+            accuser, third = await admitted(address, 2)
+            stranger = SigningKey.generate()
+            with pytest.raises(ProtocolError, match="is not a peer of this run"):
+                await true_accusation(address, service, accuser, stranger, third)
+            assert await store.list_bans() == []
+
+    asyncio.run(scenario())
