@@ -40,10 +40,11 @@ RUN = "abuse-run"
 
 @contextlib.asynccontextmanager
 async def serving(
-    tmp_path: Path, limits: ServiceLimits
+    tmp_path: Path, limits: ServiceLimits, run_id: str = RUN
 ) -> AsyncIterator[tuple[str, Store, CoordinatorService]]:
-    store = Store.open_sync(tmp_path / "coordinator.db", RUN)
-    service = CoordinatorService(tiny_run(RUN), SigningKey.generate(), store, [], limits)
+    """The real service, store and limits of a tiny run, served over gRPC on a loopback port."""
+    store = Store.open_sync(tmp_path / "coordinator.db", run_id)
+    service = CoordinatorService(tiny_run(run_id), SigningKey.generate(), store, [], limits)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers((service.generic_handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -55,11 +56,11 @@ async def serving(
         store.close()
 
 
-async def admitted(address: str, count: int) -> list[SigningKey]:
+async def admitted(address: str, count: int, run_id: str = RUN) -> list[SigningKey]:
     keys = [SigningKey.generate() for _ in range(count)]
     async with CoordinatorClient(address) as client:
         for i, key in enumerate(keys):
-            await client.join(key, RUN, name=f"peer{i}", device="cpu")
+            await client.join(key, run_id, name=f"peer{i}", device="cpu")
     return keys
 
 

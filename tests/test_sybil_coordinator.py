@@ -9,54 +9,33 @@ conviction off the published ban list.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import pytest
 from helpers import relay_from
+from test_accuse_abuse import admitted as abuse_admitted
+from test_accuse_abuse import serving as abuse_serving
 from test_byzantine import RUN, signed_round
 
 from coordinator.limits import ServiceLimits
 from coordinator.service import CoordinatorService
-from coordinator.store import Store
-from lab.localswarm import tiny_run
 from protocols.errors import NetworkError, ProtocolError
 from protocols.keys import SigningKey
 from protocols.messages import MAX_METRICS
 from swarm.bans import MAX_BANNED
 from swarm.byzantine.abuse import stalled_accusation
 from swarm.coordinator_client import CoordinatorClient
-from swarm.rpc import CHANNEL_OPTIONS
 
 pytestmark = pytest.mark.timeout(90)
 
 
-@contextlib.asynccontextmanager
-async def serving(
-    tmp_path: Path, limits: ServiceLimits
-) -> AsyncIterator[tuple[str, Store, CoordinatorService]]:
-    store = Store.open_sync(tmp_path / "coordinator.db", RUN)
-    service = CoordinatorService(tiny_run(RUN), SigningKey.generate(), store, [], limits)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}", store, service
-    finally:
-        await server.stop(grace=0.5)
-        store.close()
+def serving(tmp_path: Path, limits: ServiceLimits):
+    return abuse_serving(tmp_path, limits, RUN)
 
 
-async def admitted(address: str, count: int, *, run_id: str = RUN) -> list[SigningKey]:
-    keys = [SigningKey.generate() for _ in range(count)]
-    async with CoordinatorClient(address) as client:
-        for i, key in enumerate(keys):
-            await client.join(key, run_id, name=f"peer{i}", device="cpu")
-    return keys
+async def admitted(address: str, count: int) -> list[SigningKey]:
+    return await abuse_admitted(address, count, RUN)
 
 
 async def true_accusation(address: str, service: CoordinatorService, accuser, cheater, third) -> object:
