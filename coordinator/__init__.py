@@ -6,6 +6,8 @@
 - ``suspicions``: which peers others avoid for breaking their rounds, as their heartbeats report it
 - ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status, accusations
 - ``limits``: ``ServiceLimits``, per-caller and global limits on challenges, accusations and evidence
+- ``accusations``: reading an accusation's evidence as it arrives, and judging it with the run's rule
+- ``banlist``: the bans in the store, and which of them the published ban list names first
 - ``node``: ``CoordinatorNode``, which runs the DHT bootstrap peer, the service and the liveness sweep
 - ``metrics``: the run as the dashboard sees it (``/api/status`` JSON, Prometheus text, wandb/tensorboard)
 - ``dashboard``: the web dashboard (aiohttp): the page in ``static/``, ``/api/status``, ``/metrics``

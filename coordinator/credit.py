@@ -1,8 +1,19 @@
 """How the coordinator turns what peers report into durable credit, and the step it trusts them to be at.
 
-Both run inside the store's heartbeat transaction (``coordinator.store``), on its own connection. The
+All run inside the store's heartbeat transaction (``coordinator.store``), on its own connection. The
 verified step bounds credit, so it is bounded itself: by a majority of the reporting peers, by how fast a
 run can train, and by the newest checkpoint.
+
+What is checked, and what is not: a peer's ``contributed_samples`` is its own claim. The coordinator
+credits it only for steps at or below the verified step, only while the parameter hash the peer reports
+for its step is the one most online, unbanned peers at that step report, and at most one share of a
+round per step it advanced: twice the run's target batch divided among the online, unbanned peers
+that report that same state when the heartbeat arrives (``round_share``). A freeloader that copies
+the public step and hash from ``Status`` is one more such peer, so it earns at most about twice an
+average member's share, not the whole batch; an honest peer that computes more than twice the
+average share of a round has the excess refused. The coordinator does not see the rounds themselves: it cannot tell a
+freeloader's share from an honest one's, and each identity that copies the state dilutes the shares
+of all (a round's samples are split among more peers, so Sybils earn credit at honest peers' cost).
 """
 
 from __future__ import annotations
@@ -14,6 +25,9 @@ import sqlite3
 # coordinator takes one every ``checkpoint_every_steps`` of agreed progress, so an honest run is about
 # one period ahead of it (two leave room for a checkpoint still being downloaded).
 CHECKPOINT_MARGIN_PERIODS = 2
+# One peer's share of a round may be up to this many times the average share: members differ in
+# speed, and a faster one computes more of the batch than a slower one.
+SHARE_SLACK = 2.0
 
 
 def meta_int(db: sqlite3.Connection, key: str) -> int:
@@ -69,6 +83,22 @@ def verify_step(
     return target
 
 
+def round_share(db: sqlite3.Connection, step: int, param_hash: str, max_per_step: float) -> float | None:
+    """Samples one peer reporting ``(step, param_hash)`` may be credited per step it advanced:
+    ``SHARE_SLACK`` times the run's target batch over the online, unbanned peers that report this
+    state, or None (no credit now) when they are not more than half of those reporting at ``step``."""
+    online = "p.state='online' AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+    (agreeing,) = db.execute(
+        f"SELECT COUNT(*) FROM peers p WHERE p.step=? AND p.param_hash=? AND {online}", (step, param_hash)
+    ).fetchone()
+    (reporting,) = db.execute(
+        f"SELECT COUNT(*) FROM peers p WHERE p.step=? AND p.param_hash != '' AND {online}", (step,)
+    ).fetchone()
+    if not param_hash or agreeing == 0 or 2 * agreeing <= reporting:
+        return None
+    return min(max_per_step, SHARE_SLACK * max_per_step / agreeing)
+
+
 def merge_credit(
     db: sqlite3.Connection, peer_id: str, reported: float, step: int, max_per_step: float
 ) -> None:
@@ -76,10 +106,10 @@ def merge_credit(
 
     The counter lives in the peer's trainer and starts again from 0 when the trainer restarts, so a
     report below the previous one is a restart: the whole new count is new work. Credit never falls.
-    Growth is capped by progress: at most ``max_per_step`` samples (the run's target batch) per step
-    the peer advanced since its credit last grew, so neither a counter that jumps nor one that keeps
-    "restarting" earns more than real rounds could hold; the excess is kept as ``refused`` for the
-    organizer to see. The caller merges only reports made at or below the run's verified step (see
+    Growth is capped by progress: at most ``max_per_step`` samples (one peer's share of a round, see
+    ``round_share``) per step the peer advanced since its credit last grew, so neither a counter that
+    jumps nor one that keeps "restarting" earns more than real rounds could hold; the excess is kept
+    as ``refused`` for the organizer to see. The caller merges only reports made at or below the run's verified step (see
     ``verify_step``), so a peer that claims a step nobody else reached earns nothing for it; a report
     made ahead of it waits, and the cumulative counter carries it into a later heartbeat.
     """

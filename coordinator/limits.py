@@ -4,7 +4,10 @@
 IPv4 address, or an IPv6 /64, which one host gets as cheaply as one address) with a token bucket and a
 cap on the challenges one caller may hold open; the global cap on open challenges is then far above
 what one caller can take. Accusations are limited per peer ID, and the evidence they carry is read
-under a deadline and counted against one byte budget before anything waits on the judge.
+under a deadline and charged, piece by piece as it arrives, to a byte budget with a share per
+caller address (``EvidenceBudget``): a stalled accusation holds only the bytes it has sent, one
+address never holds more than its share, and an accusation that finds the budget full waits its
+turn (first come, first served, until its own deadline) instead of being refused.
 
 Every map here is bounded: a bucket table forgets its least recently seen callers, and the open
 challenge counts exist only while challenges are open (at most the global cap).
@@ -18,13 +21,15 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.parse
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocols.errors import NetworkError
 from swarm.averaging.transport import host_key
 
 
@@ -59,6 +64,12 @@ class ServiceLimits(BaseModel):
         ge=1 << 20,
         le=64 << 30,
         description="evidence bytes held in memory by all accusations at once",
+    )
+    evidence_share_per_address_bytes: int = Field(
+        64 << 20,
+        ge=1 << 20,
+        le=64 << 30,
+        description="evidence bytes the accusations from one caller address may hold at once",
     )
     stored_evidence_bytes: int = Field(
         4 << 30,
@@ -120,18 +131,67 @@ class KeyedBuckets:
         return len(self._buckets)
 
 
-class ByteBudget:
-    """Bytes that may be held at once; ``reserve`` never waits, it refuses."""
+class EvidenceBudget:
+    """Evidence bytes held at once: at most ``capacity`` in all and ``per_key`` per caller address.
 
-    def __init__(self, capacity: int):
+    ``charge`` takes bytes as they arrive. Past an address's share it refuses (only that address is
+    slowed); past the global capacity it waits in line, first come first served, so that stalled
+    streams delay a later accusation only until their deadlines cut them off, and never refuse it."""
+
+    def __init__(self, capacity: int, per_key: int):
         self.capacity = capacity
+        self.per_key = per_key
         self.held = 0
+        self._by_key: dict[str, int] = {}
+        self._waiting: deque[tuple[asyncio.Future[None], int]] = deque()
 
-    def reserve(self, n: int) -> bool:
-        if n < 0 or self.held + n > self.capacity:
-            return False
-        self.held += n
-        return True
+    def held_by(self, key: str) -> int:
+        return self._by_key.get(key, 0)
 
-    def release(self, n: int) -> None:
+    async def charge(self, key: str, n: int) -> None:
+        """Hold ``n`` more bytes for ``key``; NetworkError past its share. Cancelled while it waits, it
+        holds nothing more."""
+        if n <= 0:
+            return
+        if self.held_by(key) + n > self.per_key:
+            raise NetworkError(
+                f"accusations from {key} hold {self.held_by(key)} evidence bytes, and {n} more would pass "
+                f"the {self.per_key} one address may hold; wait for their verdicts"
+            )
+        self._by_key[key] = self.held_by(key) + n
+        if not self._waiting and self.held + n <= self.capacity:
+            self.held += n
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((turn, n))
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self.held -= n  # granted just as it was cancelled
+            self._waiting = deque(w for w in self._waiting if w[0] is not turn)
+            self._drop(key, n)
+            self._admit_waiting()
+            raise
+
+    def release(self, key: str, n: int) -> None:
+        """Give back ``n`` bytes that ``key`` was charged."""
+        if n <= 0:
+            return
         self.held = max(0, self.held - n)
+        self._drop(key, n)
+        self._admit_waiting()
+
+    def _drop(self, key: str, n: int) -> None:
+        left = self.held_by(key) - n
+        if left > 0:
+            self._by_key[key] = left
+        else:
+            self._by_key.pop(key, None)
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and self.held + self._waiting[0][1] <= self.capacity:
+            turn, n = self._waiting.popleft()
+            if not turn.done():
+                self.held += n
+                turn.set_result(None)

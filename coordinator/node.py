@@ -202,8 +202,8 @@ class CoordinatorNode:
     async def _publish_bans(self, key) -> None:
         """Keep the signed ban list in the DHT current, bans made by `swarm-coordinator ban` included.
 
-        It names every banned peer that may still hold a valid certificate, the earliest bans first if
-        there are more than a list can hold (so a flood of new bans cannot push an old one out).
+        It names every banned peer that may still hold a valid certificate; past what a list can hold it
+        keeps convictions before false accusers' self-bans, the newest first (``coordinator.banlist``).
         ``changed_at`` moves only when the names do."""
         interval_s = min(BAN_LIST_INTERVAL_S, self.run.membership.heartbeat_interval_s)
         ttl_s = 10 * interval_s + 30
@@ -215,7 +215,7 @@ class CoordinatorNode:
                 if len(banned) > MAX_BANNED:
                     logger.error(
                         f"{len(banned)} banned peers hold unexpired certificates; the ban list names the "
-                        f"{MAX_BANNED} banned first (a shorter certificate_ttl_s shortens the list)"
+                        f"{MAX_BANNED} convictions and newest bans first (a shorter certificate_ttl_s shortens the list)"
                     )
                     banned = banned[:MAX_BANNED]
                 changed = published is None or frozenset(banned) != published

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import hmac
 import logging
 import secrets
@@ -23,8 +22,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from coordinator.limits import ByteBudget, KeyedBuckets, ServiceLimits, caller_key
-from coordinator.store import PeerRecord, Store, diverged_peers
+from coordinator.accusations import EvidenceReader, judge, next_part, run_layouts
+from coordinator.limits import EvidenceBudget, KeyedBuckets, ServiceLimits, caller_key
+from coordinator.store import PeerRecord, Store
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import issue_certificate
 from protocols.envelope import Envelope, open_envelope, seal
@@ -53,9 +53,6 @@ from protocols.messages import (
     token_proof,
 )
 from protocols.version import PROTOCOL_VERSION
-from swarm.averaging.aggregators import get_aggregator
-from swarm.averaging.compression import get_codec
-from swarm.averaging.evidence import parse_evidence
 from swarm.config import RunConfig
 from swarm.rpc import ERROR_METADATA_KEY, status_code_for
 
@@ -64,6 +61,11 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "swarm.coordinator.v1.Coordinator"
 # A heartbeat or leave older than this is refused as a replay even if its sequence number were new.
 MAX_REQUEST_AGE_S = 120.0
+# A Status page holds at most this many peers and bytes (gRPC refuses messages over 1 MiB).
+STATUS_PAGE_PEERS = 256
+STATUS_PAGE_BYTES = 512 << 10
+# Rows of peers whose certificates expired this long ago are pruned (the ban list's clock-skew grace).
+PRUNE_GRACE_S = 600.0
 
 
 class CoordinatorService:
@@ -106,7 +108,9 @@ class CoordinatorService:
             refill_s=limits.accusation_refill_s,
             max_keys=limits.max_tracked_callers,
         )
-        self._evidence_budget = ByteBudget(limits.evidence_budget_bytes)
+        self._evidence_budget = EvidenceBudget(
+            limits.evidence_budget_bytes, limits.evidence_share_per_address_bytes
+        )
         self._accusing: set[str] = set()
         # peer -> the last step at which it was reported diverged (one log line per peer and step)
         self._flagged: OrderedDict[str, int] = OrderedDict()
@@ -180,7 +184,7 @@ class CoordinatorService:
     async def challenge(self, request: pb.ChallengeRequest, peer: str) -> pb.ChallengeResponse:
         """Anyone may ask, so each caller address gets a token bucket and a cap on open challenges; the
         global cap is then far more than one caller can hold."""
-        self._check_header(request.header)
+        self._check_header(request.header, allow_any_run=True)
         now = time.time()
         self._expire_challenges(now)
         caller, limits = caller_key(peer), self.limits
@@ -199,7 +203,10 @@ class CoordinatorService:
         self._challenges[challenge] = (expires_at, caller)
         self._open_by_caller[caller] = self._open_by_caller.get(caller, 0) + 1
         return pb.ChallengeResponse(
-            challenge=challenge, expires_at=expires_at, coordinator_public_key=self.key.public_key.raw
+            challenge=challenge,
+            expires_at=expires_at,
+            coordinator_public_key=self.key.public_key.raw,
+            run_id=self.run_id,
         )
 
     async def join(self, request: pb.JoinRequest, peer: str) -> pb.JoinResponse:
@@ -213,6 +220,7 @@ class CoordinatorService:
 
         role = "data" if body.role == "auto" else body.role
         now = time.time()
+        await self.store.prune(now, grace_s=PRUNE_GRACE_S)
         certificate = issue_certificate(
             self.key,
             public_key=envelope.signer,
@@ -289,8 +297,10 @@ class CoordinatorService:
     async def _flag_divergence(self, peer_id: str, step: int) -> None:
         if not step:
             return
-        diverged = diverged_peers(await self.store.list_peers())
-        if peer_id in diverged and self._flagged.get(peer_id) != step:
+        record = await self.store.get_peer(peer_id)
+        majority = (await self.store.majority_hashes()).get(step)
+        diverged = record is not None and record.state == "online" and record.param_hash not in ("", majority)
+        if diverged and self._flagged.get(peer_id) != step:
             self._flagged.pop(peer_id, None)
             self._flagged[peer_id] = step
             while len(self._flagged) > self.limits.max_tracked_callers:
@@ -310,47 +320,51 @@ class CoordinatorService:
         return pb.LeaveResponse(state="left")
 
     async def status(self, request: pb.StatusRequest, peer: str) -> pb.StatusResponse:
+        """One page of the peer table: at most ``STATUS_PAGE_PEERS`` rows and ``STATUS_PAGE_BYTES``
+        bytes whatever the table holds, so the answer always fits gRPC's message cap."""
         self._check_header(request.header, allow_any_run=True)
-        records = await self.store.list_peers()
-        diverged = diverged_peers(records)
-        peers = [
-            pb.PeerStatus(
-                peer_id=r.peer_id,
-                name=r.name,
-                state=r.state,
-                device=r.device,
-                role=r.role,
-                last_seen=r.last_seen,
-                joined_at=r.joined_at,
-                ban_reason=r.ban_reason,
-                metrics=r.metrics,
-                step=r.step,
-                param_hash=r.param_hash,
-                diverged=r.peer_id in diverged,
-            )
-            for r in records
-        ]
-        return pb.StatusResponse(
+        if len(request.after_peer_id) > 128:
+            raise ProtocolError("StatusRequest field 'after_peer_id' is longer than 128 characters")
+        limit = min(request.max_peers or STATUS_PAGE_PEERS, STATUS_PAGE_PEERS)
+        records, total = await self.store.peer_page(after=request.after_peer_id, limit=limit)
+        majority = await self.store.majority_hashes()
+        response = pb.StatusResponse(
             protocol_version=PROTOCOL_VERSION,
             run_id=self.run_id,
             coordinator_peer_id=self.key.peer_id,
             dht_initial_peers=self.dht_initial_peers,
-            peers=peers,
             server_time=time.time(),
+            total_peers=total,
         )
+        size = response.ByteSize()
+        for r in records:
+            row = pb.PeerStatus(
+                peer_id=r.peer_id, name=r.name, state=r.state, device=r.device, role=r.role,
+                last_seen=r.last_seen, joined_at=r.joined_at, ban_reason=r.ban_reason, metrics=r.metrics,
+                step=r.step, param_hash=r.param_hash,
+                diverged=r.state == "online" and bool(r.param_hash) and r.param_hash != majority.get(r.step),
+            )  # fmt: skip
+            size += row.ByteSize() + 8
+            if size > STATUS_PAGE_BYTES:
+                break
+            response.peers.append(row)
+        if response.peers and (len(response.peers) < len(records) or len(records) == limit):
+            response.next_after_peer_id = response.peers[-1].peer_id
+        return response
 
     async def accuse(self, parts: AsyncIterator[bytes], peer: str) -> pb.AccuseResponse:
         """Judge an accusation by recomputing the aggregate from the signed evidence; ban whoever lied.
 
         The whole stream must arrive within ``evidence_read_timeout_s``, from a peer with an accusation
-        to spare and none in flight, and its declared size must fit the evidence budget, all before it
-        waits for the judge: a stalled or flooding accuser holds up only itself."""
+        to spare and none in flight. Its evidence is charged to the budget as it arrives, within its
+        address's share; when the budget is full it waits its turn rather than being refused, so
+        stalled streams delay a true accusation only until their own deadlines cut them off."""
         limits = self.limits
         deadline = asyncio.get_running_loop().time() + limits.evidence_read_timeout_s
         late = f"did not arrive within {limits.evidence_read_timeout_s:.0f}s"
         try:
             async with asyncio.timeout_at(deadline):
-                first = await _next_part(parts)
+                first = await next_part(parts)
                 self._check_header(first.header)
                 envelope = self._open(first.envelope, ACCUSE, "accusation", MAX_REQUEST_AGE_S)
                 await self._known_peer(envelope)
@@ -358,19 +372,26 @@ class CoordinatorService:
             raise ProtocolError(f"accusation from {peer} {late}") from None
         sender = envelope.sender
         body = parse_body(AccuseBody, envelope.body, sender=sender, what="accusation")
-        self._admit_accusation(sender, body.evidence_bytes)
+        if await self.store.get_peer(body.accused) is None:
+            # No honest round holds an uncertified member, and a ban of a key that never held a
+            # certificate would stay on the ban list forever: refuse it, banning nobody.
+            raise ProtocolError(f"accusation from {sender}: {body.accused} is not a peer of this run")
+        self._admit_accusation(sender)
+        reader = EvidenceReader(self._evidence_budget, caller_key(peer))
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    evidence = await _read_evidence(first, parts, body, sender)
+                    evidence = await reader.read(first, parts, body, sender)
             except TimeoutError:
-                # Holding the evidence budget open costs the staller every accusation it had left.
+                # Holding evidence bytes open costs the staller every accusation it had left.
                 self._accusation_buckets.empty(sender)
                 raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
             async with self._judging:
-                verdict, guilty = await asyncio.to_thread(self._judge, evidence, body.accused, sender)
+                verdict, guilty = await asyncio.to_thread(
+                    judge, self.config, lambda: self._layouts, evidence, body.accused, sender
+                )
         finally:
-            self._evidence_budget.release(body.evidence_bytes)
+            reader.release()
             self._accusing.discard(sender)
         if guilty is None:
             raise ProtocolError(
@@ -384,70 +405,25 @@ class CoordinatorService:
             reason,
             evidence if convicted else None,
             max_stored_evidence_bytes=limits.stored_evidence_bytes,
+            false_accuser=not convicted,
         )
         if convicted and not kept:
             logger.warning(f"evidence against {guilty} not kept: the store holds all the evidence it may")
         logger.warning(f"accusation by {sender} against {body.accused}: banned {guilty} ({reason})")
         return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
 
-    def _admit_accusation(self, sender: str, evidence_bytes: int) -> None:
-        """Let one more accusation of ``sender`` in, or refuse it; once in, it holds its evidence budget."""
+    def _admit_accusation(self, sender: str) -> None:
+        """Let one more accusation of ``sender`` in, or refuse it."""
         if sender in self._accusing:
             raise NetworkError(f"{sender} already has an accusation in flight; wait for its verdict")
         if not self._accusation_buckets.take(sender):
             retry_s = self._accusation_buckets.retry_after_s(sender)
             raise NetworkError(f"too many accusations from {sender}; retry in {retry_s:.0f}s")
-        if not self._evidence_budget.reserve(evidence_bytes):
-            raise NetworkError("the coordinator holds all the evidence it can judge at once; retry later")
         self._accusing.add(sender)
-
-    def _judge(self, data: bytes, accused: str, accuser: str) -> tuple[str, str | None]:
-        """(what was found, who is guilty): the accused if the evidence proves it, else the accuser; nobody
-        when the evidence is of an averaging prefix this run does not use, whose layout the coordinator
-        cannot know (so it cannot show that the accuser lied either)."""
-        training = self.config.training
-        try:
-            evidence = parse_evidence(data)
-        except SwarmError as e:
-            return f"the evidence does not hold: {e}", accuser
-        vector_numel = self._layouts.get(evidence.prefix)
-        if vector_numel is None:
-            return (
-                f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, which this run does not use",
-                None,
-            )
-        try:
-            if evidence.accused != accused or accuser not in evidence.members:
-                raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
-            aggregator = get_aggregator(training.aggregator, training.aggregator_options)
-            codec = get_codec(training.compression, topk_density=training.topk_density)
-            verdict = evidence.judge(aggregator, codec, vector_numel=vector_numel)
-        except SwarmError as e:
-            return f"the evidence does not hold: {e}", accuser
-        if verdict is None:
-            return "the aggregate is exactly what the rule gives", accuser
-        return verdict, accused
 
     @functools.cached_property
     def _layouts(self) -> dict[str, int]:
-        """Each averaging prefix of the run and the length of the vector averaged under it: the run's
-        trainable parameters under the run's prefix, and each pipeline stage's under that stage's."""
-        from swarm.models import build_model
-        from swarm.pipeline.layout import build_stage
-        from swarm.pipeline.worker import stage_prefix
-
-        run = self.config
-
-        def trainable(module) -> int:
-            return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-        # Averagers name their prefix with "." replaced by "_" (swarm.averaging.averager).
-        layouts = {run.run_id.replace(".", "_"): trainable(build_model(run.model.name, run.model.config))}
-        if run.pipeline.stages > 1:
-            for index in range(run.pipeline.stages):
-                prefix = stage_prefix(run.run_id, index).replace(".", "_")
-                layouts[prefix] = trainable(build_stage(run, index))
-        return layouts
+        return run_layouts(self.config)
 
     # --- wiring into grpc ----------------------------------------------------------------------------
 
@@ -473,39 +449,6 @@ class CoordinatorService:
             response_serializer=lambda message: message.SerializeToString(),
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-
-async def _read_evidence(
-    first: pb.AccusationPart, parts: AsyncIterator[bytes], body: AccuseBody, sender: str
-) -> bytes:
-    """The evidence bytes the accusation signed for: exactly ``evidence_bytes`` of them, matching its hash."""
-    evidence = bytearray(first.evidence)
-    while len(evidence) < body.evidence_bytes:
-        piece = await _next_part(parts, required=False)
-        if piece is None:
-            break
-        evidence += piece.evidence
-    if len(evidence) != body.evidence_bytes:
-        raise ProtocolError(
-            f"accusation from {sender} carried {len(evidence)} evidence bytes or more, "
-            f"not the {body.evidence_bytes} it signed for"
-        )
-    if hashlib.sha256(evidence).digest() != body.evidence_sha256:
-        raise ProtocolError(f"accusation from {sender}: evidence does not match its signed hash")
-    return bytes(evidence)
-
-
-async def _next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> pb.AccusationPart | None:
-    try:
-        raw = await parts.__anext__()
-    except StopAsyncIteration:
-        if required:
-            raise ProtocolError("accusation stream is empty") from None
-        return None
-    try:
-        return pb.AccusationPart.FromString(raw)
-    except (DecodeError, RuntimeWarning) as e:
-        raise ProtocolError(f"malformed AccusationPart: {e}") from None
 
 
 async def _answer(method: str, context: grpc.aio.ServicerContext, handle: Awaitable[Any]) -> Any:

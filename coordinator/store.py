@@ -14,16 +14,25 @@ import asyncio
 import json
 import math
 import sqlite3
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, verify_step
+from coordinator.banlist import (  # noqa: F401  (the CLI and metrics import them from here)
+    EVIDENCE_PREVIEW_BYTES,
+    Ban,
+    ban_sync,
+    enforced_bans_sync,
+    list_bans_sync,
+    transaction,
+    unban_sync,
+    upgrade,
+)
+from coordinator.banlist import SCHEMA as BANS_SCHEMA
+from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, round_share, verify_step
 from coordinator.suspicions import SCHEMA as SUSPICIONS_SCHEMA
 from coordinator.suspicions import record_suspicions, suspicion_counts
 from protocols.errors import ConfigError
@@ -49,12 +58,6 @@ CREATE TABLE IF NOT EXISTS peers (
     step INTEGER NOT NULL DEFAULT 0,
     param_hash TEXT NOT NULL DEFAULT ''
 );
-CREATE TABLE IF NOT EXISTS bans (
-    peer_id TEXT PRIMARY KEY,
-    reason TEXT NOT NULL,
-    banned_at REAL NOT NULL,
-    evidence BLOB
-);
 CREATE TABLE IF NOT EXISTS credit (
     peer_id TEXT PRIMARY KEY,
     samples REAL NOT NULL DEFAULT 0,
@@ -71,12 +74,6 @@ CREATE TABLE IF NOT EXISTS history (
     peers_online INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS history_by_time ON history (t);
-CREATE TABLE IF NOT EXISTS ban_evidence (
-    peer_id TEXT PRIMARY KEY,
-    bytes INTEGER NOT NULL,
-    preview BLOB NOT NULL,
-    data BLOB NOT NULL
-);
 CREATE INDEX IF NOT EXISTS peers_by_progress ON peers (step, param_hash);
 """
 SCHEMA_VERSION = "1"
@@ -85,8 +82,6 @@ MAX_HISTORY_ROWS = 120_000
 # The peer metric that carries its cumulative count of samples in applied rounds (see ``Credit``).
 CONTRIBUTED = "contributed_samples"
 DEFAULT_STEPS_PER_S = TrainingConfig.model_fields["max_verified_steps_per_s"].default
-# Bytes of each conviction's evidence that listing the bans returns (the dashboard's preview).
-EVIDENCE_PREVIEW_BYTES = 512
 
 
 @dataclass
@@ -122,29 +117,6 @@ class HistoryPoint:
     val_loss: float | None
     samples_per_s: float
     peers_online: int
-
-
-@dataclass(frozen=True)
-class Ban:
-    """A ban on the run's list: whom, why, when, and the size and first bytes of the evidence."""
-
-    peer_id: str
-    reason: str
-    banned_at: float
-    evidence_bytes: int = 0
-    evidence_preview: bytes = b""
-
-
-@contextmanager
-def transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """All statements inside commit together or not at all (whatever the connection's isolation level)."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        yield db
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
 
 
 class Store:
@@ -191,8 +163,8 @@ class Store:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA busy_timeout=5000")
-            db.executescript(SCHEMA + SUSPICIONS_SCHEMA)
-            _move_old_evidence(db)
+            db.executescript(SCHEMA + BANS_SCHEMA + SUSPICIONS_SCHEMA)
+            upgrade(db)
         except sqlite3.Error as e:
             raise ConfigError(f"cannot open the coordinator store {self.path}: {e}") from None
         row = db.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
@@ -237,6 +209,50 @@ class Store:
         def op(db: sqlite3.Connection) -> PeerRecord | None:
             row = db.execute(_SELECT_PEERS + " WHERE p.peer_id = ?", (peer_id,)).fetchone()
             return _record(row) if row else None
+
+        return await self._run(op)
+
+    async def peer_page(self, *, after: str = "", limit: int) -> tuple[list[PeerRecord], int]:
+        """Up to ``limit`` peers with IDs after ``after``, in ID order, and how many the table holds."""
+
+        def op(db: sqlite3.Connection) -> tuple[list[PeerRecord], int]:
+            rows = db.execute(
+                _SELECT_PEERS + " WHERE p.peer_id > ? ORDER BY p.peer_id LIMIT ?", (after, limit)
+            )
+            page = [_record(r) for r in rows]
+            return page, db.execute("SELECT COUNT(*) FROM peers").fetchone()[0]
+
+        return await self._run(op)
+
+    async def majority_hashes(self) -> dict[int, str]:
+        """Per step, the parameter hash most online, unbanned peers at it report (ties: the least hash)."""
+
+        def op(db: sqlite3.Connection) -> dict[int, str]:
+            majority: dict[int, tuple[int, str]] = {}
+            for step, param_hash, count in db.execute(
+                "SELECT p.step, p.param_hash, COUNT(*) FROM peers p WHERE p.state='online' AND p.param_hash != ''"
+                " AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id) GROUP BY p.step, p.param_hash"
+            ):
+                best = majority.get(step)
+                if best is None or (-count, param_hash) < (-best[0], best[1]):
+                    majority[step] = (count, param_hash)
+            return {step: param_hash for step, (_, param_hash) in majority.items()}
+
+        return await self._run(op)
+
+    async def prune(self, now: float, *, grace_s: float) -> int:
+        """Forget peers that left or whose certificates expired over ``grace_s`` ago (banned peers are
+        kept: the ban list needs their certificates' expiry); returns how many. Their credit stays."""
+
+        def op(db: sqlite3.Connection) -> int:
+            gone = "(state='left' OR cert_expires_at + ? < ?) AND peer_id NOT IN (SELECT peer_id FROM bans)"
+            with transaction(db):
+                db.execute(
+                    f"DELETE FROM suspicions WHERE reporter IN (SELECT peer_id FROM peers WHERE {gone})"
+                    f" OR suspect IN (SELECT peer_id FROM peers WHERE {gone})",
+                    (grace_s, now, grace_s, now),
+                )
+                return db.execute(f"DELETE FROM peers WHERE {gone}", (grace_s, now)).rowcount
 
         return await self._run(op)
 
@@ -297,8 +313,9 @@ class Store:
                         max_steps_per_s=self.max_verified_steps_per_s,
                         max_step=ceiling,
                     )
-                    if CONTRIBUTED in metrics and step <= verified:
-                        merge_credit(db, peer_id, metrics[CONTRIBUTED], step, self.max_samples_per_step)
+                    share = round_share(db, step, param_hash, self.max_samples_per_step)
+                    if CONTRIBUTED in metrics and step <= verified and share is not None:
+                        merge_credit(db, peer_id, metrics[CONTRIBUTED], step, share)
                     record_suspicions(db, peer_id, suspects or (), seen_at)
             return cursor.rowcount == 1
 
@@ -344,27 +361,29 @@ class Store:
         return await self._run(op)
 
     async def ban(
-        self, peer_id: str, reason: str, evidence: bytes | None = None, *, max_stored_evidence_bytes: int = 0
+        self,
+        peer_id: str,
+        reason: str,
+        evidence: bytes | None = None,
+        *,
+        max_stored_evidence_bytes: int = 0,
+        false_accuser: bool = False,
     ) -> bool:
-        """Ban ``peer_id``; its evidence is kept only while all kept evidence fits in
-        ``max_stored_evidence_bytes``. Returns whether the evidence was kept."""
+        """Ban ``peer_id`` (``coordinator.banlist.ban_sync``); returns whether its evidence was kept."""
         return await self._run(
             lambda db: ban_sync(
-                db, peer_id, reason, evidence, max_stored_evidence_bytes=max_stored_evidence_bytes
+                db,
+                peer_id,
+                reason,
+                evidence,
+                max_stored_evidence_bytes=max_stored_evidence_bytes,
+                false_accuser=false_accuser,
             )
         )
 
     async def list_bans(self) -> list[Ban]:
         """Every ban with the size and first bytes of its evidence (never the evidence itself)."""
-        return await self._run(
-            lambda db: [
-                Ban(*row)
-                for row in db.execute(
-                    "SELECT b.peer_id, b.reason, b.banned_at, COALESCE(e.bytes, 0), COALESCE(e.preview, X'')"
-                    " FROM bans b LEFT JOIN ban_evidence e ON e.peer_id = b.peer_id ORDER BY b.banned_at"
-                )
-            ]
-        )
+        return await self._run(list_bans_sync)
 
     async def ban_evidence(self, peer_id: str) -> bytes | None:
         def op(db: sqlite3.Connection) -> bytes | None:
@@ -374,19 +393,10 @@ class Store:
         return await self._run(op)
 
     async def enforced_bans(self, now: float, *, grace_s: float) -> list[str]:
-        """Banned peers that may still hold a valid certificate (or never held one from this store), earliest
-        ban first. A banned peer is never renewed, so once its certificate has expired (plus ``grace_s``
-        of clock skew) no peer accepts it anyway and the published list can leave it out."""
-        return await self._run(
-            lambda db: [
-                row[0]
-                for row in db.execute(
-                    "SELECT b.peer_id FROM bans b LEFT JOIN peers p ON p.peer_id = b.peer_id"
-                    " WHERE p.peer_id IS NULL OR p.cert_expires_at + ? > ? ORDER BY b.banned_at",
-                    (grace_s, now),
-                )
-            ]
-        )
+        """Banned peers that may still hold a valid certificate, in the order the ban list keeps them
+        (``coordinator.banlist``). A banned peer is never renewed, so once its certificate has expired
+        (plus ``grace_s`` of clock skew) no peer accepts it anyway and the published list leaves it out."""
+        return await self._run(lambda db: enforced_bans_sync(db, now, grace_s))
 
     async def verified_step(self) -> int:
         return await self._run(lambda db: meta_int(db, "verified_step"))
@@ -432,52 +442,6 @@ class Store:
             return [HistoryPoint(*row[1:]) for row in rows]
 
         return await self._run(op)
-
-
-def ban_sync(
-    db: sqlite3.Connection,
-    peer_id: str,
-    reason: str,
-    evidence: bytes | None = None,
-    *,
-    max_stored_evidence_bytes: int = 0,
-) -> bool:
-    with transaction(db):
-        db.execute(
-            "INSERT OR REPLACE INTO bans (peer_id, reason, banned_at, evidence) VALUES (?, ?, ?, NULL)",
-            (peer_id, reason, time.time()),
-        )
-        if not evidence:
-            return False
-        (stored,) = db.execute(
-            "SELECT COALESCE(SUM(bytes), 0) FROM ban_evidence WHERE peer_id != ?", (peer_id,)
-        ).fetchone()
-        if stored + len(evidence) > max_stored_evidence_bytes:
-            return False
-        db.execute(
-            "INSERT OR REPLACE INTO ban_evidence (peer_id, bytes, preview, data) VALUES (?, ?, ?, ?)",
-            (peer_id, len(evidence), evidence[:EVIDENCE_PREVIEW_BYTES], evidence),
-        )
-        return True
-
-
-def _move_old_evidence(db: sqlite3.Connection) -> None:
-    """Stores written before evidence had its own table kept it in ``bans.evidence``."""
-    with transaction(db):
-        db.execute(
-            "INSERT OR IGNORE INTO ban_evidence (peer_id, bytes, preview, data) SELECT peer_id,"
-            " length(evidence), substr(evidence, 1, ?), evidence FROM bans WHERE evidence IS NOT NULL",
-            (EVIDENCE_PREVIEW_BYTES,),
-        )
-        db.execute("UPDATE bans SET evidence = NULL WHERE evidence IS NOT NULL")
-
-
-def unban_sync(db: sqlite3.Connection, peer_id: str) -> bool:
-    with transaction(db):
-        # `swarm-coordinator unban` may open a store the coordinator has not upgraded yet.
-        if db.execute("SELECT 1 FROM sqlite_master WHERE name='ban_evidence'").fetchone():
-            db.execute("DELETE FROM ban_evidence WHERE peer_id=?", (peer_id,))
-        return db.execute("DELETE FROM bans WHERE peer_id=?", (peer_id,)).rowcount == 1
 
 
 _SELECT_PEERS = (

@@ -5,8 +5,10 @@ nothing to a third party, so it is never grounds for a ban (``coordinator.servic
 evidence). Each peer avoids such groupmates itself (``swarm.averaging.policy``) and names the ones it
 avoids now in every heartbeat; the coordinator keeps each reporter's latest list only (at most
 ``MAX_SUSPECT_REPORTS`` known peers, its own ID dropped) and shows, per peer, how many distinct online,
-unbanned peers avoid it. One liar moves that count by one; a withholder that breaks the rounds of many
-peers shows up in all their counts.
+unbanned peers with credit (samples in rounds the coordinator credited, ``coordinator.credit``) avoid
+it. Identities are cheap under open admission, so one without credit counts for nothing: a flock of
+fresh Sybils cannot raise an honest peer's count. One liar with credit moves it by one; a withholder
+that breaks the rounds of many peers shows up in all their counts.
 
 Both functions run inside the store's heartbeat transaction or on its connection.
 """
@@ -41,10 +43,13 @@ def record_suspicions(db: sqlite3.Connection, reporter: str, suspects: Iterable[
 
 
 def suspicion_counts(db: sqlite3.Connection) -> dict[str, int]:
-    """Per suspect, the distinct reporters that avoid it now: online and not banned themselves."""
+    """Per suspect, the distinct reporters that avoid it now: online, not banned, and credited with
+    samples themselves."""
     rows = db.execute(
         "SELECT s.suspect, COUNT(DISTINCT s.reporter) FROM suspicions s JOIN peers p ON p.peer_id = s.reporter "
-        "WHERE p.state='online' AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = s.reporter) "
+        "JOIN credit c ON c.peer_id = s.reporter "
+        "WHERE p.state='online' AND c.samples > 0 "
+        "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = s.reporter) "
         "GROUP BY s.suspect"
     )
     return {suspect: count for suspect, count in rows}

@@ -124,15 +124,14 @@ class Volunteer:
         delay = 1.0
         while True:
             try:
-                run_id = config.run_id or (await client.status()).run_id
                 admission = await client.join(
                     self.key,
-                    run_id,
+                    config.run_id or "",
                     name=config.name,
                     device=self.device,
                     role=config.role,
                     join_token=self.join_token,
-                    coordinator_key=self._expected_coordinator_key(run_id),
+                    coordinator_key=self._expected_coordinator_key,
                 )
                 break
             except NetworkError as e:

@@ -21,14 +21,16 @@ class ChallengeRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
 
 class ChallengeResponse(_message.Message):
-    __slots__ = ("challenge", "expires_at", "coordinator_public_key")
+    __slots__ = ("challenge", "expires_at", "coordinator_public_key", "run_id")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     challenge: bytes
     expires_at: float
     coordinator_public_key: bytes
-    def __init__(self, challenge: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., coordinator_public_key: _Optional[bytes] = ...) -> None: ...
+    run_id: str
+    def __init__(self, challenge: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., coordinator_public_key: _Optional[bytes] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("header", "envelope")
@@ -77,10 +79,14 @@ class LeaveResponse(_message.Message):
     def __init__(self, state: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "after_peer_id", "max_peers")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_PEERS_FIELD_NUMBER: _ClassVar[int]
     header: Header
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+    after_peer_id: str
+    max_peers: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., after_peer_id: _Optional[str] = ..., max_peers: _Optional[int] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
     __slots__ = ("peer_id", "name", "state", "device", "role", "last_seen", "joined_at", "ban_reason", "metrics", "step", "param_hash", "diverged")
@@ -118,20 +124,24 @@ class PeerStatus(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., role: _Optional[str] = ..., last_seen: _Optional[float] = ..., joined_at: _Optional[float] = ..., ban_reason: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ..., param_hash: _Optional[str] = ..., diverged: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "coordinator_peer_id", "dht_initial_peers", "peers", "server_time")
+    __slots__ = ("protocol_version", "run_id", "coordinator_peer_id", "dht_initial_peers", "peers", "server_time", "total_peers", "next_after_peer_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     coordinator_peer_id: str
     dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
     server_time: float
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., coordinator_peer_id: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., server_time: _Optional[float] = ...) -> None: ...
+    total_peers: int
+    next_after_peer_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., coordinator_peer_id: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., server_time: _Optional[float] = ..., total_peers: _Optional[int] = ..., next_after_peer_id: _Optional[str] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("header", "ports")

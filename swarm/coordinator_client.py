@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +119,8 @@ class CoordinatorClient:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.address) from None
 
-    async def challenge(self, run_id: str) -> pb.ChallengeResponse:
+    async def challenge(self, run_id: str = "") -> pb.ChallengeResponse:
+        """A single-use join challenge; with no ``run_id`` the answer names the run the coordinator serves."""
         return await self._call(
             "Challenge", pb.ChallengeRequest(header=self._header(run_id)), pb.ChallengeResponse
         )
@@ -132,10 +134,18 @@ class CoordinatorClient:
         device: str,
         role: str = "auto",
         join_token: str | None = None,
-        coordinator_key: PublicKey | None = None,
+        coordinator_key: PublicKey | Callable[[str], PublicKey | None] | None = None,
     ) -> Admission:
-        """Prove possession of ``key`` and get admitted; ``coordinator_key`` pins whom to trust."""
+        """Prove possession of ``key`` and get admitted. An empty ``run_id`` joins whatever run the
+        coordinator serves (its challenge names it). ``coordinator_key`` pins whom to trust: a key, or a
+        function from the run ID to the key pinned for it (None: trust on first use)."""
         challenge = await self.challenge(run_id)
+        if not run_id:
+            run_id = challenge.run_id
+            if not run_id:
+                raise ProtocolError(f"coordinator at {self.address} did not name its run; give its run ID")
+        if callable(coordinator_key):
+            coordinator_key = coordinator_key(run_id)
         offered = PublicKey(challenge.coordinator_public_key)
         if coordinator_key is not None and offered != coordinator_key:
             raise SecurityError(
@@ -231,5 +241,12 @@ class CoordinatorClient:
         request = pb.DialBackRequest(header=self._header(""), ports=ports)
         return await self._call("DialBack", request, pb.DialBackResponse)
 
-    async def status(self, run_id: str = "") -> pb.StatusResponse:
-        return await self._call("Status", pb.StatusRequest(header=self._header(run_id)), pb.StatusResponse)
+    async def status(
+        self, run_id: str = "", *, after_peer_id: str = "", max_peers: int = 0
+    ) -> pb.StatusResponse:
+        """One page of the run's status: the peers after ``after_peer_id`` in ID order, at most
+        ``max_peers`` (0: the coordinator's page size); ``next_after_peer_id`` asks for the next page."""
+        request = pb.StatusRequest(
+            header=self._header(run_id), after_peer_id=after_peer_id, max_peers=max_peers
+        )
+        return await self._call("Status", request, pb.StatusResponse)

@@ -211,7 +211,8 @@ def test_a_ban_shows_with_its_reason(run: Run):
 
 def test_reported_contributions_become_durable_credit(tmp_path: Path):
     """How a peer's cumulative counter is merged: growth counts, a restart (a lower value) starts a new
-    count, credit never falls, and claims beyond a full batch per step advanced are refused."""
+    count, credit never falls, and claims beyond one share of a round per step advanced are refused
+    (with two peers at the state: twice the batch over two, one batch)."""
 
     async def scenario() -> None:
         store = Store.open_sync(tmp_path / "c.db", "credit", max_samples_per_step=32)
@@ -237,7 +238,7 @@ def test_reported_contributions_become_durable_credit(tmp_path: Path):
             assert await beat(2, 60) == 60  # paused: nothing new
             assert await beat(3, 20) == 80, "a restarted trainer counts from 0 again; credit does not fall"
             assert await beat(3, 10_000) == 80, "no step advanced: nothing more can be credited"
-            assert await beat(4, 10_100) == 112, "one step advanced: at most one batch (32)"
+            assert await beat(4, 10_100) == 112, "one step advanced: at most one share (2 x 32 / 2 peers)"
             assert (await store.credit_refused())["p"] == 10_000 - 20 + (100 - 32)
             # A replayed heartbeat (old sequence number) changes nothing.
             assert not await store.record_heartbeat(

@@ -42,7 +42,7 @@ def test_a_heartbeat_and_its_credit_commit_together(tmp_path: Path):
                 )
             with pytest.raises(sqlite3.IntegrityError):
                 await store.record_heartbeat(
-                    "p", seq=2, seen_at=2.0, metrics={"contributed_samples": 5.0}, step=0, param_hash=""
+                    "p", seq=2, seen_at=2.0, metrics={"contributed_samples": 5.0}, step=0, param_hash="a" * 64
                 )
             record = await store.get_peer("p")
             assert (record.last_seq, record.last_seen) == (1, 1.0), (
@@ -78,9 +78,9 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
                 await beat(p, 0, 0, honest)  # baselines
             for _ in range(2):  # a report made before the step was verified is merged on the next beat
                 for p in ("h1", "h2", "h3"):
-                    await beat(p, 2, 64, honest)
+                    await beat(p, 2, 20, honest)  # each its share of two 32-sample rounds among three
             assert await store.verified_step() == 2
-            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [64, 64, 64]
+            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [20, 20, 20]
             # Two Sybils claim step 1,000,000 with the same made-up hash and a huge count.
             for p in ("s1", "s2"):
                 assert await beat(p, 1_000_000, 1e12, fake) == 0
@@ -91,14 +91,45 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
             # The honest majority moves on; its credit follows.
             for _ in range(2):
                 for p in ("h1", "h2", "h3"):
-                    await beat(p, 3, 96, honest.replace("a", "b"))
+                    await beat(p, 3, 30, honest.replace("a", "b"))
             assert await store.verified_step() == 3
-            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [96, 96, 96]
+            assert [(await store.get_peer(p)).contributed_samples for p in ("h1", "h2", "h3")] == [30, 30, 30]
             assert (await store.get_peer("s1")).contributed_samples == 0
         finally:
             store.close()
 
     run(scenario())
+
+
+def test_a_freeloader_that_copies_the_public_step_and_hash_earns_no_more_than_an_honest_share(tmp_path: Path):
+    """Four honest peers each compute a quarter of every 64-sample round; a fifth reports the step and
+    hash it reads from Status and claims the whole batch each step. Once it was credited 4 times an
+    honest peer; now each step's credit is at most twice the average share of the peers at that state."""
+    target, honest_peers, steps = 64, ("h1", "h2", "h3", "h4"), 12
+
+    async def scenario() -> dict[str, float]:
+        store = Store.open_sync(tmp_path / "c.db", "freeload", max_samples_per_step=target)
+        seq = iter(range(1, 10_000))
+        try:
+            for p in (*honest_peers, "free"):
+                await store.admit(peer(p))
+            for step in range(steps + 1):
+                state = f"{step:064x}"
+                for p in [*honest_peers, "free"] * 2:  # every peer beats twice while the run is at a step
+                    reported = step * target * (1.0 if p == "free" else 1 / len(honest_peers))
+                    await store.record_heartbeat(
+                        p, seq=next(seq), seen_at=10.0 * next(seq), metrics={"contributed_samples": reported},
+                        step=step, param_hash=state,
+                    )  # fmt: skip
+            return {p: (await store.get_peer(p)).contributed_samples for p in (*honest_peers, "free")}
+        finally:
+            store.close()
+
+    credit = run(scenario())
+    honest = min(credit[p] for p in honest_peers)
+    assert honest > 0
+    assert credit["free"] <= 2 * honest, credit
+    assert honest >= 0.75 * steps * target / len(honest_peers), "honest work is credited"
 
 
 def test_sybils_that_outnumber_the_honest_move_the_verified_step_only_at_the_run_s_pace(tmp_path: Path):
@@ -172,7 +203,8 @@ def test_the_published_ban_list_leaves_out_expired_certificates(tmp_path: Path):
             await store.admit(peer("valid", cert_expires_at=now + 3600))
             for p in ("expired", "valid", "never-joined"):
                 await store.ban(p, "x")
-            assert await store.enforced_bans(now, grace_s=600) == ["valid", "never-joined"]
+            # The newest ban first, so a fresh ban always makes the list.
+            assert await store.enforced_bans(now, grace_s=600) == ["never-joined", "valid"]
             assert len(await store.list_bans()) == 3
         finally:
             store.close()
@@ -223,14 +255,23 @@ def test_the_cli_bans_and_unbans_on_its_own_connection(tmp_path: Path):
     run(scenario())
 
 
-def test_suspicions_count_distinct_online_unbanned_reporters_and_each_keeps_only_its_latest_list(
+def test_suspicions_count_distinct_online_unbanned_credited_reporters_and_each_keeps_only_its_latest_list(
     tmp_path: Path,
 ):
+    sybils = [f"sybil{i}" for i in range(8)]
+
     async def scenario() -> dict[str, int]:
         store = Store.open_sync(tmp_path / "c.db", "suspicions", max_samples_per_step=32)
         try:
-            for p in ("a", "b", "c", "liar", "w"):
+            for p in ("a", "b", "c", "liar", "w", *sybils):
                 await store.admit(peer(p))
+            with sqlite3.connect(
+                tmp_path / "c.db"
+            ) as db:  # credit earned in rounds, as merge_credit keeps it
+                db.executemany(
+                    "INSERT INTO credit (peer_id, samples) VALUES (?, 64)",
+                    [(p,) for p in ("a", "b", "c", "liar")],
+                )
 
             async def beat(reporter: str, seq: int, suspects: list[str]) -> None:
                 await store.record_heartbeat(reporter, seq=seq, seen_at=float(seq), metrics={}, step=0,
@@ -242,6 +283,8 @@ def test_suspicions_count_distinct_online_unbanned_reporters_and_each_keeps_only
             await beat("c", 2, ["w"])  # its new list replaces the old: "b" is no longer avoided by "c"
             await beat("liar", 1, ["a", "b", "c"])
             await store.ban("liar", "rehearsal")  # a banned reporter's word stops counting
+            for sybil in sybils:  # fresh identities with no verified work: their word counts for nothing
+                await beat(sybil, 1, ["a", "b", "c"])
             return await store.suspicion_counts()
         finally:
             store.close()

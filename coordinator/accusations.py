@@ -1,0 +1,127 @@
+"""How the coordinator reads an accusation's evidence and judges it.
+
+The evidence follows the signed first part in pieces; each piece is charged to the coordinator's
+``EvidenceBudget`` as it arrives (never the size the accuser declared up front), so a stream that
+stalls holds only what it sent. The judge recomputes the aggregate from the signed inputs with the
+run's own rule, codec and layout, and says who is guilty: the accused if the evidence proves it, else
+the accuser (nobody when the evidence is of an averaging prefix the run does not use).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Callable
+
+from google.protobuf.message import DecodeError
+
+from coordinator.limits import EvidenceBudget
+from protocols import coordinator_pb2 as pb
+from protocols.errors import ProtocolError, SwarmError
+from protocols.messages import AccuseBody
+from swarm.averaging.aggregators import get_aggregator
+from swarm.averaging.compression import get_codec
+from swarm.averaging.evidence import parse_evidence
+from swarm.config import RunConfig
+
+
+class EvidenceReader:
+    """Reads the evidence one accusation signed for, charging ``budget`` under ``key`` (its caller's
+    address) piece by piece; ``release`` gives back whatever it was charged, whenever it stopped."""
+
+    def __init__(self, budget: EvidenceBudget, key: str):
+        self.budget, self.key = budget, key
+        self.charged = 0
+
+    async def read(
+        self, first: pb.AccusationPart, parts: AsyncIterator[bytes], body: AccuseBody, sender: str
+    ) -> bytes:
+        """Exactly ``body.evidence_bytes`` bytes, matching the signed hash; ProtocolError otherwise."""
+        evidence = bytearray()
+        piece: pb.AccusationPart | None = first
+        while piece is not None:
+            if len(evidence) + len(piece.evidence) > body.evidence_bytes:
+                raise ProtocolError(
+                    f"accusation from {sender} carried more than the {body.evidence_bytes} evidence bytes "
+                    "it signed for"
+                )
+            await self.budget.charge(self.key, len(piece.evidence))
+            self.charged += len(piece.evidence)
+            evidence += piece.evidence
+            if len(evidence) == body.evidence_bytes:
+                break
+            piece = await next_part(parts, required=False)
+        if len(evidence) != body.evidence_bytes:
+            raise ProtocolError(
+                f"accusation from {sender} carried {len(evidence)} evidence bytes, "
+                f"not the {body.evidence_bytes} it signed for"
+            )
+        if hashlib.sha256(evidence).digest() != body.evidence_sha256:
+            raise ProtocolError(f"accusation from {sender}: evidence does not match its signed hash")
+        return bytes(evidence)
+
+    def release(self) -> None:
+        self.budget.release(self.key, self.charged)
+        self.charged = 0
+
+
+async def next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> pb.AccusationPart | None:
+    try:
+        raw = await parts.__anext__()
+    except StopAsyncIteration:
+        if required:
+            raise ProtocolError("accusation stream is empty") from None
+        return None
+    try:
+        return pb.AccusationPart.FromString(raw)
+    except (DecodeError, RuntimeWarning) as e:
+        raise ProtocolError(f"malformed AccusationPart: {e}") from None
+
+
+def judge(
+    run: RunConfig, layouts: Callable[[], dict[str, int]], data: bytes, accused: str, accuser: str
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty): the accused if the evidence proves it, else the accuser; nobody
+    when the evidence is of an averaging prefix this run does not use, whose layout the coordinator
+    cannot know (so it cannot show that the accuser lied either). ``layouts`` (``run_layouts``, which
+    builds the model) is called only for evidence that parses, on the judging thread."""
+    training = run.training
+    try:
+        evidence = parse_evidence(data)
+    except SwarmError as e:
+        return f"the evidence does not hold: {e}", accuser
+    vector_numel = layouts().get(evidence.prefix)
+    if vector_numel is None:
+        return (
+            f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, which this run does not use",
+            None,
+        )
+    try:
+        if evidence.accused != accused or accuser not in evidence.members:
+            raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
+        aggregator = get_aggregator(training.aggregator, training.aggregator_options)
+        codec = get_codec(training.compression, topk_density=training.topk_density)
+        verdict = evidence.judge(aggregator, codec, vector_numel=vector_numel)
+    except SwarmError as e:
+        return f"the evidence does not hold: {e}", accuser
+    if verdict is None:
+        return "the aggregate is exactly what the rule gives", accuser
+    return verdict, accused
+
+
+def run_layouts(run: RunConfig) -> dict[str, int]:
+    """Each averaging prefix of the run and the length of the vector averaged under it: the run's
+    trainable parameters under the run's prefix, and each pipeline stage's under that stage's."""
+    from swarm.models import build_model
+    from swarm.pipeline.layout import build_stage
+    from swarm.pipeline.worker import stage_prefix
+
+    def trainable(module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    # Averagers name their prefix with "." replaced by "_" (swarm.averaging.averager).
+    layouts = {run.run_id.replace(".", "_"): trainable(build_model(run.model.name, run.model.config))}
+    if run.pipeline.stages > 1:
+        for index in range(run.pipeline.stages):
+            prefix = stage_prefix(run.run_id, index).replace(".", "_")
+            layouts[prefix] = trainable(build_stage(run, index))
+    return layouts
