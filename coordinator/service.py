@@ -45,6 +45,7 @@ from protocols.messages import (
     JOIN,
     JOIN_ANSWER,
     LEAVE,
+    RUN_STATE,
     AccuseBody,
     HeartbeatBody,
     JoinBody,
@@ -86,9 +87,12 @@ class CoordinatorService:
         dht_initial_peers: list[str],
         limits: ServiceLimits | None = None,
         holds_checkpoint: Callable[[], bool] = lambda: True,
+        finished_step: Callable[[], int | None] = lambda: None,
+        checkpoint_step: Callable[[], int | None] = lambda: None,
     ):
         self.config = config
         self.holds_checkpoint = holds_checkpoint
+        self.finished_step, self.checkpoint_step = finished_step, checkpoint_step
         self.key = key
         self.store = store
         self.dht_initial_peers = dht_initial_peers
@@ -284,7 +288,14 @@ class CoordinatorService:
             )
             await self.store.renew_certificate(envelope.sender, certificate.serial, certificate.expires_at)
             renewed = certificate.encoded
-        return pb.HeartbeatResponse(state="online", certificate=renewed, server_time=now)
+        run_state = {
+            "seq": body.seq, "max_steps": self.config.training.max_steps or 0,
+            "finished_step": self.finished_step() or 0,
+        }  # fmt: skip
+        return pb.HeartbeatResponse(
+            state="online", certificate=renewed, server_time=now,
+            run_state=seal(self.key, RUN_STATE, self.run_id, run_state),
+        )  # fmt: skip
 
     async def _flag_divergence(self, peer_id: str, step: int) -> None:
         if not step:
@@ -337,6 +348,9 @@ class CoordinatorService:
             dht_initial_peers=self.dht_initial_peers,
             peers=peers,
             server_time=time.time(),
+            max_steps=self.config.training.max_steps or 0,
+            checkpoint_step=self.checkpoint_step() or 0,
+            finished_step=self.finished_step() or 0,
         )
 
     async def accuse(self, parts: AsyncIterator[bytes], peer: str) -> pb.AccuseResponse:
