@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 
 import hivemind
 from hivemind.p2p import PeerID
 
+from coordinator.store import PeerRecord
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
 from swarm.bans import fetch_ban_list
@@ -65,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 2.0
 RECORD_TTL_S = 60.0
+# How long a peer may heartbeat without its signed progress reaching the coordinator's DHT node before
+# it counts as split from the swarm the coordinator checkpoints (joining and catching up take less).
+OUTSIDE_GRACE_S = 60.0
 
 
 def state_layout(run: RunConfig) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -135,6 +140,22 @@ class CheckpointKeeper:
         self.stages: dict[int, Checkpoint] = {}  # a pipeline run's latest checkpoint, stage by stage
         self._stage_encoded: dict[int, EncodedState] = {}
         self.pipeline = PipelineView()
+        self._started_at = time.time()
+        self._in_view_at: dict[str, float] = {}  # peer -> when its progress record was last read
+
+    def outside_dht(self, records: list[PeerRecord], now: float) -> set[str]:
+        """Online peers, up for over ``OUTSIDE_GRACE_S``, whose signed progress this coordinator's DHT
+        node has not read for as long: they train in a swarm split from the one it checkpoints. Only
+        for runs without pipeline stages (a stage replica publishes another kind of record)."""
+        if self.num_stages > 1 or now - self._started_at < OUTSIDE_GRACE_S:
+            return set()
+        return {
+            r.peer_id
+            for r in records
+            if r.state == "online"
+            and r.metrics.get("uptime_s", 0.0) > OUTSIDE_GRACE_S
+            and now - self._in_view_at.get(r.peer_id, 0.0) > OUTSIDE_GRACE_S
+        }
 
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
@@ -203,6 +224,11 @@ class CheckpointKeeper:
         if bans is not None:
             self.banned = bans[1]
         self.view = await fetch_progress(self.dht, self.trust)
+        now = time.time()
+        for peer_id in self.view:
+            self._in_view_at[peer_id] = now
+        if len(self._in_view_at) > 4 * len(self.view) + 1024:  # forget peers long gone
+            self._in_view_at = {k: t for k, t in self._in_view_at.items() if now - t < OUTSIDE_GRACE_S}
         others = {k: Position(p.step, p.state_hash) for k, p in self.view.items()}
         target = catch_up_target(None, others, max_step=self.run.training.max_steps)
         if target is not None and self._due(target.step):

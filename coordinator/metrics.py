@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,11 @@ async def run_snapshot(
     history_points: int = 500,
     checkpoint_step: int | None = None,
     finished_step: int | None = None,
+    outside_dht: Callable[[list[PeerRecord], float], set[str]] | None = None,
 ) -> dict[str, Any]:
     """The JSON document served at ``/api/status``; ``finished_step`` is the final checkpoint's step once
-    the run has reached ``max_steps``."""
+    the run has reached ``max_steps``; ``outside_dht`` names the peers split from the coordinator's DHT
+    (shown as diverged)."""
     records = await store.list_peers()
     bans = await store.list_bans()
     refused = await store.credit_refused()
@@ -105,7 +107,7 @@ async def run_snapshot(
     history = await store.history(max_points=history_points)
     now = time.time()
     current = history_point(records, now)
-    diverged = diverged_peers(records)
+    diverged = diverged_peers(records, outside_dht(records, now) if outside_dht else ())
     names = {r.peer_id: r.name for r in records}
     total_credit = sum(r.contributed_samples for r in records)
     peers = [

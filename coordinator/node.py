@@ -127,6 +127,7 @@ class CoordinatorNode:
                 holds_checkpoint=lambda: keeper.latest is not None or bool(keeper.stages),
                 finished_step=lambda: keeper.finished_step,
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
+                outside_dht=keeper.outside_dht,
             )  # fmt: skip
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
             self._server.add_generic_rpc_handlers(
@@ -244,6 +245,7 @@ class CoordinatorNode:
             self._store, self.run, self.coordinator_peer_id,
             checkpoint_step=latest.step if latest else None,
             finished_step=self.keeper.finished_step if self.keeper else None,
+            outside_dht=self.keeper.outside_dht if self.keeper else None,
         )  # fmt: skip
 
     async def _record_history(self) -> None:

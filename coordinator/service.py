@@ -89,10 +89,12 @@ class CoordinatorService:
         holds_checkpoint: Callable[[], bool] = lambda: True,
         finished_step: Callable[[], int | None] = lambda: None,
         checkpoint_step: Callable[[], int | None] = lambda: None,
+        outside_dht: Callable[[list[PeerRecord], float], set[str]] = lambda records, now: set(),
     ):
         self.config = config
         self.holds_checkpoint = holds_checkpoint
         self.finished_step, self.checkpoint_step = finished_step, checkpoint_step
+        self.outside_dht = outside_dht
         self.key = key
         self.store = store
         self.dht_initial_peers = dht_initial_peers
@@ -300,14 +302,16 @@ class CoordinatorService:
     async def _flag_divergence(self, peer_id: str, step: int) -> None:
         if not step:
             return
-        diverged = diverged_peers(await self.store.list_peers())
+        records = await self.store.list_peers()
+        diverged = diverged_peers(records, self.outside_dht(records, time.time()))
         if peer_id in diverged and self._flagged.get(peer_id) != step:
             self._flagged.pop(peer_id, None)
             self._flagged[peer_id] = step
             while len(self._flagged) > self.limits.max_tracked_callers:
                 self._flagged.popitem(last=False)
             logger.warning(
-                f"{peer_id} diverged: its parameters at step {step} differ from most peers at that step"
+                f"{peer_id} diverged: its parameters at step {step} differ from most peers at that step, "
+                "or its progress has not reached this coordinator's DHT (a split swarm)"
             )
 
     async def leave(self, request: pb.LeaveRequest, peer: str) -> pb.LeaveResponse:
@@ -323,7 +327,7 @@ class CoordinatorService:
     async def status(self, request: pb.StatusRequest, peer: str) -> pb.StatusResponse:
         self._check_header(request.header, allow_any_run=True)
         records = await self.store.list_peers()
-        diverged = diverged_peers(records)
+        diverged = diverged_peers(records, self.outside_dht(records, time.time()))
         peers = [
             pb.PeerStatus(
                 peer_id=r.peer_id,

@@ -16,7 +16,7 @@ import math
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -497,8 +497,9 @@ def _record(row: Any) -> PeerRecord:
     )  # fmt: skip
 
 
-def diverged_peers(records: list[PeerRecord]) -> set[str]:
-    """Online peers whose parameter hash differs from the one most online peers at their step report."""
+def diverged_peers(records: list[PeerRecord], outside: Collection[str] = ()) -> set[str]:
+    """Online peers whose parameter hash differs from the one most online peers at their step report,
+    and those in ``outside`` (a swarm split from the coordinator's DHT)."""
     by_step: dict[int, Counter[str]] = {}
     for r in records:
         if r.state == "online" and r.param_hash:
@@ -508,4 +509,4 @@ def diverged_peers(records: list[PeerRecord]) -> set[str]:
         r.peer_id
         for r in records
         if r.state == "online" and r.param_hash and r.param_hash != majority[r.step]
-    }
+    } | (set(outside) & {r.peer_id for r in records if r.state == "online"})

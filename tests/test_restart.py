@@ -8,14 +8,16 @@ finds the swarm rather than the checkpoint from before the restart.
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
+from coordinator.checkpoints import OUTSIDE_GRACE_S, CheckpointKeeper
+from coordinator.store import PeerRecord, diverged_peers
 from lab.localswarm import LocalSwarm, free_port, status, tiny_run, wait_until
+from protocols.keys import SigningKey
 from swarm.training.checkpoint import list_checkpoints
-
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _newest_checkpoint(data_dir: Path) -> int:
@@ -36,6 +38,8 @@ def _restart(swarm: LocalSwarm, coordinator, signum: int, run, port: int, data_d
     return swarm.start_coordinator(run, port=port, data_dir=data_dir), reached
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_a_restarted_coordinator_rejoins_the_swarm_and_checkpoints_it(swarm: LocalSwarm):
     run = tiny_run(checkpoint_every_steps=2)
     port = free_port()
@@ -73,3 +77,24 @@ def test_a_restarted_coordinator_rejoins_the_swarm_and_checkpoints_it(swarm: Loc
 
     wait_until(one_swarm, timeout_s=120, what="the late joiner at the others' step and parameters")
     assert "resuming from the coordinator's checkpoint" not in late.output()
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_whose_progress_never_reaches_the_coordinators_dht_shows_as_diverged(tmp_path: Path):
+    """A split swarm (peers heartbeating to the coordinator whose DHT does not see them) is visible in
+    status and on the dashboard as diverged, once peer and coordinator have been up past the grace."""
+    run = tiny_run()
+    keeper = CheckpointKeeper(run, None, SigningKey.generate(), tmp_path)
+    later = time.time() + OUTSIDE_GRACE_S + 1
+
+    def peer(name: str, uptime_s: float, state: str = "online") -> PeerRecord:
+        return PeerRecord(
+            peer_id=name, public_key=b"", name=name, device="cpu", role="data", state=state, joined_at=0.0,
+            last_seen=later, last_seq=1, cert_serial=1, cert_expires_at=later + 600,
+            metrics={"uptime_s": uptime_s}, step=40, param_hash="a" * 64,
+        )  # fmt: skip
+
+    records = [peer("split", 600.0), peer("joining", 5.0), peer("gone", 600.0, state="offline")]
+    assert keeper.outside_dht(records, time.time()) == set(), "no verdict before the grace has passed"
+    assert keeper.outside_dht(records, later) == {"split"}
+    assert diverged_peers(records, keeper.outside_dht(records, later)) == {"split"}

@@ -54,9 +54,12 @@ def test_a_run_extended_by_a_restart_finishes_and_its_peers_exit_0(swarm: LocalS
     snapshot = status(address)
     assert snapshot.finished_step == 14 and snapshot.max_steps == 14
     assert {p.name: p.state for p in snapshot.peers} == {"a": "left", "b": "left"}
-    with urllib.request.urlopen(coordinator.extra["dashboard_url"] + "/api/status", timeout=10) as page:
+    dashboard = coordinator.extra["dashboard_url"].rstrip("/")
+    with urllib.request.urlopen(dashboard + "/api/status", timeout=10) as page:
         served = json.load(page)
     assert served["finished"] is True and served["finished_step"] == 14
+    with urllib.request.urlopen(dashboard + "/metrics", timeout=10) as page:
+        assert "swarm_run_finished 1.0" in page.read().decode()
 
     model = swarm.load_model(data_dir)
     assert isinstance(model, torch.nn.Module) and not model.training

@@ -118,7 +118,7 @@ function stateBadge(peer) {
   const wrap = el("span");
   const state = peer.paused ? "paused" : peer.state;
   wrap.appendChild(el("span", { class: `badge ${state}` }, state));
-  if (peer.diverged) wrap.appendChild(el("span", { class: "badge diverged", title: "its parameters differ from most peers at its step" }, "diverged"));
+  if (peer.diverged) wrap.appendChild(el("span", { class: "badge diverged", title: "its parameters differ from most peers at its step, or its progress does not reach the coordinator's DHT (a split swarm)" }, "diverged"));
   if (peer.suspected_by > 0) {
     wrap.appendChild(el("span", {
       class: "badge suspected",
