@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import swarm
+import swarm as swarm_api
 from lab.localswarm import LocalSwarm, free_port, status, tiny_run, wait_until
 from protocols.errors import ConfigError
 from swarm.models import build_model
@@ -61,7 +61,7 @@ def test_a_run_extended_by_a_restart_finishes_and_its_peers_exit_0(swarm: LocalS
     with urllib.request.urlopen(dashboard + "/metrics", timeout=10) as page:
         assert "swarm_run_finished 1.0" in page.read().decode()
 
-    model = swarm.load_model(data_dir)
+    model = swarm_api.load_model(data_dir)
     assert isinstance(model, torch.nn.Module) and not model.training
 
 
@@ -81,11 +81,11 @@ def _perturbed_checkpoint(directory: Path) -> torch.nn.Module:
 def test_load_model_returns_the_checkpoints_parameters(tmp_path: Path):
     trained = _perturbed_checkpoint(tmp_path)
     for path in (tmp_path, tmp_path / "checkpoints", list_checkpoints(tmp_path / "checkpoints")[0]):
-        loaded = swarm.load_model(path)
+        loaded = swarm_api.load_model(path)
         for (name, want), (_, got) in zip(
             trained.state_dict().items(), loaded.state_dict().items(), strict=True
         ):
             assert torch.equal(want, got), f"{name} differs after loading {path}"
-    assert "load_model" in swarm.__all__
+    assert "load_model" in swarm_api.__all__
     with pytest.raises(ConfigError, match="no checkpoint in"):
-        swarm.load_model(tmp_path / "empty")
+        swarm_api.load_model(tmp_path / "empty")
