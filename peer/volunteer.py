@@ -1,8 +1,10 @@
 """The volunteer process: join the run, enter its DHT, heartbeat, and leave cleanly.
 
 Losing the coordinator does not end the peer's part in the run: it keeps its DHT membership, retries
-with exponential backoff and says so, and re-joins if the coordinator has forgotten it. Only a ban or a
-stop signal ends it; a stop signal first tells the coordinator the peer left.
+with exponential backoff and says so, re-joins if the coordinator has forgotten it, and re-enters the
+coordinator's DHT node if it restarted. Only a ban, a stop signal or the end of the run ends it (the
+coordinator's signed heartbeat answer says when the run finished, and raises ``max_steps``); a stop
+signal or the run's end first tells the coordinator the peer left.
 
 Example::
 
