@@ -209,9 +209,12 @@ class Volunteer:
                 f"the run's max_steps is now {answer.max_steps or 'unlimited'} (was {training.max_steps})"
             )
             training.max_steps = answer.max_steps
-        if answer.finished_step is None:
+        if answer.finished_step is None or self.finished_step == answer.finished_step:
             return False
         self.finished_step = answer.finished_step
+        if not self.config.leave_when_finished:
+            logger.info(f"run {self.run_config.run_id!r} finished at step {answer.finished_step}; staying")
+            return False
         self._set_state("finished", f"at step {answer.finished_step}")
         logger.info(
             f"run {self.run_config.run_id!r} finished at step {answer.finished_step}: the coordinator holds "

@@ -33,7 +33,10 @@ def test_a_run_extended_by_a_restart_finishes_and_its_peers_exit_0(swarm: LocalS
     first = tiny_run(checkpoint_every_steps=2, max_steps=10)
     coordinator = swarm.start_coordinator(first, port=port)
     address, data_dir = coordinator.extra["address"], coordinator.extra["data_dir"]
-    peers = [swarm.start_peer(address, name, "--max-retry-interval-s", "1") for name in ("a", "b")]
+    peers = [
+        swarm.start_peer(address, name, "--max-retry-interval-s", "1", leave_when_finished=True)
+        for name in ("a", "b")
+    ]
     wait_until(lambda: _newest_checkpoint(data_dir) >= 2, timeout_s=120, what="a first checkpoint")
 
     # The organizer stops the coordinator and raises max_steps; the running peers take the new limit.
