@@ -6,6 +6,8 @@ of the certified, unbanned peers with a signed progress record), verifies it, an
 checkpoint under the data dir. It serves
 the latest checkpoint to peers and announces it in the DHT with a record signed by the coordinator key,
 so a swarm restarted from nothing resumes at the checkpoint's step. No gradient passes through here.
+At start it refuses a run config the newest checkpoint no longer fits (``check_resumable``, naming the
+changed fields); once it holds a checkpoint at ``max_steps`` the run has finished (``finished_step``).
 
 A run split into pipeline stages is checkpointed stage by stage: when every stage's replicas agree on
 a state at one step (the same rule, among the replicas with a signed pipeline record), the keeper
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 
 import hivemind
 from hivemind.p2p import PeerID
 
+from coordinator.store import PeerRecord
+from protocols.errors import ConfigError
 from protocols.keys import SigningKey
 from swarm.bans import fetch_ban_list
 from swarm.config import RunConfig
@@ -62,16 +67,57 @@ logger = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 2.0
 RECORD_TTL_S = 60.0
+# How long a peer may heartbeat without its signed progress reaching the coordinator's DHT node before
+# it counts as split from the swarm the coordinator checkpoints (joining and catching up take less).
+OUTSIDE_GRACE_S = 60.0
 
 
-def state_size_bytes(run: RunConfig) -> int:
-    """Bytes of the run's full state (model + optimizer), from a model built like the peers build it."""
+def state_layout(run: RunConfig) -> dict[str, tuple[tuple[int, ...], int]]:
+    """The shape and size in bytes of every tensor of the run's full state (model + optimizer), from a
+    model built like the peers build it."""
     from swarm.models import build_model
 
     model = build_model(run.model.name, run.model.config, seed=run.training.seed)
     optimizer = build_shared_optimizer(model, run)
     ensure_optimizer_state(model, optimizer)
-    return sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer).values())
+    tensors = state_tensors(model, optimizer)
+    return {name: (tuple(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()}
+
+
+def changed_fields(old: RunConfig, new: RunConfig) -> list[str]:
+    """The dotted names of the fields whose values differ between two run configs."""
+
+    def flat(value: object, prefix: str) -> dict[str, object]:
+        if isinstance(value, dict):
+            out: dict[str, object] = {}
+            for key, item in value.items():
+                out.update(flat(item, f"{prefix}.{key}" if prefix else str(key)))
+            return out
+        return {prefix: value}
+
+    a, b = flat(old.model_dump(mode="json"), ""), flat(new.model_dump(mode="json"), "")
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def check_resumable(run: RunConfig, checkpoint: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise ConfigError, naming the changed fields, if ``run`` cannot load ``checkpoint``'s state."""
+    held = {name: tuple(t.shape) for name, t in checkpoint.tensors.items()}
+    if held == shapes:
+        return
+    name = min(held.keys() ^ shapes.keys()) if held.keys() != shapes.keys() else None
+    if name is None:
+        name = min(k for k in held if held[k] != shapes[k])
+        detail = f"tensor {name!r} is {held[name]} in the checkpoint but {shapes[name]} in this run"
+    else:
+        where = "only in the checkpoint" if name in held else "only in this run"
+        detail = f"tensor {name!r} is {where}"
+    changed = changed_fields(checkpoint.run_config, run)
+    state_fields = [f for f in changed if f.split(".")[0] in ("model", "optimizer", "pipeline")]
+    raise ConfigError(
+        f"the run config changes {', '.join(state_fields or changed) or 'nothing visible'} since checkpoint "
+        f"{checkpoint.path} (step {checkpoint.step}), which it can no longer load ({detail}); restore "
+        "the checkpoint's values, or start a new run with another --data-dir"
+    )
 
 
 class CheckpointKeeper:
@@ -94,15 +140,33 @@ class CheckpointKeeper:
         self.stages: dict[int, Checkpoint] = {}  # a pipeline run's latest checkpoint, stage by stage
         self._stage_encoded: dict[int, EncodedState] = {}
         self.pipeline = PipelineView()
+        self._started_at = time.time()
+        self._in_view_at: dict[str, float] = {}  # peer -> when its progress record was last read
+
+    def outside_dht(self, records: list[PeerRecord], now: float) -> set[str]:
+        """Online peers, up for over ``OUTSIDE_GRACE_S``, whose signed progress this coordinator's DHT
+        node has not read for as long: they train in a swarm split from the one it checkpoints. Only
+        for runs without pipeline stages (a stage replica publishes another kind of record)."""
+        if self.num_stages > 1 or now - self._started_at < OUTSIDE_GRACE_S:
+            return set()
+        return {
+            r.peer_id
+            for r in records
+            if r.state == "online"
+            and r.metrics.get("uptime_s", 0.0) > OUTSIDE_GRACE_S
+            and now - self._in_view_at.get(r.peer_id, 0.0) > OUTSIDE_GRACE_S
+        }
 
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
         if self.num_stages > 1:
             await self._start_stages()
             return
-        self._max_bytes = download_limit(await asyncio.to_thread(state_size_bytes, self.run))
+        layout = await asyncio.to_thread(state_layout, self.run)
+        self._max_bytes = download_limit(sum(size for _, size in layout.values()))
         self.latest = await asyncio.to_thread(load_latest_checkpoint, self.directory)
         if self.latest is not None:
+            check_resumable(self.run, self.latest, {name: shape for name, (shape, _) in layout.items()})
             logger.info(f"resuming from checkpoint of step {self.latest.step} ({self.latest.path.name})")
         servicer = StateServicer(self.run.run_id, self._provide, admit=self._admit)
         await servicer.add_p2p_handlers(self._p2p, namespace=state_namespace(self.run.run_id))
@@ -123,6 +187,15 @@ class CheckpointKeeper:
             )
             self._encoded = EncodedState(latest.step, latest.state_hash, data)
         return self._encoded
+
+    @property
+    def finished_step(self) -> int | None:
+        """The step of the final checkpoint once the run has reached ``max_steps``; None before (or after
+        a restart with a higher ``max_steps``, which extends the run)."""
+        max_steps, latest = self.run.training.max_steps, self.latest
+        return (
+            latest.step if max_steps is not None and latest is not None and latest.step >= max_steps else None
+        )
 
     def _due(self, step: int) -> bool:
         done = self.latest.step if self.latest else 0
@@ -151,6 +224,11 @@ class CheckpointKeeper:
         if bans is not None:
             self.banned = bans[1]
         self.view = await fetch_progress(self.dht, self.trust)
+        now = time.time()
+        for peer_id in self.view:
+            self._in_view_at[peer_id] = now
+        if len(self._in_view_at) > 4 * len(self.view) + 1024:  # forget peers long gone
+            self._in_view_at = {k: t for k, t in self._in_view_at.items() if now - t < OUTSIDE_GRACE_S}
         others = {k: Position(p.step, p.state_hash) for k, p in self.view.items()}
         target = catch_up_target(None, others, max_step=self.run.training.max_steps)
         if target is not None and self._due(target.step):
@@ -173,6 +251,10 @@ class CheckpointKeeper:
         )  # fmt: skip
         self.latest = Checkpoint(decoded.step, decoded.tensors, self.run, decoded.state_hash, path)
         logger.info(f"saved checkpoint of step {decoded.step} ({path.name}, hash {decoded.state_hash[:12]})")
+        if self.finished_step is not None:
+            logger.info(
+                f"run {self.run.run_id!r} finished at step {decoded.step}: {path} is its final checkpoint"
+            )
         await publish_checkpoint_record(
             self.dht, self.key, self.run.run_id, step=decoded.step, state_hash=decoded.state_hash,
             ttl_s=RECORD_TTL_S,

@@ -79,6 +79,9 @@ def status_to_dict(status: pb.StatusResponse) -> dict:
         "coordinator_peer_id": status.coordinator_peer_id,
         "dht_initial_peers": list(status.dht_initial_peers),
         "server_time": status.server_time,
+        "max_steps": status.max_steps or None,
+        "checkpoint_step": status.checkpoint_step or None,
+        "finished_step": status.finished_step or None,
         "peers": [
             {
                 "peer_id": p.peer_id,
@@ -99,10 +102,19 @@ def status_to_dict(status: pb.StatusResponse) -> dict:
     }
 
 
+def run_progress(status: dict) -> str:
+    """One line on where the run stands: its newest checkpoint, its limit, and whether it has finished."""
+    if status.get("finished_step"):
+        return f"FINISHED at step {status['finished_step']} (final checkpoint saved)"
+    limit = f" of max_steps {status['max_steps']}" if status.get("max_steps") else ""
+    return f"newest checkpoint: step {status.get('checkpoint_step') or 'none'}{limit}"
+
+
 def format_status(status: dict) -> str:
     lines = [
         f"run {status['run_id']!r}  coordinator {status['coordinator_peer_id']}",
         f"DHT initial peers: {' '.join(status['dht_initial_peers'])}",
+        run_progress(status),
         f"{len(status['peers'])} peers:",
     ]
     now = status["server_time"]

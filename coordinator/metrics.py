@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +88,18 @@ def _evidence(ban: Ban) -> dict[str, Any] | None:
 
 
 async def run_snapshot(
-    store: Store, run: RunConfig, coordinator_peer_id: str, *, history_points: int = 500
+    store: Store,
+    run: RunConfig,
+    coordinator_peer_id: str,
+    *,
+    history_points: int = 500,
+    checkpoint_step: int | None = None,
+    finished_step: int | None = None,
+    outside_dht: Callable[[list[PeerRecord], float], set[str]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON document served at ``/api/status``."""
+    """The JSON document served at ``/api/status``; ``finished_step`` is the final checkpoint's step once
+    the run has reached ``max_steps``; ``outside_dht`` names the peers split from the coordinator's DHT
+    (shown as diverged)."""
     records = await store.list_peers()
     bans = await store.list_bans()
     refused = await store.credit_refused()
@@ -98,7 +107,7 @@ async def run_snapshot(
     history = await store.history(max_points=history_points)
     now = time.time()
     current = history_point(records, now)
-    diverged = diverged_peers(records)
+    diverged = diverged_peers(records, outside_dht(records, now) if outside_dht else ())
     names = {r.peer_id: r.name for r in records}
     total_credit = sum(r.contributed_samples for r in records)
     peers = [
@@ -142,6 +151,9 @@ async def run_snapshot(
             "inner_steps": training.inner_steps if training.sync == "diloco" else 1,
         },
         "step": current.step,
+        "checkpoint_step": checkpoint_step,
+        "finished": finished_step is not None,
+        "finished_step": finished_step,
         "samples_per_s": current.samples_per_s,
         "train_loss": current.train_loss,
         "val_loss": current.val_loss,
@@ -218,6 +230,14 @@ class _SnapshotCollector:
             "swarm_peers_paused", "online peers that paused their work", value=s["peers_paused"]
         )
         yield GaugeMetricFamily("swarm_bans", "banned peers", value=len(s["bans"]))
+        yield GaugeMetricFamily(
+            "swarm_run_finished", "1 once the run reached max_steps and its final checkpoint is saved",
+            value=float(s["finished"]),
+        )  # fmt: skip
+        if s["checkpoint_step"] is not None:
+            yield GaugeMetricFamily(
+                "swarm_checkpoint_step", "the step of the newest checkpoint", value=s["checkpoint_step"]
+            )
         yield GaugeMetricFamily(
             "swarm_diverged_peers", "online peers whose parameters differ from the majority",
             value=sum(1 for p in s["peers"] if p["diverged"]),

@@ -81,6 +81,7 @@ class CoordinatorNode:
         self._bans: asyncio.Task | None = None
         self._metrics_logger: MetricsLogger | None = None
         self.dashboard: Dashboard | None = None
+        self.keeper: CheckpointKeeper | None = None
 
     async def start(self) -> None:
         config, run = self.config, self.run
@@ -113,7 +114,7 @@ class CoordinatorNode:
                 validators=[RunValidator(run.run_id, key.public_key)],
             )
             self.dht_initial_peers = visible_maddrs(self._dht)
-            keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")
+            keeper = self.keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")
             await keeper.start()
             self._store.follow_checkpoints(
                 lambda: keeper.latest.step if keeper.latest else None, run.training.checkpoint_every_steps
@@ -121,6 +122,9 @@ class CoordinatorNode:
             service = CoordinatorService(
                 run, key, self._store, self.dht_initial_peers, self.limits,
                 holds_checkpoint=lambda: keeper.latest is not None or bool(keeper.stages),
+                finished_step=lambda: keeper.finished_step,
+                checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
+                outside_dht=keeper.outside_dht,
             )  # fmt: skip
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
             self._server.add_generic_rpc_handlers(
@@ -233,7 +237,13 @@ class CoordinatorNode:
 
     async def snapshot(self) -> dict:
         """The run as ``/api/status`` serves it."""
-        return await run_snapshot(self._store, self.run, self.coordinator_peer_id)
+        latest = self.keeper.latest if self.keeper else None
+        return await run_snapshot(
+            self._store, self.run, self.coordinator_peer_id,
+            checkpoint_step=latest.step if latest else None,
+            finished_step=self.keeper.finished_step if self.keeper else None,
+            outside_dht=self.keeper.outside_dht if self.keeper else None,
+        )  # fmt: skip
 
     async def _record_history(self) -> None:
         """Sample the run (loss, throughput, peers online) from the peers' latest heartbeats."""

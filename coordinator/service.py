@@ -45,6 +45,7 @@ from protocols.messages import (
     JOIN,
     JOIN_ANSWER,
     LEAVE,
+    RUN_STATE,
     AccuseBody,
     HeartbeatBody,
     JoinBody,
@@ -88,9 +89,14 @@ class CoordinatorService:
         dht_initial_peers: list[str],
         limits: ServiceLimits | None = None,
         holds_checkpoint: Callable[[], bool] = lambda: True,
+        finished_step: Callable[[], int | None] = lambda: None,
+        checkpoint_step: Callable[[], int | None] = lambda: None,
+        outside_dht: Callable[[list[PeerRecord], float], set[str]] = lambda records, now: set(),
     ):
         self.config = config
         self.holds_checkpoint = holds_checkpoint
+        self.finished_step, self.checkpoint_step = finished_step, checkpoint_step
+        self.outside_dht = outside_dht
         self.key = key
         self.store = store
         self.dht_initial_peers = dht_initial_peers
@@ -292,21 +298,33 @@ class CoordinatorService:
             )
             await self.store.renew_certificate(envelope.sender, certificate.serial, certificate.expires_at)
             renewed = certificate.encoded
-        return pb.HeartbeatResponse(state="online", certificate=renewed, server_time=now)
+        run_state = {
+            "seq": body.seq, "max_steps": self.config.training.max_steps or 0,
+            "finished_step": self.finished_step() or 0,
+        }  # fmt: skip
+        return pb.HeartbeatResponse(
+            state="online", certificate=renewed, server_time=now,
+            run_state=seal(self.key, RUN_STATE, self.run_id, run_state),
+        )  # fmt: skip
 
     async def _flag_divergence(self, peer_id: str, step: int) -> None:
         if not step:
             return
         record = await self.store.get_peer(peer_id)
         majority = (await self.store.majority_hashes()).get(step)
-        diverged = record is not None and record.state == "online" and record.param_hash not in ("", majority)
+        diverged = (
+            record is not None
+            and record.state == "online"
+            and (record.param_hash not in ("", majority) or bool(self.outside_dht([record], time.time())))
+        )
         if diverged and self._flagged.get(peer_id) != step:
             self._flagged.pop(peer_id, None)
             self._flagged[peer_id] = step
             while len(self._flagged) > self.limits.max_tracked_callers:
                 self._flagged.popitem(last=False)
             logger.warning(
-                f"{peer_id} diverged: its parameters at step {step} differ from most peers at that step"
+                f"{peer_id} diverged: its parameters at step {step} differ from most peers at that step, "
+                "or its progress has not reached this coordinator's DHT (a split swarm)"
             )
 
     async def leave(self, request: pb.LeaveRequest, peer: str) -> pb.LeaveResponse:
@@ -328,6 +346,7 @@ class CoordinatorService:
         limit = min(request.max_peers or STATUS_PAGE_PEERS, STATUS_PAGE_PEERS)
         records, total = await self.store.peer_page(after=request.after_peer_id, limit=limit)
         majority = await self.store.majority_hashes()
+        outside = self.outside_dht(records, time.time())
         response = pb.StatusResponse(
             protocol_version=PROTOCOL_VERSION,
             run_id=self.run_id,
@@ -335,6 +354,9 @@ class CoordinatorService:
             dht_initial_peers=self.dht_initial_peers,
             server_time=time.time(),
             total_peers=total,
+            max_steps=self.config.training.max_steps or 0,
+            checkpoint_step=self.checkpoint_step() or 0,
+            finished_step=self.finished_step() or 0,
         )
         size = response.ByteSize()
         for r in records:
@@ -342,7 +364,8 @@ class CoordinatorService:
                 peer_id=r.peer_id, name=r.name, state=r.state, device=r.device, role=r.role,
                 last_seen=r.last_seen, joined_at=r.joined_at, ban_reason=r.ban_reason, metrics=r.metrics,
                 step=r.step, param_hash=r.param_hash,
-                diverged=r.state == "online" and bool(r.param_hash) and r.param_hash != majority.get(r.step),
+                diverged=r.state == "online"
+                and ((bool(r.param_hash) and r.param_hash != majority.get(r.step)) or r.peer_id in outside),
             )  # fmt: skip
             size += row.ByteSize() + 8
             if size > STATUS_PAGE_BYTES:

@@ -15,7 +15,7 @@ import json
 import math
 import sqlite3
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -461,8 +461,9 @@ def _record(row: Any) -> PeerRecord:
     )  # fmt: skip
 
 
-def diverged_peers(records: list[PeerRecord]) -> set[str]:
-    """Online peers whose parameter hash differs from the one most online peers at their step report."""
+def diverged_peers(records: list[PeerRecord], outside: Collection[str] = ()) -> set[str]:
+    """Online peers whose parameter hash differs from the one most online peers at their step report,
+    and those in ``outside`` (a swarm split from the coordinator's DHT)."""
     by_step: dict[int, Counter[str]] = {}
     for r in records:
         if r.state == "online" and r.param_hash:
@@ -472,4 +473,4 @@ def diverged_peers(records: list[PeerRecord]) -> set[str]:
         r.peer_id
         for r in records
         if r.state == "online" and r.param_hash and r.param_hash != majority[r.step]
-    }
+    } | (set(outside) & {r.peer_id for r in records if r.state == "online"})

@@ -262,12 +262,17 @@ class LocalSwarm:
         device: Literal["cpu", "gpu"] = "cpu",
         host: str = "127.0.0.1",
         prefix: Sequence[str] = (),
+        leave_when_finished: bool = False,
     ) -> Child:
+        """A volunteer process; unless ``leave_when_finished``, it stays after the run finishes, so that a
+        rehearsal reads every peer's end state."""
+        stay = [] if leave_when_finished else ["--no-leave-when-finished"]
         child = self.spawn(
             name,
             ["-m", "peer.cli", "join", "--coordinator", coordinator_address, f"--{device}", "--host", host,
              "--name", name, "--identity", str(self.root / f"{name}.key"),
-             "--known-coordinators", str(self.root / f"{name}-known.json"), "--max-cpu-threads", "1", *extra_args],
+             "--known-coordinators", str(self.root / f"{name}-known.json"), "--max-cpu-threads", "1",
+             *stay, *extra_args],
             prefix=prefix,
         )  # fmt: skip
         child.extra["identity"] = self.root / f"{name}.key"

@@ -80,6 +80,11 @@ class PeerConfig(BaseModel):
         description="GiB of GPU memory torch may hold (default: all); running out turns on activation "
         "checkpointing, then halves the micro-batch, instead of ending the peer",
     )
+    leave_when_finished: bool = Field(
+        True,
+        description="leave and exit 0 once the coordinator says the run finished; --no-leave-when-finished "
+        "keeps serving the final state until stopped (rehearsals that read every peer's end state)",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="recompute each model block's activations in backward: less memory, about one more "

@@ -1,8 +1,10 @@
 """The volunteer process: join the run, enter its DHT, heartbeat, and leave cleanly.
 
 Losing the coordinator does not end the peer's part in the run: it keeps its DHT membership, retries
-with exponential backoff and says so, and re-joins if the coordinator has forgotten it. Only a ban or a
-stop signal ends it; a stop signal first tells the coordinator the peer left.
+with exponential backoff and says so, re-joins if the coordinator has forgotten it, and re-enters the
+coordinator's DHT node if it restarted. Only a ban, a stop signal or the end of the run ends it (the
+coordinator's signed heartbeat answer says when the run finished, and raises ``max_steps``); a stop
+signal or the run's end first tells the coordinator the peer left.
 
 Example::
 
@@ -42,9 +44,9 @@ from protocols.messages import MAX_SUSPECT_REPORTS
 from swarm.byzantine.attacks import make_attack
 from swarm.components import check_components
 from swarm.config import RunConfig
-from swarm.coordinator_client import Admission, CoordinatorClient
+from swarm.coordinator_client import Admission, CoordinatorClient, HeartbeatAnswer
 from swarm.data import derive_seed
-from swarm.dht import start_dht
+from swarm.dht import ping_node, start_dht
 from swarm.identity import load_or_create_identity
 from swarm.keyspace import RunValidator
 from swarm.membership import fetch_members, publish_certificate
@@ -101,6 +103,9 @@ class Volunteer:
         self.paused = False
         self.upload_limiter = upload_limiter(config)
         self._control: PeerControl | None = None
+        self._coordinator_maddrs: list[str] = []
+        self._reaching: asyncio.Task | None = None
+        self.finished_step: int | None = None  # set once the coordinator says the run has finished
 
     def _set_state(self, state: str, detail: str = "") -> None:
         if state != self.state:
@@ -175,6 +180,47 @@ class Volunteer:
             logger.warning(f"DHT announce failed: {e}")
             return 0
 
+    async def _reach_coordinator_dht(self, client: CoordinatorClient) -> None:
+        """Ping the coordinator's DHT node, so that one restarted empty (perhaps on another port) learns
+        this peer again and serves the swarm to the peers that join it; failures are only logged."""
+        peer_id, timeout_s = self.coordinator_key.peer_id, self.config.rpc_timeout_s
+        if await ping_node(self._dht, self._coordinator_maddrs, peer_id=peer_id, timeout_s=timeout_s):
+            return
+        try:
+            fresh = list((await client.status()).dht_initial_peers)
+        except SwarmError as e:
+            logger.debug(f"cannot ask the coordinator for its DHT addresses: {e}")
+            return
+        if fresh != self._coordinator_maddrs and await ping_node(
+            self._dht, fresh, peer_id=peer_id, timeout_s=timeout_s
+        ):
+            logger.info(f"re-entered the coordinator's DHT at {' '.join(fresh)}")
+            self._coordinator_maddrs = fresh
+
+    def _follow_run_state(self, answer: HeartbeatAnswer) -> bool:
+        """Apply the run's ``max_steps`` as the coordinator now signs it (raised by a restart with a
+        higher one); True once the run has finished and this peer should leave."""
+        if not answer.signed_run_state:
+            return False
+        training = self.run_config.training
+        if answer.max_steps != training.max_steps:
+            logger.info(
+                f"the run's max_steps is now {answer.max_steps or 'unlimited'} (was {training.max_steps})"
+            )
+            training.max_steps = answer.max_steps
+        if answer.finished_step is None or self.finished_step == answer.finished_step:
+            return False
+        self.finished_step = answer.finished_step
+        if not self.config.leave_when_finished:
+            logger.info(f"run {self.run_config.run_id!r} finished at step {answer.finished_step}; staying")
+            return False
+        self._set_state("finished", f"at step {answer.finished_step}")
+        logger.info(
+            f"run {self.run_config.run_id!r} finished at step {answer.finished_step}: the coordinator holds "
+            "its final checkpoint; leaving. Thank you for your compute!"
+        )
+        return True
+
     async def _heartbeats(self, client: CoordinatorClient, stop: asyncio.Event) -> int:
         interval_s = self.run_config.membership.heartbeat_interval_s
         failures = 0
@@ -194,12 +240,18 @@ class Volunteer:
                 )
                 if failures:
                     logger.info(f"reconnected to the coordinator at {client.address}")
+                # In the background: a ping to a coordinator's old address waits out its timeout.
+                if self._reaching is None or self._reaching.done():
+                    self._reaching = asyncio.create_task(self._reach_coordinator_dht(client))
                 failures = 0
                 self._set_state("paused" if self.paused else "online")
                 if answer.certificate is not None:
                     self.certificate = answer.certificate
                     self.records.certificate = answer.certificate.encoded
                     logger.info(f"certificate renewed (serial {answer.certificate.serial})")
+                if self._follow_run_state(answer):
+                    stop.set()
+                    return EXIT_OK
             except NetworkError as e:
                 failures += 1
                 delay = min(interval_s * 2**failures, self.config.max_retry_interval_s)
@@ -357,7 +409,8 @@ class Volunteer:
 
     async def _leave(self, client: CoordinatorClient) -> None:
         try:
-            await client.leave(self.key, self.run_config.run_id, reason="volunteer stopped")
+            reason = "volunteer stopped" if self.finished_step is None else "the run finished"
+            await client.leave(self.key, self.run_config.run_id, reason=reason)
             self._set_state("left")
         except SwarmError as e:
             logger.warning(
@@ -391,6 +444,7 @@ class Volunteer:
                 validators=[RunValidator(self.run_config.run_id, self.coordinator_key)],
                 client_mode=not self.dialable,
             )
+            self._coordinator_maddrs = list(admission.dht_initial_peers)
             self.records = RecordSigner(self.key, self.certificate.encoded)
             training: asyncio.Task | None = None
             try:
@@ -431,6 +485,8 @@ class Volunteer:
                 logger.error(f"this peer is banned: {e}")
                 return EXIT_BANNED
             finally:
+                if self._reaching is not None:
+                    self._reaching.cancel()
                 if training is not None and not training.done():
                     training.cancel()
                     with contextlib.suppress(BaseException):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotocols/coordinator.proto\x12\x14swarm.coordinator.v1\"2\n\x06Header\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"@\n\x10\x43hallengeRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\"j\n\x11\x43hallengeResponse\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\x12\x12\n\nexpires_at\x18\x02 \x01(\x01\x12\x1e\n\x16\x63oordinator_public_key\x18\x03 \x01(\x0c\x12\x0e\n\x06run_id\x18\x04 \x01(\t\"M\n\x0bJoinRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\" \n\x0cJoinResponse\x12\x10\n\x08\x65nvelope\x18\x01 \x01(\x0c\"R\n\x10HeartbeatRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\"L\n\x11HeartbeatResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0b\x63\x65rtificate\x18\x02 \x01(\x0c\x12\x13\n\x0bserver_time\x18\x03 \x01(\x01\"N\n\x0cLeaveRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\"\x1e\n\rLeaveResponse\x12\r\n\x05state\x18\x01 \x01(\t\"g\n\rStatusRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x15\n\rafter_peer_id\x18\x02 \x01(\t\x12\x11\n\tmax_peers\x18\x03 \x01(\r\"\xb6\x02\n\nPeerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x11\n\tlast_seen\x18\x06 \x01(\x01\x12\x11\n\tjoined_at\x18\x07 \x01(\x01\x12\x12\n\nban_reason\x18\x08 \x01(\t\x12>\n\x07metrics\x18\t \x03(\x0b\x32-.swarm.coordinator.v1.PeerStatus.MetricsEntry\x12\x0c\n\x04step\x18\n \x01(\x04\x12\x12\n\nparam_hash\x18\x0b \x01(\t\x12\x10\n\x08\x64iverged\x18\x0c \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe9\x01\n\x0eStatusResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63oordinator_peer_id\x18\x03 \x01(\t\x12\x19\n\x11\x64ht_initial_peers\x18\x04 \x03(\t\x12/\n\x05peers\x18\x05 \x03(\x0b\x32 .swarm.coordinator.v1.PeerStatus\x12\x13\n\x0bserver_time\x18\x06 \x01(\x01\x12\x13\n\x0btotal_peers\x18\x07 \x01(\r\x12\x1a\n\x12next_after_peer_id\x18\x08 \x01(\t\"N\n\x0f\x44ialBackRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\r\n\x05ports\x18\x02 \x03(\r\"A\n\x0e\x44ialBackResult\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"Z\n\x10\x44ialBackResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x07results\x18\x02 \x03(\x0b\x32$.swarm.coordinator.v1.DialBackResult\"b\n\x0e\x41\x63\x63usationPart\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\x12\x10\n\x08\x65vidence\x18\x03 \x01(\x0c\"6\n\x0e\x41\x63\x63useResponse\x12\x0f\n\x07verdict\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61nned_peer\x18\x02 \x01(\t2\xf2\x04\n\x0b\x43oordinator\x12\\\n\tChallenge\x12&.swarm.coordinator.v1.ChallengeRequest\x1a\'.swarm.coordinator.v1.ChallengeResponse\x12M\n\x04Join\x12!.swarm.coordinator.v1.JoinRequest\x1a\".swarm.coordinator.v1.JoinResponse\x12\\\n\tHeartbeat\x12&.swarm.coordinator.v1.HeartbeatRequest\x1a\'.swarm.coordinator.v1.HeartbeatResponse\x12P\n\x05Leave\x12\".swarm.coordinator.v1.LeaveRequest\x1a#.swarm.coordinator.v1.LeaveResponse\x12S\n\x06Status\x12#.swarm.coordinator.v1.StatusRequest\x1a$.swarm.coordinator.v1.StatusResponse\x12Y\n\x08\x44ialBack\x12%.swarm.coordinator.v1.DialBackRequest\x1a&.swarm.coordinator.v1.DialBackResponse\x12V\n\x06\x41\x63\x63use\x12$.swarm.coordinator.v1.AccusationPart\x1a$.swarm.coordinator.v1.AccuseResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotocols/coordinator.proto\x12\x14swarm.coordinator.v1\"2\n\x06Header\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"@\n\x10\x43hallengeRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\"j\n\x11\x43hallengeResponse\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\x12\x12\n\nexpires_at\x18\x02 \x01(\x01\x12\x1e\n\x16\x63oordinator_public_key\x18\x03 \x01(\x0c\x12\x0e\n\x06run_id\x18\x04 \x01(\t\"M\n\x0bJoinRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\" \n\x0cJoinResponse\x12\x10\n\x08\x65nvelope\x18\x01 \x01(\x0c\"R\n\x10HeartbeatRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\"_\n\x11HeartbeatResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0b\x63\x65rtificate\x18\x02 \x01(\x0c\x12\x13\n\x0bserver_time\x18\x03 \x01(\x01\x12\x11\n\trun_state\x18\x04 \x01(\x0c\"N\n\x0cLeaveRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\"\x1e\n\rLeaveResponse\x12\r\n\x05state\x18\x01 \x01(\t\"g\n\rStatusRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x15\n\rafter_peer_id\x18\x02 \x01(\t\x12\x11\n\tmax_peers\x18\x03 \x01(\r\"\xb6\x02\n\nPeerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x11\n\tlast_seen\x18\x06 \x01(\x01\x12\x11\n\tjoined_at\x18\x07 \x01(\x01\x12\x12\n\nban_reason\x18\x08 \x01(\t\x12>\n\x07metrics\x18\t \x03(\x0b\x32-.swarm.coordinator.v1.PeerStatus.MetricsEntry\x12\x0c\n\x04step\x18\n \x01(\x04\x12\x12\n\nparam_hash\x18\x0b \x01(\t\x12\x10\n\x08\x64iverged\x18\x0c \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xac\x02\n\x0eStatusResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63oordinator_peer_id\x18\x03 \x01(\t\x12\x19\n\x11\x64ht_initial_peers\x18\x04 \x03(\t\x12/\n\x05peers\x18\x05 \x03(\x0b\x32 .swarm.coordinator.v1.PeerStatus\x12\x13\n\x0bserver_time\x18\x06 \x01(\x01\x12\x13\n\x0btotal_peers\x18\x07 \x01(\r\x12\x1a\n\x12next_after_peer_id\x18\x08 \x01(\t\x12\x11\n\tmax_steps\x18\t \x01(\x04\x12\x17\n\x0f\x63heckpoint_step\x18\n \x01(\x04\x12\x15\n\rfinished_step\x18\x0b \x01(\x04\"N\n\x0f\x44ialBackRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\r\n\x05ports\x18\x02 \x03(\r\"A\n\x0e\x44ialBackResult\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"Z\n\x10\x44ialBackResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x35\n\x07results\x18\x02 \x03(\x0b\x32$.swarm.coordinator.v1.DialBackResult\"b\n\x0e\x41\x63\x63usationPart\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarm.coordinator.v1.Header\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\x12\x10\n\x08\x65vidence\x18\x03 \x01(\x0c\"6\n\x0e\x41\x63\x63useResponse\x12\x0f\n\x07verdict\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61nned_peer\x18\x02 \x01(\t2\xf2\x04\n\x0b\x43oordinator\x12\\\n\tChallenge\x12&.swarm.coordinator.v1.ChallengeRequest\x1a\'.swarm.coordinator.v1.ChallengeResponse\x12M\n\x04Join\x12!.swarm.coordinator.v1.JoinRequest\x1a\".swarm.coordinator.v1.JoinResponse\x12\\\n\tHeartbeat\x12&.swarm.coordinator.v1.HeartbeatRequest\x1a\'.swarm.coordinator.v1.HeartbeatResponse\x12P\n\x05Leave\x12\".swarm.coordinator.v1.LeaveRequest\x1a#.swarm.coordinator.v1.LeaveResponse\x12S\n\x06Status\x12#.swarm.coordinator.v1.StatusRequest\x1a$.swarm.coordinator.v1.StatusResponse\x12Y\n\x08\x44ialBack\x12%.swarm.coordinator.v1.DialBackRequest\x1a&.swarm.coordinator.v1.DialBackResponse\x12V\n\x06\x41\x63\x63use\x12$.swarm.coordinator.v1.AccusationPart\x1a$.swarm.coordinator.v1.AccuseResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=392
   _globals['_HEARTBEATREQUEST']._serialized_end=474
   _globals['_HEARTBEATRESPONSE']._serialized_start=476
-  _globals['_HEARTBEATRESPONSE']._serialized_end=552
-  _globals['_LEAVEREQUEST']._serialized_start=554
-  _globals['_LEAVEREQUEST']._serialized_end=632
-  _globals['_LEAVERESPONSE']._serialized_start=634
-  _globals['_LEAVERESPONSE']._serialized_end=664
-  _globals['_STATUSREQUEST']._serialized_start=666
-  _globals['_STATUSREQUEST']._serialized_end=769
-  _globals['_PEERSTATUS']._serialized_start=772
-  _globals['_PEERSTATUS']._serialized_end=1082
-  _globals['_PEERSTATUS_METRICSENTRY']._serialized_start=1036
-  _globals['_PEERSTATUS_METRICSENTRY']._serialized_end=1082
-  _globals['_STATUSRESPONSE']._serialized_start=1085
-  _globals['_STATUSRESPONSE']._serialized_end=1318
-  _globals['_DIALBACKREQUEST']._serialized_start=1320
-  _globals['_DIALBACKREQUEST']._serialized_end=1398
-  _globals['_DIALBACKRESULT']._serialized_start=1400
-  _globals['_DIALBACKRESULT']._serialized_end=1465
-  _globals['_DIALBACKRESPONSE']._serialized_start=1467
-  _globals['_DIALBACKRESPONSE']._serialized_end=1557
-  _globals['_ACCUSATIONPART']._serialized_start=1559
-  _globals['_ACCUSATIONPART']._serialized_end=1657
-  _globals['_ACCUSERESPONSE']._serialized_start=1659
-  _globals['_ACCUSERESPONSE']._serialized_end=1713
-  _globals['_COORDINATOR']._serialized_start=1716
-  _globals['_COORDINATOR']._serialized_end=2342
+  _globals['_HEARTBEATRESPONSE']._serialized_end=571
+  _globals['_LEAVEREQUEST']._serialized_start=573
+  _globals['_LEAVEREQUEST']._serialized_end=651
+  _globals['_LEAVERESPONSE']._serialized_start=653
+  _globals['_LEAVERESPONSE']._serialized_end=683
+  _globals['_STATUSREQUEST']._serialized_start=685
+  _globals['_STATUSREQUEST']._serialized_end=788
+  _globals['_PEERSTATUS']._serialized_start=791
+  _globals['_PEERSTATUS']._serialized_end=1101
+  _globals['_PEERSTATUS_METRICSENTRY']._serialized_start=1055
+  _globals['_PEERSTATUS_METRICSENTRY']._serialized_end=1101
+  _globals['_STATUSRESPONSE']._serialized_start=1104
+  _globals['_STATUSRESPONSE']._serialized_end=1404
+  _globals['_DIALBACKREQUEST']._serialized_start=1406
+  _globals['_DIALBACKREQUEST']._serialized_end=1484
+  _globals['_DIALBACKRESULT']._serialized_start=1486
+  _globals['_DIALBACKRESULT']._serialized_end=1551
+  _globals['_DIALBACKRESPONSE']._serialized_start=1553
+  _globals['_DIALBACKRESPONSE']._serialized_end=1643
+  _globals['_ACCUSATIONPART']._serialized_start=1645
+  _globals['_ACCUSATIONPART']._serialized_end=1743
+  _globals['_ACCUSERESPONSE']._serialized_start=1745
+  _globals['_ACCUSERESPONSE']._serialized_end=1799
+  _globals['_COORDINATOR']._serialized_start=1802
+  _globals['_COORDINATOR']._serialized_end=2428
 # @@protoc_insertion_point(module_scope)

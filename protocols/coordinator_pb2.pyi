@@ -55,14 +55,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., envelope: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("state", "certificate", "server_time")
+    __slots__ = ("state", "certificate", "server_time", "run_state")
     STATE_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     state: str
     certificate: bytes
     server_time: float
-    def __init__(self, state: _Optional[str] = ..., certificate: _Optional[bytes] = ..., server_time: _Optional[float] = ...) -> None: ...
+    run_state: bytes
+    def __init__(self, state: _Optional[str] = ..., certificate: _Optional[bytes] = ..., server_time: _Optional[float] = ..., run_state: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header", "envelope")
@@ -124,7 +126,7 @@ class PeerStatus(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., role: _Optional[str] = ..., last_seen: _Optional[float] = ..., joined_at: _Optional[float] = ..., ban_reason: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ..., param_hash: _Optional[str] = ..., diverged: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "coordinator_peer_id", "dht_initial_peers", "peers", "server_time", "total_peers", "next_after_peer_id")
+    __slots__ = ("protocol_version", "run_id", "coordinator_peer_id", "dht_initial_peers", "peers", "server_time", "total_peers", "next_after_peer_id", "max_steps", "checkpoint_step", "finished_step")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +135,9 @@ class StatusResponse(_message.Message):
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PEERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_AFTER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_STEP_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     coordinator_peer_id: str
@@ -141,7 +146,10 @@ class StatusResponse(_message.Message):
     server_time: float
     total_peers: int
     next_after_peer_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., coordinator_peer_id: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., server_time: _Optional[float] = ..., total_peers: _Optional[int] = ..., next_after_peer_id: _Optional[str] = ...) -> None: ...
+    max_steps: int
+    checkpoint_step: int
+    finished_step: int
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., coordinator_peer_id: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., server_time: _Optional[float] = ..., total_peers: _Optional[int] = ..., next_after_peer_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., finished_step: _Optional[int] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("header", "ports")

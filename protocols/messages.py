@@ -19,6 +19,7 @@ JOIN = "join"
 JOIN_ANSWER = "join-answer"
 HEARTBEAT = "heartbeat"
 LEAVE = "leave"
+RUN_STATE = "run-state"
 ACCUSE = "accuse"
 BAN_LIST = "ban-list"
 # Signed DHT records (see swarm/records.py): one purpose per record kind, so none passes for another.
@@ -78,6 +79,17 @@ class JoinAnswerBody(_Body):
     # False: the coordinator holds no checkpoint, so a fresh run's peers need not look for one in the DHT
     # before training from step 0. A coordinator that does not say (older) is taken to hold one.
     holds_checkpoint: bool = True
+
+
+class RunStateBody(_Body):
+    """The run's state in the coordinator's answer to a heartbeat (purpose ``run-state``, signed by its
+    key): the heartbeat's sequence number it answers, so it cannot be replayed to another heartbeat, the
+    run's ``max_steps`` now (0: no limit), and the step of the final checkpoint once the run has
+    finished (0: not finished)."""
+
+    seq: int = Field(gt=0)
+    max_steps: int = Field(ge=0, lt=2**63)
+    finished_step: int = Field(ge=0, lt=2**63)
 
 
 class HeartbeatBody(_Body):

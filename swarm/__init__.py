@@ -16,7 +16,8 @@
 - ``models``: the model registry and the built-in byte-level ``gpt``
 - ``data``: the dataset registry (``stdlib``, ``text-files``) and deterministic per-peer sampling
 - ``averaging``: robust butterfly all-reduce among a group of peers, signed and verified
-- ``training``: one peer's training loop, the shared state, checkpoints and catching up
+- ``training``: one peer's training loop, the shared state, checkpoints (``load_model`` reads one into
+  its model) and catching up
 - ``pipeline``: SWARM pipeline parallelism: stage servers, stage workers and pipeline trainers
 - ``byzantine``: named attacks for rehearsal (``swarm-sim --byzantine K --attack NAME``)
 - ``rpc``: how errors cross the gRPC boundary
@@ -59,6 +60,7 @@ _LAZY = {
     "available_datasets": "swarm.data",
     "CoordinatorClient": "swarm.coordinator_client",
     "check_components": "swarm.components",
+    "load_model": "swarm.training.checkpoint",
 }
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "build_dataset",
     "build_model",
     "check_components",
+    "load_model",
     "load_or_create_identity",
     "register_dataset",
     "register_model",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -32,7 +32,9 @@ from protocols.messages import (
     JOIN_ANSWER,
     LEAVE,
     MAX_SUSPECT_REPORTS,
+    RUN_STATE,
     JoinAnswerBody,
+    RunStateBody,
     parse_body,
     token_proof,
 )
@@ -63,6 +65,11 @@ class HeartbeatAnswer:
     state: str
     certificate: PeerCertificate | None
     server_time: float
+    # The run's state, signed by the coordinator (None from a coordinator that does not send it):
+    # max_steps now (None: no limit) and the step of its final checkpoint once the run has finished.
+    max_steps: int | None = None
+    finished_step: int | None = None
+    signed_run_state: bool = False
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -195,8 +202,9 @@ class CoordinatorClient:
         param_hash: str = "",
         suspects: list[str] | None = None,
     ) -> HeartbeatAnswer:
+        seq = self._next_seq()
         body = {
-            "seq": self._next_seq(), "state": state, "metrics": dict(metrics or {}), "step": step,
+            "seq": seq, "state": state, "metrics": dict(metrics or {}), "step": step,
             "param_hash": param_hash, "suspects": list(suspects or [])[:MAX_SUSPECT_REPORTS],
         }  # fmt: skip
         request = pb.HeartbeatRequest(
@@ -208,7 +216,20 @@ class CoordinatorClient:
             certificate = verify_certificate(response.certificate, issuer=coordinator_key, run_id=run_id)
             if certificate.public_key != key.public_key:
                 raise SecurityError(f"coordinator at {self.address} renewed a certificate for another key")
-        return HeartbeatAnswer(response.state, certificate, response.server_time)
+        answer = HeartbeatAnswer(response.state, certificate, response.server_time)
+        if not response.run_state:
+            return answer
+        what = f"run state from the coordinator at {self.address}"
+        envelope = open_envelope(
+            response.run_state, purpose=RUN_STATE, run_id=run_id, signer=coordinator_key, what=what
+        )
+        run_state = parse_body(RunStateBody, envelope.body, sender=envelope.sender, what=what)
+        if run_state.seq != seq:
+            raise SecurityError(f"{what} answers another heartbeat (sequence {run_state.seq}, not {seq})")
+        return replace(
+            answer, max_steps=run_state.max_steps or None, finished_step=run_state.finished_step or None,
+            signed_run_state=True,
+        )  # fmt: skip
 
     async def leave(self, key: SigningKey, run_id: str, *, reason: str = "") -> str:
         body = {"seq": self._next_seq(), "reason": reason[:256]}

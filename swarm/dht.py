@@ -8,6 +8,8 @@ no more for others than its ``StorageLimits`` (``swarm.dhtstorage``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -15,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from multiprocessing.popen_spawn_posix import Popen as SpawnPopen
 from pathlib import Path
 from typing import Any
@@ -154,6 +157,53 @@ def _await_dht(dht: SpawnedDHT, key: SigningKey, where: str, *, timeout_s: float
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(maddr) for maddr in dht.get_visible_maddrs()]
+
+
+# The addresses of one node that a ping tries: a node listens on a few (IPv4, IPv6, relays), not more.
+MAX_PING_MADDRS = 16
+
+
+async def ping_node(dht: hivemind.DHT, maddrs: Sequence[str], *, peer_id: str, timeout_s: float) -> bool:
+    """Dial the DHT node ``peer_id`` at those of ``maddrs`` that name it, and ping it; True if it answered.
+
+    A ping enters each node in the other's routing table (unless this one is in client mode). This is
+    how a running peer re-enters a coordinator's DHT node that restarted empty, perhaps on a new port:
+    bootstrapping happens only when a node starts, and a restarted node knows no one.
+    """
+    from hivemind.utils.multiaddr import Multiaddr
+
+    own = []
+    for text in list(maddrs)[:MAX_PING_MADDRS]:
+        try:
+            if Multiaddr(text).value_for_protocol("p2p") == peer_id:
+                own.append(text)
+        except Exception:  # multiaddr raises several unrelated types for a malformed address
+            logger.debug(f"ignoring malformed multiaddr {text!r}")
+    if not own:
+        return False
+    future = dht.run_coroutine(partial(_ping_in_node, peer_id=peer_id, maddrs=own), return_future=True)
+    try:
+        return bool(await asyncio.wait_for(future, timeout=timeout_s))
+    except asyncio.TimeoutError:
+        future.cancel()
+        return False
+    except Exception as e:  # the DHT process is gone or the ping failed inside it
+        logger.debug(f"pinging {peer_id} failed: {e!r}")
+        return False
+
+
+async def _ping_in_node(_dht: hivemind.DHT, node: Any, *, peer_id: str, maddrs: list[str]) -> bool:
+    """Runs in the DHT's process (see :func:`ping_node`)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    target = PeerID.from_base58(peer_id)
+    suffix = Multiaddr(f"/p2p/{peer_id}")
+    addresses = [Multiaddr(m).decapsulate(suffix) for m in maddrs]
+    # hivemind exposes no public dial; an address the daemon already knows still lets the ping through.
+    with contextlib.suppress(Exception):
+        await node.p2p._client.connect(target, addresses)
+    return await node.protocol.call_ping(target) is not None
 
 
 def start_local_dhts(

@@ -118,7 +118,7 @@ function stateBadge(peer) {
   const wrap = el("span");
   const state = peer.paused ? "paused" : peer.state;
   wrap.appendChild(el("span", { class: `badge ${state}` }, state));
-  if (peer.diverged) wrap.appendChild(el("span", { class: "badge diverged", title: "its parameters differ from most peers at its step" }, "diverged"));
+  if (peer.diverged) wrap.appendChild(el("span", { class: "badge diverged", title: "its parameters differ from most peers at its step, or its progress does not reach the coordinator's DHT (a split swarm)" }, "diverged"));
   if (peer.suspected_by > 0) {
     wrap.appendChild(el("span", {
       class: "badge suspected",
@@ -136,7 +136,10 @@ function render(s) {
     `aggregator ${s.run.aggregator} · admission ${s.run.admission} · coordinator ${shortId(s.coordinator_peer_id)}`;
   $("kpi-step").textContent = fmt(s.step, 0);
   const outer = s.run.sync === "diloco" ? ` outer steps (${fmt(s.run.inner_steps, 0)} local steps each)` : "";
-  $("kpi-step-hint").textContent = (s.run.max_steps ? `of ${fmt(s.run.max_steps, 0)}` : "no step limit") + outer;
+  const limit = s.run.max_steps ? `of ${fmt(s.run.max_steps, 0)}` : "no step limit";
+  $("kpi-step-hint").textContent = s.finished
+    ? `run finished: final checkpoint at step ${fmt(s.finished_step, 0)}` + outer
+    : limit + outer;
   $("kpi-train").textContent = fmt(s.train_loss, 3);
   $("kpi-val").textContent = s.val_loss === null ? "validation: –" : `validation: ${fmt(s.val_loss, 3)}`;
   $("kpi-sps").textContent = compact(s.samples_per_s);

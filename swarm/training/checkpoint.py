@@ -33,7 +33,7 @@ import torch
 
 from protocols.errors import ConfigError, ProtocolError
 from swarm.config import RunConfig
-from swarm.training.state import decode_state, encode_state
+from swarm.training.state import build_shared_optimizer, decode_state, encode_state, load_state_tensors
 
 __all__ = [
     "Checkpoint",
@@ -43,6 +43,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_latest_checkpoint",
+    "load_model",
     "save_checkpoint",
 ]
 
@@ -198,3 +199,37 @@ def load_latest_checkpoint(directory: Path) -> Checkpoint | None:
         except CorruptCheckpoint as e:
             logger.warning("skipping checkpoint %s: %s", path, e)
     return None
+
+
+def load_model(path: str | Path) -> torch.nn.Module:
+    """The run's model with a checkpoint's parameters, built from the run config the checkpoint holds.
+
+    ``path`` is a checkpoint file, a directory of checkpoints, or a coordinator's data dir (its
+    ``checkpoints/``); from a directory the newest checkpoint that verifies is taken. The model is on the
+    CPU in eval mode. A path with no checkpoint, or one whose tensors do not fit the model, is a
+    ConfigError naming it.
+
+    Example::
+
+        model = swarm.load_model("coordinator-data")  # the final checkpoint once the run has finished
+    """
+    from swarm.models import build_model
+
+    path = Path(path)
+    if path.is_file():
+        checkpoint = load_checkpoint(path)
+    else:
+        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found = load_latest_checkpoint(directory)
+        if found is None:
+            raise ConfigError(f"no checkpoint in {directory}")
+        checkpoint = found
+    run = checkpoint.run_config
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    try:
+        load_state_tensors(model, build_shared_optimizer(model, run), checkpoint.tensors)
+    except ProtocolError as e:
+        raise ConfigError(
+            f"checkpoint {checkpoint.path} does not fit model {run.model.name!r}: {e}"
+        ) from None
+    return model.eval()

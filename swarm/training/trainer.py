@@ -449,12 +449,17 @@ class Trainer(CatchUp):
         await self._commit(self.step)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Train until ``stop`` is set; after ``max_steps`` keep serving state until then."""
+        """Train until ``stop`` is set; after ``max_steps`` keep serving state until then, and train on
+        if the run's ``max_steps`` is raised meanwhile (the volunteer applies the coordinator's)."""
         await self.start()
         publisher = asyncio.create_task(self._publish_forever())
         try:
-            await self._loop(stop)
-            await self._settle(stop)
+            while True:
+                await self._loop(stop)
+                await self._settle(stop)
+                if stop.is_set():
+                    break
+                self.finished = False
         finally:
             publisher.cancel()
             await self.averager.shutdown()
@@ -462,7 +467,7 @@ class Trainer(CatchUp):
     async def _settle(self, stop: asyncio.Event) -> None:
         """After ``max_steps``: serve state, and still move to the state most peers hold. A last step that
         came out apart (another kind of device rounds differently) must not leave this peer apart."""
-        while not stop.is_set():
+        while not stop.is_set() and self._reached_max():
             await self._catch_up()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.training.progress_interval_s)
