@@ -214,3 +214,57 @@ def test_a_replica_claiming_1e12_samples_per_s_gets_only_what_the_trainer_measur
         trainer.measured.record(record.peer_id, BATCH, BATCH / 50.0)
     trainer.measured.record(liar.peer_id, BATCH, BATCH / 50_000.0)
     assert share() < 0.55, "a replica got more than twice the median replica's share"
+
+
+@pytest.mark.timeout(180)  # three DHT nodes start in the fixture: half a minute on a loaded machine
+def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient(keyed_dhts):
+    """Three replicas of stage 1 average; only one counted a micro-batch (the others hold weight 0). Before
+    the fix the robust rule left the weight-0 replicas out and all three applied that one's gradient,
+    whatever it was; now a minority's vector is never applied and the replicas still agree and step."""
+    from swarm.pipeline.worker import StageWorker
+
+    torch.set_num_threads(1)
+    data = attack_run().model_dump(mode="json")
+    data["training"].update(
+        min_group_size=3, matchmaking_time_s=1.0, sender_timeout_s=2.0, averaging_timeout_s=10.0
+    )
+    run = RunConfig.parse(data)
+    members = {key.peer_id for _, key in keyed_dhts}
+    workers = [
+        StageWorker(run, dht, peer_id=key.peer_id, stage=1, members=members, signing_key=key, rebalance=False)
+        for dht, key in keyed_dhts
+    ]
+    reference = StageReplica(run, 1)  # where the stage is after a step with no gradient
+    for worker in workers:
+        worker.replica = StageReplica(run, 1)
+        worker.averager = worker.build_averager(1, worker.replica.numel)
+    counter = workers[0]
+    counter.replica.forward(last_stage_request(run, 1, seed=1), caller=SigningKey.generate().peer_id)
+    assert counter.replica.samples == BATCH and all(w.replica.samples == 0 for w in workers[1:])
+
+    async def scenario() -> None:
+        for worker in workers:
+            await worker.averager.start()
+            await worker.replica.commit()
+            await worker._announce()
+        for worker in workers:
+            await worker._refresh_view()
+        for _ in range(5):
+            pending = [w for w in workers if w.replica.step == 0]
+            if not pending:
+                break
+            await asyncio.gather(*(w._step_round() for w in pending))
+        for worker in workers:
+            await worker.averager.shutdown()
+
+    try:
+        asyncio.run(scenario())
+        reference.apply(torch.zeros(reference.numel))
+        assert all(w.replica.step == 1 for w in workers), "the stage did not step"
+        hashes = {w.replica._hashes()[2] for w in workers}
+        assert hashes == {reference._hashes()[2]}, "a minority's gradient was applied to the stage"
+        assert all(w.applied[1][0] == 0 and w._stats["rounds_refused"] == 1 for w in workers)
+    finally:
+        reference.close()
+        for worker in workers:
+            worker.replica.close()

@@ -40,6 +40,7 @@ import os
 import time
 
 import hivemind
+import torch
 from hivemind.p2p import PeerID, ServicerBase
 
 from protocols.errors import ConfigError
@@ -67,6 +68,15 @@ from swarm.training.sync import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def counted_by_majority(weights: list[float]) -> bool:
+    """Whether the members that counted samples (positive weight) are no minority of a stage's group.
+
+    The robust rule leaves weight-0 senders out whenever another sender has a positive weight, so a
+    round whose counted members are a minority would apply what that minority sent, however many
+    honest replicas stood by with nothing counted."""
+    return 2 * sum(1 for w in weights if w > 0) >= len(weights)
 
 
 def available_memory_bytes(device: str) -> int:
@@ -417,13 +427,23 @@ class StageWorker(StageMoves):
         group, result = outcome
         if r.step != extra["step"]:
             return  # a catch-up replaced the state meanwhile
-        await r.compute(r.apply, result.vector)
+        averaged, samples = result.vector, sum(group.weights)
+        if not counted_by_majority(group.weights):
+            # Every member sees the same signed weights, so all step alike: with no gradient, as a round
+            # where nobody counted anything does, and the minority's vector is never applied.
+            counted = [p.to_base58() for p, w in zip(group.peer_ids, group.weights, strict=True) if w > 0]
+            logger.warning(f"stage {r.index} step {r.step}: only {len(counted)} of {len(group.peer_ids)} "
+                           f"replicas counted samples ({', '.join(counted)}); a minority's gradient is not "
+                           "applied: stepping with none")  # fmt: skip
+            averaged, samples = torch.zeros_like(result.vector), 0.0
+            self._stats["rounds_refused"] = self._stats.get("rounds_refused", 0.0) + 1
+        await r.compute(r.apply, averaged)
         await r.commit()
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["rounds_ok"] += 1
-        self.applied.setdefault(r.index, {})[extra["step"]] = sum(group.weights)
+        self.applied.setdefault(r.index, {})[extra["step"]] = samples
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
-                    f"{sum(group.weights):.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
+                    f"{samples:.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
         with contextlib.suppress(Exception):
             await publish_record(
                 self.dht, self._signer(), self.config.run_id, self._record(), ttl_s=self._ttl_s()
