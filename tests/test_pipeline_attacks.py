@@ -268,3 +268,75 @@ def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient
         reference.close()
         for worker in workers:
             worker.replica.close()
+
+
+def test_a_replica_claiming_1e12_samples_per_s_does_not_move_its_honest_stage_mates_away():
+    """Rebalancing can only read reported rates. Before the fix, in `swarm-sim --stages 2 --peers-per-stage 2
+    --byzantine 1 --attack stage_throughput_lie` the liar's stage looked the richest, its honest replica
+    moved to the other stage, and the liar served its stage alone."""
+    from swarm.pipeline.balance import choose_stage, rebalance_move
+
+    keys = sorted(SigningKey.generate().peer_id for _ in range(4))
+    honest_mate, liar = keys[0], keys[3]  # the stage's mover is its replica with the lowest peer ID
+
+    def record(peer_id: str, stage: int) -> StageRecord:
+        return StageRecord(peer_id, stage, 0, 50.0, 0.5, HASH, HASH, time.time())
+
+    attack = make_attack("stage_throughput_lie", group_size=2, attackers=1)
+    view = PipelineView(stages={0: [record(keys[1], 0), record(keys[2], 0)],
+                                1: [record(honest_mate, 1), attack.announce(record(liar, 1))]})  # fmt: skip
+    assert rebalance_move(view, honest_mate, 1, 2, margin=0.1) is None, (
+        "the liar's claim moved its stage-mate"
+    )
+    assert choose_stage(view, 2, [True, True]) == 0, "a joining peer counts the liar as at most two replicas"
+    # An honest imbalance still moves a replica: stage 1 really has three and stage 0 one.
+    view = PipelineView(stages={0: [record(keys[3], 0)], 1: [record(k, 1) for k in keys[:3]]})
+    assert rebalance_move(view, keys[0], 1, 2, margin=0.1) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_swarm_sim_stage_throughput_lie_rehearsal(tmp_path):
+    """The cheapest pipeline rehearsal with an attacker: one replica of the last stage announces 1e12
+    samples/s. Before the attack was wired to pipeline roles, nobody mounted it; before rebalancing capped
+    reported rates, its honest stage-mate moved away and the liar served the stage alone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "lab.sim", "--stages", "2", "--peers-per-stage", "2", "--trainers", "1",
+         "--steps", "3", "--model-size", "tiny", "--byzantine", "1", "--attack", "stage_throughput_lie",
+         "--json", str(out), "--timeout-s", "300"],
+        capture_output=True, text=True, timeout=400, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["byzantine"] == ["stage1-0"]
+    assert report["final_val_loss"] < report["initial_val_loss"], "validation loss fell"
+    assert report["lost_microbatches"] == 0
+    replicas = {s["stage"]: s["replicas"] for s in report["stages"]}
+    liar = next(r for r in replicas[1] if r["byzantine"])
+    assert liar["announced_samples_per_s"] == 1e12, "the attack was mounted"
+    for stage, rs in replicas.items():
+        honest = [r for r in rs if not r["byzantine"]]
+        assert honest, f"no honest replica serves stage {stage}"
+        assert len({r["param_hash"] for r in honest}) == 1 and all(r["step"] == 3 for r in honest)
+
+
+def test_swarm_sim_names_the_flag_when_a_pipeline_attack_cannot_be_mounted():
+    from lab.pipeline_sim import pipeline_attackers
+    from lab.simconfig import SimConfig
+    from protocols.errors import ConfigError
+
+    def attackers(**flags) -> list[str]:
+        return pipeline_attackers(SimConfig(stages=2, model_size="tiny", byzantine=1, **flags))
+
+    assert attackers(attack="stage_throughput_lie") == ["stage1-0"]
+    assert attackers(attack="stuck_in_flight", trainers=3) == ["trainer0"]
+    with pytest.raises(ConfigError, match="--attack sign_flip is not a pipeline attack"):
+        attackers(attack="sign_flip")
+    with pytest.raises(ConfigError, match="--peers-per-stage 1 leaves no honest one"):
+        attackers(attack="forged_retried", peers_per_stage=1)
