@@ -340,3 +340,69 @@ def test_swarm_sim_names_the_flag_when_a_pipeline_attack_cannot_be_mounted():
         attackers(attack="sign_flip")
     with pytest.raises(ConfigError, match="--peers-per-stage 1 leaves no honest one"):
         attackers(attack="forged_retried", peers_per_stage=1)
+
+
+def test_a_trainer_sending_outlying_grad_outputs_moves_a_stage_no_more_than_the_robust_rule_allows():
+    """Three trainers call stage 0; one sends grad_outputs at the norm bound (~1000x an honest one). Before
+    the fix the replica summed every micro-batch's gradient, so that trainer set the stage's gradient;
+    now the trainers' means go through the run's rule (centered_clip) and the outlier is named."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    honest = sorted(SigningKey.generate().peer_id for _ in range(2))
+    attacker = SigningKey.generate().peer_id
+    replica, reference = StageReplica(run, 0), StageReplica(run, 0)
+    codec = get_codec(run.training.compression)
+    bound = run.pipeline.max_grad_output_norm
+
+    def send(target: StageReplica, trainer: str, microbatch_id: int, scale: float) -> None:
+        generator = torch.Generator().manual_seed(microbatch_id)
+        ids = torch.randint(0, 256, (BATCH, 32), generator=generator)
+        grad = torch.randn(BATCH, 32, 32, generator=generator)
+        grad = grad / grad.norm() * scale
+        base = dict(run_id=run.run_id, stage=0, step=0, microbatch_id=microbatch_id)
+        torch.manual_seed(microbatch_id)  # the same dropout draws on both replicas
+        target.forward(ppb.ForwardRequest(inputs=encode_ids(ids), **base), caller=trainer)
+        reply = target.backward(
+            ppb.BackwardRequest(grad_outputs=encode_floats(grad, codec), **base), caller=trainer
+        )
+        assert reply.code == ppb.OK
+
+    try:
+        for target in (replica, reference):
+            for i, trainer in enumerate(honest):
+                for k in range(2):
+                    send(target, trainer, 10 * i + k, scale=1.0)
+        send(replica, attacker, 99, scale=0.999 * bound)
+        clean = reference.mean_gradient()
+        attacked = replica.mean_gradient()
+        assert replica.samples == 5 * BATCH, "every micro-batch is counted for its samples"
+        shift = float((attacked - clean).norm())
+        assert shift < float(clean.norm()), f"one trainer moved the stage's gradient by {shift:.3g}"
+        assert replica.outliers == [attacker]
+        assert reference.outliers == []
+    finally:
+        replica.close()
+        reference.close()
+
+
+def test_one_trainers_robust_stage_gradient_is_its_summed_gradient_bit_for_bit():
+    """A guard on the change: with one trainer the rule is not applied, and the replica's per-trainer sum
+    is the gradient the parameters accumulated before, bit for bit (a fresh replica summing in place)."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    trainer = SigningKey.generate().peer_id
+    replica, reference = StageReplica(run, 1), StageReplica(run, 1)
+    try:
+        for microbatch_id in (1, 2, 3):
+            request = last_stage_request(run, microbatch_id, seed=microbatch_id)
+            torch.manual_seed(microbatch_id)
+            replica.forward(request, caller=trainer)
+            torch.manual_seed(microbatch_id)
+            inputs, targets = reference._inputs(request)
+            reference.model.train()
+            (reference.model.loss(inputs, targets) * BATCH).backward()
+        summed = torch.cat([p.grad.flatten() for p in reference.params]) / (3 * BATCH)
+        assert torch.equal(replica.mean_gradient(), summed)
+    finally:
+        replica.close()
+        reference.close()

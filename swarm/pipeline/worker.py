@@ -425,6 +425,10 @@ class StageWorker(StageMoves):
         self._stats["settle_s"] += time.monotonic() - started
         started = time.monotonic()
         vector = await r.compute(r.mean_gradient)
+        for trainer in r.outliers:
+            logger.warning(f"stage {r.index} step {r.step}: trainer {trainer}'s mean gradient lies far from "
+                           "the other trainers'; suspected")  # fmt: skip
+            self.policy.suspect(trainer, f"its gradient at stage {r.index} step {r.step} is an outlier")
         others = [x for x in self.view.averaging(r.index, r.step) if x.peer_id != self.peer_id]
         extra = {"step": r.step, "state_hash": r.state_hash}
         outcome = await self.averager.average(vector, float(r.samples), extra, alone=not others)
