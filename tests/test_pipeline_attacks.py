@@ -22,7 +22,7 @@ from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.records import PipelineView, StageRecord, TrainerRecord
-from swarm.pipeline.replica import StageReplica
+from swarm.pipeline.replica import Refusal, StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.pipeline.wire import encode_floats, encode_ids, sign_attempt
 
@@ -406,3 +406,23 @@ def test_one_trainers_robust_stage_gradient_is_its_summed_gradient_bit_for_bit()
     finally:
         replica.close()
         reference.close()
+
+
+def test_a_flood_of_trainer_identities_is_refused_past_the_replicas_limit():
+    """Each trainer holds a flat copy of the stage's gradient at a replica: without a bound, identities
+    minted for one micro-batch each would fill its memory."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    replica = StageReplica(run, 1)
+    replica.max_trainers = 2
+    first, second, third = (SigningKey.generate().peer_id for _ in range(3))
+    try:
+        replica.forward(last_stage_request(run, 1, seed=1), caller=first)
+        replica.forward(last_stage_request(run, 2, seed=2), caller=second)
+        with pytest.raises(Refusal) as refused:
+            replica.forward(last_stage_request(run, 3, seed=3), caller=third)
+        assert refused.value.code == ppb.BUSY and "serves 2 trainers at step 0" in refused.value.message
+        replica.forward(last_stage_request(run, 4, seed=4), caller=first)  # a trainer already served is not
+        assert replica.samples == 3 * BATCH and len(replica.by_trainer) == 2
+    finally:
+        replica.close()

@@ -67,10 +67,11 @@ T = TypeVar("T")
 
 #: Forward states one replica keeps at most; past it a new forward is refused (BUSY) until some expire.
 MAX_FORWARD_STATES = 512
+#: Trainers served at one step (each holds a flat gradient copy here); past it a new one is refused (BUSY).
+MAX_TRAINERS_PER_STEP = 64
 #: A micro-batch as a replica keeps it: (the trainer that sent it, its ID).
 Key = tuple[str, int]
-#: A trainer whose mean gradient lies this many times the median trainer's distance from the aggregate
-#: is named an outlier (a log line and a suspicion, not proof: an honest trainer's batch can be unusual).
+#: A trainer this many times the median trainer's distance from the aggregate is an outlier (suspected).
 OUTLIER_FACTOR = 4.0
 
 
@@ -125,6 +126,7 @@ class StageReplica:
         config = model_config(run.model.name, run.model.config)
         self.d_model, self.seq_len = config.d_model, config.seq_len
         self.max_batch = run.training.micro_batch_size
+        self.max_trainers = MAX_TRAINERS_PER_STEP
         self.step = 0
         self.samples = 0
         self.claims: dict[Key, int] = {}  # counted micro-batch -> the latest attempt that reached it here
@@ -271,6 +273,10 @@ class StageReplica:
         if self.leaving:
             raise self._refuse(
                 ppb.BUSY, f"this server is leaving stage {self.index}: it takes no new micro-batch"
+            )
+        if caller not in self.served and len(self.served) >= self.max_trainers:
+            raise self._refuse(
+                ppb.BUSY, f"this server serves {len(self.served)} trainers at step {self.step}, its limit"
             )
         if len(self.forwards) >= MAX_FORWARD_STATES and key not in self.forwards:
             raise self._refuse(
