@@ -6,8 +6,10 @@ stage outright at a given step (``--kill-stage-peer-at``) and starts a replaceme
 stage (it downloads the stage's state; rebalancing may then move a replica back to the
 stage it came from). Replicas rebalance every ``rebalance_interval_s`` (8 s here). It follows the run
 through the coordinator's status and the pipeline records in the DHT, and at the end checks that
-validation loss fell, that no micro-batch was lost, and that the replicas of every stage hold identical
-parameters. ``--timeout-s`` bounds a stall: the sim gives up when the trainers make no step for that
+validation loss fell, that no micro-batch was lost, and that the honest replicas of every stage hold
+identical parameters. With ``--byzantine K --attack NAME`` (a pipeline attack of
+``swarm.byzantine.pipeline_attacks``), the first K replicas of the last stage (for an attack a stage
+replica mounts) or the first K trainers (for one a trainer mounts) play the attacker. ``--timeout-s`` bounds a stall: the sim gives up when the trainers make no step for that
 long, however long the whole run takes.
 
 Example::
@@ -28,7 +30,7 @@ from coordinator.cli import status_to_dict
 from lab.localswarm import status
 from lab.rehearsal import Rehearsal
 from lab.simconfig import SimConfig
-from protocols.errors import SwarmError
+from protocols.errors import ConfigError, SwarmError
 from swarm.config import RunConfig
 
 
@@ -66,8 +68,33 @@ class _Observer:
         self.dht.shutdown()
 
 
+def pipeline_attackers(config: SimConfig) -> list[str]:
+    """The names of the peers that mount ``config.attack``: replicas of the last stage or trainers."""
+    if not config.byzantine:
+        return []
+    from swarm.byzantine.attacks import make_attack
+
+    role = make_attack(config.attack, group_size=2, attackers=1).pipeline_role
+    if role is None:
+        raise ConfigError(f"--attack {config.attack} is not a pipeline attack: with --stages, use one that a "
+                          "stage replica or a trainer mounts (swarm/byzantine/pipeline_attacks.py)")  # fmt: skip
+    count, flag = (
+        (config.peers_per_stage, "--peers-per-stage") if role == "stage" else (config.trainers, "--trainers")
+    )
+    if config.byzantine >= count:
+        raise ConfigError(f"--byzantine {config.byzantine}: {config.attack} is mounted by a {role}, and "
+                          f"{flag} {count} leaves no honest one")  # fmt: skip
+    if role == "trainer":
+        return [f"trainer{i}" for i in range(config.byzantine)]
+    return [f"stage{config.stages - 1}-{i}" for i in range(config.byzantine)]
+
+
 def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
     run = build_pipeline_run(config, base)
+    try:
+        pipeline_attackers(config)
+    except ConfigError as e:
+        return Rehearsal.failed(e)
     with Rehearsal(config) as rehearsal:
         try:
             return _simulate(config, run, rehearsal)
@@ -85,22 +112,37 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
           flush=True)  # fmt: skip
     coordinator = local.start_coordinator(run)
     address = coordinator.extra["address"]
+    byzantine = pipeline_attackers(config)
+    group = config.trainers if byzantine and byzantine[0].startswith("trainer") else config.peers_per_stage
+    rehearsal_flags = ["--rehearse-attack", str(config.attack), "--rehearse-attackers", str(len(byzantine)),
+                       "--rehearse-group-size", str(max(2, group))]  # fmt: skip
+
+    def flags(name: str) -> list[str]:
+        return rehearsal_flags if name in byzantine else []
+
     servers = {}
     for stage in range(config.stages):
         for replica in range(config.peers_per_stage):
             name = f"stage{stage}-{replica}"
-            servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(stage))
-    trainers = {f"trainer{i}": local.start_peer(address, f"trainer{i}", "--role", "trainer")
+            servers[name] = local.start_peer(
+                address, name, "--role", "stage", "--stage", str(stage), *flags(name)
+            )
+    trainers = {f"trainer{i}": local.start_peer(address, f"trainer{i}", "--role", "trainer", *flags(f"trainer{i}"))
                 for i in range(config.trainers)}  # fmt: skip
+    if byzantine:
+        print(f"attackers ({config.attack}): {', '.join(byzantine)}", flush=True)
+    honest = [n for n in trainers if n not in byzantine]  # the run's progress is theirs
     observer = _Observer(coordinator.extra["dht_initial_peers"], run)
     rehearsal.on_exit.append(observer.close)
     last_line = 0.0
     while True:
         snapshot = status_to_dict(status(address))
         rows = {p["name"]: p for p in snapshot["peers"]}
-        rehearsal.check_children({**servers, **trainers}, expected_gone={k["name"] for k in killed})
-        steps = [rows[n]["step"] for n in trainers if n in rows]
-        step = min(steps) if len(steps) == len(trainers) else 0
+        rehearsal.check_children(
+            {**servers, **trainers}, expected_gone={k["name"] for k in killed} | set(byzantine)
+        )
+        steps = [rows[n]["step"] for n in honest if n in rows]
+        step = min(steps) if len(steps) == len(honest) else 0
         if step > last_step:  # a stall limit, not a wall-time one: on a busy 2-core machine the demo
             last_step = step  # model takes 30 s or more a step, and a run that keeps stepping is not stuck
             rehearsal.extend_deadline()
@@ -111,7 +153,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
             )
             last_line = time.monotonic()
         # Mid-step, so that micro-batches are in flight through the victim when it dies.
-        done = [rows[n]["metrics"].get("samples", 0.0) for n in trainers if n in rows]
+        done = [rows[n]["metrics"].get("samples", 0.0) for n in honest if n in rows]
         mid_step = step > (config.kill_stage_peer_at or 0) or (done and min(done) > 0)
         if (
             config.kill_stage_peer_at is not None
@@ -135,8 +177,8 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
             servers[name] = local.start_peer(address, name, "--role", "stage", "--stage", str(into))
             replaced.append({"name": name, "stage": into, "at_step": step, "replaces": killed[0]["name"]})
             print(f"started {name} to replace {killed[0]['name']} in stage {into} at step {step}", flush=True)
-        finished = [rows[n]["metrics"].get("finished", 0.0) == 1.0 for n in trainers if n in rows]
-        if len(finished) == len(trainers) and all(finished):
+        finished = [rows[n]["metrics"].get("finished", 0.0) == 1.0 for n in honest if n in rows]
+        if len(finished) == len(honest) and all(finished):
             break
         rehearsal.check_deadline(
             f"the run made no step for {config.timeout_s:.0f}s (stuck at step {step} of {config.steps})"
@@ -150,7 +192,10 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
     stages = []
     for stage in range(config.stages):
         replicas = [{"name": by_id.get(r.peer_id, "?"), "peer_id": r.peer_id, "step": r.step,
-                     "param_hash": r.param_hash, "state_hash": r.state_hash}
+                     "param_hash": r.param_hash, "state_hash": r.state_hash,
+                     "byzantine": by_id.get(r.peer_id) in byzantine, "announced_samples_per_s": r.samples_per_s,
+                     "microbatches_served": rows.get(by_id.get(r.peer_id), {}).get("metrics", {}).get(
+                         "microbatches_served", math.nan)}
                     for r in sorted(view.replicas(stage), key=lambda r: by_id.get(r.peer_id, ""))]  # fmt: skip
         stages.append({"stage": stage, "replicas": replicas})
     trainer_rows = [{"name": n, "peer_id": rows[n]["peer_id"], **{k: rows[n]["metrics"].get(k, math.nan) for k in (
@@ -158,17 +203,18 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
         "microbatches_waiting", "retries", "val_loss", "val_loss_initial")}} for n in trainers]  # fmt: skip
     for name in [*servers, *trainers]:
         (servers.get(name) or trainers[name]).signal(signal.SIGTERM)
+    honest = [[r for r in s["replicas"] if not r["byzantine"]] for s in stages]
     agree = all(
-        len(s["replicas"]) >= 1
-        and len({r["param_hash"] for r in s["replicas"]}) == 1
-        and all(r["step"] == config.steps for r in s["replicas"])
-        for s in stages
+        len(replicas) >= 1
+        and len({r["param_hash"] for r in replicas}) == 1
+        and all(r["step"] == config.steps for r in replicas)
+        for replicas in honest
     )
-    lost = int(sum(t["microbatches_lost"] for t in trainer_rows))
-    left_over = int(sum(t["microbatches_waiting"] for t in trainer_rows))
+    honest_trainers = [t for t in trainer_rows if t["name"] not in byzantine]
+    lost = int(sum(t["microbatches_lost"] for t in honest_trainers))
+    left_over = int(sum(t["microbatches_waiting"] for t in honest_trainers))
     moves = {n: int(rows[n]["metrics"].get("moves", 0)) for n in servers if n in rows}
-    initial = trainer_rows[0]["val_loss_initial"]
-    final = trainer_rows[0]["val_loss"]
+    initial, final = honest_trainers[0]["val_loss_initial"], honest_trainers[0]["val_loss"]
     result = {
         "initial_val_loss": initial,
         "final_val_loss": final,
@@ -183,8 +229,10 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
         "replaced": replaced,
         "moves": moves,
         "duration_s": duration,
+        "attack": config.attack,
+        "byzantine": byzantine,
     }
     line = (f"validation loss {initial:.4f} -> {final:.4f} over {config.steps} steps in {duration:.0f}s; "
             f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost ({left_over} left over at the last step); "
-            f"{sum(moves.values())} moves; replicas of every stage {'hold identical parameters' if agree else 'DISAGREE'}")  # fmt: skip
+            f"{sum(moves.values())} moves; the honest replicas of every stage {'hold identical parameters' if agree else 'DISAGREE'}")  # fmt: skip
     return rehearsal.finish(result, final < initial and lost == 0 and agree, line)

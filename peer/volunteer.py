@@ -395,7 +395,7 @@ class Volunteer:
         if role == "trainer":
             return await asyncio.to_thread(
                 PipelineTrainer, run, self._dht, peer_id=self.key.peer_id, record_signer=self.records,
-                coordinator_key=self.coordinator_key,
+                coordinator_key=self.coordinator_key, attack=self._rehearsed_attack(),
             )  # fmt: skip
         last = run.pipeline.stages - 1
         if self.config.stage is not None and self.config.stage > last:
@@ -405,6 +405,7 @@ class Volunteer:
             run, self._dht, peer_id=self.key.peer_id, stage=self.config.stage, device=device,
             coordinator_key=self.coordinator_key, memory_bytes=memory, signing_key=self.key,
             upload_limiter=self.upload_limiter, accuse=self._accuser(client), record_signer=self.records,
+            attack=self._rehearsed_attack(),
         )  # fmt: skip
 
     async def _leave(self, client: CoordinatorClient) -> None:

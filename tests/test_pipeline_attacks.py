@@ -22,7 +22,7 @@ from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.records import PipelineView, StageRecord, TrainerRecord
-from swarm.pipeline.replica import StageReplica
+from swarm.pipeline.replica import Refusal, StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.pipeline.wire import encode_floats, encode_ids, sign_attempt
 
@@ -214,3 +214,215 @@ def test_a_replica_claiming_1e12_samples_per_s_gets_only_what_the_trainer_measur
         trainer.measured.record(record.peer_id, BATCH, BATCH / 50.0)
     trainer.measured.record(liar.peer_id, BATCH, BATCH / 50_000.0)
     assert share() < 0.55, "a replica got more than twice the median replica's share"
+
+
+@pytest.mark.timeout(180)  # three DHT nodes start in the fixture: half a minute on a loaded machine
+def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient(keyed_dhts):
+    """Three replicas of stage 1 average; only one counted a micro-batch (the others hold weight 0). Before
+    the fix the robust rule left the weight-0 replicas out and all three applied that one's gradient,
+    whatever it was; now a minority's vector is never applied and the replicas still agree and step."""
+    from swarm.pipeline.worker import StageWorker
+
+    torch.set_num_threads(1)
+    data = attack_run().model_dump(mode="json")
+    data["training"].update(
+        min_group_size=3, matchmaking_time_s=1.0, sender_timeout_s=2.0, averaging_timeout_s=10.0
+    )
+    run = RunConfig.parse(data)
+    members = {key.peer_id for _, key in keyed_dhts}
+    workers = [
+        StageWorker(run, dht, peer_id=key.peer_id, stage=1, members=members, signing_key=key, rebalance=False)
+        for dht, key in keyed_dhts
+    ]
+    reference = StageReplica(run, 1)  # where the stage is after a step with no gradient
+    for worker in workers:
+        worker.replica = StageReplica(run, 1)
+        worker.averager = worker.build_averager(1, worker.replica.numel)
+    counter = workers[0]
+    counter.replica.forward(last_stage_request(run, 1, seed=1), caller=SigningKey.generate().peer_id)
+    assert counter.replica.samples == BATCH and all(w.replica.samples == 0 for w in workers[1:])
+
+    async def scenario() -> None:
+        for worker in workers:
+            await worker.averager.start()
+            await worker.replica.commit()
+            await worker._announce()
+        for worker in workers:
+            await worker._refresh_view()
+        for _ in range(5):
+            pending = [w for w in workers if w.replica.step == 0]
+            if not pending:
+                break
+            await asyncio.gather(*(w._step_round() for w in pending))
+        for worker in workers:
+            await worker.averager.shutdown()
+
+    try:
+        asyncio.run(scenario())
+        reference.apply(torch.zeros(reference.numel))
+        assert all(w.replica.step == 1 for w in workers), "the stage did not step"
+        hashes = {w.replica._hashes()[2] for w in workers}
+        assert hashes == {reference._hashes()[2]}, "a minority's gradient was applied to the stage"
+        assert all(w.applied[1][0] == 0 and w._stats["rounds_refused"] == 1 for w in workers)
+    finally:
+        reference.close()
+        for worker in workers:
+            worker.replica.close()
+
+
+def test_a_replica_claiming_1e12_samples_per_s_does_not_move_its_honest_stage_mates_away():
+    """Rebalancing can only read reported rates. Before the fix, in `swarm-sim --stages 2 --peers-per-stage 2
+    --byzantine 1 --attack stage_throughput_lie` the liar's stage looked the richest, its honest replica
+    moved to the other stage, and the liar served its stage alone."""
+    from swarm.pipeline.balance import choose_stage, rebalance_move
+
+    keys = sorted(SigningKey.generate().peer_id for _ in range(4))
+    honest_mate, liar = keys[0], keys[3]  # the stage's mover is its replica with the lowest peer ID
+
+    def record(peer_id: str, stage: int) -> StageRecord:
+        return StageRecord(peer_id, stage, 0, 50.0, 0.5, HASH, HASH, time.time())
+
+    attack = make_attack("stage_throughput_lie", group_size=2, attackers=1)
+    view = PipelineView(stages={0: [record(keys[1], 0), record(keys[2], 0)],
+                                1: [record(honest_mate, 1), attack.announce(record(liar, 1))]})  # fmt: skip
+    assert rebalance_move(view, honest_mate, 1, 2, margin=0.1) is None, (
+        "the liar's claim moved its stage-mate"
+    )
+    assert choose_stage(view, 2, [True, True]) == 0, "a joining peer counts the liar as at most two replicas"
+    # An honest imbalance still moves a replica: stage 1 really has three and stage 0 one.
+    view = PipelineView(stages={0: [record(keys[3], 0)], 1: [record(k, 1) for k in keys[:3]]})
+    assert rebalance_move(view, keys[0], 1, 2, margin=0.1) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_swarm_sim_stage_throughput_lie_rehearsal(tmp_path):
+    """The cheapest pipeline rehearsal with an attacker: one replica of the last stage announces 1e12
+    samples/s. Before the attack was wired to pipeline roles, nobody mounted it; before rebalancing capped
+    reported rates, its honest stage-mate moved away and the liar served the stage alone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "lab.sim", "--stages", "2", "--peers-per-stage", "2", "--trainers", "1",
+         "--steps", "3", "--model-size", "tiny", "--byzantine", "1", "--attack", "stage_throughput_lie",
+         "--json", str(out), "--timeout-s", "300"],
+        capture_output=True, text=True, timeout=400, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["byzantine"] == ["stage1-0"]
+    assert report["final_val_loss"] < report["initial_val_loss"], "validation loss fell"
+    assert report["lost_microbatches"] == 0
+    replicas = {s["stage"]: s["replicas"] for s in report["stages"]}
+    liar = next(r for r in replicas[1] if r["byzantine"])
+    assert liar["announced_samples_per_s"] == 1e12, "the attack was mounted"
+    for stage, rs in replicas.items():
+        honest = [r for r in rs if not r["byzantine"]]
+        assert honest, f"no honest replica serves stage {stage}"
+        assert len({r["param_hash"] for r in honest}) == 1 and all(r["step"] == 3 for r in honest)
+
+
+def test_swarm_sim_names_the_flag_when_a_pipeline_attack_cannot_be_mounted():
+    from lab.pipeline_sim import pipeline_attackers
+    from lab.simconfig import SimConfig
+    from protocols.errors import ConfigError
+
+    def attackers(**flags) -> list[str]:
+        return pipeline_attackers(SimConfig(stages=2, model_size="tiny", byzantine=1, **flags))
+
+    assert attackers(attack="stage_throughput_lie") == ["stage1-0"]
+    assert attackers(attack="stuck_in_flight", trainers=3) == ["trainer0"]
+    with pytest.raises(ConfigError, match="--attack sign_flip is not a pipeline attack"):
+        attackers(attack="sign_flip")
+    with pytest.raises(ConfigError, match="--peers-per-stage 1 leaves no honest one"):
+        attackers(attack="forged_retried", peers_per_stage=1)
+
+
+def test_a_trainer_sending_outlying_grad_outputs_moves_a_stage_no_more_than_the_robust_rule_allows():
+    """Three trainers call stage 0; one sends grad_outputs at the norm bound (~1000x an honest one). Before
+    the fix the replica summed every micro-batch's gradient, so that trainer set the stage's gradient;
+    now the trainers' means go through the run's rule (centered_clip) and the outlier is named."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    honest = sorted(SigningKey.generate().peer_id for _ in range(2))
+    attacker = SigningKey.generate().peer_id
+    replica, reference = StageReplica(run, 0), StageReplica(run, 0)
+    codec = get_codec(run.training.compression)
+    bound = run.pipeline.max_grad_output_norm
+
+    def send(target: StageReplica, trainer: str, microbatch_id: int, scale: float) -> None:
+        generator = torch.Generator().manual_seed(microbatch_id)
+        ids = torch.randint(0, 256, (BATCH, 32), generator=generator)
+        grad = torch.randn(BATCH, 32, 32, generator=generator)
+        grad = grad / grad.norm() * scale
+        base = dict(run_id=run.run_id, stage=0, step=0, microbatch_id=microbatch_id)
+        torch.manual_seed(microbatch_id)  # the same dropout draws on both replicas
+        target.forward(ppb.ForwardRequest(inputs=encode_ids(ids), **base), caller=trainer)
+        reply = target.backward(
+            ppb.BackwardRequest(grad_outputs=encode_floats(grad, codec), **base), caller=trainer
+        )
+        assert reply.code == ppb.OK
+
+    try:
+        for target in (replica, reference):
+            for i, trainer in enumerate(honest):
+                for k in range(2):
+                    send(target, trainer, 10 * i + k, scale=1.0)
+        send(replica, attacker, 99, scale=0.999 * bound)
+        clean = reference.mean_gradient()
+        attacked = replica.mean_gradient()
+        assert replica.samples == 5 * BATCH, "every micro-batch is counted for its samples"
+        shift = float((attacked - clean).norm())
+        assert shift < float(clean.norm()), f"one trainer moved the stage's gradient by {shift:.3g}"
+        assert replica.outliers == [attacker]
+        assert reference.outliers == []
+    finally:
+        replica.close()
+        reference.close()
+
+
+def test_one_trainers_robust_stage_gradient_is_its_summed_gradient_bit_for_bit():
+    """A guard on the change: with one trainer the rule is not applied, and the replica's per-trainer sum
+    is the gradient the parameters accumulated before, bit for bit (a fresh replica summing in place)."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    trainer = SigningKey.generate().peer_id
+    replica, reference = StageReplica(run, 1), StageReplica(run, 1)
+    try:
+        for microbatch_id in (1, 2, 3):
+            request = last_stage_request(run, microbatch_id, seed=microbatch_id)
+            torch.manual_seed(microbatch_id)
+            replica.forward(request, caller=trainer)
+            torch.manual_seed(microbatch_id)
+            inputs, targets = reference._inputs(request)
+            reference.model.train()
+            (reference.model.loss(inputs, targets) * BATCH).backward()
+        summed = torch.cat([p.grad.flatten() for p in reference.params]) / (3 * BATCH)
+        assert torch.equal(replica.mean_gradient(), summed)
+    finally:
+        replica.close()
+        reference.close()
+
+
+def test_a_flood_of_trainer_identities_is_refused_past_the_replicas_limit():
+    """Each trainer holds a flat copy of the stage's gradient at a replica: without a bound, identities
+    minted for one micro-batch each would fill its memory."""
+    torch.set_num_threads(1)
+    run = attack_run()
+    replica = StageReplica(run, 1)
+    replica.max_trainers = 2
+    first, second, third = (SigningKey.generate().peer_id for _ in range(3))
+    try:
+        replica.forward(last_stage_request(run, 1, seed=1), caller=first)
+        replica.forward(last_stage_request(run, 2, seed=2), caller=second)
+        with pytest.raises(Refusal) as refused:
+            replica.forward(last_stage_request(run, 3, seed=3), caller=third)
+        assert refused.value.code == ppb.BUSY and "serves 2 trainers at step 0" in refused.value.message
+        replica.forward(last_stage_request(run, 4, seed=4), caller=first)  # a trainer already served is not
+        assert replica.samples == 3 * BATCH and len(replica.by_trainer) == 2
+    finally:
+        replica.close()

@@ -1,7 +1,7 @@
 """Named attacks a Byzantine peer can mount, each a small object with five hooks.
 
-The trainer and the all-reduce of a peer playing attacker call the hooks of its :class:`Attack` at the
-five points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
+The trainer, the all-reduce and the pipeline roles of a peer playing attacker call the hooks of its
+:class:`Attack` at the points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
 otherwise:
 
 - ``batch(inputs, targets) -> (inputs, targets)``: the data the peer trains on (``label_flip``);
@@ -9,7 +9,14 @@ otherwise:
   it computed (``sign_flip``, ``random_direction``, ``delayed_gradient``, ``alie``, ``ipm``, ``nan``);
 - ``weight(claimed) -> float``: the weight (sample count) it claims (``huge_weight``);
 - ``reduce(aggregate) -> Tensor``: what it returns as the reducer of a part (``bad_reducer``);
-- ``announce(record) -> record``: the pipeline record it publishes (``swarm.byzantine.pipeline_attacks``).
+- ``announce(record) -> record``: the pipeline record it publishes (``swarm.byzantine.pipeline_attacks``);
+- ``heard(microbatches)``: what a stage replica knows before it announces: the (trainer, micro-batch ID)
+  pairs the trainers in view issue at its step, since IDs are public seeds (``forged_retried`` claims them);
+- ``front_run(request, victim_ids) -> [request]``: forwards a pipeline trainer sends to a stage server
+  before its own (``front_runner``).
+
+A pipeline attack says which pipeline role mounts it (``pipeline_role``: ``"stage"`` or ``"trainer"``);
+``swarm-sim --stages`` gives it to that many peers of that role.
 
 Attacks that model collusion (``alie``, ``ipm``) need an estimate of the honest gradients' mean and
 spread. Colluding attackers know their own honest gradients: pass them stacked as ``peers`` (this
@@ -30,9 +37,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -68,6 +75,8 @@ class Attack:
     """Honest at every hook; each named attack overrides the hooks it lies at."""
 
     name = "honest"
+    #: The pipeline role that mounts this attack (``"stage"`` or ``"trainer"``); None: not a pipeline attack.
+    pipeline_role: ClassVar[str | None] = None
 
     def __init__(self, options: AttackOptions, context: AttackContext) -> None:
         self.options, self.context = options, context
@@ -89,6 +98,13 @@ class Attack:
     def announce(self, record: object) -> object:
         """The pipeline record (``StageRecord`` or ``TrainerRecord``) this peer signs and publishes."""
         return record
+
+    def heard(self, microbatches: Sequence[tuple[str, int]]) -> None:
+        """The (trainer, micro-batch ID) pairs the trainers in a stage replica's view issue at its step."""
+
+    def front_run(self, request: Any, victim_ids: Sequence[int]) -> list[Any]:
+        """Forward requests a pipeline trainer sends to a stage server just before ``request``."""
+        return []
 
     @property
     def omniscient(self) -> bool:

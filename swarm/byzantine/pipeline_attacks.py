@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from pydantic import Field
 
@@ -33,6 +34,8 @@ class ThroughputLieOptions(AttackOptions):
 
 @register_attack("stage_throughput_lie", ThroughputLieOptions)
 class StageThroughputLie(Attack):
+    pipeline_role = "stage"
+
     def announce(self, record: object) -> object:
         if getattr(record, "role", None) != "stage":
             return record
@@ -45,6 +48,8 @@ class StuckInFlightOptions(AttackOptions):
 
 @register_attack("stuck_in_flight", StuckInFlightOptions)
 class StuckInFlight(Attack):
+    pipeline_role = "trainer"
+
     def announce(self, record: object) -> object:
         if getattr(record, "role", None) != "trainer":
             return record
@@ -60,21 +65,37 @@ class ForgedRetried(Attack):
     """Claims, for each (trainer, micro-batch) in ``victims``, a later attempt than any honest one; the
     signature it cannot make is replaced by its own."""
 
-    victims: list[tuple[str, int]]
+    pipeline_role = "stage"
     signature = bytes(64)
+
+    def __init__(self, options: ForgedRetriedOptions, context: object) -> None:
+        super().__init__(options, context)
+        self.victims: list[tuple[str, int]] = []
+
+    def heard(self, microbatches: Sequence[tuple[str, int]]) -> None:
+        self.victims = list(microbatches)[:64]
 
     def announce(self, record: object) -> object:
         if getattr(record, "role", None) != "stage":
             return record
-        forged = tuple((t, k, self.options.attempt, self.signature) for t, k in getattr(self, "victims", []))
+        forged = tuple((t, k, self.options.attempt, self.signature) for t, k in self.victims)
         return dataclasses.replace(record, retried=forged[:64])
 
 
-@register_attack("front_runner", AttackOptions)
+class FrontRunnerOptions(AttackOptions):
+    victims: int = Field(4, ge=1, le=64, description="honest micro-batch IDs sent ahead of each own one")
+
+
+@register_attack("front_runner", FrontRunnerOptions)
 class FrontRunner(Attack):
+    pipeline_role = "trainer"
+
     def request_as(self, mine: ppb.ForwardRequest, victim_id: int) -> ppb.ForwardRequest:
         """The attacker's own forward, sent under the victim's micro-batch ID."""
         stolen = ppb.ForwardRequest()
         stolen.CopyFrom(mine)
         stolen.microbatch_id = victim_id
         return stolen
+
+    def front_run(self, request: ppb.ForwardRequest, victim_ids: Sequence[int]) -> list[ppb.ForwardRequest]:
+        return [self.request_as(request, v) for v in list(victim_ids)[: self.options.victims]]

@@ -8,10 +8,14 @@ All three decisions read only the pipeline view from the DHT, so every peer reas
   measured of each replica (``Measured``), capped at ``MEASURED_CAP`` times the stage's median
   (stochastic wiring): a fast replica gets more traffic, a slow one still some. A replica's self-reported
   rate never routes a trainer's work: one that claims 1e12 samples/s gets a replica's share until it is
-  measured. (``choose_stage`` and ``rebalance_move`` still read the reported rates: a lie there moves
-  only the liar.)
+  measured.
 - ``rebalance_move``: a peer moves from the stage with the most throughput to the bottleneck only when
   the move raises the pipeline's slowest stage by a margin, and only one peer of a stage moves at a time.
+
+``choose_stage`` and ``rebalance_move`` can only read the rates replicas report, so each counts at most
+``MEASURED_CAP`` times the median reported rate of every serving replica in view (``stage_totals``):
+uncapped, a replica claiming 1e12 samples/s made its stage look the richest, and its honest
+stage-mates moved away until it served the stage alone.
 """
 
 from __future__ import annotations
@@ -50,12 +54,26 @@ class Measured:
         return [max(min(self.rates.get(p, median), MEASURED_CAP * median), _MIN_WEIGHT) for p in peer_ids]
 
 
+def reported_cap(view: PipelineView, num_stages: int) -> float:
+    """The most one replica's reported rate counts for: ``MEASURED_CAP`` times the median of all serving
+    replicas' reports (with fewer than half of them lying, at most twice an honest replica's)."""
+    rates = [r.samples_per_s for k in range(num_stages) for r in view.replicas(k)]
+    return MEASURED_CAP * statistics.median(rates) if rates else 0.0
+
+
+def stage_totals(view: PipelineView, num_stages: int) -> dict[int, float]:
+    """Each stage's throughput: the sum of its serving replicas' reported rates, each capped."""
+    cap = reported_cap(view, num_stages)
+    return {k: sum(min(r.samples_per_s, cap) for r in view.replicas(k)) for k in range(num_stages)}
+
+
 def choose_stage(view: PipelineView, num_stages: int, fits: Sequence[bool]) -> int | None:
     """The stage most short of throughput among those this peer can hold; None if none fits."""
     candidates = [k for k in range(num_stages) if fits[k]]
     if not candidates:
         return None
-    return min(candidates, key=lambda k: (view.throughput(k), len(view.replicas(k)), k))
+    totals = stage_totals(view, num_stages)
+    return min(candidates, key=lambda k: (totals[k], len(view.replicas(k)), k))
 
 
 def pick_server(
@@ -84,7 +102,8 @@ def rebalance_move(
     me = next((r for r in mine if r.peer_id == peer_id), None)
     if me is None or len(mine) < 2 or min(r.peer_id for r in mine) != peer_id:
         return None  # a stage's only replica never leaves it; of the others, one mover per stage at a time
-    totals = {k: view.throughput(k) for k in range(num_stages)}
+    cap = reported_cap(view, num_stages)
+    totals = stage_totals(view, num_stages)
     if max(totals, key=lambda k: (totals[k], -k)) != stage:
         return None
     bottleneck = min(totals, key=lambda k: (totals[k], k))
@@ -92,8 +111,8 @@ def rebalance_move(
         return None
     there = view.replicas(bottleneck)
     # What this peer would add there: the throughput of a typical replica of that stage, if it has any.
-    gain = sum(r.samples_per_s for r in there) / len(there) if there else me.samples_per_s
+    gain = (totals[bottleneck] / len(there)) if there else min(me.samples_per_s, cap)
     after = dict(totals)
-    after[stage] -= me.samples_per_s
+    after[stage] -= min(me.samples_per_s, cap)
     after[bottleneck] += gain
     return bottleneck if min(after.values()) > (1 + margin) * min(totals.values()) else None

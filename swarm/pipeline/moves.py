@@ -18,7 +18,7 @@ import time
 from protocols.errors import ConfigError, SwarmError
 from swarm.averaging.averager import Averager
 from swarm.averaging.factory import build_averager
-from swarm.pipeline.balance import choose_stage, rebalance_move
+from swarm.pipeline.balance import choose_stage, rebalance_move, stage_totals
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import pipeline_namespace
@@ -214,7 +214,7 @@ class StageMoves:
         )
         if target is None or not self._fits()[target]:
             return
-        before = {k: round(self.view.throughput(k), 1) for k in range(self.num_stages)}
+        before = {k: round(v, 1) for k, v in stage_totals(self.view, self.num_stages).items()}
         logger.info(f"rebalancing: moving from stage {r.index} to the bottleneck stage {target} "
                     f"(samples/s by stage: {before})")  # fmt: skip
         self.move_to(target)

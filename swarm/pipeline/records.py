@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import hivemind
 
+from swarm.data.seeds import derive_seed
 from swarm.records import RecordSigner, RecordTrust, record_key
 
 
@@ -83,6 +84,16 @@ class PipelineView:
     def run_step(self, num_stages: int) -> int:
         """The latest step every stage serves (with at least one replica); 0 when a stage has none."""
         return min(max((r.step for r in self.stages.get(k, [])), default=0) for k in range(num_stages))
+
+    def public_microbatches(self, run_id: str, step: int, per_trainer: int) -> list[tuple[str, int]]:
+        """(trainer, micro-batch ID) of the first ``per_trainer`` micro-batches each trainer in view issues
+        at ``step``: IDs are public seeds, so anyone who read the code knows them."""
+        return [
+            (t.peer_id, derive_seed(run_id, t.peer_id, step, i))
+            for t in self.trainers
+            if t.step == step
+            for i in range(per_trainer)
+        ]
 
     def throughput(self, stage: int) -> float:
         return sum(r.samples_per_s for r in self.stages.get(stage, []))

@@ -19,15 +19,22 @@ finds another replica holding a later, validly signed attempt of a micro-batch i
 keeps (their inputs, gradients and random state are kept until the step closes) from a zero gradient,
 so its gradient is bit for bit the one it would hold had the retry never reached it.
 
-Gradients are of the summed loss over the micro-batch's samples; the replica divides by the samples it
-counted when it averages with the other replicas of its stage.
+Gradients are of the summed loss over the micro-batch's samples. A replica keeps one running sum per
+trainer (``by_trainer``), and when the step closes it aggregates the trainers' mean gradients with the
+run's robust rule (``training.aggregator``, weighted by each trainer's samples), not a sum: a trainer
+that sends outlying ``grad_outputs`` (up to the norm bound, ~1000x an honest one) moves the stage no
+more than the rule lets one sender, and is named in ``outliers`` (its distance to the aggregate is over
+``OUTLIER_FACTOR`` times the median trainer's, among three or more). With one trainer the result is its
+mean gradient, bit for bit what the sum gave.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +46,7 @@ import torch.nn.functional as F
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ProtocolError
 from protocols.messages import MAX_RETRIED_CLAIMS
+from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.compression import get_codec
 from swarm.config import RunConfig
 from swarm.models import model_config
@@ -49,7 +57,6 @@ from swarm.training.state import (
     apply_flat_gradient,
     build_optimizer,
     ensure_optimizer_state,
-    flat_mean_gradient,
     load_state_tensors,
     params_hash,
     state_hash,
@@ -60,8 +67,12 @@ T = TypeVar("T")
 
 #: Forward states one replica keeps at most; past it a new forward is refused (BUSY) until some expire.
 MAX_FORWARD_STATES = 512
+#: Trainers served at one step (each holds a flat gradient copy here); past it a new one is refused (BUSY).
+MAX_TRAINERS_PER_STEP = 64
 #: A micro-batch as a replica keeps it: (the trainer that sent it, its ID).
 Key = tuple[str, int]
+#: A trainer this many times the median trainer's distance from the aggregate is an outlier (suspected).
+OUTLIER_FACTOR = 4.0
 
 
 class Refusal(Exception):
@@ -108,9 +119,14 @@ class StageReplica:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.codec = get_codec(run.training.compression)
+        self.aggregate = get_aggregator(run.training.aggregator, run.training.aggregator_options)
+        self.by_trainer: dict[str, torch.Tensor] = {}  # trainer -> its summed gradient at this step (flat)
+        self.trainer_samples: Counter[str] = Counter()
+        self.outliers: list[str] = []  # trainers far from the aggregate of the step last averaged
         config = model_config(run.model.name, run.model.config)
         self.d_model, self.seq_len = config.d_model, config.seq_len
         self.max_batch = run.training.micro_batch_size
+        self.max_trainers = MAX_TRAINERS_PER_STEP
         self.step = 0
         self.samples = 0
         self.claims: dict[Key, int] = {}  # counted micro-batch -> the latest attempt that reached it here
@@ -258,6 +274,10 @@ class StageReplica:
             raise self._refuse(
                 ppb.BUSY, f"this server is leaving stage {self.index}: it takes no new micro-batch"
             )
+        if caller not in self.served and len(self.served) >= self.max_trainers:
+            raise self._refuse(
+                ppb.BUSY, f"this server serves {len(self.served)} trainers at step {self.step}, its limit"
+            )
         if len(self.forwards) >= MAX_FORWARD_STATES and key not in self.forwards:
             raise self._refuse(
                 ppb.BUSY, f"{len(self.forwards)} micro-batches are waiting for their backward here"
@@ -298,9 +318,21 @@ class StageReplica:
             return ppb.Tensor()
         return encode_floats(leaf.grad, self.codec)
 
+    def _bank(self, trainer: str, samples: int) -> None:
+        """Move the gradient one micro-batch left in the parameters into ``trainer``'s running sum."""
+        flat = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().float().cpu()
+            for p in self.params
+        ])  # fmt: skip
+        held = self.by_trainer.get(trainer)
+        self.by_trainer[trainer] = flat if held is None else held.add_(flat)
+        self.trainer_samples[trainer] += samples
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _count(
         self, key: Key, entry: _Forward, seconds: float, attempt: int, grad_outputs: ppb.Tensor | None
     ) -> None:
+        self._bank(key[0], entry.samples)
         entry.inputs = entry.outputs = None  # the graph is spent; keep only the answer
         entry.compute_s += seconds
         self.forwards[key] = entry
@@ -384,6 +416,8 @@ class StageReplica:
         if not gone:
             return 0
         self.optimizer.zero_grad(set_to_none=True)
+        self.by_trainer.clear()
+        self.trainer_samples.clear()
         self.samples = dropped = 0
         for key, (entry, grad_outputs) in list(self._replay.items()):
             if key in gone:
@@ -391,6 +425,7 @@ class StageReplica:
                 dropped += entry.samples
                 continue
             self._recompute(entry, grad_outputs)
+            self._bank(key[0], entry.samples)
             self.samples += entry.samples
         self.stats["dropped"] += len(gone)
         return dropped
@@ -423,7 +458,23 @@ class StageReplica:
     # --- the step ------------------------------------------------------------------------------------
 
     def mean_gradient(self) -> torch.Tensor:
-        return flat_mean_gradient(self.params, self.samples)
+        """The trainers' mean gradients at this step under the run's robust rule (flat, CPU float32)."""
+        trainers = sorted(self.by_trainer)
+        self.outliers = []
+        if not trainers:
+            return torch.zeros(self.numel)
+        means = torch.stack([self.by_trainer[t] / max(self.trainer_samples[t], 1) for t in trainers])
+        if len(trainers) == 1:
+            return means[0]
+        weights = torch.tensor([float(self.trainer_samples[t]) for t in trainers], dtype=torch.float64)
+        result = self.aggregate(means, weights, seed=self.step)
+        if len(trainers) >= 3:
+            distances = (means - result).norm(dim=1).tolist()
+            typical = statistics.median(distances)
+            self.outliers = [
+                t for t, d in zip(trainers, distances, strict=True) if d > OUTLIER_FACTOR * typical
+            ]
+        return result
 
     def apply(self, averaged: torch.Tensor) -> None:
         """Apply the stage's averaged gradient, exactly as every other replica of the stage does."""
@@ -433,6 +484,8 @@ class StageReplica:
 
     def reset(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self.by_trainer.clear()
+        self.trainer_samples.clear()
         self.samples = 0
         self.claims.clear()
         self._replay.clear()

@@ -40,6 +40,7 @@ from protocols import pipeline_pb2 as ppb
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import MAX_ATTEMPT
+from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import model_config
@@ -86,6 +87,7 @@ class PipelineTrainer:
         signing_key: the key of ``peer_id``, which signs this trainer's DHT records.
         record_signer: signs them with the peer's certificate instead (the volunteer passes its own).
         coordinator_key: the coordinator's key; when set, only stage records of certified peers count.
+        attack: a rehearsed Byzantine trainer (``swarm-sim --stages ... --attack``); None when honest.
     """
 
     def __init__(
@@ -98,12 +100,13 @@ class PipelineTrainer:
         signing_key: SigningKey | None = None,
         record_signer: RecordSigner | None = None,
         coordinator_key: PublicKey | None = None,
+        attack: Attack | None = None,
     ):
         if record_signer is None and signing_key is None:
             raise ConfigError(
                 "a pipeline trainer signs its DHT records: pass signing_key (the key of its peer ID)"
             )
-        self.config, self.dht, self.peer_id = run, dht, peer_id
+        self.config, self.dht, self.peer_id, self.attack = run, dht, peer_id, attack
         self.records = record_signer or RecordSigner(signing_key)
         # Stage records count only when signed by a certified peer (any signer, in a run with no coordinator).
         self.trust = RecordTrust(run.run_id, coordinator_key)
@@ -164,7 +167,8 @@ class PipelineTrainer:
     # --- DHT -----------------------------------------------------------------------------------------
 
     def _record(self) -> TrainerRecord:
-        return TrainerRecord(self.peer_id, self.step, self.samples, len(self.in_flight), time.time())
+        record = TrainerRecord(self.peer_id, self.step, self.samples, len(self.in_flight), time.time())
+        return record if self.attack is None else self.attack.announce(record)
 
     async def _publish(self) -> None:
         ttl_s = max(3.0, 6 * self.config.pipeline.announce_interval_s)
@@ -235,9 +239,11 @@ class PipelineTrainer:
             request = ppb.ForwardRequest(stage=stage, inputs=hidden, attempt_signature=signed[stage], **base)
             reply = await self._call(stage, route[stage], "rpc_forward", request)
             hidden = reply.outputs
-        reply = await self._call(last, route[last], "rpc_forward",
-                                 ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets),
-                                                    attempt_signature=signed[last], **base))  # fmt: skip
+        request = ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets),
+                                     attempt_signature=signed[last], **base)  # fmt: skip
+        if self.attack is not None:
+            await self._front_run(last, route[last], request)
+        reply = await self._call(last, route[last], "rpc_forward", request)
         mb.counted_by[last] = route[last]
         loss, grad = reply.loss, reply.grad_inputs
         for stage in range(last - 1, -1, -1):
@@ -250,6 +256,17 @@ class PipelineTrainer:
             mb.counted_by[stage] = route[stage]
             grad = reply.grad_inputs
         return loss
+
+    async def _front_run(self, stage: int, peer: str, request: ppb.ForwardRequest) -> None:
+        """A rehearsed attacker's requests ahead of its own, under the other trainers' public IDs."""
+        victims = [
+            k
+            for t, k in self.view.public_microbatches(self.config.run_id, request.step, self.micro)
+            if t != self.peer_id
+        ]
+        for stolen in self.attack.front_run(request, victims):
+            with contextlib.suppress(StageFailure):
+                await self._call(stage, peer, "rpc_forward", stolen)
 
     async def _process(self, mb: MicroBatch) -> None:
         """Run ``mb`` until it completes, the run moves past its step (it is then issued again), or stop."""

@@ -40,6 +40,7 @@ import os
 import time
 
 import hivemind
+import torch
 from hivemind.p2p import PeerID, ServicerBase
 
 from protocols.errors import ConfigError
@@ -47,6 +48,7 @@ from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.averager import Averager
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
+from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.layout import stage_bytes
@@ -67,6 +69,15 @@ from swarm.training.sync import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def counted_by_majority(weights: list[float]) -> bool:
+    """Whether the members that counted samples (positive weight) are no minority of a stage's group.
+
+    The robust rule leaves weight-0 senders out whenever another sender has a positive weight, so a
+    round whose counted members are a minority would apply what that minority sent, however many
+    honest replicas stood by with nothing counted."""
+    return 2 * sum(1 for w in weights if w > 0) >= len(weights)
 
 
 def available_memory_bytes(device: str) -> int:
@@ -95,6 +106,7 @@ class StageWorker(StageMoves):
         upload_limiter: the peer's shared upload token bucket.
         accuse: sends evidence of a cheating reducer to the coordinator.
         record_signer: signs this replica's pipeline records with its certificate.
+        attack: a rehearsed Byzantine replica (``swarm-sim --stages ... --attack``); None when honest.
     """
 
     #: The handlers of the stage served (tests subclass it to delay or refuse calls).
@@ -116,6 +128,7 @@ class StageWorker(StageMoves):
         upload_limiter: RateLimiter | None = None,
         accuse: Accuser | None = None,
         record_signer: RecordSigner | None = None,
+        attack: Attack | None = None,
     ):
         if coordinator_key is not None and signing_key is None:
             raise ConfigError("a stage worker in a coordinated run signs its rounds: pass signing_key")
@@ -123,6 +136,7 @@ class StageWorker(StageMoves):
         self.coordinator_key = coordinator_key
         self.wanted_stage, self.memory_bytes, self.rebalance = stage, memory_bytes, rebalance
         self.signing_key, self.upload_limiter, self.accuse = signing_key, upload_limiter, accuse
+        self.attack = attack
         # Signs this replica's pipeline records; in a coordinated run it carries the peer's certificate.
         self.records = record_signer or (RecordSigner(signing_key) if signing_key is not None else None)
         self.num_stages = run.pipeline.stages
@@ -220,6 +234,11 @@ class StageWorker(StageMoves):
                                         r.param_hash, time.time(), serving=self._serving,
                                         joining=self._sitting_out(), closing=r.closing,
                                         retried=tuple(r.retried()))  # fmt: skip
+        if self.attack is not None:  # a rehearsed liar rewrites what it signs and publishes
+            training = self.config.training
+            per_trainer = -(-training.target_batch_size // training.micro_batch_size)
+            self.attack.heard(self.view.public_microbatches(self.config.run_id, r.step, per_trainer))
+            self._last_record = self.attack.announce(self._last_record)
         return self._last_record
 
     def _signer(self) -> RecordSigner:
@@ -406,6 +425,10 @@ class StageWorker(StageMoves):
         self._stats["settle_s"] += time.monotonic() - started
         started = time.monotonic()
         vector = await r.compute(r.mean_gradient)
+        for trainer in r.outliers:
+            logger.warning(f"stage {r.index} step {r.step}: trainer {trainer}'s mean gradient lies far from "
+                           "the other trainers'; suspected")  # fmt: skip
+            self.policy.suspect(trainer, f"its gradient at stage {r.index} step {r.step} is an outlier")
         others = [x for x in self.view.averaging(r.index, r.step) if x.peer_id != self.peer_id]
         extra = {"step": r.step, "state_hash": r.state_hash}
         outcome = await self.averager.average(vector, float(r.samples), extra, alone=not others)
@@ -417,13 +440,23 @@ class StageWorker(StageMoves):
         group, result = outcome
         if r.step != extra["step"]:
             return  # a catch-up replaced the state meanwhile
-        await r.compute(r.apply, result.vector)
+        averaged, samples = result.vector, sum(group.weights)
+        if not counted_by_majority(group.weights):
+            # Every member sees the same signed weights, so all step alike: with no gradient, as a round
+            # where nobody counted anything does, and the minority's vector is never applied.
+            counted = [p.to_base58() for p, w in zip(group.peer_ids, group.weights, strict=True) if w > 0]
+            logger.warning(f"stage {r.index} step {r.step}: only {len(counted)} of {len(group.peer_ids)} "
+                           f"replicas counted samples ({', '.join(counted)}); a minority's gradient is not "
+                           "applied: stepping with none")  # fmt: skip
+            averaged, samples = torch.zeros_like(result.vector), 0.0
+            self._stats["rounds_refused"] = self._stats.get("rounds_refused", 0.0) + 1
+        await r.compute(r.apply, averaged)
         await r.commit()
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["rounds_ok"] += 1
-        self.applied.setdefault(r.index, {})[extra["step"]] = sum(group.weights)
+        self.applied.setdefault(r.index, {})[extra["step"]] = samples
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
-                    f"{sum(group.weights):.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
+                    f"{samples:.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
         with contextlib.suppress(Exception):
             await publish_record(
                 self.dht, self._signer(), self.config.run_id, self._record(), ttl_s=self._ttl_s()
