@@ -6,6 +6,7 @@
 - ``suspicions``: which peers others avoid for breaking their rounds, as their heartbeats report it
 - ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status, accusations
 - ``limits``: ``ServiceLimits``, per-caller and global limits on challenges, accusations and evidence
+- ``datadir``: the data dir's file names and ``DataDirLock``, which gives a data dir to one live coordinator
 - ``node``: ``CoordinatorNode``, which runs the DHT bootstrap peer, the service and the liveness sweep
 - ``metrics``: the run as the dashboard sees it (``/api/status`` JSON, Prometheus text, wandb/tensorboard)
 - ``dashboard``: the web dashboard (aiohttp): the page in ``static/``, ``/api/status``, ``/metrics``
@@ -13,5 +14,3 @@
 - ``dialback``: the DialBack RPC with which ``swarm-peer doctor`` learns whether peers can reach it
 - ``cli``: the ``swarm-coordinator`` entry point (start, status, ban, unban)
 """
-
-import swarm.hivemind_import  # noqa: F401  (first hivemind import: see its docstring)

@@ -17,6 +17,8 @@ finds it.
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import logging
 from collections.abc import Awaitable

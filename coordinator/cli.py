@@ -19,7 +19,6 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.config import CoordinatorConfig
-from coordinator.node import STORE_FILE, CoordinatorNode
 from coordinator.store import ban_sync, unban_sync
 from protocols import coordinator_pb2 as pb
 from protocols.errors import ConfigError, ProtocolError, SwarmError
@@ -53,6 +52,10 @@ class BanConfig(BaseModel):
 
 
 async def _start(config: CoordinatorConfig) -> None:
+    # Imported here, not at the top: the node pulls in hivemind and torch (seconds), which `--help`,
+    # `status` and a mistyped flag should not wait for.
+    from coordinator.node import CoordinatorNode
+
     run = RunConfig.from_toml(config.config) if config.config else RunConfig.demo()
     stop = runtime.stop_event_on_signals()
     node = CoordinatorNode(config, run)
@@ -118,6 +121,8 @@ def format_status(status: dict) -> str:
 
 
 def _ban(config: BanConfig, *, unban: bool) -> str:
+    from coordinator.node import STORE_FILE
+
     try:
         PublicKey.from_peer_id(config.peer_id)
     except ProtocolError as e:

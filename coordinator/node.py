@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import contextlib
 import ipaddress
@@ -25,6 +27,7 @@ import grpc
 from coordinator.checkpoints import CheckpointKeeper
 from coordinator.config import CoordinatorConfig
 from coordinator.dashboard import Dashboard
+from coordinator.datadir import STORE_FILE, DataDirLock
 from coordinator.dialback import DialBackService
 from coordinator.limits import ServiceLimits
 from coordinator.metrics import MetricsLogger, history_point, run_snapshot
@@ -41,7 +44,6 @@ from swarm.rpc import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-STORE_FILE = "coordinator.db"
 ENDPOINT_FILE = "endpoint.json"
 SOCKET_FILE = "coordinator.sock"
 
@@ -74,6 +76,7 @@ class CoordinatorNode:
         self.dht_initial_peers: list[str] = []
         self._dht = None
         self._store: Store | None = None
+        self._lock: DataDirLock | None = None
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task | None = None
         self._checkpoints: asyncio.Task | None = None
@@ -86,6 +89,16 @@ class CoordinatorNode:
         config, run = self.config, self.run
         data_dir = config.data_path
         await asyncio.to_thread(check_components, run)
+        self._lock = DataDirLock.acquire(data_dir)
+        try:
+            await self._start(config, run, data_dir)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            raise
+
+    async def _start(self, config: CoordinatorConfig, run: RunConfig, data_dir: Path) -> None:
         key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
         self.coordinator_peer_id = key.peer_id
         if run.coordinator_key is not None and run.coordinator_key != key.peer_id:
@@ -125,7 +138,9 @@ class CoordinatorNode:
                 run, key, self._store, self.dht_initial_peers, self.limits,
                 holds_checkpoint=lambda: keeper.latest is not None or bool(keeper.stages),
             )  # fmt: skip
-            self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
+            # would split the clients between the two.
+            self._server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
             self._server.add_generic_rpc_handlers(
                 (service.generic_handler(), DialBackService().generic_handler())
             )
@@ -275,3 +290,6 @@ class CoordinatorNode:
         for path in (self.config.data_path / ENDPOINT_FILE, self.socket_path):
             with contextlib.suppress(OSError):
                 path.unlink()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

@@ -9,6 +9,8 @@ accusation's evidence is read in full, under a deadline, before it waits for the
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import functools
 import hashlib
