@@ -9,6 +9,8 @@ Examples::
 
 from __future__ import annotations
 
+import swarm.procenv  # noqa: F401  # isort: skip  (before grpc loads: see its docstring)
+
 import argparse
 import asyncio
 import json
@@ -16,9 +18,10 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coordinator.config import CoordinatorConfig
+from coordinator.datadir import STORE_FILE
 from coordinator.store import ban_sync, unban_sync
 from protocols import coordinator_pb2 as pb
 from protocols.errors import ConfigError, ProtocolError, SwarmError
@@ -26,7 +29,7 @@ from protocols.keys import PublicKey
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
 from swarm.config import RunConfig
-from swarm.coordinator_client import CoordinatorClient
+from swarm.coordinator_client import CoordinatorClient, parse_address
 
 
 class StatusConfig(BaseModel):
@@ -39,6 +42,16 @@ class StatusConfig(BaseModel):
         False, description="print machine-readable JSON", json_schema_extra={"cli_flag": "--json"}
     )
     timeout_s: float = Field(10.0, gt=0, le=300, description="give up after this many seconds")
+
+    @field_validator("coordinator")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        if not address.startswith("unix:/"):
+            try:
+                parse_address(address)
+            except SwarmError as e:
+                raise ValueError(str(e)) from None
+        return address
 
 
 class BanConfig(BaseModel):
@@ -114,15 +127,16 @@ def format_status(status: dict) -> str:
         extra = f"  ({p['ban_reason']})" if p["ban_reason"] else ""
         extra += "  DIVERGED" if p.get("diverged") else ""
         step = f"step {p.get('step', 0)}"
+        # The hash's first 12 hex digits tell peers on different parameters apart at a glance.
+        params = f"params {p['param_hash'][:12]}" if p.get("param_hash") else "params -"
         lines.append(
-            f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:20]:20} {step:10} {seen}{extra}"
+            f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:20]:20} {step:10} {params:19} "
+            f"{seen}{extra}"
         )
     return "\n".join(lines)
 
 
 def _ban(config: BanConfig, *, unban: bool) -> str:
-    from coordinator.node import STORE_FILE
-
     try:
         PublicKey.from_peer_id(config.peer_id)
     except ProtocolError as e:

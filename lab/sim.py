@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import swarm.procenv  # noqa: F401  # isort: skip  (before grpc loads: see its docstring)
+
 import argparse
 import signal
 import sys

@@ -27,12 +27,13 @@ from peer.device import describe_device, resolve_device
 from peer.limits import apply_gpu_memory_limit, upload_limiter
 from peer.panel import Panel
 from peer.reachability import learn_dialable
-from peer.trust import KnownCoordinators
+from peer.trust import KnownCoordinators, key_mismatch_fix
 from protocols.certificates import PeerCertificate
 from protocols.errors import (
     AdmissionDenied,
     Banned,
     ConfigError,
+    CoordinatorKeyMismatch,
     NetworkError,
     ProtocolError,
     ReplayError,
@@ -137,6 +138,11 @@ class Volunteer:
                     coordinator_key=self._expected_coordinator_key(run_id),
                 )
                 break
+            except CoordinatorKeyMismatch as e:
+                pinned_by = "--coordinator-key" if config.coordinator_key else str(self.known.path)
+                raise CoordinatorKeyMismatch(
+                    f"{e}; {key_mismatch_fix(run_id, e.offered, pinned_by)}", offered=e.offered
+                ) from None
             except NetworkError as e:
                 if time.monotonic() + delay > deadline:
                     raise NetworkError(f"could not join within {config.join_timeout_s:.0f}s: {e}") from None

@@ -56,6 +56,14 @@ class CertificateError(SecurityError):
     """A certificate is forged, expired, or issued for another run or peer."""
 
 
+class CoordinatorKeyMismatch(SecurityError):
+    """The coordinator presents another key than the one this peer pinned for the run."""
+
+    def __init__(self, message: str, offered: str = ""):
+        super().__init__(message)
+        self.offered = offered  # the peer ID of the key it presents
+
+
 class ReplayError(SecurityError):
     """A message was already used, or is too old or too far in the future to be accepted."""
 

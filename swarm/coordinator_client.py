@@ -22,7 +22,7 @@ import grpc
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import PeerCertificate, verify_certificate
 from protocols.envelope import open_envelope, seal
-from protocols.errors import ProtocolError, SecurityError, SwarmError
+from protocols.errors import CoordinatorKeyMismatch, ProtocolError, SecurityError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import (
     ACCUSE,
@@ -138,9 +138,10 @@ class CoordinatorClient:
         challenge = await self.challenge(run_id)
         offered = PublicKey(challenge.coordinator_public_key)
         if coordinator_key is not None and offered != coordinator_key:
-            raise SecurityError(
+            raise CoordinatorKeyMismatch(
                 f"coordinator at {self.address} presents key {offered.peer_id}, "
-                f"but this run's coordinator is {coordinator_key.peer_id}; refusing to join"
+                f"but this run's coordinator is pinned as {coordinator_key.peer_id}; refusing to join",
+                offered=offered.peer_id,
             )
         proof = token_proof(join_token, challenge.challenge, key.public_key.raw) if join_token else b""
         body = {
