@@ -10,6 +10,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.dialback import DialBackService, caller_host
+from coordinator.dialback import MAX_QUEUED, MIN_INTERVAL_S, DialBackService, caller_host
 from lab.localswarm import free_port, running_coordinator, tiny_run
 from protocols import coordinator_pb2 as pb
 from protocols.errors import NetworkError, ProtocolError
@@ -142,8 +143,17 @@ def test_dial_back_reports_closed_ports_and_refuses_abuse():
         )
         assert answer.address == "127.0.0.1"
         assert not answer.results[0].reachable and "refused" in answer.results[0].detail.lower()
-        with pytest.raises(NetworkError, match="less than"):
-            await service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), "ipv4:127.0.0.1:5001")
+        # Callers behind one address that come together wait for their slots, one dial every
+        # MIN_INTERVAL_S; a burst past MAX_QUEUED slots is refused.
+        started = time.monotonic()
+        calls = [
+            service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), f"ipv4:127.0.0.1:{5001 + i}")
+            for i in range(MAX_QUEUED + 1)
+        ]
+        *queued, refused = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(a, pb.DialBackResponse) and a.address == "127.0.0.1" for a in queued), queued
+        assert isinstance(refused, NetworkError) and "already due" in str(refused)
+        assert time.monotonic() - started >= MAX_QUEUED * MIN_INTERVAL_S - 0.1
         with pytest.raises(ProtocolError, match="1 to 4 ports"):
             await service.dial_back(
                 pb.DialBackRequest(header=header, ports=[1, 2, 3, 4, 5]), "ipv4:10.0.0.1:1"
