@@ -51,6 +51,7 @@ from swarm.training.state import (
     state_tensors,
 )
 from swarm.training.sync import (
+    NOT_SEEN_YET,
     EncodedState,
     StateServicer,
     download_limit,
@@ -111,7 +112,7 @@ class CheckpointKeeper:
 
     async def _admit(self, requester: str) -> str | None:
         if requester in self.banned or requester not in self.view:
-            return f"{requester} has no valid signed progress record in run {self.run.run_id!r}"
+            return f"{requester} {NOT_SEEN_YET} in run {self.run.run_id!r}"
         return None
 
     async def _provide(self) -> EncodedState | None:
