@@ -53,6 +53,9 @@ def _host_port(host: str, port: int) -> str:
 
 
 BAN_LIST_INTERVAL_S = 2.0
+# The longest a running peer waits between attempts to reach a coordinator that was down (swarm-peer's
+# default --max-retry-interval-s), plus a few of its heartbeat intervals.
+RECONNECT_GRACE_S = 35.0
 # A banned peer's certificate is never renewed; once it has expired by this much (clock skew between
 # peers), no peer accepts it and the published list no longer needs to name it.
 BAN_CERT_GRACE_S = 600.0
@@ -209,10 +212,16 @@ class CoordinatorNode:
     async def _sweep_offline(self) -> None:
         membership = self.run.membership
         interval_s = min(1.0, membership.heartbeat_interval_s)
+        # After a restart the record still holds the peers seen before it, whose heartbeats stopped only
+        # because this node was down: they get until they can have reconnected before one is offline.
+        started = time.time()
         while True:
             await asyncio.sleep(interval_s)
             try:
-                for peer_id in await self._store.mark_offline(time.time() - membership.offline_after_s):
+                now = time.time()
+                seen_since = started if now - started < RECONNECT_GRACE_S else 0.0
+                silent_since = now - membership.offline_after_s
+                for peer_id in await self._store.mark_offline(silent_since, seen_since=seen_since):
                     logger.info(f"{peer_id} is offline: no heartbeat for {membership.offline_after_s:.0f}s")
             except Exception:
                 logger.exception("liveness sweep failed; retrying")
