@@ -73,3 +73,35 @@ def test_the_status_table_shows_each_peers_step_and_parameter_hash():
     rows = table.splitlines()[3:]
     assert "step 42" in rows[0] and "params ab12cd34ef56 " in rows[0]
     assert "params -" in rows[1], "a peer that reported no hash yet"
+
+
+FORK_PROBE = """
+import asyncio, os, sys
+import {module}  # the entry point, as its console script loads it
+import grpc
+
+async def main():
+    server = grpc.aio.server()
+    server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    for _ in range(3):  # as hivemind and torch do while gRPC's threads run
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    await server.stop(0)
+
+asyncio.run(main())
+print("forked")
+"""
+
+
+@pytest.mark.parametrize("module", ["peer.cli", "coordinator.cli", "lab.sim"])
+def test_forking_after_grpc_starts_prints_no_grpc_notice(module: str):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_PROBE.format(module=module)],
+        capture_output=True, text=True, timeout=90, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0 and "forked" in done.stdout, done.stderr
+    assert "fork_posix" not in done.stderr and "skipping fork() handlers" not in done.stderr, done.stderr
