@@ -18,7 +18,7 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.dialback import MAX_QUEUED, MIN_INTERVAL_S, DialBackService, caller_host
+from coordinator.dialback import BURST, MAX_QUEUED, MIN_INTERVAL_S, DialBackService, caller_host
 from lab.localswarm import free_port, running_coordinator, tiny_run
 from protocols import coordinator_pb2 as pb
 from protocols.errors import NetworkError, ProtocolError
@@ -143,17 +143,27 @@ def test_dial_back_reports_closed_ports_and_refuses_abuse():
         )
         assert answer.address == "127.0.0.1"
         assert not answer.results[0].reachable and "refused" in answer.results[0].detail.lower()
-        # Callers behind one address that come together wait for their slots, one dial every
-        # MIN_INTERVAL_S; a burst past MAX_QUEUED slots is refused.
+        # Callers behind one address that come together: BURST run at once (the first above was one),
+        # the next wait for their slots, one every MIN_INTERVAL_S, and a call past MAX_QUEUED is refused.
         started = time.monotonic()
         calls = [
             service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), f"ipv4:127.0.0.1:{5001 + i}")
-            for i in range(MAX_QUEUED + 1)
+            for i in range(BURST - 1 + MAX_QUEUED + 1)
         ]
-        *queued, refused = await asyncio.gather(*calls, return_exceptions=True)
-        assert all(isinstance(a, pb.DialBackResponse) and a.address == "127.0.0.1" for a in queued), queued
+        *answered, refused = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(a, pb.DialBackResponse) and a.address == "127.0.0.1" for a in answered), (
+            answered
+        )
         assert isinstance(refused, NetworkError) and "already due" in str(refused)
         assert time.monotonic() - started >= MAX_QUEUED * MIN_INTERVAL_S - 0.1
+        # Two peers of another address joining together are both checked at once.
+        started = time.monotonic()
+        pair = [
+            service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), f"ipv4:127.0.0.2:{6000 + i}")
+            for i in range(BURST)
+        ]
+        assert all(isinstance(a, pb.DialBackResponse) for a in await asyncio.gather(*pair))
+        assert time.monotonic() - started < MIN_INTERVAL_S
         with pytest.raises(ProtocolError, match="1 to 4 ports"):
             await service.dial_back(
                 pb.DialBackRequest(header=header, ports=[1, 2, 3, 4, 5]), "ipv4:10.0.0.1:1"
