@@ -8,6 +8,7 @@
 - ``limits``: ``ServiceLimits``, per-caller and global limits on challenges, accusations and evidence
 - ``accusations``: reading an accusation's evidence as it arrives, and judging it with the run's rule
 - ``banlist``: the bans in the store, and which of them the published ban list names first
+- ``datadir``: the data dir's file names and ``DataDirLock``, which gives a data dir to one live coordinator
 - ``node``: ``CoordinatorNode``, which runs the DHT bootstrap peer, the service and the liveness sweep
 - ``metrics``: the run as the dashboard sees it (``/api/status`` JSON, Prometheus text, wandb/tensorboard)
 - ``dashboard``: the web dashboard (aiohttp): the page in ``static/``, ``/api/status``, ``/metrics``
@@ -15,5 +16,3 @@
 - ``dialback``: the DialBack RPC with which ``swarm-peer doctor`` learns whether peers can reach it
 - ``cli``: the ``swarm-coordinator`` entry point (start, status, ban, unban)
 """
-
-import swarm.hivemind_import  # noqa: F401  (first hivemind import: see its docstring)

@@ -19,6 +19,8 @@ finds it.
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import logging
 import time
@@ -54,6 +56,7 @@ from swarm.training.state import (
     state_tensors,
 )
 from swarm.training.sync import (
+    NOT_SEEN_YET,
     EncodedState,
     StateServicer,
     download_limit,
@@ -173,7 +176,7 @@ class CheckpointKeeper:
 
     async def _admit(self, requester: str) -> str | None:
         if requester in self.banned or requester not in self.view:
-            return f"{requester} has no valid signed progress record in run {self.run.run_id!r}"
+            return f"{requester} {NOT_SEEN_YET} in run {self.run.run_id!r}"
         return None
 
     async def _provide(self) -> EncodedState | None:

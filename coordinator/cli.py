@@ -9,6 +9,8 @@ Examples::
 
 from __future__ import annotations
 
+import swarm.procenv  # noqa: F401  # isort: skip  (before grpc loads: see its docstring)
+
 import argparse
 import asyncio
 import json
@@ -16,10 +18,10 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coordinator.config import CoordinatorConfig
-from coordinator.node import STORE_FILE, CoordinatorNode
+from coordinator.datadir import STORE_FILE
 from coordinator.store import ban_sync, unban_sync
 from protocols import coordinator_pb2 as pb
 from protocols.errors import ConfigError, ProtocolError, SwarmError
@@ -27,7 +29,7 @@ from protocols.keys import PublicKey
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
 from swarm.config import RunConfig
-from swarm.coordinator_client import CoordinatorClient
+from swarm.coordinator_client import CoordinatorClient, parse_address
 
 
 class StatusConfig(BaseModel):
@@ -41,6 +43,16 @@ class StatusConfig(BaseModel):
     )
     timeout_s: float = Field(10.0, gt=0, le=300, description="give up after this many seconds")
 
+    @field_validator("coordinator")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        if not address.startswith("unix:/"):
+            try:
+                parse_address(address)
+            except SwarmError as e:
+                raise ValueError(str(e)) from None
+        return address
+
 
 class BanConfig(BaseModel):
     """Settings of ``swarm-coordinator ban`` and ``unban``."""
@@ -53,6 +65,10 @@ class BanConfig(BaseModel):
 
 
 async def _start(config: CoordinatorConfig) -> None:
+    # Imported here, not at the top: the node pulls in hivemind and torch (seconds), which `--help`,
+    # `status` and a mistyped flag should not wait for.
+    from coordinator.node import CoordinatorNode
+
     run = RunConfig.from_toml(config.config) if config.config else RunConfig.demo()
     stop = runtime.stop_event_on_signals()
     node = CoordinatorNode(config, run)
@@ -68,7 +84,7 @@ async def _start(config: CoordinatorConfig) -> None:
 
 async def _fetch_status(config: StatusConfig) -> dict:
     async with CoordinatorClient(config.coordinator, timeout_s=config.timeout_s) as client:
-        return status_to_dict(await client.status())
+        return status_to_dict(await client.full_status())
 
 
 def status_to_dict(status: pb.StatusResponse) -> dict:
@@ -79,6 +95,7 @@ def status_to_dict(status: pb.StatusResponse) -> dict:
         "coordinator_peer_id": status.coordinator_peer_id,
         "dht_initial_peers": list(status.dht_initial_peers),
         "server_time": status.server_time,
+        "total_peers": status.total_peers,
         "max_steps": status.max_steps or None,
         "checkpoint_step": status.checkpoint_step or None,
         "finished_step": status.finished_step or None,
@@ -110,12 +127,17 @@ def run_progress(status: dict) -> str:
     return f"newest checkpoint: step {status.get('checkpoint_step') or 'none'}{limit}"
 
 
+def _more_pages(status: dict) -> str:
+    total = status.get("total_peers") or 0
+    return f" of {total}" if total > len(status["peers"]) else ""
+
+
 def format_status(status: dict) -> str:
     lines = [
         f"run {status['run_id']!r}  coordinator {status['coordinator_peer_id']}",
         f"DHT initial peers: {' '.join(status['dht_initial_peers'])}",
         run_progress(status),
-        f"{len(status['peers'])} peers:",
+        f"{len(status['peers'])} peers" + _more_pages(status) + ":",
     ]
     now = status["server_time"]
     for p in status["peers"]:
@@ -123,8 +145,11 @@ def format_status(status: dict) -> str:
         extra = f"  ({p['ban_reason']})" if p["ban_reason"] else ""
         extra += "  DIVERGED" if p.get("diverged") else ""
         step = f"step {p.get('step', 0)}"
+        # The hash's first 12 hex digits tell peers on different parameters apart at a glance.
+        params = f"params {p['param_hash'][:12]}" if p.get("param_hash") else "params -"
         lines.append(
-            f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:20]:20} {step:10} {seen}{extra}"
+            f"  {p['peer_id']}  {p['name'][:20]:20}  {p['state']:8} {p['device'][:20]:20} {step:10} {params:19} "
+            f"{seen}{extra}"
         )
     return "\n".join(lines)
 

@@ -2,8 +2,10 @@
 
 ``swarm-peer doctor`` listens on the ports the peer will use and calls ``DialBack``; the coordinator
 opens a plain TCP connection to the address the call came from (never any other address) on each
-port and reports what happened. An address gets one check every ``MIN_INTERVAL_S``, so the service
-cannot be turned into a port scanner or a flood.
+port and reports what happened. An address gets one check every ``MIN_INTERVAL_S`` over time, so the
+service cannot be turned into a port scanner or a flood: ``BURST`` calls at once run at once (peers
+behind one address that join together are checked without delay), a call past them waits for its
+address's next slot, up to ``MAX_QUEUED`` slots ahead, and only a call past those is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ SERVICE_NAME = "swarm.coordinator.v1.Coordinator"
 MAX_PORTS = 4
 DIAL_TIMEOUT_S = 3.0
 MIN_INTERVAL_S = 2.0
+BURST = 2  # calls per address that run at once
+MAX_QUEUED = 2  # calls per address waiting for their slot; each waits at most MAX_QUEUED * MIN_INTERVAL_S
 MAX_TRACKED_ADDRESSES = 10_000
 
 
@@ -79,14 +83,21 @@ class DialBackService:
             )
         host = caller_host(peer)
         now = time.monotonic()
-        if now - self._last.get(host, -MIN_INTERVAL_S) < MIN_INTERVAL_S:
+        # A rate of one per MIN_INTERVAL_S with bursts of BURST (GCRA): ``due`` is when the address's
+        # allowance would be used up at that rate.
+        due = max(now, self._last.get(host, now))
+        wait_s = due - now - (BURST - 1) * MIN_INTERVAL_S
+        if wait_s > MAX_QUEUED * MIN_INTERVAL_S:
             raise NetworkError(
-                f"a dial-back to {host} ran less than {MIN_INTERVAL_S:.0f}s ago; retry shortly"
+                f"{BURST + MAX_QUEUED} dial-backs to {host} are already due in the next "
+                f"{(MAX_QUEUED + 1) * MIN_INTERVAL_S:.0f}s; retry shortly"
             )
-        self._last[host] = now
+        self._last[host] = due + MIN_INTERVAL_S
         self._last.move_to_end(host)
         while len(self._last) > MAX_TRACKED_ADDRESSES:
             self._last.popitem(last=False)
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
         results = await asyncio.gather(*(dial(host, port) for port in ports))
         logger.info(
             f"dial-back to {host}: "

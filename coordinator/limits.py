@@ -21,6 +21,8 @@ Example::
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import time
 import urllib.parse

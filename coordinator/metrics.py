@@ -87,6 +87,26 @@ def _evidence(ban: Ban) -> dict[str, Any] | None:
     }
 
 
+def leaderboard(records: list[PeerRecord]) -> list[dict[str, Any]]:
+    """Peers ranked by credited samples, each with its share of the ranked peers' total. A banned peer is
+    left out: it shows in the bans, and its credit no longer earns it a place above honest peers."""
+    ranked = sorted(
+        (r for r in records if r.contributed_samples > 0 and r.state != "banned"),
+        key=lambda r: -r.contributed_samples,
+    )
+    total = sum(r.contributed_samples for r in ranked)
+    return [
+        {
+            "rank": rank,
+            "peer_id": r.peer_id,
+            "name": r.name,
+            "contributed_samples": r.contributed_samples,
+            "share": r.contributed_samples / total,
+        }
+        for rank, r in enumerate(ranked, start=1)
+    ]
+
+
 async def run_snapshot(
     store: Store,
     run: RunConfig,
@@ -132,7 +152,6 @@ async def run_snapshot(
         }
         for r in records
     ]
-    ranked = sorted((r for r in records if r.contributed_samples > 0), key=lambda r: -r.contributed_samples)
     training = run.training
     return {
         "run_id": run.run_id,
@@ -161,16 +180,7 @@ async def run_snapshot(
         "peers_paused": sum(1 for r in records if is_paused(r)),
         "contributed_samples": total_credit,
         "peers": peers,
-        "leaderboard": [
-            {
-                "rank": rank,
-                "peer_id": r.peer_id,
-                "name": r.name,
-                "contributed_samples": r.contributed_samples,
-                "share": r.contributed_samples / total_credit,
-            }
-            for rank, r in enumerate(ranked, start=1)
-        ],
+        "leaderboard": leaderboard(records),
         "bans": [
             {
                 "peer_id": b.peer_id,

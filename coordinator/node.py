@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import contextlib
 import ipaddress
@@ -25,6 +27,7 @@ import grpc
 from coordinator.checkpoints import CheckpointKeeper
 from coordinator.config import CoordinatorConfig
 from coordinator.dashboard import Dashboard
+from coordinator.datadir import STORE_FILE, DataDirLock
 from coordinator.dialback import DialBackService
 from coordinator.limits import ServiceLimits
 from coordinator.metrics import MetricsLogger, history_point, run_snapshot
@@ -41,7 +44,6 @@ from swarm.rpc import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-STORE_FILE = "coordinator.db"
 ENDPOINT_FILE = "endpoint.json"
 SOCKET_FILE = "coordinator.sock"
 
@@ -51,6 +53,9 @@ def _host_port(host: str, port: int) -> str:
 
 
 BAN_LIST_INTERVAL_S = 2.0
+# The longest a running peer waits between attempts to reach a coordinator that was down (swarm-peer's
+# default --max-retry-interval-s), plus a few of its heartbeat intervals.
+RECONNECT_GRACE_S = 35.0
 # A banned peer's certificate is never renewed; once it has expired by this much (clock skew between
 # peers), no peer accepts it and the published list no longer needs to name it.
 BAN_CERT_GRACE_S = 600.0
@@ -74,6 +79,7 @@ class CoordinatorNode:
         self.dht_initial_peers: list[str] = []
         self._dht = None
         self._store: Store | None = None
+        self._lock: DataDirLock | None = None
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task | None = None
         self._checkpoints: asyncio.Task | None = None
@@ -87,6 +93,16 @@ class CoordinatorNode:
         config, run = self.config, self.run
         data_dir = config.data_path
         await asyncio.to_thread(check_components, run)
+        self._lock = DataDirLock.acquire(data_dir)
+        try:
+            await self._start(config, run, data_dir)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            raise
+
+    async def _start(self, config: CoordinatorConfig, run: RunConfig, data_dir: Path) -> None:
         key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
         self.coordinator_peer_id = key.peer_id
         if run.coordinator_key is not None and run.coordinator_key != key.peer_id:
@@ -126,7 +142,9 @@ class CoordinatorNode:
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
                 outside_dht=keeper.outside_dht,
             )  # fmt: skip
-            self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
+            # would split the clients between the two.
+            self._server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
             self._server.add_generic_rpc_handlers(
                 (service.generic_handler(), DialBackService().generic_handler())
             )
@@ -195,10 +213,16 @@ class CoordinatorNode:
     async def _sweep_offline(self) -> None:
         membership = self.run.membership
         interval_s = min(1.0, membership.heartbeat_interval_s)
+        # After a restart the record still holds the peers seen before it, whose heartbeats stopped only
+        # because this node was down: they get until they can have reconnected before one is offline.
+        started = time.time()
         while True:
             await asyncio.sleep(interval_s)
             try:
-                for peer_id in await self._store.mark_offline(time.time() - membership.offline_after_s):
+                now = time.time()
+                seen_since = started if now - started < RECONNECT_GRACE_S else 0.0
+                silent_since = now - membership.offline_after_s
+                for peer_id in await self._store.mark_offline(silent_since, seen_since=seen_since):
                     logger.info(f"{peer_id} is offline: no heartbeat for {membership.offline_after_s:.0f}s")
             except Exception:
                 logger.exception("liveness sweep failed; retrying")
@@ -282,3 +306,6 @@ class CoordinatorNode:
         for path in (self.config.data_path / ENDPOINT_FILE, self.socket_path):
             with contextlib.suppress(OSError):
                 path.unlink()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

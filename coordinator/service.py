@@ -9,6 +9,8 @@ accusation's evidence is read in full, under a deadline, before it waits for the
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import functools
 import hmac
@@ -160,8 +162,16 @@ class CoordinatorService:
             raise AdmissionDenied(f"peer {envelope.sender} is not on the allowlist of run {self.run_id!r}")
         if admission.policy == "token":
             expected = token_proof(admission.join_token or "", body.challenge, envelope.signer.raw)
+            if not body.token_proof:
+                raise AdmissionDenied(
+                    f"run {self.run_id!r} admits only peers with its join token, and peer {envelope.sender} "
+                    "gave none: pass --join-token (or set SWARM_JOIN_TOKEN) with the organizer's token"
+                )
             if not hmac.compare_digest(expected, body.token_proof):
-                raise AdmissionDenied(f"peer {envelope.sender} did not present the run's join token")
+                raise AdmissionDenied(
+                    f"peer {envelope.sender}: the join token does not match run {self.run_id!r}'s; ask the "
+                    "organizer for the current token"
+                )
 
     def _take_challenge(self, challenge: bytes, sender: str) -> None:
         entry = self._challenges.pop(challenge, None)

@@ -340,13 +340,14 @@ class Store:
             )
         )
 
-    async def mark_offline(self, silent_since: float) -> list[str]:
-        """Turn online peers not heard from since ``silent_since`` offline; returns their IDs."""
+    async def mark_offline(self, silent_since: float, *, seen_since: float = 0.0) -> list[str]:
+        """Turn online peers last heard from in [``seen_since``, ``silent_since``) offline; their IDs."""
 
         def op(db: sqlite3.Connection) -> list[str]:
             with transaction(db):
                 rows = db.execute(
-                    "SELECT peer_id FROM peers WHERE state='online' AND last_seen < ?", (silent_since,)
+                    "SELECT peer_id FROM peers WHERE state='online' AND last_seen < ? AND last_seen >= ?",
+                    (silent_since, seen_since),
                 ).fetchall()
                 db.executemany("UPDATE peers SET state='offline' WHERE peer_id=?", rows)
             return [r[0] for r in rows]

@@ -8,5 +8,3 @@ processes, so it sits above ``peer`` and ``coordinator`` and neither of them imp
 - ``sim``: the ``swarm-sim`` entry point: rehearse a data-parallel run, then check it
 - ``pipeline_sim``: ``swarm-sim --stages S``: rehearse a pipeline run, then check it
 """
-
-import swarm.hivemind_import  # noqa: F401  (first hivemind import: see its docstring)

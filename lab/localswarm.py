@@ -290,7 +290,7 @@ class LocalSwarm:
 def status(address: str, run_id: str = "") -> Any:
     async def fetch() -> Any:
         async with CoordinatorClient(address, timeout_s=5) as client:
-            return await client.status(run_id)
+            return await client.full_status(run_id)
 
     return asyncio.run(fetch())
 

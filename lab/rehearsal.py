@@ -1,7 +1,7 @@
 """The skeleton both ``swarm-sim`` drivers share (data-parallel in ``sim``, SWARM pipeline in
 ``pipeline_sim``): a temporary directory for the logs, the processes started in it, the poll loop's bounds,
 and the end of a rehearsal (the JSON report, one result line, every process stopped, the directory
-removed unless ``--keep``).
+removed unless ``--keep-logs`` or the rehearsal failed, and where it was kept printed).
 
 Example::
 
@@ -46,6 +46,7 @@ class Rehearsal:
         self.started = time.monotonic()
         self.deadline = self.started + config.timeout_s
         self.on_exit: list[Callable[[], None]] = []
+        self.keep_logs = False  # set by a failure: the logs are what explains it
 
     def __enter__(self) -> Rehearsal:
         return self
@@ -59,7 +60,9 @@ class Rehearsal:
                 except Exception as e:  # the others must still run: a lab left up keeps its namespaces
                     print(f"swarm-sim: clean-up step failed: {e!r}", file=sys.stderr)
         finally:
-            if not self.config.keep:
+            if self.config.keep or self.keep_logs or exc[0] is not None:
+                print(f"swarm-sim: logs kept in {self.root}", file=sys.stderr, flush=True)
+            else:
                 shutil.rmtree(self.root, ignore_errors=True)
 
     def elapsed_s(self) -> float:
@@ -88,9 +91,10 @@ class Rehearsal:
         if self.config.json_path:
             self.config.json_path.write_text(json.dumps(result, indent=2))
         print(line, flush=True)
+        self.keep_logs = self.keep_logs or not ok
         return 0 if ok else 1
 
-    @staticmethod
-    def failed(error: Exception) -> int:
+    def failed(self, error: Exception) -> int:
         print(f"\nswarm-sim: failed: {error}", file=sys.stderr)
+        self.keep_logs = True
         return 1

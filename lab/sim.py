@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import swarm.procenv  # noqa: F401  # isort: skip  (before grpc loads: see its docstring)
+
 import argparse
 import signal
 import sys
@@ -135,6 +137,14 @@ class Progress:
             self.last_plain = time.monotonic()
         return step
 
+    def phase(self, what: str) -> None:
+        """Say what the rehearsal is doing before and after the training steps (seconds each, minutes on
+        a busy machine), so the terminal never sits silent."""
+        if self.bar is not None:
+            self.bar.update(self.task, line=what)
+        else:
+            print(f"swarm-sim: {what}", flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
@@ -150,7 +160,7 @@ def simulate(config: SimConfig) -> int:
     with Rehearsal(config) as rehearsal:
         gpus = f" ({config.gpu_peers} on the GPU)" if config.gpu_peers else ""
         print(f"swarm-sim: coordinator + {config.peers} peers{gpus}, {config.steps} steps, model "
-              f"{config.model_size} (logs in {rehearsal.root})", flush=True)  # fmt: skip
+              f"{config.model_size} (logs in {rehearsal.root}; kept with --keep-logs)", flush=True)  # fmt: skip
         progress = Progress(config.steps, samples_per_step(config))
         rehearsal.on_exit.append(progress.close)
         try:
@@ -169,13 +179,16 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         rehearsal.on_exit.append(lab.down)
     # Before any peer starts: evaluating 256 windows takes seconds, and the peers' own evaluations
     # of those seconds would go unrecorded in val_history.
+    progress.phase("evaluating the initial model")
     initial_loss, _ = evaluate(run, None)
     churn_events: list[dict] = []
     val_history: list[float] = []
     link_samples: list[tuple[float, list[int]]] = []  # (time, bytes each peer's link sent), in the lab
     if lab is not None:
         lab.up()
+    progress.phase("starting the coordinator")
     coordinator = local.start_coordinator(run, **_placement(lab, 0))
+    progress.phase(f"starting {config.peers} peers")
     address = coordinator.extra["address"]
     # In the lab no route leads from here to the coordinator's namespace: ask through its socket.
     control = coordinator.extra["socket"] if lab is not None else address
@@ -251,7 +264,9 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         time.sleep(1.0)
     progress.close()
     samples_per_s = progress.rate(config.steps)
+    print(f"swarm-sim: reached step {config.steps}; evaluating the final checkpoint", flush=True)
     final_loss, final_hash = evaluate(run, final)
+    print("swarm-sim: stopping the peers", flush=True)
     snapshot = status_to_dict(status(control))
     wan = _wan_report(lab, names, link_samples) if lab is not None else None
     for name in names:

@@ -75,7 +75,11 @@ class SimConfig(BaseModel):
         1e-3, gt=0, le=1, description="peak learning rate (2e-3 made the demo model spike right after warmup)"
     )
     timeout_s: float = Field(900.0, ge=10, le=86_400, description="give up after this many seconds")
-    keep: bool = Field(False, description="keep the logs, checkpoints and data dirs afterwards")
+    keep: bool = Field(
+        False,
+        description="keep the logs, checkpoints and data dirs afterwards (a failed run always keeps them)",
+        json_schema_extra={"cli_flag": "--keep-logs"},
+    )
     stages: int = Field(0, ge=0, le=8, description="pipeline stages (SWARM); 0: data-parallel peers only")
     peers_per_stage: int = Field(2, ge=1, le=8, description="stage servers per pipeline stage")
     trainers: int = Field(2, ge=1, le=8, description="pipeline trainers that stream micro-batches")

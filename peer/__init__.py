@@ -11,5 +11,3 @@
 - ``volunteer``: ``Volunteer``, which joins, enters the DHT, heartbeats and leaves cleanly
 - ``cli``: the ``swarm-peer`` entry point
 """
-
-import swarm.hivemind_import  # noqa: F401  (first hivemind import: see its docstring)

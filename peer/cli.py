@@ -9,6 +9,8 @@ Examples::
 
 from __future__ import annotations
 
+import swarm.procenv  # noqa: F401  # isort: skip  (before grpc loads: see its docstring)
+
 import argparse
 import sys
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from protocols.errors import SwarmError
 from swarm.config import RUN_ID_PATTERN
 from swarm.identity import DEFAULT_IDENTITY
 
@@ -108,6 +109,17 @@ class PeerConfig(BaseModel):
     rehearse_group_size: int = Field(
         2, ge=2, le=1024, description="rehearsal: the averaging group size the attackers expect"
     )
+
+    @field_validator("coordinator")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        from swarm.coordinator_client import parse_address
+
+        try:
+            parse_address(address)
+        except SwarmError as e:
+            raise ValueError(str(e)) from None
+        return address
 
     @field_validator("name")
     @classmethod

@@ -30,7 +30,15 @@ from pydantic import ConfigDict, Field, create_model
 from peer.config import peer_fields
 from protocols import coordinator_pb2 as pb
 from protocols.envelope import MAX_CLOCK_SKEW_S
-from protocols.errors import NetworkError, ProtocolError, SwarmError, VersionMismatch
+from protocols.errors import (
+    AdmissionDenied,
+    CoordinatorKeyMismatch,
+    NetworkError,
+    ProtocolError,
+    SwarmError,
+    VersionMismatch,
+)
+from protocols.keys import PublicKey
 from protocols.version import PROTOCOL_VERSION
 from swarm.coordinator_client import SERVICE, parse_address
 from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
@@ -45,7 +53,18 @@ class DoctorConfig(
     create_model(
         "_JoinSettings",
         __config__=ConfigDict(extra="forbid"),
-        **peer_fields("coordinator", "device", "identity", "host", "port"),
+        **peer_fields(
+            "coordinator",
+            "device",
+            "identity",
+            "host",
+            "port",
+            "name",
+            "run_id",
+            "coordinator_key",
+            "join_token",
+            "known_coordinators",
+        ),  # fmt: skip
     )
 ):
     """What ``swarm-peer doctor`` checks: the settings ``swarm-peer join`` would use (``PeerConfig``'s own
@@ -226,6 +245,56 @@ async def check_coordinator(config: DoctorConfig) -> list[Check]:
         )  # fmt: skip
         checks.append(_skew_check(status.server_time - (started + rtt / 2)))
         checks.append(await _dial_back_check(channel, config))
+    checks += await check_admission(config, status.run_id)
+    return checks
+
+
+async def check_admission(config: DoctorConfig, served_run_id: str) -> list[Check]:
+    """Join as ``swarm-peer join`` would (pinned key, join token, identity), then leave at once, and check
+    the run's components against this machine: what a volunteer gets wrong shows here, not at join."""
+    from peer.trust import KnownCoordinators, key_mismatch_fix
+    from swarm.components import check_components
+    from swarm.config import RunConfig
+    from swarm.coordinator_client import CoordinatorClient
+    from swarm.identity import load_or_create_identity
+
+    run_id = config.run_id or served_run_id
+    known = KnownCoordinators(config.known_coordinators)
+    try:
+        expected = (
+            PublicKey.from_peer_id(config.coordinator_key) if config.coordinator_key else known.pinned(run_id)
+        )
+        key = await asyncio.to_thread(load_or_create_identity, config.identity.expanduser())
+    except SwarmError as e:
+        return [Check("admission", "fail", str(e), "fix the file or flag named above")]
+    token = config.join_token or os.environ.get("SWARM_JOIN_TOKEN") or None
+    async with CoordinatorClient(config.coordinator, timeout_s=config.timeout_s) as client:
+        try:
+            admission = await client.join(
+                key, run_id, name=config.name, device="doctor check", join_token=token,
+                coordinator_key=expected,
+            )  # fmt: skip
+        except CoordinatorKeyMismatch as e:
+            pinned_by = "--coordinator-key" if config.coordinator_key else str(known.path)
+            return [Check("coordinator key", "fail", str(e), key_mismatch_fix(run_id, e.offered, pinned_by))]
+        except AdmissionDenied as e:
+            return [Check("admission", "fail", str(e), "ask the organizer to admit this peer")]
+        except SwarmError as e:
+            return [Check("admission", "fail", f"joining run {run_id!r} failed: {e}", "")]
+        with contextlib.suppress(SwarmError):
+            await client.leave(key, run_id, reason="swarm-peer doctor: check done")
+    checks = [Check("admission", "ok", f"run {run_id!r} admits peer {key.peer_id}")]
+    try:
+        run = RunConfig.parse(admission.run_spec, source="run spec from the coordinator")
+        await asyncio.to_thread(check_components, run)
+    except SwarmError as e:
+        checks.append(
+            Check(
+                "components", "fail", str(e), "install what the run needs (the organizer names the package)"
+            )
+        )
+    else:
+        checks.append(Check("components", "ok", f"model {run.model.name!r} and dataset {run.dataset.name!r}"))
     return checks
 
 

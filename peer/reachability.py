@@ -13,12 +13,14 @@ import contextlib
 import logging
 from typing import Literal
 
-from protocols.errors import SwarmError
+from protocols.errors import NetworkError, SwarmError
 from swarm.coordinator_client import CoordinatorClient
 
 logger = logging.getLogger(__name__)
 
 Dialable = Literal["auto", "yes", "no"]
+DIAL_BACK_ATTEMPTS = 3
+DIAL_BACK_RETRY_S = 2.0  # the coordinator's interval between dial-backs to one address
 
 
 async def learn_dialable(client: CoordinatorClient, host: str, setting: Dialable) -> bool:
@@ -32,10 +34,22 @@ async def learn_dialable(client: CoordinatorClient, host: str, setting: Dialable
         logger.warning(f"could not listen on {host} to test reachability ({e}); assuming peers can dial in")
         return True
     try:
-        answer = await client.dial_back([server.sockets[0].getsockname()[1]])
-    except SwarmError as e:
-        logger.info(f"the coordinator did not dial back ({e}); assuming other peers can dial this machine")
-        return True
+        for attempt in range(DIAL_BACK_ATTEMPTS):
+            try:
+                answer = await client.dial_back([server.sockets[0].getsockname()[1]])
+                break
+            except NetworkError as e:  # busy with other peers at this address, or briefly unreachable
+                if attempt + 1 == DIAL_BACK_ATTEMPTS:
+                    logger.warning(
+                        f"the coordinator did not dial back ({e}); assuming other peers can dial this machine"
+                    )
+                    return True
+                await asyncio.sleep(DIAL_BACK_RETRY_S)
+            except SwarmError as e:
+                logger.info(
+                    f"the coordinator cannot dial back ({e}); assuming other peers can dial this machine"
+                )
+                return True
     finally:
         server.close()
         with contextlib.suppress(Exception):

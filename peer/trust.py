@@ -54,3 +54,17 @@ class KnownCoordinators:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
         tmp.replace(self.path)
         logger.info(f"pinned coordinator key {key.peer_id} for run {run_id!r} in {self.path}")
+
+
+def key_mismatch_fix(run_id: str, offered: str, pinned_by: str) -> str:
+    """What a volunteer does when the coordinator's key differs from the pinned one (``pinned_by``: the
+    flag or the file that pinned it)."""
+    where = (
+        "pass that key with --coordinator-key instead"
+        if pinned_by == "--coordinator-key"
+        else f"remove run {run_id!r}'s entry from {pinned_by} (or pass --coordinator-key {offered})"
+    )
+    return (
+        f"if the organizer confirms the run's coordinator key is now {offered}, {where}; otherwise do not "
+        "join: another server may be posing as the coordinator"
+    )

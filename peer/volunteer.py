@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
+
 import asyncio
 import contextlib
 import logging
@@ -27,12 +29,13 @@ from peer.device import describe_device, resolve_device
 from peer.limits import apply_gpu_memory_limit, upload_limiter
 from peer.panel import Panel
 from peer.reachability import learn_dialable
-from peer.trust import KnownCoordinators
+from peer.trust import KnownCoordinators, key_mismatch_fix
 from protocols.certificates import PeerCertificate
 from protocols.errors import (
     AdmissionDenied,
     Banned,
     ConfigError,
+    CoordinatorKeyMismatch,
     NetworkError,
     ProtocolError,
     ReplayError,
@@ -139,6 +142,13 @@ class Volunteer:
                     coordinator_key=self._expected_coordinator_key,
                 )
                 break
+            except CoordinatorKeyMismatch as e:
+                pinned_by = "--coordinator-key" if config.coordinator_key else str(self.known.path)
+                raise CoordinatorKeyMismatch(
+                    f"{e}; {key_mismatch_fix(e.run_id, e.offered, pinned_by)}",
+                    offered=e.offered,
+                    run_id=e.run_id,
+                ) from None
             except NetworkError as e:
                 if time.monotonic() + delay > deadline:
                     raise NetworkError(f"could not join within {config.join_timeout_s:.0f}s: {e}") from None

@@ -56,6 +56,15 @@ class CertificateError(SecurityError):
     """A certificate is forged, expired, or issued for another run or peer."""
 
 
+class CoordinatorKeyMismatch(SecurityError):
+    """The coordinator presents another key than the one this peer pinned for the run."""
+
+    def __init__(self, message: str, offered: str = "", run_id: str = ""):
+        super().__init__(message)
+        self.offered = offered  # the peer ID of the key it presents
+        self.run_id = run_id  # the run it was pinned for
+
+
 class ReplayError(SecurityError):
     """A message was already used, or is too old or too far in the future to be accepted."""
 

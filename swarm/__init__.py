@@ -25,6 +25,7 @@
 - ``ratelimit``: ``RateLimiter``, the token bucket behind a peer's ``--max-upload-mbps``
 - ``cliargs``: CLI flags derived from typed configs
 - ``runtime``: process entry helpers (uvloop, logging, signals); only CLIs call them
+- ``procenv``: environment settings for gRPC that must precede its loading; only CLIs import it
 
 Everything in ``protocols.errors`` is re-exported here. Names not listed in ``__all__`` are internal and
 may change. Importing ``swarm`` does not import torch: the model and dataset names load on first use.

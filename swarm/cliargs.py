@@ -80,4 +80,4 @@ def config_from_args(model: type[BaseModel], args: argparse.Namespace) -> Any:
             info = model.model_fields.get(str(item["loc"][0]))
             extra = info.json_schema_extra if info and isinstance(info.json_schema_extra, dict) else {}
             flag = extra.get("cli_flag") or _flag(str(item["loc"][0]))
-        raise ConfigError(f"{flag}: {item['msg']}") from None
+        raise ConfigError(f"{flag}: {item['msg'].removeprefix('Value error, ')}") from None

@@ -23,7 +23,7 @@ import grpc
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import PeerCertificate, verify_certificate
 from protocols.envelope import open_envelope, seal
-from protocols.errors import ProtocolError, SecurityError, SwarmError
+from protocols.errors import CoordinatorKeyMismatch, ProtocolError, SecurityError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import (
     ACCUSE,
@@ -155,9 +155,11 @@ class CoordinatorClient:
             coordinator_key = coordinator_key(run_id)
         offered = PublicKey(challenge.coordinator_public_key)
         if coordinator_key is not None and offered != coordinator_key:
-            raise SecurityError(
+            raise CoordinatorKeyMismatch(
                 f"coordinator at {self.address} presents key {offered.peer_id}, "
-                f"but this run's coordinator is {coordinator_key.peer_id}; refusing to join"
+                f"but this run's coordinator is pinned as {coordinator_key.peer_id}; refusing to join",
+                offered=offered.peer_id,
+                run_id=run_id,
             )
         proof = token_proof(join_token, challenge.challenge, key.public_key.raw) if join_token else b""
         body = {
@@ -271,3 +273,15 @@ class CoordinatorClient:
             header=self._header(run_id), after_peer_id=after_peer_id, max_peers=max_peers
         )
         return await self._call("Status", request, pb.StatusResponse)
+
+    async def full_status(self, run_id: str = "", *, max_pages: int = 64) -> pb.StatusResponse:
+        """The run's status with every page's peers, read page by page (at most ``max_pages`` pages: a
+        coordinator that keeps naming a next page cannot keep the caller reading)."""
+        first = await self.status(run_id)
+        answer, pages = first, 1
+        while answer.next_after_peer_id and pages < max_pages:
+            answer = await self.status(run_id, after_peer_id=answer.next_after_peer_id)
+            first.peers.extend(answer.peers)
+            pages += 1
+        first.next_after_peer_id = answer.next_after_peer_id
+        return first

@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -116,6 +117,23 @@ def start_dht(
     return _await_dht(dht, key, f"{host}:{port}", timeout_s=2 * startup_timeout_s)
 
 
+def refuse_port_in_use(host: str, port: int) -> None:
+    """Raise NetworkError naming ``host:port`` if a process listens on it.
+
+    The p2p daemon binds with SO_REUSEPORT, so a second daemon on a used port would start and the
+    kernel would split connections between the two; a probe bound without it fails instead."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR lets a restart bind over its predecessor's closing connections, never a listener.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise NetworkError(f"cannot serve the DHT on {host}:{port}: {e.strerror}") from None
+
+
 def _spawn_dht(
     identity_path: Path,
     host: str,
@@ -125,8 +143,10 @@ def _spawn_dht(
 ) -> SpawnedDHT:
     """The DHT's child process, started (``hivemind_options``: ``hivemind.DHT``'s own arguments, such as
     ``initial_peers``); ``_await_dht`` waits for it and checks its identity."""
+    maddr = listen_maddr(host, port)
+    refuse_port_in_use(host, port)
     dht = SpawnedDHT(
-        host_maddrs=[listen_maddr(host, port)],
+        host_maddrs=[maddr],
         identity_path=str(identity_path),
         # hivemind's check assumes RSA identities; our Ed25519 peer ID is checked in _await_dht.
         check_if_identity_free=False,

@@ -246,14 +246,14 @@ class LogOnce:
     def __init__(self, limit: int = 1024):
         self.limit, self.seen = limit, OrderedDict()
 
-    def warning(self, what: str, reason: str) -> None:
+    def warning(self, what: str, reason: str, *, level: int = logging.WARNING) -> None:
         marker = (what[:96], reason[:96])
         if marker in self.seen:
             return
         self.seen[marker] = None
         if len(self.seen) > self.limit:
             self.seen.popitem(last=False)
-        logger.warning(f"ignoring {what}: {reason}")
+        logger.log(level, f"ignoring {what}: {reason}")
 
 
 @dataclass

@@ -86,7 +86,11 @@ class Registry(Generic[F]):
             if name in self._broken:
                 raise ConfigError(f"{self.kind} '{name}' could not be loaded: {self._broken[name]}")
             available = ", ".join(sorted(self._entries)) or "none"
-        raise ConfigError(f"unknown {self.kind} {name!r}; available: {available}")
+        raise ConfigError(
+            f"unknown {self.kind} {name!r}; available: {available}; a {self.kind} from another package is "
+            f"found once that package is installed here (it registers under the Python entry point group "
+            f"{self.group!r})"
+        )
 
     def validate(self, name: str, config: Mapping[str, Any] | BaseModel | None) -> BaseModel:
         """The typed config of ``name`` built from ``config``, or a ConfigError naming the bad field."""

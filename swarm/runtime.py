@@ -25,8 +25,6 @@ def setup_logging(level: str = "INFO") -> None:
         stream=sys.stderr,
         force=True,
     )
-    # grpc core notes at INFO each time hivemind forks its DHT process; nothing for a user to act on.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     # hivemind logs every connection at INFO; keep the volunteer's screen about the run.
     logging.getLogger("hivemind").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 

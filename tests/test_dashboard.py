@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.metrics import MetricsLogger
+from coordinator.metrics import MetricsLogger, leaderboard
 from coordinator.store import HistoryPoint, PeerRecord, Store
 from lab.localswarm import Child, LocalSwarm, tiny_run, wait_until
 from protocols.errors import ConfigError
@@ -282,3 +282,17 @@ def test_logging_to_a_package_that_is_not_installed_says_what_to_install(tmp_pat
         ConfigError, match=f"--log-to {missing[0]} needs the {missing[0]} package: pip install"
     ):
         MetricsLogger(missing[0], tmp_path, "run")
+
+
+def test_a_banned_peer_is_left_out_of_the_leaderboard():
+    def record(peer_id: str, state: str, samples: float) -> PeerRecord:
+        return PeerRecord(
+            peer_id=peer_id, public_key=b"", name=peer_id, device="cpu", role="data", state=state, joined_at=0.0,
+            last_seen=0.0, last_seq=0, cert_serial=1, cert_expires_at=1e12, contributed_samples=samples,
+        )  # fmt: skip
+
+    board = leaderboard(
+        [record("sybil", "banned", 900.0), record("honest", "online", 300.0), record("left", "left", 100.0)]
+    )
+    assert [(e["rank"], e["name"]) for e in board] == [(1, "honest"), (2, "left")]
+    assert [e["share"] for e in board] == [0.75, 0.25]

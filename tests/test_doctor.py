@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import socket
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.dialback import DialBackService, caller_host
+from coordinator.dialback import BURST, MAX_QUEUED, MIN_INTERVAL_S, DialBackService, caller_host
 from lab.localswarm import free_port, running_coordinator, tiny_run
 from protocols import coordinator_pb2 as pb
 from protocols.errors import NetworkError, ProtocolError
+from protocols.keys import SigningKey
 from protocols.version import PROTOCOL_VERSION
+from swarm.config import AdmissionConfig, ComponentSpec, RunConfig
+from swarm.models import register_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,8 +143,27 @@ def test_dial_back_reports_closed_ports_and_refuses_abuse():
         )
         assert answer.address == "127.0.0.1"
         assert not answer.results[0].reachable and "refused" in answer.results[0].detail.lower()
-        with pytest.raises(NetworkError, match="less than"):
-            await service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), "ipv4:127.0.0.1:5001")
+        # Callers behind one address that come together: BURST run at once (the first above was one),
+        # the next wait for their slots, one every MIN_INTERVAL_S, and a call past MAX_QUEUED is refused.
+        started = time.monotonic()
+        calls = [
+            service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), f"ipv4:127.0.0.1:{5001 + i}")
+            for i in range(BURST - 1 + MAX_QUEUED + 1)
+        ]
+        *answered, refused = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(a, pb.DialBackResponse) and a.address == "127.0.0.1" for a in answered), (
+            answered
+        )
+        assert isinstance(refused, NetworkError) and "already due" in str(refused)
+        assert time.monotonic() - started >= MAX_QUEUED * MIN_INTERVAL_S - 0.1
+        # Two peers of another address joining together are both checked at once.
+        started = time.monotonic()
+        pair = [
+            service.dial_back(pb.DialBackRequest(header=header, ports=[closed]), f"ipv4:127.0.0.2:{6000 + i}")
+            for i in range(BURST)
+        ]
+        assert all(isinstance(a, pb.DialBackResponse) for a in await asyncio.gather(*pair))
+        assert time.monotonic() - started < MIN_INTERVAL_S
         with pytest.raises(ProtocolError, match="1 to 4 ports"):
             await service.dial_back(
                 pb.DialBackRequest(header=header, ports=[1, 2, 3, 4, 5]), "ipv4:10.0.0.1:1"
@@ -149,3 +175,67 @@ def test_dial_back_reports_closed_ports_and_refuses_abuse():
     assert caller_host("ipv6:[::1]:4444") == "::1"
     with pytest.raises(ProtocolError):
         caller_host("unix:/tmp/socket")
+
+
+def _doctor_against(run: RunConfig, tmp_path: Path, *args: str) -> tuple[int, str]:
+    async def scenario() -> tuple[int, str]:
+        async with running_coordinator(run, tmp_path / "coordinator") as node:
+            return await doctor("--coordinator", node.address, *args, home=tmp_path)
+
+    return asyncio.run(scenario())
+
+
+def test_a_token_run_is_checked_with_the_volunteers_token(tmp_path: Path):
+    run = tiny_run("doctor-token").model_copy(
+        update={"admission": AdmissionConfig(policy="token", join_token="s3cret")}
+    )
+
+    async def scenario() -> list[tuple[int, str]]:
+        async with running_coordinator(run, tmp_path / "coordinator") as node:
+            return [
+                await doctor("--coordinator", node.address, *args, home=tmp_path)
+                for args in ([], ["--join-token", "wrong"], ["--join-token", "s3cret"])
+            ]
+
+    (none, wrong, right) = asyncio.run(scenario())
+    assert none[0] == 1 and "admits only peers with its join token" in none[1], none[1]
+    assert "--join-token" in none[1]
+    assert wrong[0] == 1 and "the join token does not match" in wrong[1], wrong[1]
+    assert right[0] == 0, right[1]
+    assert "[ok  ] admission" in right[1] and "[ok  ] components" in right[1]
+
+
+def test_a_coordinator_key_other_than_the_pinned_one_is_refused_with_its_remedy(tmp_path: Path):
+    known = tmp_path / "known.json"
+    pinned = SigningKey.generate().public_key.peer_id
+    known.write_text(json.dumps({"doctor-pin": pinned}))
+    code, out = _doctor_against(tiny_run("doctor-pin"), tmp_path, "--known-coordinators", str(known))
+    assert code == 1, out
+    assert f"pinned as {pinned}; refusing to join" in out
+    assert f"remove run 'doctor-pin''s entry from {known}" in out and "--coordinator-key" in out
+    assert json.loads(known.read_text()) == {"doctor-pin": pinned}, "doctor never re-pins"
+
+
+class _OnlyHereConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    width: int = Field(4, ge=1, le=64, description="width of the one layer")
+
+
+def _build_linear(config: _OnlyHereConfig, generator: torch.Generator) -> torch.nn.Module:
+    layer = torch.nn.Linear(config.width, config.width)
+    with torch.no_grad():
+        layer.weight.normal_(generator=generator)
+    return layer
+
+
+def test_a_model_not_installed_here_names_the_entry_point_group(tmp_path: Path):
+    # Registered in this process (the coordinator's) only: the doctor's process does not have it.
+    register_model("doctor-only-here", _OnlyHereConfig)(_build_linear)
+    run = tiny_run("doctor-model").model_copy(
+        update={"model": ComponentSpec(name="doctor-only-here", config={"width": 4})}
+    )
+    code, out = _doctor_against(run, tmp_path)
+    assert code == 1, out
+    assert "[ok  ] admission" in out
+    assert "[FAIL] components" in out and "unknown model 'doctor-only-here'" in out
+    assert "entry point group 'swarm.models'" in out

@@ -153,6 +153,8 @@ def test_sybils_with_long_metric_names_leave_status_bounded_and_joins_open(tmp_p
                         break
                 expected = {k.peer_id for k in keys[1:]} | {newcomer.peer_id}
                 assert len(seen) == len(expected) and set(seen) == expected
+                # `swarm-coordinator status` reads every page the same way.
+                assert [p.peer_id for p in (await client.full_status()).peers] == seen
                 with pytest.raises(ProtocolError, match="after_peer_id"):
                     await client.status(after_peer_id="x" * 200)
 

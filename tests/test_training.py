@@ -196,6 +196,41 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
     assert f"discarding state from {dhts[1].peer_id.to_base58()}" in caplog.text
 
 
+def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(caplog):
+    """A peer that asks for state before the holder's view shows its first record is refused, as expected
+    on every resume: that is a line at INFO ("will look again"), not a warning that discards the holder."""
+    run = tiny_run("not-seen-yet")
+    dhts = start_dhts(2)
+    holder, joiner = trainers_for(run, dhts)
+
+    async def scenario() -> None:
+        for trainer in (holder, joiner):
+            await trainer.start()
+        await holder.exchange_progress()  # the holder's view: itself only
+        await asyncio.to_thread(
+            holder._apply, torch.randn(holder.numel, generator=torch.Generator().manual_seed(2))
+        )
+        await holder._commit(1)
+        with caplog.at_level("INFO", logger="swarm.training.sync"):
+            assert not await joiner.resync(1, holder.state_hash, [holder.peer_id])
+        for trainer in (joiner, holder):  # the joiner's record reaches the holder's next view
+            await trainer.exchange_progress()
+        assert await joiner.resync(1, holder.state_hash, [holder.peer_id])
+        assert joiner.state_hash == holder.state_hash
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    refusals = [r for r in caplog.records if "signed progress record" in r.getMessage()]
+    assert refusals and all(r.levelname == "INFO" for r in refusals), [
+        (r.levelname, r.getMessage()) for r in refusals
+    ]
+    assert "will look again" in refusals[0].getMessage()
+    assert "discarding state" not in caplog.text
+
+
 def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim():
     """A peer whose groupmates already claim the whole batch still computes a micro-batch before its
     round. Before, a slow peer (or one whose view held an inflated claim) joined with weight 0: it counted

@@ -19,6 +19,7 @@ from hivemind.p2p import PeerID
 from swarm.training.catchup import Position, catch_up_move, quorum
 from swarm.training.state import encode_state, load_state_tensors, state_tensors
 from swarm.training.sync import (
+    NOT_SEEN_YET,
     EncodedState,
     download_limit,
     download_state,
@@ -54,7 +55,7 @@ class CatchUp:
         if requester in self.averager.banned:
             return f"{requester} is banned from run {self.config.run_id!r}"
         if requester not in self.view:
-            return f"{requester} has no valid signed progress record in run {self.config.run_id!r}"
+            return f"{requester} {NOT_SEEN_YET} in run {self.config.run_id!r}"
         return None
 
     def max_state_bytes(self) -> int:

@@ -47,6 +47,15 @@ class StateMovedOn(NetworkError):
     """The holder trained past the agreed step before the download started; ask again with a fresh view."""
 
 
+# Why a holder refuses a requester whose signed progress record it has not read (yet): a peer that
+# has just joined asks before the holders' next view shows it, which is expected, not a fault.
+NOT_SEEN_YET = "has no valid signed progress record"
+
+
+class RequesterNotSeen(NetworkError):
+    """The holder has not read this peer's first signed progress record yet; ask again after a view."""
+
+
 @dataclass(frozen=True)
 class EncodedState:
     """A peer's full training state at ``step`` as served to downloaders: safetensors bytes and their hash."""
@@ -83,7 +92,7 @@ async def from_any_holder(holders: list[str], fetch: Callable[[PeerID], Awaitabl
     for holder in holders:
         try:
             return await fetch(peer_id_of(holder))
-        except StateMovedOn as e:
+        except (StateMovedOn, RequesterNotSeen) as e:
             logger.info(f"{e}; will look again")
         except SwarmError as e:
             logger.warning(f"discarding {what} from {holder}: {e}")
@@ -133,7 +142,9 @@ class StateServicer(BoundedServicer):
             refusal = f"{requester} already has {self.uploads[requester]} state downloads running here"
         if refusal is not None:
             self.refused += 1
-            self._log.warning(f"a state request from {requester}", refusal)
+            # A joiner asking before this peer's view shows it is expected on every resume.
+            level = logging.INFO if NOT_SEEN_YET in refusal else logging.WARNING
+            self._log.warning(f"a state request from {requester}", refusal, level=level)
             yield apb.StateChunk(error=refusal)
             return
         self.uploads[requester] += 1
@@ -191,6 +202,8 @@ async def download_state(
         header: apb.StateChunk | None = None
         async for chunk in await stub.rpc_download_state(apb.StateRequest(run_id=run_id, min_step=min_step)):
             if chunk.error:
+                if NOT_SEEN_YET in chunk.error:
+                    raise RequesterNotSeen(f"{peer} has not read this peer's signed progress record yet")
                 raise ProtocolError(f"{peer} refused the state download: {chunk.error}")
             if header is None:
                 header = chunk
