@@ -65,6 +65,7 @@ from swarm.averaging.rounds import PartRouter, RoundRegistry
 from swarm.averaging.transport import DataPlane, announce_host
 from swarm.averaging.verification import Accuser, serve_inputs, validate_round
 from swarm.ratelimit import RateLimiter
+from swarm.records import RecordSigner
 
 logger = logging.getLogger(__name__)
 
@@ -115,16 +116,15 @@ class RunMatchmaking(Matchmaking):
     """hivemind's matchmaking that neither leads nor follows a peer its ``PeerPolicy`` refuses
     (uncertified, banned or suspect), and remembers who led the last group it was in."""
 
-    def __init__(
-        self, p2p, schema_hash, dht, *, policy: PeerPolicy, signing_key: SigningKey | None, **kwargs
-    ):
+    def __init__(self, p2p, schema_hash, dht, *, policy: PeerPolicy, signer: RecordSigner | None, **kwargs):
         super().__init__(p2p, schema_hash, dht, **kwargs)
         self.policy = policy
         self.leader: PeerID | None = None
-        if signing_key is not None:  # the run's DHT nodes refuse hivemind's unsigned declarations
+        if signer is not None:  # the run's DHT nodes refuse hivemind's unsigned, uncertified declarations
             self.group_key_manager = SignedGroupKeyManager(
-                dht, self._prefix, self.target_group_size, signing_key
-            )
+                dht, self._prefix, self.target_group_size, signer, run_id=policy.run_id,
+                coordinator_key=policy.coordinator_key,
+            )  # fmt: skip
 
     async def rpc_join_group(self, request, context):
         # Bounded well inside the follower's wait for our first answer.
@@ -177,6 +177,7 @@ class Averager:
         max_weight: the largest weight (sample count) a member may declare; larger ones are capped.
         runner_type: the all-reduce class (tests pass a subclass that misbehaves).
         signing_key: signs this peer's group entry and round inputs; None only in unsigned tests.
+        record_signer: signs its matchmaking declarations with its certificate (default: none attached).
         data_host, data_port, data_announce_host: the TCP data plane's listen address and the host
             announced to groupmates.
         upload_limiter: the peer's shared upload token bucket.
@@ -220,6 +221,7 @@ class Averager:
         data_plane: bool = True,
         client_mode: bool = False,
         min_reducers: int = 1,
+        record_signer: RecordSigner | None = None,
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
         self.aggregator = get_aggregator(aggregator, aggregator_options)
@@ -229,6 +231,9 @@ class Averager:
         self.max_weight = max_weight
         self.runner_type = runner_type
         self.signing_key, self.data_host, self.data_port = signing_key, data_host, data_port
+        if record_signer is None and signing_key is not None:
+            record_signer = RecordSigner(signing_key)
+        self.record_signer = record_signer
         self.data_announce_host = data_announce_host
         self.data_plane: DataPlane | None = None
         self.use_data_plane = data_plane
@@ -329,7 +334,7 @@ class Averager:
             request_timeout=max(0.5, self.matchmaking_time_s / 2),
             client_mode=self.client_mode,
             policy=self.policy,
-            signing_key=self.signing_key,
+            signer=self.record_signer,
         )
         if self.signing_key is not None and self.use_data_plane:
             await self._start_data_plane()

@@ -138,6 +138,7 @@ class Trainer(CatchUp):
             run, dht, prefix=run.run_id, numel=self.numel, signing_key=signing_key, policy=self.policy,
             upload_limiter=upload_limiter, accuse=accuse, attack=attack, data_host=data_host,
             data_port=data_port, data_announce_host=data_announce_host, client_mode=client_mode,
+            record_signer=self.records,
         )  # fmt: skip
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
         self.step = self.samples = self.micro = 0
