@@ -53,6 +53,7 @@ from swarm.averaging.deadlines import Throughput, round_mbit, transfer_deadline_
 from swarm.averaging.declarations import SignedGroupKeyManager
 from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
 from swarm.averaging.groups import (
+    EntryFit,
     GroupEntryBody,
     GroupRefused,
     VerifiedGroup,
@@ -368,14 +369,19 @@ class Averager:
                 await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
 
     async def find_group(
-        self, weight: float, extra: dict | None = None, expected_size: int | None = None
+        self,
+        weight: float,
+        extra: dict | None = None,
+        expected_size: int | None = None,
+        fits: EntryFit | None = None,
     ) -> GroupRound | None:
         """Gather with the peers looking for a group now; None when no group formed in time.
 
         hivemind's leader assembles as soon as it has ``min_group_size`` members once its window opens,
         so the minimum is 2: a peer that trains alone uses ``solo_group`` instead of matchmaking. With
         ``expected_size`` (the peers the caller knows to be ready for this round) a leader assembles the
-        moment that many have joined, rather than waiting out the window.
+        moment that many have joined, rather than waiting out the window. A member whose signed entry
+        ``fits`` refuses is excluded and suspected (``groups.check_group``).
         """
         self._nonce = os.urandom(32)
         body = GroupEntryBody(
@@ -413,9 +419,9 @@ class Averager:
             return None
         if info is None:
             return None
-        return await self._checked(info)
+        return await self._checked(info, fits)
 
-    async def _checked(self, info) -> GroupRound | None:
+    async def _checked(self, info, fits: EntryFit | None = None) -> GroupRound | None:
         """The group with only members whose signed entries hold; None when it must be left."""
         peers = {p.to_base58(): p for p in info.peer_ids}
         names = [p.to_base58() for p in info.peer_ids]
@@ -426,7 +432,7 @@ class Averager:
             group: VerifiedGroup = check_group(
                 names, info.gathered, me=self.peer_id.to_base58(), my_entry=self._entry, leader=leader,
                 prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
-                refusal=self.policy.refusal, max_age_s=self.entry_max_age_s,
+                refusal=self.policy.refusal, max_age_s=self.entry_max_age_s, fits=fits,
             )  # fmt: skip
         except GroupRefused as e:
             logger.warning(f"leaving group {short}: {e.reason}; retrying without {e.culprit}")
@@ -435,6 +441,8 @@ class Averager:
             return None
         for peer, reason in group.excluded.items():
             logger.warning(f"excluding {peer} from group {short}: {reason}")
+            if peer in group.misfits:  # it signed what it claims: the round goes on without it
+                self.policy.suspect(peer, reason)
         if len(group.peer_ids) < 2:
             logger.info(f"leaving group {short}: fewer than 2 members with valid entries")
             return None
@@ -471,18 +479,20 @@ class Averager:
         alone: bool = False,
         expected_size: int | None = None,
         out: torch.Tensor | None = None,
+        fits: EntryFit | None = None,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 
         Alone, the vector still goes through the wire encoding, so a solo step applies exactly what a
         group of one would. ``out`` (float32, ``numel`` values) receives the result instead of a new
-        tensor; it holds garbage where parts of an incomplete round are missing.
+        tensor; it holds garbage where parts of an incomplete round are missing. ``fits``: see
+        ``find_group``.
         """
         async with self._lock:
             if alone:
                 group = self.solo_group(weight, extra)
             else:
-                group = await self.find_group(weight, extra, expected_size)
+                group = await self.find_group(weight, extra, expected_size, fits)
             if group is None:
                 return None
             runner = self.runner_type(
