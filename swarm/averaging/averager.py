@@ -526,10 +526,8 @@ class Averager:
                 self.link.observe(*runner.send_sample())
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
-            # The retry forms without a reducer that did not deliver, or a leader that listed an absent peer.
-            self.policy.blame_round(
-                result.failed_reducers, result.denied_by, me=self.peer_id.to_base58(), leader=group.leader
-            )
+            # The retry forms without a reducer that did not deliver or denied the round.
+            self.policy.blame_round(result.failed_reducers, result.denied_by)
             if result.complete and len(group.peer_ids) > 1:
                 self._verify_later(runner)
             return group, result
