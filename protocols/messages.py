@@ -240,10 +240,12 @@ class CheckpointRecordBody(_Body):
 
 class DeclarationBody(_Body):
     """A matchmaking declaration in the DHT (purpose ``group-declaration``, signed by the declaring peer,
-    bound to the matchmaking key): whether it still looks for a group, and until when."""
+    bound to the matchmaking key): whether it still looks for a group, until when, and the declaring peer's
+    coordinator certificate (empty only in a run without a coordinator)."""
 
     looking: bool
     expires_at: Expiry
+    certificate: CertificateBytes = b""
 
 
 Body = TypeVar("Body", bound=_Body)

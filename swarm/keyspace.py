@@ -89,16 +89,23 @@ class RunValidator(RecordValidatorBase):
             return self.records.check(record, str(rule.arg), rule.scope)
         if rule.check == "ban_page":
             return self.ban_pages.check(record, int(rule.arg))
-        return _check_declaration(record, rule.scope)
+        raw = self.records.coordinator_raw
+        return _check_declaration(
+            record, rule.scope, self.run_id, PublicKey(raw) if raw is not None else None
+        )
 
 
-def _check_declaration(record: DHTRecord, group_key: str) -> bool:
+def _check_declaration(
+    record: DHTRecord, group_key: str, run_id: str, coordinator_key: PublicKey | None
+) -> bool:
     try:
         if len(record.value) > MAX_DECLARATION_BYTES + 16 or len(record.subkey) > MAX_DECLARATION_BYTES:
             raise ValueError("the entry is too large")
         subkey = MSGPackSerializer.loads(record.subkey)
         value = MSGPackSerializer.loads(record.value)
-        open_declaration(group_key, subkey, value, record.expiration_time)
+        open_declaration(
+            group_key, subkey, value, record.expiration_time, run_id=run_id, coordinator_key=coordinator_key
+        )
     except Exception as e:  # anything a stranger's bytes can raise: refuse the record, never crash
         logger.debug(f"refusing a declaration under {group_key!r}: {e}")
         return False

@@ -166,16 +166,34 @@ def open_peer_record(
     body = parse_body(_body_model(kind, envelope.body), envelope.body, sender=subkey, what=f"{kind} record")
     check_signed_expiry(kind, envelope.issued_at, body.expires_at, expiration_time)
     if coordinator_key is not None:
-        certificate = _verified_certificate(body.certificate, coordinator_key.raw, run_id)
-        if certificate.expires_at <= now:
-            raise CertificateError(f"the certificate of {certificate.peer_id} has expired")
-        if certificate.peer_id != subkey:
-            raise ProtocolError(f"carries the certificate of {certificate.peer_id}")
-        # A record outliving its certificate would turn invalid while stored, and one invalid entry makes
-        # hivemind drop the whole dictionary a node returns.
-        if body.expires_at > certificate.expires_at + EXPIRY_SLACK_S:
-            raise ProtocolError("was signed to outlive its certificate")
+        check_record_certificate(
+            body.certificate, coordinator_key, run_id, peer_id=subkey, expires_at=body.expires_at, now=now
+        )
     return PeerRecord(subkey, kind, envelope.issued_at, body)
+
+
+def check_record_certificate(
+    certificate: bytes,
+    coordinator_key: PublicKey,
+    run_id: str,
+    *,
+    peer_id: str,
+    expires_at: float,
+    now: float,
+) -> None:
+    """A record signed by ``peer_id`` to live until ``expires_at`` carries its signer's valid coordinator
+    certificate for ``run_id``; raises a SwarmError saying what is wrong with it."""
+    if not certificate:
+        raise CertificateError(f"carries no certificate of run {run_id!r}")
+    verified = _verified_certificate(certificate, coordinator_key.raw, run_id)
+    if verified.expires_at <= now:
+        raise CertificateError(f"the certificate of {verified.peer_id} has expired")
+    if verified.peer_id != peer_id:
+        raise ProtocolError(f"carries the certificate of {verified.peer_id}")
+    # A record outliving its certificate would turn invalid while stored, and one invalid entry makes
+    # hivemind drop the whole dictionary a node returns.
+    if expires_at > verified.expires_at + EXPIRY_SLACK_S:
+        raise ProtocolError("was signed to outlive its certificate")
 
 
 def open_run_record(
@@ -302,11 +320,15 @@ class RecordSigner:
     def peer_id(self) -> str:
         return self.key.peer_id
 
+    def certificate_expiry(self, run_id: str) -> float | None:
+        """When this peer's certificate for ``run_id`` expires (None: it holds none)."""
+        return _certificate_expiry(self.certificate, run_id)
+
     def seal(self, kind: str, run_id: str, body: dict[str, Any], *, ttl_s: float) -> tuple[bytes, float]:
         """(the signed record, its expiry): ``ttl_s`` from now, within the kind's limit and never past
         this peer's certificate."""
         expires_at = get_dht_time() + record_ttl_s(kind, ttl_s)
-        certificate_expiry = _certificate_expiry(self.certificate, run_id)
+        certificate_expiry = self.certificate_expiry(run_id)
         if certificate_expiry is not None:
             expires_at = min(expires_at, certificate_expiry)
         return seal_peer_record(

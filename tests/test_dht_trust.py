@@ -21,18 +21,20 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.timed_storage import TimedStorage
 
+from protocols.certificates import issue_certificate
 from protocols.envelope import seal
+from protocols.errors import SwarmError
 from protocols.keys import SigningKey
 from protocols.messages import CHECKPOINT_RECORD, MAX_BAN_PAGES
 from swarm.averaging.averager import Averager
-from swarm.averaging.declarations import matchmaking_key, seal_declaration
+from swarm.averaging.declarations import matchmaking_key, open_declaration, seal_declaration
 from swarm.bans import ban_list_key, fetch_ban_list, publish_ban_list
 from swarm.config import PipelineConfig
 from swarm.dht import start_local_dhts, visible_maddrs
 from swarm.dhtstorage import BoundedStorage, StorageLimits, storage_usage
 from swarm.keyspace import MAX_STAGES, RunValidator, run_keys, stage_prefix
 from swarm.pipeline.moves import stage_prefix as pipeline_stage_prefix
-from swarm.records import VALIDATED_KINDS, record_key, seal_peer_record
+from swarm.records import VALIDATED_KINDS, RecordSigner, record_key, seal_peer_record
 
 RUN = "dht-trust-run"
 THIRTY_YEARS_S = 30 * 365 * 86400.0
@@ -103,7 +105,8 @@ def test_a_strangers_stores_are_refused_and_honest_peers_still_average(tmp_path)
         async def average() -> list:
             averagers = [
                 Averager(d, prefix=RUN, numel=NUMEL, signing_key=keys[d.peer_id.to_base58()],
-                         matchmaking_time_s=1.0, data_plane=False)
+                         matchmaking_time_s=1.0, data_plane=False, record_signer=RecordSigner(
+                             keys[d.peer_id.to_base58()], _certificate(coordinator, keys[d.peer_id.to_base58()])))
                 for d, _ in honest[:2]
             ]  # fmt: skip
             for averager in averagers:
@@ -240,6 +243,55 @@ def test_a_declaration_must_be_signed_by_its_subkey_and_expire_soon():
     assert not validator.validate(_record(key, long, now + 3600, mine)), "signed to live past the bound"
     elsewhere = seal_declaration(me, matchmaking_key("another-run"), looking=True, expires_at=now + 5)
     assert not validator.validate(_record(key, elsewhere, now + 5, mine)), "a declaration of another key"
+
+
+def _certificate(
+    coordinator: SigningKey, peer: SigningKey, *, ttl_s: float = 3600.0, run_id: str = RUN
+) -> bytes:
+    return issue_certificate(
+        coordinator, public_key=peer.public_key, run_id=run_id, role="data", name="p", serial=1, ttl_s=ttl_s,
+        now=get_dht_time(),
+    ).encoded  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+def test_a_declaration_needs_a_valid_certificate_of_its_peer_when_the_run_has_a_coordinator():
+    """A stranger minting fresh keys signs valid declarations; with no certificate they are refused by every
+    honest node and ignored by readers, so they cannot fill the key's subkeys and block new leaders."""
+    coordinator, peer, stranger = SigningKey.generate(), SigningKey.generate(), SigningKey.generate()
+    validator = RunValidator(RUN, coordinator.public_key)
+    key = matchmaking_key(RUN)
+    now = get_dht_time()
+
+    def declared(signer: SigningKey, certificate: bytes = b"", expires_at: float = now + 5) -> tuple:
+        value = seal_declaration(signer, key, looking=True, expires_at=expires_at, certificate=certificate)
+        return value, expires_at, PeerID.from_base58(signer.peer_id).to_bytes()
+
+    def accepted(value: bytes, expires_at: float, subkey: bytes) -> bool:
+        return validator.validate(_record(key, value, expires_at, subkey))
+
+    assert accepted(*declared(peer, _certificate(coordinator, peer))), "a certified peer declares"
+    refused = {
+        "no certificate": declared(stranger),
+        "another peer's certificate": declared(stranger, _certificate(coordinator, peer)),
+        "a certificate of another coordinator": declared(
+            stranger, _certificate(SigningKey.generate(), stranger)
+        ),
+        "a certificate of another run": declared(stranger, _certificate(coordinator, stranger, run_id="x")),
+        "an expired certificate": declared(stranger, _certificate(coordinator, stranger, ttl_s=1e-3)),
+        "a declaration outliving its certificate": declared(
+            stranger, _certificate(coordinator, stranger, ttl_s=2.0), expires_at=now + 5
+        ),
+    }
+    for what, (value, expires_at, subkey) in refused.items():
+        assert not accepted(value, expires_at, subkey), f"{what} was stored"
+        with pytest.raises(SwarmError):  # readers check again: an attacker's node answers with anything
+            open_declaration(
+                key, subkey, value, expires_at, run_id=RUN, coordinator_key=coordinator.public_key
+            )
+    # Without a coordinator (a local run with no admission) a valid signature is enough.
+    value, expires_at, subkey = declared(stranger)
+    assert RunValidator(RUN, None).validate(_record(key, value, expires_at, subkey))
 
 
 @pytest.mark.timeout(30)

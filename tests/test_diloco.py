@@ -153,6 +153,50 @@ def test_one_claim_cannot_cut_the_window_short_and_a_laggard_holds_it_at_most_tw
             dht.shutdown()
 
 
+class StepLiar(DilocoTrainer):
+    """An admitted peer whose signed group entry claims the next outer step (issue 25 item 3)."""
+
+    def _round_extra(self) -> dict:
+        return {**super()._round_extra(), "step": self.step + 1}
+
+
+def test_a_member_claiming_another_outer_step_is_excluded_and_the_round_goes_on_without_it():
+    """Before, one member's signed entry claiming step s+1 voided every outer round it joined for every
+    member, and nobody was blamed: the honest peers stalled and then caught up to whatever was ahead."""
+    steps = 2
+    run = diloco_run(max_steps=steps)
+    dhts = start_dhts(4)
+    try:
+        honest = peers_for(run, dhts[:3])
+        key = KEYS[dhts[3].peer_id.to_base58()]
+        liar = StepLiar(run, dhts[3], peer_id=key.peer_id, signing_key=key)
+
+        async def scenario() -> None:
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(t.run(stop)) for t in [*honest, liar]]
+            deadline = time.monotonic() + 90
+            try:
+                while not all(t.finished for t in honest):
+                    assert time.monotonic() < deadline, f"honest steps {[t.step for t in honest]} after 90s"
+                    await asyncio.sleep(0.2)
+            finally:
+                stop.set()
+                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+        asyncio.run(scenario())
+        assert len({t.state_hash for t in honest}) == 1, "the honest peers hold the same bits"
+        metrics = [t.metrics() for t in honest]
+        assert all(t.step == steps for t in honest), metrics
+        # Every outer step was averaged and applied, none skipped and made up by a download.
+        assert all(m["outer_steps"] == steps and m["resyncs"] == 0 for m in metrics), metrics
+        for trainer in honest:
+            reason = trainer.policy.refusal(liar.peer_id)
+            assert reason is not None and "claims outer step" in reason, reason
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
 def test_a_late_joiner_downloads_the_synced_state_with_the_outer_momentum():
     steps = 6
     run = diloco_run(max_steps=steps, min_group_size=2)

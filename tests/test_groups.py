@@ -17,6 +17,7 @@ from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody, GroupRefused, ch
 from swarm.averaging.policy import PeerPolicy
 from swarm.byzantine.attacks import make_attack
 from swarm.byzantine.group_attacks import _with_commitment, attacking_averager
+from swarm.training.diloco import outer_step_misfit
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,6 +80,23 @@ def test_a_member_whose_entry_fails_is_excluded_with_the_reason(ids, forge, reas
     group = check(ids, gathered)
     assert ids[1].peer_id not in group.peer_ids and len(group.peer_ids) == 2
     assert reason in group.excluded[ids[1].peer_id]
+
+
+def test_every_member_at_the_step_excludes_the_same_misfit_and_keeps_the_rest(ids):
+    """The rule DiLoCo applies to signed outer steps: each honest member, from the same signed bytes,
+    keeps the same members; the misfit is named for suspicion."""
+    gathered = [entry(k, extra={"step": 4}) for k in ids]
+    for claim in (5, 3, True, "4", None):  # True == 1 in Python, but it is no step
+        gathered[1] = entry(ids[1], extra={} if claim is None else {"step": claim})
+        for me in (0, 2):
+            group = check_group(
+                [k.peer_id for k in ids], gathered, me=ids[me].peer_id, my_entry=gathered[me],
+                leader=ids[0].peer_id, prefix=PREFIX, schema_hash=SCHEMA, signed=True, refusal=lambda p: None,
+                max_age_s=60.0, fits=lambda e: outer_step_misfit(e.extra, {"step": 4}),
+            )  # fmt: skip
+            assert group.peer_ids == [ids[0].peer_id, ids[2].peer_id], claim
+            assert f"claims outer step {claim}, not this round's 4" in group.misfits[ids[1].peer_id]
+            assert group.excluded.keys() == group.misfits.keys() == {ids[1].peer_id}
 
 
 def test_a_stale_entry_is_excluded(ids):

@@ -1,22 +1,23 @@
-"""Whom a member avoids after a broken round: never an honest peer framed by its leader, and not forever.
+"""Whom a member avoids after a broken round, and not forever.
 
-A leader may list an absent honest peer with that peer's entry from an earlier group. The peer answers
-that it knows no such round; its groupmates used to avoid it as a failed reducer, so a leader could
-take honest peers out of matchmaking at will and never be blamed. Now that answer counts against the
-leader. Suspects are kept in a bounded map, and a repeat offender is avoided longer each time.
+A member that answers that it knows no such round was listed with its own signed, fresh entry in a group
+every member checked: it joined and walked away. Before, that answer counted against the leader and the
+denied part was never repaired, so one such member failed every round it joined and got honest leaders
+avoided; now the denier is avoided and its part is repaired like a withheld one. Suspects are kept in a
+bounded map, and a repeat offender is avoided longer each time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from helpers import KEYS, start_dhts
-from hivemind.p2p import PeerID
 
-from swarm.averaging.averager import Averager, GroupRound
+from protocols import averaging_pb2 as apb
+from swarm.averaging.averager import Averager, RunMatchmaking
 from swarm.averaging.policy import MAX_SUSPECT_S, MAX_SUSPECTS, SUSPECT_S, PeerPolicy, Suspects
 
 pytestmark = pytest.mark.timeout(120)
@@ -89,62 +90,84 @@ def test_the_suspects_stay_bounded_and_the_oldest_offence_goes_first():
     assert policy.refusal("sybil0") is None and policy.refusal(f"sybil{MAX_SUSPECTS + 49}") is not None
 
 
-def test_a_peer_that_knows_no_such_round_counts_against_the_leader_that_listed_it():
+def test_a_peer_that_knows_no_such_round_counts_against_itself_not_the_leader():
     policy = PeerPolicy(None, "run")
-    policy.blame_round(["withholder"], ["honest"], me="follower", leader="leader")
-    assert policy.refusal("honest") is None, "the peer the leader listed is not avoided"
-    assert "listed honest" in policy.refusal("leader", as_leader=True)
-    assert policy.refusal("leader") is None, "the leader may still be a member"
+    policy.blame_round(["withholder"], ["denier"])
+    assert "said it knows no such round" in policy.refusal("denier")
+    assert policy.refusal("leader") is None and policy.refusal("leader", as_leader=True) is None
     assert "did not deliver" in policy.refusal("withholder"), "a reducer that took the round stays a suspect"
-    leading = PeerPolicy(None, "run")  # the leader gathered the entries itself: the member lies
-    leading.blame_round([], ["liar"], me="leader", leader="leader")
-    assert "knows no such round" in leading.refusal("liar")
 
 
-# --- real peers: a leader lists an absent honest peer --------------------------------------------------
+# --- real peers: a member joins through matchmaking, then denies the round ------------------------------
 
 NUMEL = 4096
 
 
-class Announced(Averager):
-    """A member handed the group a malicious leader announced instead of one matchmaking found."""
+class FollowOnly(RunMatchmaking):
+    """Matchmaking that never leads, so the test knows the leader is honest."""
 
-    announced: GroupRound
-
-    async def find_group(self, weight, extra=None, expected_size=None) -> GroupRound:
-        return self.announced
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "client_mode": True})
 
 
-def test_a_leader_listing_an_absent_peer_is_avoided_and_the_absent_peer_is_not():
-    dhts = start_dhts(3)
-    leader, follower, absent = (KEYS[d.peer_id.to_base58()] for d in dhts)
+class Denier(Averager):
+    """An admitted member that joins a group with its signed entry and contributes, but answers every
+    stream to its part NOT_IN_GROUP, as an honest peer that left the group would (issue 25 item 4)."""
+
+    matchmaking_type = FollowOnly
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.route_part = self._deny
+
+    async def _deny(self, stream, sender) -> AsyncIterator[apb.PartChunk]:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(stream.__anext__(), timeout=self.sender_timeout_s)
+        yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="no averaging round with this group ID here")
+
+
+def test_a_member_that_denies_the_round_is_blamed_and_its_part_repaired(keyed_dhts):
+    generator = torch.Generator().manual_seed(0)
+    honest_inputs = [torch.randn(NUMEL, generator=generator) for _ in range(2)]
+    mean = (honest_inputs[0] + honest_inputs[1]) / 2
+    # The denier sends the honest mean, so every part's result is that mean whether it counts or not.
+    inputs = [*honest_inputs, mean.clone()]
+    denier = keyed_dhts[2][1].peer_id
 
     async def scenario():
         averagers = [
-            Announced(dht, prefix="suspicion", numel=NUMEL, signing_key=KEYS[dht.peer_id.to_base58()],
-                      data_plane=False, sender_timeout_s=1.0, averaging_timeout_s=15.0)
-            for dht in dhts
-        ]  # fmt: skip
+            (Denier if i == 2 else Averager)(
+                dht,
+                prefix="denial",
+                numel=NUMEL,
+                signing_key=key,
+                matchmaking_time_s=1.0,
+                sender_timeout_s=1.0,
+                averaging_timeout_s=15.0,
+                data_plane=False,
+            )  # fmt: skip
+            for i, (dht, key) in enumerate(keyed_dhts)
+        ]
         for averager in averagers:
             await averager.start()
-        group = GroupRound(
-            os.urandom(16), [PeerID.from_base58(k.peer_id) for k in (leader, follower, absent)],
-            [1.0] * 3, [{}] * 3, [None] * 3, leader=leader.peer_id,
-        )  # fmt: skip
-        for averager in averagers[:2]:
-            averager.announced = group
-        # The absent peer is up and serving, but looks for no group: it answers BAD_GROUP.
-        outcomes = await asyncio.gather(*[a.average(torch.ones(NUMEL), 1.0) for a in averagers[:2]])
-        for averager in averagers:
-            await averager.shutdown()
-        return outcomes, averagers[1].policy
+        try:
+            return await asyncio.gather(
+                *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, inputs, strict=True)]
+            ), averagers
+        finally:
+            for averager in averagers:
+                await averager.shutdown()
 
-    try:
-        outcomes, policy = asyncio.run(scenario())
-    finally:
-        for dht in dhts:
-            dht.shutdown()
-    _, result = outcomes[1]
-    assert not result.complete and result.denied_by == [absent.peer_id] and result.failed_reducers == []
-    assert policy.refusal(absent.peer_id) is None, "the honest peer the leader listed stays eligible"
-    assert f"listed {absent.peer_id}" in policy.refusal(leader.peer_id, as_leader=True)
+    outcomes, averagers = asyncio.run(scenario())
+    (group, first), (_, second) = outcomes[:2]
+    assert denier in [p.to_base58() for p in group.peer_ids], "the denier was listed in the group"
+    assert group.leader != denier
+    assert first.denied_by == second.denied_by == [denier]
+    assert first.complete and second.complete, "the denied part was repaired by its substitute"
+    assert torch.equal(first.vector, second.vector), "the honest peers hold the same bits"
+    assert torch.allclose(first.vector, mean, atol=2e-3)
+    for averager in averagers[:2]:
+        assert "said it knows no such round" in averager.policy.refusal(denier)
+        assert averager.policy.refusal(group.leader, as_leader=True) is None, (
+            "the honest leader is not blamed"
+        )

@@ -4,7 +4,8 @@
 - ``validation``: checks on a groupmate's contribution (size, dtype, finite, norm) and fair weights
 - ``aggregators``: the pluggable rule each reducer applies to its part (``centered_clip``, ``mean``, ...)
 - ``groups``: signed matchmaking entries and the checks on a group before its round
-- ``declarations``: signed matchmaking declarations under one fixed DHT key per averaging prefix
+- ``declarations``: signed, certified matchmaking declarations under one fixed DHT key per averaging prefix
+- ``matchmaking``: ``RunMatchmaking``, hivemind's matchmaking held to the peer policy
 - ``policy``: ``PeerPolicy``, who a peer may average with (certified, not banned, not a suspect)
 - ``evidence``: what round members sign, the run's chunk layout, and evidence a third party can judge
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits

@@ -51,9 +51,9 @@ from swarm.averaging.allreduce import (
 )
 from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
 from swarm.averaging.deadlines import Throughput, round_mbit, transfer_deadline_s
-from swarm.averaging.declarations import SignedGroupKeyManager
 from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
 from swarm.averaging.groups import (
+    EntryFit,
     GroupEntryBody,
     GroupRefused,
     VerifiedGroup,
@@ -61,12 +61,14 @@ from swarm.averaging.groups import (
     enough_reducers,
     make_entry,
 )
+from swarm.averaging.matchmaking import RunMatchmaking
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.rounds import PartRouter, RoundRegistry
 from swarm.averaging.transport import MAX_CONNECTIONS_PER_PEER, DataPlane, announce_host
 from swarm.averaging.verification import Accuser, serve_inputs, validate_round
 from swarm.inbound import SMALL_REQUEST_BYTES, UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.ratelimit import RateLimiter
+from swarm.records import RecordSigner
 
 logger = logging.getLogger(__name__)
 
@@ -125,51 +127,6 @@ class AveragingServicer(BoundedServicer):
             yield message
 
 
-class RunMatchmaking(Matchmaking):
-    """hivemind's matchmaking that neither leads nor follows a peer its ``PeerPolicy`` refuses
-    (uncertified, banned or suspect), and remembers who led the last group it was in."""
-
-    def __init__(
-        self, p2p, schema_hash, dht, *, policy: PeerPolicy, signing_key: SigningKey | None, **kwargs
-    ):
-        super().__init__(p2p, schema_hash, dht, **kwargs)
-        self.policy = policy
-        self.leader: PeerID | None = None
-        if signing_key is not None:  # the run's DHT nodes refuse hivemind's unsigned declarations
-            self.group_key_manager = SignedGroupKeyManager(
-                dht, self._prefix, self.target_group_size, signing_key
-            )
-
-    async def rpc_join_group(self, request, context):
-        # Bounded well inside the follower's wait for our first answer.
-        await self.policy.admit([context.remote_id.to_base58()], timeout_s=self.request_timeout / 2)
-        async for message in super().rpc_join_group(request, context):
-            yield message
-
-    def _check_reasons_to_reject(self, request, context):
-        reason = self.policy.refusal(context.remote_id.to_base58())
-        if reason is not None:
-            logger.debug(f"refusing {context.remote_id} as a follower: {reason}")
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        return super()._check_reasons_to_reject(request, context)
-
-    async def _request_join_group(self, leader: PeerID):
-        await self.policy.admit([leader.to_base58()], timeout_s=self.request_timeout)
-        reason = self.policy.refusal(leader.to_base58(), as_leader=True)
-        if reason is not None:
-            logger.debug(f"not following {leader}: {reason}")
-            return None
-        return await super()._request_join_group(leader)
-
-    async def leader_assemble_group(self):
-        self.leader = self.peer_id
-        return await super().leader_assemble_group()
-
-    async def follower_assemble_group(self, leader: PeerID, msg):
-        self.leader = leader
-        return await super().follower_assemble_group(leader, msg)
-
-
 class Averager:
     """A peer's averaging under one prefix: matchmaking, the butterfly all-reduce, and its handlers.
 
@@ -191,6 +148,7 @@ class Averager:
         max_weight: the largest weight (sample count) a member may declare; larger ones are capped.
         runner_type: the all-reduce class (tests pass a subclass that misbehaves).
         signing_key: signs this peer's group entry and round inputs; None only in unsigned tests.
+        record_signer: signs its matchmaking declarations with its certificate (default: none attached).
         data_host, data_port, data_announce_host: the TCP data plane's listen address and the host
             announced to groupmates.
         upload_limiter: the peer's shared upload token bucket.
@@ -234,6 +192,7 @@ class Averager:
         data_plane: bool = True,
         client_mode: bool = False,
         min_reducers: int = 1,
+        record_signer: RecordSigner | None = None,
     ):
         self.dht, self.prefix, self.numel = dht, prefix.replace(".", "_"), numel
         self.aggregator = get_aggregator(aggregator, aggregator_options)
@@ -243,6 +202,9 @@ class Averager:
         self.max_weight = max_weight
         self.runner_type = runner_type
         self.signing_key, self.data_host, self.data_port = signing_key, data_host, data_port
+        if record_signer is None and signing_key is not None:
+            record_signer = RecordSigner(signing_key)
+        self.record_signer = record_signer
         self.data_announce_host = data_announce_host
         self.data_plane: DataPlane | None = None
         self.use_data_plane = data_plane
@@ -343,7 +305,7 @@ class Averager:
             request_timeout=max(0.5, self.matchmaking_time_s / 2),
             client_mode=self.client_mode,
             policy=self.policy,
-            signing_key=self.signing_key,
+            signer=self.record_signer,
         )
         if self.signing_key is not None and self.use_data_plane:
             await self._start_data_plane()
@@ -383,14 +345,19 @@ class Averager:
                 await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
 
     async def find_group(
-        self, weight: float, extra: dict | None = None, expected_size: int | None = None
+        self,
+        weight: float,
+        extra: dict | None = None,
+        expected_size: int | None = None,
+        fits: EntryFit | None = None,
     ) -> GroupRound | None:
         """Gather with the peers looking for a group now; None when no group formed in time.
 
         hivemind's leader assembles as soon as it has ``min_group_size`` members once its window opens,
         so the minimum is 2: a peer that trains alone uses ``solo_group`` instead of matchmaking. With
         ``expected_size`` (the peers the caller knows to be ready for this round) a leader assembles the
-        moment that many have joined, rather than waiting out the window.
+        moment that many have joined, rather than waiting out the window. A member whose signed entry
+        ``fits`` refuses is excluded and suspected (``groups.check_group``).
         """
         self._nonce = os.urandom(32)
         body = GroupEntryBody(
@@ -428,9 +395,9 @@ class Averager:
             return None
         if info is None:
             return None
-        return await self._checked(info)
+        return await self._checked(info, fits)
 
-    async def _checked(self, info) -> GroupRound | None:
+    async def _checked(self, info, fits: EntryFit | None = None) -> GroupRound | None:
         """The group with only members whose signed entries hold; None when it must be left."""
         peers = {p.to_base58(): p for p in info.peer_ids}
         names = [p.to_base58() for p in info.peer_ids]
@@ -441,7 +408,7 @@ class Averager:
             group: VerifiedGroup = check_group(
                 names, info.gathered, me=self.peer_id.to_base58(), my_entry=self._entry, leader=leader,
                 prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
-                refusal=self.policy.refusal, max_age_s=self.entry_max_age_s,
+                refusal=self.policy.refusal, max_age_s=self.entry_max_age_s, fits=fits,
             )  # fmt: skip
         except GroupRefused as e:
             logger.warning(f"leaving group {short}: {e.reason}; retrying without {e.culprit}")
@@ -450,6 +417,8 @@ class Averager:
             return None
         for peer, reason in group.excluded.items():
             logger.warning(f"excluding {peer} from group {short}: {reason}")
+            if peer in group.misfits:  # it signed what it claims: the round goes on without it
+                self.policy.suspect(peer, reason)
         if len(group.peer_ids) < 2:
             logger.info(f"leaving group {short}: fewer than 2 members with valid entries")
             return None
@@ -486,18 +455,20 @@ class Averager:
         alone: bool = False,
         expected_size: int | None = None,
         out: torch.Tensor | None = None,
+        fits: EntryFit | None = None,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 
         Alone, the vector still goes through the wire encoding, so a solo step applies exactly what a
         group of one would. ``out`` (float32, ``numel`` values) receives the result instead of a new
-        tensor; it holds garbage where parts of an incomplete round are missing.
+        tensor; it holds garbage where parts of an incomplete round are missing. ``fits``: see
+        ``find_group``.
         """
         async with self._lock:
             if alone:
                 group = self.solo_group(weight, extra)
             else:
-                group = await self.find_group(weight, extra, expected_size)
+                group = await self.find_group(weight, extra, expected_size, fits)
             if group is None:
                 return None
             runner = self.runner_type(
@@ -531,10 +502,8 @@ class Averager:
                 self.link.observe(*runner.send_sample())
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
-            # The retry forms without a reducer that did not deliver, or a leader that listed an absent peer.
-            self.policy.blame_round(
-                result.failed_reducers, result.denied_by, me=self.peer_id.to_base58(), leader=group.leader
-            )
+            # The retry forms without a reducer that did not deliver or denied the round.
+            self.policy.blame_round(result.failed_reducers, result.denied_by)
             if result.complete and len(group.peer_ids) > 1:
                 self._verify_later(runner)
             return group, result

@@ -21,6 +21,7 @@ from swarm.averaging.verification import Accuser
 from swarm.byzantine.group_attacks import GroupAttack, attacking_averager
 from swarm.config import RunConfig
 from swarm.ratelimit import RateLimiter
+from swarm.records import RecordSigner
 
 
 def build_averager(
@@ -39,11 +40,13 @@ def build_averager(
     data_port: int = 0,
     data_announce_host: str | None = None,
     client_mode: bool = False,
+    record_signer: RecordSigner | None = None,
 ) -> Averager:
     """The averager of one role of ``run`` (the data-parallel trainer, or one pipeline stage's replicas).
 
     ``max_weight`` (default: the run's target batch) caps what one member may claim. ``client_mode``:
-    this peer cannot be dialed (it is behind NAT), so it joins groups but never leads one. A rehearsed
+    this peer cannot be dialed (it is behind NAT), so it joins groups but never leads one.
+    ``record_signer`` attaches the peer's certificate to its matchmaking declarations. A rehearsed
     ``attack`` on the group itself (``swarm.byzantine.group_attacks``) gets the averager that mounts it.
     """
     training = run.training
@@ -71,6 +74,7 @@ def build_averager(
         data_port=data_port,
         data_announce_host=data_announce_host,
         client_mode=client_mode,
+        record_signer=record_signer,
         # Enough members that can be dialed to reduce, so that in a group of the run's minimum size with
         # an honest majority, at least one reducer is honest.
         min_reducers=(training.min_group_size + 1) // 2,

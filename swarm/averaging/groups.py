@@ -11,7 +11,11 @@ stage. Before a round every member checks the group the leader announced (``chec
   one that is not makes the group be left, naming it;
 - every entry opens: signed by its member, fresh, with a 32-byte commitment and sane fields. A member
   whose entry fails is excluded from the round (every honest member excludes the same ones, since they
-  all see the same bytes), not kept with weight 0.
+  all see the same bytes), not kept with weight 0;
+- every entry fits the round (``fits``: in DiLoCo, the member's signed outer step is this peer's). A
+  member whose signed entry does not fit is excluded and suspected (``VerifiedGroup.misfits``), and the
+  round goes on among the rest: every member at the round's step computes the same exclusion from the
+  same signed bytes, so one member's claim no longer voids the round for all.
 
 Each entry also says whether its member can be dialed. One that cannot (behind NAT) reduces no part of
 the round (``evidence.split_bounds``). The flag is signed, so a leader cannot flip it; a member that
@@ -59,6 +63,10 @@ class GroupEntryBody(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict, max_length=MAX_EXTRA_KEYS, description="caller's")
 
 
+# Why a member's signed entry does not fit the round (None: it does); see ``check_group``.
+EntryFit = Callable[[GroupEntryBody], "str | None"]
+
+
 class GroupRefused(SwarmError):
     """The group as announced cannot be used; ``culprit`` is the peer to avoid in the retry."""
 
@@ -74,6 +82,7 @@ class VerifiedGroup:
     peer_ids: list[str]
     entries: list[GroupEntryBody]
     excluded: dict[str, str] = field(default_factory=dict)
+    misfits: dict[str, str] = field(default_factory=dict)  # signed entries that do not fit the round
 
     @property
     def reducers(self) -> list[bool]:
@@ -141,6 +150,7 @@ def check_group(
     signed: bool,
     refusal: Callable[[str], str | None],
     max_age_s: float,
+    fits: EntryFit | None = None,
 ) -> VerifiedGroup:
     """Check a group as its leader announced it (see the module docstring); raises ``GroupRefused``."""
     if len(peer_ids) != len(gathered):
@@ -169,6 +179,10 @@ def check_group(
             )
         except SwarmError as e:
             group.excluded[peer] = str(e)
+            continue
+        misfit = None if fits is None or peer == me else fits(entry)
+        if misfit is not None:
+            group.misfits[peer] = group.excluded[peer] = f"its signed entry {misfit}"
             continue
         group.peer_ids.append(peer)
         group.entries.append(entry)

@@ -228,22 +228,18 @@ class PeerPolicy:
         """
         self.suspects.add(peer_id, reason, leader_only=leader_only)
 
-    def blame_round(
-        self, failed: Iterable[str], denied: Iterable[str], *, me: str, leader: str | None
-    ) -> None:
+    def blame_round(self, failed: Iterable[str], denied: Iterable[str]) -> None:
         """Suspect whoever broke a round of this peer: a reducer that took it and did not deliver (``failed``)
-        and, for each reducer that said it knows no such round (``denied``), the leader who listed it.
+        and a reducer that said it knows no such round (``denied``).
 
-        A leader may list an absent peer with an entry from an earlier group, and a follower cannot tell that
-        from a member that joined and then denied it; the leader can, since it gathered the entries itself.
+        A denier was listed with its own signed, fresh entry in a group every member checked
+        (``groups.check_group``), so it joined and then walked away (or left a group the others kept): the
+        fault is its own, not the leader's, and its part is repaired like a withheld one (``repair``).
         """
         for peer in failed:
             self.suspect(peer, "did not deliver its part of a round")
         for peer in denied:
-            if leader is None or leader in (me, peer):
-                self.suspect(peer, "was in the group, then said it knows no such round")
-            else:
-                self.suspect(leader, f"listed {peer}, which said it knows no such round", leader_only=True)
+            self.suspect(peer, "was in the group with its signed entry, then said it knows no such round")
 
     # --- the rule ------------------------------------------------------------------------------------
 

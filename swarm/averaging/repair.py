@@ -1,7 +1,8 @@
 """Rounds that finish despite a withholder: a part whose reducer did not deliver is re-reduced in the round.
 
 When the reducer of part ``p`` fails a sender (silence, a broken stream, an answer that does not hold
-up; not a denial that it is in the round, which puts the group itself in doubt), the sender turns to
+up, or a first answer that it knows no such round: it is listed with its own signed entry, so a denial
+is a withholding like any other), the sender turns to
 ``p``'s *substitute*: the next member after ``p``, in member order, that reduces
 a part (``substitute``). It streams the substitute the same signed contributions to ``p`` it sent the
 reducer (Ed25519 signs the same bytes the same), and takes back ``p``'s aggregate:
@@ -20,7 +21,8 @@ A re-reduced part is checked by validators like any other: its answers name the 
 signer (``ButterflyAllReduce.signers``), the substitute shows the inputs it aggregated, and the evidence
 names it (``RoundEvidence.signer``). Reveals wait for repairs (a sender's phase one ends only once every
 part arrived, by either path, or failed), so the substitute, like a reducer, signs before it can know
-the draw. The reducer that did not deliver is still reported and avoided (``failed_reducers``).
+the draw. The reducer that did not deliver is still reported and avoided (``failed_reducers``, or
+``denied_by`` for a denial).
 
 What a repair cannot do: any member (an attacker too) can veto it by not asking, and a reducer that
 delivers to some members but not to the substitute leaves the rest with an incomplete round, to retry or

@@ -162,10 +162,9 @@ class PartSender:
             # its stream to us yet, and would otherwise hold our part for the whole silence deadline.
             self._drop(part, f"failed as reducer: {e!r}")
             (self.denied_by if denied else self.failed_reducers).append(peer.to_base58())
-            # The part may still come, from its substitute, before this peer reveals (see ``repair``).
-            # Not when the reducer denies the round: then the group itself is in doubt (its leader may
-            # have listed an absent member), and the round fails and the leader is avoided.
-            if not denied and await self._recover(part):
+            # The part may still come, from its substitute, before this peer reveals (see ``repair``); a
+            # denial too: the denier is listed with its own signed entry in a group every member checked.
+            if await self._recover(part):
                 logger.info(f"part {part} of round {self.group_id.hex()[:8]} came from its substitute")
             self._settle(part)
             return

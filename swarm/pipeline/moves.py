@@ -170,6 +170,7 @@ class StageMoves:
             self.config, self.dht, prefix=stage_prefix(self.config.run_id, index), numel=numel,
             signing_key=self.signing_key, policy=self.policy, upload_limiter=self.upload_limiter,
             accuse=self.accuse, max_weight=4.0 * self.config.training.target_batch_size,  # trainers overshoot
+            record_signer=self.records,
         )  # fmt: skip
 
     async def _unserve(self) -> None:

@@ -138,6 +138,7 @@ class Trainer(CatchUp):
             run, dht, prefix=run.run_id, numel=self.numel, signing_key=signing_key, policy=self.policy,
             upload_limiter=upload_limiter, accuse=accuse, attack=attack, data_host=data_host,
             data_port=data_port, data_announce_host=data_announce_host, client_mode=client_mode,
+            record_signer=self.records,
         )  # fmt: skip
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
         self.step = self.samples = self.micro = 0
@@ -360,10 +361,12 @@ class Trainer(CatchUp):
                 peers = await asyncio.to_thread(self._exact_gradients, vector)
             vector = await asyncio.to_thread(self.attack.contribution, vector, self.step, peers=peers)
             weight = self.attack.weight(weight)
-        extra = {"step": self.step, "state_hash": self.state_hash}
+        extra = self._round_extra()
         # Everyone training at this step is about to look for a group too: assemble once all have joined
         # (never fewer than the run needs; a peer that left only makes the leader wait out its window).
-        expected = max(needed, 1 + sum(1 for p in others if p.step == self.step))
+        # A suspect is refused in matchmaking: waiting for it only holds the group until the window ends.
+        at_step = [p for p in others if p.step == self.step and self.policy.refusal(p.peer_id) is None]
+        expected = max(needed, 1 + len(at_step))
         started = time.monotonic()
         outcome = await self.averager.average(
             vector,
@@ -372,6 +375,7 @@ class Trainer(CatchUp):
             alone=not others and needed == 1,
             expected_size=expected,
             out=self._averaged,
+            fits=lambda entry: self._entry_misfit(entry.extra, extra),
         )
         # Matchmaking plus all-reduce: what a slow link costs this peer (docs/wan.md reads it).
         self._stats["last_round_s"] = time.monotonic() - started
@@ -415,6 +419,15 @@ class Trainer(CatchUp):
         )
         if self.step % self.config.training.validation_every_steps == 0 or self._reached_max():
             await self._evaluate()
+
+    def _round_extra(self) -> dict:
+        """What this peer signs into its group entry for the round at its step."""
+        return {"step": self.step, "state_hash": self.state_hash}
+
+    def _entry_misfit(self, theirs: dict, mine: dict) -> str | None:
+        """Why a groupmate's signed ``extra`` (``mine``: this peer's) does not fit the round, so that every
+        member excludes it before the all-reduce; None: it fits (here, any step: ``_group_usable``)."""
+        return None
 
     def _group_usable(self, group) -> bool:
         """Whether a round's result may be applied to this peer's state. A gradient of a neighbouring step

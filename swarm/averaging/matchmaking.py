@@ -1,0 +1,66 @@
+"""``RunMatchmaking``: hivemind's matchmaking held to the peer's ``PeerPolicy``, declaring with signed,
+certified declarations (``declarations``) under one fixed key per averaging prefix.
+
+``Averager`` builds it; a rehearsed group attack subclasses it (``swarm.byzantine.group_attacks``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+
+from swarm.averaging.declarations import SignedGroupKeyManager
+from swarm.averaging.policy import PeerPolicy
+from swarm.records import RecordSigner
+
+logger = logging.getLogger(__name__)
+
+
+class RunMatchmaking(Matchmaking):
+    """hivemind's matchmaking that neither leads nor follows a peer its ``PeerPolicy`` refuses
+    (uncertified, banned or suspect), and remembers who led the last group it was in."""
+
+    def __init__(self, p2p, schema_hash, dht, *, policy: PeerPolicy, signer: RecordSigner | None, **kwargs):
+        super().__init__(p2p, schema_hash, dht, **kwargs)
+        self.policy = policy
+        self.leader: PeerID | None = None
+        if signer is not None:  # the run's DHT nodes refuse hivemind's unsigned, uncertified declarations
+            self.group_key_manager = SignedGroupKeyManager(
+                dht, self._prefix, self.target_group_size, signer, run_id=policy.run_id,
+                coordinator_key=policy.coordinator_key,
+            )  # fmt: skip
+
+    async def rpc_join_group(self, request, context):
+        # Bounded well inside the follower's wait for our first answer.
+        await self.policy.admit([context.remote_id.to_base58()], timeout_s=self.request_timeout / 2)
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    def _check_reasons_to_reject(self, request, context):
+        reason = self.policy.refusal(context.remote_id.to_base58())
+        if reason is not None:
+            logger.debug(f"refusing {context.remote_id} as a follower: {reason}")
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return super()._check_reasons_to_reject(request, context)
+
+    async def _request_join_group(self, leader: PeerID):
+        await self.policy.admit([leader.to_base58()], timeout_s=self.request_timeout)
+        reason = self.policy.refusal(leader.to_base58(), as_leader=True)
+        if reason is not None:
+            logger.debug(f"not following {leader}: {reason}")
+            return None
+        return await super()._request_join_group(leader)
+
+    async def leader_assemble_group(self):
+        self.leader = self.peer_id
+        return await super().leader_assemble_group()
+
+    async def follower_assemble_group(self, leader: PeerID, msg):
+        self.leader = leader
+        return await super().follower_assemble_group(leader, msg)
+
+
+__all__ = ["RunMatchmaking"]
