@@ -49,10 +49,15 @@ from protocols.errors import (
     SecurityError,
     SwarmError,
 )
-from swarm.config import AdmissionConfig, ComponentSpec, MembershipConfig, RunConfig
-from swarm.identity import load_or_create_identity
 
+# Loaded on first use, so that ``import swarm`` (which every CLI's first import of a submodule runs) stays
+# cheap: ``swarm-peer --help`` needs none of them.
 _LAZY = {
+    "AdmissionConfig": "swarm.config",
+    "ComponentSpec": "swarm.config",
+    "MembershipConfig": "swarm.config",
+    "RunConfig": "swarm.config",
+    "load_or_create_identity": "swarm.identity",
     "build_model": "swarm.models",
     "register_model": "swarm.models",
     "available_models": "swarm.models",
