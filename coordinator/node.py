@@ -124,7 +124,7 @@ class CoordinatorNode:
                 holds_checkpoint=lambda: keeper.latest is not None or bool(keeper.stages),
                 finished_step=lambda: keeper.finished_step,
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
-                outside_dht=keeper.outside_dht,
+                outside_dht=keeper.outside_dht, stage_checkpoint=lambda stage: keeper.stages.get(stage),
             )  # fmt: skip
             self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
             self._server.add_generic_rpc_handlers(
