@@ -81,23 +81,26 @@ class StageCheck:
         forward.attempt, forward.attempt_signature = attempt, signature
         try:
             reply = await self.call(stage, other, "rpc_forward", forward)
+            backward = back = None
+            if first.backward is not None:
+                # Always sent, even after a mismatching forward: the replica counts the micro-batch (the
+                # first replica's copy is superseded) and holds no forward that would delay its step.
+                backward = ppb.BackwardRequest()
+                backward.CopyFrom(first.backward)
+                backward.attempt, backward.attempt_signature = attempt, signature
+                back = await self.call(stage, other, "rpc_backward", backward, forward=forward)
             found = None
             tolerance = self.run.pipeline.verify_tolerance
             if replies_differ(first.forward_reply, reply, self.codec, tolerance):
                 found = StageMismatchEvidence.of(self.run.run_id, stage, self.key.peer_id,
                                                  (first.peer, first.forward, None, first.forward_reply),
                                                  (other, forward, None, reply))  # fmt: skip
-            elif first.backward is not None:
-                backward = ppb.BackwardRequest()
-                backward.CopyFrom(first.backward)
-                backward.attempt, backward.attempt_signature = attempt, signature
-                back = await self.call(stage, other, "rpc_backward", backward, forward=forward)
-                if replies_differ(first.backward_reply, back, self.codec, tolerance):
-                    found = StageMismatchEvidence.of(
-                        self.run.run_id, stage, self.key.peer_id,
-                        (first.peer, first.forward, first.backward, first.backward_reply),
-                        (other, forward, backward, back),
-                    )  # fmt: skip
+            elif back is not None and replies_differ(first.backward_reply, back, self.codec, tolerance):
+                found = StageMismatchEvidence.of(
+                    self.run.run_id, stage, self.key.peer_id,
+                    (first.peer, first.forward, first.backward, first.backward_reply),
+                    (other, forward, backward, back),
+                )  # fmt: skip
         except Exception as e:  # a refusal or failure (the trainer's StageFailure): no check made
             logger.info(f"check of stage {stage} at {other} did not complete: {e}")
             return None
