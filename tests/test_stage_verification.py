@@ -9,16 +9,13 @@ checkpoint of the stage taken from an honest replica's state.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from hivemind.p2p import P2PContext, PeerID
+from test_stage_accusations import serving
 
-from coordinator.service import CoordinatorService
-from coordinator.store import Store
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ProtocolError
 from protocols.keys import SigningKey
@@ -34,7 +31,6 @@ from swarm.pipeline.server import StageServicer
 from swarm.pipeline.trainer import PipelineTrainer, StageFailure
 from swarm.pipeline.verify import check_reply
 from swarm.pipeline.wire import encode_floats, encode_ids
-from swarm.rpc import CHANNEL_OPTIONS
 from swarm.training.state import state_hash, state_tensors
 
 pytestmark = pytest.mark.timeout(90)
@@ -172,21 +168,6 @@ def test_an_unsigned_or_mis_signed_reply_is_refused_and_its_replica_avoided(monk
     with pytest.raises(StageFailure, match="unsigned reply") as failure:
         asyncio.run(pipeline._call(0, keyless.key.peer_id, "rpc_forward", forward))
     assert failure.value.code == ppb.BAD_REQUEST  # the code on which the trainer avoids the server
-
-
-@contextlib.asynccontextmanager
-async def serving(tmp_path: Path, run: RunConfig, checkpoint):
-    store = Store.open_sync(tmp_path / "coordinator.db", run.run_id)
-    service = CoordinatorService(run, SigningKey.generate(), store, [], stage_checkpoint=checkpoint)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}", store
-    finally:
-        await server.stop(grace=0.5)
-        store.close()
 
 
 class Held:
