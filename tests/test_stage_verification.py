@@ -288,3 +288,22 @@ def test_a_reply_computed_with_another_state_convicts_its_replica_without_recomp
             assert answer.banned_peer == drifted.key.peer_id and "other than the agreed" in answer.verdict
 
     asyncio.run(scenario())
+
+
+def test_a_check_reaching_a_replica_that_already_counted_the_microbatch_finds_no_mismatch():
+    """An earlier attempt counted the micro-batch at the second replica: its repeat must answer exactly
+    what a fresh forward answers (it used to add the backward's result and a NaN loss), or the honest
+    trainer would file evidence that convicts an honest replica."""
+    run = run_config()
+    trainer = trainer_key()
+    a, b = Replica(run, 0), Replica(run, 0)
+
+    async def scenario() -> None:
+        check = checker(run, trainer, {a.key.peer_id: a, b.key.peer_id: b})
+        await through(b, trainer, run, 9, seed=9)  # attempt 1 counted at b, then (say) failed downstream
+        first = await through(a, trainer, run, 9, seed=9)
+        assert await check.check(0, b.key.peer_id, 3, first) is None
+        assert await check.check(0, a.key.peer_id, 3, first) is None  # never checked against itself
+        assert check.stats == {"checks": 1, "mismatches": 0}
+
+    asyncio.run(scenario())

@@ -73,6 +73,8 @@ class StageCheck:
         return None
 
     async def check(self, stage: int, other: str, attempt: int, first: StageCall) -> object | None:
+        if other == first.peer:
+            return None  # its repeat answers what it answered: no check, and no evidence the judge takes
         self.stats["checks"] += 1
         signature = sign_attempt(self.key, self.run.run_id, stage, first.forward.step,
                                  first.forward.microbatch_id, attempt)  # fmt: skip

@@ -212,8 +212,9 @@ class PipelineTrainer:
     def _choose_other(self, stage: int, step: int, peer: str) -> str | None:
         """A second replica of ``stage`` at ``step`` to check ``peer``'s answer against."""
         now = time.monotonic()
-        avoid = {p for p, until in self.avoid.items() if until > now} | {peer}
-        record = pick_server(self.view.replicas(stage, step), self.rng, avoid=avoid, measured=self.measured)
+        avoid = {p for p, until in self.avoid.items() if until > now}
+        others = [r for r in self.view.replicas(stage, step) if r.peer_id != peer]
+        record = pick_server(others, self.rng, avoid=avoid, measured=self.measured)
         return record.peer_id if record else None
 
     async def _call(self, stage: int, peer: str, method: str, request, forward=None):
