@@ -307,3 +307,52 @@ def test_a_check_reaching_a_replica_that_already_counted_the_microbatch_finds_no
         assert check.stats == {"checks": 1, "mismatches": 0}
 
     asyncio.run(scenario())
+
+
+def last_stage_forward(run: RunConfig, microbatch_id: int, seed: int, *, inference: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(BATCH, 32, 32, generator=generator)
+    targets = torch.randint(0, 256, (BATCH, 32), generator=generator)
+    return ppb.ForwardRequest(run_id=run.run_id, stage=1, step=0, microbatch_id=microbatch_id, attempt=1,
+                              inputs=encode_floats(hidden, get_codec(run.training.compression)),
+                              targets=encode_ids(targets), inference=inference)  # fmt: skip
+
+
+def test_a_trainer_cannot_frame_an_honest_replica_with_an_inference_answer_or_a_repeat(tmp_path: Path):
+    """Two honest answers that differ for a reason other than a wrong computation: an inference answer
+    beside a training one, and a repeat (answered from the micro-batch's first inputs) beside an answer
+    to other inputs. Each signature names what the reply really answered, so the framer is banned."""
+    run = run_config()
+    framer = trainer_key()
+    a, b = Replica(run, 1), Replica(run, 1)
+    held = Held(a.replica)
+
+    async def scenario() -> list[str]:
+        training = last_stage_forward(run, 11, seed=11)
+        inference = last_stage_forward(run, 11, seed=11, inference=True)
+        answer_b = await b.call(framer, "rpc_forward", training)
+        answer_a = await a.call(framer, "rpc_forward", inference)
+        by_inference = StageMismatchEvidence.of(
+            RUN, 1, framer.peer_id, (a.key.peer_id, training, None, answer_a), (b.key.peer_id, training, None, answer_b)
+        )  # fmt: skip
+        await a.call(framer, "rpc_forward", last_stage_forward(run, 12, seed=12))  # counted: its first inputs
+        other = last_stage_forward(run, 12, seed=13)
+        repeat_a = await a.call(framer, "rpc_forward", other)  # a repeat: the first answer again
+        answer_b = await b.call(framer, "rpc_forward", other)
+        by_repeat = StageMismatchEvidence.of(
+            RUN, 1, framer.peer_id, (a.key.peer_id, other, None, repeat_a), (b.key.peer_id, other, None, answer_b)
+        )  # fmt: skip
+        verdicts = []
+        for i, evidence in enumerate((by_inference, by_repeat)):
+            async with serving(tmp_path / str(i), run, lambda stage: held) as (address, store), \
+                    CoordinatorClient(address) as client:  # fmt: skip
+                for j, key in enumerate((framer, a.key, b.key)):
+                    await client.join(key, RUN, name=f"peer{j}", device="cpu")
+                answer = await client.accuse(framer, RUN, accused=a.key.peer_id, reason="framed",
+                                             evidence=evidence.to_bytes())  # fmt: skip
+                assert answer.banned_peer == framer.peer_id, answer.verdict
+                verdicts.append(answer.verdict)
+        return verdicts
+
+    verdicts = asyncio.run(scenario())
+    assert all("mis-signed" in v for v in verdicts), verdicts

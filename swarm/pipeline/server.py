@@ -88,7 +88,14 @@ class StageServicer(BoundedServicer):
         r = self.replica
         if kind == "forward":
             seed_forward(r.run.run_id, r.index, request, caller)
-            reply, forward, backward = r.forward(request, caller), request, None
+            reply, backward = r.forward(request, caller), None
+            # A repeat answers what the micro-batch's first forward computed: sign what that was sent.
+            held = None if request.inference else r.forwards.get((caller, request.microbatch_id))
+            forward = request
+            if held is not None and held.request is not request:
+                forward = ppb.ForwardRequest()
+                forward.CopyFrom(held.request)
+                forward.attempt = request.attempt
         else:
             reply, backward = r.backward(request, caller), request
             forward = r.forwards[(caller, request.microbatch_id)].request

@@ -58,7 +58,7 @@ def reply_digest(
     call: str, run_id: str, stage: int, step: int, state_hash: str, trainer: str, microbatch_id: int,
     attempt: int, sent: bytes, answer: bytes,
 ) -> bytes:  # fmt: skip
-    """What a replica signs for one reply (``call``: "forward" or "backward")."""
+    """What a replica signs for one reply (``call``: "forward", "inference" or "backward")."""
     head = f"swarm-pipeline-reply\0{call}\0{run_id}\0{stage}\0{step}\0{state_hash}\0{trainer}\0"
     return hashlib.sha256(f"{head}{microbatch_id}\0{attempt}\0".encode() + sent + answer).digest()
 
@@ -70,7 +70,8 @@ def _answer(reply: ppb.ForwardReply | ppb.BackwardReply) -> bytes:
 
 
 def _digest(run_id: str, stage: int, trainer: str, reply, forward, backward) -> bytes:
-    call = "forward" if backward is None else "backward"
+    # An inference answer differs from a training one to the same inputs: the call names which it was.
+    call = "backward" if backward is not None else "inference" if forward.inference else "forward"
     request = forward if backward is None else backward
     return reply_digest(call, run_id, stage, reply.step, reply.state_hash, trainer, request.microbatch_id,
                         request.attempt, sent_sha256(forward, backward), _answer(reply))  # fmt: skip
