@@ -47,11 +47,11 @@ def trainer_key() -> SigningKey:
     return key
 
 
-def run_config(verify_probability: float = 1.0) -> RunConfig:
+def run_config(verify_probability: float = 1.0, stages: int = 2) -> RunConfig:
     return RunConfig(
         run_id=RUN,
-        model={"name": "gpt", "config": {"d_model": 32, "n_layer": 2, "n_head": 2, "seq_len": 32, "dropout": 0.1}},
-        pipeline={"stages": 2, "verify_probability": verify_probability},
+        model={"name": "gpt", "config": {"d_model": 32, "n_layer": 3, "n_head": 2, "seq_len": 32, "dropout": 0.1}},
+        pipeline={"stages": stages, "verify_probability": verify_probability},
         training={"target_batch_size": 4, "micro_batch_size": BATCH},
     )  # fmt: skip
 
@@ -309,46 +309,67 @@ def test_a_check_reaching_a_replica_that_already_counted_the_microbatch_finds_no
     asyncio.run(scenario())
 
 
-def last_stage_forward(run: RunConfig, microbatch_id: int, seed: int, *, inference: bool = False):
+def hidden_forward(run: RunConfig, stage: int, microbatch_id: int, seed: int, *, inference: bool = False):
+    """A forward of activations to ``stage`` (with targets when it is the last)."""
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(BATCH, 32, 32, generator=generator)
     targets = torch.randint(0, 256, (BATCH, 32), generator=generator)
-    return ppb.ForwardRequest(run_id=run.run_id, stage=1, step=0, microbatch_id=microbatch_id, attempt=1,
-                              inputs=encode_floats(hidden, get_codec(run.training.compression)),
-                              targets=encode_ids(targets), inference=inference)  # fmt: skip
+    request = ppb.ForwardRequest(run_id=run.run_id, stage=stage, step=0, microbatch_id=microbatch_id, attempt=1,
+                                 inputs=encode_floats(hidden, get_codec(run.training.compression)), inference=inference)  # fmt: skip
+    if stage == run.pipeline.stages - 1:
+        request.targets.CopyFrom(encode_ids(targets))
+    return request
 
 
 def test_a_trainer_cannot_frame_an_honest_replica_with_an_inference_answer_or_a_repeat(tmp_path: Path):
     """Two honest answers that differ for a reason other than a wrong computation: an inference answer
     beside a training one, and a repeat (answered from the micro-batch's first inputs) beside an answer
     to other inputs. Each signature names what the reply really answered, so the framer is banned."""
-    run = run_config()
+    run = run_config(stages=3)
     framer = trainer_key()
-    a, b = Replica(run, 1), Replica(run, 1)
-    held = Held(a.replica)
+    a, b = Replica(run, 2), Replica(run, 2)  # the last stage
+    c, d = Replica(run, 1), Replica(run, 1)  # a middle stage: its backward answers grad_inputs
+    held = {2: Held(a.replica), 1: Held(c.replica)}
 
     async def scenario() -> list[str]:
-        training = last_stage_forward(run, 11, seed=11)
-        inference = last_stage_forward(run, 11, seed=11, inference=True)
+        training = hidden_forward(run, 2, 11, seed=11)
+        inference = hidden_forward(run, 2, 11, seed=11, inference=True)
         answer_b = await b.call(framer, "rpc_forward", training)
         answer_a = await a.call(framer, "rpc_forward", inference)
         by_inference = StageMismatchEvidence.of(
-            RUN, 1, framer.peer_id, (a.key.peer_id, training, None, answer_a), (b.key.peer_id, training, None, answer_b)
+            RUN, 2, framer.peer_id, (a.key.peer_id, training, None, answer_a), (b.key.peer_id, training, None, answer_b)
         )  # fmt: skip
-        await a.call(framer, "rpc_forward", last_stage_forward(run, 12, seed=12))  # counted: its first inputs
-        other = last_stage_forward(run, 12, seed=13)
+        await a.call(framer, "rpc_forward", hidden_forward(run, 2, 12, seed=12))  # counted: its first inputs
+        other = hidden_forward(run, 2, 12, seed=13)
         repeat_a = await a.call(framer, "rpc_forward", other)  # a repeat: the first answer again
         answer_b = await b.call(framer, "rpc_forward", other)
         by_repeat = StageMismatchEvidence.of(
-            RUN, 1, framer.peer_id, (a.key.peer_id, other, None, repeat_a), (b.key.peer_id, other, None, answer_b)
+            RUN, 2, framer.peer_id, (a.key.peer_id, other, None, repeat_a), (b.key.peer_id, other, None, answer_b)
+        )  # fmt: skip
+        # A backward repeated with another gradient at a middle stage: answered, and signed, as the first.
+        forward = hidden_forward(run, 1, 13, seed=13)
+        await c.call(framer, "rpc_forward", forward)
+        backward = ppb.BackwardRequest(run_id=RUN, stage=1, step=0, microbatch_id=13, attempt=1,
+                                       grad_outputs=grad_outputs(run, seed=13))  # fmt: skip
+        first_c = await c.call(framer, "rpc_backward", backward)
+        backward = ppb.BackwardRequest(run_id=RUN, stage=1, step=0, microbatch_id=13, attempt=1,
+                                       grad_outputs=grad_outputs(run, seed=14))  # fmt: skip
+        repeat_c = await c.call(framer, "rpc_backward", backward)
+        assert repeat_c.grad_inputs == first_c.grad_inputs and repeat_c.grad_inputs.data
+        await d.call(framer, "rpc_forward", forward)
+        answer_d = await d.call(framer, "rpc_backward", backward)
+        by_backward = StageMismatchEvidence.of(
+            RUN, 1, framer.peer_id, (c.key.peer_id, forward, backward, repeat_c),
+            (d.key.peer_id, forward, backward, answer_d),
         )  # fmt: skip
         verdicts = []
-        for i, evidence in enumerate((by_inference, by_repeat)):
-            async with serving(tmp_path / str(i), run, lambda stage: held) as (address, store), \
+        for i, evidence in enumerate((by_inference, by_repeat, by_backward)):
+            async with serving(tmp_path / str(i), run, lambda stage: held[stage]) as (
+                address, store), \
                     CoordinatorClient(address) as client:  # fmt: skip
-                for j, key in enumerate((framer, a.key, b.key)):
+                for j, key in enumerate((framer, a.key, b.key, c.key, d.key)):
                     await client.join(key, RUN, name=f"peer{j}", device="cpu")
-                answer = await client.accuse(framer, RUN, accused=a.key.peer_id, reason="framed",
+                answer = await client.accuse(framer, RUN, accused=evidence.accused, reason="framed",
                                              evidence=evidence.to_bytes())  # fmt: skip
                 assert answer.banned_peer == framer.peer_id, answer.verdict
                 verdicts.append(answer.verdict)
