@@ -16,12 +16,15 @@ from google.protobuf.message import DecodeError
 
 from coordinator.limits import EvidenceBudget
 from protocols import coordinator_pb2 as pb
+from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
 from protocols.messages import AccuseBody
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.compression import get_codec
-from swarm.averaging.evidence import parse_evidence
+from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, parse_evidence
 from swarm.config import RunConfig
+from swarm.pipeline.evidence import KIND as STAGE_KIND
+from swarm.pipeline.evidence import judge_stage
 
 
 class EvidenceReader:
@@ -78,12 +81,21 @@ async def next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> pb
 
 
 def judge(
-    run: RunConfig, layouts: Callable[[], dict[str, int]], data: bytes, accused: str, accuser: str
+    run: RunConfig,
+    layouts: Callable[[], dict[str, int]],
+    data: bytes,
+    accused: str,
+    accuser: str,
+    stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty): the accused if the evidence proves it, else the accuser; nobody
     when the evidence is of an averaging prefix this run does not use, whose layout the coordinator
     cannot know (so it cannot show that the accuser lied either). ``layouts`` (``run_layouts``, which
-    builds the model) is called only for evidence that parses, on the judging thread."""
+    builds the model) is called only for evidence that parses, on the judging thread. Evidence of two
+    stage replicas' different answers goes to ``judge_stage`` with ``stage_checkpoint`` (stage -> the
+    coordinator's checkpoint of it), and may convict either replica."""
+    if _kind(data) == STAGE_KIND:
+        return judge_stage(run, data, accused, accuser, stage_checkpoint)
     training = run.training
     try:
         evidence = parse_evidence(data)
@@ -106,6 +118,14 @@ def judge(
     if verdict is None:
         return "the aggregate is exactly what the rule gives", accuser
     return verdict, accused
+
+
+def _kind(data: bytes) -> object:
+    try:
+        body = unpack(data, what="evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES)
+    except SwarmError:
+        return None
+    return body.get("kind") if isinstance(body, dict) else None
 
 
 def run_layouts(run: RunConfig) -> dict[str, int]:

@@ -140,7 +140,7 @@ class CoordinatorNode:
                 holds_checkpoint=lambda: keeper.latest is not None or bool(keeper.stages),
                 finished_step=lambda: keeper.finished_step,
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
-                outside_dht=keeper.outside_dht,
+                outside_dht=keeper.outside_dht, stage_checkpoint=lambda stage: keeper.stages.get(stage),
             )  # fmt: skip
             # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
             # would split the clients between the two.

@@ -94,11 +94,12 @@ class CoordinatorService:
         finished_step: Callable[[], int | None] = lambda: None,
         checkpoint_step: Callable[[], int | None] = lambda: None,
         outside_dht: Callable[[list[PeerRecord], float], set[str]] = lambda records, now: set(),
+        stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
     ):
         self.config = config
         self.holds_checkpoint = holds_checkpoint
         self.finished_step, self.checkpoint_step = finished_step, checkpoint_step
-        self.outside_dht = outside_dht
+        self.outside_dht, self.stage_checkpoint = outside_dht, stage_checkpoint
         self.key = key
         self.store = store
         self.dht_initial_peers = dht_initial_peers
@@ -421,8 +422,9 @@ class CoordinatorService:
                 raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
             async with self._judging:
                 verdict, guilty = await asyncio.to_thread(
-                    judge, self.config, lambda: self._layouts, evidence, body.accused, sender
-                )
+                    judge, self.config, lambda: self._layouts, evidence, body.accused, sender,
+                    self.stage_checkpoint,
+                )  # fmt: skip
         finally:
             reader.release()
             self._accusing.discard(sender)
@@ -430,7 +432,12 @@ class CoordinatorService:
             raise ProtocolError(
                 f"accusation from {sender} against {body.accused} refused, nobody banned: {verdict}"
             )
-        convicted = guilty == body.accused
+        # Stage evidence may prove the accused's stage-mate wrong instead: the accuser could not tell which.
+        convicted = guilty != sender
+        if convicted and guilty != body.accused and await self.store.get_peer(guilty) is None:
+            raise ProtocolError(
+                f"accusation from {sender}: {guilty} is not a peer of this run; nobody banned"
+            )
         reason = (verdict if convicted else f"false accusation against {body.accused}: {verdict}")[:512]
         # Evidence proves a conviction; a false accusation's "evidence" is whatever its sender chose to send.
         kept = await self.store.ban(

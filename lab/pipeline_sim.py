@@ -43,6 +43,8 @@ def build_pipeline_run(config: SimConfig, base: RunConfig) -> RunConfig:
     data["training"].update(min_group_size=1)
     data["pipeline"] = {"stages": config.stages, "request_timeout_s": 5.0, "announce_interval_s": 0.3,
                         "failed_server_cooldown_s": 3.0, "rebalance_interval_s": 8.0}  # fmt: skip
+    if config.stage_verify_probability is not None:
+        data["pipeline"]["verify_probability"] = config.stage_verify_probability
     return RunConfig.parse(data, source="swarm-sim pipeline run")
 
 
@@ -200,7 +202,8 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
         stages.append({"stage": stage, "replicas": replicas})
     trainer_rows = [{"name": n, "peer_id": rows[n]["peer_id"], **{k: rows[n]["metrics"].get(k, math.nan) for k in (
         "step", "samples_per_s", "microbatches_issued", "microbatches_completed", "microbatches_lost",
-        "microbatches_waiting", "retries", "val_loss", "val_loss_initial")}} for n in trainers]  # fmt: skip
+        "microbatches_waiting", "retries", "val_loss", "val_loss_initial", "stage_checks", "stage_mismatches")}}
+        for n in trainers]  # fmt: skip
     for name in [*servers, *trainers]:
         (servers.get(name) or trainers[name]).signal(signal.SIGTERM)
     honest = [[r for r in s["replicas"] if not r["byzantine"]] for s in stages]
@@ -231,6 +234,8 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
         "duration_s": duration,
         "attack": config.attack,
         "byzantine": byzantine,
+        # Banned replicas' records are ignored, so they are missing from ``stages``: read the coordinator's.
+        "banned": sorted(n for n in rows if rows[n].get("state") == "banned"),
     }
     line = (f"validation loss {initial:.4f} -> {final:.4f} over {config.steps} steps in {duration:.0f}s; "
             f"{result['samples_per_s']:.1f} samples/s; {lost} micro-batches lost ({left_over} left over at the last step); "

@@ -91,6 +91,10 @@ class SimConfig(BaseModel):
         description="the stage the killed server's replacement joins (default: the killed server's stage); "
         "another stage leaves the killed one short, so the swarm must rebalance",
     )  # fmt: skip
+    stage_verify_probability: float | None = Field(
+        None, ge=0, le=1, description="pipeline.verify_probability: share of micro-batches a trainer checks "
+        "at a second replica (default: the run's, 0.05)",
+    )  # fmt: skip
     byzantine: int = Field(0, ge=0, le=15, description="how many peers play the attacker named by --attack")
     attack: str | None = Field(None, max_length=64, description="the attack the --byzantine peers mount")
     protocol_attack: str | None = Field(

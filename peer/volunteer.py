@@ -405,7 +405,7 @@ class Volunteer:
         if role == "trainer":
             return await asyncio.to_thread(
                 PipelineTrainer, run, self._dht, peer_id=self.key.peer_id, record_signer=self.records,
-                coordinator_key=self.coordinator_key, attack=self._rehearsed_attack(),
+                coordinator_key=self.coordinator_key, attack=self._rehearsed_attack(), accuse=self._accuser(client),
             )  # fmt: skip
         last = run.pipeline.stages - 1
         if self.config.stage is not None and self.config.stage > last:

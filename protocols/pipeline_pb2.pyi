@@ -70,20 +70,24 @@ class ForwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., inference: _Optional[bool] = ..., attempt: _Optional[int] = ..., attempt_signature: _Optional[bytes] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("code", "error", "step", "outputs", "grad_inputs", "loss")
+    __slots__ = ("code", "error", "step", "outputs", "grad_inputs", "loss", "state_hash", "signature")
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     code: Code
     error: str
     step: int
     outputs: Tensor
     grad_inputs: Tensor
     loss: float
-    def __init__(self, code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., step: _Optional[int] = ..., outputs: _Optional[_Union[Tensor, _Mapping]] = ..., grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ...) -> None: ...
+    state_hash: str
+    signature: bytes
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., step: _Optional[int] = ..., outputs: _Optional[_Union[Tensor, _Mapping]] = ..., grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., state_hash: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("run_id", "stage", "step", "microbatch_id", "grad_outputs", "attempt", "attempt_signature")
@@ -104,13 +108,17 @@ class BackwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., attempt: _Optional[int] = ..., attempt_signature: _Optional[bytes] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("code", "error", "step", "grad_inputs")
+    __slots__ = ("code", "error", "step", "grad_inputs", "state_hash", "signature")
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     code: Code
     error: str
     step: int
     grad_inputs: Tensor
-    def __init__(self, code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., step: _Optional[int] = ..., grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    state_hash: str
+    signature: bytes
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., step: _Optional[int] = ..., grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ..., state_hash: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...

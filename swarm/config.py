@@ -295,6 +295,16 @@ class PipelineConfig(_Section):
         description="a server refuses a trainer's gradient for one micro-batch with a larger L2 norm "
         "(about 1 at initialization for the built-in gpt; the bound stops scaled-up gradients)",
     )  # fmt: skip
+    verify_probability: float = Field(
+        0.05, ge=0, le=1,
+        description="share of micro-batches a trainer repeats at a second replica of one stage to check "
+        "its answer (each check costs one stage's forward and backward again: about p/stages of the compute)",
+    )  # fmt: skip
+    verify_tolerance: float = Field(
+        0.0, ge=0, le=1e3,
+        description="largest difference two replicas' answers may show (0: bit-equal, for one device kind; "
+        "raise it for replicas on mixed device kinds)",
+    )  # fmt: skip
 
     @field_validator("layer_split")
     @classmethod

@@ -91,9 +91,13 @@ def signed_chunk(
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, run: RunConfig) -> AsyncIterator[tuple[str, Store]]:
+async def serving(
+    tmp_path: Path, run: RunConfig, stage_checkpoint=lambda stage: None
+) -> AsyncIterator[tuple[str, Store]]:
+    """The real coordinator service on loopback; ``stage_checkpoint``: its checkpoint of a stage."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     store = Store.open_sync(tmp_path / "coordinator.db", run.run_id)
-    service = CoordinatorService(run, SigningKey.generate(), store, [])
+    service = CoordinatorService(run, SigningKey.generate(), store, [], stage_checkpoint=stage_checkpoint)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers((service.generic_handler(),))
     port = server.add_insecure_port("127.0.0.1:0")

@@ -106,6 +106,10 @@ class Attack:
         """Forward requests a pipeline trainer sends to a stage server just before ``request``."""
         return []
 
+    def stage_reply(self, kind: str, request: Any, reply: Any, replica: Any) -> Any:
+        """The reply a stage replica signs and answers to ``request``, a ``kind`` ("forward"/"backward")."""
+        return reply
+
     @property
     def omniscient(self) -> bool:
         """Whether ``contribution`` wants every peer's exact gradient of the step as ``peers``."""

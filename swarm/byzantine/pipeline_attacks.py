@@ -9,7 +9,9 @@ before it is signed) or what it sends to a stage server:
 - ``forged_retried``: a replica claims a later attempt (``attempt``) of every micro-batch it heard of, so
   that the stage's honest replicas drop what they counted;
 - ``front_runner``: a trainer sends its own data under an honest trainer's micro-batch ID first
-  (``request_as``), so that its data is counted for the honest one and the honest one gets its answer.
+  (``request_as``), so that its data is counted for the honest one and the honest one gets its answer;
+- ``stage_poison``: a replica answers scaled forward outputs and ``grad_inputs`` inflated to the norm
+  bound, signed (``Attack.stage_reply``), for the stage's checks to catch.
 
 Example::
 
@@ -26,6 +28,7 @@ from pydantic import Field
 
 from protocols import pipeline_pb2 as ppb
 from swarm.byzantine.attacks import Attack, AttackOptions, register_attack
+from swarm.pipeline.wire import decode_floats, encode_floats
 
 
 class ThroughputLieOptions(AttackOptions):
@@ -99,3 +102,39 @@ class FrontRunner(Attack):
 
     def front_run(self, request: ppb.ForwardRequest, victim_ids: Sequence[int]) -> list[ppb.ForwardRequest]:
         return [self.request_as(request, v) for v in list(victim_ids)[: self.options.victims]]
+
+
+class StagePoisonOptions(AttackOptions):
+    scale: float = Field(
+        1.5, ge=-1e3, le=1e3, description="factor on the forward outputs the replica answers"
+    )
+    grad_norm_share: float = Field(
+        0.99, ge=0, le=1, description="grad_inputs are answered at this share of the run's norm bound"
+    )
+    share: float = Field(1.0, gt=0, le=1, description="share of micro-batches poisoned (drawn per ID)")
+
+
+@register_attack("stage_poison", StagePoisonOptions)
+class StagePoison(Attack):
+    """A stage replica that answers scaled forward outputs and ``grad_inputs`` inflated to (nearly) the
+    norm bound, and signs them: what the stage's checks must catch."""
+
+    pipeline_role = "stage"
+
+    def _poisoned(self, microbatch_id: int) -> bool:
+        return (microbatch_id * 0x9E3779B97F4A7C15 % (1 << 64)) / (1 << 64) < self.options.share
+
+    def stage_reply(self, kind: str, request, reply: ppb.ForwardReply | ppb.BackwardReply, replica) -> object:
+        if reply.code != ppb.OK or not self._poisoned(request.microbatch_id):
+            return reply
+        if kind == "forward" and reply.outputs.data:
+            values = decode_floats(reply.outputs, replica.codec, list(reply.outputs.shape), what="outputs")
+            reply.outputs.CopyFrom(encode_floats(values * self.options.scale, replica.codec))
+        if reply.grad_inputs.data:
+            values = decode_floats(
+                reply.grad_inputs, replica.codec, list(reply.grad_inputs.shape), what="grads"
+            )
+            bound = self.options.grad_norm_share * replica.run.pipeline.max_grad_output_norm
+            inflated = values * (bound / max(float(values.norm()), 1e-12))
+            reply.grad_inputs.CopyFrom(encode_floats(inflated, replica.codec))
+        return reply

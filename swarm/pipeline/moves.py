@@ -103,7 +103,8 @@ class StageMoves:
     async def _start_serving(self) -> None:
         replica, index = self.replica, self.replica.index
         self._joining_at = None
-        self.servicer = self.servicer_type(replica, self.gate)
+        key = self.signing_key or (self.records.key if self.records is not None else None)
+        self.servicer = self.servicer_type(replica, self.gate, key=key, attack=self.attack)
         await self._register(self.servicer, pipeline_namespace(self.config.run_id, index))
         self._serving = True
         with contextlib.suppress(Exception):

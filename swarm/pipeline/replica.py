@@ -265,9 +265,9 @@ class StageReplica:
         if known is not None and known.result is not None:
             self.stats["repeats"] += 1  # a retried micro-batch: same answer, counted once
             self._claim(key, request.attempt, request.attempt_signature)
-            return ppb.ForwardReply(
-                step=self.step, outputs=known.reply, grad_inputs=known.result, loss=known.loss
-            )
+            if self.is_last:  # the repeat answers exactly what the forward answered (a check compares them)
+                return ppb.ForwardReply(step=self.step, grad_inputs=known.result, loss=known.loss)
+            return ppb.ForwardReply(step=self.step, outputs=known.reply)
         now = time.monotonic()
         self._purge(now)
         if self.leaving:

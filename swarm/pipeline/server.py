@@ -13,9 +13,12 @@ import logging
 from hivemind.p2p import P2PContext, ServicerBase
 
 from protocols import pipeline_pb2 as ppb
+from protocols.keys import SigningKey
+from swarm.byzantine.attacks import Attack
 from swarm.inbound import UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.replica import Refusal, StageReplica
+from swarm.pipeline.verify import seed_forward, sign_reply
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,15 @@ class StageServicer(BoundedServicer):
         "rpc_backward": lambda self: HandlerBound(UNARY_MAX_BYTES, MAX_CALLS_PER_PEER),
     }
 
-    def __init__(self, replica: StageReplica, gate: PeerGate):
-        self.replica, self.gate = replica, gate
+    def __init__(
+        self,
+        replica: StageReplica,
+        gate: PeerGate,
+        *,
+        key: SigningKey | None = None,
+        attack: Attack | None = None,
+    ):
+        self.replica, self.gate, self.key, self.attack = replica, gate, key, attack
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -57,9 +67,8 @@ class StageServicer(BoundedServicer):
             code, message = refusal
             logger.info(f"stage {self.replica.index}: refused {kind} from {caller}: {message}")
             return reply_type(code=code, error=message, step=self.replica.step)
-        method = self.replica.forward if kind == "forward" else self.replica.backward
         try:
-            return await self.replica.compute(method, request, caller)
+            return await self.replica.compute(self._answer, kind, request, caller)
         except Refusal as e:
             if e.code == ppb.BAD_REQUEST:
                 logger.warning(f"stage {self.replica.index}: bad {kind} from {caller}: {e.message}")
@@ -72,6 +81,35 @@ class StageServicer(BoundedServicer):
             return reply_type(
                 code=ppb.INTERNAL, error=f"{kind} failed on the server: {e!r}", step=self.replica.step
             )
+
+    def _answer(self, kind: str, request, caller: str):
+        """Compute and sign one reply, on the replica's thread. The forward's random state is seeded from
+        the micro-batch, so that every replica of the stage (and a recomputation) draws the same dropout."""
+        r = self.replica
+        if kind == "forward":
+            seed_forward(r.run.run_id, r.index, request, caller)
+            reply, backward = r.forward(request, caller), None
+            # A repeat answers what the micro-batch's first forward computed: sign what that was sent.
+            held = None if request.inference else r.forwards.get((caller, request.microbatch_id))
+            forward = request
+            if held is not None and held.request is not request:
+                forward = ppb.ForwardRequest()
+                forward.CopyFrom(held.request)
+                forward.attempt = request.attempt
+        else:
+            reply, backward = r.backward(request, caller), request
+            forward = r.forwards[(caller, request.microbatch_id)].request
+            kept = r._replay.get((caller, request.microbatch_id), (None, None))[1]
+            if kept is not None and kept is not request.grad_outputs:  # a repeat: the first gradient's answer
+                backward = ppb.BackwardRequest()
+                backward.CopyFrom(request)
+                backward.grad_outputs.CopyFrom(kept)
+        if self.attack is not None:  # a rehearsed cheat answers wrongly, and signs what it answers
+            reply = self.attack.stage_reply(kind, request, reply, r)
+        reply.state_hash = r.state_hash if r.hashed_step == r.step else ""
+        if self.key is not None:
+            sign_reply(self.key, r.run.run_id, r.index, caller, reply, forward, backward)
+        return reply
 
     async def rpc_forward(self, request: ppb.ForwardRequest, context: P2PContext) -> ppb.ForwardReply:
         return await self._serve("forward", request, context, ppb.ForwardReply)

@@ -37,16 +37,20 @@ import hivemind
 from hivemind.p2p import PeerID
 
 from protocols import pipeline_pb2 as ppb
-from protocols.errors import ConfigError
+from protocols.errors import ConfigError, ProtocolError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import MAX_ATTEMPT
+from swarm.averaging.compression import get_codec
+from swarm.averaging.verification import Accuser
 from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import model_config
 from swarm.pipeline.balance import Measured, pick_server
+from swarm.pipeline.check import StageCall, StageCheck
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
 from swarm.pipeline.server import StageServicer, pipeline_namespace
+from swarm.pipeline.verify import check_reply
 from swarm.pipeline.wire import encode_ids, sign_attempt
 from swarm.records import RecordSigner, RecordTrust
 
@@ -74,6 +78,7 @@ class MicroBatch:
     attempts: int = 0
     # Stages whose server counted this micro-batch at ``step``: retries go back to them.
     counted_by: dict[int, str] = field(default_factory=dict)
+    trace: dict[int, StageCall] = field(default_factory=dict)  # the last attempt's calls, for a check
 
 
 class PipelineTrainer:
@@ -88,6 +93,7 @@ class PipelineTrainer:
         record_signer: signs them with the peer's certificate instead (the volunteer passes its own).
         coordinator_key: the coordinator's key; when set, only stage records of certified peers count.
         attack: a rehearsed Byzantine trainer (``swarm-sim --stages ... --attack``); None when honest.
+        accuse: files the evidence of a stage replica's wrong answer with the coordinator.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class PipelineTrainer:
         record_signer: RecordSigner | None = None,
         coordinator_key: PublicKey | None = None,
         attack: Attack | None = None,
+        accuse: Accuser | None = None,
     ):
         if record_signer is None and signing_key is None:
             raise ConfigError(
@@ -136,6 +143,8 @@ class PipelineTrainer:
         self._stats = {"train_loss": math.nan, "val_loss": math.nan, "val_step": -1.0, "retries": 0.0,
                        "failures": 0.0, "compute_wait_s": 0.0}  # fmt: skip
         self._failures_by_code: dict[str, int] = {}
+        self.check = StageCheck(run, self.records.key, get_codec(run.training.compression), call=self._call,
+                                choose=self._choose_other, accuse=accuse)  # fmt: skip
 
     def pause(self) -> None:
         self.paused = True
@@ -159,6 +168,8 @@ class PipelineTrainer:
             "samples_per_s": self._samples_total / wall, "microbatches_issued": float(len(self.issued)),
             "microbatches_completed": float(len(self.completed)), "microbatches_lost": float(lost),
             "microbatches_waiting": float(len(waiting)),
+            "stage_checks": float(self.check.stats["checks"]),
+            "stage_mismatches": float(self.check.stats["mismatches"]),
             "finished": float(self.finished),
             "val_loss_initial": self.first_validation[1] if self.first_validation else math.nan,
             "val_step_initial": float(self.first_validation[0]) if self.first_validation else math.nan,
@@ -198,7 +209,16 @@ class PipelineTrainer:
         record = pick_server(self.view.replicas(stage, step), self.rng, avoid=avoid, measured=self.measured)
         return record.peer_id if record else None
 
-    async def _call(self, stage: int, peer: str, method: str, request):
+    def _choose_other(self, stage: int, step: int, peer: str) -> str | None:
+        """A second replica of ``stage`` at ``step`` to check ``peer``'s answer against."""
+        now = time.monotonic()
+        avoid = {p for p, until in self.avoid.items() if until > now}
+        others = [r for r in self.view.replicas(stage, step) if r.peer_id != peer]
+        record = pick_server(others, self.rng, avoid=avoid, measured=self.measured)
+        return record.peer_id if record else None
+
+    async def _call(self, stage: int, peer: str, method: str, request, forward=None):
+        """One call; its reply must be signed by ``peer`` (``forward``: a backward's forward request)."""
         stub = StageServicer.get_stub(
             self.p2p, PeerID.from_base58(peer), namespace=pipeline_namespace(self.config.run_id, stage)
         )
@@ -214,6 +234,11 @@ class PipelineTrainer:
             raise StageFailure(stage, peer, -1, f"call failed: {e!r}"[:300]) from None
         if reply.code != ppb.OK:
             raise StageFailure(stage, peer, reply.code, reply.error[:500], reply.step)
+        try:
+            sent = (request, None) if forward is None else (forward, request)
+            check_reply(peer, self.config.run_id, stage, self.peer_id, reply, *sent)
+        except ProtocolError as e:
+            raise StageFailure(stage, peer, ppb.BAD_REQUEST, f"refused: {e}"[:500]) from None
         self.measured.record(peer, self.batch, time.monotonic() - started)
         return reply
 
@@ -235,26 +260,30 @@ class PipelineTrainer:
         }  # fmt: skip
         hidden = encode_ids(mb.inputs)
         last = self.num_stages - 1
+        mb.trace = {}
         for stage in range(last):
             request = ppb.ForwardRequest(stage=stage, inputs=hidden, attempt_signature=signed[stage], **base)
             reply = await self._call(stage, route[stage], "rpc_forward", request)
+            mb.trace[stage] = StageCall(route[stage], request, reply)
             hidden = reply.outputs
         request = ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets),
                                      attempt_signature=signed[last], **base)  # fmt: skip
         if self.attack is not None:
             await self._front_run(last, route[last], request)
         reply = await self._call(last, route[last], "rpc_forward", request)
+        mb.trace[last] = StageCall(route[last], request, reply)
         mb.counted_by[last] = route[last]
         loss, grad = reply.loss, reply.grad_inputs
         for stage in range(last - 1, -1, -1):
-            reply = await self._call(
-                stage,
-                route[stage],
-                "rpc_backward",
-                ppb.BackwardRequest(stage=stage, grad_outputs=grad, attempt_signature=signed[stage], **base),
+            request = ppb.BackwardRequest(
+                stage=stage, grad_outputs=grad, attempt_signature=signed[stage], **base
             )
+            forward = mb.trace[stage].forward
+            reply = await self._call(stage, route[stage], "rpc_backward", request, forward=forward)
+            mb.trace[stage].backward, mb.trace[stage].backward_reply = request, reply
             mb.counted_by[stage] = route[stage]
             grad = reply.grad_inputs
+        mb.attempts = attempt  # a check of this micro-batch is its next attempt
         return loss
 
     async def _front_run(self, stage: int, peer: str, request: ppb.ForwardRequest) -> None:
@@ -308,6 +337,7 @@ class PipelineTrainer:
                     else:
                         await asyncio.sleep(min(0.05 * mb.attempts, 1.0))
                     continue
+                await self.check.maybe_check(mb.step, mb.attempts, mb.trace)
                 self.completed.add(mb.id)
                 self.completed_at[mb.step] += self.batch
                 self.samples += self.batch

@@ -1,0 +1,119 @@
+"""A trainer's checks of stage replicas: a drawn micro-batch repeated at a second replica, compared.
+
+A check is a signed retry of one stage's calls (see swarm/pipeline/verify.py); a mismatch becomes
+``StageMismatchEvidence`` and is filed with the coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from protocols import pipeline_pb2 as ppb
+from protocols.keys import SigningKey
+from protocols.messages import MAX_ATTEMPT
+from swarm.averaging.compression import Codec
+from swarm.config import RunConfig
+from swarm.pipeline.evidence import StageMismatchEvidence
+from swarm.pipeline.verify import replies_differ
+from swarm.pipeline.wire import sign_attempt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StageCall:
+    """What one stage was sent and answered for one micro-batch: what a check repeats and compares."""
+
+    peer: str
+    forward: ppb.ForwardRequest
+    forward_reply: ppb.ForwardReply
+    backward: ppb.BackwardRequest | None = None
+    backward_reply: ppb.BackwardReply | None = None
+
+
+Caller = Callable[..., Awaitable[object]]
+
+
+class StageCheck:
+    """A trainer's checks of stage replicas: repeat a drawn micro-batch at a second replica and compare.
+
+    Example::
+
+        check = StageCheck(run, key, call=trainer._call, choose=trainer._choose_other, accuse=accuse)
+        await check.maybe_check(step, attempt, trace)   # trace: stage -> StageCall of the micro-batch
+    """
+
+    def __init__(
+        self, run: RunConfig, key: SigningKey, codec: Codec, *, call: Caller,
+        choose: Callable[[int, int, str], str | None], accuse=None,
+    ):  # fmt: skip
+        self.run, self.key, self.codec = run, key, codec
+        self.call, self.choose, self.accuse = call, choose, accuse
+        self.rng = random.SystemRandom()  # private: a replica cannot predict which micro-batch is checked
+        self.stats = {"checks": 0, "mismatches": 0}
+
+    def drawn(self) -> bool:
+        p = self.run.pipeline.verify_probability
+        return p > 0 and self.rng.random() < p
+
+    async def maybe_check(self, step: int, attempt: int, trace: dict[int, StageCall]) -> object | None:
+        """With probability ``verify_probability``, check one stage of the micro-batch ``trace`` holds;
+        returns the evidence of a mismatch, if one was found (and filed)."""
+        if not trace or not self.drawn():
+            return None
+        order = list(trace)
+        self.rng.shuffle(order)
+        for stage in order:
+            other = self.choose(stage, step, trace[stage].peer)
+            if other is not None:
+                return await self.check(stage, other, min(attempt + 1, MAX_ATTEMPT), trace[stage])
+        return None
+
+    async def check(self, stage: int, other: str, attempt: int, first: StageCall) -> object | None:
+        if other == first.peer:
+            return None  # its repeat answers what it answered: no check, and no evidence the judge takes
+        self.stats["checks"] += 1
+        signature = sign_attempt(self.key, self.run.run_id, stage, first.forward.step,
+                                 first.forward.microbatch_id, attempt)  # fmt: skip
+        forward = ppb.ForwardRequest()
+        forward.CopyFrom(first.forward)
+        forward.attempt, forward.attempt_signature = attempt, signature
+        try:
+            reply = await self.call(stage, other, "rpc_forward", forward)
+            backward = back = None
+            if first.backward is not None:
+                # Always sent, even after a mismatching forward: the replica counts the micro-batch (the
+                # first replica's copy is superseded) and holds no forward that would delay its step.
+                backward = ppb.BackwardRequest()
+                backward.CopyFrom(first.backward)
+                backward.attempt, backward.attempt_signature = attempt, signature
+                back = await self.call(stage, other, "rpc_backward", backward, forward=forward)
+            found = None
+            tolerance = self.run.pipeline.verify_tolerance
+            if replies_differ(first.forward_reply, reply, self.codec, tolerance):
+                found = StageMismatchEvidence.of(self.run.run_id, stage, self.key.peer_id,
+                                                 (first.peer, first.forward, None, first.forward_reply),
+                                                 (other, forward, None, reply))  # fmt: skip
+            elif back is not None and replies_differ(first.backward_reply, back, self.codec, tolerance):
+                found = StageMismatchEvidence.of(
+                    self.run.run_id, stage, self.key.peer_id,
+                    (first.peer, first.forward, first.backward, first.backward_reply),
+                    (other, forward, backward, back),
+                )  # fmt: skip
+        except Exception as e:  # a refusal or failure (the trainer's StageFailure): no check made
+            logger.info(f"check of stage {stage} at {other} did not complete: {e}")
+            return None
+        if found is None:
+            return None
+        self.stats["mismatches"] += 1
+        verdict = f"stage {stage} replicas {first.peer} and {other} answered micro-batch {forward.microbatch_id} differently"
+        logger.warning(verdict)
+        if self.accuse is not None:
+            try:
+                await self.accuse(first.peer, found, verdict)
+            except Exception as e:
+                logger.warning(f"accusation of stage {stage}'s replicas not filed: {e!r}")
+        return found

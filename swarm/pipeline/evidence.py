@@ -1,0 +1,188 @@
+"""Evidence that two replicas of one stage answered the same micro-batch differently, and its judge.
+
+A trainer's check (swarm/pipeline/verify.py) that finds two signed replies to the same inputs differ
+files ``StageMismatchEvidence``: the inputs (and targets, and for a backward the grad_outputs), both
+replies with their state hashes and signatures. The coordinator (``judge_stage``) checks that both
+signatures name the same run, stage, step, trainer, micro-batch and inputs and that the replies differ;
+a reply computed with a state other than the stage's agreed one (the coordinator's checkpoint of the
+stage at that step) convicts its replica; otherwise the coordinator recomputes the call from that state
+with the real ``StageReplica`` (once per accusation) and convicts the replica whose reply differs. If it
+holds no state of the stage at that step it bans nobody and says so. Evidence that does not hold bans
+its accuser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocols import pipeline_pb2 as ppb
+from protocols.codec import pack, unpack
+from protocols.errors import ProtocolError, SwarmError
+from swarm.averaging.compression import get_codec
+from swarm.config import RunConfig
+from swarm.pipeline.verify import check_reply, replies_differ, seed_forward
+from swarm.pipeline.wire import MAX_TENSOR_BYTES
+
+KIND = "stage_mismatch"
+#: Three tensors of inputs and two replies of two tensors each, at most.
+MAX_STAGE_EVIDENCE_BYTES = 8 * MAX_TENSOR_BYTES
+
+
+@dataclass(frozen=True)
+class StageReply:
+    """One replica's signed reply, as evidence holds it."""
+
+    replica: str
+    attempt: int
+    reply: ppb.ForwardReply | ppb.BackwardReply
+
+
+@dataclass(frozen=True)
+class StageMismatchEvidence:
+    """Two replicas' signed replies to one micro-batch's call at one stage and step."""
+
+    run_id: str
+    stage: int
+    trainer: str
+    forward: ppb.ForwardRequest  # what the stage was sent forward (attempt and signature cleared)
+    grad_outputs: ppb.Tensor | None  # a backward's gradient (None: the forward is what differs)
+    replies: tuple[StageReply, StageReply]
+
+    kind = KIND
+
+    @property
+    def accused(self) -> str:
+        return self.replies[0].replica
+
+    @property
+    def step(self) -> int:
+        return self.forward.step
+
+    @classmethod
+    def of(cls, run_id: str, stage: int, trainer: str, first: tuple, second: tuple) -> StageMismatchEvidence:
+        """From two (replica, forward request, backward request or None, reply) of one micro-batch."""
+        forward = ppb.ForwardRequest()
+        forward.CopyFrom(first[1])
+        forward.attempt, forward.attempt_signature = 0, b""
+        backward = first[2]
+        replies = tuple(
+            StageReply(r, (b if b is not None else f).attempt, reply) for r, f, b, reply in (first, second)
+        )
+        return cls(run_id, stage, trainer, forward, backward.grad_outputs if backward else None, replies)
+
+    def requests(self, attempt: int) -> tuple[ppb.ForwardRequest, ppb.BackwardRequest | None]:
+        forward = ppb.ForwardRequest()
+        forward.CopyFrom(self.forward)
+        forward.attempt = attempt
+        if self.grad_outputs is None:
+            return forward, None
+        backward = ppb.BackwardRequest(run_id=self.run_id, stage=self.stage, step=self.step, attempt=attempt,
+                                       microbatch_id=self.forward.microbatch_id, grad_outputs=self.grad_outputs)  # fmt: skip
+        return forward, backward
+
+    def to_bytes(self) -> bytes:
+        return pack({
+            "kind": KIND, "run_id": self.run_id, "stage": self.stage, "trainer": self.trainer,
+            "forward": self.forward.SerializeToString(),
+            "grad_outputs": None if self.grad_outputs is None else self.grad_outputs.SerializeToString(),
+            "replies": [[r.replica, r.attempt, r.reply.SerializeToString()] for r in self.replies],
+        })  # fmt: skip
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StageMismatchEvidence:
+        body = unpack(data, what="stage evidence", max_bytes=MAX_STAGE_EVIDENCE_BYTES,
+                      max_binary=2 * MAX_TENSOR_BYTES)  # fmt: skip
+        try:
+            if body.get("kind") != KIND:
+                raise ProtocolError(f"stage evidence of kind {str(body.get('kind'))[:40]!r}")
+            backward = body["grad_outputs"] is not None
+            reply_type = ppb.BackwardReply if backward else ppb.ForwardReply
+            replies = tuple(
+                StageReply(str(r), int(a), reply_type.FromString(bytes(raw))) for r, a, raw in body["replies"]
+            )
+            if len(replies) != 2:
+                raise ProtocolError(f"stage evidence holds {len(replies)} replies, not 2")
+            grad = ppb.Tensor.FromString(bytes(body["grad_outputs"])) if backward else None
+            return cls(str(body["run_id"]), int(body["stage"]), str(body["trainer"]),
+                       ppb.ForwardRequest.FromString(bytes(body["forward"])), grad, replies)  # fmt: skip
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProtocolError(f"stage evidence is malformed: {e!r}") from None
+        except Exception as e:  # protobuf's DecodeError
+            raise ProtocolError(f"stage evidence holds a malformed message: {e!r}") from None
+
+    def verify(self, run: RunConfig, accused: str, accuser: str) -> None:
+        """Raise a ProtocolError unless the evidence is of this run, filed by its trainer against one of two
+        distinct replicas, both signatures hold over the same inputs, and the replies differ."""
+        a, b = self.replies
+        if self.run_id != run.run_id or self.forward.run_id != run.run_id:
+            raise ProtocolError(f"the evidence is of run {self.run_id[:80]!r}")
+        if not 0 <= self.stage < run.pipeline.stages or self.forward.stage != self.stage:
+            raise ProtocolError(f"the evidence names stage {self.stage}, which this run does not have")
+        if self.trainer != accuser or a.replica == b.replica or accused not in (a.replica, b.replica):
+            raise ProtocolError(
+                "the evidence names another trainer, or not two replicas of which one is accused"
+            )
+        for r in self.replies:
+            if r.reply.step != self.step or r.reply.code != ppb.OK:
+                raise ProtocolError(f"the reply of {r.replica} is not an answer at step {self.step}")
+            check_reply(r.replica, self.run_id, self.stage, self.trainer, r.reply, *self.requests(r.attempt))
+        if not replies_differ(
+            a.reply, b.reply, get_codec(run.training.compression), run.pipeline.verify_tolerance
+        ):
+            raise ProtocolError("the two replies agree")
+
+    def recompute(self, run: RunConfig, tensors: dict) -> ppb.ForwardReply | ppb.BackwardReply:
+        """The call, recomputed by a ``StageReplica`` loaded with the stage's state at the step."""
+        from swarm.pipeline.replica import Refusal, StageReplica
+
+        replica = StageReplica(run, self.stage)
+        try:
+            replica.load(self.step, tensors)
+            forward, backward = self.requests(1)
+            seed_forward(run.run_id, self.stage, forward, self.trainer)
+            reply = replica.forward(forward, self.trainer)
+            if backward is not None:
+                reply = replica.backward(backward, self.trainer)
+            return reply
+        except Refusal as e:
+            raise ProtocolError(f"the evidence's inputs are refused by the stage: {e.message}") from None
+        finally:
+            replica.close()
+
+
+def judge_stage(
+    run: RunConfig, data: bytes, accused: str, accuser: str, checkpoint: Callable[[int], object | None]
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty) for stage evidence; ``checkpoint(stage)`` is the coordinator's
+    checkpoint of that stage (``step``, ``state_hash``, ``tensors``), or None."""
+    try:
+        evidence = StageMismatchEvidence.from_bytes(data)
+        evidence.verify(run, accused, accuser)
+    except SwarmError as e:
+        return f"the evidence does not hold: {e}", accuser
+    stage, step = evidence.stage, evidence.step
+    held = checkpoint(stage)
+    if held is None or held.step != step:
+        return f"cannot recompute stage {stage} at step {step}: the coordinator holds no state of it", None
+    # An empty hash (a reply between a step's update and its hashing) is left to the recomputation.
+    wrong = [r.replica for r in evidence.replies if r.reply.state_hash not in ("", held.state_hash)]
+    if len(wrong) == 1:
+        return (
+            f"stage {stage} replica {wrong[0]} computed step {step} with a state other than the agreed one",
+            wrong[0],
+        )
+    try:
+        truth = evidence.recompute(run, held.tensors)
+    except SwarmError as e:
+        return f"cannot recompute stage {stage} at step {step}: {e}", None
+    codec = get_codec(run.training.compression)
+    wrong = [r.replica for r in evidence.replies
+             if replies_differ(r.reply, truth, codec, run.pipeline.verify_tolerance)]  # fmt: skip
+    if not wrong:
+        return f"both replies of stage {stage} are within the tolerance of the recomputation", None
+    guilty = accused if accused in wrong else wrong[0]
+    return (
+        f"stage {stage} replica {guilty} answered micro-batch {evidence.forward.microbatch_id} at step {step} wrongly",
+        guilty,
+    )

@@ -1,0 +1,134 @@
+"""Stage servers are verified: signed replies, and checks that look like retries.
+
+Every reply of a stage replica carries the hash of the state it computed with and its signature of a
+domain-separated digest (``reply_digest``) of (run, stage, step, state hash, trainer, micro-batch,
+attempt, SHA-256 of what it was sent, SHA-256 of what it answered). A trainer refuses, and avoids, a
+replica whose reply is unsigned or mis-signed (``check_reply``).
+
+With probability ``pipeline.verify_probability`` per micro-batch, drawn from the trainer's private
+randomness, the trainer sends the same micro-batch again to a second replica of one stage as a signed
+retry (``StageCheck``, swarm/pipeline/check.py): the replica cannot tell it from a retry after a timeout, and the stage's
+replicas keep only the latest attempt, so the micro-batch is still counted once. Replicas of a stage
+at a step hold bit-identical state, and their forward is deterministic (the random state is seeded from
+the micro-batch, ``microbatch_seed``), so on one kind of device both replies must be bit-equal. A
+mismatch becomes ``StageMismatchEvidence`` (swarm/pipeline/evidence.py), filed with the coordinator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+
+from protocols import pipeline_pb2 as ppb
+from protocols.errors import ProtocolError, SwarmError
+from protocols.keys import PublicKey, SigningKey
+from swarm.averaging.compression import Codec
+from swarm.pipeline.wire import decode_floats
+
+SIGNATURE_BYTES = 64
+
+
+def tensor_sha256(*tensors: ppb.Tensor) -> bytes:
+    """SHA-256 over each tensor's dtype, shape and bytes (an absent tensor hashes as an empty one)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(struct.pack(">II", t.dtype, len(t.shape)))
+        h.update(struct.pack(f">{len(t.shape)}I", *t.shape))
+        h.update(struct.pack(">Q", len(t.data)))
+        h.update(t.data)
+    return h.digest()
+
+
+def sent_sha256(forward: ppb.ForwardRequest, backward: ppb.BackwardRequest | None = None) -> bytes:
+    """What a replica was sent: a forward's inputs and targets, and for a backward also its grad_outputs
+    (the backward's result depends on the forward's inputs too, so the signature binds both)."""
+    tensors = [forward.inputs, forward.targets]
+    if backward is not None:
+        tensors.append(backward.grad_outputs)
+    return tensor_sha256(*tensors)
+
+
+def answer_sha256(outputs: ppb.Tensor, grad_inputs: ppb.Tensor, loss: float) -> bytes:
+    return hashlib.sha256(tensor_sha256(outputs, grad_inputs) + struct.pack(">d", loss)).digest()
+
+
+def reply_digest(
+    call: str, run_id: str, stage: int, step: int, state_hash: str, trainer: str, microbatch_id: int,
+    attempt: int, sent: bytes, answer: bytes,
+) -> bytes:  # fmt: skip
+    """What a replica signs for one reply (``call``: "forward", "inference" or "backward")."""
+    head = f"swarm-pipeline-reply\0{call}\0{run_id}\0{stage}\0{step}\0{state_hash}\0{trainer}\0"
+    return hashlib.sha256(f"{head}{microbatch_id}\0{attempt}\0".encode() + sent + answer).digest()
+
+
+def _answer(reply: ppb.ForwardReply | ppb.BackwardReply) -> bytes:
+    outputs = reply.outputs if isinstance(reply, ppb.ForwardReply) else ppb.Tensor()
+    loss = reply.loss if isinstance(reply, ppb.ForwardReply) else 0.0
+    return answer_sha256(outputs, reply.grad_inputs, loss)
+
+
+def _digest(run_id: str, stage: int, trainer: str, reply, forward, backward) -> bytes:
+    # An inference answer differs from a training one to the same inputs: the call names which it was.
+    call = "backward" if backward is not None else "inference" if forward.inference else "forward"
+    request = forward if backward is None else backward
+    return reply_digest(call, run_id, stage, reply.step, reply.state_hash, trainer, request.microbatch_id,
+                        request.attempt, sent_sha256(forward, backward), _answer(reply))  # fmt: skip
+
+
+def sign_reply(
+    key: SigningKey, run_id: str, stage: int, trainer: str, reply, forward: ppb.ForwardRequest,
+    backward: ppb.BackwardRequest | None = None,
+) -> None:  # fmt: skip
+    """Sign ``reply`` (its ``state_hash`` set) in place for ``trainer``."""
+    reply.signature = key.sign(_digest(run_id, stage, trainer, reply, forward, backward))
+
+
+def check_reply(
+    replica: str, run_id: str, stage: int, trainer: str, reply, forward: ppb.ForwardRequest,
+    backward: ppb.BackwardRequest | None = None,
+) -> None:  # fmt: skip
+    """Raise a ProtocolError unless ``replica`` signed ``reply`` to exactly what ``trainer`` sent."""
+    if len(reply.signature) != SIGNATURE_BYTES:
+        raise ProtocolError(f"stage {stage} replica {replica} sent an unsigned reply")
+    try:
+        PublicKey.from_peer_id(replica).verify(
+            reply.signature, _digest(run_id, stage, trainer, reply, forward, backward)
+        )
+    except SwarmError as e:
+        raise ProtocolError(f"stage {stage} replica {replica} sent a mis-signed reply: {e}") from None
+
+
+def microbatch_seed(run_id: str, stage: int, step: int, trainer: str, microbatch_id: int) -> int:
+    """The random state a stage's forward of one micro-batch runs with (dropout): every replica of the
+    stage, and the coordinator's recomputation, draw the same."""
+    tag = f"swarm-pipeline-dropout\0{run_id}\0{stage}\0{step}\0{trainer}\0{microbatch_id}".encode()
+    return int.from_bytes(hashlib.sha256(tag).digest()[:8], "big") >> 1
+
+
+def differ(a: ppb.Tensor, b: ppb.Tensor, codec: Codec, tolerance: float) -> bool:
+    """Whether two answered tensors differ: in any bit at ``tolerance`` 0, else by more than it."""
+    if tolerance == 0 or a.dtype != b.dtype or list(a.shape) != list(b.shape) or not a.data or not b.data:
+        return tensor_sha256(a) != tensor_sha256(b)
+    shape = list(a.shape)
+    try:
+        x = decode_floats(a, codec, shape, what="answer")
+        y = decode_floats(b, codec, shape, what="answer")
+    except ProtocolError:
+        return True
+    return bool((x - y).abs().max() > tolerance)
+
+
+def replies_differ(a, b, codec: Codec, tolerance: float) -> bool:
+    if isinstance(a, ppb.ForwardReply):
+        if differ(a.outputs, b.outputs, codec, tolerance):
+            return True
+        bits = struct.pack(">d", a.loss) != struct.pack(">d", b.loss)
+        if bits if tolerance == 0 else not abs(a.loss - b.loss) <= tolerance:
+            return True
+    return differ(a.grad_inputs, b.grad_inputs, codec, tolerance)
+
+
+def seed_forward(run_id: str, stage: int, request: ppb.ForwardRequest, trainer: str) -> None:
+    torch.manual_seed(microbatch_seed(run_id, stage, request.step, trainer, request.microbatch_id))
