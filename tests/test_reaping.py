@@ -7,6 +7,7 @@ DHT processes and p2p daemons were orphaned and kept using CPU for the best part
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,7 +70,7 @@ def test_swarm_sim_killed_outright_takes_its_whole_swarm_with_it(tmp_path: Path)
     try:
         assert sim.stdout is not None
         header = sim.stdout.readline()
-        logs = Path(header.split("(logs in ")[1].rstrip(")\n"))
+        logs = Path(re.search(r"\(logs in ([^;)]+)", header).group(1))
         deadline = time.monotonic() + 150
         while not all(
             (logs / f"peer{i}.log").exists() and "joined run" in (logs / f"peer{i}.log").read_text()
