@@ -101,7 +101,7 @@ def test_an_uncertified_reducer_cannot_join_a_stages_round(peers, caplog):
             await averager.shutdown()
         return outcomes, intruded
 
-    with caplog.at_level(logging.DEBUG, logger="swarm.averaging.averager"):
+    with caplog.at_level(logging.DEBUG, logger="swarm.averaging"):
         outcomes, intruded = asyncio.run(scenario())
     assert intruded is None, "nobody formed a group with the uncertified node"
     (group, result), (_, other) = outcomes
