@@ -32,7 +32,7 @@ SERVICE_NAME = "swarm.coordinator.v1.Coordinator"
 MAX_PORTS = 4
 DIAL_TIMEOUT_S = 3.0
 MIN_INTERVAL_S = 2.0
-BURST = 2  # calls per address that run at once
+BURST = 8  # calls per address that run at once: volunteers behind one address (a home, a lab, a sim) joining together
 MAX_QUEUED = 2  # calls per address waiting for their slot; each waits at most MAX_QUEUED * MIN_INTERVAL_S
 MAX_TRACKED_ADDRESSES = 10_000
 
