@@ -1,6 +1,7 @@
 """Protocol version and the size limits that every side enforces on what it reads."""
 
-PROTOCOL_VERSION = 1
+# 2: signed matchmaking declarations with certificates, signed stage replies and retries, Status in pages.
+PROTOCOL_VERSION = 2
 
 # Domain separator mixed into every signature, so a swarm signature is never valid for anything else.
 SIGNATURE_DOMAIN = b"swarm/signed/v1"
