@@ -50,7 +50,7 @@ class KeyRule:
 
 
 def stage_prefix(run_id: str, stage: int) -> str:
-    """The prefix of stage ``stage``'s records and averagers (as ``swarm.pipeline.moves.stage_prefix``)."""
+    """The prefix of stage ``stage``'s records and averagers."""
     return f"{run_id}.stage{stage}"
 
 

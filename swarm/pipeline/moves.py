@@ -18,6 +18,7 @@ import time
 from protocols.errors import ConfigError, SwarmError
 from swarm.averaging.averager import Averager
 from swarm.averaging.factory import build_averager
+from swarm.keyspace import stage_prefix
 from swarm.pipeline.balance import choose_stage, rebalance_move, stage_totals
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.replica import StageReplica
@@ -33,10 +34,6 @@ LEAVE_TIMEOUT_S = 60.0
 JOIN_CATCH_UP_TIMEOUT_S = 60.0
 #: Reads of the stage's checkpoint record, 1 s apart, before a replica of a coordinated run starts from step 0.
 CHECKPOINT_RECORD_TRIES = 3
-
-
-def stage_prefix(run_id: str, stage: int) -> str:
-    return f"{run_id}.stage{stage}"
 
 
 class StageMoves:
