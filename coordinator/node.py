@@ -127,7 +127,7 @@ class CoordinatorNode:
                 port=config.dht_port,
                 initial_peers=[],
                 upnp=config.upnp,
-                validators=[RunValidator(run.run_id, key.public_key)],
+                validators=[RunValidator(run.run_id, key.public_key, stages=run.pipeline.stages)],
             )
             self.dht_initial_peers = visible_maddrs(self._dht)
             keeper = self.keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")

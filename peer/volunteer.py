@@ -452,7 +452,11 @@ class Volunteer:
                 port=config.port,
                 initial_peers=admission.dht_initial_peers,
                 upnp=config.upnp,
-                validators=[RunValidator(self.run_config.run_id, self.coordinator_key)],
+                validators=[
+                    RunValidator(
+                        self.run_config.run_id, self.coordinator_key, stages=self.run_config.pipeline.stages
+                    )
+                ],
                 client_mode=not self.dialable,
             )
             self._coordinator_maddrs = list(admission.dht_initial_peers)

@@ -54,13 +54,17 @@ def stage_prefix(run_id: str, stage: int) -> str:
     return f"{run_id}.stage{stage}"
 
 
-def run_keys(run_id: str) -> dict[str, KeyRule]:
-    """Every DHT key of run ``run_id``, by name, with how its records are checked."""
+def run_keys(run_id: str, stages: int = MAX_STAGES) -> dict[str, KeyRule]:
+    """Every DHT key of run ``run_id``, by name, with how its records are checked. ``stages``: the run's
+    pipeline stages (1: a data-parallel run, which has no stage keys); only those stages' keys are listed,
+    so an identity can hold no more entries on a node than the run has keys for it."""
+    if not 1 <= stages <= MAX_STAGES:
+        raise ValueError(f"a run has 1 to {MAX_STAGES} stages, not {stages}")
     keys = {record_key(run_id, kind): KeyRule("record", run_id, kind) for kind in VALIDATED_KINDS}
     keys.update(
         {ban_list_key(run_id, page): KeyRule("ban_page", run_id, page) for page in range(1, MAX_BAN_PAGES)}
     )
-    prefixes = [run_id] + [stage_prefix(run_id, stage) for stage in range(MAX_STAGES)]
+    prefixes = [run_id] + ([stage_prefix(run_id, stage) for stage in range(stages)] if stages > 1 else [])
     for prefix in prefixes[1:]:
         keys[record_key(prefix, "checkpoint")] = KeyRule("record", prefix, "checkpoint")
     for prefix in prefixes:
@@ -74,11 +78,13 @@ class RunValidator(RecordValidatorBase):
     Picklable (plain attributes only): the DHT runs it in its spawned child process.
     """
 
-    def __init__(self, run_id: str, coordinator_key: PublicKey | None):
+    def __init__(self, run_id: str, coordinator_key: PublicKey | None, *, stages: int = MAX_STAGES):
         self.run_id = run_id
         self.records = TrustValidator(run_id, coordinator_key)
         self.ban_pages = BanPageValidator(run_id, coordinator_key)
-        self.rules = {DHTID.generate(source=name).to_bytes(): rule for name, rule in run_keys(run_id).items()}
+        self.rules = {
+            DHTID.generate(source=name).to_bytes(): rule for name, rule in run_keys(run_id, stages).items()
+        }
 
     def validate(self, record: DHTRecord) -> bool:
         rule = self.rules.get(record.key)

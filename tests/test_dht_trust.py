@@ -34,7 +34,7 @@ from swarm.dht import start_local_dhts, visible_maddrs
 from swarm.dhtstorage import BoundedStorage, StorageLimits, storage_usage
 from swarm.keyspace import MAX_STAGES, RunValidator, run_keys, stage_prefix
 from swarm.pipeline.moves import stage_prefix as pipeline_stage_prefix
-from swarm.records import VALIDATED_KINDS, RecordSigner, record_key, seal_peer_record
+from swarm.records import PEER_KINDS, VALIDATED_KINDS, RecordSigner, record_key, seal_peer_record
 
 RUN = "dht-trust-run"
 THIRTY_YEARS_S = 30 * 365 * 86400.0
@@ -180,6 +180,29 @@ def test_every_key_the_run_uses_has_a_check_and_every_other_key_is_refused():
     assert not validator.validate(
         _record(record_key(stage, "checkpoint"), seal(signer, CHECKPOINT_RECORD, RUN, body), now + 60)
     ), "a checkpoint record signed for the run passed as a stage's"
+
+
+def test_a_run_lists_only_its_own_stages_keys_so_an_identity_holds_few_entries_per_node():
+    """A certified identity can hold one entry per key the run lists for it: a data-parallel run lists no
+    stage keys (65 matchmaking keys would let ~241 Sybils fill a node's 16,384 entries), a 3-stage run
+    only its 3 stages'."""
+    signer = SigningKey.generate()
+    peer_bytes = PeerID.from_base58(signer.peer_id).to_bytes()
+    now = get_dht_time()
+
+    def declaration_passes(validator: RunValidator, prefix: str) -> bool:
+        value = seal_declaration(signer, matchmaking_key(prefix), looking=True, expires_at=now + 5)
+        return validator.validate(_record(matchmaking_key(prefix), value, now + 5, peer_bytes))
+
+    data_parallel, pipeline = RunValidator(RUN, None, stages=1), RunValidator(RUN, None, stages=3)
+    assert declaration_passes(data_parallel, RUN) and declaration_passes(pipeline, RUN)
+    assert not any(declaration_passes(data_parallel, stage_prefix(RUN, s)) for s in range(MAX_STAGES))
+    assert [s for s in range(MAX_STAGES) if declaration_passes(pipeline, stage_prefix(RUN, s))] == [0, 1, 2]
+    # What one identity may write on a node: its per-peer records and one declaration per matchmaking key.
+    per_identity = [k for k, rule in run_keys(RUN, 1).items() if rule.check == "declaration"]
+    assert len(per_identity) + len(PEER_KINDS) == 4
+    with pytest.raises(ValueError, match="1 to 64 stages"):
+        run_keys(RUN, 65)
 
 
 # The functions whose keys ``run_keys`` lists (see the test above), and the one name hivemind's
