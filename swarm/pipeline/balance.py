@@ -13,9 +13,10 @@ All three decisions read only the pipeline view from the DHT, so every peer reas
   the move raises the pipeline's slowest stage by a margin, and only one peer of a stage moves at a time.
 
 ``choose_stage`` and ``rebalance_move`` can only read the rates replicas report, so each counts at most
-``MEASURED_CAP`` times the median reported rate of every serving replica in view (``stage_totals``):
-uncapped, a replica claiming 1e12 samples/s made its stage look the richest, and its honest
-stage-mates moved away until it served the stage alone.
+the median reported rate of every serving replica in view (``stage_totals``): uncapped, a replica
+claiming 1e12 samples/s made its stage look the richest, and its honest stage-mates moved away until it
+served the stage alone; capped at twice the median, it still did so in a 2 x 2 pipeline (its stage
+counted 3 replicas' worth against 2). Above the median, replicas count as equals.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from swarm.pipeline.records import PipelineView, StageRecord
 
 #: A replica's routing weight is at most this multiple of the median measured rate of its stage.
 MEASURED_CAP = 2.0
+#: A replica's reported rate counts, in stage choice and rebalancing, at most this multiple of the
+#: median reported rate of every serving replica.
+REPORTED_CAP = 1.0
 _MIN_WEIGHT = 1e-9
 
 
@@ -55,10 +59,10 @@ class Measured:
 
 
 def reported_cap(view: PipelineView, num_stages: int) -> float:
-    """The most one replica's reported rate counts for: ``MEASURED_CAP`` times the median of all serving
-    replicas' reports (with fewer than half of them lying, at most twice an honest replica's)."""
+    """The most one replica's reported rate counts for: ``REPORTED_CAP`` times the median of all serving
+    replicas' reports (with fewer than half of them lying, an honest replica's rate at most)."""
     rates = [r.samples_per_s for k in range(num_stages) for r in view.replicas(k)]
-    return MEASURED_CAP * statistics.median(rates) if rates else 0.0
+    return REPORTED_CAP * statistics.median(rates) if rates else 0.0
 
 
 def stage_totals(view: PipelineView, num_stages: int) -> dict[int, float]:
