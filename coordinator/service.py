@@ -322,7 +322,7 @@ class CoordinatorService:
         if not step:
             return
         record = await self.store.get_peer(peer_id)
-        majority = (await self.store.majority_hashes()).get(step)
+        majority = (await self.store.majority_hashes(step)).get(step)
         diverged = (
             record is not None
             and record.state == "online"
