@@ -104,6 +104,26 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             return rehearsal.failed(e)
 
 
+def _settled_view(observer: _Observer, run: RunConfig, steps: int, byzantine: set[str]):
+    """The pipeline's records once every honest replica holds the last step, or after a bounded wait. A
+    replica that fell out of the last stage round (its averaging timed out on a loaded machine) downloads
+    its stage-mates' state like at any step; the check waits for that, not for a round that never comes:
+    at most one averaging timeout, a catch-up's download and a few announcements."""
+    settle_s = (
+        run.training.averaging_timeout_s
+        + run.training.matchmaking_time_s
+        + 20 * run.pipeline.announce_interval_s
+    )
+    deadline = time.monotonic() + settle_s
+    while True:
+        view = observer.view()
+        behind = [r for k in range(run.pipeline.stages) for r in view.replicas(k)
+                  if r.peer_id not in byzantine and r.step < steps]  # fmt: skip
+        if not behind or time.monotonic() > deadline:
+            return view
+        time.sleep(run.pipeline.announce_interval_s)
+
+
 def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
     local = rehearsal.local
     last_step = -1
@@ -190,7 +210,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
     time.sleep(2 * run.membership.heartbeat_interval_s)  # the trainers' final metrics reach the record
     rows = {p["name"]: p for p in status_to_dict(status(address))["peers"]}
     by_id = {p["peer_id"]: p["name"] for p in rows.values()}
-    view = observer.view()
+    view = _settled_view(observer, run, config.steps, {rows[n]["peer_id"] for n in byzantine if n in rows})
     stages = []
     for stage in range(config.stages):
         replicas = [{"name": by_id.get(r.peer_id, "?"), "peer_id": r.peer_id, "step": r.step,
