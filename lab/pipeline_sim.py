@@ -113,10 +113,11 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
 
 
 def _settled_view(observer: _Observer, run: RunConfig, steps: int, byzantine: set[str]):
-    """The pipeline's records once every honest replica holds the last step, or after a bounded wait. A
-    replica that fell out of the last stage round (its averaging timed out on a loaded machine) downloads
-    its stage-mates' state like at any step; the check waits for that, not for a round that never comes:
-    at most one averaging timeout, a catch-up's download and a few announcements."""
+    """The pipeline's records once every honest replica holds the last step and each stage's honest
+    replicas one parameter hash, or after a bounded wait. A replica that fell out of the last stage round,
+    or whose stage split into two groups at it (averaging timed out on a loaded machine), downloads its
+    stage-mates' state like at any step; the check waits for that, not for a round that never comes: at
+    most one averaging timeout, matchmaking, a catch-up's download and a few announcements."""
     settle_s = (
         run.training.averaging_timeout_s
         + run.training.matchmaking_time_s
@@ -125,9 +126,14 @@ def _settled_view(observer: _Observer, run: RunConfig, steps: int, byzantine: se
     deadline = time.monotonic() + settle_s
     while True:
         view = observer.view()
-        behind = [r for k in range(run.pipeline.stages) for r in view.replicas(k)
-                  if r.peer_id not in byzantine and r.step < steps]  # fmt: skip
-        if not behind or time.monotonic() > deadline:
+        honest = [
+            [r for r in view.replicas(k) if r.peer_id not in byzantine] for k in range(run.pipeline.stages)
+        ]
+        settled = all(
+            all(r.step >= steps for r in replicas) and len({r.param_hash for r in replicas}) <= 1
+            for replicas in honest
+        )
+        if settled or time.monotonic() > deadline:
             return view
         time.sleep(run.pipeline.announce_interval_s)
 
