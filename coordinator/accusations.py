@@ -4,17 +4,22 @@ The evidence follows the signed first part in pieces; each piece is charged to t
 ``EvidenceBudget`` as it arrives (never the size the accuser declared up front), so a stream that
 stalls holds only what it sent. The judge recomputes the aggregate from the signed inputs with the
 run's own rule, codec and layout, and says who is guilty: the accused if the evidence proves it, else
-the accuser (nobody when the evidence is of an averaging prefix the run does not use).
+the accuser (nobody when the evidence is of an averaging prefix the run does not use). Stage evidence
+(``judge_stage``) is recomputed from the stage's agreed state at the evidence's step: the coordinator's
+checkpoint of the stage at that step, or else that state downloaded from the stage's replicas by its
+hash (``coordinator.stagestates``), within ``stage_state_timeout_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Callable
 
 from google.protobuf.message import DecodeError
 
 from coordinator.limits import EvidenceBudget
+from coordinator.stagestates import StageStates
 from protocols import coordinator_pb2 as pb
 from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
@@ -24,7 +29,7 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, parse_evidence
 from swarm.config import RunConfig
 from swarm.pipeline.evidence import KIND as STAGE_KIND
-from swarm.pipeline.evidence import judge_stage
+from swarm.pipeline.evidence import committed_hash, judge_by_hash, judge_recomputed, read_stage_evidence
 
 
 class EvidenceReader:
@@ -80,22 +85,89 @@ async def next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> pb
         raise ProtocolError(f"malformed AccusationPart: {e}") from None
 
 
-def judge(
+async def judge_accusation(
     run: RunConfig,
     layouts: Callable[[], dict[str, int]],
     data: bytes,
     accused: str,
     accuser: str,
+    *,
+    judging: asyncio.Lock,
     stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
+    stage_states: StageStates | None = None,
+    stage_state_timeout_s: float = 60.0,
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty): the accused if the evidence proves it, else the accuser; nobody
-    when the evidence is of an averaging prefix this run does not use, whose layout the coordinator
-    cannot know (so it cannot show that the accuser lied either). ``layouts`` (``run_layouts``, which
-    builds the model) is called only for evidence that parses, on the judging thread. Evidence of two
-    stage replicas' different answers goes to ``judge_stage`` with ``stage_checkpoint`` (stage -> the
-    coordinator's checkpoint of it), and may convict either replica."""
+    """(what was found, who is guilty) for any evidence; the recomputation runs on a thread under
+    ``judging``. Stage evidence goes to ``judge_stage``."""
     if _kind(data) == STAGE_KIND:
-        return judge_stage(run, data, accused, accuser, stage_checkpoint)
+        return await judge_stage(
+            run, data, accused, accuser, judging=judging, checkpoint=stage_checkpoint,
+            states=stage_states or StageStates(), timeout_s=stage_state_timeout_s,
+        )  # fmt: skip
+    async with judging:
+        return await asyncio.to_thread(judge, run, layouts, data, accused, accuser)
+
+
+async def judge_stage(
+    run: RunConfig,
+    data: bytes,
+    accused: str,
+    accuser: str,
+    *,
+    judging: asyncio.Lock,
+    checkpoint: Callable[[int], object | None],
+    states: StageStates,
+    timeout_s: float,
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty) for stage evidence, which may convict either replica.
+
+    ``checkpoint(stage)`` is the coordinator's checkpoint of the stage (``step``, ``state_hash``,
+    ``tensors``), or None. At another step the stage's state comes from ``states``: by the hash both
+    replies name (both signers committed to it, so a reply that is not what that state computes is
+    wrong whoever else holds it), else by the one of their hashes a strict majority of the stage's
+    replicas published at that step. Without such a state, verified against its hash, nobody is banned."""
+    try:
+        evidence = await asyncio.to_thread(read_stage_evidence, run, data, accused, accuser)
+    except SwarmError as e:
+        return f"the evidence does not hold: {e}", accuser
+    stage, step = evidence.stage, evidence.step
+    cannot = f"cannot recompute stage {stage} at step {step}"
+    held = checkpoint(stage)
+    if held is None or held.step != step:
+        held, candidates = None, [r.reply.state_hash for r in evidence.replies]
+        try:
+            async with asyncio.timeout(timeout_s):
+                agreed = committed_hash(evidence) or await states.agreed_hash(stage, step, candidates)
+                if agreed is None:
+                    return (
+                        f"{cannot}: the replies name different states and the coordinator knows neither "
+                        "as the one a strict majority of the stage's replicas held at that step",
+                        None,
+                    )
+                verdict = judge_by_hash(evidence, agreed)
+                if verdict is not None:
+                    return verdict
+                held = await states.fetch(stage, step, agreed)
+        except TimeoutError:
+            return f"{cannot}: the stage's state did not arrive within {timeout_s:.0f}s", None
+        if held is None:
+            return f"{cannot}: the coordinator holds no state of it and no replica served it", None
+    else:
+        verdict = judge_by_hash(evidence, held.state_hash)
+        if verdict is not None:
+            return verdict
+    async with judging:
+        return await asyncio.to_thread(judge_recomputed, run, evidence, accused, held.tensors)
+
+
+def judge(
+    run: RunConfig, layouts: Callable[[], dict[str, int]], data: bytes, accused: str, accuser: str
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty) for averaging evidence: the accused if the evidence proves it, else
+    the accuser; nobody when the evidence is of an averaging prefix this run does not use, whose layout
+    the coordinator cannot know (so it cannot show that the accuser lied either). ``layouts``
+    (``run_layouts``, which builds the model) is called only for evidence that parses, on the judging
+    thread."""
     training = run.training
     try:
         evidence = parse_evidence(data)

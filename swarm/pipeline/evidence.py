@@ -2,18 +2,18 @@
 
 A trainer's check (swarm/pipeline/verify.py) that finds two signed replies to the same inputs differ
 files ``StageMismatchEvidence``: the inputs (and targets, and for a backward the grad_outputs), both
-replies with their state hashes and signatures. The coordinator (``judge_stage``) checks that both
-signatures name the same run, stage, step, trainer, micro-batch and inputs and that the replies differ;
-a reply computed with a state other than the stage's agreed one (the coordinator's checkpoint of the
-stage at that step) convicts its replica; otherwise the coordinator recomputes the call from that state
-with the real ``StageReplica`` (once per accusation) and convicts the replica whose reply differs. If it
-holds no state of the stage at that step it bans nobody and says so. Evidence that does not hold bans
-its accuser.
+replies with their state hashes and signatures. The coordinator checks that both
+signatures name the same run, stage, step, trainer, micro-batch and inputs and that the replies differ
+(``read_stage_evidence``); a reply computed with a state other than the stage's agreed one at that step
+convicts its replica (``judge_by_hash``); otherwise the coordinator recomputes the call from that state
+with the real ``StageReplica`` (once per accusation) and convicts the replica whose reply differs
+(``judge_recomputed``). Where the agreed state comes from (the coordinator's checkpoint, or the stage's
+replicas) is ``coordinator.accusations.judge_stage``'s business. Evidence that does not hold bans its
+accuser.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocols import pipeline_pb2 as ppb
@@ -151,29 +151,41 @@ class StageMismatchEvidence:
             replica.close()
 
 
-def judge_stage(
-    run: RunConfig, data: bytes, accused: str, accuser: str, checkpoint: Callable[[int], object | None]
-) -> tuple[str, str | None]:
-    """(what was found, who is guilty) for stage evidence; ``checkpoint(stage)`` is the coordinator's
-    checkpoint of that stage (``step``, ``state_hash``, ``tensors``), or None."""
-    try:
-        evidence = StageMismatchEvidence.from_bytes(data)
-        evidence.verify(run, accused, accuser)
-    except SwarmError as e:
-        return f"the evidence does not hold: {e}", accuser
-    stage, step = evidence.stage, evidence.step
-    held = checkpoint(stage)
-    if held is None or held.step != step:
-        return f"cannot recompute stage {stage} at step {step}: the coordinator holds no state of it", None
+def read_stage_evidence(run: RunConfig, data: bytes, accused: str, accuser: str) -> StageMismatchEvidence:
+    """The evidence in ``data``, checked by ``StageMismatchEvidence.verify``; a SwarmError says what is wrong."""
+    evidence = StageMismatchEvidence.from_bytes(data)
+    evidence.verify(run, accused, accuser)
+    return evidence
+
+
+def committed_hash(evidence: StageMismatchEvidence) -> str | None:
+    """The state hash both replies name, when they name one: both signers said they computed with it."""
+    a, b = (r.reply.state_hash for r in evidence.replies)
+    return a if a and a == b else None
+
+
+def judge_by_hash(evidence: StageMismatchEvidence, agreed: str) -> tuple[str, str] | None:
+    """(what was found, who is guilty) when exactly one reply names a state other than ``agreed``, the
+    stage's state at the step; None when that does not decide it."""
     # An empty hash (a reply between a step's update and its hashing) is left to the recomputation.
-    wrong = [r.replica for r in evidence.replies if r.reply.state_hash not in ("", held.state_hash)]
-    if len(wrong) == 1:
-        return (
-            f"stage {stage} replica {wrong[0]} computed step {step} with a state other than the agreed one",
-            wrong[0],
-        )
+    wrong = [r.replica for r in evidence.replies if r.reply.state_hash not in ("", agreed)]
+    if len(wrong) != 1:
+        return None
+    return (
+        f"stage {evidence.stage} replica {wrong[0]} computed step {evidence.step} with a state other than "
+        "the agreed one",
+        wrong[0],
+    )
+
+
+def judge_recomputed(
+    run: RunConfig, evidence: StageMismatchEvidence, accused: str, tensors: dict
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty), recomputing the call from ``tensors``, the stage's agreed state at
+    the evidence's step (the coordinator's checkpoint, or the state downloaded by its hash)."""
+    stage, step = evidence.stage, evidence.step
     try:
-        truth = evidence.recompute(run, held.tensors)
+        truth = evidence.recompute(run, tensors)
     except SwarmError as e:
         return f"cannot recompute stage {stage} at step {step}: {e}", None
     codec = get_codec(run.training.compression)
