@@ -179,6 +179,21 @@ class Held:
         self.state_hash = state_hash(self.step, self.tensors)
 
 
+async def accuse_at_coordinator(
+    tmp_path: Path, run: RunConfig, checkpoint, trainer: SigningKey, peers: list, accused: Replica,
+    evidence: StageMismatchEvidence, stage_states=None,
+):  # fmt: skip
+    """Join ``trainer`` and ``peers`` at the real coordinator service (holding ``checkpoint`` of the stage)
+    and have ``trainer`` file ``evidence`` against ``accused``: (its answer, the peers banned)."""
+    async with serving(tmp_path, run, lambda stage: checkpoint, stage_states) as (address, store), \
+            CoordinatorClient(address) as client:  # fmt: skip
+        for i, key in enumerate((trainer, *peers)):
+            await client.join(key, RUN, name=f"peer{i}", device="cpu")
+        answer = await client.accuse(trainer, RUN, accused=accused.key.peer_id, reason="mismatch",
+                                     evidence=evidence.to_bytes())  # fmt: skip
+        return answer, {b.peer_id for b in await store.list_bans()}
+
+
 @pytest.mark.parametrize("poisoned_first", [True, False])
 def test_a_poisoning_replica_is_caught_by_a_check_and_banned_by_the_coordinator(
     tmp_path: Path, poisoned_first
@@ -204,15 +219,12 @@ def test_a_poisoning_replica_is_caught_by_a_check_and_banned_by_the_coordinator(
         evidence = await check.check(0, second.key.peer_id, 2, call)
         assert evidence is not None and check.stats["mismatches"] == 1
         assert filed and filed[0][0] == first.key.peer_id  # the trainer accuses the replica it checked
-        async with serving(tmp_path / str(poisoned_first), run, lambda stage: held) as (address, store), \
-                CoordinatorClient(address) as client:  # fmt: skip
-            for i, key in enumerate((trainer, honest.key, poison.key)):
-                await client.join(key, RUN, name=f"peer{i}", device="cpu")
-            answer = await client.accuse(trainer, RUN, accused=first.key.peer_id, reason="mismatch",
-                                         evidence=evidence.to_bytes())  # fmt: skip
-            assert answer.banned_peer == poison.key.peer_id, answer.verdict
-            assert "wrongly" in answer.verdict and "false accusation" not in answer.verdict  # convicted
-            assert {b.peer_id for b in await store.list_bans()} == {poison.key.peer_id}
+        answer, banned = await accuse_at_coordinator(
+            tmp_path / str(poisoned_first), run, held, trainer, [honest.key, poison.key], first, evidence
+        )
+        assert answer.banned_peer == poison.key.peer_id, answer.verdict
+        assert "wrongly" in answer.verdict and "false accusation" not in answer.verdict  # convicted
+        assert banned == {poison.key.peer_id}
 
     asyncio.run(scenario())
 
