@@ -92,8 +92,7 @@ class RecentStageStates(StageStates):
             if last is not None and (last.step, last.state_hash) == (step, state_hash):
                 return last
             self._last = None
-            if not self.view.members(stage):
-                self.observe(await self.refresh())
+            self.observe(await self.refresh())  # the replicas serving now
 
             def fetch(holder: PeerID) -> Awaitable[DecodedState]:
                 return download_state(
