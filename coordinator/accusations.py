@@ -5,9 +5,9 @@ The evidence follows the signed first part in pieces; each piece is charged to t
 stalls holds only what it sent. The judge recomputes the aggregate from the signed inputs with the
 run's own rule, codec and layout, and says who is guilty: the accused if the evidence proves it, else
 the accuser (nobody when the evidence is of an averaging prefix the run does not use). Stage evidence
-(``judge_stage``) is recomputed from the stage's agreed state at the evidence's step: the coordinator's
-checkpoint of the stage at that step, or else that state downloaded from the stage's replicas by its
-hash (``coordinator.stagestates``), within ``stage_state_timeout_s``.
+(``judge_stage``) is recomputed from the states its replies name: the coordinator's checkpoint of the
+stage at that step, or that state downloaded from the stage's replicas by its hash
+(``coordinator.stagestates``), within ``stage_state_timeout_s``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, parse_evidence
 from swarm.config import RunConfig
 from swarm.pipeline.evidence import KIND as STAGE_KIND
-from swarm.pipeline.evidence import committed_hash, judge_by_hash, judge_recomputed, read_stage_evidence
+from swarm.pipeline.evidence import judge_recomputed, read_stage_evidence
 
 
 class EvidenceReader:
@@ -121,43 +121,31 @@ async def judge_stage(
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for stage evidence, which may convict either replica.
 
-    ``checkpoint(stage)`` is the coordinator's checkpoint of the stage (``step``, ``state_hash``,
-    ``tensors``), or None. At another step the stage's state comes from ``states``: by the hash both
-    replies name (both signers committed to it, so a reply that is not what that state computes is
-    wrong whoever else holds it), else by the one of their hashes a strict majority of the stage's
-    replicas published at that step. Without such a state, verified against its hash, nobody is banned."""
+    Each reply is recomputed from the state it names (its signer committed to it): the coordinator's
+    checkpoint of the stage (``checkpoint(stage)``: ``step``, ``state_hash``, ``tensors``) when it is that
+    state, else that state downloaded by its hash from the stage's replicas (``states``), verified. A
+    reply whose state nobody serves within ``timeout_s`` is not judged; nobody is banned on a state the
+    coordinator could not verify."""
     try:
         evidence = await asyncio.to_thread(read_stage_evidence, run, data, accused, accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
     stage, step = evidence.stage, evidence.step
-    cannot = f"cannot recompute stage {stage} at step {step}"
     held = checkpoint(stage)
-    if held is None or held.step != step:
-        held, candidates = None, [r.reply.state_hash for r in evidence.replies]
-        try:
-            async with asyncio.timeout(timeout_s):
-                agreed = committed_hash(evidence) or await states.agreed_hash(stage, step, candidates)
-                if agreed is None:
-                    return (
-                        f"{cannot}: the replies name different states and the coordinator knows neither "
-                        "as the one a strict majority of the stage's replicas held at that step",
-                        None,
-                    )
-                verdict = judge_by_hash(evidence, agreed)
-                if verdict is not None:
-                    return verdict
-                held = await states.fetch(stage, step, agreed)
-        except TimeoutError:
-            return f"{cannot}: the stage's state did not arrive within {timeout_s:.0f}s", None
-        if held is None:
-            return f"{cannot}: the coordinator holds no state of it and no replica served it", None
-    else:
-        verdict = judge_by_hash(evidence, held.state_hash)
-        if verdict is not None:
-            return verdict
+    tensors: dict[str, dict] = {}
+    if held is not None and held.step == step:
+        tensors[held.state_hash] = held.tensors
+    try:
+        async with asyncio.timeout(timeout_s):
+            for state_hash in dict.fromkeys(r.reply.state_hash for r in evidence.replies):
+                if state_hash and state_hash not in tensors:
+                    fetched = await states.fetch(stage, step, state_hash)
+                    if fetched is not None:
+                        tensors[state_hash] = fetched.tensors
+    except TimeoutError:
+        pass  # judge what arrived
     async with judging:
-        return await asyncio.to_thread(judge_recomputed, run, evidence, accused, held.tensors)
+        return await asyncio.to_thread(judge_recomputed, run, evidence, accused, tensors)
 
 
 def judge(

@@ -2,26 +2,20 @@
 
 The coordinator checkpoints a stage only every ``checkpoint_every_steps``; ``stage_mismatch`` evidence
 of any other step is judged from the stage's replicas instead. Each replica keeps the state of its last
-``pipeline.kept_states`` steps (``swarm.pipeline.history``), and ``RecentStageStates`` downloads the
-one the evidence names by hash (``StateRequest.state_hash``) from any replica of the stage: the bytes
-must hash to it, so it does not matter which replica serves it. Which hash is the stage's state at a
-step, when the two replies name different ones, is read from the replicas' signed stage records: the
-hash a strict majority of the stage's current, unbanned replicas were seen holding at that step
-(``swarm.training.catchup.PositionHistory``, the rule replicas catch up by). Under open admission
-certified Sybils that are a majority of a stage's replicas decide that hash, as they decide the
-stage's checkpoints.
+``pipeline.kept_states`` steps (``swarm.pipeline.history``), and ``RecentStageStates`` downloads each
+state a reply names by its hash (``StateRequest.state_hash``) from any replica of the stage: the bytes
+must hash to it, so it does not matter which replica serves it, and no vote of replicas is involved.
 
 Example::
 
     states = RecentStageStates(run, p2p, refresh=lambda: fetch_view(dht, trust, stages), banned=set)
-    agreed = await states.agreed_hash(stage, step, candidates)   # None: no majority
-    state = await states.fetch(stage, step, agreed)              # a DecodedState, or None
+    state = await states.fetch(stage, step, state_hash)   # a DecodedState, or None
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
@@ -29,7 +23,6 @@ from swarm.config import RunConfig
 from swarm.keyspace import stage_prefix
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.records import PipelineView
-from swarm.training.catchup import Position, PositionHistory
 from swarm.training.state import DecodedState
 from swarm.training.sync import download_limit, download_state, from_any_holder, state_namespace
 
@@ -38,19 +31,14 @@ class StageStates:
     """What the coordinator can learn of a stage's state at a step it holds no checkpoint of: this base
     knows nothing, so such evidence bans nobody."""
 
-    async def agreed_hash(self, stage: int, step: int, candidates: Collection[str]) -> str | None:
-        """The one of ``candidates`` that is the stage's agreed state at ``step``, or None."""
-        return None
-
     async def fetch(self, stage: int, step: int, state_hash: str) -> DecodedState | None:
         """The stage's state of ``state_hash`` at ``step``, verified against it; None if nobody served it."""
         return None
 
 
 class RecentStageStates(StageStates):
-    """Recent stage states from the stage's replicas (``refresh`` reads their signed records; ``observe``
-    remembers the positions each view shows). One download runs at a time, and the last state
-    downloaded is kept for the next accusation of the same step: at most two stage states in memory."""
+    """Recent stage states from the stage's replicas (``refresh`` reads their signed records). One download
+    runs at a time, and the last state downloaded is kept for the next accusation of the same step."""
 
     def __init__(
         self,
@@ -62,29 +50,16 @@ class RecentStageStates(StageStates):
     ):
         self.run, self.p2p, self.refresh, self.banned = run, p2p, refresh, banned
         self.view = PipelineView()
-        self.history = {k: PositionHistory() for k in range(run.pipeline.stages)}
         self._lock = asyncio.Lock()
         self._last: DecodedState | None = None
 
     def observe(self, view: PipelineView) -> None:
-        """Remember the positions ``view``'s stage records show."""
+        """Take ``view`` as the stage replicas to download from."""
         self.view = view
-        for k, history in self.history.items():
-            members = view.members(k)
-            history.observe(
-                {r.peer_id: Position(r.step, r.state_hash) for r in members if r.state_hash},
-                max_step=self.run.training.max_steps, keep={r.peer_id for r in members},
-            )  # fmt: skip
 
     def _replicas(self, stage: int) -> list[str]:
         banned = self.banned()
         return [r.peer_id for r in self.view.members(stage) if r.peer_id not in banned]
-
-    async def agreed_hash(self, stage: int, step: int, candidates: Collection[str]) -> str | None:
-        self.observe(await self.refresh())
-        voters = self._replicas(stage)
-        agreed = [h for h in set(candidates) if h and self.history[stage].agreed(step, h, voters)]
-        return agreed[0] if len(agreed) == 1 else None
 
     async def fetch(self, stage: int, step: int, state_hash: str) -> DecodedState | None:
         async with self._lock:

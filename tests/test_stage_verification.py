@@ -273,35 +273,6 @@ def test_forged_stage_evidence_bans_its_accuser_and_unrecomputable_evidence_bans
     asyncio.run(scenario())
 
 
-def test_a_reply_computed_with_another_state_convicts_its_replica_without_recomputing(tmp_path: Path):
-    """A replica whose state drifted from the stage's agreed one (the coordinator's checkpoint) answers
-    differently and names its own state hash: that alone convicts it."""
-    run = run_config()
-    trainer = trainer_key()
-    honest, drifted = Replica(run, 0), Replica(run, 0)
-    held = Held(honest.replica)
-    with torch.no_grad():
-        drifted.replica.params[0].add_(0.01)
-    asyncio.run(drifted.replica.commit())
-    assert drifted.replica.state_hash != held.state_hash
-
-    async def scenario() -> None:
-        check = checker(run, trainer, {honest.key.peer_id: honest, drifted.key.peer_id: drifted})
-        evidence = await check.check(
-            0, honest.key.peer_id, 2, await through(drifted, trainer, run, 5, seed=5)
-        )
-        assert evidence is not None
-        async with serving(tmp_path, run, lambda stage: held) as (address, store), \
-                CoordinatorClient(address) as client:  # fmt: skip
-            for i, key in enumerate((trainer, honest.key, drifted.key)):
-                await client.join(key, RUN, name=f"peer{i}", device="cpu")
-            answer = await client.accuse(trainer, RUN, accused=drifted.key.peer_id, reason="mismatch",
-                                         evidence=evidence.to_bytes())  # fmt: skip
-            assert answer.banned_peer == drifted.key.peer_id and "other than the agreed" in answer.verdict
-
-    asyncio.run(scenario())
-
-
 def test_a_check_reaching_a_replica_that_already_counted_the_microbatch_finds_no_mismatch():
     """An earlier attempt counted the micro-batch at the second replica: its repeat must answer exactly
     what a fresh forward answers (it used to add the backward's result and a NaN loss), or the honest

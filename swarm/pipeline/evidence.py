@@ -4,12 +4,11 @@ A trainer's check (swarm/pipeline/verify.py) that finds two signed replies to th
 files ``StageMismatchEvidence``: the inputs (and targets, and for a backward the grad_outputs), both
 replies with their state hashes and signatures. The coordinator checks that both
 signatures name the same run, stage, step, trainer, micro-batch and inputs and that the replies differ
-(``read_stage_evidence``); a reply computed with a state other than the stage's agreed one at that step
-convicts its replica (``judge_by_hash``); otherwise the coordinator recomputes the call from that state
-with the real ``StageReplica`` (once per accusation) and convicts the replica whose reply differs
-(``judge_recomputed``). Where the agreed state comes from (the coordinator's checkpoint, or the stage's
-replicas) is ``coordinator.accusations.judge_stage``'s business. Evidence that does not hold bans its
-accuser.
+(``read_stage_evidence``); then it recomputes each reply from the state that reply names, with the real
+``StageReplica``, and convicts a replica whose reply differs from what its own state computes
+(``judge_recomputed``). Where those states come from (the coordinator's checkpoint, or the stage's
+replicas, by hash) is ``coordinator.accusations.judge_stage``'s business. Evidence that does not hold
+bans its accuser.
 """
 
 from __future__ import annotations
@@ -158,43 +157,42 @@ def read_stage_evidence(run: RunConfig, data: bytes, accused: str, accuser: str)
     return evidence
 
 
-def committed_hash(evidence: StageMismatchEvidence) -> str | None:
-    """The state hash both replies name, when they name one: both signers said they computed with it."""
-    a, b = (r.reply.state_hash for r in evidence.replies)
-    return a if a and a == b else None
-
-
-def judge_by_hash(evidence: StageMismatchEvidence, agreed: str) -> tuple[str, str] | None:
-    """(what was found, who is guilty) when exactly one reply names a state other than ``agreed``, the
-    stage's state at the step; None when that does not decide it."""
-    # An empty hash (a reply between a step's update and its hashing) is left to the recomputation.
-    wrong = [r.replica for r in evidence.replies if r.reply.state_hash not in ("", agreed)]
-    if len(wrong) != 1:
-        return None
-    return (
-        f"stage {evidence.stage} replica {wrong[0]} computed step {evidence.step} with a state other than "
-        "the agreed one",
-        wrong[0],
-    )
-
-
 def judge_recomputed(
-    run: RunConfig, evidence: StageMismatchEvidence, accused: str, tensors: dict
+    run: RunConfig, evidence: StageMismatchEvidence, accused: str, states: dict[str, dict]
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty), recomputing the call from ``tensors``, the stage's agreed state at
-    the evidence's step (the coordinator's checkpoint, or the state downloaded by its hash)."""
+    """(what was found, who is guilty), recomputing each reply from the state it names: ``states`` maps a
+    state hash to its tensors, verified against it (the coordinator's checkpoint, or the state downloaded
+    from a replica). A replica is wrong only if its answer differs from what the state it signed computes:
+    a replica whose state forked from its stage-mates' (a round it took alone) answers correctly for its
+    own state and is not convicted. A reply whose state is not in ``states`` is not judged."""
     stage, step = evidence.stage, evidence.step
-    try:
-        truth = evidence.recompute(run, tensors)
-    except SwarmError as e:
-        return f"cannot recompute stage {stage} at step {step}: {e}", None
     codec = get_codec(run.training.compression)
-    wrong = [r.replica for r in evidence.replies
-             if replies_differ(r.reply, truth, codec, run.pipeline.verify_tolerance)]  # fmt: skip
+    wrong, judged = [], 0
+    for r in evidence.replies:
+        tensors = states.get(r.reply.state_hash) if r.reply.state_hash else None
+        if tensors is None:
+            continue
+        try:
+            truth = evidence.recompute(run, tensors)
+        except SwarmError as e:
+            return f"cannot recompute stage {stage} at step {step}: {e}", None
+        judged += 1
+        if replies_differ(r.reply, truth, codec, run.pipeline.verify_tolerance):
+            wrong.append(r.replica)
+    if not judged:
+        return (
+            f"cannot recompute stage {stage} at step {step}: the coordinator holds neither reply's state",
+            None,
+        )
     if not wrong:
-        return f"both replies of stage {stage} are within the tolerance of the recomputation", None
+        return (
+            f"the replies of stage {stage} at step {step} are what the states they name compute (checked "
+            f"{judged} of 2)",
+            None,
+        )
     guilty = accused if accused in wrong else wrong[0]
     return (
-        f"stage {stage} replica {guilty} answered micro-batch {evidence.forward.microbatch_id} at step {step} wrongly",
+        f"stage {stage} replica {guilty} answered micro-batch {evidence.forward.microbatch_id} at step {step} "
+        "wrongly for the state it named",
         guilty,
     )
