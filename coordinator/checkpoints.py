@@ -14,7 +14,8 @@ a state at one step (the same rule, among the replicas with a signed pipeline re
 downloads each stage's state from its replicas, verifies it against its hash, and saves it under
 ``checkpoints/stage<k>/``; each stage's checkpoint is announced under the stage's own signed record
 (``<run_id>.stage<k>``) and served under the stage's state namespace, where a restarted stage replica
-finds it.
+finds it. Every view of the stage records it reads also feeds ``recent`` (``RecentStageStates``), which
+fetches a stage's state at a recent step to judge stage evidence.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import hivemind
 from hivemind.p2p import PeerID
 
+from coordinator.stagestates import RecentStageStates
 from coordinator.store import PeerRecord
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
@@ -143,6 +145,7 @@ class CheckpointKeeper:
         self.stages: dict[int, Checkpoint] = {}  # a pipeline run's latest checkpoint, stage by stage
         self._stage_encoded: dict[int, EncodedState] = {}
         self.pipeline = PipelineView()
+        self.recent: RecentStageStates | None = None  # a pipeline run's stage states at recent steps
         self._started_at = time.time()
         self._in_view_at: dict[str, float] = {}  # peer -> when its progress record was last read
 
@@ -279,6 +282,9 @@ class CheckpointKeeper:
         return {k: load_checkpoint(steps[k][step]) for k in range(self.num_stages)}
 
     async def _start_stages(self) -> None:
+        self.recent = RecentStageStates(
+            self.run, self._p2p, refresh=self._refresh_pipeline, banned=lambda: self.banned
+        )
         self.stages = await asyncio.to_thread(self._load_stages)
         if self.stages:
             self.latest = self.stages[0]
@@ -298,7 +304,7 @@ class CheckpointKeeper:
             return {r.peer_id for rs in self.pipeline.holders.values() for r in rs}
 
         if requester not in replicas():  # a replica announces itself just before it asks
-            self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+            await self._refresh_pipeline()
         if requester in self.banned or requester not in replicas():
             return f"{requester} has no valid signed pipeline record in run {self.run.run_id!r}"
         return None
@@ -314,6 +320,12 @@ class CheckpointKeeper:
             encoded = self._stage_encoded[stage] = EncodedState(latest.step, latest.state_hash, data)
         return encoded
 
+    async def _refresh_pipeline(self) -> PipelineView:
+        self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+        if self.recent is not None:
+            self.recent.observe(self.pipeline)
+        return self.pipeline
+
     async def _publish_stages(self) -> None:
         for k, checkpoint in self.stages.items():
             await publish_checkpoint_record(
@@ -327,7 +339,7 @@ class CheckpointKeeper:
         bans = await fetch_ban_list(self.dht, self.run.run_id, self.key.public_key)
         if bans is not None:
             self.banned = bans[1]
-        self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+        await self._refresh_pipeline()
         targets = {}
         for k in range(self.num_stages):
             others = {

@@ -20,6 +20,7 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.factory import build_averager
 from swarm.keyspace import stage_prefix
 from swarm.pipeline.balance import choose_stage, rebalance_move, stage_totals
+from swarm.pipeline.history import StateHistory
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import pipeline_namespace
@@ -69,7 +70,8 @@ class StageMoves:
         replica.paused = self.paused
         self._serving = False
         self._joining_at = replica.step  # while it loads the stage's state it takes no round either
-        self.replica, self.averager, self._encoded = replica, averager, None
+        self.replica, self.averager = replica, averager
+        self.states = StateHistory(self.config.run_id, self.config.pipeline.kept_states)
         self._busy_mark, self._load = (time.monotonic(), 0.0), 0.0  # busy time is counted per replica
         await replica.measure()
         await replica.commit()
@@ -81,6 +83,7 @@ class StageMoves:
             self.encoded_state,
             admit=self._admit_download,
             upload_limiter=self.upload_limiter,
+            find=self.state_of,
         )
         await self._register(state, state_namespace(stage_prefix(self.config.run_id, index)))
         self._step_view = self._views

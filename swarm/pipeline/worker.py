@@ -51,6 +51,7 @@ from swarm.averaging.verification import Accuser
 from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.history import StateHistory
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.moves import StageMoves, stage_prefix
 from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publish_record
@@ -59,7 +60,7 @@ from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Position, catch_up_move
-from swarm.training.state import DecodedState, encode_state, state_tensors
+from swarm.training.state import DecodedState
 from swarm.training.sync import (
     EncodedState,
     download_limit,
@@ -152,7 +153,7 @@ class StageWorker(StageMoves):
         self.view = PipelineView()
         self._views = 0
         self._step_view = 0
-        self._encoded: EncodedState | None = None
+        self.states = StateHistory(run.run_id, run.pipeline.kept_states)
         self._busy_mark = (time.monotonic(), 0.0)
         self._load = 0.0
         self.moves: list[dict] = []
@@ -270,15 +271,11 @@ class StageWorker(StageMoves):
             await asyncio.sleep(self.config.pipeline.announce_interval_s)
 
     async def encoded_state(self) -> EncodedState | None:
-        r = self.replica
-        if r is None or not r.state_hash:
-            return None
-        if self._encoded is None or self._encoded.step != r.step or self._encoded.state_hash != r.state_hash:
-            tensors = await r.compute(state_tensors, r.model, r.optimizer)
-            metadata = {"run_id": self.config.run_id, "stage": str(r.index)}
-            data = await asyncio.to_thread(encode_state, r.step, tensors, metadata)
-            self._encoded = EncodedState(r.step, r.state_hash, data)
-        return self._encoded
+        return await self.states.current(self.replica)
+
+    async def state_of(self, state_hash: str) -> EncodedState | None:
+        """The state of ``state_hash``: the current one or one kept from the last steps."""
+        return await self.states.find(self.replica, state_hash)
 
     # --- catching up ---------------------------------------------------------------------------------
 
@@ -450,6 +447,7 @@ class StageWorker(StageMoves):
                            "applied: stepping with none")  # fmt: skip
             averaged, samples = torch.zeros_like(result.vector), 0.0
             self._stats["rounds_refused"] = self._stats.get("rounds_refused", 0.0) + 1
+        await r.compute(self.states.keep_current, r)  # the coordinator may judge this step's replies later
         await r.compute(r.apply, averaged)
         await r.commit()
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
