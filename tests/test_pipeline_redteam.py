@@ -1,0 +1,104 @@
+"""The SWARM pipeline read as an attacker with the code and one admitted identity: each way in found,
+fixed, and held here, in process with the real replica, servicer, gate and trainer.
+
+Each test says what the attack did before its fix; it fails on that code and passes now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.p2p import P2PContext, PeerID
+
+from protocols import pipeline_pb2 as ppb
+from protocols.keys import SigningKey
+from swarm.byzantine.attacks import make_attack
+from swarm.config import RunConfig
+from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.records import PipelineView, StageRecord
+from swarm.pipeline.replica import StageReplica
+from swarm.pipeline.server import StageServicer
+from swarm.pipeline.trainer import PipelineTrainer, StageFailure
+
+pytestmark = pytest.mark.timeout(60)
+
+BATCH = 2
+HASH = "0" * 64
+
+
+def redteam_run(**pipeline) -> RunConfig:
+    return RunConfig(
+        run_id="pipeline-redteam",
+        model={"name": "gpt", "config": {"d_model": 32, "n_layer": 2, "n_head": 2, "seq_len": 32}},
+        pipeline={"stages": 2, "request_timeout_s": 2.0, "announce_interval_s": 0.2, **pipeline},
+        training={"target_batch_size": 4, "micro_batch_size": BATCH},
+    )
+
+
+def test_a_last_stage_answering_over_bound_grad_inputs_is_avoided_and_cannot_get_the_trainer_banned(
+    monkeypatch,
+):
+    """Before the fix the trainer relayed a replica's signed answer unchecked: a last-stage replica that
+    answered grad_inputs over the norm bound had them refused by the honest stage-0 replica as the
+    *trainer's* bad request, the trainer avoided the honest replica, and after
+    ``ban_after_bad_requests`` (3 here) the honest replica banned the honest trainer."""
+    torch.set_num_threads(1)
+    run = redteam_run(ban_after_bad_requests=3)
+    trainer_key = SigningKey.generate()
+    keys = [SigningKey.generate(), SigningKey.generate()]
+    gates = [
+        PeerGate(None, run.run_id, None, allowed={trainer_key.peer_id},
+                 ban_after_bad_requests=run.pipeline.ban_after_bad_requests)
+        for _ in keys
+    ]  # fmt: skip
+    poison = make_attack("stage_poison", {"grad_norm_share": 2.0}, group_size=2, attackers=1)
+    servicers = {
+        key.peer_id: StageServicer(StageReplica(run, k), gates[k], key=key, attack=poison if k else None)
+        for k, key in enumerate(keys)
+    }
+
+    class Transport:  # only libp2p is replaced: the call reaches the real servicer as from the trainer
+        def __init__(self, peer: str):
+            self.servicer, self.peer = servicers[peer], peer
+
+        async def _call(self, method: str, request):
+            context = P2PContext(
+                method, PeerID.from_base58(self.peer), PeerID.from_base58(trainer_key.peer_id)
+            )
+            return await getattr(self.servicer, method)(request, context)
+
+        async def rpc_forward(self, request, timeout):
+            return await self._call("rpc_forward", request)
+
+        async def rpc_backward(self, request, timeout):
+            return await self._call("rpc_backward", request)
+
+    monkeypatch.setattr(
+        StageServicer, "get_stub", classmethod(lambda cls, p2p, peer, **k: Transport(peer.to_base58()))
+    )
+    trainer = PipelineTrainer(run, None, peer_id=trainer_key.peer_id, seed=0, signing_key=trainer_key)
+    trainer.view = PipelineView(
+        stages={k: [StageRecord(key.peer_id, k, 0, 1.0, 0.0, HASH, HASH, time.time())] for k, key in enumerate(keys)}
+    )  # fmt: skip
+    try:
+        for servicer in servicers.values():
+            asyncio.run(servicer.replica.commit())
+        for _ in range(2 * run.pipeline.ban_after_bad_requests):
+            with pytest.raises(StageFailure) as failure:
+                asyncio.run(trainer._attempt(trainer._new_microbatch()))
+            assert (failure.value.stage, failure.value.peer, failure.value.code) == (
+                1, keys[1].peer_id, ppb.BAD_REQUEST
+            ), f"the failure was put on {failure.value}"  # fmt: skip
+            assert "grad_inputs has L2 norm" in str(failure.value)
+        assert trainer_key.peer_id not in gates[0].banned, "the honest replica banned the honest trainer"
+        assert gates[0].bad_requests[trainer_key.peer_id] == 0
+        # Honest answers pass the same check: with the poisoner honest, the micro-batch completes.
+        servicers[keys[1].peer_id].attack = None
+        loss = asyncio.run(trainer._attempt(trainer._new_microbatch()))
+        assert loss == loss and servicers[keys[0].peer_id].replica.samples == BATCH
+    finally:
+        for servicer in servicers.values():
+            servicer.replica.close()
