@@ -15,13 +15,16 @@ from hivemind.p2p import P2PContext, PeerID
 
 from protocols import pipeline_pb2 as ppb
 from protocols.keys import SigningKey
+from swarm.averaging.compression import get_codec
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.held import MAX_FORWARD_STATES, forwards_per_caller
 from swarm.pipeline.records import PipelineView, StageRecord
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.pipeline.trainer import PipelineTrainer, StageFailure
+from swarm.pipeline.wire import encode_floats, encode_ids, sign_attempt
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,3 +105,79 @@ def test_a_last_stage_answering_over_bound_grad_inputs_is_avoided_and_cannot_get
     finally:
         for servicer in servicers.values():
             servicer.replica.close()
+
+
+def stage0_forward(run: RunConfig, microbatch_id: int, seed: int = 0) -> ppb.ForwardRequest:
+    ids = torch.randint(0, 256, (BATCH, 32), generator=torch.Generator().manual_seed(seed))
+    return ppb.ForwardRequest(run_id=run.run_id, stage=0, step=0, microbatch_id=microbatch_id, attempt=1,
+                              inputs=encode_ids(ids))  # fmt: skip
+
+
+def last_forward(run: RunConfig, microbatch_id: int, seed: int, attempt: int = 1, signature: bytes = b""):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(BATCH, 32, 32, generator=generator)
+    targets = torch.randint(0, 256, (BATCH, 32), generator=generator)
+    return ppb.ForwardRequest(run_id=run.run_id, stage=1, step=0, microbatch_id=microbatch_id, attempt=attempt,
+                              attempt_signature=signature, targets=encode_ids(targets),
+                              inputs=encode_floats(hidden, get_codec(run.training.compression)))  # fmt: skip
+
+
+def test_one_trainer_holding_forwards_without_backwards_leaves_room_for_every_other_trainer():
+    """Before the fix the replica's 512 forward states were shared by all callers: one trainer that sent
+    512 forwards and no backward got every other trainer refused BUSY for ``forward_state_ttl_s`` (60 s),
+    holding 512 graphs of the honest replica's memory."""
+    torch.set_num_threads(1)
+    run = redteam_run()
+    replica = StageReplica(run, 0)
+    try:
+        for microbatch_id in range(MAX_FORWARD_STATES):
+            replica.forward(stage0_forward(run, microbatch_id), "attacker")
+        limit = forwards_per_caller(run)
+        assert sum(1 for k in replica.forwards if k[0] == "attacker") == limit
+        assert replica.forward(stage0_forward(run, 1, seed=1), "honest").outputs.data
+        # The caller's own newest forwards are the ones kept: a live micro-batch's backward still counts.
+        newest = MAX_FORWARD_STATES - 1
+        assert ("attacker", newest) in replica.forwards and ("attacker", 0) not in replica.forwards
+        grads = encode_floats(torch.full((BATCH, 32, 32), 1e-3), get_codec(run.training.compression))
+        backward = ppb.BackwardRequest(
+            run_id=run.run_id, stage=0, step=0, microbatch_id=1, grad_outputs=grads
+        )
+        replica.backward(backward, "honest")
+        assert replica.trainer_samples["honest"] == BATCH
+    finally:
+        replica.close()
+
+
+def test_a_trainers_retry_elsewhere_replays_only_its_own_microbatches_at_the_replica_it_left():
+    """Before the fix a replica dropping one superseded micro-batch rebuilt its whole gradient: an
+    attacker that counted one micro-batch at replica A and sent its signed attempt 2 to replica B made A
+    recompute the backward of every micro-batch every trainer had sent it at the step (8 here)."""
+    torch.set_num_threads(1)
+    run = redteam_run()
+    attacker = SigningKey.generate()
+    a, b, clean = StageReplica(run, 1), StageReplica(run, 1), StageReplica(run, 1)
+    try:
+        for microbatch_id in range(8):
+            for replica in (a, clean):
+                replica.forward(last_forward(run, microbatch_id, seed=microbatch_id), "honest-trainer")
+        a.forward(last_forward(run, 99, seed=99), attacker.peer_id)
+        a.forward(last_forward(run, 98, seed=98), attacker.peer_id)
+        clean.forward(last_forward(run, 98, seed=98), attacker.peer_id)
+        signature = sign_attempt(attacker, run.run_id, 1, 0, 99, 2)
+        b.forward(last_forward(run, 99, seed=99, attempt=2, signature=signature), attacker.peer_id)
+        recomputed = []
+        replay = a._recompute
+        a._recompute = lambda entry, grads: (
+            recomputed.append(entry.request.microbatch_id),
+            replay(entry, grads),
+        )
+        assert a.drop_superseded(a.superseding(b.retried())) == BATCH
+        assert recomputed == [98], f"micro-batches recomputed: {recomputed}"
+        # Bit for bit what a replica that never saw the dropped micro-batch holds, for every trainer.
+        assert a.samples == clean.samples == 9 * BATCH
+        for trainer in clean.by_trainer:
+            assert torch.equal(a.by_trainer[trainer], clean.by_trainer[trainer]), trainer
+        assert torch.equal(a.mean_gradient(), clean.mean_gradient())
+    finally:
+        for replica in (a, b, clean):
+            replica.close()
