@@ -181,3 +181,34 @@ def test_a_trainers_retry_elsewhere_replays_only_its_own_microbatches_at_the_rep
     finally:
         for replica in (a, b, clean):
             replica.close()
+
+
+def test_sybil_stage_records_do_not_move_a_stages_last_honest_replica_away():
+    """Before the fix rebalancing counted every serving record of the replica's own stage: four Sybil
+    identities announcing stage 0 at a typical rate (no server behind them; peer IDs ground above the
+    honest one's) made stage 0 look the richest and its only honest replica the mover, which moved to
+    stage 1 and left stage 0 to the Sybils. Its own stage now counts only the peers it completed its
+    last round with."""
+    from swarm.pipeline.worker import StageWorker
+
+    torch.set_num_threads(1)
+    run = redteam_run()
+    keys = sorted((SigningKey.generate() for _ in range(7)), key=lambda k: k.peer_id)
+    honest, sybils, stage1 = keys[0], keys[1:5], keys[5:]
+
+    def record(peer_id: str, stage: int) -> StageRecord:
+        return StageRecord(peer_id, stage, 0, 50.0, 0.5, HASH, HASH, time.time())
+
+    worker = StageWorker(run, None, peer_id=honest.peer_id, stage=0, signing_key=honest)
+    worker.replica = StageReplica(run, 0)
+    try:
+        worker.view = PipelineView(stages={0: [record(k.peer_id, 0) for k in (honest, *sybils)],
+                                           1: [record(k.peer_id, 1) for k in stage1]})  # fmt: skip
+        asyncio.run(worker._maybe_move())
+        assert worker._leave_to is None, "Sybil records moved the stage's only honest replica away"
+        # Stage-mates it averaged with are counted: a real surplus at stage 0 still moves it.
+        worker._round_mates = {k.peer_id for k in sybils}
+        asyncio.run(worker._maybe_move())
+        assert worker._leave_to == 1
+    finally:
+        worker.replica.close()
