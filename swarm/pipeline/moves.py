@@ -218,6 +218,9 @@ class StageMoves:
 
     async def _maybe_move(self) -> None:
         r = self.replica
+        serving = self.view.replicas(r.index)
+        if serving and min(x.peer_id for x in serving) != self.peer_id:
+            return  # one mover per stage, named from every record: proven sets differ between replicas
         view = self._proven_view()
         target = rebalance_move(
             view, self.peer_id, r.index, self.num_stages, self.config.pipeline.rebalance_margin
