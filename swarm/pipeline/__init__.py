@@ -6,6 +6,7 @@
 - balance.py: which stage a peer takes, which server a trainer calls, who moves to the bottleneck
 - gate.py: who may call a stage server (verified members, not banned)
 - replica.py: one replica of a stage: forward, backward, accumulation once per micro-batch, the step
+- held.py: what a replica holds of a micro-batch (``HeldForward``) and the per-caller bound on it
 - server.py: the P2P handlers of a stage server (``StageServicer``), every refusal a code and a message
 - worker.py: a peer hosting a stage (``StageWorker``): serve, average with the stage's replicas, catch up,
   rebalance

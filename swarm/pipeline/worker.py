@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import time
 
 import hivemind
@@ -52,6 +51,7 @@ from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.history import StateHistory
+from swarm.pipeline.layout import available_memory_bytes as available_memory_bytes  # the volunteer's import
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.moves import StageMoves, stage_prefix
 from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publish_record
@@ -79,15 +79,6 @@ def counted_by_majority(weights: list[float]) -> bool:
     round whose counted members are a minority would apply what that minority sent, however many
     honest replicas stood by with nothing counted."""
     return 2 * sum(1 for w in weights if w > 0) >= len(weights)
-
-
-def available_memory_bytes(device: str) -> int:
-    """Free memory of ``device`` ("cpu" or "cuda..."): what a stage's state must fit in."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.mem_get_info()[0])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class StageWorker(StageMoves):
@@ -166,6 +157,7 @@ class StageWorker(StageMoves):
         self._leave_to: int | None = None  # the stage a requested move goes to
         self._leave_since = 0.0
         self._leave_throughput: dict[int, float] = {}  # samples/s by stage when rebalancing chose the move
+        self._round_mates: set[str] = set()  # the other members of this replica's last completed round
         self._handlers: list[tuple[ServicerBase, str]] = []  # registered for the stage served
         self._last_record: StageRecord | None = None
         self._stats = {
@@ -453,6 +445,7 @@ class StageWorker(StageMoves):
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["rounds_ok"] += 1
         self.applied.setdefault(r.index, {})[extra["step"]] = samples
+        self._round_mates = {p.to_base58() for p in group.peer_ids} - {self.peer_id}
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
                     f"{samples:.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
         with contextlib.suppress(Exception):
