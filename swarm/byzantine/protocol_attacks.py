@@ -321,4 +321,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run as a script this file is __main__, whose registry is not the one the package's attack modules
+    # (``hostile``) register in: run the imported module's main instead.
+    from swarm.byzantine import protocol_attacks as _registered
+
+    raise SystemExit(_registered.main())
