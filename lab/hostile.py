@@ -1,7 +1,7 @@
 """``swarm-sim --protocol-attack hostile``: start the hostile process once training runs, and judge it.
 
-The hostile process (``swarm.byzantine.hostile``) starts when every honest peer has reached step 1, so
-that each process's memory at that moment is the baseline: from then on every honest peer's and the
+The hostile process (``swarm.byzantine.hostile``) starts with the peers and mounts once it sees their
+records; each process's memory when every honest peer has reached step 1 is the baseline: from then on every honest peer's and the
 coordinator's process group (its DHT child and p2p daemon included) is sampled every second, and its peak
 may exceed the baseline by at most ``RSS_GROWTH_BOUND_BYTES``. The hostile process is told the
 coordinator's address and the data planes a scan of the honest peers' listening ports finds, and writes
@@ -10,6 +10,7 @@ what it sent and what its audits of the honest DHT nodes found to a report the v
 Example::
 
     watch = HostileWatch(local, run_id, coordinator, honest_peers)
+    watch.spawn()
     watch.maybe_start(steps)  # every loop
     verdict, reason = watch.verdict()
 """
@@ -33,6 +34,7 @@ class HostileWatch:
     def __init__(self, local: LocalSwarm, run_id: str, coordinator: Child, honest: dict[str, Child]) -> None:
         self.local, self.run_id, self.coordinator, self.honest = local, run_id, coordinator, honest
         self.report_path: Path = local.root / "hostile-report.json"
+        self.addresses_path: Path = local.root / "hostile-data-addresses.txt"
         self.baseline: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.data_addresses: list[str] = []
@@ -43,17 +45,28 @@ class HostileWatch:
             n: c.process.pid for n, c in self.honest.items()
         }
 
+    def spawn(self) -> None:
+        """Start the hostile process (it reads the library for seconds, and mounts once it sees holders)."""
+        self.local.spawn("hostile", [
+            "-m", "swarm.byzantine.protocol_attacks", "--run-id", self.run_id,
+            "--initial-peers", *self.coordinator.extra["dht_initial_peers"], "--attack", "hostile",
+            "--coordinator", self.coordinator.extra["address"], "--report", str(self.report_path),
+            "--data-addresses-file", str(self.addresses_path),
+        ])  # fmt: skip
+
+    def mounts(self) -> int:
+        """Mounts the hostile process completed (audits it reported) so far."""
+        try:
+            return len(json.loads(self.report_path.read_text())["hostile"]["audits"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
     def maybe_start(self, steps: dict[str, int]) -> None:
-        """Start the hostile process once every honest peer reports step 1 or more; then sample memory."""
+        """Take the baseline once every honest peer reports step 1 or more, then sample memory."""
         if not self.started and len(steps) == len(self.honest) and min(steps.values()) >= 1:
             self.baseline = {name: group_rss_bytes(pgid) for name, pgid in self._groups().items()}
             self.data_addresses = data_planes([c.process.pid for c in self.honest.values()])
-            self.local.spawn("hostile", [
-                "-m", "swarm.byzantine.protocol_attacks", "--run-id", self.run_id,
-                "--initial-peers", *self.coordinator.extra["dht_initial_peers"], "--attack", "hostile",
-                "--coordinator", self.coordinator.extra["address"], "--report", str(self.report_path),
-                "--data-address", *self.data_addresses,
-            ])  # fmt: skip
+            self.addresses_path.write_text("\n".join(self.data_addresses))
             self.started = True
         if self.started:
             for name, pgid in self._groups().items():

@@ -34,6 +34,7 @@ from swarm.config import RunConfig
 
 EVAL_WINDOWS = 256  # validation windows of the sim's own evaluation, spread over the whole split
 EVAL_BATCH = 16
+HOSTILE_MOUNTS = 3  # --protocol-attack hostile: the run is judged after at least this many full mounts
 
 
 def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
@@ -223,6 +224,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             mounted.remove("hostile")
             honest = {n: c for n, c in peers.items() if n not in byzantine}
             hostile = HostileWatch(local, run.run_id, coordinator, honest)
+            hostile.spawn()
     if config.protocol_attack and mounted:
         local.spawn("protocol-attacker", ["-m", "swarm.byzantine.protocol_attacks", "--run-id", run.run_id,
                                           "--initial-peers", *coordinator.extra["dht_initial_peers"],
@@ -265,6 +267,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             len(steps) == config.peers - len(byzantine)
             and all(s >= config.steps for s in steps.values())
             and final.exists()
+            and (hostile is None or hostile.mounts() >= HOSTILE_MOUNTS)
         ):
             break
         # A peer that cannot start must not leave us waiting (an attacker may be banned and leave).

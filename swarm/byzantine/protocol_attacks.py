@@ -241,7 +241,7 @@ async def rehearse(
     interval_s: float,
     duration_s: float,
     coordinator: str = "",
-    data_addresses: list[str] | None = None,
+    data_addresses_file: str | None = None,
     report: str | None = None,
 ) -> dict[str, int]:
     """Mount ``names`` every ``interval_s`` for ``duration_s`` from a stock hivemind.DHT; returns what was
@@ -258,7 +258,6 @@ async def rehearse(
     target = ProtocolTarget(
         dht, run_id, state_namespace=state_namespace(run_id), coordinator=coordinator,
         dht_peers=[m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m],
-        data_addresses=list(data_addresses or []),
     )  # fmt: skip
     loop = asyncio.get_running_loop()
     deadline = loop.time() + duration_s
@@ -269,6 +268,9 @@ async def rehearse(
             if isinstance(value, dict):
                 target.holders = sorted(set(target.holders) | {k for k in value if str(k).startswith("12D3")})
                 target.step = max(target.step, await observed_step(dht, run_id))
+            if data_addresses_file is not None and os.path.exists(data_addresses_file):
+                with open(data_addresses_file) as f:
+                    target.data_addresses = f.read().split()
             for attack in attacks:
                 if attack.name == "far_future" and not target.holders:
                     continue  # its junk would hide the honest records from this node too: look first
@@ -301,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--duration-s", type=float, default=3600.0)
     parser.add_argument("--coordinator", default="", help="the coordinator's gRPC address, host:port")
-    parser.add_argument("--data-address", nargs="*", default=[], help="averaging data planes, host:port")
+    parser.add_argument(
+        "--data-addresses-file",
+        default=None,
+        help="a file of averaging data planes, host:port a line, reread each time",
+    )
     parser.add_argument("--report", default=None, help="a JSON file of what each attack sent and saw")
     args = parser.parse_args(argv)
     sent = asyncio.run(
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             interval_s=args.interval_s,
             duration_s=args.duration_s,
             coordinator=args.coordinator,
-            data_addresses=args.data_address,
+            data_addresses_file=args.data_addresses_file,
             report=args.report,
         )
     )
