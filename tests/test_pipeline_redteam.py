@@ -212,3 +212,34 @@ def test_sybil_stage_records_do_not_move_a_stages_last_honest_replica_away():
         assert worker._leave_to == 1
     finally:
         worker.replica.close()
+
+
+def test_one_forward_without_backward_and_an_in_flight_claim_delay_a_step_by_one_timeout_not_two():
+    """A trainer sends one forward to a stage-0 replica at each step, never its backward, and claims it in
+    flight: the in-flight hold and the wait for backwards shared no deadline, so every step closed two
+    request timeouts late; now one."""
+    from swarm.pipeline.records import TrainerRecord
+    from swarm.pipeline.worker import StageWorker
+
+    torch.set_num_threads(1)
+    timeout_s = 1.5
+    run = redteam_run(request_timeout_s=timeout_s)
+    key = SigningKey.generate()
+    worker = StageWorker(run, None, peer_id=key.peer_id, stage=0, signing_key=key, rebalance=False)
+    worker.replica = StageReplica(run, 0)
+    try:
+        worker.replica.forward(stage0_forward(run, 1), "attacker")
+        stuck = make_attack("stuck_in_flight", group_size=2, attackers=1)
+        worker._views = 1
+        worker.view = PipelineView(trainers=[
+            TrainerRecord("honest", 0, run.training.target_batch_size, 0, time.time()),
+            stuck.announce(TrainerRecord("attacker", 0, 0, 0, time.time())),
+        ])  # fmt: skip
+        started = time.monotonic()
+        while not worker._ready_to_step() and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        asyncio.run(worker._await_backwards())
+        waited = time.monotonic() - started
+        assert timeout_s <= waited < 2 * timeout_s, f"the step closed after {waited:.2f}s"
+    finally:
+        worker.replica.close()

@@ -376,9 +376,12 @@ class StageWorker(StageMoves):
     async def _await_backwards(self) -> None:
         """Let the micro-batches run forward here come back for their backward (bounded by one request's
         timeout): a trainer's record may lag its last micro-batch, which the later stages count at
-        this step, so closing without it would apply their share of it without this stage's."""
+        this step, so closing without it would apply their share of it without this stage's. A step an
+        in-flight claim already held shares that claim's deadline: a trainer that sends one forward a
+        step and never its backward delays each step by one timeout, not two."""
         r = self.replica
-        deadline = time.monotonic() + self.config.pipeline.request_timeout_s
+        start = self._held_since if self._held_since is not None else time.monotonic()
+        deadline = start + self.config.pipeline.request_timeout_s
         while await r.compute(r.awaiting_backward) and time.monotonic() < deadline:
             await asyncio.sleep(self.config.pipeline.announce_interval_s / 4)
 
