@@ -365,8 +365,8 @@ def test_a_trainer_cannot_frame_an_honest_replica_with_an_inference_answer_or_a_
 def test_a_reply_naming_no_state_is_refused_and_an_honest_replica_never_sends_one(monkeypatch):
     """A poisoner that signs its replies with an empty ``state_hash`` could never be judged: the trainer
     refuses such a reply, correctly signed, as it refuses a mis-signed one (and avoids the replica). An
-    honest replica between a step's update and its hashing refuses with a retryable BUSY instead of
-    answering without naming its state."""
+    honest replica asked between a step's update and its hashing hashes its state before it answers,
+    and names it."""
     run = run_config()
     trainer = trainer_key()
 
@@ -397,9 +397,7 @@ def test_a_reply_naming_no_state_is_refused_and_an_honest_replica_never_sends_on
     honest.replica.apply(torch.zeros(honest.replica.numel))  # updated to step 1, not hashed yet
     early = stage0_forward(run, 11, 11)
     early.step = 1
-    refused = asyncio.run(honest.call(trainer, "rpc_forward", early))
-    assert refused.code == ppb.BUSY and "not hashed" in refused.error and not refused.outputs.data
-    assert honest.replica.stats["forwards"] == 0  # refused before computing: nothing counted
-    asyncio.run(honest.replica.commit())
     answered = asyncio.run(honest.call(trainer, "rpc_forward", early))
-    assert answered.code == ppb.OK and answered.state_hash == honest.replica.state_hash
+    assert answered.code == ppb.OK and honest.replica.hashed_step == 1  # hashed before it answered
+    assert answered.state_hash == state_hash(1, state_tensors(honest.replica.model, honest.replica.optimizer))
+    check_reply(honest.key.peer_id, run.run_id, 0, trainer.peer_id, answered, early)

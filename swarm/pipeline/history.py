@@ -38,7 +38,8 @@ from swarm.training.sync import EncodedState
 MAX_KEPT_PER_STEP = 2
 
 
-def _rehash(replica: StageReplica) -> None:
+def rehash(replica: StageReplica) -> None:
+    """Hash ``replica``'s state now, on its compute thread (``StageReplica.commit`` from the thread)."""
     replica.hashed_step, replica.state_hash, replica.param_hash = replica._hashes()
 
 
@@ -78,14 +79,14 @@ class StateHistory:
         """Keep the state, apply the stage's averaged gradient, hash the new state (on the compute thread)."""
         self.keep_current(replica)
         replica.apply(averaged)
-        _rehash(replica)
+        rehash(replica)
 
     def replace(self, replica: StageReplica, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep the state, load a downloaded one of ``step`` in its place, hash it (on the compute thread):
         the replica may have answered with the state it leaves."""
         self.keep_current(replica)
         replica.load(step, tensors)
-        _rehash(replica)
+        rehash(replica)
 
     async def current(self, replica: StageReplica | None) -> EncodedState | None:
         """``replica``'s state now, encoded; None before it has a hash."""

@@ -17,6 +17,7 @@ from protocols.keys import SigningKey
 from swarm.byzantine.attacks import Attack
 from swarm.inbound import UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.history import rehash
 from swarm.pipeline.replica import Refusal, StageReplica
 from swarm.pipeline.verify import seed_forward, sign_reply
 
@@ -87,8 +88,7 @@ class StageServicer(BoundedServicer):
         the micro-batch, so that every replica of the stage (and a recomputation) draws the same dropout."""
         r = self.replica
         if not r.state_hash or r.hashed_step != r.step:
-            # Every reply names the state it was computed with, or the coordinator could not judge it.
-            raise Refusal(ppb.BUSY, f"the state of step {r.step} is not hashed yet; retry", r.step)
+            rehash(r)  # every reply names the state it was computed with, or nobody could judge it
         if kind == "forward":
             seed_forward(r.run.run_id, r.index, request, caller)
             reply, backward = r.forward(request, caller), None
