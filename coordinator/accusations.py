@@ -7,7 +7,9 @@ run's own rule, codec and layout, and says who is guilty: the accused if the evi
 the accuser (nobody when the evidence is of an averaging prefix the run does not use). Stage evidence
 (``judge_stage``) is recomputed from the states its replies name: the coordinator's checkpoint of the
 stage at that step, or that state downloaded from the stage's replicas by its hash
-(``coordinator.stagestates``), within ``stage_state_timeout_s``.
+(``coordinator.stagestates``), within ``stage_state_timeout_s``. A state that no replica serves is
+asked of the replica that signed for it; one that cannot show it (or named none) is convicted while
+an honest replica would still hold it (``unshown_fault``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, parse_evidence
 from swarm.config import RunConfig
 from swarm.pipeline.evidence import KIND as STAGE_KIND
 from swarm.pipeline.evidence import judge_recomputed, read_stage_evidence
+from swarm.pipeline.records import StageRecord
 
 
 class EvidenceReader:
@@ -124,17 +127,21 @@ async def judge_stage(
     Each reply is recomputed from the state it names (its signer committed to it): the coordinator's
     checkpoint of the stage (``checkpoint(stage)``: ``step``, ``state_hash``, ``tensors``) when it is that
     state, else that state downloaded by its hash from the stage's replicas (``states``), verified. A
-    reply whose state nobody serves within ``timeout_s`` is not judged; nobody is banned on a state the
-    coordinator could not verify."""
+    reply whose state no replica serves is asked of its signer: a signer that does not serve it (or named
+    no state) is convicted if ``unshown_fault`` finds an honest replica would still hold it. Nobody is
+    banned on a state the coordinator could not verify, nor when the time ran out before the signer
+    was asked."""
     try:
         evidence = await asyncio.to_thread(read_stage_evidence, run, data, accused, accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
     stage, step = evidence.stage, evidence.step
+    arrived = await states.members(stage)  # the stage's records when the evidence arrived
     held = checkpoint(stage)
     tensors: dict[str, dict] = {}
     if held is not None and held.step == step:
         tensors[held.state_hash] = held.tensors
+    unshown: dict[str, str] = {}  # signer -> the state it named and did not show
     try:
         async with asyncio.timeout(timeout_s):
             for state_hash in dict.fromkeys(r.reply.state_hash for r in evidence.replies):
@@ -142,10 +149,56 @@ async def judge_stage(
                     fetched = await states.fetch(stage, step, state_hash)
                     if fetched is not None:
                         tensors[state_hash] = fetched.tensors
+            for r in evidence.replies:
+                state_hash = r.reply.state_hash
+                if state_hash in tensors:
+                    continue
+                fetched = await states.fetch_from(stage, step, state_hash, r.replica) if state_hash else None
+                if fetched is None:
+                    unshown[r.replica] = f"state {state_hash[:12]}" if state_hash else "no state"
+                else:
+                    tensors[state_hash] = fetched.tensors
     except TimeoutError:
         pass  # judge what arrived
+    guilty, why_not = [], []
+    if unshown:
+        now = await states.members(stage)
+        for signer, named in unshown.items():
+            why = unshown_fault(step, signer, arrived, now, run.pipeline.kept_states)
+            if why is None:
+                guilty.append(signer)
+            else:
+                why_not.append(f"{signer} did not show {named} it signed for, but {why}")
+        if guilty:
+            signer = accused if accused in guilty else guilty[0]
+            return (
+                f"stage {stage} replica {signer} signed a reply at step {step} naming {unshown[signer]} and "
+                "does not serve it, which an honest replica of the stage would still hold",
+                signer,
+            )
     async with judging:
-        return await asyncio.to_thread(judge_recomputed, run, evidence, accused, tensors)
+        found, guilty_one = await asyncio.to_thread(judge_recomputed, run, evidence, accused, tensors)
+    if guilty_one is None and why_not:
+        found = f"{found}; {'; '.join(why_not)}"
+    return found, guilty_one
+
+
+def unshown_fault(
+    step: int, signer: str, arrived: list[StageRecord], now: list[StageRecord], keep: int
+) -> str | None:
+    """Why ``signer`` is not at fault for not showing a state of ``step`` it signed for, or None if it is:
+    an honest replica keeps the state of each of the stage's last ``keep`` steps
+    (``swarm.pipeline.history``), so a current replica of the stage (its record in ``arrived``, the
+    stage's records when the evidence came, and still in ``now``) can always show it while ``step`` is
+    one of them. The stage's step is its furthest record's, so that a record lagging its replica's true
+    step never takes an honest replica past its window."""
+    if signer not in {r.peer_id for r in arrived} or signer not in {r.peer_id for r in now}:
+        return "it is not a current replica of the stage, which must keep it"
+    current = max(r.step for r in (*arrived, *now))
+    if current - step >= keep:
+        return (f"the stage is at step {current}, and its replicas keep the states of only the last {keep} "
+                "steps")  # fmt: skip
+    return None
 
 
 def judge(

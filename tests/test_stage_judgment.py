@@ -266,3 +266,126 @@ def test_a_state_request_by_hash_serves_a_kept_state_and_refuses_an_unknown_hash
             replica.close()
 
     asyncio.run(scenario())
+
+
+async def daemon_as(key, path: Path, replica: StageReplica, history: StateHistory, initial_peers=()) -> P2P:
+    """``key``'s own P2P daemon (its peer ID is the replica's signing identity), serving its states."""
+    path.write_bytes(key.to_libp2p_bytes())
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(path),
+                           initial_peers=initial_peers, check_if_identity_free=False)  # fmt: skip
+
+    async def admit(requester: str) -> str | None:
+        return None
+
+    servicer = StateServicer(
+        RUN, lambda: history.current(replica), admit=admit, find=lambda h: history.find(replica, h)
+    )
+    await servicer.add_p2p_handlers(p2p, namespace=state_namespace(stage_prefix(RUN, 0)))
+    return p2p
+
+
+@pytest.mark.parametrize(
+    "stage_at, in_view", [(2, True), (3, True), (2, False)], ids=["within", "too-old", "not-a-replica"]
+)
+def test_a_poisoner_naming_a_state_it_cannot_show_is_banned_within_the_kept_window(
+    tmp_path: Path, stage_at: int, in_view: bool
+):
+    """A poisoner names a made-up state hash in its signed replies at step 1, so no replica serves that
+    state. The coordinator asks the poisoner itself, which cannot show it: banned while an honest replica
+    would still hold a state of step 1 (the stage at step 2, 2 states kept), also when the trainer
+    accused the honest replica. Evidence older than the kept window (the stage at step 3), or a signer
+    that is not a current replica of the stage, bans nobody, and the verdict says why."""
+    run = run_config()
+    trainer = trainer_key()
+    honest = Replica(run, 0)
+    poison = Replica(run, 0, attack=make_attack("stage_poison", group_size=3, attackers=1))
+    checkpoint = Held(honest.replica)  # step 0
+    histories = {r: StateHistory(RUN, run.pipeline.kept_states) for r in (honest, poison)}
+    check = checker(run, trainer, {r.key.peer_id: r for r in (honest, poison)})
+
+    async def scenario() -> None:
+        for r in (honest, poison):
+            await step_on(r.replica, histories[r])
+        poison.replica.state_hash = "ab" * 32  # a state it never held
+        orders = ((poison, honest), (honest, poison)) if stage_at == 2 and in_view else ((poison, honest),)
+        filed = {}
+        for mb, (first, second) in enumerate(orders):
+            evidence = await check.check(
+                0, second.key.peer_id, 2, await through_at(first, trainer, run, mb, 1)
+            )
+            assert evidence is not None and evidence.step == 1
+            filed[first] = evidence
+        for _ in range(stage_at - 1):
+            for r in (honest, poison):
+                await step_on(r.replica, histories[r])
+        holder = await state_holder(run, honest.replica, histories[honest])
+        liar = await daemon_as(poison.key, tmp_path / "poison.key", poison.replica, histories[poison],
+                               await holder.get_visible_maddrs())  # fmt: skip
+        coordinator = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=[*await holder.get_visible_maddrs(), *await liar.get_visible_maddrs()],
+        )
+        now = {holder.peer_id.to_base58(): (stage_at, honest.replica.state_hash)}
+        if in_view:
+            now[poison.key.peer_id] = (stage_at, poison.replica.state_hash)
+
+        async def refresh() -> PipelineView:
+            return view_of(now)
+
+        try:
+            for i, (accused, evidence) in enumerate(filed.items()):
+                states = RecentStageStates(run, coordinator, refresh=refresh, banned=set)
+                accuse = accuse_at_coordinator(tmp_path / str(i), run, checkpoint, trainer,
+                                               [honest.key, poison.key], accused, evidence, states)  # fmt: skip
+                if stage_at == 2 and in_view:
+                    answer, banned = await accuse
+                    assert answer.banned_peer == poison.key.peer_id, answer.verdict
+                    assert f"naming state {'ab' * 6} and does not serve it" in answer.verdict
+                    assert banned == {poison.key.peer_id}
+                    continue
+                why = "keep the states of only the last 2 steps" if in_view else "not a current replica"
+                with pytest.raises(ProtocolError, match=f"nobody banned.*did not show state.*{why}"):
+                    await accuse
+        finally:
+            for p2p in (coordinator, liar, holder):
+                await p2p.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_keeps_every_state_it_answered_with_in_the_window_also_one_a_catch_up_replaced():
+    """A replica answers at step 1 and at step 2 from a forked state, then catches up to the stage's state
+    of step 2 (the download replaces the forked one) and steps on. At step 3 every state it answered
+    with in the last 2 steps is still served by hash: the one the catch-up replaced, and step 1's, which
+    the extra kept state must not push out."""
+    run = run_config()
+    replica, other = StageReplica(run, 0), StageReplica(run, 0)
+    history = StateHistory(RUN, keep=2)
+
+    async def scenario() -> None:
+        for r in (replica, other):
+            await r.commit()
+        history.advance(replica, torch.zeros(replica.numel))
+        other.apply(torch.zeros(other.numel))
+        step1 = replica.state_hash
+        history.advance(replica, torch.zeros(replica.numel))
+        other.apply(torch.zeros(other.numel))
+        with torch.no_grad():
+            replica.params[0].add_(0.01)  # a round it took alone
+        await replica.commit()
+        forked = replica.state_hash
+        history.replace(replica, 2, state_tensors(other.model, other.optimizer))
+        await other.commit()
+        assert (replica.step, replica.hashed_step, replica.state_hash) == (2, 2, other.state_hash)
+        step2 = replica.state_hash
+        history.advance(replica, torch.zeros(replica.numel))
+        assert replica.step == replica.hashed_step == 3
+        for state_hash, step in ((step1, 1), (forked, 2), (step2, 2), (replica.state_hash, 3)):
+            found = await history.find(replica, state_hash)
+            assert found is not None and found.step == step, (state_hash[:12], step)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        replica.close()
+        other.close()

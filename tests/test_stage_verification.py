@@ -29,7 +29,7 @@ from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.pipeline.trainer import PipelineTrainer, StageFailure
-from swarm.pipeline.verify import check_reply
+from swarm.pipeline.verify import check_reply, sign_reply
 from swarm.pipeline.wire import encode_floats, encode_ids
 from swarm.training.state import state_hash, state_tensors
 
@@ -360,3 +360,44 @@ def test_a_trainer_cannot_frame_an_honest_replica_with_an_inference_answer_or_a_
 
     verdicts = asyncio.run(scenario())
     assert all("mis-signed" in v for v in verdicts), verdicts
+
+
+def test_a_reply_naming_no_state_is_refused_and_an_honest_replica_never_sends_one(monkeypatch):
+    """A poisoner that signs its replies with an empty ``state_hash`` could never be judged: the trainer
+    refuses such a reply, correctly signed, as it refuses a mis-signed one (and avoids the replica). An
+    honest replica asked between a step's update and its hashing hashes its state before it answers,
+    and names it."""
+    run = run_config()
+    trainer = trainer_key()
+
+    class NoState(StageServicer):
+        def _answer(self, kind, request, caller):
+            reply = super()._answer(kind, request, caller)
+            reply.state_hash = ""
+            sign_reply(self.key, run.run_id, self.replica.index, caller, reply, request)
+            return reply
+
+    liar = Replica(run, 0)
+    liar.servicer = NoState(liar.replica, liar.servicer.gate, key=liar.key)
+    pipeline = PipelineTrainer(run, None, peer_id=trainer.peer_id, signing_key=trainer)
+
+    class Transport:
+        async def rpc_forward(self, request, timeout):
+            return await liar.call(trainer, "rpc_forward", request)
+
+    monkeypatch.setattr(StageServicer, "get_stub", classmethod(lambda cls, *a, **k: Transport()))
+    forward = stage0_forward(run, 9, 9)
+    with pytest.raises(StageFailure, match="names no state") as failure:
+        asyncio.run(pipeline._call(0, liar.key.peer_id, "rpc_forward", forward))
+    assert failure.value.code == ppb.BAD_REQUEST  # the code on which the trainer avoids the server
+    reply = asyncio.run(liar.call(trainer, "rpc_forward", stage0_forward(run, 10, 10)))
+    check_reply(liar.key.peer_id, run.run_id, 0, trainer.peer_id, reply, stage0_forward(run, 10, 10))
+
+    honest = Replica(run, 0)
+    honest.replica.apply(torch.zeros(honest.replica.numel))  # updated to step 1, not hashed yet
+    early = stage0_forward(run, 11, 11)
+    early.step = 1
+    answered = asyncio.run(honest.call(trainer, "rpc_forward", early))
+    assert answered.code == ppb.OK and honest.replica.hashed_step == 1  # hashed before it answered
+    assert answered.state_hash == state_hash(1, state_tensors(honest.replica.model, honest.replica.optimizer))
+    check_reply(honest.key.peer_id, run.run_id, 0, trainer.peer_id, answered, early)

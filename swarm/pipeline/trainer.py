@@ -53,6 +53,7 @@ from swarm.pipeline.server import StageServicer, pipeline_namespace
 from swarm.pipeline.verify import AnswerCheck, check_reply
 from swarm.pipeline.wire import encode_ids, sign_attempt
 from swarm.records import RecordSigner, RecordTrust
+from swarm.training.sync import is_state_hash
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +241,11 @@ class PipelineTrainer:
         try:
             sent = (request, None) if forward is None else (forward, request)
             check_reply(peer, self.config.run_id, stage, self.peer_id, reply, *sent)
+            if not is_state_hash(reply.state_hash):  # a reply that names no state cannot be judged
+                raise ProtocolError(
+                    f"stage {stage} replica {peer} names no state its reply was computed with "
+                    f"(state_hash {reply.state_hash[:80]!r})"
+                )
             self.answers.check(stage, request, reply)
         except ProtocolError as e:
             raise StageFailure(stage, peer, ppb.BAD_REQUEST, f"refused: {e}"[:500]) from None

@@ -315,8 +315,7 @@ class StageWorker(StageMoves):
         if loaded is None:
             return False
         holder, decoded = loaded
-        await r.compute(r.load, decoded.step, decoded.tensors)
-        await r.commit()
+        await r.compute(self.states.replace, r, decoded.step, decoded.tensors)  # keeps the state it leaves
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["resyncs"] += 1
         logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder.to_base58()}")
@@ -442,9 +441,7 @@ class StageWorker(StageMoves):
                            "applied: stepping with none")  # fmt: skip
             averaged, samples = torch.zeros_like(result.vector), 0.0
             self._stats["rounds_refused"] = self._stats.get("rounds_refused", 0.0) + 1
-        await r.compute(self.states.keep_current, r)  # the coordinator may judge this step's replies later
-        await r.compute(r.apply, averaged)
-        await r.commit()
+        await r.compute(self.states.advance, r, averaged)  # keeps the state: its replies may be judged later
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["rounds_ok"] += 1
         self.applied.setdefault(r.index, {})[extra["step"]] = samples
