@@ -6,7 +6,5 @@ processes, so it sits above ``peer`` and ``coordinator`` and neither of them imp
 - ``simconfig``: ``SimConfig``, the settings of ``swarm-sim`` (its flags), and the run it trains
 - ``rehearsal``: ``Rehearsal``, the skeleton both sims share: log directory, processes, bounds, report
 - ``sim``: the ``swarm-sim`` entry point: rehearse a data-parallel run, then check it
-- ``hostile``: ``HostileWatch``, ``--protocol-attack hostile``: starts the hostile process, bounds memory
-- ``procmem``: process groups' memory and listening ports, read from /proc
 - ``pipeline_sim``: ``swarm-sim --stages S``: rehearse a pipeline run, then check it
 """

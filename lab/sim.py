@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from coordinator.cli import status_to_dict
-from lab.hostile import HostileWatch
 from lab.localswarm import status, wait_until
 from lab.rehearsal import Rehearsal
 from lab.simconfig import SimConfig, build_run, samples_per_step
@@ -34,7 +33,6 @@ from swarm.config import RunConfig
 
 EVAL_WINDOWS = 256  # validation windows of the sim's own evaluation, spread over the whole split
 EVAL_BATCH = 16
-HOSTILE_MOUNTS = 3  # --protocol-attack hostile: the run is judged after at least this many full mounts
 
 
 def evaluate(run: RunConfig, checkpoint: Path | None) -> tuple[float, str]:
@@ -213,19 +211,12 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         )
         for i, name in enumerate(names)
     }
-    hostile: HostileWatch | None = None
     if config.protocol_attack:
         from swarm.byzantine.protocol_attacks import protocol_attack_names
 
         mounted = (
             protocol_attack_names() if config.protocol_attack == "all" else config.protocol_attack.split(",")
         )
-        if "hostile" in mounted:  # started once training runs (lab.hostile), in a process of its own
-            mounted.remove("hostile")
-            honest = {n: c for n, c in peers.items() if n not in byzantine}
-            hostile = HostileWatch(local, run.run_id, coordinator, honest)
-            hostile.spawn()
-    if config.protocol_attack and mounted:
         local.spawn("protocol-attacker", ["-m", "swarm.byzantine.protocol_attacks", "--run-id", run.run_id,
                                           "--initial-peers", *coordinator.extra["dht_initial_peers"],
                                           "--attack", *mounted])  # fmt: skip
@@ -242,8 +233,6 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             for p in snapshot["peers"]
             if p["state"] == "online" and p["name"] not in byzantine
         }
-        if hostile is not None:
-            hostile.maybe_start(steps)
         if (
             config.churn
             and not churned
@@ -267,7 +256,6 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             len(steps) == config.peers - len(byzantine)
             and all(s >= config.steps for s in steps.values())
             and final.exists()
-            and (hostile is None or hostile.mounts() >= HOSTILE_MOUNTS)
         ):
             break
         # A peer that cannot start must not leave us waiting (an attacker may be banned and leave).
@@ -278,8 +266,6 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
     samples_per_s = progress.rate(config.steps)
     print(f"swarm-sim: reached step {config.steps}; evaluating the final checkpoint", flush=True)
     final_loss, final_hash = evaluate(run, final)
-    hostile_result = hostile.result() if hostile is not None else None
-    hostile_failure = hostile.verdict(hostile_result) if hostile is not None else None
     print("swarm-sim: stopping the peers", flush=True)
     snapshot = status_to_dict(status(control))
     wan = _wan_report(lab, names, link_samples) if lab is not None else None
@@ -323,16 +309,13 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         "wan": wan,
         "attack": config.attack,
         "protocol_attack": config.protocol_attack,
-        "hostile": hostile_result,
         "aggregator": run.training.aggregator,
         "duration_s": duration,
         "samples_per_s": samples_per_s,
     }
     line = (f"validation loss {initial_loss:.4f} -> {final_loss:.4f} over {config.steps} steps in {duration:.0f}s; "
             f"{len(peer_rows)} peers {'hold identical parameters' if agree else 'DISAGREE'} ({final_hash[:16]})")  # fmt: skip
-    if hostile_failure is not None:
-        line += f"; under the hostile process {hostile_failure}"
-    return rehearsal.finish(result, final_loss < initial_loss and agree and hostile_failure is None, line)
+    return rehearsal.finish(result, final_loss < initial_loss and agree, line)
 
 
 def _placement(lab: WanLab | None, index: int) -> dict:

@@ -8,10 +8,6 @@
   ``forged_retried``, ``front_runner``), registered with the others
 - ``protocol_attacks``: what an unadmitted process with a stock ``hivemind.DHT`` tries against the run's
   DHT and state servers (``swarm-sim --protocol-attack``)
-- ``surfaces``: every inbound surface of a run (DHT keys, libp2p handlers, gRPC methods, data plane),
-  enumerated from the code, and ``uncovered``, the surfaces the hostile harness has no case for
-- ``hostile``: the ``hostile`` protocol attack, every hostile case (malformed, oversized, far-future,
-  replayed, lying) on every surface ``surfaces`` lists, and an audit of what honest nodes kept
 - ``abuse``: attacks on the coordinator's endpoints (``stalled_accuser``, ``challenge_flood``), mounted
   against a live coordinator by ``tests/test_accuse_abuse.py``
 
@@ -19,7 +15,6 @@ These exist to test defenses (``swarm-sim --byzantine K --attack NAME``); an hon
 """
 
 from swarm.byzantine import group_attacks as _group_attacks  # noqa: F401 - registers the group attacks
-from swarm.byzantine import hostile as _hostile  # noqa: F401 - registers the hostile protocol attack
 from swarm.byzantine import pipeline_attacks as _pipeline_attacks  # noqa: F401 - registers the pipeline attacks
 from swarm.byzantine.attacks import Attack, AttackContext, attack_names, attack_options, make_attack
 

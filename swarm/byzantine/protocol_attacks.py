@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,10 +52,6 @@ class ProtocolTarget:
     holders: list[str] = field(default_factory=list)
     state_namespace: str = ""
     step: int = 0  # the highest honest step seen so far (the attacker's own junk may hide it later)
-    stages: int = 1  # the run's pipeline stages (1: data-parallel), which decide its keys and handlers
-    dht_peers: list[str] = field(default_factory=list)  # DHT nodes it bootstrapped from (the coordinator's)
-    coordinator: str = ""  # the coordinator's gRPC address, host:port
-    data_addresses: list[str] = field(default_factory=list)  # averaging data planes it found, host:port
 
 
 class ProtocolAttackOptions(BaseModel):
@@ -234,20 +229,9 @@ class DownloadFlood(ProtocolAttack):
 
 
 async def rehearse(
-    run_id: str,
-    initial_peers: list[str],
-    names: list[str],
-    *,
-    interval_s: float,
-    duration_s: float,
-    coordinator: str = "",
-    data_addresses_file: str | None = None,
-    report: str | None = None,
+    run_id: str, initial_peers: list[str], names: list[str], *, interval_s: float, duration_s: float
 ) -> dict[str, int]:
-    """Mount ``names`` every ``interval_s`` for ``duration_s`` from a stock hivemind.DHT; returns what was
-    sent. ``report``: a JSON file the attacks that keep one (``hostile``) rewrite after every mount."""
-    import json
-
+    """Mount ``names`` every ``interval_s`` for ``duration_s`` from a stock hivemind.DHT; returns what was sent."""
     from swarm.training.sync import state_namespace
 
     # hivemind's DHT with a fresh key and no validators, in a spawned child: a fork of this threaded
@@ -255,10 +239,7 @@ async def rehearse(
     dht = SpawnedDHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     attacks = [make_protocol_attack(n, {"requests": 2} if n == "download_flood" else None) for n in names]
     sent = dict.fromkeys(names, 0)
-    target = ProtocolTarget(
-        dht, run_id, state_namespace=state_namespace(run_id), coordinator=coordinator,
-        dht_peers=[m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m],
-    )  # fmt: skip
+    target = ProtocolTarget(dht, run_id, state_namespace=state_namespace(run_id))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + duration_s
     try:
@@ -268,9 +249,6 @@ async def rehearse(
             if isinstance(value, dict):
                 target.holders = sorted(set(target.holders) | {k for k in value if str(k).startswith("12D3")})
                 target.step = max(target.step, await observed_step(dht, run_id))
-            if data_addresses_file is not None and os.path.exists(data_addresses_file):
-                with open(data_addresses_file) as f:
-                    target.data_addresses = f.read().split()
             for attack in attacks:
                 if attack.name == "far_future" and not target.holders:
                     continue  # its junk would hide the honest records from this node too: look first
@@ -278,11 +256,6 @@ async def rehearse(
                     sent[attack.name] += await asyncio.wait_for(attack.mount(target), timeout=30)
                 except Exception as e:  # an attack that fails this time is mounted again next time
                     print(f"{attack.name}: {e!r}", flush=True)
-            if report is not None:
-                reports = {a.name: a.report() for a in attacks if hasattr(a, "report")}
-                with open(f"{report}.tmp", "w") as f:
-                    json.dump(reports, f)
-                os.replace(f"{report}.tmp", report)
             print(
                 f"sent so far: {sent}; honest step {target.step}, holders {len(target.holders)}", flush=True
             )
@@ -302,13 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attack", nargs="+", choices=protocol_attack_names(), required=True)
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--duration-s", type=float, default=3600.0)
-    parser.add_argument("--coordinator", default="", help="the coordinator's gRPC address, host:port")
-    parser.add_argument(
-        "--data-addresses-file",
-        default=None,
-        help="a file of averaging data planes, host:port a line, reread each time",
-    )
-    parser.add_argument("--report", default=None, help="a JSON file of what each attack sent and saw")
     args = parser.parse_args(argv)
     sent = asyncio.run(
         rehearse(
@@ -317,9 +283,6 @@ def main(argv: list[str] | None = None) -> int:
             args.attack,
             interval_s=args.interval_s,
             duration_s=args.duration_s,
-            coordinator=args.coordinator,
-            data_addresses_file=args.data_addresses_file,
-            report=args.report,
         )
     )
     print(f"sent: {sent}", flush=True)
@@ -327,8 +290,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as a script this file is __main__, whose registry is not the one the package's attack modules
-    # (``hostile``) register in: run the imported module's main instead.
-    from swarm.byzantine import protocol_attacks as _registered
-
-    raise SystemExit(_registered.main())
+    raise SystemExit(main())
