@@ -75,6 +75,9 @@ RECORD_TTL_S = 60.0
 # How long a peer may heartbeat without its signed progress reaching the coordinator's DHT node before
 # it counts as split from the swarm the coordinator checkpoints (joining and catching up take less).
 OUTSIDE_GRACE_S = 60.0
+# A stage state request from a peer not in the pipeline view rereads the records (a replica announces
+# itself just before it asks), at most this often: strangers' streams must not each cost a DHT lookup.
+PIPELINE_REREAD_S = 1.0
 
 
 def state_layout(run: RunConfig) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -148,6 +151,7 @@ class CheckpointKeeper:
         self.recent: RecentStageStates | None = None  # a pipeline run's stage states at recent steps
         self._started_at = time.time()
         self._in_view_at: dict[str, float] = {}  # peer -> when its progress record was last read
+        self._pipeline_read_at = -PIPELINE_REREAD_S
 
     def outside_dht(self, records: list[PeerRecord], now: float) -> set[str]:
         """Online peers, up for over ``OUTSIDE_GRACE_S``, whose signed progress this coordinator's DHT
@@ -303,7 +307,9 @@ class CheckpointKeeper:
         def replicas() -> set[str]:
             return {r.peer_id for rs in self.pipeline.holders.values() for r in rs}
 
-        if requester not in replicas():  # a replica announces itself just before it asks
+        now = time.monotonic()
+        if requester not in replicas() and now - self._pipeline_read_at >= PIPELINE_REREAD_S:
+            self._pipeline_read_at = now  # a replica announces itself just before it asks
             await self._refresh_pipeline()
         if requester in self.banned or requester not in replicas():
             return f"{requester} has no valid signed pipeline record in run {self.run.run_id!r}"
