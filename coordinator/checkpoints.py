@@ -23,6 +23,7 @@ from __future__ import annotations
 import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -151,7 +152,8 @@ class CheckpointKeeper:
         self.recent: RecentStageStates | None = None  # a pipeline run's stage states at recent steps
         self._started_at = time.time()
         self._in_view_at: dict[str, float] = {}  # peer -> when its progress record was last read
-        self._pipeline_read_at = -PIPELINE_REREAD_S
+        self._pipeline_read_at = -PIPELINE_REREAD_S  # when the last read of the pipeline records began
+        self._rereading: asyncio.Future | None = None
 
     def outside_dht(self, records: list[PeerRecord], now: float) -> set[str]:
         """Online peers, up for over ``OUTSIDE_GRACE_S``, whose signed progress this coordinator's DHT
@@ -307,10 +309,8 @@ class CheckpointKeeper:
         def replicas() -> set[str]:
             return {r.peer_id for rs in self.pipeline.holders.values() for r in rs}
 
-        now = time.monotonic()
-        if requester not in replicas() and now - self._pipeline_read_at >= PIPELINE_REREAD_S:
-            self._pipeline_read_at = now  # a replica announces itself just before it asks
-            await self._refresh_pipeline()
+        if requester not in replicas():  # a replica announces itself just before it asks
+            await self._fresh_pipeline()
         if requester in self.banned or requester not in replicas():
             return f"{requester} has no valid signed pipeline record in run {self.run.run_id!r}"
         return None
@@ -325,6 +325,24 @@ class CheckpointKeeper:
             data = await asyncio.to_thread(encode_state, latest.step, latest.tensors, metadata)
             encoded = self._stage_encoded[stage] = EncodedState(latest.step, latest.state_hash, data)
         return encoded
+
+    async def _fresh_pipeline(self) -> None:
+        """Wait for a read of the pipeline records that began after this call. Reads begin at most once
+        per ``PIPELINE_REREAD_S`` and every caller waiting meanwhile shares the next one: a requester the
+        view does not show yet is found without each stranger's stream costing a DHT lookup."""
+        asked = time.monotonic()
+        for _ in range(3):  # the read under way may have begun before ``asked``: the next one has not
+            if self._pipeline_read_at >= asked:
+                return
+            if self._rereading is None or self._rereading.done():
+                self._rereading = asyncio.ensure_future(self._reread())
+            await asyncio.shield(self._rereading)
+
+    async def _reread(self) -> None:
+        await asyncio.sleep(max(0.0, self._pipeline_read_at + PIPELINE_REREAD_S - time.monotonic()))
+        self._pipeline_read_at = time.monotonic()
+        with contextlib.suppress(Exception):  # a failed read leaves the view as it was; the caller is refused
+            await self._refresh_pipeline()
 
     async def _refresh_pipeline(self) -> PipelineView:
         self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
