@@ -6,14 +6,10 @@ buffers that many bytes before the handler runs, so a stranger that claims 192 M
 instead, which registers its stream handlers with a reader of its own (same wire format, so hivemind's
 stubs still call them) that, for each stream:
 
-1. asks the servicer's ``admission`` (certificate, ban list) before the stream takes a slot or a byte
-   is read, so a stranger holds nothing however many streams it opens;
-2. refuses it when the caller already holds ``max_streams_per_peer`` streams of this handler; when the
-   handler holds ``max_streams`` in all, closes the oldest stream still waiting for its first request
-   (an honest caller sends its request as it opens the stream, so only a staller waits) to make room,
-   and refuses the new stream only when every stream is busy with a request;
-3. closes a stream whose first request has not arrived whole within ``first_request_timeout_s``;
-4. reads each 8-byte length and closes the stream, unread, when it exceeds ``max_message_bytes``.
+1. refuses it when the caller already holds ``max_streams_per_peer`` streams of this handler, or the
+   handler ``max_streams`` in all, before reading a byte;
+2. asks the servicer's ``admission`` (certificate, ban list) before reading a byte;
+3. reads each 8-byte length and closes the stream, unread, when it exceeds ``max_message_bytes``.
 
 Unary handlers (request and reply in one message) ride the p2p daemon's persistent connection, which
 drops a request over its ``persistent_conn_max_msg_size`` (hivemind's default, ``UNARY_MAX_BYTES``)
@@ -48,34 +44,21 @@ logger = logging.getLogger(__name__)
 UNARY_MAX_BYTES = DEFAULT_MAX_MSG_SIZE  # what the p2p daemon lets through to a unary handler
 MAX_STREAMS = 256  # streams of one handler open at once, from all peers
 MAX_PREFETCH = 5  # requests of one stream read ahead of the handler (hivemind's default)
-# How long a stream may wait for its first request: callers send it as they open the stream, and a part
-# stream's first chunk waits at most for its upload throttle.
-FIRST_REQUEST_TIMEOUT_S = 30.0
-MAX_FIRST_REQUEST_TIMEOUT_S = 600.0
-# How long a refused stream is kept open, its bytes discarded as they come, so that the caller's request
-# in flight does not reset the stream before the caller has read why it was refused.
-REFUSAL_LINGER_S = 1.0
 SMALL_REQUEST_BYTES = 4096  # a request of a few scalar fields and short strings
 
 
 @dataclass(frozen=True)
 class HandlerBound:
     """What one handler accepts: ``max_message_bytes`` per request message (the largest one the handler
-    can use), ``max_streams_per_peer`` open at once from one caller, ``max_streams`` from all callers, and
-    ``first_request_timeout_s`` for a stream's first request to arrive whole."""
+    can use), ``max_streams_per_peer`` open at once from one caller, ``max_streams`` from all callers."""
 
     max_message_bytes: int
     max_streams_per_peer: int
     max_streams: int = MAX_STREAMS
-    first_request_timeout_s: float = FIRST_REQUEST_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.max_message_bytes <= 0 or self.max_streams_per_peer <= 0 or self.max_streams <= 0:
             raise ConfigError(f"a handler bound must be positive: {self}")
-        if not 0 < self.first_request_timeout_s <= MAX_FIRST_REQUEST_TIMEOUT_S:
-            raise ConfigError(
-                f"first_request_timeout_s must be in (0, {MAX_FIRST_REQUEST_TIMEOUT_S:.0f}]: {self}"
-            )
 
 
 Admission = Callable[[str], Awaitable[str | None]]
@@ -99,58 +82,21 @@ async def receive_bounded(
 
 
 class _Slots:
-    """Open streams of one handler, per caller and in all; holds only callers with a stream open now.
-
-    A stream is idle until its first request has arrived whole; when the handler is full, a new stream
-    takes the place of the oldest idle one, whose ``evict`` callback closes it."""
+    """Open streams of one handler, per caller and in all; holds only callers with a stream open now."""
 
     def __init__(self, bound: HandlerBound):
         self.bound = bound
         self.open: Counter[str] = Counter()
-        self.live: dict[object, str] = {}  # stream token -> caller
-        self.idle: dict[object, Callable[[], None]] = {}  # insertion order: the oldest first
-        self.evicted = 0
-        self.asking: Counter[str] = Counter()  # admission checks in flight, per caller
 
-    async def admit(self, peer: str, admission: Admission) -> str | None:
-        """``admission``'s answer for ``peer``, with at most ``max_streams_per_peer`` of its checks in flight:
-        a check that reads the DHT takes a while, and a caller must not start thousands at once."""
-        if self.asking[peer] >= self.bound.max_streams_per_peer:
-            return f"{peer} already has {self.bound.max_streams_per_peer} streams waiting for admission"
-        self.asking[peer] += 1
-        try:
-            return await admission(peer)
-        finally:
-            self.asking[peer] -= 1
-            if self.asking[peer] <= 0:
-                del self.asking[peer]
-
-    def enter(self, peer: str, token: object, evict: Callable[[], None]) -> str | None:
+    def enter(self, peer: str) -> str | None:
+        if sum(self.open.values()) >= self.bound.max_streams:
+            return f"this handler already serves {self.bound.max_streams} streams"
         if self.open[peer] >= self.bound.max_streams_per_peer:
             return f"{peer} already has {self.bound.max_streams_per_peer} streams open to this handler"
-        if sum(self.open.values()) >= self.bound.max_streams:
-            if not self.idle:
-                return f"this handler already serves {self.bound.max_streams} streams"
-            oldest = next(iter(self.idle))
-            close = self.idle[oldest]
-            self.leave(oldest)
-            self.evicted += 1
-            close()
         self.open[peer] += 1
-        self.live[token] = peer
-        self.idle[token] = evict
         return None
 
-    def busy(self, token: object) -> None:
-        """The stream's first request has arrived: it is no longer closed to make room."""
-        self.idle.pop(token, None)
-
-    def leave(self, token: object) -> None:
-        """The stream ended (or was closed to make room; then this is a no-op the second time)."""
-        self.idle.pop(token, None)
-        peer = self.live.pop(token, None)
-        if peer is None:
-            return
+    def leave(self, peer: str) -> None:
         self.open[peer] -= 1
         if self.open[peer] <= 0:
             del self.open[peer]
@@ -223,9 +169,8 @@ class BoundedServicer(ServicerBase):
         return caller
 
     async def admission(self, peer_id: str) -> str | None:
-        """Why ``peer_id`` may not send to this servicer at all (asked before its stream takes a slot or its
-        first byte is read); None: it may. It answers from what the servicer holds (a refresh from the DHT
-        throttled, as ``PeerPolicy``'s): every stranger's stream asks it. The default admits everyone."""
+        """Why ``peer_id`` may not send to this servicer at all (asked before its first byte); None: it may.
+        The default admits everyone: a servicer whose requests are small checks them in the handler."""
         return None
 
     def _checked_bounds(self) -> dict[str, HandlerBound]:
@@ -263,23 +208,33 @@ class BoundedServicer(ServicerBase):
         slots = _Slots(bound)
 
         async def serve(request: Message, context: P2PContext) -> Message:
-            peer, token = context.remote_id.to_base58(), object()
-            if request.ByteSize() > bound.max_message_bytes:
+            peer = context.remote_id.to_base58()
+            reason = slots.enter(peer)
+            if reason is None and request.ByteSize() > bound.max_message_bytes:
+                slots.leave(peer)
                 reason = (
                     f"a request of {request.ByteSize()} bytes exceeds the limit of {bound.max_message_bytes}"
                 )
-            else:  # a unary request has arrived whole: its slot is busy from the start
-                reason = await slots.admit(peer, self.admission) or slots.enter(peer, token, lambda: None)
-                slots.busy(token)
+            reason = reason or await self._admission_or_leave(peer, slots)
             if reason is not None:
                 self._refuse(peer, context.handle_name, reason)
                 raise ProtocolError(reason)
             try:
                 return await method(request, context)
             finally:
-                slots.leave(token)
+                slots.leave(peer)
 
         return serve
+
+    async def _admission_or_leave(self, peer: str, slots: _Slots) -> str | None:
+        try:
+            reason = await self.admission(peer)
+        except BaseException:
+            slots.leave(peer)
+            raise
+        if reason is not None:
+            slots.leave(peer)
+        return reason
 
     def _stream_handler(
         self, p2p: P2P, name: str, method: Callable, request_type: type[Message], stream_input: bool,
@@ -288,31 +243,29 @@ class BoundedServicer(ServicerBase):
         slots = _Slots(bound)
 
         async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            peer, token, evicted = info.peer_id.to_base58(), object(), asyncio.Event()
+            peer = info.peer_id.to_base58()
             with closing(writer):
-                reason = await slots.admit(peer, self.admission) or slots.enter(peer, token, evicted.set)
+                reason = slots.enter(peer) or await self._admission_or_leave(peer, slots)
                 if reason is not None:
                     self._refuse(peer, name, reason)
                     with suppress(Exception):
                         await P2P.send_protobuf(RPCError(message=reason), writer)
-                        await asyncio.wait_for(_discard(reader), REFUSAL_LINGER_S)
                     return
                 try:
                     context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
-                    stream = _Stream(reader, writer, request_type, bound, evicted, lambda: slots.busy(token))
-                    await self._pump(stream, method, stream_input, context)
+                    await self._pump(reader, writer, request_type, bound, method, stream_input, context)
                 finally:
-                    slots.leave(token)
+                    slots.leave(peer)
 
         return serve
 
-    async def _pump(self, stream: _Stream, method: Callable, stream_input: bool, context: P2PContext) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request_type: type[Message],
+        bound: HandlerBound, method: Callable, stream_input: bool, context: P2PContext,
+    ) -> None:  # fmt: skip
         """hivemind's ``_handle_stream`` with a bounded reader: requests are read ahead into a queue of
-        ``MAX_PREFETCH`` while the handler answers, and a broken request ends the stream, as does a first
-        request that has not arrived whole within the bound's ``first_request_timeout_s`` or a stream
-        closed to make room while it still waited for it."""
+        ``MAX_PREFETCH`` while the handler answers, and a broken request ends the stream."""
         requests: asyncio.Queue[Message | None] = asyncio.Queue(MAX_PREFETCH)
-        writer, bound = stream.writer, stream.bound
 
         async def incoming() -> AsyncIterator[Message]:
             while (request := await requests.get()) is not None:
@@ -335,34 +288,19 @@ class BoundedServicer(ServicerBase):
                     await P2P.send_protobuf(RPCError(message=str(e)), writer)
 
         processing = asyncio.create_task(answer())
-        evicted = asyncio.create_task(stream.evicted.wait())
-        first = True
         try:
             while True:
                 receiving = asyncio.create_task(
-                    receive_bounded(stream.reader, stream.request_type, bound.max_message_bytes)
+                    receive_bounded(reader, request_type, bound.max_message_bytes)
                 )
-                waits = {processing, receiving} | ({evicted} if first else set())
-                timeout_s = bound.first_request_timeout_s if first else None
-                await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 if processing.done():
                     receiving.cancel()
                     return
-                if not receiving.done():
-                    receiving.cancel()
-                    why = (
-                        "closed to make room for another caller: no request yet"
-                        if evicted.done()
-                        else f"no request within {bound.first_request_timeout_s:.0f}s"
-                    )
-                    raise ProtocolError(why)
                 try:
                     request, _ = receiving.result()
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the caller closed the stream or died
-                if first:
-                    first = False
-                    stream.started()
                 await requests.put(request)  # None: the caller's end of stream
         except (ProtocolError, DecodeError) as e:
             self._refuse(context.remote_id.to_base58(), context.handle_name, str(e))
@@ -370,20 +308,6 @@ class BoundedServicer(ServicerBase):
                 await P2P.send_protobuf(RPCError(message=str(e)), writer)
         finally:
             processing.cancel()
-            evicted.cancel()
-
-
-@dataclass
-class _Stream:
-    """One inbound stream as ``_pump`` reads it: ``evicted`` is set when it is closed to make room, and
-    ``started`` is called once its first request has arrived."""
-
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    request_type: type[Message]
-    bound: HandlerBound
-    evicted: asyncio.Event
-    started: Callable[[], None]
 
 
 async def call_bounded(
@@ -422,11 +346,6 @@ async def call_bounded(
 
     sending = asyncio.create_task(send())
     return receive()
-
-
-async def _discard(reader: asyncio.StreamReader) -> None:
-    while await reader.read(1 << 16):
-        pass
 
 
 async def _first(requests: AsyncIterator[Message]) -> Message:

@@ -39,8 +39,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def state_pair(*, admitted: bool = True) -> tuple[P2P, P2P, StateServicer]:
-    """An honest state holder with no state yet and a caller connected to it, a member if ``admitted``."""
+async def state_pair() -> tuple[P2P, P2P, StateServicer]:
+    """An honest state holder and a stranger connected to it; the holder admits nobody."""
     honest = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     stranger = await P2P.create(
         host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await honest.get_visible_maddrs()
@@ -50,7 +50,7 @@ async def state_pair(*, admitted: bool = True) -> tuple[P2P, P2P, StateServicer]
         return None
 
     async def admit(requester: str) -> str | None:
-        return None if admitted else f"{requester} is not a member"
+        return f"{requester} is not a member"
 
     servicer = StateServicer(RUN, provide, admit=admit)
     await servicer.add_p2p_handlers(honest, namespace=state_namespace(RUN))
@@ -63,7 +63,7 @@ def handle_name() -> str:
 
 @pytest.mark.timeout(90)
 def test_an_oversized_length_prefix_is_refused_before_its_bytes_are_buffered():
-    """A caller claims a 192 MiB request and streams 64 MiB of it: the honest process must not hold it."""
+    """A stranger claims a 192 MiB request and streams 64 MiB of it: the honest process must not hold it."""
 
     async def scenario() -> tuple[int, int, bool]:
         honest, stranger, servicer = await state_pair()
@@ -160,7 +160,7 @@ def test_a_request_at_the_bound_is_served_and_one_byte_more_is_refused():
             await honest.shutdown()
 
     served, refused = asyncio.run(scenario())
-    assert len(served) == 1 and "this peer trains run" in served[0], "the handler itself read and answered it"
+    assert len(served) == 1 and "is not a member" in served[0], "the handler itself read and answered it"
     assert f"of {SMALL_REQUEST_BYTES + 1} bytes exceeds" in refused
 
 
@@ -212,138 +212,7 @@ def test_the_stream_past_the_per_peer_cap_is_refused_and_a_closed_one_frees_its_
     answers, served = asyncio.run(scenario())
     refused = [a for a in answers if a]
     assert len(refused) == 1 and b"already has 4 streams open" in refused[0], answers
-    assert served and "no state at step" in served[0], "a freed slot serves the next stream"
-
-
-async def read_all(reader: asyncio.StreamReader, within_s: float) -> tuple[bytes, bool]:
-    """What the server sends within ``within_s``, and whether it closed the stream by then."""
-    received, deadline = b"", time.monotonic() + within_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            piece = await asyncio.wait_for(reader.read(4096), left)
-        except asyncio.TimeoutError:
-            return received, False
-        except ConnectionError:
-            return received, True
-        if not piece:
-            return received, True
-        received += piece
-    return received, False
-
-
-class Echo(BoundedServicer):
-    """A servicer with small bounds, so that one test peer can fill them."""
-
-    bounds = {
-        "rpc_echo": lambda self: HandlerBound(
-            SMALL_REQUEST_BYTES, max_streams_per_peer=2, max_streams=2, first_request_timeout_s=1.5
-        )
-    }
-    reply_bytes = {"rpc_echo": SMALL_REQUEST_BYTES}
-
-    async def rpc_echo(
-        self, request: apb.StateRequest, context: P2PContext
-    ) -> TypingAsyncIterator[apb.StateChunk]:
-        yield apb.StateChunk(error=request.run_id)
-
-
-BoundedServicer.registered.remove(Echo)
-
-
-async def echo_trio() -> tuple[P2P, P2P, P2P]:
-    """A server of ``Echo`` and two callers connected to it."""
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    maddrs = await server.get_visible_maddrs()
-    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
-    second = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
-    await Echo().add_p2p_handlers(server, namespace=RUN)
-    return server, first, second
-
-
-async def echo(caller: P2P, server: P2P, text: str) -> str:
-    stub = Echo.get_stub(caller, server.peer_id, namespace=RUN)
-    return [c.error async for c in await stub.rpc_echo(apb.StateRequest(run_id=text))][0]
-
-
-@pytest.mark.timeout(60)
-def test_a_stream_whose_first_request_does_not_arrive_in_time_is_closed_and_frees_its_slot():
-    """A caller opens two streams (its cap) and sends nothing on one and half a request on the other: both
-    are closed after the first-request deadline, and the caller is served again."""
-    name = Echo._get_handle_name(RUN, "rpc_echo")
-
-    async def scenario() -> tuple[list[tuple[bytes, bool]], float, str]:
-        server, caller, _ = await echo_trio()
-        try:
-            silent = await caller.call_binary_stream_handler(server.peer_id, name)
-            slow = await caller.call_binary_stream_handler(server.peer_id, name)
-            slow[2].write(P2P.MESSAGE_MARKER + (100).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"x" * 10)
-            started = time.monotonic()
-            answers = await asyncio.gather(*(read_all(s[1], 10.0) for s in (silent, slow)))
-            took_s = time.monotonic() - started
-            for s in (silent, slow):
-                s[2].close()
-            return answers, took_s, await echo(caller, server, "served again")
-        finally:
-            for p2p in (caller, server):
-                await p2p.shutdown()
-
-    answers, took_s, served = asyncio.run(scenario())
-    assert all(closed and b"no request within 2s" in refusal for refusal, closed in answers), answers
-    assert took_s < 8, f"the streams were held {took_s:.1f}s"
-    assert served == "served again"
-
-
-@pytest.mark.timeout(60)
-def test_a_full_handler_closes_the_oldest_silent_stream_to_serve_another_caller():
-    """An admitted caller fills the handler (2 streams) with streams that send nothing, as certified Sybils
-    would fill 256: another caller is still served, and the oldest silent stream is closed for it."""
-    name = Echo._get_handle_name(RUN, "rpc_echo")
-
-    async def scenario() -> tuple[str, tuple[bytes, bool], tuple[bytes, bool]]:
-        server, sybil, honest = await echo_trio()
-        try:
-            oldest = await sybil.call_binary_stream_handler(server.peer_id, name)
-            await asyncio.sleep(0.2)  # the server takes them in this order
-            newer = await sybil.call_binary_stream_handler(server.peer_id, name)
-            await asyncio.sleep(0.2)
-            served = await asyncio.wait_for(echo(honest, server, "honest"), 10)
-            closed = await read_all(oldest[1], 3.0)
-            still = await read_all(newer[1], 0.5)
-            for s in (oldest, newer):
-                s[2].close()
-            return served, closed, still
-        finally:
-            for p2p in (sybil, honest, server):
-                await p2p.shutdown()
-
-    served, (refusal, closed), (nothing, newer_closed) = asyncio.run(scenario())
-    assert served == "honest"
-    assert closed and b"closed to make room" in refusal, refusal
-    assert not newer_closed and nothing == b"", "only the oldest silent stream makes room"
-
-
-@pytest.mark.timeout(60)
-def test_a_strangers_streams_to_the_state_handler_are_refused_before_they_take_a_slot():
-    """State downloads ask ``admit`` before a stream takes one of the handler's slots: a stranger's silent
-    streams are refused at once instead of waiting in slots an honest joiner needs."""
-
-    async def scenario() -> tuple[list[tuple[bytes, bool]], int]:
-        honest, stranger, servicer = await state_pair(admitted=False)
-        try:
-            streams = [
-                await stranger.call_binary_stream_handler(honest.peer_id, handle_name()) for _ in range(4)
-            ]
-            answers = await asyncio.gather(*(read_all(reader, 3.0) for _, reader, _ in streams))
-            for _, _, writer in streams:
-                writer.close()
-            return answers, servicer.inbound_refused
-        finally:
-            await stranger.shutdown()
-            await honest.shutdown()
-
-    answers, refused = asyncio.run(scenario())
-    assert all(closed and b"is not a member" in refusal for refusal, closed in answers), answers
-    assert refused == 4
+    assert served and "is not a member" in served[0], "a freed slot serves the next stream"
 
 
 def project_servicers() -> list[type[ServicerBase]]:

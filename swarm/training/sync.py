@@ -6,9 +6,8 @@ hash that the other peers (or the coordinator's signed checkpoint record) report
 download that fails its hash is discarded and the next candidate is tried.
 
 A holder serves its state only to requesters its ``admit`` callback accepts (certified, unbanned
-members of the run), asked before a requester's stream takes one of the handler's slots (so strangers
-hold none), through the peer's upload limiter (``--max-upload-mbps``), to at most ``MAX_UPLOADS``
-requesters at once and ``MAX_UPLOADS_PER_PEER`` streams per requester.
+members of the run), through the peer's upload limiter (``--max-upload-mbps``), to at most
+``MAX_UPLOADS`` requesters at once and ``MAX_UPLOADS_PER_PEER`` streams per requester.
 """
 
 from __future__ import annotations
@@ -109,10 +108,8 @@ def state_namespace(prefix: str) -> str:
 class StateServicer(BoundedServicer):
     """Serves this peer's state to admitted peers that ask for it (hivemind finds ``rpc_*`` by annotations).
     The request is a run ID and a step, or a state hash: ``find`` looks that state up (without it, only
-    the current state matches). ``admit`` is asked before the stream takes a slot, and an admitted caller
-    may hold a few streams so that the handler's own limits (``max_uploads_per_peer``) answer with a
-    reason. A requester the holder has not seen yet is refused with ``NOT_SEEN_YET``, which the
-    requester's ``download_state`` turns into ``RequesterNotSeen`` (ask again after a view)."""
+    the current state matches). A caller may hold a few streams so that the handler's own limits
+    (``max_uploads_per_peer``) answer with a reason."""
 
     bounds = {
         "rpc_download_state": lambda self: HandlerBound(
@@ -139,24 +136,20 @@ class StateServicer(BoundedServicer):
         self.refused = 0
         self._log = LogOnce()
 
-    async def admission(self, peer_id: str) -> str | None:
-        refusal = await self.admit(peer_id)
-        if refusal is not None:
-            self.refused += 1
-        return refusal
-
     async def rpc_download_state(
         self, request: apb.StateRequest, context: P2PContext
     ) -> TypingAsyncIterator[apb.StateChunk]:
         requester = context.remote_id.to_base58()
-        refusal = None
-        if sum(self.uploads.values()) >= self.max_uploads:
+        refusal = await self.admit(requester)
+        if refusal is None and sum(self.uploads.values()) >= self.max_uploads:
             refusal = f"this peer already serves {self.max_uploads} state downloads; try another holder"
-        elif self.uploads[requester] >= self.max_uploads_per_peer:
+        elif refusal is None and self.uploads[requester] >= self.max_uploads_per_peer:
             refusal = f"{requester} already has {self.uploads[requester]} state downloads running here"
         if refusal is not None:
             self.refused += 1
-            self._log.warning(f"a state request from {requester}", refusal)
+            # A joiner asking before this peer's view shows it is expected on every resume.
+            level = logging.INFO if NOT_SEEN_YET in refusal else logging.WARNING
+            self._log.warning(f"a state request from {requester}", refusal, level=level)
             yield apb.StateChunk(error=refusal)
             return
         self.uploads[requester] += 1
@@ -280,8 +273,6 @@ async def download_state(
     except SwarmError:
         raise
     except Exception as e:  # libp2p stream errors carry no common base
-        if NOT_SEEN_YET in str(e):  # the holder's admission, before the stream took a slot
-            raise RequesterNotSeen(f"{peer} has not read this peer's signed progress record yet") from None
         raise NetworkError(f"state download from {peer} failed: {e!r}") from None
 
 
