@@ -159,8 +159,8 @@ class SimConfig(BaseModel):
     def _known_attack(cls, attack: str | None) -> str | None:
         from swarm.byzantine.attacks import attack_names
 
-        for name in (attack or "").split(","):  # several only with --stages, each a pipeline attack
-            if attack is not None and name not in attack_names():
+        for name in attack.split(",") if attack is not None else []:  # several only with --stages
+            if name not in attack_names():
                 raise ValueError(f"unknown attack {name!r}; known: {', '.join(attack_names())}")
         return attack
 
