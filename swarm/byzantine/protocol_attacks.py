@@ -221,7 +221,9 @@ class DownloadFlood(ProtocolAttack):
                 async for chunk in await stub.rpc_download_state(apb.StateRequest(run_id=target.run_id)):
                     self.received_bytes += len(chunk.data)
                     self.refusals += bool(chunk.error)
-            except P2PHandlerError:  # refused by the holder's inbound bound or admission, before its handler ran
+            except (
+                P2PHandlerError
+            ):  # refused by the holder's inbound bound or admission, before its handler ran
                 self.refusals += 1
             except Exception:  # an unreachable holder or a dropped stream: the flood goes on
                 self.failures += 1
