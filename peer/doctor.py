@@ -252,11 +252,11 @@ async def check_coordinator(config: DoctorConfig) -> list[Check]:
 async def check_admission(config: DoctorConfig, served_run_id: str) -> list[Check]:
     """Join as ``swarm-peer join`` would (pinned key, join token, identity), then leave at once, and check
     the run's components against this machine: what a volunteer gets wrong shows here, not at join."""
-    from peer.trust import KnownCoordinators, key_mismatch_fix
     from swarm.components import check_components
     from swarm.config import RunConfig
     from swarm.coordinator_client import CoordinatorClient
     from swarm.identity import load_or_create_identity
+    from swarm.trust import KnownCoordinators, key_mismatch_fix
 
     run_id = config.run_id or served_run_id
     known = KnownCoordinators(config.known_coordinators)

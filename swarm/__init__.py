@@ -5,6 +5,10 @@
   against the registries installed here
 - ``identity``: persistent Ed25519 identities (signing key = libp2p peer ID)
 - ``coordinator_client``: ``CoordinatorClient``, the coordinator's gRPC API from the peer side
+- ``trust``: pinned coordinator keys (a run's coordinator key is trusted on first join, and no other)
+- ``reachability``: whether other peers can dial this machine, learned at join from the coordinator
+- ``session``: ``Session``, a peer's membership in a run: join, DHT, heartbeats, certificate renewal, leave
+- ``connection``: ``swarm.connect``, a session for a synchronous program, in a ``with`` block
 - ``membership``: verified peer certificates published in the DHT
 - ``records``: signed DHT records, the one trust boundary for everything read from the run's DHT
 - ``bans``: the coordinator-signed ban list, published in pages in the DHT and enforced by every peer
@@ -65,6 +69,9 @@ _LAZY = {
     "register_dataset": "swarm.data",
     "available_datasets": "swarm.data",
     "CoordinatorClient": "swarm.coordinator_client",
+    "Session": "swarm.session",
+    "SessionConfig": "swarm.session",
+    "connect": "swarm.connection",
     "check_components": "swarm.components",
     "load_model": "swarm.training.checkpoint",
 }
@@ -79,12 +86,15 @@ __all__ = [
     "ProtocolError",
     "RunConfig",
     "SecurityError",
+    "Session",
+    "SessionConfig",
     "SwarmError",
     "available_datasets",
     "available_models",
     "build_dataset",
     "build_model",
     "check_components",
+    "connect",
     "load_model",
     "load_or_create_identity",
     "register_dataset",

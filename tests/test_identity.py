@@ -1,4 +1,4 @@
-"""Identity key files (``swarm.identity``) and pinned coordinator keys (``peer.trust``)."""
+"""Identity key files (``swarm.identity``) and pinned coordinator keys (``swarm.trust``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from peer.trust import KnownCoordinators
 from protocols.errors import ConfigError, IdentityError
 from protocols.keys import SigningKey
 from swarm.identity import create_identity, load_identity, load_or_create_identity
+from swarm.trust import KnownCoordinators
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,413 @@
+"""A peer's membership in a run: join, enter its DHT, heartbeat, renew the certificate, and leave.
+
+``Session`` is what every kind of participant needs before it computes anything, and what it keeps
+doing while it computes: the volunteer process (``peer/volunteer.py``) builds its role on one, and a
+researcher's own program gets one from ``connect``. Losing the coordinator does not end a session: it
+keeps its DHT membership, retries with exponential backoff and says so, re-joins if the coordinator has
+forgotten it, and re-enters the coordinator's DHT node if it restarted. Only a ban, a stop or the end of
+the run ends it (the coordinator's signed heartbeat answer says when the run finished, and raises
+``max_steps``).
+
+What a session reports in its heartbeats (step, parameter hash, suspects, metrics) comes from the
+``Progress`` it is given: the trainer, once there is one.
+
+Example (a program of its own, no training yet)::
+
+    with swarm.connect("203.0.113.7:31330", identity="~/.swarm/identity.key") as session:
+        print(session.run_config.run_id, session.certificate.role)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from protocols.certificates import PeerCertificate
+from protocols.errors import (
+    AdmissionDenied,
+    ConfigError,
+    CoordinatorKeyMismatch,
+    NetworkError,
+    ProtocolError,
+    ReplayError,
+    SecurityError,
+    SwarmError,
+)
+from protocols.keys import PublicKey, SigningKey
+from protocols.messages import MAX_SUSPECT_REPORTS
+from swarm.config import RUN_ID_PATTERN, RunConfig
+from swarm.identity import DEFAULT_IDENTITY, load_or_create_identity
+from swarm.trust import KnownCoordinators, key_mismatch_fix
+
+if TYPE_CHECKING:  # the CLIs' --help reads SessionConfig: it must not load grpc or torch
+    from swarm.coordinator_client import Admission, CoordinatorClient, HeartbeatAnswer
+
+logger = logging.getLogger("swarm.peer")
+
+
+class SessionConfig(BaseModel):
+    """How to join a run and stay in it: the coordinator, this peer's identity and network settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coordinator: str = Field(description="coordinator address HOST:PORT")
+    name: str = Field(
+        default_factory=lambda: socket.gethostname()[:64] or "peer",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="display name shown to the organizer (default: host name)",
+    )
+    identity: Path = Field(DEFAULT_IDENTITY, description="key file; created with mode 0600 if missing")
+    role: Literal["auto", "data", "stage", "trainer"] = Field(
+        "auto",
+        description="what this peer does: data-parallel training (data), host a pipeline stage (stage), "
+        "stream micro-batches through the stages (trainer); auto: data, or in a pipeline run the stage most "
+        "short of throughput",
+    )
+    run_id: str | None = Field(
+        None, pattern=RUN_ID_PATTERN, description="run to join (default: the coordinator's)"
+    )
+    coordinator_key: str | None = Field(
+        None, description="peer ID of the coordinator's key, to trust no other (default: pin on first join)"
+    )
+    join_token: str | None = Field(None, description="the run's join token (or set SWARM_JOIN_TOKEN)")
+    host: str = Field("0.0.0.0", description="address the DHT and the averaging data port listen on")
+    port: int = Field(0, ge=0, le=65535, description="DHT (libp2p) port (0: any free port)")
+    upnp: bool = Field(False, description="ask the router to forward the DHT port (UPnP)")
+    dialable: Literal["auto", "yes", "no"] = Field(
+        "auto",
+        description="whether other peers can connect to this machine; auto: the coordinator dials back at "
+        "join; a peer that cannot be dialed (behind NAT) never leads an averaging group",
+    )
+    known_coordinators: Path = Field(
+        Path("~/.swarm/known_coordinators.json"), description="where pinned coordinator keys are kept"
+    )
+    join_timeout_s: float = Field(
+        120.0, gt=0, le=86400, description="give up joining after this many seconds"
+    )
+    rpc_timeout_s: float = Field(10.0, gt=0, le=300, description="timeout of one call to the coordinator")
+    max_retry_interval_s: float = Field(30.0, ge=1, le=3600, description="longest wait between retries")
+    leave_when_finished: bool = Field(
+        True,
+        description="leave and exit 0 once the coordinator says the run finished; --no-leave-when-finished "
+        "keeps serving the final state until stopped (rehearsals that read every peer's end state)",
+    )
+
+    @field_validator("coordinator")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        from swarm.coordinator_client import parse_address
+
+        try:
+            parse_address(address)
+        except SwarmError as e:
+            raise ValueError(str(e)) from None
+        return address
+
+    @field_validator("name")
+    @classmethod
+    def _printable_text(cls, name: str) -> str:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("name must be valid UTF-8 text") from None
+        return name
+
+    @property
+    def identity_path(self) -> Path:
+        return self.identity.expanduser()
+
+
+class Progress(Protocol):
+    """What a session's heartbeats report about the work done in it (``Trainer`` and the pipeline roles)."""
+
+    step: int
+    param_hash: str
+
+    def suspected(self, limit: int) -> list[str]: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+async def wait_or_stop(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to ``seconds``; True if ``stop`` was set meanwhile."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+class Session:
+    """One peer's membership in a run (see the module docstring).
+
+    Args:
+        config: where to join and how to be reached.
+        device: this peer's compute, as the organizer sees it (``"cpu: 2 cores"``).
+        check_run: called with each run spec the coordinator sends, before the session accepts it (a
+            role's own requirement, such as a precision the device must support); raises to refuse.
+        metrics: extra heartbeat metrics of the process (uptime, link), merged over the progress's.
+    """
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        device: str = "cpu",
+        check_run: Callable[[RunConfig], None] | None = None,
+        metrics: Callable[[], dict[str, float]] | None = None,
+    ):
+        self.config, self.device, self.check_run, self.extra_metrics = config, device, check_run, metrics
+        self.join_token = config.join_token or os.environ.get("SWARM_JOIN_TOKEN") or None
+        self.known = KnownCoordinators(config.known_coordinators)
+        self.key: SigningKey | None = None
+        self.run_config: RunConfig | None = None
+        self.certificate: PeerCertificate | None = None
+        self.coordinator_key: PublicKey | None = None
+        self.admission: Admission | None = None
+        self.client: CoordinatorClient | None = None
+        self.dht = None
+        self.records = None
+        self.dialable = True
+        self.progress: Progress | None = None
+        self.paused = False
+        self.state = "starting"
+        self.finished_step: int | None = None  # set once the coordinator says the run has finished
+        self._coordinator_maddrs: list[str] = []
+        self._reaching: asyncio.Task | None = None
+        self._members = 0
+
+    def set_state(self, state: str, detail: str = "") -> None:
+        if state != self.state:
+            self.state = state
+            logger.info(
+                f"peer {self.key.peer_id if self.key else '?'} state: {state}"
+                + (f" ({detail})" if detail else "")
+            )
+
+    # --- joining ------------------------------------------------------------------------------------
+
+    async def start(self, client: CoordinatorClient, stop: asyncio.Event) -> bool:
+        """Join through ``client``, learn whether others can dial this machine, and start the DHT node;
+        False if ``stop`` was set before the join went through."""
+        from swarm.dht import start_dht
+        from swarm.keyspace import RunValidator
+        from swarm.reachability import learn_dialable
+        from swarm.records import RecordSigner
+
+        self.client = client
+        if self.key is None:
+            self.key = await asyncio.to_thread(load_or_create_identity, self.config.identity_path)
+        if await self.join(stop) is None:
+            return False
+        self.dialable = await learn_dialable(client, self.config.host, self.config.dialable)
+        run = self.run_config
+        self.dht = await asyncio.to_thread(
+            start_dht, self.key, self.config.identity_path, host=self.config.host, port=self.config.port,
+            initial_peers=self.admission.dht_initial_peers, upnp=self.config.upnp,
+            validators=[RunValidator(run.run_id, self.coordinator_key, stages=run.pipeline.stages)],
+            client_mode=not self.dialable,
+        )  # fmt: skip
+        self._coordinator_maddrs = list(self.admission.dht_initial_peers)
+        self.records = RecordSigner(self.key, self.certificate.encoded)
+        return True
+
+    def _expected_coordinator_key(self, run_id: str) -> PublicKey | None:
+        if self.config.coordinator_key:
+            try:
+                return PublicKey.from_peer_id(self.config.coordinator_key)
+            except ProtocolError as e:
+                raise ConfigError(f"--coordinator-key: {e}") from None
+        return self.known.pinned(run_id)
+
+    async def join(self, stop: asyncio.Event) -> Admission | None:
+        """Ask the coordinator to admit this peer, retrying while it cannot be reached (up to
+        ``join_timeout_s``); None if ``stop`` was set meanwhile."""
+        config, client = self.config, self.client
+        deadline = time.monotonic() + config.join_timeout_s
+        delay = 1.0
+        while True:
+            try:
+                admission = await client.join(
+                    self.key, config.run_id or "", name=config.name, device=self.device, role=config.role,
+                    join_token=self.join_token, coordinator_key=self._expected_coordinator_key,
+                )  # fmt: skip
+                break
+            except CoordinatorKeyMismatch as e:
+                pinned_by = "--coordinator-key" if config.coordinator_key else str(self.known.path)
+                raise CoordinatorKeyMismatch(
+                    f"{e}; {key_mismatch_fix(e.run_id, e.offered, pinned_by)}",
+                    offered=e.offered,
+                    run_id=e.run_id,
+                ) from None
+            except NetworkError as e:
+                if time.monotonic() + delay > deadline:
+                    raise NetworkError(f"could not join within {config.join_timeout_s:.0f}s: {e}") from None
+                logger.warning(f"{e}; retrying in {delay:.0f}s")
+                if await wait_or_stop(stop, delay):
+                    return None
+                delay = min(2 * delay, config.max_retry_interval_s)
+        try:
+            run = RunConfig.parse(admission.run_spec, source="run spec from the coordinator")
+        except ConfigError as e:
+            raise ProtocolError(str(e)) from None
+        from swarm.components import check_components
+
+        await asyncio.to_thread(check_components, run)  # this peer must have the run's model and data
+        if self.check_run is not None:
+            self.check_run(run)
+        if run.coordinator_key and run.coordinator_key != admission.coordinator_key.peer_id:
+            raise SecurityError(
+                f"the run spec names coordinator {run.coordinator_key}, but it signed with another key"
+            )
+        self.known.pin(run.run_id, admission.coordinator_key)
+        self.admission, self.run_config = admission, run
+        self.certificate, self.coordinator_key = admission.certificate, admission.coordinator_key
+        logger.info(
+            f"peer {self.key.peer_id} joined run {run.run_id!r} as {admission.certificate.role} "
+            f"on {self.device}; certificate valid for {admission.certificate.expires_in() / 60:.0f} min"
+        )
+        return admission
+
+    # --- staying in the run -------------------------------------------------------------------------
+
+    async def _announce(self) -> int:
+        """Refresh our DHT member record and count the verified members; DHT trouble is logged, not fatal."""
+        from swarm.membership import fetch_members, publish_certificate
+
+        run = self.run_config
+        try:
+            await publish_certificate(
+                self.dht, self.key, self.certificate, ttl_s=run.membership.offline_after_s
+            )
+            return len(await fetch_members(self.dht, run.run_id, self.coordinator_key))
+        except Exception as e:
+            logger.warning(f"DHT announce failed: {e}")
+            return 0
+
+    async def _reach_coordinator_dht(self) -> None:
+        """Ping the coordinator's DHT node, so that one restarted empty (perhaps on another port) learns
+        this peer again and serves the swarm to the peers that join it; failures are only logged."""
+        from swarm.dht import ping_node
+
+        peer_id, timeout_s = self.coordinator_key.peer_id, self.config.rpc_timeout_s
+        if await ping_node(self.dht, self._coordinator_maddrs, peer_id=peer_id, timeout_s=timeout_s):
+            return
+        try:
+            fresh = list((await self.client.status()).dht_initial_peers)
+        except SwarmError as e:
+            logger.debug(f"cannot ask the coordinator for its DHT addresses: {e}")
+            return
+        if fresh != self._coordinator_maddrs and await ping_node(
+            self.dht, fresh, peer_id=peer_id, timeout_s=timeout_s
+        ):
+            logger.info(f"re-entered the coordinator's DHT at {' '.join(fresh)}")
+            self._coordinator_maddrs = fresh
+
+    def _follow_run_state(self, answer: HeartbeatAnswer) -> bool:
+        """Apply the run's ``max_steps`` as the coordinator now signs it (raised by a restart with a
+        higher one); True once the run has finished and this peer should leave."""
+        if not answer.signed_run_state:
+            return False
+        training = self.run_config.training
+        if answer.max_steps != training.max_steps:
+            logger.info(
+                f"the run's max_steps is now {answer.max_steps or 'unlimited'} (was {training.max_steps})"
+            )
+            training.max_steps = answer.max_steps
+        if answer.finished_step is None or self.finished_step == answer.finished_step:
+            return False
+        self.finished_step = answer.finished_step
+        if not self.config.leave_when_finished:
+            logger.info(f"run {self.run_config.run_id!r} finished at step {answer.finished_step}; staying")
+            return False
+        self.set_state("finished", f"at step {answer.finished_step}")
+        logger.info(
+            f"run {self.run_config.run_id!r} finished at step {answer.finished_step}: the coordinator holds "
+            "its final checkpoint; leaving. Thank you for your compute!"
+        )
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        """What the heartbeat reports: the progress's metrics, the DHT members seen, the process's own."""
+        metrics = {"dht_members": float(self._members)}
+        if self.progress is not None:
+            metrics.update(self.progress.metrics())
+        if self.extra_metrics is not None:
+            metrics.update(self.extra_metrics())
+        return {k: v for k, v in metrics.items() if math.isfinite(v)}  # e.g. no loss before the first step
+
+    async def heartbeats(self, stop: asyncio.Event) -> bool:
+        """Heartbeat until ``stop`` is set (False) or the run has finished and this peer leaves (True);
+        ``Banned`` ends it with that error."""
+        interval_s = self.run_config.membership.heartbeat_interval_s
+        failures = 0
+        while True:
+            self._members = await self._announce()
+            delay = interval_s
+            progress = self.progress
+            try:
+                answer = await self.client.heartbeat(
+                    self.key, self.run_config.run_id, self.coordinator_key,
+                    state="paused" if self.paused else "online", metrics=self.metrics(),
+                    step=progress.step if progress else 0, param_hash=progress.param_hash if progress else "",
+                    suspects=progress.suspected(MAX_SUSPECT_REPORTS) if progress else [],
+                )  # fmt: skip
+                if failures:
+                    logger.info(f"reconnected to the coordinator at {self.client.address}")
+                # In the background: a ping to a coordinator's old address waits out its timeout.
+                if self._reaching is None or self._reaching.done():
+                    self._reaching = asyncio.create_task(self._reach_coordinator_dht())
+                failures = 0
+                self.set_state("paused" if self.paused else "online")
+                if answer.certificate is not None:
+                    self.certificate = answer.certificate
+                    self.records.certificate = answer.certificate.encoded
+                    logger.info(f"certificate renewed (serial {answer.certificate.serial})")
+                if self._follow_run_state(answer):
+                    stop.set()
+                    return True
+            except NetworkError as e:
+                failures += 1
+                delay = min(interval_s * 2**failures, self.config.max_retry_interval_s)
+                self.set_state("online, coordinator unreachable")
+                logger.warning(f"lost the coordinator: {e}; still in the run, retrying in {delay:.0f}s")
+            except AdmissionDenied as e:
+                logger.warning(f"the coordinator does not know this peer ({e}); joining again")
+                if await self.join(stop) is None:
+                    return False
+            except ReplayError as e:
+                logger.warning(f"heartbeat refused: {e}")
+            if await wait_or_stop(stop, delay):
+                return False
+
+    # --- leaving ------------------------------------------------------------------------------------
+
+    async def leave(self) -> None:
+        """Tell the coordinator this peer left (it shows offline shortly if it cannot be told)."""
+        try:
+            reason = "volunteer stopped" if self.finished_step is None else "the run finished"
+            await self.client.leave(self.key, self.run_config.run_id, reason=reason)
+            self.set_state("left")
+        except SwarmError as e:
+            logger.warning(
+                f"could not tell the coordinator this peer left ({e}); it will show offline shortly"
+            )
+
+    async def close(self) -> None:
+        """Stop the background work and the DHT node (after ``leave``, or instead of it on a ban)."""
+        if self._reaching is not None:
+            self._reaching.cancel()
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+            self.dht = None

@@ -1,0 +1,70 @@
+"""``swarm.connect``: a program of its own joins a run, stays online, and leaves, through the library."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import swarm as swarm_api
+from lab.localswarm import LocalSwarm, peer_states, status, wait_until
+from protocols.errors import ConfigError, CoordinatorKeyMismatch
+from protocols.keys import SigningKey
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _options(tmp_path: Path, name: str) -> dict:
+    return {
+        "name": name,
+        "identity": tmp_path / f"{name}.key",
+        "known_coordinators": tmp_path / f"{name}-known.json",
+        "host": "127.0.0.1",
+        "join_timeout_s": 60,
+    }
+
+
+@pytest.mark.slow
+def test_a_program_joins_with_connect_stays_online_and_leaves_on_exit(swarm: LocalSwarm, tmp_path: Path):
+    coordinator = swarm.start_coordinator()
+    address = coordinator.extra["address"]
+    with swarm_api_connect(address, tmp_path, "own-loop") as session:
+        assert session.run_config.run_id == "test-run"
+        assert session.certificate.role == "data" and session.certificate.peer_id == session.key.peer_id
+        assert session.dht is not None and session.dialable
+        # Its heartbeats keep it online in the coordinator's record, under its own key.
+        wait_until(lambda: peer_states(address).get("own-loop") == "online", timeout_s=60, what="online")
+        record = next(p for p in status(address).peers if p.name == "own-loop")
+        assert record.peer_id == session.key.peer_id
+        started = time.monotonic()
+    assert time.monotonic() - started < 30, "leaving takes seconds, not a timeout"
+    assert peer_states(address)["own-loop"] == "left"
+    # A second session with the same identity file is the same peer.
+    with swarm_api_connect(address, tmp_path, "own-loop") as again:
+        assert again.key.peer_id == record.peer_id
+
+
+@pytest.mark.slow
+def test_a_coordinator_with_another_key_than_the_pinned_one_is_refused_at_enter(
+    swarm: LocalSwarm, tmp_path: Path
+):
+    address = swarm.start_coordinator().extra["address"]
+    impostor = SigningKey.generate().peer_id
+    connection = swarm_api_connect(address, tmp_path, "careful", coordinator_key=impostor)
+    with pytest.raises(CoordinatorKeyMismatch, match=impostor), connection:
+        pass
+    assert "careful" not in peer_states(address), "nothing joined"
+
+
+def test_a_wrong_option_is_a_config_error_naming_it(tmp_path: Path):
+    with pytest.raises(ConfigError, match="join_timeout_s"):
+        swarm_api.connect("127.0.0.1:31330", join_timeout_s=-1)
+    with pytest.raises(ConfigError, match="coordinator"):
+        swarm_api.connect("no-port-here")
+    with pytest.raises(ConfigError, match="colour"):
+        swarm_api.connect("127.0.0.1:31330", colour="blue")
+
+
+def swarm_api_connect(address: str, tmp_path: Path, name: str, **extra):
+    return swarm_api.connect(address, **_options(tmp_path, name), **extra)
