@@ -3,6 +3,8 @@
 - (the generic name -> config + factory registry lives in :mod:`swarm.registry`, shared with :mod:`swarm.data`)
 - builder.py: the model registry: ``register_model``, ``build_model``, ``available_models``, ``model_config``
 - gpt.py: ``gpt``, the built-in byte-level GPT (``embed`` -> ``blocks`` -> ``head``)
+- hf.py: ``hf-causal-lm``, any ``transformers`` causal LM built from a config (the ``[hf]`` extra, imported
+  when built)
 - checkpointing.py: activation checkpointing of the blocks a model declares (``activation_blocks()``)
 
 Example::
@@ -42,12 +44,15 @@ from swarm.models.checkpointing import (
     supports_activation_checkpointing,
 )
 from swarm.models.gpt import GPT, VOCAB_SIZE, GPTConfig
+from swarm.models.hf import HFCausalLM, HFCausalLMConfig
 
 __all__ = [
     "GPT",
     "MODELS",
     "VOCAB_SIZE",
     "GPTConfig",
+    "HFCausalLM",
+    "HFCausalLMConfig",
     "ModelFactory",
     "activation_blocks",
     "available_models",
