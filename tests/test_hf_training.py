@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import KEYS, start_dhts
+from helpers import start_dhts
 from test_hf import GPT2, documents, save_tokenizer, write_corpus
+from test_training import trainers_for, wait_for
 
 from lab.localswarm import tiny_run
-from swarm.training.trainer import Trainer
 
 pytest.importorskip("transformers", reason='the [hf] extra: pip install -e ".[hf]"')
 
@@ -35,19 +33,12 @@ def test_two_peers_train_a_transformers_model_on_local_files_to_one_state(tmp_pa
         }
     )
     dhts = start_dhts(2)
-    torch.set_num_threads(1)
-    trainers = [
-        Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()]) for d in dhts
-    ]
+    trainers = trainers_for(run, dhts)
 
     async def scenario() -> None:
         stop = asyncio.Event()
         tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
-        deadline = time.monotonic() + 120
-        while not all(t.finished for t in trainers):
-            assert time.monotonic() < deadline, [t.step for t in trainers]
-            assert not any(task.done() for task in tasks), [task.exception() for task in tasks if task.done()]
-            await asyncio.sleep(0.2)
+        await wait_for(lambda: all(t.finished for t in trainers), 120, "both peers to reach max_steps")
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
 

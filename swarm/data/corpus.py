@@ -24,7 +24,43 @@ def split_score(path: str) -> float:
     return int.from_bytes(hashlib.sha256(path.encode("utf-8")).digest()[:8], "big") / 2**64
 
 
-class ByteDataset:
+class SplitWindows:
+    """What the corpora share: token ids in a ``train`` and a ``validation`` array, and windows of them
+    drawn by seed (:func:`sample_windows`) or spread over the validation split (:func:`spread_windows`)."""
+
+    name: str
+    train: np.ndarray
+    validation: np.ndarray
+
+    def split(self, split: str) -> np.ndarray:
+        """The tokens of ``split`` ("train" or "validation")."""
+        if split == "train":
+            return self.train
+        if split == "validation":
+            return self.validation
+        raise ConfigError(f"unknown split {split!r}; available: {', '.join(SPLITS)}")
+
+    def sample_batch(self, seed: int, batch_size: int, seq_len: int, split: str = "train") -> Batch:
+        """``batch_size`` random windows of ``split``: inputs and targets (inputs shifted by one token).
+
+        The same ``seed`` gives bit-identical tensors on every machine with the same ``fingerprint``;
+        see :func:`swarm.data.seeds.row_offsets` for the recipe.
+        """
+        what = f"the {split} split of dataset '{self.name}'"
+        return sample_windows(self.split(split), seed, batch_size, seq_len, what=what)
+
+    def validation_batches(self, batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
+        """A fixed list of up to ``max_batches`` validation batches, the same on every machine.
+
+        Windows do not overlap and are spread evenly over the whole validation split; the last batch
+        may be smaller when the split holds fewer than ``batch_size * max_batches`` windows.
+        """
+        return spread_windows(
+            self.validation, batch_size, seq_len, max_batches, what=f"dataset '{self.name}'"
+        )
+
+
+class ByteDataset(SplitWindows):
     """Files concatenated as bytes, with a held-out validation split chosen per file.
 
     A file is held out when ``split_score(relative_path) < validation_fraction``, so the split depends
@@ -103,34 +139,6 @@ class ByteDataset:
     @property
     def validation_bytes(self) -> int:
         return int(self.validation.size)
-
-    def split(self, split: str) -> np.ndarray:
-        """The bytes of ``split`` ("train" or "validation")."""
-        if split == "train":
-            return self.train
-        if split == "validation":
-            return self.validation
-        raise ConfigError(f"unknown split {split!r}; available: {', '.join(SPLITS)}")
-
-    def sample_batch(self, seed: int, batch_size: int, seq_len: int, split: str = "train") -> Batch:
-        """``batch_size`` random windows of ``split``: inputs and targets (inputs shifted by one byte).
-
-        The same ``seed`` gives bit-identical tensors on every machine with the same ``fingerprint``;
-        see :func:`swarm.data.seeds.row_offsets` for the recipe.
-        """
-        return sample_windows(
-            self.split(split), seed, batch_size, seq_len, what=f"the {split} split of dataset '{self.name}'"
-        )
-
-    def validation_batches(self, batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
-        """A fixed list of up to ``max_batches`` validation batches, the same on every machine.
-
-        Windows do not overlap and are spread evenly over the whole validation split; the last batch
-        may be smaller when the split holds fewer than ``batch_size * max_batches`` windows.
-        """
-        return spread_windows(
-            self.validation, batch_size, seq_len, max_batches, what=f"dataset '{self.name}'"
-        )
 
     def __repr__(self) -> str:
         return (

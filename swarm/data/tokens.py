@@ -7,16 +7,16 @@ import hashlib
 import numpy as np
 
 from protocols.errors import ConfigError
-from swarm.data.corpus import SPLITS, Batch, sample_windows, spread_windows
+from swarm.data.corpus import SplitWindows
 
 _FINGERPRINT_DOMAIN = b"swarm/tokens/v1"
 
 
-class TokenDataset:
+class TokenDataset(SplitWindows):
     """Documents already tokenized and joined, one array per split.
 
-    Windows are drawn with :func:`swarm.data.corpus.sample_windows`, the recipe of
-    :class:`~swarm.data.corpus.ByteDataset`, so a batch is a function of (seed, batch_size, seq_len) and
+    Windows are drawn as from :class:`~swarm.data.corpus.ByteDataset` (both are
+    :class:`~swarm.data.corpus.SplitWindows`), so a batch is a function of (seed, batch_size, seq_len) and
     the token arrays only; ``fingerprint`` is SHA-256 over both arrays (as little-endian int32), so peers
     whose files or tokenizer differ can tell.
 
@@ -48,25 +48,6 @@ class TokenDataset:
     @property
     def validation_tokens(self) -> int:
         return int(self.validation.size)
-
-    def split(self, split: str) -> np.ndarray:
-        """The tokens of ``split`` ("train" or "validation")."""
-        if split == "train":
-            return self.train
-        if split == "validation":
-            return self.validation
-        raise ConfigError(f"unknown split {split!r}; available: {', '.join(SPLITS)}")
-
-    def sample_batch(self, seed: int, batch_size: int, seq_len: int, split: str = "train") -> Batch:
-        """``batch_size`` windows of ``split`` drawn with ``seed``: inputs and targets shifted by one token."""
-        what = f"the {split} split of dataset '{self.name}'"
-        return sample_windows(self.split(split), seed, batch_size, seq_len, what=what)
-
-    def validation_batches(self, batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
-        """A fixed list of up to ``max_batches`` validation batches spread over the split, the same everywhere."""
-        return spread_windows(
-            self.validation, batch_size, seq_len, max_batches, what=f"dataset '{self.name}'"
-        )
 
     def __repr__(self) -> str:
         return (
