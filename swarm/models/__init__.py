@@ -23,7 +23,8 @@ The entry point is either a factory decorated with :func:`register_model` (impor
 or a zero-argument function that calls :func:`register_model` when invoked. Entry points are loaded
 lazily, the first time a name is not found among the built-ins or :func:`available_models` is called;
 a broken one is logged and skipped, and naming it gives a ConfigError with the cause. Every peer of a
-run must have the same package installed: only the name and config travel.
+run must have the same package installed: only the name and config travel. The config must have
+``seq_len`` and the model ``loss(inputs, targets)`` (:mod:`swarm.contract`, checked by :func:`build_model`).
 
 A model that defines ``activation_blocks() -> list[nn.Module]`` (its repeated blocks, each called with
 the hidden state) can be trained with activation checkpointing (``swarm-peer join
