@@ -16,9 +16,12 @@
 - ``dht``: starting hivemind's DHT under a swarm identity
 - ``dhtstorage``: ``BoundedStorage``, what a DHT node keeps for others, bounded in total and per signer
 - ``hivemind_import``: hivemind imported once, with its one import-time torch warning filtered
+- ``hf_import``: the optional Hugging Face extra, imported on first use and offline
+- ``contract``: the model, model config and dataset protocols every run's components meet, and their checks
 - ``registry``: named registries with typed configs (shared by models and datasets)
-- ``models``: the model registry and the built-in byte-level ``gpt``
-- ``data``: the dataset registry (``stdlib``, ``text-files``) and deterministic per-peer sampling
+- ``models``: the model registry, the built-in byte-level ``gpt`` and ``hf-causal-lm``
+- ``data``: the dataset registry (``stdlib``, ``text-files``, ``hf-dataset``) and deterministic per-peer
+  sampling
 - ``averaging``: robust butterfly all-reduce among a group of peers, signed and verified
 - ``training``: one peer's training loop, the shared state, checkpoints (``load_model`` reads one into
   its model) and catching up

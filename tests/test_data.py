@@ -209,7 +209,9 @@ def test_bad_sampling_arguments_are_config_errors() -> None:
 
 
 def test_unknown_dataset_lists_the_available_ones() -> None:
-    with pytest.raises(ConfigError, match=r"unknown dataset 'wikipedia'; available: stdlib, text-files"):
+    with pytest.raises(
+        ConfigError, match=r"unknown dataset 'wikipedia'; available: hf-dataset, stdlib, text-files"
+    ):
         build_dataset("wikipedia", {})
     assert {"stdlib", "text-files"} <= set(available_datasets())
 

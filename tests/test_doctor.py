@@ -219,10 +219,16 @@ def test_a_coordinator_key_other_than_the_pinned_one_is_refused_with_its_remedy(
 class _OnlyHereConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     width: int = Field(4, ge=1, le=64, description="width of the one layer")
+    seq_len: int = Field(8, ge=1, le=64, description="longest sequence")
+
+
+class _Linear(torch.nn.Linear):
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self(inputs.float()), targets.float())
 
 
 def _build_linear(config: _OnlyHereConfig, generator: torch.Generator) -> torch.nn.Module:
-    layer = torch.nn.Linear(config.width, config.width)
+    layer = _Linear(config.width, config.width)
     with torch.no_grad():
         layer.weight.normal_(generator=generator)
     return layer

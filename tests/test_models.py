@@ -120,11 +120,17 @@ from swarm.models import register_model
 class WidthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     width: int = Field(4, ge=1, le=64, description="Width of the one layer.")
+    seq_len: int = Field(8, ge=1, le=64, description="Longest sequence.")
+
+
+class Linear(torch.nn.Linear):
+    def loss(self, inputs, targets):
+        return torch.nn.functional.mse_loss(self(inputs.float()), targets.float())
 
 
 @register_model("plugin-linear", WidthConfig)
 def build_linear(config, generator):
-    layer = torch.nn.Linear(config.width, config.width, device="meta").to_empty(device="cpu")
+    layer = Linear(config.width, config.width, device="meta").to_empty(device="cpu")
     with torch.no_grad():
         layer.weight.normal_(generator=generator)
         layer.bias.zero_()

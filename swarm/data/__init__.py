@@ -5,6 +5,9 @@
 - files.py: finding corpus files on disk in a machine-independent order
 - builder.py: the dataset registry: ``register_dataset``, ``build_dataset``, ``available_datasets``
 - sources.py: the built-in datasets ``stdlib`` (the default corpus) and ``text-files``
+- tokens.py: ``TokenDataset``: tokenized documents in two arrays, sampled by the same recipe
+- hf.py: ``hf-dataset``: local text, JSON lines or Parquet files through ``datasets`` and a local
+  tokenizer (the ``[hf]`` extra, imported when built)
 
 Example::
 
@@ -18,15 +21,19 @@ models do through ``swarm.models`` (see :mod:`swarm.models`).
 
 from swarm.data.builder import DATASETS, available_datasets, build_dataset, dataset_config, register_dataset
 from swarm.data.corpus import SEPARATOR, ByteDataset, split_score
+from swarm.data.hf import HFDatasetConfig
 from swarm.data.seeds import derive_seed
 from swarm.data.sources import StdlibConfig, TextFilesConfig
+from swarm.data.tokens import TokenDataset
 
 __all__ = [
     "DATASETS",
     "SEPARATOR",
     "ByteDataset",
+    "HFDatasetConfig",
     "StdlibConfig",
     "TextFilesConfig",
+    "TokenDataset",
     "available_datasets",
     "build_dataset",
     "dataset_config",

@@ -9,19 +9,19 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from swarm.data.corpus import ByteDataset
+from swarm.contract import SampledDataset, check_dataset
 from swarm.registry import Registry
 
-DatasetFactory = Callable[[Any], ByteDataset]
+DatasetFactory = Callable[[Any], SampledDataset]
 
 DATASETS: Registry[DatasetFactory] = Registry(kind="dataset", group="swarm.datasets")
 
-_cache: dict[tuple[str, str], ByteDataset] = {}
+_cache: dict[tuple[str, str], SampledDataset] = {}
 _cache_lock = threading.Lock()
 
 
 def register_dataset(name: str, config_cls: type[BaseModel]) -> Callable[[DatasetFactory], DatasetFactory]:
-    """Register ``factory(config) -> ByteDataset`` as the dataset ``name``.
+    """Register ``factory(config) -> dataset`` as the dataset ``name`` (see :class:`swarm.contract.SampledDataset`).
 
     A config class with ``cacheable: ClassVar[bool] = True`` lets :func:`build_dataset` reuse one
     built corpus per config within a process.
@@ -39,8 +39,10 @@ def dataset_config(name: str, config: Mapping[str, Any] | BaseModel | None = Non
     return DATASETS.validate(name, config)
 
 
-def build_dataset(name: str, config: Mapping[str, Any] | BaseModel | None = None) -> ByteDataset:
+def build_dataset(name: str, config: Mapping[str, Any] | BaseModel | None = None) -> SampledDataset:
     """Build dataset ``name`` from ``config``; a ConfigError names a bad field or a missing path.
+
+    What the factory returns is checked against :class:`swarm.contract.SampledDataset`.
 
     Example::
 
@@ -50,10 +52,15 @@ def build_dataset(name: str, config: Mapping[str, Any] | BaseModel | None = None
     typed = DATASETS.validate(name, config)
     factory = DATASETS.get(name).factory
     if not getattr(typed, "cacheable", False):
-        return factory(typed)
+        return _checked(name, factory(typed))
     key = (name, json.dumps(typed.model_dump(mode="json"), sort_keys=True))
     # Held while building so that concurrent callers load the corpus once, not once each.
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = factory(typed)
+            _cache[key] = _checked(name, factory(typed))
         return _cache[key]
+
+
+def _checked(name: str, dataset: SampledDataset) -> SampledDataset:
+    check_dataset(dataset, f"dataset {name!r}")
+    return dataset

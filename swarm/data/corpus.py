@@ -24,7 +24,43 @@ def split_score(path: str) -> float:
     return int.from_bytes(hashlib.sha256(path.encode("utf-8")).digest()[:8], "big") / 2**64
 
 
-class ByteDataset:
+class SplitWindows:
+    """What the corpora share: token ids in a ``train`` and a ``validation`` array, and windows of them
+    drawn by seed (:func:`sample_windows`) or spread over the validation split (:func:`spread_windows`)."""
+
+    name: str
+    train: np.ndarray
+    validation: np.ndarray
+
+    def split(self, split: str) -> np.ndarray:
+        """The tokens of ``split`` ("train" or "validation")."""
+        if split == "train":
+            return self.train
+        if split == "validation":
+            return self.validation
+        raise ConfigError(f"unknown split {split!r}; available: {', '.join(SPLITS)}")
+
+    def sample_batch(self, seed: int, batch_size: int, seq_len: int, split: str = "train") -> Batch:
+        """``batch_size`` random windows of ``split``: inputs and targets (inputs shifted by one token).
+
+        The same ``seed`` gives bit-identical tensors on every machine with the same ``fingerprint``;
+        see :func:`swarm.data.seeds.row_offsets` for the recipe.
+        """
+        what = f"the {split} split of dataset '{self.name}'"
+        return sample_windows(self.split(split), seed, batch_size, seq_len, what=what)
+
+    def validation_batches(self, batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
+        """A fixed list of up to ``max_batches`` validation batches, the same on every machine.
+
+        Windows do not overlap and are spread evenly over the whole validation split; the last batch
+        may be smaller when the split holds fewer than ``batch_size * max_batches`` windows.
+        """
+        return spread_windows(
+            self.validation, batch_size, seq_len, max_batches, what=f"dataset '{self.name}'"
+        )
+
+
+class ByteDataset(SplitWindows):
     """Files concatenated as bytes, with a held-out validation split chosen per file.
 
     A file is held out when ``split_score(relative_path) < validation_fraction``, so the split depends
@@ -104,51 +140,6 @@ class ByteDataset:
     def validation_bytes(self) -> int:
         return int(self.validation.size)
 
-    def split(self, split: str) -> np.ndarray:
-        """The bytes of ``split`` ("train" or "validation")."""
-        if split == "train":
-            return self.train
-        if split == "validation":
-            return self.validation
-        raise ConfigError(f"unknown split {split!r}; available: {', '.join(SPLITS)}")
-
-    def sample_batch(self, seed: int, batch_size: int, seq_len: int, split: str = "train") -> Batch:
-        """``batch_size`` random windows of ``split``: inputs and targets (inputs shifted by one byte).
-
-        The same ``seed`` gives bit-identical tensors on every machine with the same ``fingerprint``;
-        see :func:`swarm.data.seeds.row_offsets` for the recipe.
-        """
-        data = self.split(split)
-        _check_shape(batch_size, seq_len)
-        span = data.size - seq_len
-        if span < 1:
-            raise ConfigError(
-                f"seq_len {seq_len} needs at least {seq_len + 1} bytes, but the {split} split of "
-                f"dataset '{self.name}' has {data.size}"
-            )
-        return _windows(data, row_offsets(seed, batch_size, span), seq_len)
-
-    def validation_batches(self, batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
-        """A fixed list of up to ``max_batches`` validation batches, the same on every machine.
-
-        Windows do not overlap and are spread evenly over the whole validation split; the last batch
-        may be smaller when the split holds fewer than ``batch_size * max_batches`` windows.
-        """
-        _check_shape(batch_size, seq_len)
-        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
-            raise ConfigError(f"max_batches must be a positive integer, got {max_batches!r}")
-        data = self.validation
-        available = (data.size - 1) // seq_len
-        if available < 1:
-            raise ConfigError(
-                f"dataset '{self.name}' has {data.size} validation bytes, too few for seq_len {seq_len}; "
-                "raise validation_fraction or add files"
-            )
-        count = min(available, batch_size * max_batches)
-        last_start = data.size - seq_len - 1
-        starts = [i * last_start // (count - 1) for i in range(count)] if count > 1 else [0]
-        return [_windows(data, starts[i : i + batch_size], seq_len) for i in range(0, count, batch_size)]
-
     def __repr__(self) -> str:
         return (
             f"ByteDataset({self.name!r}, files={len(self.train_files)}+{len(self.validation_files)}, "
@@ -174,6 +165,37 @@ def _take(docs: list[tuple[str, bytes]], budget: int | None) -> tuple[list[bytes
         if remaining is not None:
             remaining -= len(content) + len(SEPARATOR)
     return pieces, used
+
+
+def sample_windows(data: np.ndarray, seed: int, batch_size: int, seq_len: int, *, what: str) -> Batch:
+    """``batch_size`` windows of ``data`` starting at :func:`~swarm.data.seeds.row_offsets` of ``seed``:
+    inputs, and targets shifted by one token. ``what`` names the data in errors."""
+    _check_shape(batch_size, seq_len)
+    span = data.size - seq_len
+    if span < 1:
+        raise ConfigError(
+            f"seq_len {seq_len} needs at least {seq_len + 1} tokens, but {what} has {data.size}"
+        )
+    return _windows(data, row_offsets(seed, batch_size, span), seq_len)
+
+
+def spread_windows(
+    data: np.ndarray, batch_size: int, seq_len: int, max_batches: int, *, what: str
+) -> list[Batch]:
+    """Up to ``max_batches`` batches of non-overlapping windows spread evenly over all of ``data``."""
+    _check_shape(batch_size, seq_len)
+    if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
+        raise ConfigError(f"max_batches must be a positive integer, got {max_batches!r}")
+    available = (data.size - 1) // seq_len
+    if available < 1:
+        raise ConfigError(
+            f"{what} has {data.size} validation tokens, too few for seq_len {seq_len}; "
+            "raise validation_fraction or add files"
+        )
+    count = min(available, batch_size * max_batches)
+    last_start = data.size - seq_len - 1
+    starts = [i * last_start // (count - 1) for i in range(count)] if count > 1 else [0]
+    return [_windows(data, starts[i : i + batch_size], seq_len) for i in range(0, count, batch_size)]
 
 
 def _check_shape(batch_size: int, seq_len: int) -> None:

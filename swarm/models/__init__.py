@@ -3,6 +3,8 @@
 - (the generic name -> config + factory registry lives in :mod:`swarm.registry`, shared with :mod:`swarm.data`)
 - builder.py: the model registry: ``register_model``, ``build_model``, ``available_models``, ``model_config``
 - gpt.py: ``gpt``, the built-in byte-level GPT (``embed`` -> ``blocks`` -> ``head``)
+- hf.py: ``hf-causal-lm``, any ``transformers`` causal LM built from a config (the ``[hf]`` extra, imported
+  when built)
 - checkpointing.py: activation checkpointing of the blocks a model declares (``activation_blocks()``)
 
 Example::
@@ -21,7 +23,8 @@ The entry point is either a factory decorated with :func:`register_model` (impor
 or a zero-argument function that calls :func:`register_model` when invoked. Entry points are loaded
 lazily, the first time a name is not found among the built-ins or :func:`available_models` is called;
 a broken one is logged and skipped, and naming it gives a ConfigError with the cause. Every peer of a
-run must have the same package installed: only the name and config travel.
+run must have the same package installed: only the name and config travel. The config must have
+``seq_len`` and the model ``loss(inputs, targets)`` (:mod:`swarm.contract`, checked by :func:`build_model`).
 
 A model that defines ``activation_blocks() -> list[nn.Module]`` (its repeated blocks, each called with
 the hidden state) can be trained with activation checkpointing (``swarm-peer join
@@ -42,12 +45,15 @@ from swarm.models.checkpointing import (
     supports_activation_checkpointing,
 )
 from swarm.models.gpt import GPT, VOCAB_SIZE, GPTConfig
+from swarm.models.hf import HFCausalLM, HFCausalLMConfig
 
 __all__ = [
     "GPT",
     "MODELS",
     "VOCAB_SIZE",
     "GPTConfig",
+    "HFCausalLM",
+    "HFCausalLMConfig",
     "ModelFactory",
     "activation_blocks",
     "available_models",

@@ -9,6 +9,7 @@ import torch
 from pydantic import BaseModel
 
 from protocols.errors import ConfigError
+from swarm.contract import check_model, check_model_config
 from swarm.registry import Registry
 
 #: A factory gets its validated config and a seeded generator, and must draw every random initial value
@@ -51,7 +52,8 @@ def build_model(
 ) -> torch.nn.Module:
     """Build architecture ``name`` from ``config``; with a ``seed`` the weights are bit-identical everywhere.
 
-    The global torch RNG is neither read nor advanced.
+    The global torch RNG is neither read nor advanced. The config and the model are checked against
+    :mod:`swarm.contract` (``seq_len``; ``loss(inputs, targets)``): a ConfigError names what is missing.
 
     Example::
 
@@ -59,6 +61,7 @@ def build_model(
         logits = model(torch.zeros(1, 8, dtype=torch.long))
     """
     typed = MODELS.validate(name, config)
+    check_model_config(typed, f"model {name!r}")
     generator = torch.Generator()
     if seed is None:
         generator.seed()
@@ -66,4 +69,6 @@ def build_model(
         raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     else:
         generator.manual_seed(seed)
-    return MODELS.get(name).factory(typed, generator)
+    model = MODELS.get(name).factory(typed, generator)
+    check_model(model, f"model {name!r}")
+    return model
