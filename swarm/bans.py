@@ -118,7 +118,7 @@ def assemble_ban_list(
     the coordinator is ignored with a log line."""
     versions: dict[tuple[float, bytes, int], dict[int, list[str]]] = {}
     for record in records:
-        body = _open_page(record, run_id, coordinator_key)
+        body = open_ban_page(record, run_id, coordinator_key)
         if body is not None and body.page < body.pages:
             versions.setdefault((body.changed_at, body.list_sha256, body.pages), {})[body.page] = body.banned
     for (changed_at, digest, pages), found in sorted(versions.items(), key=lambda item: -item[0][0]):
@@ -176,7 +176,7 @@ class BanPageValidator(RecordValidatorBase):
         return True
 
 
-def _open_page(record: object, run_id: str, coordinator_key: PublicKey) -> BanListBody | None:
+def open_ban_page(record: object, run_id: str, coordinator_key: PublicKey) -> BanListBody | None:
     try:
         if not isinstance(record, bytes):
             raise ProtocolError("the value is not a signed record")
@@ -195,7 +195,7 @@ async def fetch_ban_list(
 
     Callers keep the newest list they have seen: an older signed list stored again later is stale."""
     first = await dht.get(ban_list_key(run_id), latest=True, return_future=True)
-    head = None if first is None else _open_page(first.value, run_id, coordinator_key)
+    head = None if first is None else open_ban_page(first.value, run_id, coordinator_key)
     if head is None:
         return None
     cache_key = (run_id, coordinator_key.raw)

@@ -10,19 +10,84 @@ of no more bytes than the bounds leave, so an honest peer that re-announces keep
 the node is; what fills a node empties when it expires (every key's records are bounded in lifetime by
 ``swarm.keyspace.RunValidator``).
 
+A node also reads the run's ban list: every ban list page signed by the coordinator that passes through
+it (stored here, or found by this node's own reads) updates ``NODE_BANS``, and every storage of the
+process drops the entries of newly banned peers and refuses their new ones, so a banned identity's
+records give way to honest ones at once instead of when they expire.
+
 ``swarm.dht`` installs it in every DHT child it starts (hivemind builds its storage itself and takes no
 storage argument).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 from hivemind.dht.routing import DHTID, BinaryDHTValue, Subkey
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
-from hivemind.utils import DHTExpiration, get_dht_time
+from hivemind.p2p import PeerID
+from hivemind.utils import DHTExpiration, MSGPackSerializer, get_dht_time
+
+
+class NodeBans:
+    """The peers this process's DHT node refuses and drops records of: those on the newest ban list the
+    coordinator signed, as far as its pages have passed through this node (an unban is a newer list
+    without the peer). While the newest list is incomplete here, the peers of the newest complete one
+    stay banned too. A record's subkey is its signer (a per-peer record's: the peer ID as text; a
+    matchmaking declaration's: the peer ID's bytes), both as their msgpack bytes, as storage holds them."""
+
+    def __init__(self) -> None:
+        self.subkeys: dict[bytes, str] = {}
+        self.storages: weakref.WeakSet[BoundedStorage] = weakref.WeakSet()
+        self._lists: dict[tuple[float, bytes, int], dict[int, list[str]]] = {}
+
+    def add_page(self, changed_at: float, digest: bytes, pages: int, page: int, banned: list[str]) -> int:
+        """Take page ``page`` of the list that changed at ``changed_at``; every storage drops the entries of
+        peers it newly bans. Returns how many peers are banned here now."""
+        version = (changed_at, digest, pages)
+        newest = max(self._lists, default=None)
+        if newest is not None and version < newest and version not in self._lists and self._complete(newest):
+            return len(set(self.subkeys.values()))  # an old list's page: nothing to learn
+        self._lists.setdefault(version, {})[page] = list(banned)
+        ordered = sorted(self._lists, reverse=True)
+        complete = next((v for v in ordered if self._complete(v)), None)
+        keep = {ordered[0]} | ({complete} if complete is not None else set())
+        self._lists = {v: self._lists[v] for v in keep}
+        peers = {peer for v in keep for peer in _peers(self._lists[v])}
+        if complete is not None and complete == ordered[0]:
+            peers = set(_peers(self._lists[complete]))
+        subkeys = {subkey: peer for peer in peers for subkey in _subkeys_of(peer)}
+        new = set(subkeys) - set(self.subkeys)
+        self.subkeys = subkeys
+        if new:
+            for storage in list(self.storages):
+                storage.drop_signers(new)
+        return len(peers)
+
+    def _complete(self, version: tuple[float, bytes, int]) -> bool:
+        return len(self._lists.get(version, {})) == version[2]
+
+    def __contains__(self, subkey: object) -> bool:
+        return isinstance(subkey, bytes) and subkey in self.subkeys
+
+
+def _peers(pages: dict[int, list[str]]) -> list[str]:
+    return [peer for page in sorted(pages) for peer in pages[page]]
+
+
+def _subkeys_of(peer_id: str) -> list[bytes]:
+    forms = [MSGPackSerializer.dumps(peer_id)]
+    with contextlib.suppress(Exception):  # not a base58 peer ID: only its text form can be a subkey
+        forms.append(MSGPackSerializer.dumps(PeerID.from_base58(peer_id).to_bytes()))
+    return forms
+
+
+#: The ban list as this process's DHT node has read it (one node per process: the DHT's child).
+NODE_BANS = NodeBans()
 
 
 @dataclass(frozen=True)
@@ -49,6 +114,8 @@ class BoundedStorage(DHTLocalStorage):
         self._bytes = 0
         self._per_key: Counter[DHTID] = Counter()
         self._per_subkey: Counter[Subkey] = Counter()
+        self.dropped_banned = 0
+        NODE_BANS.storages.add(self)
 
     def store(
         self, key: DHTID, value: BinaryDHTValue, expiration_time: DHTExpiration, subkey: Subkey | None = None
@@ -89,6 +156,8 @@ class BoundedStorage(DHTLocalStorage):
         return len(self._held)
 
     def _admit(self, key: DHTID, subkey: Subkey | None, nbytes: int) -> bool:
+        if subkey is not None and subkey in NODE_BANS:
+            return False
         self._forget_expired()
         limits = self.limits
         held = self._held.get((key, subkey))
@@ -129,6 +198,17 @@ class BoundedStorage(DHTLocalStorage):
             self._per_subkey[signer] -= held[0]
             if self._per_subkey[signer] <= 0:
                 del self._per_subkey[signer]
+
+    def drop_signers(self, subkeys: set[bytes]) -> None:
+        """Drop every entry whose subkey (its signer) is in ``subkeys``: they were just banned."""
+        for key, subkey in [held for held in self._held if held[1] in subkeys]:
+            found = self.get(key)
+            if found is not None and isinstance(found.value, DictionaryDHTValue):
+                del found.value[subkey]
+                if not found.value.data:  # an empty dictionary is refused by readers: hold none
+                    del self[key]
+            self._release(key, subkey)
+            self.dropped_banned += 1
 
     def _forget_expired(self) -> None:
         now = get_dht_time()

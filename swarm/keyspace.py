@@ -12,6 +12,9 @@ their names; it can tell them by their hashes. ``run_keys`` lists every key of a
 
 ``RunValidator`` routes each of these keys to its check and refuses every other key, so a stranger can
 store nothing that is not a valid record of the run. Every DHT a peer or the coordinator starts runs it.
+It also reads the ban list: a page signed by the run's coordinator that it accepts updates the node's
+``swarm.dhtstorage.NODE_BANS``, and it refuses every entry a peer on the newest list signs (a node that
+knows no coordinator key learns nothing from pages, which anyone could sign).
 
 Example::
 
@@ -30,7 +33,8 @@ from hivemind.utils import MSGPackSerializer
 from protocols.keys import PublicKey
 from protocols.messages import MAX_BAN_PAGES
 from swarm.averaging.declarations import MAX_DECLARATION_BYTES, matchmaking_key, open_declaration
-from swarm.bans import BanPageValidator, ban_list_key
+from swarm.bans import BanPageValidator, ban_list_key, open_ban_page
+from swarm.dhtstorage import NODE_BANS
 from swarm.records import VALIDATED_KINDS, TrustValidator, record_key
 
 logger = logging.getLogger(__name__)
@@ -91,14 +95,33 @@ class RunValidator(RecordValidatorBase):
         if rule is None:
             logger.debug(f"refusing a record under a key run {self.run_id!r} does not use")
             return False
+        if record.subkey in NODE_BANS:
+            logger.debug(f"refusing a record signed by banned peer {NODE_BANS.subkeys[record.subkey]}")
+            return False
         if rule.check == "record":
-            return self.records.check(record, str(rule.arg), rule.scope)
+            valid = self.records.check(record, str(rule.arg), rule.scope)
+            if valid and rule.arg == "bans" and rule.scope == self.run_id:
+                self._learn_bans(record)
+            return valid
         if rule.check == "ban_page":
-            return self.ban_pages.check(record, int(rule.arg))
+            valid = self.ban_pages.check(record, int(rule.arg))
+            if valid:
+                self._learn_bans(record)
+            return valid
         raw = self.records.coordinator_raw
         return _check_declaration(
             record, rule.scope, self.run_id, PublicKey(raw) if raw is not None else None
         )
+
+    def _learn_bans(self, record: DHTRecord) -> None:
+        """Add the peers of a ban list page this validator accepted to the node's bans (only when the page's
+        signature was checked against the coordinator's key)."""
+        raw = self.records.coordinator_raw
+        if raw is None:
+            return
+        body = open_ban_page(MSGPackSerializer.loads(record.value), self.run_id, PublicKey(raw))
+        if body is not None and body.page < body.pages:
+            NODE_BANS.add_page(body.changed_at, body.list_sha256, body.pages, body.page, body.banned)
 
 
 def _check_declaration(

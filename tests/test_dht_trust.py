@@ -348,3 +348,67 @@ def test_bounded_storage_refuses_past_its_limits_and_keeps_what_it_holds(monkeyp
     time.sleep(0.3)
     entries = storage.held_entries
     assert storage.held_bytes == 100 + 1000 + 300 + 1400 and entries == 6
+
+
+@pytest.mark.timeout(30)
+def test_a_node_reads_the_ban_list_drops_a_banned_peers_entries_refuses_new_ones_and_follows_an_unban():
+    """Ban pages signed by the coordinator that pass through a node make its storage give way: a banned
+    identity's records are dropped at once (not when they expire) and refused after; a newer list without
+    the peer lifts it; pages signed by anyone else teach the node nothing."""
+    from swarm.bans import ban_list_pages
+    from swarm.dhtstorage import NODE_BANS
+
+    coordinator, banned, honest = SigningKey.generate(), SigningKey.generate(), SigningKey.generate()
+    NODE_BANS.__init__()  # a fresh node: this process may have read other tests' lists
+    validator = RunValidator(RUN, coordinator.public_key)
+    storage = BoundedStorage()
+    now = get_dht_time()
+    key = record_key(RUN, "progress")
+
+    issued = iter(range(1, 1000))
+
+    def progress(peer: SigningKey) -> DHTRecord:  # each one newer than the last, as a republished record is
+        expires_at = now + 60 + next(issued)
+        body = {"step": 1, "samples": 1, "samples_per_s": 1.0, "state_hash": "0" * 64}
+        sealed = seal_peer_record(
+            peer, "progress", RUN, body, _certificate(coordinator, peer), expires_at=expires_at
+        )
+        return _record(key, sealed, expires_at, peer.peer_id)
+
+    def stored(record: DHTRecord) -> bool:
+        return validator.validate(record) and storage.store_subkey(
+            DHTID.from_bytes(record.key), record.subkey, record.value, record.expiration_time
+        )
+
+    def held() -> set[bytes]:
+        found = storage.get(DHTID.from_bytes(progress(honest).key))
+        return set(found.value.data) if found is not None else set()
+
+    def ban_pages(signer: SigningKey, peers: list[str], changed_at: float) -> list[DHTRecord]:
+        pages = ban_list_pages(signer, RUN, peers, changed_at=changed_at, expires_at=now + 600)
+        keys = [record_key(RUN, "bans")] + [ban_list_key(RUN, k) for k in range(1, len(pages))]
+        return [_record(k, page, now + 600) for k, page in zip(keys, pages, strict=True)]
+
+    try:
+        assert stored(progress(honest)) and stored(progress(banned))
+        assert held() == {MSGPackSerializer.dumps(honest.peer_id), MSGPackSerializer.dumps(banned.peer_id)}
+
+        forged = ban_pages(SigningKey.generate(), [honest.peer_id], changed_at=now)
+        assert not any(validator.validate(page) for page in forged), "a page not signed by the coordinator"
+        assert len(held()) == 2 and stored(progress(honest)), "a forged list banned nobody"
+
+        for page in ban_pages(coordinator, [banned.peer_id], changed_at=now):
+            assert validator.validate(page)
+        assert held() == {MSGPackSerializer.dumps(honest.peer_id)}, "the banned peer's entry was dropped"
+        assert storage.dropped_banned == 1
+        assert not stored(progress(banned)), "and its new records are refused"
+        assert stored(progress(honest)), "an honest peer's records still pass"
+
+        for page in ban_pages(coordinator, [], changed_at=now + 1):  # swarm-coordinator unban
+            assert validator.validate(page)
+        assert stored(progress(banned)), "a newer list without the peer lifts the ban"
+        for page in ban_pages(coordinator, [banned.peer_id], changed_at=now):
+            validator.validate(page)
+        assert stored(progress(banned)), "a page of an older list does not bring the ban back"
+    finally:
+        NODE_BANS.__init__()
