@@ -100,6 +100,7 @@ def start_dht(
     initial_peers: list[str],
     upnp: bool = False,
     startup_timeout_s: float = 30.0,
+    ready_timeout_s: float = 180.0,
     validators: Sequence[RecordValidatorBase] = (),
     client_mode: bool = False,
 ) -> hivemind.DHT:
@@ -109,12 +110,14 @@ def start_dht(
     for the run, so the node refuses every key the run does not use, and unsigned records and far-future
     values under the keys it does.
     ``client_mode``: this machine cannot be dialed (behind NAT), so it stores nothing for others and
-    only asks; others do not list it in their routing tables (hivemind's DHT client mode)."""
+    only asks; others do not list it in their routing tables (hivemind's DHT client mode).
+    ``startup_timeout_s`` bounds the p2p daemon's start inside the node's process; ``ready_timeout_s`` the
+    whole start, process included, which says every ``DHT_PROGRESS_EVERY_S`` what it is waiting for."""
     dht = _spawn_dht(
         identity_path, host, port, initial_peers=initial_peers, record_validators=list(validators),
         client_mode=client_mode, nat_port_map=upnp, startup_timeout=startup_timeout_s,
     )  # fmt: skip
-    return _await_dht(dht, key, f"{host}:{port}", timeout_s=2 * startup_timeout_s)
+    return _await_dht(dht, key, f"{host}:{port}", timeout_s=max(ready_timeout_s, startup_timeout_s))
 
 
 def refuse_port_in_use(host: str, port: int) -> None:
@@ -162,17 +165,43 @@ def _spawn_dht(
     return dht
 
 
+# How often a slow DHT start says what it waits for: its process imports torch and hivemind and starts
+# the p2p daemon, which takes seconds on a quiet machine and can take minutes on a loaded one.
+DHT_PROGRESS_EVERY_S = 20.0
+
+
 def _await_dht(dht: SpawnedDHT, key: SigningKey, where: str, *, timeout_s: float) -> hivemind.DHT:
-    try:
-        dht.wait_until_ready(timeout_s)
-    except Exception as e:  # hivemind raises bare P2P/daemon errors with no common base
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while True:
+        try:
+            dht.wait_until_ready(max(0.0, min(DHT_PROGRESS_EVERY_S, deadline - time.monotonic())))
+            break
+        except TimeoutError:
+            waited = time.monotonic() - started
+            if time.monotonic() < deadline and dht.is_alive():
+                logger.info(
+                    f"still waiting for the DHT node on {where} to start ({waited:.0f}s of at most "
+                    f"{timeout_s:.0f}s; load average {_load()}): its process imports torch and hivemind"
+                )
+                continue
+            error: BaseException = TimeoutError(f"not ready after {waited:.0f}s")
+        except Exception as e:  # hivemind raises bare P2P/daemon errors with no common base
+            error = e
         if dht.is_alive():
             dht.terminate()
-        raise NetworkError(f"could not start the DHT on {where}: {e!r}") from None
+        raise NetworkError(f"could not start the DHT on {where}: {error!r}") from None
     if dht.peer_id.to_base58() != key.peer_id:
         dht.shutdown()
         raise ConfigError(f"the DHT came up as {dht.peer_id}, not as identity {key.peer_id}")
     return dht
+
+
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "unknown"
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -68,3 +68,21 @@ def test_a_wrong_option_is_a_config_error_naming_it(tmp_path: Path):
 
 def swarm_api_connect(address: str, tmp_path: Path, name: str, **extra):
     return swarm_api.connect(address, **_options(tmp_path, name), **extra)
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_dht_start_says_what_it_waits_for_and_comes_up(tmp_path: Path, monkeypatch, caplog):
+    # On a loaded machine the DHT's process takes minutes to import torch and hivemind: the start waits
+    # (up to ready_timeout_s), saying so, instead of failing after a fixed minute.
+    import swarm.dht as dht_module
+    from swarm.identity import create_identity
+
+    monkeypatch.setattr(dht_module, "DHT_PROGRESS_EVERY_S", 0.05)
+    key = create_identity(tmp_path / "slow.key")
+    with caplog.at_level("INFO", logger="swarm.dht"):
+        dht = dht_module.start_dht(key, tmp_path / "slow.key", host="127.0.0.1", port=0, initial_peers=[])
+    try:
+        assert dht.peer_id.to_base58() == key.peer_id
+        assert "still waiting for the DHT node on 127.0.0.1:0 to start" in caplog.text
+    finally:
+        dht.shutdown()
