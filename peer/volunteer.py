@@ -44,7 +44,7 @@ from protocols.errors import (
 )
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import MAX_SUSPECT_REPORTS
-from swarm.byzantine.attacks import make_attack
+from swarm.byzantine.attacks import Attack, make_attack
 from swarm.components import check_components
 from swarm.config import RunConfig
 from swarm.coordinator_client import Admission, CoordinatorClient, HeartbeatAnswer
@@ -320,7 +320,8 @@ class Volunteer:
 
         return accuse
 
-    def _rehearsed_attack(self):
+    def _rehearsed_attack(self) -> Attack | None:
+        """The attack this peer plays (``--rehearse-attack``), passed as its trainer's or worker's hooks."""
         config = self.config
         if config.rehearse_attack is None:
             return None
@@ -405,7 +406,7 @@ class Volunteer:
         if role == "trainer":
             return await asyncio.to_thread(
                 PipelineTrainer, run, self._dht, peer_id=self.key.peer_id, record_signer=self.records,
-                coordinator_key=self.coordinator_key, attack=self._rehearsed_attack(), accuse=self._accuser(client),
+                coordinator_key=self.coordinator_key, hooks=self._rehearsed_attack(), accuse=self._accuser(client),
             )  # fmt: skip
         last = run.pipeline.stages - 1
         if self.config.stage is not None and self.config.stage > last:
@@ -415,7 +416,7 @@ class Volunteer:
             run, self._dht, peer_id=self.key.peer_id, stage=self.config.stage, device=device,
             coordinator_key=self.coordinator_key, memory_bytes=memory, signing_key=self.key,
             upload_limiter=self.upload_limiter, accuse=self._accuser(client), record_signer=self.records,
-            attack=self._rehearsed_attack(),
+            hooks=self._rehearsed_attack(),
         )  # fmt: skip
 
     async def _leave(self, client: CoordinatorClient) -> None:
@@ -471,7 +472,7 @@ class Volunteer:
                         coordinator_key=self.coordinator_key, signing_key=self.key, data_host=config.host,
                         data_port=config.data_port, data_announce_host=config.public_host,
                         upload_limiter=self.upload_limiter, accuse=self._accuser(client),
-                        attack=self._rehearsed_attack(), record_signer=self.records,
+                        hooks=self._rehearsed_attack(), record_signer=self.records,
                         activation_checkpointing=config.activation_checkpointing,
                         fit_memory=config.max_gpu_memory is not None, client_mode=not self.dialable,
                         coordinator_checkpoint=admission.holds_checkpoint,

@@ -12,7 +12,7 @@ from lab.localswarm import tiny_run
 from protocols.errors import ConfigError
 from swarm.byzantine import attack_names, attack_options, make_attack
 from swarm.byzantine.attacks import alie_z
-from swarm.training.colluders import honest_gradients
+from swarm.byzantine.colluders import exact_gradients, honest_gradients
 from swarm.training.progress import PeerProgress
 from swarm.training.state import flat_mean_gradient
 from swarm.training.trainer import Trainer
@@ -202,7 +202,7 @@ def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_se
         # The trainer's hook: its own honest gradient, then each peer its verified view shows at this step.
         other = honest[1]
         honest[0].view = {other.peer_id: PeerProgress(other.peer_id, 0, other.samples, 1.0, "h", 0.0)}
-        seen = honest[0]._exact_gradients(sent[honest[0].peer_id])
+        seen = exact_gradients(honest[0], sent[honest[0].peer_id])
         assert torch.equal(seen, torch.stack([sent[honest[0].peer_id], sent[other.peer_id]]))
         attack = make_attack("omniscient_alie", group_size=5, attackers=2)
         assert attack.omniscient and not make_attack("alie", group_size=5, attackers=2).omniscient
