@@ -2,8 +2,9 @@
 
 A round calls its hooks where this member acts as reducer, validator and group leader; the default does
 what an honest peer does (returns its input, or declines to act), so the library calls it
-unconditionally. Its three flags are read instead where acting costs an honest peer work it would
-otherwise skip (decoding its own aggregate) or where the honest path simply goes on:
+unconditionally. Three typed flags stand where there is nothing to call on the honest path:
+``rewrites_aggregates`` spares an honest reducer decoding its own aggregate for ``aggregate``, and the
+other two are things an honest member simply never does (return nothing, show nothing):
 
 - ``aggregate(round, part, chunk, honest) -> Tensor``: what this reducer returns for a chunk, given the
   honest aggregate; called only when ``rewrites_aggregates`` is set;

@@ -1,8 +1,8 @@
 """``RunMatchmaking``: hivemind's matchmaking held to the peer's ``PeerPolicy``, declaring with signed,
 certified declarations (``declarations``) under one fixed key per averaging prefix.
 
-``Averager`` builds it. As leader it tells its followers the group its ``RoundHooks.announce_group`` returns:
-the group it assembled, but in a rehearsed attack on the group (``swarm.byzantine.group_attacks``).
+``Averager`` builds it. As leader it tells its followers the group that ``RoundHooks.announce_group``
+returns: the group it assembled, but in a rehearsed attack on the group (``swarm.byzantine.group_attacks``).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class Attack(TrainingHooks, RoundHooks, PipelineHooks):
         return honest
 
     def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
-        """What this reducer returns for an aggregate (read only by attacks that set ``rewrites_aggregates``)."""
+        """What this peer returns as reducer; ``aggregate`` asks only when ``rewrites_aggregates`` is set."""
         return aggregate
 
     @property
