@@ -26,7 +26,7 @@ from peer.device import describe_device, resolve_device
 from peer.limits import apply_gpu_memory_limit, upload_limiter
 from peer.panel import Panel
 from protocols.errors import Banned, ConfigError, NetworkError
-from swarm.byzantine.attacks import make_attack
+from swarm.byzantine.attacks import Attack, make_attack
 from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
 from swarm.data import derive_seed
@@ -124,7 +124,8 @@ class Volunteer:
 
         return accuse
 
-    def _rehearsed_attack(self):
+    def _rehearsed_attack(self) -> Attack | None:
+        """The attack this peer plays (``--rehearse-attack``), passed as its trainer's or worker's hooks."""
         config = self.config
         if config.rehearse_attack is None:
             return None
@@ -202,7 +203,7 @@ class Volunteer:
         if role == "trainer":
             return await asyncio.to_thread(
                 PipelineTrainer, run, session.dht, peer_id=self.key.peer_id, record_signer=session.records,
-                coordinator_key=session.coordinator_key, attack=self._rehearsed_attack(), accuse=self._accuser(client),
+                coordinator_key=session.coordinator_key, hooks=self._rehearsed_attack(), accuse=self._accuser(client),
             )  # fmt: skip
         last = run.pipeline.stages - 1
         if self.config.stage is not None and self.config.stage > last:
@@ -212,7 +213,7 @@ class Volunteer:
             run, session.dht, peer_id=self.key.peer_id, stage=self.config.stage, device=device,
             coordinator_key=session.coordinator_key, memory_bytes=memory, signing_key=self.key,
             upload_limiter=self.upload_limiter, accuse=self._accuser(client), record_signer=session.records,
-            attack=self._rehearsed_attack(),
+            hooks=self._rehearsed_attack(),
         )  # fmt: skip
 
     async def _data_role(self, device: str, client: CoordinatorClient) -> Trainer:
@@ -222,7 +223,7 @@ class Volunteer:
             coordinator_key=session.coordinator_key, signing_key=self.key, data_host=config.host,
             data_port=config.data_port, data_announce_host=config.public_host,
             upload_limiter=self.upload_limiter, accuse=self._accuser(client),
-            attack=self._rehearsed_attack(), record_signer=session.records,
+            hooks=self._rehearsed_attack(), record_signer=session.records,
             activation_checkpointing=config.activation_checkpointing,
             fit_memory=config.max_gpu_memory is not None, client_mode=not session.dialable,
             coordinator_checkpoint=session.admission.holds_checkpoint,

@@ -26,7 +26,8 @@
 - ``training``: one peer's training loop, the shared state, checkpoints (``load_model`` reads one into
   its model) and catching up
 - ``pipeline``: SWARM pipeline parallelism: stage servers, stage workers and pipeline trainers
-- ``byzantine``: named attacks for rehearsal (``swarm-sim --byzantine K --attack NAME``)
+- ``byzantine``: named attacks for rehearsal (``swarm-sim --byzantine K --attack NAME``), plugged in through
+  the hooks of ``training``, ``averaging`` and ``pipeline``; no other module of ``swarm`` imports it
 - ``rpc``: how errors cross the gRPC boundary
 - ``inbound``: ``BoundedServicer``, the size, stream and admission bounds of every libp2p handler
 - ``ratelimit``: ``RateLimiter``, the token bucket behind a peer's ``--max-upload-mbps``

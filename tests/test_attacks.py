@@ -10,9 +10,13 @@ from helpers import KEYS, start_dhts
 
 from lab.localswarm import tiny_run
 from protocols.errors import ConfigError
+from swarm.averaging.hooks import RoundHooks
 from swarm.byzantine import attack_names, attack_options, make_attack
 from swarm.byzantine.attacks import alie_z
-from swarm.training.colluders import honest_gradients
+from swarm.byzantine.colluders import exact_gradients, honest_gradients
+from swarm.pipeline.hooks import PipelineHooks
+from swarm.training.diloco import DilocoTrainer
+from swarm.training.hooks import TrainingHooks
 from swarm.training.progress import PeerProgress
 from swarm.training.state import flat_mean_gradient
 from swarm.training.trainer import Trainer
@@ -202,7 +206,7 @@ def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_se
         # The trainer's hook: its own honest gradient, then each peer its verified view shows at this step.
         other = honest[1]
         honest[0].view = {other.peer_id: PeerProgress(other.peer_id, 0, other.samples, 1.0, "h", 0.0)}
-        seen = honest[0]._exact_gradients(sent[honest[0].peer_id])
+        seen = exact_gradients(honest[0], sent[honest[0].peer_id])
         assert torch.equal(seen, torch.stack([sent[honest[0].peer_id], sent[other.peer_id]]))
         attack = make_attack("omniscient_alie", group_size=5, attackers=2)
         assert attack.omniscient and not make_attack("alie", group_size=5, attackers=2).omniscient
@@ -212,3 +216,33 @@ def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_se
     finally:
         for d in dhts:
             d.shutdown()
+
+
+def test_every_attack_is_the_librarys_three_hooks_and_turns_on_only_its_own_flags():
+    """An attack plugs in as a peer's TrainingHooks, RoundHooks and PipelineHooks at once (its round hooks
+    are itself). The library skips a hook whose flag is off, so an attack that lies there without its flag
+    would silently be honest: each flag is on for exactly the attacks that need it."""
+    attacks = {name: make_attack(name, group_size=4, attackers=1) for name in attack_names()}
+    for name, attack in attacks.items():
+        assert isinstance(attack, TrainingHooks) and isinstance(attack, RoundHooks), name
+        assert isinstance(attack, PipelineHooks) and attack.round_hooks is attack, name
+
+    def flagged(flag: str) -> set[str]:
+        return {name for name, attack in attacks.items() if getattr(attack, flag)}
+
+    assert flagged("rewrites_aggregates") == {"bad_reducer", "draw_aware_reducer", "refusing_reducer"}
+    assert flagged("withholds_aggregates") == {"withholder"}
+    assert flagged("refuses_inputs") == {"refusing_reducer"}
+    assert flagged("hears_microbatches") == {"forged_retried"}
+    assert flagged("front_runs") == {"front_runner"}
+    honest, gradient = TrainingHooks(), _gradient(0)
+    assert honest.contribute(None, gradient) is gradient and honest.weight(16.0) == 16.0
+    assert not honest.omniscient and honest.round_hooks.frame(object(), None) is None
+
+
+def test_diloco_refuses_an_omniscient_attack_and_names_it():
+    """A pseudo-gradient depends on each peer's inner optimizer state, which no public seed reveals."""
+    run = tiny_run("diloco", sync="diloco", inner_steps=2)
+    attack = make_attack("omniscient_alie", group_size=5, attackers=2)
+    with pytest.raises(ConfigError, match="'omniscient_alie' is rehearsed with sync 'every_step' only"):
+        DilocoTrainer(run, None, peer_id="peer", hooks=attack)

@@ -345,7 +345,7 @@ def test_a_bad_reducer_is_proven_wrong_under_compression(keyed_dhts, compression
         keyed_dhts, f"bad-reducer-{compression}", aggregator="centered_clip", compression=compression,
         sender_timeout_s=2.0, verify_probability=1.0, accuse=accuse,
     )  # fmt: skip
-    group[2].attack = attack
+    group[2].hooks = attack
     attacker = group[2].dht.peer_id.to_base58()
 
     async def scenario():

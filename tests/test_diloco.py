@@ -37,7 +37,7 @@ def peers_for(run, dhts, attack_at: int | None = None, attack=None) -> list[Dilo
             d,
             peer_id=d.peer_id.to_base58(),
             signing_key=KEYS[d.peer_id.to_base58()],
-            attack=attack if i == attack_at else None,
+            hooks=attack if i == attack_at else None,
         )  # fmt: skip
         for i, d in enumerate(dhts)
     ]

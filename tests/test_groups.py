@@ -16,7 +16,7 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody, GroupRefused, check_group, make_entry
 from swarm.averaging.policy import PeerPolicy
 from swarm.byzantine.attacks import make_attack
-from swarm.byzantine.group_attacks import _with_commitment, attacking_averager
+from swarm.byzantine.group_attacks import _with_commitment
 from swarm.training.diloco import outer_step_misfit
 
 pytestmark = pytest.mark.timeout(180)
@@ -157,11 +157,11 @@ def peers(keyed_dhts):
     return keyed_dhts
 
 
-def build(dht, key, allowed, averager_type=Averager) -> Averager:
-    return averager_type(
+def build(dht, key, allowed, hooks=None) -> Averager:
+    return Averager(
         dht, prefix=PREFIX, numel=NUMEL, signing_key=key, matchmaking_time_s=1.0, data_plane=False,
         aggregator="centered_clip", sender_timeout_s=2.0, averaging_timeout_s=10.0,
-        policy=PeerPolicy(dht, PREFIX, allowed=allowed),
+        policy=PeerPolicy(dht, PREFIX, allowed=allowed), hooks=hooks,
     )  # fmt: skip
 
 
@@ -194,7 +194,7 @@ def test_a_malicious_leader_is_left_and_the_honest_peers_average_without_it(peer
     allowed = {k.peer_id for _, k in peers}
     (d0, k0), (d1, k1), (d2, k2) = peers
     honest = [build(d0, k0, allowed), build(d1, k1, allowed)]
-    attacker = build(d2, k2, allowed, attacking_averager(make_attack(attack, group_size=3, attackers=1)))
+    attacker = build(d2, k2, allowed, hooks=make_attack(attack, group_size=3, attackers=1))
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(NUMEL, generator=generator) for _ in range(2)]
     with caplog.at_level(logging.WARNING):

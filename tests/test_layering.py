@@ -3,7 +3,8 @@
 The layers are ``protocols`` <- ``swarm`` <- ``peer``, ``coordinator`` <- ``lab`` (docs/architecture.md):
 protocols imports nothing of ours, swarm imports neither application, the two applications do not import
 each other (the coordinator never runs a volunteer, and a volunteer reaches the coordinator only over
-gRPC), and no package imports the lab that rehearses them.
+gRPC), and no package imports the lab that rehearses them. Inside ``swarm``, no module imports the
+rehearsal attacks (``swarm.byzantine``): they plug in through the library's hooks, from ``peer`` and ``lab``.
 
 Imports are read with ``ast``, so a module is never executed. Module-level and function-level imports
 both count: a lazy import is still a dependency. Imports under ``if TYPE_CHECKING:`` are left out, as
@@ -31,6 +32,9 @@ ALLOWED = {
     # The lab composes both applications into whole runs on one machine; nothing imports it.
     "lab": {"protocols", "swarm", "peer", "coordinator"},
 }
+
+# Rehearsal attacks: only the applications and the lab build them; the library calls them through its hooks.
+REHEARSAL = "swarm.byzantine"
 
 Edge = tuple[str, str, int]  # importer, imported, line
 
@@ -123,6 +127,20 @@ def layering_violations(graph: dict[str, list[Edge]]) -> list[str]:
     return problems
 
 
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def rehearsal_imports(graph: dict[str, list[Edge]]) -> list[str]:
+    """Library modules (``swarm`` outside ``swarm.byzantine``) that import the rehearsal attacks."""
+    return [
+        f"{importer} (line {line}) imports {imported}: the library reaches attacks only through its hooks"
+        for edges in graph.values()
+        for importer, imported, line in edges
+        if _within(imported, REHEARSAL) and _within(importer, "swarm") and not _within(importer, REHEARSAL)
+    ]
+
+
 def import_cycles(graph: dict[str, list[Edge]]) -> list[list[str]]:
     """One cycle, in import order, for every strongly connected group of modules (Tarjan's algorithm)."""
     successors = {name: sorted({b for _, b, _ in edges}) for name, edges in graph.items()}
@@ -207,6 +225,12 @@ def test_layers_point_one_way() -> None:
     assert layering_violations(graph) == []
 
 
+def test_the_library_never_imports_the_rehearsal_attacks() -> None:
+    graph, _ = import_graph(ROOT)
+    assert any(_within(imported, REHEARSAL) for edges in graph.values() for _, imported, _ in edges)
+    assert rehearsal_imports(graph) == []
+
+
 def test_no_import_cycle_among_the_projects_modules() -> None:
     graph, _ = import_graph(ROOT)
     cycles = [" -> ".join(cycle) for cycle in import_cycles(graph)]
@@ -264,6 +288,31 @@ def test_an_import_against_the_layers_is_named(
     graph, _ = import_graph(root)
     [problem] = layering_violations(graph)
     assert problem.startswith(named)
+
+
+def test_a_library_import_of_the_rehearsal_attacks_is_named(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "swarm/byzantine/__init__.py": '"""Map."""\n',
+            "swarm/byzantine/attacks.py": "from swarm.training.hooks import TrainingHooks\n",
+            "swarm/byzantine/colluders.py": "from swarm.byzantine.attacks import x\n",  # inside: allowed
+            "swarm/training/__init__.py": '"""Map."""\n',
+            "swarm/training/hooks.py": "TrainingHooks = object\n",
+            "swarm/training/trainer.py": "def f():\n    from swarm.byzantine import attacks\n",  # lazy
+            "swarm/averaging/factory.py": "import swarm.byzantine.colluders\n",
+            "swarm/__init__.py": '"""Map."""\nimport swarm.byzantine\n',
+            "peer/volunteer.py": "from swarm.byzantine.attacks import x\n",  # an application: allowed
+        },
+    )
+    graph, _ = import_graph(root)
+    assert sorted(rehearsal_imports(graph)) == [
+        "swarm (line 2) imports swarm.byzantine: the library reaches attacks only through its hooks",
+        "swarm.averaging.factory (line 1) imports swarm.byzantine.colluders: the library reaches attacks "
+        "only through its hooks",
+        "swarm.training.trainer (line 2) imports swarm.byzantine.attacks: the library reaches attacks only "
+        "through its hooks",
+    ]
 
 
 def test_a_module_missing_from_its_package_map_is_named(tmp_path: Path) -> None:

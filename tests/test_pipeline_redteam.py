@@ -20,6 +20,7 @@ from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.held import MAX_FORWARD_STATES, forwards_per_caller
+from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.records import PipelineView, StageRecord
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
@@ -59,7 +60,7 @@ def test_a_last_stage_answering_over_bound_grad_inputs_is_avoided_and_cannot_get
     ]  # fmt: skip
     poison = make_attack("stage_poison", {"grad_norm_share": 2.0}, group_size=2, attackers=1)
     servicers = {
-        key.peer_id: StageServicer(StageReplica(run, k), gates[k], key=key, attack=poison if k else None)
+        key.peer_id: StageServicer(StageReplica(run, k), gates[k], key=key, hooks=poison if k else None)
         for k, key in enumerate(keys)
     }
 
@@ -99,7 +100,7 @@ def test_a_last_stage_answering_over_bound_grad_inputs_is_avoided_and_cannot_get
         assert trainer_key.peer_id not in gates[0].banned, "the honest replica banned the honest trainer"
         assert gates[0].bad_requests[trainer_key.peer_id] == 0
         # Honest answers pass the same check: with the poisoner honest, the micro-batch completes.
-        servicers[keys[1].peer_id].attack = None
+        servicers[keys[1].peer_id].hooks = PipelineHooks()
         loss = asyncio.run(trainer._attempt(trainer._new_microbatch()))
         assert loss == loss and servicers[keys[0].peer_id].replica.samples == BATCH
     finally:

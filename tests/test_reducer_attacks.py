@@ -81,7 +81,7 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 averager = Averager(
                     dht, prefix=RUN, numel=numel, aggregator="centered_clip", signing_key=key,
                     matchmaking_time_s=1.0, sender_timeout_s=2.0, data_plane=False, verify_probability=1.0,
-                    accuse=accuser(key), attack=attack if i == 2 else None,
+                    accuse=accuser(key), hooks=attack if i == 2 else None,
                 )  # fmt: skip
                 await averager.start()
                 averagers.append(averager)

@@ -33,7 +33,7 @@ class Roles(ButterflyAllReduce):
     def __init__(self, settings, **kwargs):
         super().__init__(settings, **kwargs)
         if self.index == 1 and self.liar:
-            self.attack = make_attack("bad_reducer", group_size=3, attackers=1)
+            self.hooks = make_attack("bad_reducer", group_size=3, attackers=1)
 
     async def serve(self, first, stream, sender):
         index = self.peer_ids.index(sender) if sender in self.peer_ids else None

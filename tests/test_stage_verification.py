@@ -64,7 +64,7 @@ class Replica:
         self.key = SigningKey.generate()
         self.replica = StageReplica(run, stage)
         asyncio.run(self.replica.commit())
-        self.servicer = StageServicer(self.replica, gate, key=self.key, attack=attack)
+        self.servicer = StageServicer(self.replica, gate, key=self.key, hooks=attack)
 
     async def call(self, trainer: SigningKey, method: str, request):
         context = P2PContext(

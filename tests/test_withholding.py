@@ -47,7 +47,7 @@ def test_rounds_complete_without_a_withholder(peers):
                 matchmaking_time_s=1.0,
                 sender_timeout_s=1.0,
                 data_plane=False,
-                attack=withholder if i == 2 else None,
+                hooks=withholder if i == 2 else None,
             )  # fmt: skip
             for i, (dht, key) in enumerate(peers)
         ]

@@ -61,6 +61,7 @@ from swarm.averaging.evidence import (
     round_digest,
     split_bounds,
 )
+from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.reducer import PartReducer
 from swarm.averaging.repair import PartRepair, PartRepairs
 from swarm.averaging.sender import PartSender
@@ -120,8 +121,8 @@ class RoundResult:
 class RoundSettings:
     """What every round of one peer runs under, whoever its group is: the peer's libp2p daemon and data
     plane, the run's rule and wire codec, the silence and round deadlines' floors, the key that signs its
-    contributions and aggregates, its upload limiter and traffic counters, and (in a rehearsal only) its
-    attack. The averager builds one per round from its own settings."""
+    contributions and aggregates, its upload limiter and traffic counters, and its hooks (honest but in a
+    rehearsal, see ``hooks``). The averager builds one per round from its own settings."""
 
     p2p: P2P
     servicer_type: type[ServicerBase]
@@ -134,7 +135,7 @@ class RoundSettings:
     data_plane: DataPlane | None = None
     upload_limiter: RateLimiter | None = None
     traffic: Traffic = field(default_factory=Traffic)
-    attack: object = None
+    hooks: RoundHooks = field(default_factory=RoundHooks)
     chunk_values: int | None = None  # values per chunk; None: the layout's for the group size
 
 
@@ -161,7 +162,7 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         mbit: float | None = None,
         out: torch.Tensor | None = None,
     ):
-        p2p, key, attack, codec = settings.p2p, settings.key, settings.attack, settings.codec
+        p2p, key, hooks, codec = settings.p2p, settings.key, settings.hooks, settings.codec
         chunk_values, sender_timeout_s = settings.chunk_values, settings.sender_timeout_s
         self.p2p, self.servicer_type, self.prefix = p2p, settings.servicer_type, settings.prefix
         self.group_id, self.peer_ids = group_id, list(peer_ids)
@@ -178,7 +179,7 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         self.reducers = reducer_mask(flags)
         self.index = self.peer_ids.index(p2p.peer_id)
         self.weight = float(weight)
-        self.key, self.nonce, self.attack = key, nonce, attack
+        self.key, self.nonce, self.hooks = key, nonce, hooks
         self.members = [p.to_base58() for p in self.peer_ids]
         self.digest = round_digest(
             self.prefix, group_id, self.members, [c for c in self.commitments if c], self.reducers

@@ -61,6 +61,7 @@ from swarm.averaging.groups import (
     enough_reducers,
     make_entry,
 )
+from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.matchmaking import RunMatchmaking
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.rounds import PartRouter, RoundRegistry
@@ -155,7 +156,7 @@ class Averager:
         policy: ``PeerPolicy``, whom this peer may meet (certified, not banned, not suspected).
         verify_probability: the chance that this peer validates a part of a finished round.
         accuse: sends evidence against a reducer whose result a validator proved wrong.
-        attack: a rehearsed Byzantine behaviour as contributor or reducer; None for an honest peer.
+        hooks: what this peer does where a member could lie (``hooks``); None: an honest peer's.
         data_plane: open the TCP data plane (else every part stream rides libp2p).
         client_mode: this peer cannot be dialed, so it only ever follows in matchmaking, and says so in
             its signed entry: it reduces no part of a round.
@@ -188,7 +189,7 @@ class Averager:
         policy: PeerPolicy | None = None,
         verify_probability: float = 0.0,
         accuse: Accuser | None = None,
-        attack=None,
+        hooks: RoundHooks | None = None,
         data_plane: bool = True,
         client_mode: bool = False,
         min_reducers: int = 1,
@@ -219,7 +220,8 @@ class Averager:
             raise ConfigError(
                 f"verify_probability {verify_probability} needs signed round inputs: pass signing_key"
             )
-        self.verify_probability, self.accuse, self.attack = verify_probability, accuse, attack
+        self.verify_probability, self.accuse = verify_probability, accuse
+        self.hooks = hooks if hooks is not None else RoundHooks()
         # Without a policy the averager admits anyone: only local benchmarks and tests build it so.
         self.policy = policy if policy is not None else PeerPolicy(None, prefix)
         # Live rounds, where inbound parts find theirs, and the last few kept for validators.
@@ -281,7 +283,7 @@ class Averager:
             p2p=self.p2p, servicer_type=AveragingServicer, prefix=self.prefix, aggregator=self.aggregator,
             codec=self.codec, sender_timeout_s=self.sender_timeout_s, round_timeout_s=self.averaging_timeout_s,
             key=self.signing_key, data_plane=self.data_plane, upload_limiter=self.upload_limiter,
-            traffic=self.traffic, attack=self.attack,
+            traffic=self.traffic, hooks=self.hooks,
         )  # fmt: skip
 
     @property
@@ -306,6 +308,7 @@ class Averager:
             client_mode=self.client_mode,
             policy=self.policy,
             signer=self.record_signer,
+            hooks=self.hooks,
         )
         if self.signing_key is not None and self.use_data_plane:
             await self._start_data_plane()

@@ -16,9 +16,9 @@ import hivemind
 
 from protocols.keys import SigningKey
 from swarm.averaging.averager import Averager
+from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
-from swarm.byzantine.group_attacks import GroupAttack, attacking_averager
 from swarm.config import RunConfig
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner
@@ -34,7 +34,7 @@ def build_averager(
     policy: PeerPolicy,
     upload_limiter: RateLimiter | None = None,
     accuse: Accuser | None = None,
-    attack=None,
+    hooks: RoundHooks | None = None,
     max_weight: float | None = None,
     data_host: str = "127.0.0.1",
     data_port: int = 0,
@@ -46,12 +46,11 @@ def build_averager(
 
     ``max_weight`` (default: the run's target batch) caps what one member may claim. ``client_mode``:
     this peer cannot be dialed (it is behind NAT), so it joins groups but never leads one.
-    ``record_signer`` attaches the peer's certificate to its matchmaking declarations. A rehearsed
-    ``attack`` on the group itself (``swarm.byzantine.group_attacks``) gets the averager that mounts it.
+    ``record_signer`` attaches the peer's certificate to its matchmaking declarations. ``hooks``: what
+    the peer does where a member could lie (``swarm.averaging.hooks``; None: honest).
     """
     training = run.training
-    averager_type = attacking_averager(attack) if isinstance(attack, GroupAttack) else Averager
-    return averager_type(
+    return Averager(
         dht,
         prefix=prefix,
         numel=numel,
@@ -69,7 +68,7 @@ def build_averager(
         policy=policy,
         upload_limiter=upload_limiter,
         accuse=accuse,
-        attack=attack,
+        hooks=hooks,
         data_host=data_host,
         data_port=data_port,
         data_announce_host=data_announce_host,

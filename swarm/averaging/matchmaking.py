@@ -1,11 +1,13 @@
 """``RunMatchmaking``: hivemind's matchmaking held to the peer's ``PeerPolicy``, declaring with signed,
 certified declarations (``declarations``) under one fixed key per averaging prefix.
 
-``Averager`` builds it; a rehearsed group attack subclasses it (``swarm.byzantine.group_attacks``).
+``Averager`` builds it. As leader it tells its followers the group that ``RoundHooks.announce_group``
+returns: the group it assembled, but in a rehearsed attack on the group (``swarm.byzantine.group_attacks``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from hivemind.averaging.matchmaking import Matchmaking
@@ -13,6 +15,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
 from swarm.averaging.declarations import SignedGroupKeyManager
+from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.policy import PeerPolicy
 from swarm.records import RecordSigner
 
@@ -23,9 +26,13 @@ class RunMatchmaking(Matchmaking):
     """hivemind's matchmaking that neither leads nor follows a peer its ``PeerPolicy`` refuses
     (uncertified, banned or suspect), and remembers who led the last group it was in."""
 
-    def __init__(self, p2p, schema_hash, dht, *, policy: PeerPolicy, signer: RecordSigner | None, **kwargs):
+    def __init__(
+        self, p2p, schema_hash, dht, *, policy: PeerPolicy, signer: RecordSigner | None,
+        hooks: RoundHooks | None = None, **kwargs,
+    ):  # fmt: skip
         super().__init__(p2p, schema_hash, dht, **kwargs)
         self.policy = policy
+        self.hooks = hooks if hooks is not None else RoundHooks()
         self.leader: PeerID | None = None
         if signer is not None:  # the run's DHT nodes refuse hivemind's unsigned, uncertified declarations
             self.group_key_manager = SignedGroupKeyManager(
@@ -56,7 +63,14 @@ class RunMatchmaking(Matchmaking):
 
     async def leader_assemble_group(self):
         self.leader = self.peer_id
-        return await super().leader_assemble_group()
+        group = await super().leader_assemble_group()
+        announced = self.hooks.announce_group(group, self.peer_id)
+        if announced is not group:
+            # Followers read the group from this future when they are told to begin.
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(announced)
+            self.assembled_group = future
+        return group
 
     async def follower_assemble_group(self, leader: PeerID, msg):
         self.leader = leader

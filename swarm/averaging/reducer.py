@@ -142,7 +142,7 @@ class PartReducer:
             reduce_chunk, self.aggregator, self.codec, [v for v, _ in inputs],
             [signed.weight for _, signed in inputs], aggregation_seed(self.group_id, part, chunk),
         )  # fmt: skip
-        if self.attack is not None:  # a rehearsed bad reducer returns something else, signed as usual
+        if self.hooks.rewrites_aggregates:  # a rehearsed bad reducer returns something else, signed as usual
             lo, hi = self._chunk(part, chunk)
             encoded = self._attacked(part, chunk, encoded, hi - lo)
         entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
@@ -153,12 +153,9 @@ class PartReducer:
         )
 
     def _attacked(self, part: int, chunk: int, encoded: bytes, numel: int) -> bytes:
-        """What a rehearsed bad reducer returns instead of ``encoded``: it may look at the round first
-        (for its own part; as a substitute it lies throughout)."""
+        """What a rehearsed bad reducer returns instead of ``encoded`` (``RoundHooks.aggregate``)."""
         honest = self.codec.decode(encoded, numel, sender="self")
-        if hasattr(self.attack, "reduce_chunk") and part == self.index:
-            return self.codec.encode(self.attack.reduce_chunk(self, chunk, honest))
-        return self.codec.encode(self.attack.reduce(honest))
+        return self.codec.encode(self.hooks.aggregate(self, part, chunk, honest))
 
     async def serve(
         self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
@@ -180,7 +177,7 @@ class PartReducer:
             return
         consumer = asyncio.create_task(self._consume(index, first, stream))
         try:
-            if getattr(self.attack, "withhold", False):  # a rehearsed withholder returns nothing
+            if self.hooks.withholds_aggregates:  # a rehearsed withholder returns nothing
                 await consumer
                 return
             for chunk, event in enumerate(self._reduced):

@@ -196,7 +196,7 @@ class PartRepairs:
             for chunk, ready in enumerate(repair.ready):
                 await ready.wait()  # the repair's own deadline bounds this
                 result = repair.results[chunk]
-                if result is None or getattr(self.attack, "withhold", False):  # a rehearsed withholder
+                if result is None or self.hooks.withholds_aggregates:  # a rehearsed withholder
                     return
                 await self._throttle(len(result.data))
                 self._count(sent=len(result.data))

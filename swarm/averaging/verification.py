@@ -101,15 +101,12 @@ async def serve_inputs(
         yield apb.SignedInput(code=apb.BAD_CHUNK, error=f"no chunk {chunk} of part {part} in this round")
         return
     item: SignedInput | None = None
-    attack = runner.attack
-    if getattr(attack, "refuse_inputs", False):  # a rehearsed reducer that shows nothing
+    if runner.hooks.refuses_inputs:  # a rehearsed reducer that shows nothing
         pass
     elif index == runner.index:
         item = await asyncio.to_thread(runner.own_input, part, chunk)
-        if item is not None and hasattr(
-            attack, "show"
-        ):  # a rehearsed equivocator shows validators another input
-            item = attack.show(runner, part, chunk, item)
+        if item is not None:  # a rehearsed equivocator shows validators another input
+            item = runner.hooks.show(runner, part, chunk, item)
     elif part == runner.index:
         item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
     elif part in runner.repairs:  # a part this peer re-reduced for a reducer that failed to deliver it
@@ -298,9 +295,10 @@ async def validate_round(
             runner, assignment, servicer_type=servicer_type, p2p=p2p, aggregator=aggregator, codec=codec,
             timeout_s=timeout_s,
         )  # fmt: skip
-        if outcome.verdict is None and outcome.evidence is not None and hasattr(runner.attack, "frame"):
-            framed = runner.attack.frame(outcome.evidence, runner)  # a rehearsed framer
-            outcome = Outcome("framed by a rehearsed attack", framed, outcome.unshown)
+        if outcome.verdict is None and outcome.evidence is not None:
+            framed = runner.hooks.frame(outcome.evidence, runner)  # None but from a rehearsed framer
+            if framed is not None:
+                outcome = Outcome("framed by a rehearsed attack", framed, outcome.unshown)
         outcomes.append(outcome)
         # Without the whole draw this member checks chunks that its groupmates rightly no longer hold.
         if suspect is not None and runner.shared_seed is not None:

@@ -1,7 +1,15 @@
 """Misbehaving peers for rehearsal: what a Byzantine volunteer can send, as a library of named attacks.
 
-- ``attacks``: ``Attack`` (hooks on the batch, the contribution, the claimed weight and, as reducer, the
-  aggregate) and the registry of named attacks (``sign_flip``, ``alie``, ``ipm``, ... ``bad_reducer``)
+Attacks plug into the library through its typed hooks, each owned by the layer that calls it:
+``TrainingHooks`` (``swarm.training.hooks``: batch, contribution, claimed weight), ``RoundHooks``
+(``swarm.averaging.hooks``: as reducer, validator and group leader) and ``PipelineHooks``
+(``swarm.pipeline.hooks``: records, requests, stage replies). ``Attack`` implements all three; ``peer/`` and
+``lab/`` pass one as the ``hooks`` of a trainer or stage worker. No library module imports this package
+(``tests/test_layering.py`` checks it).
+
+- ``attacks``: ``Attack`` (honest at every hook) and the registry of named attacks (``sign_flip``,
+  ``alie``, ``ipm``, ... ``bad_reducer``)
+- ``colluders``: what an attacker who reads the code knows: every peer's exact gradient from public seeds
 - ``group_attacks``: attacks on the averaging group by a leader (``duplicate_member``,
   ``rewrite_commitments``), registered with the others
 - ``pipeline_attacks``: attacks on the SWARM pipeline (``stage_throughput_lie``, ``stuck_in_flight``,

@@ -1,14 +1,18 @@
-"""Named attacks a Byzantine peer can mount, each a small object with five hooks.
+"""Named attacks a Byzantine peer can mount, each a small object that plugs into the library's hooks.
 
-The trainer, the all-reduce and the pipeline roles of a peer playing attacker call the hooks of its
-:class:`Attack` at the points where a volunteer can lie; every hook is honest (returns its input) unless the attack says
-otherwise:
+An :class:`Attack` is at once the peer's ``TrainingHooks`` (``swarm.training.hooks``), ``RoundHooks``
+(``swarm.averaging.hooks``) and ``PipelineHooks`` (``swarm.pipeline.hooks``): ``peer/`` and ``lab/`` build
+one and pass it as ``hooks`` to the ``Trainer``, ``PipelineTrainer`` or ``StageWorker``; the library calls
+it where a volunteer can lie and never imports this package. Every hook is honest (returns its input)
+unless the attack says otherwise. On top of the library's hooks an attack has its own, simpler ones:
 
 - ``batch(inputs, targets) -> (inputs, targets)``: the data the peer trains on (``label_flip``);
 - ``contribution(honest, step, *, peers=None) -> Tensor``: the gradient it sends, given the honest one
-  it computed (``sign_flip``, ``random_direction``, ``delayed_gradient``, ``alie``, ``ipm``, ``nan``);
+  it computed (``sign_flip``, ``random_direction``, ``delayed_gradient``, ``alie``, ``ipm``, ``nan``),
+  which ``contribute`` (the training hook) calls;
 - ``weight(claimed) -> float``: the weight (sample count) it claims (``huge_weight``);
-- ``reduce(aggregate) -> Tensor``: what it returns as the reducer of a part (``bad_reducer``);
+- ``reduce(aggregate) -> Tensor``: what it returns as the reducer of a part (``bad_reducer``, which sets
+  ``rewrites_aggregates``), which ``aggregate`` (the round hook) calls;
 - ``announce(record) -> record``: the pipeline record it publishes (``swarm.byzantine.pipeline_attacks``);
 - ``heard(microbatches)``: what a stage replica knows before it announces: the (trainer, micro-batch ID)
   pairs the trainers in view issue at its step, since IDs are public seeds (``forged_retried`` claims them);
@@ -23,7 +27,7 @@ spread. Colluding attackers know their own honest gradients: pass them stacked a
 attacker's included) when the attackers share them; without ``peers`` the attack estimates from this
 attacker's own honest gradients of its last ``window`` steps. ``omniscient_alie`` and ``omniscient_ipm``
 are the attackers that read the code: every peer's batches derive from public seeds, so they recompute
-each honest peer's exact gradient of the step (``swarm.training.colluders``) and aim at the true mean
+each honest peer's exact gradient of the step (``swarm.byzantine.colluders``) and aim at the true mean
 and spread (``Attack.omniscient`` asks the trainer for them). Everything random is drawn from a
 generator seeded with the attack's seed and the step, so a rehearsal replays exactly.
 
@@ -37,15 +41,22 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocols.errors import ConfigError
+from swarm.averaging.hooks import RoundHooks
+from swarm.pipeline.hooks import PipelineHooks
 from swarm.registry import Registry
+from swarm.training.hooks import TrainingHooks
+
+if TYPE_CHECKING:
+    from swarm.averaging.allreduce import ButterflyAllReduce
+    from swarm.training.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,7 @@ class AttackOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Attack:
+class Attack(TrainingHooks, RoundHooks, PipelineHooks):
     """Honest at every hook; each named attack overrides the hooks it lies at."""
 
     name = "honest"
@@ -81,39 +92,39 @@ class Attack:
     def __init__(self, options: AttackOptions, context: AttackContext) -> None:
         self.options, self.context = options, context
 
-    def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return inputs, targets
-
     def contribution(
         self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
     ) -> torch.Tensor:
         return honest
 
-    def weight(self, claimed: float) -> float:
-        return claimed
-
     def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
+        """What this peer returns as reducer; ``aggregate`` asks only when ``rewrites_aggregates`` is set."""
         return aggregate
-
-    def announce(self, record: object) -> object:
-        """The pipeline record (``StageRecord`` or ``TrainerRecord``) this peer signs and publishes."""
-        return record
-
-    def heard(self, microbatches: Sequence[tuple[str, int]]) -> None:
-        """The (trainer, micro-batch ID) pairs the trainers in a stage replica's view issue at its step."""
-
-    def front_run(self, request: Any, victim_ids: Sequence[int]) -> list[Any]:
-        """Forward requests a pipeline trainer sends to a stage server just before ``request``."""
-        return []
-
-    def stage_reply(self, kind: str, request: Any, reply: Any, replica: Any) -> Any:
-        """The reply a stage replica signs and answers to ``request``, a ``kind`` ("forward"/"backward")."""
-        return reply
 
     @property
     def omniscient(self) -> bool:
         """Whether ``contribution`` wants every peer's exact gradient of the step as ``peers``."""
         return bool(getattr(self.options, "omniscient", False))
+
+    @property
+    def round_hooks(self) -> RoundHooks:
+        return self
+
+    def contribute(self, trainer: Trainer, honest: torch.Tensor) -> torch.Tensor:
+        """The training hook: ``contribution`` at the trainer's step, with every peer's exact gradient of
+        the step as ``peers`` when the attack is ``omniscient``."""
+        peers = None
+        if self.omniscient:
+            from swarm.byzantine.colluders import exact_gradients
+
+            peers = exact_gradients(trainer, honest)
+        return self.contribution(honest, trainer.step, peers=peers)
+
+    def aggregate(
+        self, round: ButterflyAllReduce, part: int, chunk: int, honest: torch.Tensor
+    ) -> torch.Tensor:
+        """The round hook: ``reduce`` of the honest aggregate."""
+        return self.reduce(honest)
 
     def generator(self, step: int) -> torch.Generator:
         """A CPU generator for ``step``: the same draws for the same seed and step, on every run."""
@@ -446,6 +457,8 @@ class BadReducer(Attack):
     Its own contributions are honest: only a check of the reducers' outputs catches it.
     """
 
+    rewrites_aggregates = True
+
     def reduce(self, aggregate: torch.Tensor) -> torch.Tensor:
         rms = float(torch.sqrt(torch.mean(aggregate.to(torch.float64) ** 2))) if aggregate.numel() else 0.0
         return aggregate + self.options.shift * (rms if rms > 0 else 1.0)
@@ -453,8 +466,8 @@ class BadReducer(Attack):
 
 # --- attacks on verification, each rehearsing a way around the validators or the judge -----------------
 #
-# Their hooks are called by the all-reduce and the validators (``swarm.averaging``) with the live round
-# (a ``ButterflyAllReduce``), since they act on what a round has signed rather than on a gradient.
+# Their round hooks (``swarm.averaging.hooks``) are called by the all-reduce and the validators with the
+# live round (a ``ButterflyAllReduce``), since they act on what a round has signed rather than on a gradient.
 
 
 class DrawAwareReducerOptions(BadReducerOptions):
@@ -471,7 +484,11 @@ class DrawAwareReducer(BadReducer):
     """A ``bad_reducer`` that lies only on chunks no validator will check, when it can tell at the moment
     it signs; where it cannot tell (the draw is not known yet), it lies anyway."""
 
-    def reduce_chunk(self, runner: Any, chunk: int, honest: torch.Tensor) -> torch.Tensor:
+    def aggregate(
+        self, runner: ButterflyAllReduce, part: int, chunk: int, honest: torch.Tensor
+    ) -> torch.Tensor:
+        if part != runner.index:  # as a repair's substitute it cannot tell: it lies throughout
+            return self.reduce(honest)
         from swarm.averaging.verification import Assignment, assignments
 
         seed = runner.shared_seed
@@ -491,7 +508,7 @@ class DrawAwareReducer(BadReducer):
 class RefusingReducer(BadReducer):
     """A ``bad_reducer`` that will not show a validator any input it aggregated (not even its own)."""
 
-    refuse_inputs = True
+    refuses_inputs = True
 
 
 class FramerOptions(AttackOptions):
@@ -546,4 +563,4 @@ class Equivocator(Attack):
 class Withholder(Attack):
     """Sends honest, signed contributions, but never returns the aggregate of its own part."""
 
-    withhold = True
+    withholds_aggregates = True

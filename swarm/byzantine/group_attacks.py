@@ -8,20 +8,20 @@ attacker leads one:
   honest reducers would drop each other's chunks as bad reveals and keep only the leader's.
 
 Each is an ``Attack`` (honest at the gradient hooks, registered with the others, so ``swarm-sim --attack``
-and ``swarm-peer join --rehearse-attack`` take them) whose ``announce`` hook rewrites the group a leader
-sends to its followers; ``factory.build_averager`` gives such an attacker ``attacking_averager(attack)``.
-An uncertified reducer needs no attack class: it is any process without a certificate running an
-``Averager`` (``tests/test_stage_security.py`` starts one). Honest code never builds these.
+and ``swarm-peer join --rehearse-attack`` take them) whose ``announce_group`` round hook
+(``swarm.averaging.hooks``) rewrites the group a leader sends to its followers: the averager's
+``RunMatchmaking`` calls it whenever this peer leads. An uncertified reducer needs no attack class: it is
+any process without a certificate running an ``Averager`` (``tests/test_stage_security.py`` starts one).
+Honest code never builds these.
 
 Example::
 
     attack = make_attack("rewrite_commitments", group_size=3, attackers=1)
-    averager = attacking_averager(attack)(dht, prefix="run", numel=n, signing_key=key)
+    averager = Averager(dht, prefix="run", numel=n, signing_key=key, hooks=attack)
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
@@ -32,11 +32,7 @@ from swarm.byzantine.attacks import Attack, AttackOptions, register_attack
 
 
 class GroupAttack(Attack):
-    """Honest at every gradient hook; ``announce`` is where a leading attacker lies about its group."""
-
-    def announce(self, group: Any, leader: Any) -> Any:
-        """The group (a hivemind ``GroupInfo``) this peer, as leader ``leader``, announces to followers."""
-        return group
+    """Honest at every gradient hook; ``announce_group`` is where a leading attacker lies about its group."""
 
 
 class DuplicateMemberOptions(AttackOptions):
@@ -50,7 +46,7 @@ class DuplicateMember(GroupAttack):
     """Announces a group that lists the leader ``copies`` times, every copy with the leader's gathered
     entry, so that it reduces that many parts."""
 
-    def announce(self, group: Any, leader: Any) -> Any:
+    def announce_group(self, group: Any, leader: Any) -> Any:
         mine = group.gathered[group.peer_ids.index(leader)]
         extra = self.options.copies - 1
         peer_ids, gathered = (
@@ -76,30 +72,9 @@ class RewriteCommitments(GroupAttack):
     its now wrong signature), so that honest reducers drop each other's chunks as bad reveals and keep
     only the leader's."""
 
-    def announce(self, group: Any, leader: Any) -> Any:
+    def announce_group(self, group: Any, leader: Any) -> Any:
         gathered = tuple(
             entry if peer == leader else _with_commitment(entry, os.urandom(32))
             for peer, entry in zip(group.peer_ids, group.gathered, strict=True)
         )
         return type(group)(group.group_id, tuple(group.peer_ids), gathered)
-
-
-def attacking_averager(attack: GroupAttack) -> type:
-    """An ``Averager`` subclass whose matchmaking mounts ``attack`` whenever this peer leads a group."""
-    from swarm.averaging.averager import Averager, RunMatchmaking
-
-    class AttackingMatchmaking(RunMatchmaking):
-        """Matchmaking that hands followers the group ``attack.announce`` forged whenever this peer leads;
-        the leader itself keeps the group it assembled."""
-
-        async def leader_assemble_group(self):
-            group = await super().leader_assemble_group()
-            forged = attack.announce(group, self.peer_id)
-            if forged is not group:
-                # Followers read the group from this future when they are told to begin.
-                announced = asyncio.get_running_loop().create_future()
-                announced.set_result(forged)
-                self.assembled_group = announced
-            return group
-
-    return type(f"{type(attack).__name__}Averager", (Averager,), {"matchmaking_type": AttackingMatchmaking})

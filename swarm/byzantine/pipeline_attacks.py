@@ -1,7 +1,7 @@
 """Attacks on the SWARM pipeline: what one admitted stage replica or trainer can announce or send.
 
-Each rewrites what its peer announces in the DHT (``Attack.announce``, called on the pipeline record
-before it is signed) or what it sends to a stage server:
+Each rewrites, through the pipeline hooks (``swarm.pipeline.hooks``), what its peer announces in the DHT
+(``announce``, called on the pipeline record before it is signed) or what it sends to a stage server:
 
 - ``stage_throughput_lie``: a replica claims ``samples_per_s`` samples/s and no load, to draw every
   micro-batch to itself;
@@ -69,6 +69,7 @@ class ForgedRetried(Attack):
     signature it cannot make is replaced by its own."""
 
     pipeline_role = "stage"
+    hears_microbatches = True
     signature = bytes(64)
 
     def __init__(self, options: ForgedRetriedOptions, context: object) -> None:
@@ -92,6 +93,7 @@ class FrontRunnerOptions(AttackOptions):
 @register_attack("front_runner", FrontRunnerOptions)
 class FrontRunner(Attack):
     pipeline_role = "trainer"
+    front_runs = True
 
     def request_as(self, mine: ppb.ForwardRequest, victim_id: int) -> ppb.ForwardRequest:
         """The attacker's own forward, sent under the victim's micro-batch ID."""

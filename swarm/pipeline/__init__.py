@@ -15,6 +15,7 @@
 - verify.py: signed replies of stage replicas (``check_reply``) and the micro-batch's dropout seed
 - evidence.py: two replicas' different answers to one micro-batch (``StageMismatchEvidence``), judged
 - check.py: a trainer's checks of stage replicas, repeated at a second replica (``StageCheck``)
+- hooks.py: ``PipelineHooks``, what a replica or trainer announces and sends (honest; attacks override)
 - trainer.py: a peer streaming micro-batches through the stages (``PipelineTrainer``), with retries
 
 Example::

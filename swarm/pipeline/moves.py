@@ -106,7 +106,7 @@ class StageMoves:
         replica, index = self.replica, self.replica.index
         self._joining_at = None
         key = self.signing_key or (self.records.key if self.records is not None else None)
-        self.servicer = self.servicer_type(replica, self.gate, key=key, attack=self.attack)
+        self.servicer = self.servicer_type(replica, self.gate, key=key, hooks=self.hooks)
         await self._register(self.servicer, pipeline_namespace(self.config.run_id, index))
         self._serving = True
         with contextlib.suppress(Exception):

@@ -14,10 +14,10 @@ from hivemind.p2p import P2PContext, ServicerBase
 
 from protocols import pipeline_pb2 as ppb
 from protocols.keys import SigningKey
-from swarm.byzantine.attacks import Attack
 from swarm.inbound import UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.history import rehash
+from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.replica import Refusal, StageReplica
 from swarm.pipeline.verify import seed_forward, sign_reply
 
@@ -51,9 +51,10 @@ class StageServicer(BoundedServicer):
         gate: PeerGate,
         *,
         key: SigningKey | None = None,
-        attack: Attack | None = None,
+        hooks: PipelineHooks | None = None,
     ):
-        self.replica, self.gate, self.key, self.attack = replica, gate, key, attack
+        self.replica, self.gate, self.key = replica, gate, key
+        self.hooks = hooks if hooks is not None else PipelineHooks()
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -107,8 +108,7 @@ class StageServicer(BoundedServicer):
                 backward = ppb.BackwardRequest()
                 backward.CopyFrom(request)
                 backward.grad_outputs.CopyFrom(kept)
-        if self.attack is not None:  # a rehearsed cheat answers wrongly, and signs what it answers
-            reply = self.attack.stage_reply(kind, request, reply, r)
+        reply = self.hooks.stage_reply(kind, request, reply, r)  # a rehearsed cheat signs a wrong answer
         reply.state_hash = r.state_hash
         if self.key is not None:
             sign_reply(self.key, r.run.run_id, r.index, caller, reply, forward, backward)

@@ -42,12 +42,12 @@ from protocols.keys import PublicKey, SigningKey
 from protocols.messages import MAX_ATTEMPT
 from swarm.averaging.compression import get_codec
 from swarm.averaging.verification import Accuser
-from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import model_config
 from swarm.pipeline.balance import Measured, pick_server
 from swarm.pipeline.check import StageCall, StageCheck
+from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
 from swarm.pipeline.server import StageServicer, pipeline_namespace
 from swarm.pipeline.verify import AnswerCheck, check_reply
@@ -93,7 +93,7 @@ class PipelineTrainer:
         signing_key: the key of ``peer_id``, which signs this trainer's DHT records.
         record_signer: signs them with the peer's certificate instead (the volunteer passes its own).
         coordinator_key: the coordinator's key; when set, only stage records of certified peers count.
-        attack: a rehearsed Byzantine trainer (``swarm-sim --stages ... --attack``); None when honest.
+        hooks: what the trainer announces and sends (``swarm.pipeline.hooks``); None: honestly.
         accuse: files the evidence of a stage replica's wrong answer with the coordinator.
     """
 
@@ -107,14 +107,15 @@ class PipelineTrainer:
         signing_key: SigningKey | None = None,
         record_signer: RecordSigner | None = None,
         coordinator_key: PublicKey | None = None,
-        attack: Attack | None = None,
+        hooks: PipelineHooks | None = None,
         accuse: Accuser | None = None,
     ):
         if record_signer is None and signing_key is None:
             raise ConfigError(
                 "a pipeline trainer signs its DHT records: pass signing_key (the key of its peer ID)"
             )
-        self.config, self.dht, self.peer_id, self.attack = run, dht, peer_id, attack
+        self.config, self.dht, self.peer_id = run, dht, peer_id
+        self.hooks = hooks if hooks is not None else PipelineHooks()
         self.records = record_signer or RecordSigner(signing_key)
         # Stage records count only when signed by a certified peer (any signer, in a run with no coordinator).
         self.trust = RecordTrust(run.run_id, coordinator_key)
@@ -183,7 +184,7 @@ class PipelineTrainer:
 
     def _record(self) -> TrainerRecord:
         record = TrainerRecord(self.peer_id, self.step, self.samples, len(self.in_flight), time.time())
-        return record if self.attack is None else self.attack.announce(record)
+        return self.hooks.announce(record)  # a rehearsed liar's rewrite
 
     async def _publish(self) -> None:
         ttl_s = max(3.0, 6 * self.config.pipeline.announce_interval_s)
@@ -278,7 +279,7 @@ class PipelineTrainer:
             hidden = reply.outputs
         request = ppb.ForwardRequest(stage=last, inputs=hidden, targets=encode_ids(mb.targets),
                                      attempt_signature=signed[last], **base)  # fmt: skip
-        if self.attack is not None:
+        if self.hooks.front_runs:
             await self._front_run(last, route[last], request)
         reply = await self._call(last, route[last], "rpc_forward", request)
         mb.trace[last] = StageCall(route[last], request, reply)
@@ -303,7 +304,7 @@ class PipelineTrainer:
             for t, k in self.view.public_microbatches(self.config.run_id, request.step, self.micro)
             if t != self.peer_id
         ]
-        for stolen in self.attack.front_run(request, victims):
+        for stolen in self.hooks.front_run(request, victims):
             with contextlib.suppress(StageFailure):
                 await self._call(stage, peer, "rpc_forward", stolen)
 

@@ -47,10 +47,10 @@ from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.averager import Averager
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
-from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.history import StateHistory
+from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.layout import available_memory_bytes as available_memory_bytes  # the volunteer's import
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.moves import StageMoves, stage_prefix
@@ -98,7 +98,7 @@ class StageWorker(StageMoves):
         upload_limiter: the peer's shared upload token bucket.
         accuse: sends evidence of a cheating reducer to the coordinator.
         record_signer: signs this replica's pipeline records with its certificate.
-        attack: a rehearsed Byzantine replica (``swarm-sim --stages ... --attack``); None when honest.
+        hooks: what the replica announces and answers (``swarm.pipeline.hooks``); None: honestly.
     """
 
     #: The handlers of the stage served (tests subclass it to delay or refuse calls).
@@ -120,7 +120,7 @@ class StageWorker(StageMoves):
         upload_limiter: RateLimiter | None = None,
         accuse: Accuser | None = None,
         record_signer: RecordSigner | None = None,
-        attack: Attack | None = None,
+        hooks: PipelineHooks | None = None,
     ):
         if coordinator_key is not None and signing_key is None:
             raise ConfigError("a stage worker in a coordinated run signs its rounds: pass signing_key")
@@ -128,7 +128,7 @@ class StageWorker(StageMoves):
         self.coordinator_key = coordinator_key
         self.wanted_stage, self.memory_bytes, self.rebalance = stage, memory_bytes, rebalance
         self.signing_key, self.upload_limiter, self.accuse = signing_key, upload_limiter, accuse
-        self.attack = attack
+        self.hooks = hooks if hooks is not None else PipelineHooks()
         # Signs this replica's pipeline records; in a coordinated run it carries the peer's certificate.
         self.records = record_signer or (RecordSigner(signing_key) if signing_key is not None else None)
         self.num_stages = run.pipeline.stages
@@ -227,11 +227,11 @@ class StageWorker(StageMoves):
                                         r.param_hash, time.time(), serving=self._serving,
                                         joining=self._sitting_out(), closing=r.closing,
                                         retried=tuple(r.retried()))  # fmt: skip
-        if self.attack is not None:  # a rehearsed liar rewrites what it signs and publishes
+        if self.hooks.hears_microbatches:  # a rehearsed liar claims what the trainers issue
             training = self.config.training
             per_trainer = -(-training.target_batch_size // training.micro_batch_size)
-            self.attack.heard(self.view.public_microbatches(self.config.run_id, r.step, per_trainer))
-            self._last_record = self.attack.announce(self._last_record)
+            self.hooks.heard(self.view.public_microbatches(self.config.run_id, r.step, per_trainer))
+        self._last_record = self.hooks.announce(self._last_record)  # a rehearsed liar's rewrite
         return self._last_record
 
     def _signer(self) -> RecordSigner:

@@ -13,7 +13,7 @@
 - trainer.py: one peer's training loop: accumulate, average, step
 - resync.py: the trainer's state serving and catch-up: download the agreed state, or the coordinator's checkpoint
 - diloco.py: DiLoCo: inner steps on the local copy, averaged pseudo-gradients, the outer optimizer
-- colluders.py: rehearsal of attackers that read the code: every peer's exact gradient from public seeds
+- hooks.py: ``TrainingHooks``, what the peer trains on, sends and claims (honest; rehearsed attacks override)
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).
 

@@ -97,10 +97,10 @@ class DilocoTrainer(Trainer):
     """
 
     def __init__(self, run: RunConfig, dht, **kwargs):
-        attack = kwargs.get("attack")
-        if attack is not None and attack.omniscient:
+        hooks = kwargs.get("hooks")
+        if hooks is not None and hooks.omniscient:
             # A pseudo-gradient depends on each peer's local inner-optimizer state, which no seed reveals.
-            raise ConfigError(f"attack {attack.name!r} is rehearsed with sync 'every_step' only")
+            raise ConfigError(f"attack {hooks.name!r} is rehearsed with sync 'every_step' only")
         super().__init__(run, dht, **kwargs)
         self.synced_model = copy.deepcopy(self.model)
         self.synced_params = [p for p in self.synced_model.parameters() if p.requires_grad]

@@ -30,14 +30,13 @@ from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.factory import build_averager
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
-from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Position, PositionHistory, quorum
-from swarm.training.colluders import honest_gradients
+from swarm.training.hooks import TrainingHooks
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
 from swarm.training.resync import CatchUp
@@ -74,7 +73,7 @@ class Trainer(CatchUp):
         data_host, data_port: where the averaging data plane listens for part streams (port 0: any).
         data_announce_host: the host groupmates dial for the data plane, when not ``data_host``.
         accuse: sends evidence of a cheating reducer to the coordinator (validators call it).
-        attack: a rehearsed Byzantine behaviour (``swarm-sim --attack``); None for an honest peer.
+        hooks: what the peer trains on, sends and claims (``swarm.training.hooks``); None: honestly.
         activation_checkpointing: recompute block activations in backward to save memory.
         fit_memory: on running out of memory, turn on checkpointing, then shrink the micro-batch.
         record_signer: signs this peer's DHT records with its certificate (default: one from
@@ -98,7 +97,7 @@ class Trainer(CatchUp):
         data_port: int = 0,
         data_announce_host: str | None = None,
         accuse: Accuser | None = None,
-        attack: Attack | None = None,
+        hooks: TrainingHooks | None = None,
         activation_checkpointing: bool = False,
         fit_memory: bool = False,
         record_signer: RecordSigner | None = None,
@@ -130,13 +129,13 @@ class Trainer(CatchUp):
         self.dataset = build_dataset(run.dataset.name, run.dataset.config)
         self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
         self.numel = sum(p.numel() for p in self.params)
-        self.attack = attack
+        self.hooks = hooks if hooks is not None else TrainingHooks()
         self._averaged = torch.empty(self.numel)  # each round's result lands here (applied at once)
         # Whom this peer averages with: certified, not banned, not caught breaking a group.
         self.policy = PeerPolicy(dht, run.run_id, coordinator_key, also_certified=lambda: self.view)
         self.averager = build_averager(
             run, dht, prefix=run.run_id, numel=self.numel, signing_key=signing_key, policy=self.policy,
-            upload_limiter=upload_limiter, accuse=accuse, attack=attack, data_host=data_host,
+            upload_limiter=upload_limiter, accuse=accuse, hooks=self.hooks.round_hooks, data_host=data_host,
             data_port=data_port, data_announce_host=data_announce_host, client_mode=client_mode,
             record_signer=self.records,
         )  # fmt: skip
@@ -200,8 +199,7 @@ class Trainer(CatchUp):
         batch = self.config.training.micro_batch_size
         seed = derive_seed(self.config.run_id, self.peer_id, self.step, self.micro)
         inputs, targets = self.dataset.sample_batch(seed, batch, self.seq_len)
-        if self.attack is not None:
-            inputs, targets = self.attack.batch(inputs, targets)
+        inputs, targets = self.hooks.batch(inputs, targets)
         started = time.monotonic()
         self.model.train()
         with self.computing():  # gradients of the sum; divided by the count when averaged
@@ -217,17 +215,6 @@ class Trainer(CatchUp):
     def _contribution(self) -> torch.Tensor:
         """What this peer averages: the mean gradient of its accumulated micro-batches."""
         return flat_mean_gradient(self.params, self.samples)
-
-    def _exact_gradients(self, own: torch.Tensor) -> torch.Tensor:
-        """A rehearsed attacker that reads the code: its own honest gradient and every other peer's at this
-        step, recomputed from their public batch seeds and the samples their signed records claim."""
-        others = {k: p.samples for k, p in self.view.items() if k != self.peer_id and p.step == self.step}
-        rows = honest_gradients(
-            self.model, self.dataset, run_id=self.config.run_id, step=self.step,
-            micro_batch=self.config.training.micro_batch_size, seq_len=self.seq_len, peers=others,
-            precision=self.config.training.precision, device=self.device,
-        )  # fmt: skip
-        return own.unsqueeze(0) if rows is None else torch.cat([own.unsqueeze(0), rows])
 
     def _round_weight(self) -> float:
         """The samples behind what ``_contribution`` returns (a signed claim in the round)."""
@@ -353,14 +340,9 @@ class Trainer(CatchUp):
         needed = self.config.training.min_group_size
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
-        vector = await asyncio.to_thread(self._contribution)
-        weight = self._round_weight()
-        if self.attack is not None:  # a rehearsed attacker sends something else, and may lie about its weight
-            peers = None
-            if self.attack.omniscient:
-                peers = await asyncio.to_thread(self._exact_gradients, vector)
-            vector = await asyncio.to_thread(self.attack.contribution, vector, self.step, peers=peers)
-            weight = self.attack.weight(weight)
+        # What this peer sends and signs for: its own gradient and samples, but in a rehearsed attack.
+        vector = await asyncio.to_thread(lambda: self.hooks.contribute(self, self._contribution()))
+        weight = self.hooks.weight(self._round_weight())
         extra = self._round_extra()
         # Everyone training at this step is about to look for a group too: assemble once all have joined
         # (never fewer than the run needs; a peer that left only makes the leader wait out its window).

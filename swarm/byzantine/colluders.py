@@ -5,7 +5,8 @@ A peer's micro-batches are drawn with ``derive_seed(run_id, peer_id, step, micro
 therefore replays each honest peer's micro-batches on its own copy of the state and gets the very
 gradient that peer will send, down to the last bit on the same kind of device. Colluding attacks
 (``omniscient_alie``, ``omniscient_ipm``) aim at the true mean and spread instead of an estimate; the
-rehearsal (``Trainer`` with such an attack) makes robust rules face that attacker, not a weaker one.
+rehearsal (``Trainer`` with such an attack as its hooks) makes robust rules face that attacker, not a
+weaker one: ``exact_gradients`` reads what it needs from the live trainer.
 
 Example::
 
@@ -17,12 +18,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from swarm.data import derive_seed
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.state import flat_mean_gradient
+
+if TYPE_CHECKING:
+    from swarm.training.trainer import Trainer
 
 
 def honest_gradients(
@@ -58,4 +63,18 @@ def honest_gradients(
     return torch.stack(rows) if rows else None
 
 
-__all__ = ["honest_gradients"]
+def exact_gradients(trainer: Trainer, own: torch.Tensor) -> torch.Tensor:
+    """The gradients a rehearsed attacker that reads the code aims at: its own honest one (first row) and
+    every other peer's at ``trainer``'s step, recomputed from their public batch seeds and the samples
+    their signed progress records claim."""
+    step, config = trainer.step, trainer.config
+    others = {k: p.samples for k, p in trainer.view.items() if k != trainer.peer_id and p.step == step}
+    rows = honest_gradients(
+        trainer.model, trainer.dataset, run_id=config.run_id, step=step,
+        micro_batch=config.training.micro_batch_size, seq_len=trainer.seq_len, peers=others,
+        precision=config.training.precision, device=trainer.device,
+    )  # fmt: skip
+    return own.unsqueeze(0) if rows is None else torch.cat([own.unsqueeze(0), rows])
+
+
+__all__ = ["exact_gradients", "honest_gradients"]
