@@ -19,6 +19,15 @@ from swarm.dht import SpawnedDHT, start_local_dhts
 KEYS: dict[str, SigningKey] = {}  # peer ID -> the identity its DHT runs under (trainers sign with it)
 
 
+def run_then_shut_down(scenario, dhts: list) -> None:
+    """Run the coroutine ``scenario`` to its end, then shut every DHT of ``dhts`` down, whatever happened."""
+    try:
+        asyncio.run(scenario)
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
 def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()) -> list[SpawnedDHT]:
     """``count`` DHT nodes on loopback, each under a fresh identity recorded in ``KEYS``; the first
     bootstraps the others unless ``initial_peers`` is given."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import KEYS, start_dhts
+from helpers import KEYS, run_then_shut_down, start_dhts
 from hivemind.p2p import PeerID
 
 from lab.localswarm import tiny_run
@@ -247,11 +247,7 @@ def test_a_peer_that_rounds_differently_ends_the_run_holding_the_majority_state(
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    run_then_shut_down(scenario(), dhts)
     assert [t.step for t in trainers] == [3, 3, 3]
     assert trainers[0].param_hash == trainers[1].param_hash == odd.param_hash
     assert odd.metrics()["resyncs"] >= 1, "it downloaded the state the two others agree on"

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from helpers import start_dhts
+from helpers import run_then_shut_down, start_dhts
 from test_hf import GPT2, documents, save_tokenizer, write_corpus
 from test_training import trainers_for, wait_for
 
@@ -42,11 +42,7 @@ def test_two_peers_train_a_transformers_model_on_local_files_to_one_state(tmp_pa
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    run_then_shut_down(scenario(), dhts)
     first, second = trainers
     assert first.step == second.step == 4
     assert first.param_hash == second.param_hash and first.state_hash == second.state_hash
