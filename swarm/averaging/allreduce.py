@@ -28,7 +28,8 @@ it before it has signed and delivered its aggregate. ``run()`` returns after the
 Layout of the code: this module holds the round's state and the two phases; ``ButterflyAllReduce``
 extends the sender side (streaming this peer's chunks of the other parts and checking what comes back)
 in ``sender.PartSender``, the reducer side (checking, aggregating, signing and returning this peer's own
-part) in ``reducer.PartReducer``, and a substitute's side of a repair in ``repair.PartRepairs``.
+part) in ``reducer.PartReducer``, a substitute's side of a repair in ``repair.PartRepairs``, and the
+escrow of each reducer's own input with another member in ``escrow.PartEscrow``.
 
 Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
 (see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
@@ -52,6 +53,7 @@ from protocols.keys import SigningKey
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
 from swarm.averaging.deadlines import round_deadlines
+from swarm.averaging.escrow import PartEscrow
 from swarm.averaging.evidence import (
     DEFAULT_CHUNK_VALUES,
     SignedInput,
@@ -138,7 +140,7 @@ class RoundSettings:
     chunk_values: int | None = None  # values per chunk; None: the layout's for the group size
 
 
-class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
+class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
     """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult.
 
     ``settings`` holds what the peer's rounds share; the rest is this round's: its group (ID, members,
@@ -248,6 +250,12 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         self._tasks: list[asyncio.Task] = []
         self.revealed: asyncio.Task | None = None
         self._kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
+        # The escrow (see ``escrow``): the own inputs of the reducer this peer holds for, by (part, chunk),
+        # an event per chunk of that part, and the receipts of this peer's own input to its own part.
+        self.escrows: dict[tuple[int, int], SignedInput] = {}
+        held = self.holds_for
+        self._escrowed = [asyncio.Event() for _ in self.part_chunks[held][1:]] if held is not None else []
+        self._receipts: dict[int, bytes] = {}
         # Repairs of parts whose reducer failed (see ``repair``): those this peer stands in for, the
         # signer of each part that came from a substitute's re-reduction, and when each direct stream ended.
         self.repairs: dict[int, PartRepair] = {}
@@ -384,6 +392,7 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         self.local = None
         self.evidence = [inputs if c == drawn[self.index] else [] for c, inputs in enumerate(self.evidence)]
         self.answers = [{c: a for c, a in got.items() if c == drawn[p]} for p, got in enumerate(self.answers)]
+        self.escrows = {(p, c): item for (p, c), item in self.escrows.items() if c == drawn[p]}
         for part, repair in self.repairs.items():
             repair.trim(drawn[part])
 

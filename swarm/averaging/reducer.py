@@ -25,6 +25,7 @@ from hivemind.p2p import PeerID
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
 from protocols.keys import PublicKey
+from swarm.averaging.escrow import escrow_holder
 from swarm.averaging.evidence import (
     SignedInput,
     aggregate_message,
@@ -47,6 +48,8 @@ class PartReducer:
             peer = self.peer_ids[sender].to_base58()
             self.dropped[peer] = reason
             logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
+            if self.escrows_own and sender == escrow_holder(self.index, len(self.members)):
+                self.escrow_lost(f"was dropped ({reason})")
             self._changed.set()
             for repair in self.repairs.values():  # one input fewer to wait for
                 repair.changed.set()
@@ -104,7 +107,8 @@ class PartReducer:
                     raise ProtocolError(f"weight {signed.weight!r} is not a finite number >= 0")
                 lo, hi = self._chunk(self.index, chunk)
                 self.sent[lo:hi] = own
-                self._deliver(self.index, chunk, own, signed)
+                if not self.escrows_own:  # else it is delivered with its holder's receipt (``escrow``)
+                    self._deliver(self.index, chunk, own, signed)
         except ProtocolError as e:
             logger.warning(f"leaving this peer's own values out of round {self.group_id.hex()[:8]}: {e}")
             self._active.discard(self.index)
@@ -148,9 +152,11 @@ class PartReducer:
         entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
         me = self.members[self.index]
         signature = self._sign(aggregate_message(self.digest, part, chunk, me, entries, encoded))
+        own = part == self.index and any(s.sender_index == self.index for _, s in inputs)
         return apb.PartChunk(
-            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries
-        )
+            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries,
+            receipt=self._receipts.get(chunk, b"") if own else b"",
+        )  # fmt: skip
 
     def _attacked(self, part: int, chunk: int, encoded: bytes, numel: int) -> bytes:
         """What a rehearsed bad reducer returns instead of ``encoded``: it may look at the round first
@@ -183,6 +189,11 @@ class PartReducer:
             if getattr(self.attack, "withhold", False):  # a rehearsed withholder returns nothing
                 await consumer
                 return
+            if self.escrows_own and index == escrow_holder(self.index, len(self.members)):
+                for message in self.escrow_messages():
+                    await self._throttle(len(message.data))
+                    self._count(sent=len(message.data))
+                    yield message
             for chunk, event in enumerate(self._reduced):
                 await event.wait()
                 result = self._results[chunk]
@@ -200,7 +211,9 @@ class PartReducer:
             self._changed.set()
 
     async def _consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
-        expected = 0
+        expected, pending = 0, None
+        # The escrow holder follows each contribution with its receipt for our own input to that chunk.
+        receipts = self.escrows_own and sender == escrow_holder(self.index, len(self.members))
         try:
             message = first
             while True:
@@ -217,9 +230,18 @@ class PartReducer:
                 signed = SignedInput(sender, message.data, message.signature, message.weight)
                 self._deliver(sender, expected, values, signed)
                 expected += 1
+                if receipts:
+                    message = await self._next(stream, self.sender_timeout_s)
+                    if message.receipt and not message.data and message.chunk_index == expected - 1:
+                        self.take_receipt(expected - 1, message)
+                    else:
+                        receipts = False
+                        self.escrow_lost("sent no receipt for its escrow")
+                        pending = message
                 if expected == len(self._results):
                     break
-                message = await self._next(stream, self.sender_timeout_s)
+                message = pending if pending is not None else await self._next(stream, self.sender_timeout_s)
+                pending = None
         except ProtocolError as e:
             self._drop(sender, str(e).removeprefix(f"{self.peer_ids[sender].to_base58()} "))
             return
@@ -231,7 +253,8 @@ class PartReducer:
             return
         peer = self.members[sender]
         try:
-            self._check_reveal(sender, await self._next(stream, self.reveal_timeout_s))
+            reveal = pending if pending is not None else await self._next(stream, self.reveal_timeout_s)
+            self._check_reveal(sender, reveal)
         except (asyncio.TimeoutError, StopAsyncIteration):
             logger.info(f"{peer} revealed no nonce in round {self.group_id.hex()[:8]}")
         except Exception as e:

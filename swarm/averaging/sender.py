@@ -24,6 +24,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey
+from swarm.averaging.escrow import check_receipt
 from swarm.averaging.evidence import SignedInput, aggregate_message, contribution_message, parse_entries
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class PartSender:
             entries = parse_entries(message.included, len(self.members))
             if 2 * len(entries) <= len(self.members):
                 raise ProtocolError(f"aggregated only {len(entries)} of {len(self.members)} members")
+            if signer is None or signer == part:  # a substitute's re-reduction escrows nothing
+                check_receipt(self.digest, self.members, part, chunk, entries, message.receipt)
             mine = next((e for e in entries if e.sender_index == self.index), None)
             if mine is not None and (mine.weight != self.weight or mine.data_hash != sent):
                 raise ProtocolError(
@@ -111,7 +114,10 @@ class PartSender:
         chunks = len(self.part_chunks[part]) - 1
         sent: list[bytes] = []
 
+        receipts = part == self.holds_for  # this peer holds the reducer's own input: it signs receipts
+
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
+            nonlocal receipts
             for chunk in range(chunks):
                 await self._pace(part, chunk)
                 message = self._contribution(part, chunk)
@@ -125,6 +131,11 @@ class PartSender:
                 self._handed[part] = chunk + 1
                 self._handed_more.set()
                 yield message
+                if receipts:  # after the first one missing, none: the reducer stops waiting for them
+                    receipt = await self.receipt(part, chunk)
+                    receipts = receipt is not None
+                    if receipt is not None:
+                        yield receipt
             self._handed.pop(part, None)
             self._handed_more.set()
             await self._delivered.wait()
@@ -139,6 +150,10 @@ class PartSender:
                 if message.code != apb.OK:
                     denied = expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
+                if message.escrow:  # the reducer's own input, which this peer holds for validators
+                    self._count(received=len(message.data))
+                    self.take_escrow(part, message)
+                    continue
                 if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
                 self._count(received=len(message.data))
