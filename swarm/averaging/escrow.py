@@ -79,7 +79,7 @@ class PartEscrow:
     @property
     def escrows_own(self) -> bool:
         """Whether this reducer escrows its own input before aggregating it (in every signed round)."""
-        return self.key is not None and self.reduces(self.index)
+        return self.key is not None and self.reduces(self.index) and len(self.members) > 1
 
     @property
     def holds_for(self) -> int | None:
