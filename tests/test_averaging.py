@@ -102,8 +102,9 @@ def test_peers_end_bit_identical_at_the_weighted_mean(dhts, keys):
         assert len(group.peer_ids) == 3 and result.complete and not result.dropped
         assert torch.equal(result.vector, first), "every peer must hold exactly the same bits"
     assert torch.allclose(first, expected, atol=2e-3), "fp16 on the wire keeps the mean within fp16 precision"
-    # Each peer sends (n-1)/n of its vector and the reduced part back to n-1 peers, 2 bytes a value.
-    assert outcomes[0][1].bytes_sent == pytest.approx(2 * 2 * NUMEL * 2 / 3, rel=0.01)
+    # Each peer sends (n-1)/n of its vector, the reduced part back to n-1 peers and its own input to its
+    # part to its escrow holder (1/n), 2 bytes a value.
+    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * (2 * 2 / 3 + 1 / 3), rel=0.01)
 
 
 def test_validators_need_signed_round_inputs(keyed_dhts):
@@ -167,9 +168,10 @@ def test_a_member_nobody_can_dial_reduces_no_part_and_the_round_is_bit_identical
     assert torch.allclose(outcomes[0][1].vector, sum(inputs) / 3, atol=2e-3)
     assert accepted == [2, 2, 0], "each reducer took the other two peers' streams; nobody dialed peer 2"
     # fp16: peer 2 sends all of its vector (half to each reducer) and nothing else; a reducer sends the
-    # other reducer's half, then its own half back to two peers.
+    # other reducer's half, its own half back to two peers, and its own input to that half to its escrow
+    # holder.
     assert outcomes[2][1].bytes_sent == 2 * NUMEL
-    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * 3 / 2, abs=4)
+    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * 2, abs=4)
 
 
 def test_a_group_without_enough_members_that_can_be_dialed_is_left_by_all(keyed_dhts, caplog):
