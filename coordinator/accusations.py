@@ -4,17 +4,24 @@ The evidence follows the signed first part in pieces; each piece is charged to t
 ``EvidenceBudget`` as it arrives (never the size the accuser declared up front), so a stream that
 stalls holds only what it sent. The judge recomputes the aggregate from the signed inputs with the
 run's own rule, codec and layout, and says who is guilty: the accused if the evidence proves it, else
-the accuser (nobody when the evidence is of an averaging prefix the run does not use).
+the accuser (nobody when the evidence is of an averaging prefix the run does not use). Stage evidence
+(``judge_stage``) is recomputed from the states its replies name: the coordinator's checkpoint of the
+stage at that step, or that state downloaded from the stage's replicas by its hash
+(``coordinator.stagestates``), within ``stage_state_timeout_s``. A state that no replica serves is
+asked of the replica that signed for it; one that cannot show it (or named none) is convicted while
+an honest replica would still hold it (``unshown_fault``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Callable
 
 from google.protobuf.message import DecodeError
 
 from coordinator.limits import EvidenceBudget
+from coordinator.stagestates import StageStates
 from protocols import coordinator_pb2 as pb
 from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
@@ -24,7 +31,8 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, parse_evidence
 from swarm.config import RunConfig
 from swarm.pipeline.evidence import KIND as STAGE_KIND
-from swarm.pipeline.evidence import judge_stage
+from swarm.pipeline.evidence import judge_recomputed, read_stage_evidence
+from swarm.pipeline.records import StageRecord
 
 
 class EvidenceReader:
@@ -80,22 +88,127 @@ async def next_part(parts: AsyncIterator[bytes], *, required: bool = True) -> pb
         raise ProtocolError(f"malformed AccusationPart: {e}") from None
 
 
-def judge(
+async def judge_accusation(
     run: RunConfig,
     layouts: Callable[[], dict[str, int]],
     data: bytes,
     accused: str,
     accuser: str,
+    *,
+    judging: asyncio.Lock,
     stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
+    stage_states: StageStates | None = None,
+    stage_state_timeout_s: float = 60.0,
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty): the accused if the evidence proves it, else the accuser; nobody
-    when the evidence is of an averaging prefix this run does not use, whose layout the coordinator
-    cannot know (so it cannot show that the accuser lied either). ``layouts`` (``run_layouts``, which
-    builds the model) is called only for evidence that parses, on the judging thread. Evidence of two
-    stage replicas' different answers goes to ``judge_stage`` with ``stage_checkpoint`` (stage -> the
-    coordinator's checkpoint of it), and may convict either replica."""
+    """(what was found, who is guilty) for any evidence; the recomputation runs on a thread under
+    ``judging``. Stage evidence goes to ``judge_stage``."""
     if _kind(data) == STAGE_KIND:
-        return judge_stage(run, data, accused, accuser, stage_checkpoint)
+        return await judge_stage(
+            run, data, accused, accuser, judging=judging, checkpoint=stage_checkpoint,
+            states=stage_states or StageStates(), timeout_s=stage_state_timeout_s,
+        )  # fmt: skip
+    async with judging:
+        return await asyncio.to_thread(judge, run, layouts, data, accused, accuser)
+
+
+async def judge_stage(
+    run: RunConfig,
+    data: bytes,
+    accused: str,
+    accuser: str,
+    *,
+    judging: asyncio.Lock,
+    checkpoint: Callable[[int], object | None],
+    states: StageStates,
+    timeout_s: float,
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty) for stage evidence, which may convict either replica.
+
+    Each reply is recomputed from the state it names (its signer committed to it): the coordinator's
+    checkpoint of the stage (``checkpoint(stage)``: ``step``, ``state_hash``, ``tensors``) when it is that
+    state, else that state downloaded by its hash from the stage's replicas (``states``), verified. A
+    reply whose state no replica serves is asked of its signer: a signer that does not serve it (or named
+    no state) is convicted if ``unshown_fault`` finds an honest replica would still hold it. Nobody is
+    banned on a state the coordinator could not verify, nor when the time ran out before the signer
+    was asked."""
+    try:
+        evidence = await asyncio.to_thread(read_stage_evidence, run, data, accused, accuser)
+    except SwarmError as e:
+        return f"the evidence does not hold: {e}", accuser
+    stage, step = evidence.stage, evidence.step
+    arrived = await states.members(stage)  # the stage's records when the evidence arrived
+    held = checkpoint(stage)
+    tensors: dict[str, dict] = {}
+    if held is not None and held.step == step:
+        tensors[held.state_hash] = held.tensors
+    unshown: dict[str, str] = {}  # signer -> the state it named and did not show
+    try:
+        async with asyncio.timeout(timeout_s):
+            for state_hash in dict.fromkeys(r.reply.state_hash for r in evidence.replies):
+                if state_hash and state_hash not in tensors:
+                    fetched = await states.fetch(stage, step, state_hash)
+                    if fetched is not None:
+                        tensors[state_hash] = fetched.tensors
+            for r in evidence.replies:
+                state_hash = r.reply.state_hash
+                if state_hash in tensors:
+                    continue
+                fetched = await states.fetch_from(stage, step, state_hash, r.replica) if state_hash else None
+                if fetched is None:
+                    unshown[r.replica] = f"state {state_hash[:12]}" if state_hash else "no state"
+                else:
+                    tensors[state_hash] = fetched.tensors
+    except TimeoutError:
+        pass  # judge what arrived
+    guilty, why_not = [], []
+    if unshown:
+        now = await states.members(stage)
+        for signer, named in unshown.items():
+            why = unshown_fault(step, signer, arrived, now, run.pipeline.kept_states)
+            if why is None:
+                guilty.append(signer)
+            else:
+                why_not.append(f"{signer} did not show {named} it signed for, but {why}")
+        if guilty:
+            signer = accused if accused in guilty else guilty[0]
+            return (
+                f"stage {stage} replica {signer} signed a reply at step {step} naming {unshown[signer]} and "
+                "does not serve it, which an honest replica of the stage would still hold",
+                signer,
+            )
+    async with judging:
+        found, guilty_one = await asyncio.to_thread(judge_recomputed, run, evidence, accused, tensors)
+    if guilty_one is None and why_not:
+        found = f"{found}; {'; '.join(why_not)}"
+    return found, guilty_one
+
+
+def unshown_fault(
+    step: int, signer: str, arrived: list[StageRecord], now: list[StageRecord], keep: int
+) -> str | None:
+    """Why ``signer`` is not at fault for not showing a state of ``step`` it signed for, or None if it is:
+    an honest replica keeps the state of each of the stage's last ``keep`` steps
+    (``swarm.pipeline.history``), so a current replica of the stage (its record in ``arrived``, the
+    stage's records when the evidence came, and still in ``now``) can always show it while ``step`` is
+    one of them. The stage's step is its furthest record's, so that a record lagging its replica's true
+    step never takes an honest replica past its window."""
+    if signer not in {r.peer_id for r in arrived} or signer not in {r.peer_id for r in now}:
+        return "it is not a current replica of the stage, which must keep it"
+    current = max(r.step for r in (*arrived, *now))
+    if current - step >= keep:
+        return (f"the stage is at step {current}, and its replicas keep the states of only the last {keep} "
+                "steps")  # fmt: skip
+    return None
+
+
+def judge(
+    run: RunConfig, layouts: Callable[[], dict[str, int]], data: bytes, accused: str, accuser: str
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty) for averaging evidence: the accused if the evidence proves it, else
+    the accuser; nobody when the evidence is of an averaging prefix this run does not use, whose layout
+    the coordinator cannot know (so it cannot show that the accuser lied either). ``layouts``
+    (``run_layouts``, which builds the model) is called only for evidence that parses, on the judging
+    thread."""
     training = run.training
     try:
         evidence = parse_evidence(data)

@@ -14,7 +14,8 @@ a state at one step (the same rule, among the replicas with a signed pipeline re
 downloads each stage's state from its replicas, verifies it against its hash, and saves it under
 ``checkpoints/stage<k>/``; each stage's checkpoint is announced under the stage's own signed record
 (``<run_id>.stage<k>``) and served under the stage's state namespace, where a restarted stage replica
-finds it.
+finds it. Every view of the stage records it reads also feeds ``recent`` (``RecentStageStates``), which
+fetches a stage's state at a recent step to judge stage evidence.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import swarm.hivemind_import  # noqa: F401  # isort: skip  (first hivemind import: see its docstring)
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -30,6 +32,7 @@ from pathlib import Path
 import hivemind
 from hivemind.p2p import PeerID
 
+from coordinator.stagestates import RecentStageStates
 from coordinator.store import PeerRecord
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
@@ -73,6 +76,9 @@ RECORD_TTL_S = 60.0
 # How long a peer may heartbeat without its signed progress reaching the coordinator's DHT node before
 # it counts as split from the swarm the coordinator checkpoints (joining and catching up take less).
 OUTSIDE_GRACE_S = 60.0
+# A stage state request from a peer not in the pipeline view rereads the records (a replica announces
+# itself just before it asks), at most this often: strangers' streams must not each cost a DHT lookup.
+PIPELINE_REREAD_S = 1.0
 
 
 def state_layout(run: RunConfig) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -143,8 +149,11 @@ class CheckpointKeeper:
         self.stages: dict[int, Checkpoint] = {}  # a pipeline run's latest checkpoint, stage by stage
         self._stage_encoded: dict[int, EncodedState] = {}
         self.pipeline = PipelineView()
+        self.recent: RecentStageStates | None = None  # a pipeline run's stage states at recent steps
         self._started_at = time.time()
         self._in_view_at: dict[str, float] = {}  # peer -> when its progress record was last read
+        self._pipeline_read_at = -PIPELINE_REREAD_S  # when the last read of the pipeline records began
+        self._rereading: asyncio.Future | None = None
 
     def outside_dht(self, records: list[PeerRecord], now: float) -> set[str]:
         """Online peers, up for over ``OUTSIDE_GRACE_S``, whose signed progress this coordinator's DHT
@@ -279,6 +288,9 @@ class CheckpointKeeper:
         return {k: load_checkpoint(steps[k][step]) for k in range(self.num_stages)}
 
     async def _start_stages(self) -> None:
+        self.recent = RecentStageStates(
+            self.run, self._p2p, refresh=self._refresh_pipeline, banned=lambda: self.banned
+        )
         self.stages = await asyncio.to_thread(self._load_stages)
         if self.stages:
             self.latest = self.stages[0]
@@ -298,7 +310,7 @@ class CheckpointKeeper:
             return {r.peer_id for rs in self.pipeline.holders.values() for r in rs}
 
         if requester not in replicas():  # a replica announces itself just before it asks
-            self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+            await self._fresh_pipeline()
         if requester in self.banned or requester not in replicas():
             return f"{requester} has no valid signed pipeline record in run {self.run.run_id!r}"
         return None
@@ -314,6 +326,30 @@ class CheckpointKeeper:
             encoded = self._stage_encoded[stage] = EncodedState(latest.step, latest.state_hash, data)
         return encoded
 
+    async def _fresh_pipeline(self) -> None:
+        """Wait for a read of the pipeline records that began after this call. Reads begin at most once
+        per ``PIPELINE_REREAD_S`` and every caller waiting meanwhile shares the next one: a requester the
+        view does not show yet is found without each stranger's stream costing a DHT lookup."""
+        asked = time.monotonic()
+        for _ in range(3):  # the read under way may have begun before ``asked``: the next one has not
+            if self._pipeline_read_at >= asked:
+                return
+            if self._rereading is None or self._rereading.done():
+                self._rereading = asyncio.ensure_future(self._reread())
+            await asyncio.shield(self._rereading)
+
+    async def _reread(self) -> None:
+        await asyncio.sleep(max(0.0, self._pipeline_read_at + PIPELINE_REREAD_S - time.monotonic()))
+        self._pipeline_read_at = time.monotonic()
+        with contextlib.suppress(Exception):  # a failed read leaves the view as it was; the caller is refused
+            await self._refresh_pipeline()
+
+    async def _refresh_pipeline(self) -> PipelineView:
+        self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+        if self.recent is not None:
+            self.recent.observe(self.pipeline)
+        return self.pipeline
+
     async def _publish_stages(self) -> None:
         for k, checkpoint in self.stages.items():
             await publish_checkpoint_record(
@@ -327,7 +363,7 @@ class CheckpointKeeper:
         bans = await fetch_ban_list(self.dht, self.run.run_id, self.key.public_key)
         if bans is not None:
             self.banned = bans[1]
-        self.pipeline = await fetch_view(self.dht, self.trust, self.num_stages)
+        await self._refresh_pipeline()
         targets = {}
         for k in range(self.num_stages):
             others = {

@@ -61,6 +61,10 @@ class ServiceLimits(BaseModel):
     evidence_read_timeout_s: float = Field(
         60.0, gt=0, le=3600, description="seconds an accusation's stream (signed part and evidence) may take"
     )
+    stage_state_timeout_s: float = Field(
+        120.0, gt=0, le=3600,
+        description="seconds the coordinator spends getting a stage's state to judge stage evidence",
+    )  # fmt: skip
     evidence_budget_bytes: int = Field(
         256 << 20,
         ge=1 << 20,

@@ -141,6 +141,7 @@ class CoordinatorNode:
                 finished_step=lambda: keeper.finished_step,
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
                 outside_dht=keeper.outside_dht, stage_checkpoint=lambda stage: keeper.stages.get(stage),
+                stage_states=keeper.recent,
             )  # fmt: skip
             # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
             # would split the clients between the two.

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from coordinator.accusations import EvidenceReader, judge, next_part, run_layouts
+from coordinator.accusations import EvidenceReader, StageStates, judge_accusation, next_part, run_layouts
 from coordinator.limits import EvidenceBudget, KeyedBuckets, ServiceLimits, caller_key
 from coordinator.store import PeerRecord, Store
 from protocols import coordinator_pb2 as pb
@@ -95,13 +95,14 @@ class CoordinatorService:
         checkpoint_step: Callable[[], int | None] = lambda: None,
         outside_dht: Callable[[list[PeerRecord], float], set[str]] = lambda records, now: set(),
         stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
+        stage_states: StageStates | None = None,
     ):
         self.config = config
         self.holds_checkpoint = holds_checkpoint
         self.finished_step, self.checkpoint_step = finished_step, checkpoint_step
         self.outside_dht, self.stage_checkpoint = outside_dht, stage_checkpoint
-        self.key = key
-        self.store = store
+        self.stage_states = stage_states  # a stage's states at recent steps, for stage evidence
+        self.key, self.store = key, store
         self.dht_initial_peers = dht_initial_peers
         self.limits = limits = limits or ServiceLimits()
         # challenge -> (expires at, caller); insertion order is expiry order (one TTL for all)
@@ -123,7 +124,7 @@ class CoordinatorService:
         self._accusing: set[str] = set()
         # peer -> the last step at which it was reported diverged (one log line per peer and step)
         self._flagged: OrderedDict[str, int] = OrderedDict()
-        self._judging = asyncio.Lock()  # held only while recomputing an aggregate from evidence in memory
+        self._judging = asyncio.Lock()  # held only while recomputing from evidence and a state in memory
 
     @property
     def run_id(self) -> str:
@@ -322,7 +323,7 @@ class CoordinatorService:
         if not step:
             return
         record = await self.store.get_peer(peer_id)
-        majority = (await self.store.majority_hashes()).get(step)
+        majority = (await self.store.majority_hashes(step)).get(step)
         diverged = (
             record is not None
             and record.state == "online"
@@ -420,11 +421,11 @@ class CoordinatorService:
                 # Holding evidence bytes open costs the staller every accusation it had left.
                 self._accusation_buckets.empty(sender)
                 raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
-            async with self._judging:
-                verdict, guilty = await asyncio.to_thread(
-                    judge, self.config, lambda: self._layouts, evidence, body.accused, sender,
-                    self.stage_checkpoint,
-                )  # fmt: skip
+            verdict, guilty = await judge_accusation(
+                self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
+                stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
+                stage_state_timeout_s=limits.stage_state_timeout_s,
+            )  # fmt: skip
         finally:
             reader.release()
             self._accusing.discard(sender)

@@ -224,14 +224,19 @@ class Store:
 
         return await self._run(op)
 
-    async def majority_hashes(self) -> dict[int, str]:
-        """Per step, the parameter hash most online, unbanned peers at it report (ties: the least hash)."""
+    async def majority_hashes(self, step: int | None = None) -> dict[int, str]:
+        """Per step (only ``step`` when given: a heartbeat's check reads one step's rows through the
+        ``peers_by_progress`` index, not the whole table), the parameter hash most online, unbanned peers
+        at it report (ties: the least hash)."""
+        where, args = ("AND p.step = ? ", (step,)) if step is not None else ("", ())
 
         def op(db: sqlite3.Connection) -> dict[int, str]:
             majority: dict[int, tuple[int, str]] = {}
             for step, param_hash, count in db.execute(
                 "SELECT p.step, p.param_hash, COUNT(*) FROM peers p WHERE p.state='online' AND p.param_hash != ''"
-                " AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id) GROUP BY p.step, p.param_hash"
+                f" {where}AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+                " GROUP BY p.step, p.param_hash",
+                args,
             ):
                 best = majority.get(step)
                 if best is None or (-count, param_hash) < (-best[0], best[1]):

@@ -7,9 +7,9 @@ stage (it downloads the stage's state; rebalancing may then move a replica back 
 stage it came from). Replicas rebalance every ``rebalance_interval_s`` (8 s here). It follows the run
 through the coordinator's status and the pipeline records in the DHT, and at the end checks that
 validation loss fell, that no micro-batch was lost, and that the honest replicas of every stage hold
-identical parameters. With ``--byzantine K --attack NAME`` (a pipeline attack of
-``swarm.byzantine.pipeline_attacks``), the first K replicas of the last stage (for an attack a stage
-replica mounts) or the first K trainers (for one a trainer mounts) play the attacker. ``--timeout-s`` bounds a stall: the sim gives up when the trainers make no step for that
+identical parameters. With ``--byzantine K --attack NAME[,NAME...]`` (pipeline attacks of
+``swarm.byzantine.pipeline_attacks``), K replicas (of the last stage first, for an attack a stage
+replica mounts) or K trainers (for one a trainer mounts) play each attacker. ``--timeout-s`` bounds a stall: the sim gives up when the trainers make no step for that
 long, however long the whole run takes.
 
 Example::
@@ -70,25 +70,33 @@ class _Observer:
         self.dht.shutdown()
 
 
-def pipeline_attackers(config: SimConfig) -> list[str]:
-    """The names of the peers that mount ``config.attack``: replicas of the last stage or trainers."""
+def pipeline_attackers(config: SimConfig) -> dict[str, str]:
+    """Who mounts which attack of ``config.attack`` (one pipeline attack, or a comma-separated list of
+    them), ``config.byzantine`` peers each: a stage attack goes to replicas of the last stage (then of the
+    stages before it), a trainer attack to the first trainers; every stage and the trainers keep at least
+    one honest peer."""
     if not config.byzantine:
-        return []
+        return {}
     from swarm.byzantine.attacks import make_attack
 
-    role = make_attack(config.attack, group_size=2, attackers=1).pipeline_role
-    if role is None:
-        raise ConfigError(f"--attack {config.attack} is not a pipeline attack: with --stages, use one that a "
-                          "stage replica or a trainer mounts (swarm/byzantine/pipeline_attacks.py)")  # fmt: skip
-    count, flag = (
-        (config.peers_per_stage, "--peers-per-stage") if role == "stage" else (config.trainers, "--trainers")
-    )
-    if config.byzantine >= count:
-        raise ConfigError(f"--byzantine {config.byzantine}: {config.attack} is mounted by a {role}, and "
-                          f"{flag} {count} leaves no honest one")  # fmt: skip
-    if role == "trainer":
-        return [f"trainer{i}" for i in range(config.byzantine)]
-    return [f"stage{config.stages - 1}-{i}" for i in range(config.byzantine)]
+    stage_slots = [
+        f"stage{k}-{i}" for k in reversed(range(config.stages)) for i in range(config.peers_per_stage - 1)
+    ]
+    trainer_slots = [f"trainer{i}" for i in range(config.trainers - 1)]
+    mounts: dict[str, str] = {}
+    for attack in str(config.attack).split(","):
+        role = make_attack(attack, group_size=2, attackers=1).pipeline_role
+        if role is None:
+            raise ConfigError(f"--attack {attack} is not a pipeline attack: with --stages, use one that a "
+                              "stage replica or a trainer mounts (swarm/byzantine/pipeline_attacks.py)")  # fmt: skip
+        slots, flag = (stage_slots, "--peers-per-stage") if role == "stage" else (trainer_slots, "--trainers")
+        if len(slots) < config.byzantine:
+            raise ConfigError(f"--byzantine {config.byzantine}: {attack} is mounted by a {role}, and {flag} "
+                              f"{config.peers_per_stage if role == 'stage' else config.trainers} leaves no honest one "
+                              "(once the attacks before it in the list have their peers)")  # fmt: skip
+        for _ in range(config.byzantine):
+            mounts[slots.pop(0)] = attack
+    return mounts
 
 
 def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
@@ -104,6 +112,32 @@ def simulate_pipeline(config: SimConfig, base: RunConfig) -> int:
             return rehearsal.failed(e)
 
 
+def _settled_view(observer: _Observer, run: RunConfig, steps: int, byzantine: set[str]):
+    """The pipeline's records once every honest replica holds the last step and each stage's honest
+    replicas one parameter hash, or after a bounded wait. A replica that fell out of the last stage round,
+    or whose stage split into two groups at it (averaging timed out on a loaded machine), downloads its
+    stage-mates' state like at any step; the check waits for that, not for a round that never comes: at
+    most one averaging timeout, matchmaking, a catch-up's download and a few announcements."""
+    settle_s = (
+        run.training.averaging_timeout_s
+        + run.training.matchmaking_time_s
+        + 20 * run.pipeline.announce_interval_s
+    )
+    deadline = time.monotonic() + settle_s
+    while True:
+        view = observer.view()
+        honest = [
+            [r for r in view.replicas(k) if r.peer_id not in byzantine] for k in range(run.pipeline.stages)
+        ]
+        settled = all(
+            all(r.step >= steps for r in replicas) and len({r.param_hash for r in replicas}) <= 1
+            for replicas in honest
+        )
+        if settled or time.monotonic() > deadline:
+            return view
+        time.sleep(run.pipeline.announce_interval_s)
+
+
 def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
     local = rehearsal.local
     last_step = -1
@@ -114,13 +148,15 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
           flush=True)  # fmt: skip
     coordinator = local.start_coordinator(run)
     address = coordinator.extra["address"]
-    byzantine = pipeline_attackers(config)
-    group = config.trainers if byzantine and byzantine[0].startswith("trainer") else config.peers_per_stage
-    rehearsal_flags = ["--rehearse-attack", str(config.attack), "--rehearse-attackers", str(len(byzantine)),
-                       "--rehearse-group-size", str(max(2, group))]  # fmt: skip
+    mounts = pipeline_attackers(config)
+    byzantine = list(mounts)
 
     def flags(name: str) -> list[str]:
-        return rehearsal_flags if name in byzantine else []
+        if name not in mounts:
+            return []
+        group = config.trainers if name.startswith("trainer") else config.peers_per_stage
+        return ["--rehearse-attack", mounts[name], "--rehearse-attackers", str(config.byzantine),
+                "--rehearse-group-size", str(max(2, group))]  # fmt: skip
 
     servers = {}
     for stage in range(config.stages):
@@ -132,7 +168,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
     trainers = {f"trainer{i}": local.start_peer(address, f"trainer{i}", "--role", "trainer", *flags(f"trainer{i}"))
                 for i in range(config.trainers)}  # fmt: skip
     if byzantine:
-        print(f"attackers ({config.attack}): {', '.join(byzantine)}", flush=True)
+        print(f"attackers: {', '.join(f'{n} ({a})' for n, a in mounts.items())}", flush=True)
     honest = [n for n in trainers if n not in byzantine]  # the run's progress is theirs
     observer = _Observer(coordinator.extra["dht_initial_peers"], run)
     rehearsal.on_exit.append(observer.close)
@@ -190,7 +226,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal) -> int:
     time.sleep(2 * run.membership.heartbeat_interval_s)  # the trainers' final metrics reach the record
     rows = {p["name"]: p for p in status_to_dict(status(address))["peers"]}
     by_id = {p["peer_id"]: p["name"] for p in rows.values()}
-    view = observer.view()
+    view = _settled_view(observer, run, config.steps, {rows[n]["peer_id"] for n in byzantine if n in rows})
     stages = []
     for stage in range(config.stages):
         replicas = [{"name": by_id.get(r.peer_id, "?"), "peer_id": r.peer_id, "step": r.step,

@@ -96,7 +96,11 @@ class SimConfig(BaseModel):
         "at a second replica (default: the run's, 0.05)",
     )  # fmt: skip
     byzantine: int = Field(0, ge=0, le=15, description="how many peers play the attacker named by --attack")
-    attack: str | None = Field(None, max_length=64, description="the attack the --byzantine peers mount")
+    attack: str | None = Field(
+        None,
+        max_length=256,
+        description="the attack the --byzantine peers mount (with --stages: a comma-separated list, K peers each)",
+    )
     protocol_attack: str | None = Field(
         None, max_length=256,
         description="protocol attacks (comma-separated, or 'all') that a stock hivemind.DHT with no "
@@ -155,8 +159,9 @@ class SimConfig(BaseModel):
     def _known_attack(cls, attack: str | None) -> str | None:
         from swarm.byzantine.attacks import attack_names
 
-        if attack is not None and attack not in attack_names():
-            raise ValueError(f"unknown attack {attack!r}; known: {', '.join(attack_names())}")
+        for name in attack.split(",") if attack is not None else []:  # several only with --stages
+            if name not in attack_names():
+                raise ValueError(f"unknown attack {name!r}; known: {', '.join(attack_names())}")
         return attack
 
     @model_validator(mode="after")
@@ -180,6 +185,8 @@ class SimConfig(BaseModel):
     def _attackers_are_a_minority(self) -> SimConfig:
         if self.byzantine and self.attack is None:
             raise ValueError("--byzantine needs --attack NAME")
+        if self.attack is not None and "," in self.attack and not self.stages:
+            raise ValueError(f"--attack {self.attack}: a list of attacks is for a pipeline run (--stages)")
         if 2 * self.byzantine >= self.peers:
             raise ValueError(f"--byzantine {self.byzantine} must be fewer than half of --peers {self.peers}")
         return self

@@ -81,12 +81,14 @@ class SignedInput(_message.Message):
     def __init__(self, sender_index: _Optional[int] = ..., data: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., weight: _Optional[float] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_id", "min_step")
+    __slots__ = ("run_id", "min_step", "state_hash")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     min_step: int
-    def __init__(self, run_id: _Optional[str] = ..., min_step: _Optional[int] = ...) -> None: ...
+    state_hash: str
+    def __init__(self, run_id: _Optional[str] = ..., min_step: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("step", "state_hash", "total_bytes", "data", "error")

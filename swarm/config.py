@@ -300,6 +300,11 @@ class PipelineConfig(_Section):
         description="share of micro-batches a trainer repeats at a second replica of one stage to check "
         "its answer (each check costs one stage's forward and backward again: about p/stages of the compute)",
     )  # fmt: skip
+    kept_states: int = Field(
+        2, ge=0, le=8,
+        description="past steps whose state a stage replica keeps (one copy of the stage's state in host "
+        "memory each) so that the coordinator can judge evidence of a step the stage has moved past",
+    )  # fmt: skip
     verify_tolerance: float = Field(
         0.0, ge=0, le=1e3,
         description="largest difference two replicas' answers may show (0: bit-equal, for one device kind; "

@@ -346,3 +346,40 @@ def test_a_part_stream_from_an_uncertified_peer_is_refused_before_its_first_byte
     refusal, waiting, refused = asyncio.run(scenario())
     assert b"not a certified member" in refusal and refused == 1
     assert waiting, "a certified member's stream is read, not refused"
+
+
+def test_strangers_asking_the_coordinator_for_stage_states_share_one_record_read_a_second(
+    tmp_path, monkeypatch
+):
+    """Admission now runs before a stream takes a slot, for every stream: the coordinator's stage state
+    handler reread the pipeline's records from the DHT for each requester it did not know, so a stranger
+    opening streams made it look up the DHT once per stream. Now reads begin at most once per
+    PIPELINE_REREAD_S, every requester waiting meanwhile shares the next one, and a replica that announced
+    itself just before it asked is still admitted."""
+    import coordinator.checkpoints as checkpoints
+    from lab.localswarm import tiny_run
+    from swarm.pipeline.records import PipelineView, StageRecord
+
+    replica = SigningKey.generate().peer_id
+    announced = PipelineView(holders={0: [StageRecord(replica, 0, 0, 1.0, 0.0, "", "", time.time())]})
+    reads = []
+
+    async def fetch_view(dht, trust, stages):
+        reads.append(time.monotonic())
+        return announced if len(reads) > 1 else PipelineView()
+
+    monkeypatch.setattr(checkpoints, "fetch_view", fetch_view)
+    keeper = checkpoints.CheckpointKeeper(tiny_run("reread"), None, SigningKey.generate(), tmp_path)
+
+    async def flood() -> tuple[list[str | None], str | None]:
+        strangers = [keeper._admit_stage(SigningKey.generate().peer_id) for _ in range(50)]
+        refusals = await asyncio.gather(*strangers)
+        return refusals, await keeper._admit_stage(replica)
+
+    started = time.monotonic()
+    refusals, admitted = asyncio.run(flood())
+    assert all(r is not None and "no valid signed pipeline record" in r for r in refusals)
+    assert admitted is None, "the replica that announced itself is found on the next read"
+    assert len(reads) == 2, f"{len(reads)} DHT reads for 50 strangers and one replica"
+    assert reads[1] - reads[0] >= checkpoints.PIPELINE_REREAD_S - 0.05
+    assert time.monotonic() - started < 5 * checkpoints.PIPELINE_REREAD_S

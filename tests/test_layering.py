@@ -74,11 +74,24 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+def parse(text: str, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse``, tried again on CPython 3.11's "AST constructor recursion depth mismatch": its AST
+    conversion keeps its depth in interpreter-wide state, so a parse in another thread at the same moment
+    (a daemon thread left by an earlier test) fails this one spuriously (CPython gh-106905)."""
+    for attempt in range(3):
+        try:
+            return ast.parse(text, filename=filename)
+        except SystemError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Edge]:
     """The project modules that ``module`` imports, with the line of each import."""
     edges = []
     is_package = path.name == "__init__.py"
-    for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+    for node in _import_nodes(parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -169,7 +182,7 @@ def unlisted_modules(root: Path) -> list[str]:
     missing = []
     for package in PACKAGES:
         for init in sorted((root / package).rglob("__init__.py")):
-            doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+            doc = ast.get_docstring(parse(init.read_text())) or ""
             for child in sorted(init.parent.iterdir()):
                 if child.name == "__init__.py" or child.name.startswith(("_", ".")):
                     continue

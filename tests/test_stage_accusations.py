@@ -92,12 +92,15 @@ def signed_chunk(
 
 @contextlib.asynccontextmanager
 async def serving(
-    tmp_path: Path, run: RunConfig, stage_checkpoint=lambda stage: None
+    tmp_path: Path, run: RunConfig, stage_checkpoint=lambda stage: None, stage_states=None
 ) -> AsyncIterator[tuple[str, Store]]:
-    """The real coordinator service on loopback; ``stage_checkpoint``: its checkpoint of a stage."""
+    """The real coordinator service on loopback; ``stage_checkpoint``: its checkpoint of a stage;
+    ``stage_states``: where it gets a stage's state at another step."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     store = Store.open_sync(tmp_path / "coordinator.db", run.run_id)
-    service = CoordinatorService(run, SigningKey.generate(), store, [], stage_checkpoint=stage_checkpoint)
+    service = CoordinatorService(
+        run, SigningKey.generate(), store, [], stage_checkpoint=stage_checkpoint, stage_states=stage_states
+    )
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers((service.generic_handler(),))
     port = server.add_insecure_port("127.0.0.1:0")

@@ -29,7 +29,7 @@ from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.pipeline.trainer import PipelineTrainer, StageFailure
-from swarm.pipeline.verify import check_reply
+from swarm.pipeline.verify import check_reply, sign_reply
 from swarm.pipeline.wire import encode_floats, encode_ids
 from swarm.training.state import state_hash, state_tensors
 
@@ -179,6 +179,21 @@ class Held:
         self.state_hash = state_hash(self.step, self.tensors)
 
 
+async def accuse_at_coordinator(
+    tmp_path: Path, run: RunConfig, checkpoint, trainer: SigningKey, peers: list, accused: Replica,
+    evidence: StageMismatchEvidence, stage_states=None,
+):  # fmt: skip
+    """Join ``trainer`` and ``peers`` at the real coordinator service (holding ``checkpoint`` of the stage)
+    and have ``trainer`` file ``evidence`` against ``accused``: (its answer, the peers banned)."""
+    async with serving(tmp_path, run, lambda stage: checkpoint, stage_states) as (address, store), \
+            CoordinatorClient(address) as client:  # fmt: skip
+        for i, key in enumerate((trainer, *peers)):
+            await client.join(key, RUN, name=f"peer{i}", device="cpu")
+        answer = await client.accuse(trainer, RUN, accused=accused.key.peer_id, reason="mismatch",
+                                     evidence=evidence.to_bytes())  # fmt: skip
+        return answer, {b.peer_id for b in await store.list_bans()}
+
+
 @pytest.mark.parametrize("poisoned_first", [True, False])
 def test_a_poisoning_replica_is_caught_by_a_check_and_banned_by_the_coordinator(
     tmp_path: Path, poisoned_first
@@ -204,15 +219,12 @@ def test_a_poisoning_replica_is_caught_by_a_check_and_banned_by_the_coordinator(
         evidence = await check.check(0, second.key.peer_id, 2, call)
         assert evidence is not None and check.stats["mismatches"] == 1
         assert filed and filed[0][0] == first.key.peer_id  # the trainer accuses the replica it checked
-        async with serving(tmp_path / str(poisoned_first), run, lambda stage: held) as (address, store), \
-                CoordinatorClient(address) as client:  # fmt: skip
-            for i, key in enumerate((trainer, honest.key, poison.key)):
-                await client.join(key, RUN, name=f"peer{i}", device="cpu")
-            answer = await client.accuse(trainer, RUN, accused=first.key.peer_id, reason="mismatch",
-                                         evidence=evidence.to_bytes())  # fmt: skip
-            assert answer.banned_peer == poison.key.peer_id, answer.verdict
-            assert "wrongly" in answer.verdict and "false accusation" not in answer.verdict  # convicted
-            assert {b.peer_id for b in await store.list_bans()} == {poison.key.peer_id}
+        answer, banned = await accuse_at_coordinator(
+            tmp_path / str(poisoned_first), run, held, trainer, [honest.key, poison.key], first, evidence
+        )
+        assert answer.banned_peer == poison.key.peer_id, answer.verdict
+        assert "wrongly" in answer.verdict and "false accusation" not in answer.verdict  # convicted
+        assert banned == {poison.key.peer_id}
 
     asyncio.run(scenario())
 
@@ -257,35 +269,6 @@ def test_forged_stage_evidence_bans_its_accuser_and_unrecomputable_evidence_bans
                 await client.accuse(framer, RUN, accused=poison.key.peer_id, reason="mismatch",
                                     evidence=real.to_bytes())  # fmt: skip
             assert await store.list_bans() == []
-
-    asyncio.run(scenario())
-
-
-def test_a_reply_computed_with_another_state_convicts_its_replica_without_recomputing(tmp_path: Path):
-    """A replica whose state drifted from the stage's agreed one (the coordinator's checkpoint) answers
-    differently and names its own state hash: that alone convicts it."""
-    run = run_config()
-    trainer = trainer_key()
-    honest, drifted = Replica(run, 0), Replica(run, 0)
-    held = Held(honest.replica)
-    with torch.no_grad():
-        drifted.replica.params[0].add_(0.01)
-    asyncio.run(drifted.replica.commit())
-    assert drifted.replica.state_hash != held.state_hash
-
-    async def scenario() -> None:
-        check = checker(run, trainer, {honest.key.peer_id: honest, drifted.key.peer_id: drifted})
-        evidence = await check.check(
-            0, honest.key.peer_id, 2, await through(drifted, trainer, run, 5, seed=5)
-        )
-        assert evidence is not None
-        async with serving(tmp_path, run, lambda stage: held) as (address, store), \
-                CoordinatorClient(address) as client:  # fmt: skip
-            for i, key in enumerate((trainer, honest.key, drifted.key)):
-                await client.join(key, RUN, name=f"peer{i}", device="cpu")
-            answer = await client.accuse(trainer, RUN, accused=drifted.key.peer_id, reason="mismatch",
-                                         evidence=evidence.to_bytes())  # fmt: skip
-            assert answer.banned_peer == drifted.key.peer_id and "other than the agreed" in answer.verdict
 
     asyncio.run(scenario())
 
@@ -377,3 +360,44 @@ def test_a_trainer_cannot_frame_an_honest_replica_with_an_inference_answer_or_a_
 
     verdicts = asyncio.run(scenario())
     assert all("mis-signed" in v for v in verdicts), verdicts
+
+
+def test_a_reply_naming_no_state_is_refused_and_an_honest_replica_never_sends_one(monkeypatch):
+    """A poisoner that signs its replies with an empty ``state_hash`` could never be judged: the trainer
+    refuses such a reply, correctly signed, as it refuses a mis-signed one (and avoids the replica). An
+    honest replica asked between a step's update and its hashing hashes its state before it answers,
+    and names it."""
+    run = run_config()
+    trainer = trainer_key()
+
+    class NoState(StageServicer):
+        def _answer(self, kind, request, caller):
+            reply = super()._answer(kind, request, caller)
+            reply.state_hash = ""
+            sign_reply(self.key, run.run_id, self.replica.index, caller, reply, request)
+            return reply
+
+    liar = Replica(run, 0)
+    liar.servicer = NoState(liar.replica, liar.servicer.gate, key=liar.key)
+    pipeline = PipelineTrainer(run, None, peer_id=trainer.peer_id, signing_key=trainer)
+
+    class Transport:
+        async def rpc_forward(self, request, timeout):
+            return await liar.call(trainer, "rpc_forward", request)
+
+    monkeypatch.setattr(StageServicer, "get_stub", classmethod(lambda cls, *a, **k: Transport()))
+    forward = stage0_forward(run, 9, 9)
+    with pytest.raises(StageFailure, match="names no state") as failure:
+        asyncio.run(pipeline._call(0, liar.key.peer_id, "rpc_forward", forward))
+    assert failure.value.code == ppb.BAD_REQUEST  # the code on which the trainer avoids the server
+    reply = asyncio.run(liar.call(trainer, "rpc_forward", stage0_forward(run, 10, 10)))
+    check_reply(liar.key.peer_id, run.run_id, 0, trainer.peer_id, reply, stage0_forward(run, 10, 10))
+
+    honest = Replica(run, 0)
+    honest.replica.apply(torch.zeros(honest.replica.numel))  # updated to step 1, not hashed yet
+    early = stage0_forward(run, 11, 11)
+    early.step = 1
+    answered = asyncio.run(honest.call(trainer, "rpc_forward", early))
+    assert answered.code == ppb.OK and honest.replica.hashed_step == 1  # hashed before it answered
+    assert answered.state_hash == state_hash(1, state_tensors(honest.replica.model, honest.replica.optimizer))
+    check_reply(honest.key.peer_id, run.run_id, 0, trainer.peer_id, answered, early)

@@ -290,3 +290,32 @@ def test_suspicions_count_distinct_online_unbanned_credited_reporters_and_each_k
             store.close()
 
     assert run(scenario()) == {"w": 3}
+
+
+def test_one_step_s_majority_hash_is_the_whole_table_s_at_that_step(tmp_path: Path):
+    """A heartbeat's divergence check asks one step's majority (through the (step, param_hash) index, not a
+    scan of every peer on every heartbeat): the same answer as the whole table's at that step."""
+
+    async def scenario() -> None:
+        store = Store.open_sync(tmp_path / "c.db", "majority", max_samples_per_step=32)
+        try:
+            reports = {
+                "a": (3, "x"),
+                "b": (3, "x"),
+                "c": (3, "y"),
+                "d": (4, "z"),
+                "e": (4, "w"),
+                "f": (4, "w"),
+            }
+            for seq, (p, (step, param_hash)) in enumerate(reports.items(), start=1):
+                await store.admit(peer(p))
+                await store.record_heartbeat(p, seq=seq, seen_at=float(seq), metrics={}, step=step,
+                                             param_hash=param_hash * 64)  # fmt: skip
+            whole = await store.majority_hashes()
+            assert whole == {3: "x" * 64, 4: "w" * 64}
+            for step in (3, 4, 5):
+                assert await store.majority_hashes(step) == ({step: whole[step]} if step in whole else {})
+        finally:
+            store.close()
+
+    run(scenario())

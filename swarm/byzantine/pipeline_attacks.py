@@ -109,7 +109,11 @@ class StagePoisonOptions(AttackOptions):
         1.5, ge=-1e3, le=1e3, description="factor on the forward outputs the replica answers"
     )
     grad_norm_share: float = Field(
-        0.99, ge=0, le=1, description="grad_inputs are answered at this share of the run's norm bound"
+        0.99,
+        ge=0,
+        le=100,
+        description="grad_inputs are answered at this share of the run's norm bound (over 1: the trainer "
+        "refuses them and avoids the replica)",
     )
     share: float = Field(1.0, gt=0, le=1, description="share of micro-batches poisoned (drawn per ID)")
 

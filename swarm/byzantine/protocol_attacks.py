@@ -209,6 +209,7 @@ class DownloadFlood(ProtocolAttack):
 
     async def mount(self, target: ProtocolTarget) -> int:
         from hivemind.p2p import PeerID
+        from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 
         from swarm.training.sync import StateServicer
 
@@ -220,6 +221,10 @@ class DownloadFlood(ProtocolAttack):
                 async for chunk in await stub.rpc_download_state(apb.StateRequest(run_id=target.run_id)):
                     self.received_bytes += len(chunk.data)
                     self.refusals += bool(chunk.error)
+            except (
+                P2PHandlerError
+            ):  # refused by the holder's inbound bound or admission, before its handler ran
+                self.refusals += 1
             except Exception:  # an unreachable holder or a dropped stream: the flood goes on
                 self.failures += 1
 

@@ -6,10 +6,12 @@
 - balance.py: which stage a peer takes, which server a trainer calls, who moves to the bottleneck
 - gate.py: who may call a stage server (verified members, not banned)
 - replica.py: one replica of a stage: forward, backward, accumulation once per micro-batch, the step
+- held.py: what a replica holds of a micro-batch (``HeldForward``) and the per-caller bound on it
 - server.py: the P2P handlers of a stage server (``StageServicer``), every refusal a code and a message
 - worker.py: a peer hosting a stage (``StageWorker``): serve, average with the stage's replicas, catch up,
   rebalance
 - moves.py: how that peer joins a stage, serves it, leaves it and moves to another (``StageMoves``)
+- history.py: the states a replica serves: its current one and those of its last steps (``StateHistory``)
 - verify.py: signed replies of stage replicas (``check_reply``) and the micro-batch's dropout seed
 - evidence.py: two replicas' different answers to one micro-batch (``StageMismatchEvidence``), judged
 - check.py: a trainer's checks of stage replicas, repeated at a second replica (``StageCheck``)

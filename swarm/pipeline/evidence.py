@@ -2,18 +2,17 @@
 
 A trainer's check (swarm/pipeline/verify.py) that finds two signed replies to the same inputs differ
 files ``StageMismatchEvidence``: the inputs (and targets, and for a backward the grad_outputs), both
-replies with their state hashes and signatures. The coordinator (``judge_stage``) checks that both
-signatures name the same run, stage, step, trainer, micro-batch and inputs and that the replies differ;
-a reply computed with a state other than the stage's agreed one (the coordinator's checkpoint of the
-stage at that step) convicts its replica; otherwise the coordinator recomputes the call from that state
-with the real ``StageReplica`` (once per accusation) and convicts the replica whose reply differs. If it
-holds no state of the stage at that step it bans nobody and says so. Evidence that does not hold bans
-its accuser.
+replies with their state hashes and signatures. The coordinator checks that both
+signatures name the same run, stage, step, trainer, micro-batch and inputs and that the replies differ
+(``read_stage_evidence``); then it recomputes each reply from the state that reply names, with the real
+``StageReplica``, and convicts a replica whose reply differs from what its own state computes
+(``judge_recomputed``). Where those states come from (the coordinator's checkpoint, or the stage's
+replicas, by hash) is ``coordinator.accusations.judge_stage``'s business. Evidence that does not hold
+bans its accuser.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocols import pipeline_pb2 as ppb
@@ -151,38 +150,49 @@ class StageMismatchEvidence:
             replica.close()
 
 
-def judge_stage(
-    run: RunConfig, data: bytes, accused: str, accuser: str, checkpoint: Callable[[int], object | None]
+def read_stage_evidence(run: RunConfig, data: bytes, accused: str, accuser: str) -> StageMismatchEvidence:
+    """The evidence in ``data``, checked by ``StageMismatchEvidence.verify``; a SwarmError says what is wrong."""
+    evidence = StageMismatchEvidence.from_bytes(data)
+    evidence.verify(run, accused, accuser)
+    return evidence
+
+
+def judge_recomputed(
+    run: RunConfig, evidence: StageMismatchEvidence, accused: str, states: dict[str, dict]
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty) for stage evidence; ``checkpoint(stage)`` is the coordinator's
-    checkpoint of that stage (``step``, ``state_hash``, ``tensors``), or None."""
-    try:
-        evidence = StageMismatchEvidence.from_bytes(data)
-        evidence.verify(run, accused, accuser)
-    except SwarmError as e:
-        return f"the evidence does not hold: {e}", accuser
+    """(what was found, who is guilty), recomputing each reply from the state it names: ``states`` maps a
+    state hash to its tensors, verified against it (the coordinator's checkpoint, or the state downloaded
+    from a replica). A replica is wrong only if its answer differs from what the state it signed computes:
+    a replica whose state forked from its stage-mates' (a round it took alone) answers correctly for its
+    own state and is not convicted. A reply whose state is not in ``states`` is not judged."""
     stage, step = evidence.stage, evidence.step
-    held = checkpoint(stage)
-    if held is None or held.step != step:
-        return f"cannot recompute stage {stage} at step {step}: the coordinator holds no state of it", None
-    # An empty hash (a reply between a step's update and its hashing) is left to the recomputation.
-    wrong = [r.replica for r in evidence.replies if r.reply.state_hash not in ("", held.state_hash)]
-    if len(wrong) == 1:
-        return (
-            f"stage {stage} replica {wrong[0]} computed step {step} with a state other than the agreed one",
-            wrong[0],
-        )
-    try:
-        truth = evidence.recompute(run, held.tensors)
-    except SwarmError as e:
-        return f"cannot recompute stage {stage} at step {step}: {e}", None
     codec = get_codec(run.training.compression)
-    wrong = [r.replica for r in evidence.replies
-             if replies_differ(r.reply, truth, codec, run.pipeline.verify_tolerance)]  # fmt: skip
+    wrong, judged = [], 0
+    for r in evidence.replies:
+        tensors = states.get(r.reply.state_hash) if r.reply.state_hash else None
+        if tensors is None:
+            continue
+        try:
+            truth = evidence.recompute(run, tensors)
+        except SwarmError as e:
+            return f"cannot recompute stage {stage} at step {step}: {e}", None
+        judged += 1
+        if replies_differ(r.reply, truth, codec, run.pipeline.verify_tolerance):
+            wrong.append(r.replica)
+    if not judged:
+        return (
+            f"cannot recompute stage {stage} at step {step}: the coordinator holds neither reply's state",
+            None,
+        )
     if not wrong:
-        return f"both replies of stage {stage} are within the tolerance of the recomputation", None
+        return (
+            f"the replies of stage {stage} at step {step} are what the states they name compute (checked "
+            f"{judged} of 2)",
+            None,
+        )
     guilty = accused if accused in wrong else wrong[0]
     return (
-        f"stage {stage} replica {guilty} answered micro-batch {evidence.forward.microbatch_id} at step {step} wrongly",
+        f"stage {stage} replica {guilty} answered micro-batch {evidence.forward.microbatch_id} at step {step} "
+        "wrongly for the state it named",
         guilty,
     )

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -112,3 +113,10 @@ def stage_bytes(run: RunConfig, index: int) -> int:
     if spec.head:
         numel += 2 * d + 256 * d
     return 4 * 4 * numel
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory of ``device`` ("cpu" or "cuda..."): what a stage's state must fit in."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info()[0])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -20,7 +21,9 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.factory import build_averager
 from swarm.keyspace import stage_prefix
 from swarm.pipeline.balance import choose_stage, rebalance_move, stage_totals
+from swarm.pipeline.history import StateHistory
 from swarm.pipeline.layout import stage_bytes
+from swarm.pipeline.records import PipelineView
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import pipeline_namespace
 from swarm.training.sync import StateServicer, fetch_checkpoint_record, state_namespace
@@ -69,7 +72,8 @@ class StageMoves:
         replica.paused = self.paused
         self._serving = False
         self._joining_at = replica.step  # while it loads the stage's state it takes no round either
-        self.replica, self.averager, self._encoded = replica, averager, None
+        self.replica, self.averager = replica, averager
+        self.states = StateHistory(self.config.run_id, self.config.pipeline.kept_states)
         self._busy_mark, self._load = (time.monotonic(), 0.0), 0.0  # busy time is counted per replica
         await replica.measure()
         await replica.commit()
@@ -81,6 +85,7 @@ class StageMoves:
             self.encoded_state,
             admit=self._admit_download,
             upload_limiter=self.upload_limiter,
+            find=self.state_of,
         )
         await self._register(state, state_namespace(stage_prefix(self.config.run_id, index)))
         self._step_view = self._views
@@ -206,14 +211,26 @@ class StageMoves:
             self.replica.leaving = True
             self._serving = False
 
+    def _proven_view(self) -> PipelineView:
+        """The view with this replica's own stage cut to itself and the peers it completed its last round
+        with. A serving record costs nothing: four Sybil records of a stage (no server behind them) made
+        its only honest replica look spare, and rebalancing moved it away, leaving the stage to them."""
+        r = self.replica
+        mates = [x for x in self.view.replicas(r.index) if x.peer_id in self._round_mates | {self.peer_id}]
+        return dataclasses.replace(self.view, stages={**self.view.stages, r.index: mates})
+
     async def _maybe_move(self) -> None:
         r = self.replica
+        serving = self.view.replicas(r.index)
+        if serving and min(x.peer_id for x in serving) != self.peer_id:
+            return  # one mover per stage, named from every record: proven sets differ between replicas
+        view = self._proven_view()
         target = rebalance_move(
-            self.view, self.peer_id, r.index, self.num_stages, self.config.pipeline.rebalance_margin
+            view, self.peer_id, r.index, self.num_stages, self.config.pipeline.rebalance_margin
         )
         if target is None or not self._fits()[target]:
             return
-        before = {k: round(v, 1) for k, v in stage_totals(self.view, self.num_stages).items()}
+        before = {k: round(v, 1) for k, v in stage_totals(view, self.num_stages).items()}
         logger.info(f"rebalancing: moving from stage {r.index} to the bottleneck stage {target} "
                     f"(samples/s by stage: {before})")  # fmt: skip
         self.move_to(target)

@@ -15,9 +15,10 @@ trainer's attempt number, and a replica remembers, per micro-batch it counted, t
 reached it (``claims``): the trainer's final, successful path holds the latest attempt at every stage.
 An attempt above 1 comes with the trainer's signature of it (``swarm.pipeline.wire.attempt_ticket``).
 Replicas announce the micro-batches they hold with an attempt above 1, with that signature, and one that
-finds another replica holding a later, validly signed attempt of a micro-batch it counted drops it: it replays the micro-batches it
-keeps (their inputs, gradients and random state are kept until the step closes) from a zero gradient,
-so its gradient is bit for bit the one it would hold had the retry never reached it.
+finds another replica holding a later, validly signed attempt of a micro-batch it counted drops it: it
+replays that trainer's other micro-batches (their inputs, gradients and random state are kept until the
+step closes) from a zero gradient, so the trainer's sum is bit for bit the one it would hold had the
+retry never reached it, and the other trainers' sums are left as they are.
 
 Gradients are of the summed loss over the micro-batch's samples. A replica keeps one running sum per
 trainer (``by_trainer``), and when the step closes it aggregates the trainers' mean gradients with the
@@ -31,13 +32,11 @@ mean gradient, bit for bit what the sum gave.
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -51,6 +50,14 @@ from swarm.averaging.compression import get_codec
 from swarm.config import RunConfig
 from swarm.models import model_config
 from swarm.models.gpt import VOCAB_SIZE
+from swarm.pipeline.held import (
+    MAX_FORWARD_STATES,
+    HeldForward,
+    Key,
+    Refusal,
+    forwards_per_caller,
+    make_room,
+)
 from swarm.pipeline.layout import build_stage, stage_layout
 from swarm.pipeline.wire import check_attempt, decode_floats, decode_ids, encode_floats
 from swarm.training.state import (
@@ -65,39 +72,10 @@ from swarm.training.state import (
 
 T = TypeVar("T")
 
-#: Forward states one replica keeps at most; past it a new forward is refused (BUSY) until some expire.
-MAX_FORWARD_STATES = 512
 #: Trainers served at one step (each holds a flat gradient copy here); past it a new one is refused (BUSY).
 MAX_TRAINERS_PER_STEP = 64
-#: A micro-batch as a replica keeps it: (the trainer that sent it, its ID).
-Key = tuple[str, int]
 #: A trainer this many times the median trainer's distance from the aggregate is an outlier (suspected).
 OUTLIER_FACTOR = 4.0
-
-
-class Refusal(Exception):
-    """A request this replica will not serve: a code and a message for the caller."""
-
-    def __init__(self, code: int, message: str, step: int):
-        super().__init__(message)
-        self.code, self.message, self.step = code, message, step
-
-
-@dataclass
-class _Forward:
-    """A forward pass a stage replica holds until its backward arrives (or it expires)."""
-
-    inputs: torch.Tensor | None  # the leaf whose gradient goes back (None on the first stage)
-    outputs: torch.Tensor | None  # hidden states with their graph, until the backward
-    samples: int
-    created: float
-    compute_s: float
-    reply: ppb.Tensor | None = None  # the encoded outputs, answered again to a repeated forward
-    result: ppb.Tensor | None = None  # grad_inputs once counted, answered again to a repeated backward
-    loss: float = math.nan
-    request: ppb.ForwardRequest | None = None  # what a replay of this micro-batch recomputes from
-    rng: torch.Tensor | None = None  # the random state its forward ran with (dropout)
-    signature: bytes = b""  # the trainer's signature of the latest attempt that reached it here
 
 
 class StageReplica:
@@ -127,11 +105,12 @@ class StageReplica:
         self.d_model, self.seq_len = config.d_model, config.seq_len
         self.max_batch = run.training.micro_batch_size
         self.max_trainers = MAX_TRAINERS_PER_STEP
+        self.forwards_per_caller = forwards_per_caller(run)
         self.step = 0
         self.samples = 0
         self.claims: dict[Key, int] = {}  # counted micro-batch -> the latest attempt that reached it here
-        self._replay: dict[Key, tuple[_Forward, ppb.Tensor | None]] = {}  # in counting order
-        self.forwards: dict[Key, _Forward] = {}
+        self._replay: dict[Key, tuple[HeldForward, ppb.Tensor | None]] = {}  # in counting order
+        self.forwards: dict[Key, HeldForward] = {}
         self.served: set[str] = set()  # trainers that sent a micro-batch here at this step
         self.closing = False  # the step's gradient is being averaged: no more work for this step
         self.paused = False  # the volunteer paused: no new micro-batches
@@ -278,6 +257,7 @@ class StageReplica:
             raise self._refuse(
                 ppb.BUSY, f"this server serves {len(self.served)} trainers at step {self.step}, its limit"
             )
+        make_room(self.forwards, key, self.forwards_per_caller)  # one caller never fills the states
         if len(self.forwards) >= MAX_FORWARD_STATES and key not in self.forwards:
             raise self._refuse(
                 ppb.BUSY, f"{len(self.forwards)} micro-batches are waiting for their backward here"
@@ -292,13 +272,13 @@ class StageReplica:
         if self.is_last:
             loss = self.model.loss(x, targets.to(self.device))
             (loss * inputs.shape[0]).backward()  # gradient of the sum; divided by the count when averaged
-            entry = _Forward(leaf, None, inputs.shape[0], now, 0.0, loss=float(loss.detach()))
+            entry = HeldForward(leaf, None, inputs.shape[0], now, 0.0, loss=float(loss.detach()))
             entry.request, entry.rng, entry.signature = request, rng, request.attempt_signature
             entry.result = self._grad_reply(leaf)
             self._count(key, entry, time.monotonic() - started, request.attempt, None)
             return ppb.ForwardReply(step=self.step, grad_inputs=entry.result, loss=entry.loss)
         outputs = self.model(x)
-        entry = _Forward(leaf, outputs, inputs.shape[0], now, time.monotonic() - started)
+        entry = HeldForward(leaf, outputs, inputs.shape[0], now, time.monotonic() - started)
         entry.request, entry.rng, entry.signature = request, rng, request.attempt_signature
         entry.reply = encode_floats(outputs.detach(), self.codec)
         self.forwards[key] = entry
@@ -330,7 +310,7 @@ class StageReplica:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _count(
-        self, key: Key, entry: _Forward, seconds: float, attempt: int, grad_outputs: ppb.Tensor | None
+        self, key: Key, entry: HeldForward, seconds: float, attempt: int, grad_outputs: ppb.Tensor | None
     ) -> None:
         self._bank(key[0], entry.samples)
         entry.inputs = entry.outputs = None  # the graph is spent; keep only the answer
@@ -410,16 +390,23 @@ class StageReplica:
 
     def drop_superseded(self, latest: dict[Key, int]) -> int:
         """Drop the micro-batches that reached another replica of the stage on a later attempt (``latest``:
-        micro-batch -> the latest attempt any other replica holds, from ``superseding``) and rebuild the
-        gradient from the rest, replayed in counting order; returns the samples dropped."""
+        micro-batch -> the latest attempt any other replica holds, from ``superseding``) and rebuild the sums
+        of their trainers from the rest of theirs, replayed in counting order; returns the samples dropped."""
         gone = {k for k, a in self.claims.items() if latest.get(k, 0) > a}
         if not gone:
             return 0
+        # Sums are per trainer: only the trainers that lost a micro-batch are rebuilt, from their own. Each
+        # drop used to replay every trainer's micro-batches, so one trainer's signed retry of its own
+        # micro-batch at another replica made this one compute the whole step's backward again.
+        trainers = {k[0] for k in gone}
         self.optimizer.zero_grad(set_to_none=True)
-        self.by_trainer.clear()
-        self.trainer_samples.clear()
-        self.samples = dropped = 0
+        for trainer in trainers:
+            self.by_trainer.pop(trainer, None)
+            self.samples -= self.trainer_samples.pop(trainer, 0)
+        dropped = 0
         for key, (entry, grad_outputs) in list(self._replay.items()):
+            if key[0] not in trainers:
+                continue
             if key in gone:
                 del self._replay[key], self.claims[key], self.forwards[key]
                 dropped += entry.samples
@@ -430,7 +417,7 @@ class StageReplica:
         self.stats["dropped"] += len(gone)
         return dropped
 
-    def _recompute(self, entry: _Forward, grad_outputs: ppb.Tensor | None) -> None:
+    def _recompute(self, entry: HeldForward, grad_outputs: ppb.Tensor | None) -> None:
         """The gradient of one counted micro-batch again, exactly as it was computed when counted."""
         inputs, targets = self._inputs(entry.request)
         x = inputs.to(self.device) if self.is_first else inputs.to(self.device).requires_grad_()

@@ -17,6 +17,7 @@ from protocols.keys import SigningKey
 from swarm.byzantine.attacks import Attack
 from swarm.inbound import UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.history import rehash
 from swarm.pipeline.replica import Refusal, StageReplica
 from swarm.pipeline.verify import seed_forward, sign_reply
 
@@ -86,6 +87,8 @@ class StageServicer(BoundedServicer):
         """Compute and sign one reply, on the replica's thread. The forward's random state is seeded from
         the micro-batch, so that every replica of the stage (and a recomputation) draws the same dropout."""
         r = self.replica
+        if not r.state_hash or r.hashed_step != r.step:
+            rehash(r)  # every reply names the state it was computed with, or nobody could judge it
         if kind == "forward":
             seed_forward(r.run.run_id, r.index, request, caller)
             reply, backward = r.forward(request, caller), None
@@ -106,7 +109,7 @@ class StageServicer(BoundedServicer):
                 backward.grad_outputs.CopyFrom(kept)
         if self.attack is not None:  # a rehearsed cheat answers wrongly, and signs what it answers
             reply = self.attack.stage_reply(kind, request, reply, r)
-        reply.state_hash = r.state_hash if r.hashed_step == r.step else ""
+        reply.state_hash = r.state_hash
         if self.key is not None:
             sign_reply(self.key, r.run.run_id, r.index, caller, reply, forward, backward)
         return reply

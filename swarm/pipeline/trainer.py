@@ -50,9 +50,10 @@ from swarm.pipeline.balance import Measured, pick_server
 from swarm.pipeline.check import StageCall, StageCheck
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
 from swarm.pipeline.server import StageServicer, pipeline_namespace
-from swarm.pipeline.verify import check_reply
+from swarm.pipeline.verify import AnswerCheck, check_reply
 from swarm.pipeline.wire import encode_ids, sign_attempt
 from swarm.records import RecordSigner, RecordTrust
+from swarm.training.sync import is_state_hash
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,9 @@ class PipelineTrainer:
         self._stats = {"train_loss": math.nan, "val_loss": math.nan, "val_step": -1.0, "retries": 0.0,
                        "failures": 0.0, "compute_wait_s": 0.0}  # fmt: skip
         self._failures_by_code: dict[str, int] = {}
+        # Checked before they go on to another stage: relayed unchecked, a malformed or over-bound answer
+        # was refused there as this trainer's bad request, and got it banned by that honest replica.
+        self.answers = AnswerCheck(run)
         self.check = StageCheck(run, self.records.key, get_codec(run.training.compression), call=self._call,
                                 choose=self._choose_other, accuse=accuse)  # fmt: skip
 
@@ -237,6 +241,12 @@ class PipelineTrainer:
         try:
             sent = (request, None) if forward is None else (forward, request)
             check_reply(peer, self.config.run_id, stage, self.peer_id, reply, *sent)
+            if not is_state_hash(reply.state_hash):  # a reply that names no state cannot be judged
+                raise ProtocolError(
+                    f"stage {stage} replica {peer} names no state its reply was computed with "
+                    f"(state_hash {reply.state_hash[:80]!r})"
+                )
+            self.answers.check(stage, request, reply)
         except ProtocolError as e:
             raise StageFailure(stage, peer, ppb.BAD_REQUEST, f"refused: {e}"[:500]) from None
         self.measured.record(peer, self.batch, time.monotonic() - started)

@@ -24,7 +24,9 @@ import torch
 from protocols import pipeline_pb2 as ppb
 from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey, SigningKey
-from swarm.averaging.compression import Codec
+from swarm.averaging.compression import Codec, get_codec
+from swarm.config import RunConfig
+from swarm.models import model_config
 from swarm.pipeline.wire import decode_floats
 
 SIGNATURE_BYTES = 64
@@ -132,3 +134,35 @@ def replies_differ(a, b, codec: Codec, tolerance: float) -> bool:
 
 def seed_forward(run_id: str, stage: int, request: ppb.ForwardRequest, trainer: str) -> None:
     torch.manual_seed(microbatch_seed(run_id, stage, request.step, trainer, request.microbatch_id))
+
+
+class AnswerCheck:
+    """The checks a stage makes of what a trainer relays to it, made by the trainer on the answer first:
+    forward ``outputs`` (to the next stage) and ``grad_inputs`` (to the previous one's backward) must be
+    in the run's codec, of the micro-batch's shape, finite, and ``grad_inputs`` within
+    ``max_grad_output_norm``. A failure raises a ProtocolError naming the stage and the field.
+
+    Example::
+
+        AnswerCheck(run).check(stage, request, reply)
+    """
+
+    def __init__(self, run: RunConfig):
+        config = model_config(run.model.name, run.model.config)
+        self.codec = get_codec(run.training.compression)
+        self.shape = [run.training.micro_batch_size, config.seq_len, config.d_model]
+        self.last, self.bound = run.pipeline.stages - 1, run.pipeline.max_grad_output_norm
+
+    def check(self, stage: int, request, reply: ppb.ForwardReply | ppb.BackwardReply) -> None:
+        """``request``: the call ``reply`` answers (a forward's own, or the backward)."""
+        backward = isinstance(request, ppb.BackwardRequest)
+        if not backward and stage < self.last:
+            decode_floats(reply.outputs, self.codec, self.shape, what=f"stage {stage}'s outputs")
+        # A training call's grad_inputs go on to the previous stage's backward (stage 0 answers none).
+        if stage == 0 or (not backward and (stage < self.last or request.inference)):
+            return
+        what = f"stage {stage}'s grad_inputs"
+        grad = decode_floats(reply.grad_inputs, self.codec, self.shape, what=what)
+        norm = float(grad.norm())
+        if not norm <= self.bound:
+            raise ProtocolError(f"{what} has L2 norm {norm:.4g}, over the run's bound {self.bound:.4g}")

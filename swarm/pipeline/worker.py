@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import time
 
 import hivemind
@@ -51,6 +50,8 @@ from swarm.averaging.verification import Accuser
 from swarm.byzantine.attacks import Attack
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
+from swarm.pipeline.history import StateHistory
+from swarm.pipeline.layout import available_memory_bytes as available_memory_bytes  # the volunteer's import
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.moves import StageMoves, stage_prefix
 from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publish_record
@@ -59,7 +60,7 @@ from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Position, catch_up_move
-from swarm.training.state import DecodedState, encode_state, state_tensors
+from swarm.training.state import DecodedState
 from swarm.training.sync import (
     EncodedState,
     download_limit,
@@ -78,15 +79,6 @@ def counted_by_majority(weights: list[float]) -> bool:
     round whose counted members are a minority would apply what that minority sent, however many
     honest replicas stood by with nothing counted."""
     return 2 * sum(1 for w in weights if w > 0) >= len(weights)
-
-
-def available_memory_bytes(device: str) -> int:
-    """Free memory of ``device`` ("cpu" or "cuda..."): what a stage's state must fit in."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.mem_get_info()[0])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class StageWorker(StageMoves):
@@ -152,7 +144,7 @@ class StageWorker(StageMoves):
         self.view = PipelineView()
         self._views = 0
         self._step_view = 0
-        self._encoded: EncodedState | None = None
+        self.states = StateHistory(run.run_id, run.pipeline.kept_states)
         self._busy_mark = (time.monotonic(), 0.0)
         self._load = 0.0
         self.moves: list[dict] = []
@@ -165,6 +157,7 @@ class StageWorker(StageMoves):
         self._leave_to: int | None = None  # the stage a requested move goes to
         self._leave_since = 0.0
         self._leave_throughput: dict[int, float] = {}  # samples/s by stage when rebalancing chose the move
+        self._round_mates: set[str] = set()  # the other members of this replica's last completed round
         self._handlers: list[tuple[ServicerBase, str]] = []  # registered for the stage served
         self._last_record: StageRecord | None = None
         self._stats = {
@@ -270,15 +263,11 @@ class StageWorker(StageMoves):
             await asyncio.sleep(self.config.pipeline.announce_interval_s)
 
     async def encoded_state(self) -> EncodedState | None:
-        r = self.replica
-        if r is None or not r.state_hash:
-            return None
-        if self._encoded is None or self._encoded.step != r.step or self._encoded.state_hash != r.state_hash:
-            tensors = await r.compute(state_tensors, r.model, r.optimizer)
-            metadata = {"run_id": self.config.run_id, "stage": str(r.index)}
-            data = await asyncio.to_thread(encode_state, r.step, tensors, metadata)
-            self._encoded = EncodedState(r.step, r.state_hash, data)
-        return self._encoded
+        return await self.states.current(self.replica)
+
+    async def state_of(self, state_hash: str) -> EncodedState | None:
+        """The state of ``state_hash``: the current one or one kept from the last steps."""
+        return await self.states.find(self.replica, state_hash)
 
     # --- catching up ---------------------------------------------------------------------------------
 
@@ -326,8 +315,7 @@ class StageWorker(StageMoves):
         if loaded is None:
             return False
         holder, decoded = loaded
-        await r.compute(r.load, decoded.step, decoded.tensors)
-        await r.commit()
+        await r.compute(self.states.replace, r, decoded.step, decoded.tensors)  # keeps the state it leaves
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["resyncs"] += 1
         logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder.to_base58()}")
@@ -387,9 +375,12 @@ class StageWorker(StageMoves):
     async def _await_backwards(self) -> None:
         """Let the micro-batches run forward here come back for their backward (bounded by one request's
         timeout): a trainer's record may lag its last micro-batch, which the later stages count at
-        this step, so closing without it would apply their share of it without this stage's."""
+        this step, so closing without it would apply their share of it without this stage's. A step an
+        in-flight claim already held shares that claim's deadline: a trainer that sends one forward a
+        step and never its backward delays each step by one timeout, not two."""
         r = self.replica
-        deadline = time.monotonic() + self.config.pipeline.request_timeout_s
+        start = self._held_since if self._held_since is not None else time.monotonic()
+        deadline = start + self.config.pipeline.request_timeout_s
         while await r.compute(r.awaiting_backward) and time.monotonic() < deadline:
             await asyncio.sleep(self.config.pipeline.announce_interval_s / 4)
 
@@ -450,11 +441,11 @@ class StageWorker(StageMoves):
                            "applied: stepping with none")  # fmt: skip
             averaged, samples = torch.zeros_like(result.vector), 0.0
             self._stats["rounds_refused"] = self._stats.get("rounds_refused", 0.0) + 1
-        await r.compute(r.apply, averaged)
-        await r.commit()
+        await r.compute(self.states.advance, r, averaged)  # keeps the state: its replies may be judged later
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["rounds_ok"] += 1
         self.applied.setdefault(r.index, {})[extra["step"]] = samples
+        self._round_mates = {p.to_base58() for p in group.peer_ids} - {self.peer_id}
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
                     f"{samples:.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
         with contextlib.suppress(Exception):

@@ -67,6 +67,8 @@ class EncodedState:
 
 # Returns this peer's current encoded state, or None when it has none to share.
 StateProvider = Callable[[], Awaitable[EncodedState | None]]
+# Returns the state of this hash that this peer holds (its current one or one it kept), or None.
+StateFinder = Callable[[str], Awaitable[EncodedState | None]]
 # Why a requester (by peer ID) may not download this peer's state, or None when it may.
 Admit = Callable[[str], Awaitable[str | None]]
 
@@ -105,7 +107,8 @@ def state_namespace(prefix: str) -> str:
 
 class StateServicer(BoundedServicer):
     """Serves this peer's state to admitted peers that ask for it (hivemind finds ``rpc_*`` by annotations).
-    The request is a run ID and a step; a caller may hold a few streams so that the handler's own limits
+    The request is a run ID and a step, or a state hash: ``find`` looks that state up (without it, only
+    the current state matches). A caller may hold a few streams so that the handler's own limits
     (``max_uploads_per_peer``) answer with a reason."""
 
     bounds = {
@@ -124,8 +127,10 @@ class StateServicer(BoundedServicer):
         upload_limiter: RateLimiter | None = None,
         max_uploads: int = MAX_UPLOADS,
         max_uploads_per_peer: int = MAX_UPLOADS_PER_PEER,
+        find: StateFinder | None = None,
     ):
         self.run_id, self.provider, self.admit, self.upload_limiter = run_id, provider, admit, upload_limiter
+        self.find = find
         self.max_uploads, self.max_uploads_per_peer = max_uploads, max_uploads_per_peer
         self.uploads: Counter[str] = Counter()
         self.refused = 0
@@ -156,10 +161,28 @@ class StateServicer(BoundedServicer):
             if self.uploads[requester] <= 0:
                 del self.uploads[requester]
 
-    async def _send(self, request: apb.StateRequest, requester: str) -> TypingAsyncIterator[apb.StateChunk]:
+    async def _state(self, wanted: str) -> EncodedState | None:
+        if self.find is not None:
+            return await self.find(wanted)
         state = await self.provider()
+        return state if state is not None and state.state_hash == wanted else None
+
+    async def _send(self, request: apb.StateRequest, requester: str) -> TypingAsyncIterator[apb.StateChunk]:
         if request.run_id != self.run_id:
-            yield apb.StateChunk(error=f"this peer trains run {self.run_id!r}, not {request.run_id!r}")
+            yield apb.StateChunk(error=f"this peer trains run {self.run_id!r}, not {request.run_id[:80]!r}")
+            return
+        wanted = request.state_hash
+        if wanted and not is_state_hash(wanted):
+            yield apb.StateChunk(
+                error=f"StateRequest field 'state_hash' {wanted[:80]!r} is not 64 hex digits"
+            )
+            return
+        state = await (self._state(wanted) if wanted else self.provider())
+        if wanted and (state is None or state.step != request.min_step):
+            yield apb.StateChunk(
+                error=f"no state of hash {wanted[:12]} at step {request.min_step} here (neither the current "
+                "one nor one kept)"
+            )
             return
         if state is None or state.step < request.min_step:
             yield apb.StateChunk(error=f"no state at step {request.min_step} or later here")
@@ -187,20 +210,24 @@ async def download_state(
     max_bytes: int,
     timeout_s: float,
     accept_newer: Callable[[int, str], Awaitable[bool]] | None = None,
+    exact: bool = False,
 ) -> DecodedState:
     """Fetch and verify ``peer``'s state; raises a SwarmError naming the peer and what was wrong.
 
     A holder that has moved past ``min_step`` offers its newer state: without ``accept_newer`` that is a
     StateMovedOn at once; with it the download goes on, and the state is returned only if
     ``accept_newer(step, state_hash)`` (awaited once the bytes are in and verified) vouches for it.
+    With ``exact`` the request names ``expected_hash`` and ``min_step``, and the holder sends that state
+    even after it moved on (if it kept it) or refuses.
     """
     stub = StateServicer.get_stub(p2p, peer, namespace=namespace)
+    request = apb.StateRequest(run_id=run_id, min_step=min_step, state_hash=expected_hash if exact else "")
 
     async def fetch() -> DecodedState:
         chunks: list[bytes] = []
         received = 0
         header: apb.StateChunk | None = None
-        async for chunk in await stub.rpc_download_state(apb.StateRequest(run_id=run_id, min_step=min_step)):
+        async for chunk in await stub.rpc_download_state(request):
             if chunk.error:
                 if NOT_SEEN_YET in chunk.error:
                     raise RequesterNotSeen(f"{peer} has not read this peer's signed progress record yet")
@@ -247,6 +274,11 @@ async def download_state(
         raise
     except Exception as e:  # libp2p stream errors carry no common base
         raise NetworkError(f"state download from {peer} failed: {e!r}") from None
+
+
+def is_state_hash(value: str) -> bool:
+    """Whether ``value`` is a state hash as ``swarm.training.state.state_hash`` writes it (64 hex digits)."""
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def checkpoint_key(run_id: str) -> str:
