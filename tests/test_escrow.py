@@ -1,12 +1,14 @@
 """The escrow of a reducer's own input (swarm/averaging/escrow.py), in process with real keys.
 
-A sender takes an aggregate that lists its reducer's own input only with the escrow holder's receipt
-for exactly that input; the input the holder keeps then settles a check: a reducer that aggregated
-another own input than it escrowed is convicted, one that aggregated the escrowed input is not.
+A sender takes an aggregate that lists its reducer's own input only with a receipt for exactly that
+input by another member; the input the holder keeps then settles a check: a reducer that aggregated
+another own input than it escrowed is convicted, one that aggregated the escrowed input is not. A
+reducer whose designated holder is gone escrows with the next member, among real peers on loopback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 
@@ -16,8 +18,16 @@ import torch
 from protocols.errors import ProtocolError, SignatureError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
+from swarm.averaging.allreduce import ButterflyAllReduce
+from swarm.averaging.averager import Averager
 from swarm.averaging.compression import get_codec
-from swarm.averaging.escrow import check_receipt, escrow_holder, receipt_message
+from swarm.averaging.escrow import (
+    check_receipt,
+    escrow_candidates,
+    pack_receipt,
+    receipt_holder,
+    receipt_message,
+)
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
     EquivocationEvidence,
@@ -33,6 +43,8 @@ from swarm.averaging.evidence import (
     reduce_chunk,
     round_digest,
 )
+from swarm.byzantine.attacks import make_attack
+from swarm.dht import start_local_dhts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,33 +83,41 @@ def reduced(keys, *, shift: float = 0.0, own: bytes | None = None) -> BadAggrega
     )  # fmt: skip
 
 
-def receipt(evidence: BadAggregateEvidence, key: SigningKey, held: SignedInput) -> bytes:
-    """``key``'s signature that it holds ``held`` as the reducer's escrowed own input."""
+def receipt(evidence: BadAggregateEvidence, key: SigningKey, held: SignedInput, *, names: int) -> bytes:
+    """``key``'s receipt, naming member ``names`` as holder, that it holds ``held`` as the reducer's
+    escrowed own input."""
     message = receipt_message(
         evidence.digest, 0, 0, key.peer_id, held.weight, hashlib.sha256(held.data).digest()
     )
-    return key.sign(message)
+    return pack_receipt(names, key.sign(message))
 
 
-def test_a_sender_takes_the_reducers_own_input_only_with_its_holders_receipt(keys):
+def test_a_sender_takes_the_reducers_own_input_only_with_a_holders_receipt(keys):
     evidence = reduced(keys)
-    holder = escrow_holder(0, len(keys))
-    assert holder == 1
+    assert escrow_candidates(0, len(keys)) == [1, 2], "the next member first, then the one after"
     members, entries = list(evidence.members), parse_entries(evidence.entries, len(keys))
     own = evidence.inputs[0]
 
-    def check(receipt_bytes: bytes, listed=entries) -> None:
-        check_receipt(evidence.digest, members, 0, 0, listed, receipt_bytes)
+    def check(receipt_bytes: bytes, listed=entries) -> int | None:
+        return check_receipt(evidence.digest, members, 0, 0, listed, receipt_bytes)
 
-    check(receipt(evidence, keys[holder], own))  # the holder holds exactly what is listed
-    check(b"", [e for e in entries if e.sender_index != 0])  # no own input listed: nothing to escrow
+    # The holder holds exactly what is listed: the designated one, or the fallback when that one is gone.
+    assert check(receipt(evidence, keys[1], own, names=1)) == 1
+    assert check(receipt(evidence, keys[2], own, names=2)) == 2
+    assert check(b"", [e for e in entries if e.sender_index != 0]) is None  # no own input: nothing held
     with pytest.raises(ProtocolError, match="without escrowing"):
         check(b"")
-    with pytest.raises(SignatureError):  # the reducer cannot stand in for its holder
-        check(receipt(evidence, keys[0], own))
+    with pytest.raises(ProtocolError, match="another member"):  # the reducer cannot hold for itself
+        check(receipt(evidence, keys[0], own, names=0))
+    with pytest.raises(ProtocolError, match="another member"):  # nor can a member outside the group
+        check(receipt(evidence, keys[1], own, names=3))
+    with pytest.raises(ProtocolError, match="bytes"):
+        check(receipt(evidence, keys[1], own, names=1)[:-1])
+    with pytest.raises(SignatureError):  # a receipt naming one member, signed by another
+        check(receipt(evidence, keys[1], own, names=2))
     with pytest.raises(SignatureError):  # a receipt for another input than the one aggregated
         other = dataclasses.replace(own, data=CODEC.encode(torch.zeros(evidence.numel)))
-        check(receipt(evidence, keys[holder], other))
+        check(receipt(evidence, keys[1], other, names=1))
 
 
 def test_an_escrow_other_than_the_aggregated_own_input_convicts_the_reducer(keys):
@@ -117,3 +137,112 @@ def test_an_escrow_other_than_the_aggregated_own_input_convicts_the_reducer(keys
     )
     with pytest.raises(ProtocolError, match="the one it aggregated"):
         framed.judge(RULE, CODEC, vector_numel=VECTOR)
+
+
+class HolderGone(ButterflyAllReduce):
+    """An honest member, except the one right after ``ATTACKER`` in group order (the attacker's
+    designated escrow holder): that one dies once its group has formed, and neither sends nor reduces."""
+
+    attacker = ""
+
+    async def run(self):
+        if self.index == (self.members.index(self.attacker) + 1) % len(self.members):
+            await asyncio.sleep(3600)
+        return await super().run()
+
+
+@pytest.fixture
+def four_dhts(tmp_path):
+    nodes = start_local_dhts(4, tmp_path)
+    yield nodes
+    for node, _ in nodes:
+        node.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_reducer_whose_holder_is_gone_escrows_with_the_next_member_and_is_convicted_from_its_copy(
+    four_dhts, monkeypatch
+):
+    numel, attacker = 40_000, four_dhts[0][1].peer_id
+    monkeypatch.setattr(HolderGone, "attacker", attacker)
+    accusations = []  # (accuser, accused, evidence, verdict)
+
+    def accuser(me):
+        async def accuse(accused, evidence, verdict):
+            accusations.append((me, accused, evidence, verdict))
+
+        return accuse
+
+    averagers = [
+        Averager(
+            dht,
+            prefix="escrow-fallback",
+            numel=numel,
+            signing_key=key,
+            matchmaking_time_s=1.0,
+            sender_timeout_s=1.0,
+            data_plane=False,
+            verify_probability=1.0,
+            accuse=accuser(key.peer_id),
+            runner_type=HolderGone,
+            attack=make_attack("refusing_reducer", group_size=4, attackers=1) if i == 0 else None,
+        )  # fmt: skip
+        for i, (dht, key) in enumerate(four_dhts)
+    ]
+    generator = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(numel, generator=generator) for _ in averagers]
+
+    by_id = {key.peer_id: av for (_, key), av in zip(four_dhts, averagers, strict=True)}
+
+    async def scenario():
+        for averager in averagers:
+            await averager.start()
+        try:
+            return await one_round()
+        finally:
+            for averager in averagers:
+                await averager.shutdown()
+
+    async def one_round():
+        tasks = [
+            asyncio.create_task(a.average(v, 1.0, expected_size=4))
+            for a, v in zip(averagers, inputs, strict=True)
+        ]
+        done: set[asyncio.Task] = set()
+        for _ in range(60):  # the vanished member's round never ends; the other three end in seconds
+            done, _ = await asyncio.wait(tasks, timeout=1)
+            if len(done) == 3:
+                break
+        for task in tasks:
+            task.cancel()
+        assert len(done) == 3, "the three survivors end the round"
+        results = [task.result() for task in done]
+        group = results[0][0]
+        members = [p.to_base58() for p in group.peer_ids]
+        a = members.index(attacker)
+        fallback, validator = (a + 2) % 4, (a + 3) % 4
+        runners = {i: by_id[members[i]].rounds.lookup(group.group_id) for i in (a, fallback, validator)}
+        assert all(r.complete for _, r in results), "the survivors complete the round"
+        assert all(torch.equal(r.vector, results[0][1].vector) for _, r in results), "and agree bit for bit"
+        # The attacker's designated holder is gone: every aggregate of its part lists its own input with
+        # a receipt by the member after that one, which holds the input.
+        answers = runners[validator].answers[a]
+        assert answers, "the validator took the attacker's part from the attacker"
+        assert all(receipt_holder(m.receipt, 4, a) == fallback for m in answers.values())
+        assert set(runners[fallback].escrows) == {(a, c) for c in answers}
+        for i in (a, fallback, validator):
+            await asyncio.wait_for(asyncio.gather(*by_id[members[i]]._verifications), 60)
+        return members, a, fallback, validator, runners
+
+    members, a, fallback, validator, runners = asyncio.run(scenario())
+    # The validator that does not hold the escrow fetched the attacker's own input from the member its
+    # receipt names (the attacker showed nothing), recomputed the chunk and accused; the judge convicts.
+    by_validator = [x for x in accusations if x[0] == members[validator]]
+    assert by_validator and all(accused == attacker for _, accused, _, _ in accusations)
+    _, _, evidence, verdict = by_validator[0]
+    assert "differs from the rule's result" in verdict
+    own = next(i for i in evidence.inputs if i.sender_index == a)
+    assert own.data == runners[fallback].escrows[(a, evidence.chunk)].data
+    judged = parse_evidence(evidence.to_bytes())
+    assert judged.accused == attacker
+    assert "differs from the rule's result" in judged.judge(get_aggregator("mean"), CODEC, vector_numel=numel)

@@ -199,6 +199,7 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
             [hi - lo for lo, hi in zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True)],
             chunk_bytes=codec.max_bytes(chunk_values), bytes_per_value=codec.max_bytes(chunk_values) / chunk_values,
             mbit=mbit, silence_floor_s=sender_timeout_s, round_floor_s=settings.round_timeout_s,
+            escrow=key is not None and len(self.peer_ids) > 1,
         )  # fmt: skip
         self.sender_timeout_s, self.round_timeout_s = self.deadlines.silence_s, self.deadlines.round_s
         # A sender reveals once every part has arrived or failed for it: a failed reducer's wait, plus the
@@ -250,12 +251,15 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
         self._tasks: list[asyncio.Task] = []
         self.revealed: asyncio.Task | None = None
         self._kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
-        # The escrow (see ``escrow``): the own inputs of the reducer this peer holds for, by (part, chunk),
-        # an event per chunk of that part, and the receipts of this peer's own input to its own part.
+        # The escrow (see ``escrow``): as a holder, the own inputs of other reducers by (part, chunk) and
+        # the receipts for them to send; as a reducer, what goes to each member and what came back.
         self.escrows: dict[tuple[int, int], SignedInput] = {}
-        held = self.holds_for
-        self._escrowed = [asyncio.Event() for _ in self.part_chunks[held][1:]] if held is not None else []
+        self._receipts_out: dict[int, asyncio.Queue[apb.PartChunk]] = {}
+        self._escrow_out: dict[int, list[apb.PartChunk]] = {}
+        self._escrow_wake: dict[int, asyncio.Event] = {}
+        self._escrowed_with: dict[int, set[int]] = {}
         self._receipts: dict[int, bytes] = {}
+        self._escrow_progress = asyncio.Event()
         # Repairs of parts whose reducer failed (see ``repair``): those this peer stands in for, the
         # signer of each part that came from a substitute's re-reduction, and when each direct stream ended.
         self.repairs: dict[int, PartRepair] = {}
@@ -348,6 +352,8 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
         others = [p for p in range(len(self.peer_ids)) if p != self.index and self.reduces(p)]
         self._handed = {p: 0 for p in others if len(self.part_chunks[p]) > 1}
         self._tasks.append(asyncio.create_task(self._reduce_own_part()))
+        if self.escrows_own:
+            self._tasks.append(asyncio.create_task(self.escrow_own()))
         self._tasks += [asyncio.create_task(self._exchange_with(part)) for part in others]
         try:
             await self._delivered.wait()

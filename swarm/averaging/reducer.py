@@ -25,7 +25,6 @@ from hivemind.p2p import PeerID
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
 from protocols.keys import PublicKey
-from swarm.averaging.escrow import escrow_holder
 from swarm.averaging.evidence import (
     SignedInput,
     aggregate_message,
@@ -48,8 +47,7 @@ class PartReducer:
             peer = self.peer_ids[sender].to_base58()
             self.dropped[peer] = reason
             logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
-            if self.escrows_own and sender == escrow_holder(self.index, len(self.members)):
-                self.escrow_lost(f"was dropped ({reason})")
+            self._escrow_progress.set()  # it may have been this reducer's escrow holder (see ``escrow``)
             self._changed.set()
             for repair in self.repairs.values():  # one input fewer to wait for
                 repair.changed.set()
@@ -189,13 +187,9 @@ class PartReducer:
             if getattr(self.attack, "withhold", False):  # a rehearsed withholder returns nothing
                 await consumer
                 return
-            if self.escrows_own and index == escrow_holder(self.index, len(self.members)):
-                for message in self.escrow_messages():
-                    await self._throttle(len(message.data))
-                    self._count(sent=len(message.data))
-                    yield message
             for chunk, event in enumerate(self._reduced):
-                await event.wait()
+                async for message in self.escrow_until(index, event):  # its own input, if held there
+                    yield message
                 result = self._results[chunk]
                 if result is None:
                     return
@@ -211,9 +205,7 @@ class PartReducer:
             self._changed.set()
 
     async def _consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
-        expected, pending = 0, None
-        # The escrow holder follows each contribution with its receipt for our own input to that chunk.
-        receipts = self.escrows_own and sender == escrow_holder(self.index, len(self.members))
+        expected = 0
         try:
             message = first
             while True:
@@ -230,18 +222,9 @@ class PartReducer:
                 signed = SignedInput(sender, message.data, message.signature, message.weight)
                 self._deliver(sender, expected, values, signed)
                 expected += 1
-                if receipts:
-                    message = await self._next(stream, self.sender_timeout_s)
-                    if message.receipt and not message.data and message.chunk_index == expected - 1:
-                        self.take_receipt(expected - 1, message)
-                    else:
-                        receipts = False
-                        self.escrow_lost("sent no receipt for its escrow")
-                        pending = message
                 if expected == len(self._results):
                     break
-                message = pending if pending is not None else await self._next(stream, self.sender_timeout_s)
-                pending = None
+                message = await self._next_input(sender, stream, self.sender_timeout_s)
         except ProtocolError as e:
             self._drop(sender, str(e).removeprefix(f"{self.peer_ids[sender].to_base58()} "))
             return
@@ -253,8 +236,7 @@ class PartReducer:
             return
         peer = self.members[sender]
         try:
-            reveal = pending if pending is not None else await self._next(stream, self.reveal_timeout_s)
-            self._check_reveal(sender, reveal)
+            self._check_reveal(sender, await self._next_input(sender, stream, self.reveal_timeout_s))
         except (asyncio.TimeoutError, StopAsyncIteration):
             logger.info(f"{peer} revealed no nonce in round {self.group_id.hex()[:8]}")
         except Exception as e:

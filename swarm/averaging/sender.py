@@ -114,10 +114,7 @@ class PartSender:
         chunks = len(self.part_chunks[part]) - 1
         sent: list[bytes] = []
 
-        receipts = part == self.holds_for  # this peer holds the reducer's own input: it signs receipts
-
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
-            nonlocal receipts
             for chunk in range(chunks):
                 await self._pace(part, chunk)
                 message = self._contribution(part, chunk)
@@ -131,11 +128,6 @@ class PartSender:
                 self._handed[part] = chunk + 1
                 self._handed_more.set()
                 yield message
-                if receipts:  # after the first one missing, none: the reducer stops waiting for them
-                    receipt = await self.receipt(part, chunk)
-                    receipts = receipt is not None
-                    if receipt is not None:
-                        yield receipt
             self._handed.pop(part, None)
             self._handed_more.set()
             await self._delivered.wait()
@@ -144,13 +136,13 @@ class PartSender:
 
         stream, expected, denied = None, 0, False
         try:
-            stream = await self._open(part, outgoing())
+            stream = await self._open(part, self.with_receipts(part, outgoing()))
             while expected < chunks:
                 message = await self._next(stream, 2 * self.sender_timeout_s)
                 if message.code != apb.OK:
                     denied = expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
-                if message.escrow:  # the reducer's own input, which this peer holds for validators
+                if message.escrow:  # the reducer's own input, for this peer to hold for validators
                     self._count(received=len(message.data))
                     self.take_escrow(part, message)
                     continue

@@ -35,7 +35,7 @@ from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.allreduce import ButterflyAllReduce, drawn_chunk
 from swarm.averaging.compression import Codec
-from swarm.averaging.escrow import escrow_holder
+from swarm.averaging.escrow import receipt_holder
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
     Entry,
@@ -190,9 +190,12 @@ class _Check:
         if index == runner.index:
             return runner.own_input(self.part, self.chunk)  # the drawn chunk's input is always kept
         shown = held = None
-        # The reducer's own input to its own part is escrowed with another member (see ``escrow``).
-        source = index if index != holder else escrow_holder(self.part, len(runner.members))
-        if index != holder or self.signer == self.part:
+        # The reducer's own input to its own part is held by the member its receipt names (see ``escrow``).
+        source = index
+        if index == holder:
+            escrowed = self.signer == self.part
+            source = receipt_holder(self.answer.receipt, len(runner.members), self.part) if escrowed else None
+        if source is not None:
             if source == runner.index:
                 shown = runner.escrows.get((self.part, self.chunk))
             else:
@@ -217,7 +220,11 @@ class _Check:
             f"neither {sender} nor reducer {reducer} showed the input of {sender} that the reducer signed "
             f"for in part {self.part} chunk {self.chunk} of round {runner.group_id.hex()[:8]}"
         )
-        outcome.unshown += [reducer] if index == holder else [sender, reducer]
+        if index != holder:
+            outcome.unshown.append(sender)
+        elif source not in (None, runner.index):  # the member its escrow receipt names showed nothing
+            outcome.unshown.append(runner.members[source])
+        outcome.unshown.append(reducer)
         return None
 
     async def _try(self, holder: int, sender: int) -> SignedInput | None:
