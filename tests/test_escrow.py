@@ -19,7 +19,7 @@ from protocols.errors import ProtocolError, SignatureError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.allreduce import ButterflyAllReduce
-from swarm.averaging.averager import Averager
+from swarm.averaging.averager import Averager, AveragingServicer
 from swarm.averaging.compression import get_codec
 from swarm.averaging.escrow import (
     check_receipt,
@@ -43,6 +43,7 @@ from swarm.averaging.evidence import (
     reduce_chunk,
     round_digest,
 )
+from swarm.averaging.verification import Assignment, check_reducer
 from swarm.byzantine.attacks import make_attack
 from swarm.dht import start_local_dhts
 
@@ -159,20 +160,12 @@ def four_dhts(tmp_path):
         node.shutdown()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 def test_a_reducer_whose_holder_is_gone_escrows_with_the_next_member_and_is_convicted_from_its_copy(
     four_dhts, monkeypatch
 ):
     numel, attacker = 40_000, four_dhts[0][1].peer_id
     monkeypatch.setattr(HolderGone, "attacker", attacker)
-    accusations = []  # (accuser, accused, evidence, verdict)
-
-    def accuser(me):
-        async def accuse(accused, evidence, verdict):
-            accusations.append((me, accused, evidence, verdict))
-
-        return accuse
-
     averagers = [
         Averager(
             dht,
@@ -182,17 +175,14 @@ def test_a_reducer_whose_holder_is_gone_escrows_with_the_next_member_and_is_conv
             matchmaking_time_s=1.0,
             sender_timeout_s=1.0,
             data_plane=False,
-            verify_probability=1.0,
-            accuse=accuser(key.peer_id),
             runner_type=HolderGone,
             attack=make_attack("refusing_reducer", group_size=4, attackers=1) if i == 0 else None,
         )  # fmt: skip
         for i, (dht, key) in enumerate(four_dhts)
     ]
+    by_id = {key.peer_id: av for (_, key), av in zip(four_dhts, averagers, strict=True)}
     generator = torch.Generator().manual_seed(5)
     inputs = [torch.randn(numel, generator=generator) for _ in averagers]
-
-    by_id = {key.peer_id: av for (_, key), av in zip(four_dhts, averagers, strict=True)}
 
     async def scenario():
         for averager in averagers:
@@ -221,29 +211,33 @@ def test_a_reducer_whose_holder_is_gone_escrows_with_the_next_member_and_is_conv
         gone, fallback, validator = ((a + step) % 4 for step in (1, 2, 3))
         survivors = [tasks[averagers.index(by_id[m])] for i, m in enumerate(members) if i != gone]
         assert all(t in done for t in survivors), "the three survivors end the round"
-        results = [t.result() for t in survivors]
-        runners = {i: by_id[members[i]].rounds.lookup(group.group_id) for i in (a, fallback, validator)}
-        assert all(r.complete for _, r in results), "the survivors complete the round"
-        assert all(torch.equal(r.vector, results[0][1].vector) for _, r in results), "and agree bit for bit"
+        results = [t.result()[1] for t in survivors]
+        assert all(r.complete for r in results), "the survivors complete the round"
+        assert all(torch.equal(r.vector, results[0].vector) for r in results), "and agree bit for bit"
+        holder_round, checker = (
+            by_id[members[fallback]].rounds.lookup(group.group_id),
+            by_id[members[validator]],
+        )
+        checking = checker.rounds.lookup(group.group_id)
         # The attacker's designated holder is gone: every aggregate of its part lists its own input with
         # a receipt by the member after that one, which holds the input.
-        answers = runners[validator].answers[a]
+        answers = checking.answers[a]
         assert answers, "the validator took the attacker's part from the attacker"
         assert all(receipt_holder(m.receipt, 4, a) == fallback for m in answers.values())
-        assert set(runners[fallback].escrows) == {(a, c) for c in answers}
-        for i in (a, fallback, validator):
-            await asyncio.wait_for(asyncio.gather(*by_id[members[i]]._verifications), 60)
-        return members, a, fallback, validator, runners
+        assert set(holder_round.escrows) == {(a, c) for c in answers}
+        # The validator that does not hold the escrow checks a chunk of the attacker's part (what it does
+        # once the draw names it): the attacker shows nothing, the member its receipt names shows the
+        # attacker's own input, and the recomputed chunk convicts the attacker.
+        outcome = await check_reducer(
+            checking, Assignment(a, min(answers)), servicer_type=AveragingServicer, p2p=checker.p2p,
+            aggregator=checker.aggregator, codec=checker.codec, timeout_s=10.0,
+        )  # fmt: skip
+        own = next(i for i in outcome.evidence.inputs if i.sender_index == a)
+        assert own.data == holder_round.escrows[(a, min(answers))].data
+        return outcome
 
-    members, a, fallback, validator, runners = asyncio.run(scenario())
-    # The validator that does not hold the escrow fetched the attacker's own input from the member its
-    # receipt names (the attacker showed nothing), recomputed the chunk and accused; the judge convicts.
-    by_validator = [x for x in accusations if x[0] == members[validator]]
-    assert by_validator and all(accused == attacker for _, accused, _, _ in accusations)
-    _, _, evidence, verdict = by_validator[0]
-    assert "differs from the rule's result" in verdict
-    own = next(i for i in evidence.inputs if i.sender_index == a)
-    assert own.data == runners[fallback].escrows[(a, evidence.chunk)].data
-    judged = parse_evidence(evidence.to_bytes())
+    outcome = asyncio.run(scenario())
+    assert "differs from the rule's result" in outcome.verdict
+    judged = parse_evidence(outcome.evidence.to_bytes())
     assert judged.accused == attacker
     assert "differs from the rule's result" in judged.judge(get_aggregator("mean"), CODEC, vector_numel=numel)

@@ -142,6 +142,11 @@ class PartEscrow:
             self._wake(holder).set()
             if await self._receipted_by(holder, deadline):
                 return
+            waiting = min(c for c in range(len(self._results)) if c not in self._receipts)
+            if holder in self._active and holder not in self._inputs[waiting]:
+                # The verdict the reducer's own wait would reach, but now: every receipt delivered from
+                # here on restarts that wait, and senders would give up on this part first.
+                self._drop(holder, f"sent nothing for {self.sender_timeout_s:.1f}s")
             logger.info(
                 f"escrow holder {self.members[holder]} sent no receipt for {self.sender_timeout_s:.1f}s "
                 f"in round {self.group_id.hex()[:8]}; asking the next member"
