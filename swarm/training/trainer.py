@@ -56,6 +56,8 @@ from swarm.training.sync import (
 )
 
 logger = logging.getLogger(__name__)
+# The least time one progress exchange (publish, read, ban list) may take before it is given up and retried.
+PROGRESS_EXCHANGE_MIN_TIMEOUT_S = 10.0
 
 
 class Trainer(CatchUp):
@@ -310,12 +312,18 @@ class Trainer(CatchUp):
         await self._refresh_bans()
 
     async def _publish_forever(self) -> None:
+        # Bounded: a DHT call whose reply never comes (its coroutine dropped in the DHT's process) used to
+        # stop this loop for good, freezing the view, so a peer that fell behind never caught up.
+        interval_s = self.config.training.progress_interval_s
+        timeout_s = max(PROGRESS_EXCHANGE_MIN_TIMEOUT_S, 10 * interval_s)
         while True:
             try:
-                await self.exchange_progress()
+                await asyncio.wait_for(self.exchange_progress(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                logger.info(f"a progress exchange took over {timeout_s:.0f}s; trying again")
             except Exception as e:
                 logger.debug(f"progress exchange failed: {e!r}")
-            await asyncio.sleep(self.config.training.progress_interval_s)
+            await asyncio.sleep(interval_s)
 
     async def _refresh_bans(self) -> None:
         """Take the coordinator's newest signed ban list; the averager refuses those peers from then on."""
