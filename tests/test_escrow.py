@@ -176,7 +176,7 @@ def test_a_reducer_whose_holder_is_gone_escrows_with_the_next_member_and_is_conv
             sender_timeout_s=1.0,
             data_plane=False,
             runner_type=HolderGone,
-            hooks=make_attack("refusing_reducer", group_size=4, attackers=1) if i == 0 else None,
+            attack=make_attack("refusing_reducer", group_size=4, attackers=1) if i == 0 else None,
         )  # fmt: skip
         for i, (dht, key) in enumerate(four_dhts)
     ]
