@@ -102,9 +102,8 @@ def test_peers_end_bit_identical_at_the_weighted_mean(dhts, keys):
         assert len(group.peer_ids) == 3 and result.complete and not result.dropped
         assert torch.equal(result.vector, first), "every peer must hold exactly the same bits"
     assert torch.allclose(first, expected, atol=2e-3), "fp16 on the wire keeps the mean within fp16 precision"
-    # Each peer sends (n-1)/n of its vector, the reduced part back to n-1 peers and its own input to its
-    # part to its escrow holder (1/n), 2 bytes a value.
-    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * (2 * 2 / 3 + 1 / 3), rel=0.01)
+    # Each peer sends (n-1)/n of its vector and the reduced part back to n-1 peers, 2 bytes a value.
+    assert outcomes[0][1].bytes_sent == pytest.approx(2 * 2 * NUMEL * 2 / 3, rel=0.01)
 
 
 def test_validators_need_signed_round_inputs(keyed_dhts):
@@ -168,10 +167,9 @@ def test_a_member_nobody_can_dial_reduces_no_part_and_the_round_is_bit_identical
     assert torch.allclose(outcomes[0][1].vector, sum(inputs) / 3, atol=2e-3)
     assert accepted == [2, 2, 0], "each reducer took the other two peers' streams; nobody dialed peer 2"
     # fp16: peer 2 sends all of its vector (half to each reducer) and nothing else; a reducer sends the
-    # other reducer's half, its own half back to two peers, and its own input to that half to its escrow
-    # holder.
+    # other reducer's half, then its own half back to two peers.
     assert outcomes[2][1].bytes_sent == 2 * NUMEL
-    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * 2, abs=4)
+    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * 3 / 2, abs=4)
 
 
 def test_a_group_without_enough_members_that_can_be_dialed_is_left_by_all(keyed_dhts, caplog):
@@ -266,9 +264,7 @@ def test_a_peer_alone_applies_exactly_its_encoded_vector(dhts, keys):
 def test_an_upload_limit_holds_a_peer_to_its_rate(dhts, keys):
     from swarm.ratelimit import RateLimiter
 
-    # bytes/s; each peer of two sends half its vector, its reduced half, and its own input to that half to
-    # its escrow holder
-    rate, burst = 200_000, 50_000
+    rate, burst = 200_000, 50_000  # bytes/s; each peer of two sends half its vector, then its reduced half
     limited = make(dhts[0], keys, prefix="slow", upload_limiter=RateLimiter(rate, burst_bytes=burst))
     other = make(dhts[1], keys, prefix="slow")
 
@@ -289,7 +285,7 @@ def test_an_upload_limit_holds_a_peer_to_its_rate(dhts, keys):
             timed_average("limited", limited, inputs[0]), timed_average("other", other, inputs[1])
         )
         for _ in range(200):  # the limited reducer may still be sending its part back
-            if limited.traffic.sent >= 3 * NUMEL:
+            if limited.traffic.sent >= 2 * NUMEL:
                 break
             await asyncio.sleep(0.05)
         return outcomes, {k: v - started for k, v in done.items()}, loop.time() - started
@@ -298,10 +294,10 @@ def test_an_upload_limit_holds_a_peer_to_its_rate(dhts, keys):
     (_, mine), (_, theirs) = outcomes
     assert mine.complete and theirs.complete and torch.equal(mine.vector, theirs.vector)
     half = NUMEL  # half of the vector in fp16 bytes
-    assert limited.traffic.sent == pytest.approx(3 * half, rel=0.01)
+    assert limited.traffic.sent == pytest.approx(2 * half, rel=0.01)
     # The other peer needs the limited peer's half before it can reduce: no sooner than the rate allows.
     assert done["other"] >= (half - burst) / rate
-    assert drained >= (3 * half - burst) / rate
+    assert drained >= (2 * half - burst) / rate
 
 
 def test_a_slow_uplink_with_a_large_part_is_not_dropped_as_a_straggler(dhts, keys):

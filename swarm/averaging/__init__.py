@@ -11,7 +11,6 @@
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits
 - ``sender``: ``PartSender``, the round's sender side: stream this peer's chunks, check the aggregates back
 - ``reducer``: ``PartReducer``, the round's reducer side: check, aggregate, sign and return this peer's part
-- ``escrow``: ``PartEscrow``, each reducer's own input held by another member, so validators can always see it
 - ``repair``: ``PartRepairs``, a withheld part relayed or re-reduced by its substitute in the same round
 - ``verification``: validators drawn after delivery, who collect signed inputs and recompute a chunk
 - ``transport``: ``DataPlane``, a direct TCP path for the bulk part streams beside libp2p

@@ -28,8 +28,7 @@ it before it has signed and delivered its aggregate. ``run()`` returns after the
 Layout of the code: this module holds the round's state and the two phases; ``ButterflyAllReduce``
 extends the sender side (streaming this peer's chunks of the other parts and checking what comes back)
 in ``sender.PartSender``, the reducer side (checking, aggregating, signing and returning this peer's own
-part) in ``reducer.PartReducer``, a substitute's side of a repair in ``repair.PartRepairs``, and the
-escrow of each reducer's own input with another member in ``escrow.PartEscrow``.
+part) in ``reducer.PartReducer``, and a substitute's side of a repair in ``repair.PartRepairs``.
 
 Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
 (see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
@@ -53,7 +52,6 @@ from protocols.keys import SigningKey
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.compression import Codec
 from swarm.averaging.deadlines import round_deadlines
-from swarm.averaging.escrow import PartEscrow
 from swarm.averaging.evidence import (
     DEFAULT_CHUNK_VALUES,
     SignedInput,
@@ -141,7 +139,7 @@ class RoundSettings:
     chunk_values: int | None = None  # values per chunk; None: the layout's for the group size
 
 
-class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
+class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
     """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult.
 
     ``settings`` holds what the peer's rounds share; the rest is this round's: its group (ID, members,
@@ -200,7 +198,6 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
             [hi - lo for lo, hi in zip(self.part_bounds[:-1], self.part_bounds[1:], strict=True)],
             chunk_bytes=codec.max_bytes(chunk_values), bytes_per_value=codec.max_bytes(chunk_values) / chunk_values,
             mbit=mbit, silence_floor_s=sender_timeout_s, round_floor_s=settings.round_timeout_s,
-            escrow=key is not None and len(self.peer_ids) > 1,
         )  # fmt: skip
         self.sender_timeout_s, self.round_timeout_s = self.deadlines.silence_s, self.deadlines.round_s
         # A sender reveals once every part has arrived or failed for it: a failed reducer's wait, plus the
@@ -252,15 +249,6 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
         self._tasks: list[asyncio.Task] = []
         self.revealed: asyncio.Task | None = None
         self._kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
-        # The escrow (see ``escrow``): as a holder, the own inputs of other reducers by (part, chunk) and
-        # the receipts for them to send; as a reducer, what goes to each member and what came back.
-        self.escrows: dict[tuple[int, int], SignedInput] = {}
-        self._receipts_out: dict[int, asyncio.Queue[apb.PartChunk]] = {}
-        self._escrow_out: dict[int, list[apb.PartChunk]] = {}
-        self._escrow_wake: dict[int, asyncio.Event] = {}
-        self._escrowed_with: dict[int, set[int]] = {}
-        self._receipts: dict[int, bytes] = {}
-        self._escrow_progress = asyncio.Event()
         # Repairs of parts whose reducer failed (see ``repair``): those this peer stands in for, the
         # signer of each part that came from a substitute's re-reduction, and when each direct stream ended.
         self.repairs: dict[int, PartRepair] = {}
@@ -353,8 +341,6 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
         others = [p for p in range(len(self.peer_ids)) if p != self.index and self.reduces(p)]
         self._handed = {p: 0 for p in others if len(self.part_chunks[p]) > 1}
         self._tasks.append(asyncio.create_task(self._reduce_own_part()))
-        if self.escrows_own:
-            self._tasks.append(asyncio.create_task(self.escrow_own()))
         self._tasks += [asyncio.create_task(self._exchange_with(part)) for part in others]
         try:
             await self._delivered.wait()
@@ -399,7 +385,6 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs, PartEscrow):
         self.local = None
         self.evidence = [inputs if c == drawn[self.index] else [] for c, inputs in enumerate(self.evidence)]
         self.answers = [{c: a for c, a in got.items() if c == drawn[p]} for p, got in enumerate(self.answers)]
-        self.escrows = {(p, c): item for (p, c), item in self.escrows.items() if c == drawn[p]}
         for part, repair in self.repairs.items():
             repair.trim(drawn[part])
 

@@ -81,17 +81,14 @@ def round_deadlines(
     mbit: float | None,
     silence_floor_s: float,
     round_floor_s: float,
-    escrow: bool = False,
 ) -> RoundDeadlines:
     """Deadlines of a round whose parts hold ``part_values`` values (0 for a member that reduces none).
 
     Member ``i`` sends the rest of the vector to the other reducers and its own part back to the other
-    ``n - 1`` members, and with ``escrow`` its own input to its part to a holder (see ``escrow``); the
-    round lasts as long as its busiest member needs for that at ``mbit``.
+    ``n - 1`` members; the round lasts as long as its busiest member needs for that at ``mbit``.
     """
     members, total = len(part_values), sum(part_values)
-    own = 1 if escrow else 0
-    busiest = max(((total - p) + p * (members - 1 + own)) * bytes_per_value for p in part_values)
+    busiest = max(((total - p) + p * (members - 1)) * bytes_per_value for p in part_values)
     # A member's uplink carries up to n - 1 contribution streams and n - 1 aggregate streams at once:
     # each gets a share of it.
     silence = transfer_deadline_s(chunk_bytes * 2 * max(1, members - 1), mbit, floor_s=silence_floor_s)

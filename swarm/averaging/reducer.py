@@ -47,7 +47,6 @@ class PartReducer:
             peer = self.peer_ids[sender].to_base58()
             self.dropped[peer] = reason
             logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
-            self._escrow_progress.set()  # it may have been this reducer's escrow holder (see ``escrow``)
             self._changed.set()
             for repair in self.repairs.values():  # one input fewer to wait for
                 repair.changed.set()
@@ -105,8 +104,7 @@ class PartReducer:
                     raise ProtocolError(f"weight {signed.weight!r} is not a finite number >= 0")
                 lo, hi = self._chunk(self.index, chunk)
                 self.sent[lo:hi] = own
-                if not self.escrows_own:  # else it is delivered with its holder's receipt (``escrow``)
-                    self._deliver(self.index, chunk, own, signed)
+                self._deliver(self.index, chunk, own, signed)
         except ProtocolError as e:
             logger.warning(f"leaving this peer's own values out of round {self.group_id.hex()[:8]}: {e}")
             self._active.discard(self.index)
@@ -150,11 +148,9 @@ class PartReducer:
         entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
         me = self.members[self.index]
         signature = self._sign(aggregate_message(self.digest, part, chunk, me, entries, encoded))
-        own = part == self.index and any(s.sender_index == self.index for _, s in inputs)
         return apb.PartChunk(
-            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries,
-            receipt=self._receipts.get(chunk, b"") if own else b"",
-        )  # fmt: skip
+            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries
+        )
 
     def _attacked(self, part: int, chunk: int, encoded: bytes, numel: int) -> bytes:
         """What a rehearsed bad reducer returns instead of ``encoded`` (``RoundHooks.aggregate``)."""
@@ -185,8 +181,7 @@ class PartReducer:
                 await consumer
                 return
             for chunk, event in enumerate(self._reduced):
-                async for message in self.escrow_until(index, event):  # its own input, if held there
-                    yield message
+                await event.wait()
                 result = self._results[chunk]
                 if result is None:
                     return
@@ -221,7 +216,7 @@ class PartReducer:
                 expected += 1
                 if expected == len(self._results):
                     break
-                message = await self._next_input(sender, stream, self.sender_timeout_s)
+                message = await self._next(stream, self.sender_timeout_s)
         except ProtocolError as e:
             self._drop(sender, str(e).removeprefix(f"{self.peer_ids[sender].to_base58()} "))
             return
@@ -233,7 +228,7 @@ class PartReducer:
             return
         peer = self.members[sender]
         try:
-            self._check_reveal(sender, await self._next_input(sender, stream, self.reveal_timeout_s))
+            self._check_reveal(sender, await self._next(stream, self.reveal_timeout_s))
         except (asyncio.TimeoutError, StopAsyncIteration):
             logger.info(f"{peer} revealed no nonce in round {self.group_id.hex()[:8]}")
         except Exception as e:

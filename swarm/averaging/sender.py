@@ -24,7 +24,6 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey
-from swarm.averaging.escrow import check_receipt
 from swarm.averaging.evidence import SignedInput, aggregate_message, contribution_message, parse_entries
 
 logger = logging.getLogger(__name__)
@@ -86,8 +85,6 @@ class PartSender:
             entries = parse_entries(message.included, len(self.members))
             if 2 * len(entries) <= len(self.members):
                 raise ProtocolError(f"aggregated only {len(entries)} of {len(self.members)} members")
-            if signer is None or signer == part:  # a substitute's re-reduction escrows nothing
-                check_receipt(self.digest, self.members, part, chunk, entries, message.receipt)
             mine = next((e for e in entries if e.sender_index == self.index), None)
             if mine is not None and (mine.weight != self.weight or mine.data_hash != sent):
                 raise ProtocolError(
@@ -136,16 +133,12 @@ class PartSender:
 
         stream, expected, denied = None, 0, False
         try:
-            stream = await self._open(part, self.with_receipts(part, outgoing()))
+            stream = await self._open(part, outgoing())
             while expected < chunks:
                 message = await self._next(stream, 2 * self.sender_timeout_s)
                 if message.code != apb.OK:
                     denied = expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
-                if message.escrow:  # the reducer's own input, for this peer to hold for validators
-                    self._count(received=len(message.data))
-                    self.take_escrow(part, message)
-                    continue
                 if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
                 self._count(received=len(message.data))

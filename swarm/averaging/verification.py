@@ -9,14 +9,12 @@ so withholding a reveal only brings more checks (those checks of chunks nobody w
 hold no one at fault).
 
 The validator takes the reducer's signed list of the inputs it aggregated and collects each input
-from its own sender (a sender holds what it signed), and the reducer's own input from the member it
-escrowed it with before aggregating it (``escrow``); only where those do not answer does it ask the
-reducer. With every input in hand it recomputes the chunk (``BadAggregateEvidence.judge``): a wrong
+from its own sender (a sender holds what it signed); only where a sender does not answer does it ask
+the reducer. With every input in hand it recomputes the chunk (``BadAggregateEvidence.judge``): a wrong
 aggregate becomes an accusation the coordinator checks for itself. A sender whose input differs from
 the one the reducer shows, both signed, equivocated: that evidence convicts the sender. An input that
-neither its sender nor the reducer shows (two colluding members; for the reducer's own input, the
-reducer and its escrow holder) cannot be proven against anyone: the validator logs it and avoids both
-in matchmaking for a while (``suspect``, the averager's ``PeerPolicy.suspect``).
+neither its sender nor the reducer shows cannot be proven against anyone: the validator logs it and
+avoids both in matchmaking for a while (``suspect``, the averager's ``PeerPolicy.suspect``).
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.allreduce import ButterflyAllReduce, drawn_chunk
 from swarm.averaging.compression import Codec
-from swarm.averaging.escrow import receipt_holder
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
     Entry,
@@ -112,8 +109,6 @@ async def serve_inputs(
             item = runner.hooks.show(runner, part, chunk, item)
     elif part == runner.index:
         item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
-    elif index == part and (part, chunk) in runner.escrows:  # a reducer's own input, escrowed with us
-        item = runner.escrows[(part, chunk)]
     elif part in runner.repairs:  # a part this peer re-reduced for a reducer that failed to deliver it
         item = next((i for i in runner.repairs[part].evidence[chunk] if i.sender_index == index), None)
     if item is None:
@@ -181,22 +176,13 @@ class _Check:
         return signed
 
     async def collect(self, entry: Entry, outcome: Outcome) -> SignedInput | Evidence | None:
-        """The input behind ``entry``: from its sender (for the reducer's own input, from its escrow
-        holder), else from the reducer; or proof of equivocation."""
+        """The input behind ``entry``: from its sender, else from the reducer; or proof of equivocation."""
         runner, index, holder = self.runner, entry.sender_index, self.signer  # it holds what it signed for
         if index == runner.index:
             return runner.own_input(self.part, self.chunk)  # the drawn chunk's input is always kept
         shown = held = None
-        # The reducer's own input to its own part is held by the member its receipt names (see ``escrow``).
-        source = index
-        if index == holder:
-            escrowed = self.signer == self.part
-            source = receipt_holder(self.answer.receipt, len(runner.members), self.part) if escrowed else None
-        if source is not None:
-            if source == runner.index:
-                shown = runner.escrows.get((self.part, self.chunk))
-            else:
-                shown = await self._try(source, index)
+        if index != holder:
+            shown = await self._try(index, index)
             if shown is not None and _matches(shown, entry):
                 return shown
         held = await self._try(holder, index)
@@ -204,11 +190,10 @@ class _Check:
             if shown is not None:  # the sender signed this one too: it shows validators another
                 return EquivocationEvidence(**self.round, first=shown, second=held)
             return held
-        contradiction = held if held is not None else shown
-        if contradiction is not None and index == holder:  # the reducer's own input contradicts its list
+        if held is not None and index == holder:  # the reducer's own input contradicts its own list
             return EquivocationEvidence(
-                **self.round, first=contradiction, second=None, entries=self.answer.included,
-                output=self.answer.data, output_signature=self.answer.signature,
+                **self.round, first=held, second=None, entries=self.answer.included, output=self.answer.data,
+                output_signature=self.answer.signature,
             )  # fmt: skip
         if shown is not None and held is not None and (shown.weight, shown.data) != (held.weight, held.data):
             return EquivocationEvidence(**self.round, first=shown, second=held)
@@ -217,11 +202,7 @@ class _Check:
             f"neither {sender} nor reducer {reducer} showed the input of {sender} that the reducer signed "
             f"for in part {self.part} chunk {self.chunk} of round {runner.group_id.hex()[:8]}"
         )
-        if index != holder:
-            outcome.unshown.append(sender)
-        elif source not in (None, runner.index):  # the member its escrow receipt names showed nothing
-            outcome.unshown.append(runner.members[source])
-        outcome.unshown.append(reducer)
+        outcome.unshown += [reducer] if index == holder else [sender, reducer]
         return None
 
     async def _try(self, holder: int, sender: int) -> SignedInput | None:
