@@ -59,18 +59,25 @@ class Volunteer:
 
     def __init__(self, config: PeerConfig):
         self.config = config
-        self.session = Session(config, check_run=self._check_run, metrics=self._process_metrics)
-        self.device = ""
+        self.session = Session(config, device="", check_run=self._check_run, metrics=self._process_metrics)
         self.compute_device = "cpu"
         self.trainer: Trainer | None = None
         self._started = time.monotonic()
-        self.paused = False
         self.upload_limiter = upload_limiter(config)
         self._control: PeerControl | None = None
 
     @property
     def key(self):
         return self.session.key
+
+    @property
+    def device(self) -> str:
+        """This peer's compute as the organizer sees it (``"cpu: 2 cores"``); empty until it is known."""
+        return self.session.device
+
+    @property
+    def paused(self) -> bool:
+        return self.session.paused
 
     @property
     def run_config(self) -> RunConfig | None:
@@ -85,7 +92,7 @@ class Volunteer:
 
     def pause(self) -> None:
         """Stop computing but stay in the run (SIGUSR1, ``swarm-peer pause``); credit is kept."""
-        self.paused = self.session.paused = True
+        self.session.paused = True
         self._pass_pause()
         if self.state in ("online", "paused"):
             self.session.set_state("paused", "swarm-peer resume continues")
@@ -93,7 +100,7 @@ class Volunteer:
 
     def resume(self) -> None:
         """Compute again (SIGUSR2, ``swarm-peer resume``)."""
-        self.paused = self.session.paused = False
+        self.session.paused = False
         self._pass_pause()
         if self.state == "paused":
             self.session.set_state("online")
@@ -237,7 +244,7 @@ class Volunteer:
             torch.set_num_threads(config.max_cpu_threads)
         session.key = await asyncio.to_thread(load_or_create_identity, config.identity_path)
         compute_device = self.compute_device = await asyncio.to_thread(resolve_device, config.device)
-        self.device = session.device = await asyncio.to_thread(describe_device, compute_device)
+        session.device = await asyncio.to_thread(describe_device, compute_device)
         await asyncio.to_thread(apply_gpu_memory_limit, config, compute_device)
         logger.info(f"peer {self.key.peer_id} ({config.name!r}, {self.device}) joining {config.coordinator}")
         async with CoordinatorClient(config.coordinator, timeout_s=config.rpc_timeout_s) as client:

@@ -38,7 +38,6 @@ class Connection:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._started: concurrent.futures.Future = concurrent.futures.Future()
-        self._ended: concurrent.futures.Future = concurrent.futures.Future()
 
     def __enter__(self) -> Session:
         self._thread = threading.Thread(target=self._serve, name="swarm-session", daemon=True)
@@ -57,11 +56,6 @@ class Connection:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    @property
-    def finished(self) -> bool:
-        """Whether the session ended on its own: the run finished (or this peer was banned)."""
-        return self._ended.done()
-
     def close(self) -> None:
         """Leave the run and stop the background thread (waits up to ``STOP_TIMEOUT_S``)."""
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():
@@ -72,11 +66,9 @@ class Connection:
     def _serve(self) -> None:
         try:
             asyncio.run(self._main())
-        except BaseException as e:  # reported to __enter__, or kept for the caller to read
+        except BaseException as e:  # a failed start is raised from __enter__
             if not self._started.done():
                 self._started.set_exception(e)
-            if not self._ended.done():
-                self._ended.set_exception(e)
 
     async def _main(self) -> None:
         from swarm.coordinator_client import CoordinatorClient
@@ -92,7 +84,6 @@ class Connection:
                 await session.leave()
             finally:
                 await session.close()
-        self._ended.set_result(True)
 
 
 def connect(coordinator: str, **options: Any) -> Connection:

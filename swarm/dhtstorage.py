@@ -45,28 +45,27 @@ class NodeBans:
         self.storages: weakref.WeakSet[BoundedStorage] = weakref.WeakSet()
         self._lists: dict[tuple[float, bytes, int], dict[int, list[str]]] = {}
 
-    def add_page(self, changed_at: float, digest: bytes, pages: int, page: int, banned: list[str]) -> int:
+    def add_page(self, changed_at: float, digest: bytes, pages: int, page: int, banned: list[str]) -> None:
         """Take page ``page`` of the list that changed at ``changed_at``; every storage drops the entries of
-        peers it newly bans. Returns how many peers are banned here now."""
+        peers it newly bans."""
         version = (changed_at, digest, pages)
         newest = max(self._lists, default=None)
         if newest is not None and version < newest and version not in self._lists and self._complete(newest):
-            return len(set(self.subkeys.values()))  # an old list's page: nothing to learn
+            return  # an old list's page: nothing to learn
         self._lists.setdefault(version, {})[page] = list(banned)
         ordered = sorted(self._lists, reverse=True)
+        newest = ordered[0]
         complete = next((v for v in ordered if self._complete(v)), None)
-        keep = {ordered[0]} | ({complete} if complete is not None else set())
-        self._lists = {v: self._lists[v] for v in keep}
-        peers = {peer for v in keep for peer in _peers(self._lists[v])}
-        if complete is not None and complete == ordered[0]:
-            peers = set(_peers(self._lists[complete]))
+        peers = set(_peers(self._lists[newest]))
+        if complete is not None and complete != newest:  # the newest is incomplete: its bans stay too
+            peers |= set(_peers(self._lists[complete]))
+        self._lists = {v: self._lists[v] for v in (newest, complete) if v is not None}
         subkeys = {subkey: peer for peer in peers for subkey in _subkeys_of(peer)}
         new = set(subkeys) - set(self.subkeys)
         self.subkeys = subkeys
         if new:
             for storage in list(self.storages):
                 storage.drop_signers(new)
-        return len(peers)
 
     def _complete(self, version: tuple[float, bytes, int]) -> bool:
         return len(self._lists.get(version, {})) == version[2]
