@@ -45,6 +45,8 @@ UNARY_MAX_BYTES = DEFAULT_MAX_MSG_SIZE  # what the p2p daemon lets through to a 
 MAX_STREAMS = 256  # streams of one handler open at once, from all peers
 MAX_PREFETCH = 5  # requests of one stream read ahead of the handler (hivemind's default)
 SMALL_REQUEST_BYTES = 4096  # a request of a few scalar fields and short strings
+REFUSAL_LINGER_S = 1.0  # how long a refused stream stays open for its refusal to reach the caller
+REFUSAL_DISCARD_BYTES = 64 << 10  # what a refused stream may still read (and drop) while it lingers
 
 
 @dataclass(frozen=True)
@@ -248,8 +250,7 @@ class BoundedServicer(ServicerBase):
                 reason = slots.enter(peer) or await self._admission_or_leave(peer, slots)
                 if reason is not None:
                     self._refuse(peer, name, reason)
-                    with suppress(Exception):
-                        await P2P.send_protobuf(RPCError(message=reason), writer)
+                    await _send_refusal(reason, reader, writer)
                     return
                 try:
                     context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
@@ -304,10 +305,28 @@ class BoundedServicer(ServicerBase):
                 await requests.put(request)  # None: the caller's end of stream
         except (ProtocolError, DecodeError) as e:
             self._refuse(context.remote_id.to_base58(), context.handle_name, str(e))
-            with suppress(Exception):
-                await P2P.send_protobuf(RPCError(message=str(e)), writer)
+            await _send_refusal(str(e), reader, writer)
         finally:
             processing.cancel()
+
+
+async def _send_refusal(reason: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Send ``reason`` and keep the stream open until the caller closes it, for at most
+    ``REFUSAL_LINGER_S``, dropping at most ``REFUSAL_DISCARD_BYTES`` of what it still sends. A socket
+    closed with unread bytes in it is reset, and a reset can overtake the refusal, so the caller (often
+    honest, say one past a stream cap) would see its call end with no reason given."""
+    with suppress(Exception):
+        await P2P.send_protobuf(RPCError(message=reason), writer)
+    loop = asyncio.get_running_loop()
+    deadline, discarded = loop.time() + REFUSAL_LINGER_S, 0
+    while discarded < REFUSAL_DISCARD_BYTES and (left := deadline - loop.time()) > 0:
+        try:
+            piece = await asyncio.wait_for(reader.read(REFUSAL_DISCARD_BYTES - discarded), left)
+        except (asyncio.TimeoutError, ConnectionError):
+            return
+        if not piece:
+            return
+        discarded += len(piece)
 
 
 async def call_bounded(

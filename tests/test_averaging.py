@@ -89,10 +89,23 @@ async def average_all(averagers, inputs, weights):
     )
 
 
+async def settled_bytes_sent(averagers) -> list[int]:
+    """What each averager's last round sent once its tasks ended: a round's result counts the bytes of the
+    moment its vector was complete, when a reducer may still be sending its part to a slower groupmate."""
+    runners = [next(reversed(a.rounds.recent.values())) for a in averagers]
+    await asyncio.gather(*(r.revealed for r in runners if r.revealed is not None))
+    return [r.bytes_sent for r in runners]
+
+
 def test_peers_end_bit_identical_at_the_weighted_mean(dhts, keys):
     averagers = [make(d, keys) for d in dhts]
     inputs, weights = vectors(3), [1.0, 2.0, 5.0]
-    outcomes = asyncio.run(average_all(averagers, inputs, weights))
+
+    async def scenario():
+        outcomes = await average_all(averagers, inputs, weights)
+        return outcomes, await settled_bytes_sent(averagers)
+
+    outcomes, sent = asyncio.run(scenario())
 
     # No sender weighs more than the lower median of the claims: 5 counts as 2 (a fair share).
     fair = [1.0, 2.0, 2.0]
@@ -103,7 +116,7 @@ def test_peers_end_bit_identical_at_the_weighted_mean(dhts, keys):
         assert torch.equal(result.vector, first), "every peer must hold exactly the same bits"
     assert torch.allclose(first, expected, atol=2e-3), "fp16 on the wire keeps the mean within fp16 precision"
     # Each peer sends (n-1)/n of its vector and the reduced part back to n-1 peers, 2 bytes a value.
-    assert outcomes[0][1].bytes_sent == pytest.approx(2 * 2 * NUMEL * 2 / 3, rel=0.01)
+    assert sent[0] == pytest.approx(2 * 2 * NUMEL * 2 / 3, rel=0.01)
 
 
 def test_validators_need_signed_round_inputs(keyed_dhts):
@@ -153,12 +166,13 @@ def test_a_member_nobody_can_dial_reduces_no_part_and_the_round_is_bit_identical
 
     async def scenario():
         outcomes = await average_all(averagers, inputs, [1.0, 1.0, 1.0])
+        sent = await settled_bytes_sent(averagers)
         accepted = [a.data_plane.accepted for a in averagers]
         for averager in averagers:
             await averager.shutdown()
-        return outcomes, accepted
+        return outcomes, sent, accepted
 
-    outcomes, accepted = asyncio.run(scenario())
+    outcomes, sent, accepted = asyncio.run(scenario())
     natted = keyed_dhts[2][0].peer_id
     for group, result in outcomes:
         assert result.complete and not result.dropped
@@ -168,8 +182,8 @@ def test_a_member_nobody_can_dial_reduces_no_part_and_the_round_is_bit_identical
     assert accepted == [2, 2, 0], "each reducer took the other two peers' streams; nobody dialed peer 2"
     # fp16: peer 2 sends all of its vector (half to each reducer) and nothing else; a reducer sends the
     # other reducer's half, then its own half back to two peers.
-    assert outcomes[2][1].bytes_sent == 2 * NUMEL
-    assert outcomes[0][1].bytes_sent == pytest.approx(2 * NUMEL * 3 / 2, abs=4)
+    assert sent[2] == 2 * NUMEL
+    assert sent[0] == pytest.approx(2 * NUMEL * 3 / 2, abs=4)
 
 
 def test_a_group_without_enough_members_that_can_be_dialed_is_left_by_all(keyed_dhts, caplog):

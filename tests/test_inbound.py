@@ -57,6 +57,21 @@ async def state_pair() -> tuple[P2P, P2P, StateServicer]:
     return honest, stranger, servicer
 
 
+async def first_bytes(reader: asyncio.StreamReader, within_s: float = 3.0) -> bytes:
+    """What the server sends within ``within_s``, read until it closes (a refusal may arrive in pieces);
+    an accepted stream gets nothing, as the handler waits for the request."""
+    received, deadline = b"", time.monotonic() + within_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            piece = await asyncio.wait_for(reader.read(4096), left)
+        except asyncio.TimeoutError:
+            break
+        if not piece:
+            break
+        received += piece
+    return received
+
+
 def handle_name() -> str:
     return StateServicer._get_handle_name(state_namespace(RUN), "rpc_download_state")
 
@@ -169,20 +184,6 @@ def test_the_stream_past_the_per_peer_cap_is_refused_and_a_closed_one_frees_its_
     """Five silent streams from one peer: whichever reaches the handler last is refused unread, the other
     four wait for their request; once they close, the peer is served again."""
     cap = 4  # StateServicer's max_streams_per_peer
-
-    async def first_bytes(reader: asyncio.StreamReader) -> bytes:
-        """What the server sends within 3 s, read until it closes (a refusal may arrive in pieces); an
-        accepted stream gets nothing, as the handler waits for the request."""
-        received, deadline = b"", time.monotonic() + 3
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                piece = await asyncio.wait_for(reader.read(4096), left)
-            except asyncio.TimeoutError:
-                break
-            if not piece:
-                break
-            received += piece
-        return received
 
     async def scenario() -> tuple[list[bytes], list[str]]:
         honest, stranger, _ = await state_pair()
@@ -329,7 +330,7 @@ def test_a_part_stream_from_an_uncertified_peer_is_refused_before_its_first_byte
         _, reader, writer = await (await stranger.replicate_p2p()).call_binary_stream_handler(
             averager.peer_id, name
         )
-        refusal = await asyncio.wait_for(reader.read(4096), 10)
+        refusal = await first_bytes(reader, within_s=10)
         writer.close()
         _, reader, writer = await (await member.replicate_p2p()).call_binary_stream_handler(
             averager.peer_id, name

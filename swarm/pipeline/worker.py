@@ -478,7 +478,9 @@ class StageWorker(StageMoves):
                     await self._step_round()
                 elif self._leave_to is not None:
                     await self._continue_leaving()
-                elif self.rebalance and time.monotonic() > next_rebalance:
+                elif self.rebalance and not self.finished and time.monotonic() > next_rebalance:
+                    # A finished run stays put: a move at the last step leaves the mover's stage short and
+                    # sends the mover through a catch-up that no round follows.
                     next_rebalance = time.monotonic() + self.config.pipeline.rebalance_interval_s
                     await self._maybe_move()
         finally:
