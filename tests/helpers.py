@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from protocols.keys import SigningKey
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.dht import SpawnedDHT, start_local_dhts
 
+SIM_LOG_LINES = 25  # of each log a failed swarm-sim kept, shown in the failure
 KEYS: dict[str, SigningKey] = {}  # peer ID -> the identity its DHT runs under (trainers sign with it)
 
 
@@ -79,14 +81,27 @@ async def relay_from(source_host: str, target: tuple[str, int]) -> asyncio.Serve
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
+def sim_failure(result: subprocess.CompletedProcess) -> str:
+    """What a failed ``swarm-sim`` said, with the last lines of each log it kept: a run that stalled on a
+    loaded machine is explained by its peers' logs, which are gone with the machine."""
+    text = result.stdout[-3000:] + result.stderr[-3000:]
+    kept = re.search(r"logs kept in (\S+)", result.stderr)
+    if kept is not None:
+        for log in sorted(Path(kept.group(1)).glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-SIM_LOG_LINES:]
+            text += f"\n--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines)
+    return text
+
+
 def run_tiny_sim(out_dir: Path, *flags: str, peers: int = 3, steps: int = 6) -> dict:
     """``swarm-sim`` with the tiny model and every part checked (``--verify-probability 1.0``), as a
-    subprocess; its JSON report. ``flags`` (an attack, a precision...) go after these settings."""
+    subprocess; its JSON report. ``flags`` (an attack, a precision...) go after these settings. The sim
+    gives up on its own before the subprocess is killed, so that it keeps its logs and names the stall."""
     out = out_dir / "sim.json"
     result = subprocess.run(
         [sys.executable, "-m", "lab.sim", "--peers", str(peers), "--steps", str(steps), "--model-size",
-         "tiny", "--verify-probability", "1.0", "--json", str(out), *flags],
+         "tiny", "--verify-probability", "1.0", "--json", str(out), "--timeout-s", "330", *flags],
         capture_output=True, text=True, timeout=400,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, sim_failure(result)
     return json.loads(out.read_text())

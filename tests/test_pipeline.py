@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sim_failure
 
 from lab.localswarm import tiny_run
 from protocols import pipeline_pb2 as ppb
@@ -196,7 +197,7 @@ def test_swarm_sim_pipeline_long_rehearsal_kill_replace_rebalance(tmp_path: Path
          "--json", str(out), "--timeout-s", "360"],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, sim_failure(result)
     report = json.loads(out.read_text())
     assert report["final_val_loss"] < report["initial_val_loss"], "validation loss fell"
     assert report["lost_microbatches"] == 0

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers import sim_failure
 from hivemind.p2p import P2PContext, PeerID
 
 from protocols import pipeline_pb2 as ppb
@@ -326,7 +327,7 @@ def test_swarm_sim_with_every_pipeline_attack_at_once(tmp_path):
          "--stage-verify-probability", "1.0", "--json", str(out), "--timeout-s", "400"],
         capture_output=True, text=True, timeout=560, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, sim_failure(result)
     report = json.loads(out.read_text())
     assert report["byzantine"] == ["stage1-0", "stage1-1", "stage0-0", "trainer0", "trainer1"]
     assert report["final_val_loss"] < report["initial_val_loss"], "validation loss fell"
