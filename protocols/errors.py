@@ -44,6 +44,11 @@ class NetworkError(SwarmError):
     """The other side could not be reached, or did not answer in time."""
 
 
+class DHTStartFailed(NetworkError):
+    """This machine's DHT node did not come up in time (its process may still be importing on a busy
+    machine); trying again later may work, unlike a port already in use."""
+
+
 class SecurityError(SwarmError):
     """A signature, certificate or admission check failed."""
 

@@ -30,7 +30,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import RecordValidatorBase
 
-from protocols.errors import ConfigError, NetworkError
+from protocols.errors import ConfigError, DHTStartFailed, NetworkError
 from protocols.keys import SigningKey
 from swarm.dhtstorage import BoundedStorage, StorageLimits
 
@@ -190,7 +190,7 @@ def _await_dht(dht: SpawnedDHT, key: SigningKey, where: str, *, timeout_s: float
             error = e
         if dht.is_alive():
             dht.terminate()
-        raise NetworkError(f"could not start the DHT on {where}: {error!r}") from None
+        raise DHTStartFailed(f"could not start the DHT on {where}: {error!r}") from None
     if dht.peer_id.to_base58() != key.peer_id:
         dht.shutdown()
         raise ConfigError(f"the DHT came up as {dht.peer_id}, not as identity {key.peer_id}")

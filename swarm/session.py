@@ -27,7 +27,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +36,7 @@ from protocols.errors import (
     AdmissionDenied,
     ConfigError,
     CoordinatorKeyMismatch,
+    DHTStartFailed,
     NetworkError,
     ProtocolError,
     ReplayError,
@@ -97,6 +98,11 @@ class SessionConfig(BaseModel):
     )
     rpc_timeout_s: float = Field(10.0, gt=0, le=300, description="timeout of one call to the coordinator")
     max_retry_interval_s: float = Field(30.0, ge=1, le=3600, description="longest wait between retries")
+    dht_start_attempts: int = Field(
+        4, ge=1, le=100,
+        description="tries to start the DHT node (each waits up to 3 minutes for it; a busy machine may "
+        "need more than one) before giving up",
+    )  # fmt: skip
     leave_when_finished: bool = Field(
         True,
         description="leave and exit 0 once the coordinator says the run finished; --no-leave-when-finished "
@@ -212,15 +218,39 @@ class Session:
             return False
         self.dialable = await learn_dialable(client, self.config.host, self.config.dialable)
         run = self.run_config
-        self.dht = await asyncio.to_thread(
-            start_dht, self.key, self.config.identity_path, host=self.config.host, port=self.config.port,
-            initial_peers=self.admission.dht_initial_peers, upnp=self.config.upnp,
-            validators=[RunValidator(run.run_id, self.coordinator_key, stages=run.pipeline.stages)],
-            client_mode=not self.dialable,
+        self.dht = await self._start_dht(
+            stop, lambda: start_dht(
+                self.key, self.config.identity_path, host=self.config.host, port=self.config.port,
+                initial_peers=self.admission.dht_initial_peers, upnp=self.config.upnp,
+                validators=[RunValidator(run.run_id, self.coordinator_key, stages=run.pipeline.stages)],
+                client_mode=not self.dialable,
+            ),
         )  # fmt: skip
+        if self.dht is None:
+            return False
         self._coordinator_maddrs = list(self.admission.dht_initial_peers)
         self.records = RecordSigner(self.key, self.certificate.encoded)
         return True
+
+    async def _start_dht(self, stop: asyncio.Event, start: Callable[[], Any]) -> Any:
+        """``start()`` in a thread, tried again with backoff while the node does not come up in time (a
+        busy machine), up to ``dht_start_attempts`` times; None if ``stop`` was set meanwhile. Any other
+        failure, such as a port in use, is raised at once: waiting would not fix it."""
+        attempts, delay = self.config.dht_start_attempts, 1.0
+        for attempt in range(1, attempts + 1):
+            try:
+                return await asyncio.to_thread(start)
+            except DHTStartFailed as e:
+                if attempt == attempts:
+                    raise DHTStartFailed(
+                        f"{e}, {attempts} times: the machine may be too busy, or a firewall blocks the "
+                        "DHT port; free some CPU or raise --dht-start-attempts"
+                    ) from None
+                logger.warning(f"{e}; trying again in {delay:.0f}s (attempt {attempt + 1} of {attempts})")
+                if await wait_or_stop(stop, delay):
+                    return None
+                delay = min(2 * delay, self.config.max_retry_interval_s)
+        return None
 
     def _expected_coordinator_key(self, run_id: str) -> PublicKey | None:
         if self.config.coordinator_key:

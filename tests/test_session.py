@@ -86,3 +86,64 @@ def test_a_slow_dht_start_says_what_it_waits_for_and_comes_up(tmp_path: Path, mo
         assert "still waiting for the DHT node on 127.0.0.1:0 to start" in caplog.text
     finally:
         dht.shutdown()
+
+
+def _session(tmp_path: Path, **options) -> swarm_api.Session:
+    config = swarm_api.SessionConfig(coordinator="127.0.0.1:1", **_options(tmp_path, "busy"), **options)
+    config.max_retry_interval_s = 1.0
+    return swarm_api.Session(config)
+
+
+def test_a_dht_that_does_not_come_up_in_time_is_started_again_and_the_failure_says_what_to_do(
+    tmp_path, caplog
+):
+    """A busy machine: the DHT node's process is still importing when the wait ends. The session tries
+    again (saying so) instead of exiting after it joined; after the last try the error says what to do."""
+    import asyncio
+
+    from protocols.errors import DHTStartFailed, NetworkError
+
+    tries: list[int] = []
+
+    def slow_twice():
+        tries.append(1)
+        if len(tries) <= 2:
+            raise DHTStartFailed(
+                "could not start the DHT on 127.0.0.1:0: TimeoutError('not ready after 180s')"
+            )
+        return "the node"
+
+    session = _session(tmp_path, dht_start_attempts=3)
+    with caplog.at_level("WARNING", logger="swarm.peer"):
+        assert asyncio.run(session._start_dht(asyncio.Event(), slow_twice)) == "the node"
+    assert len(tries) == 3
+    assert "trying again in 1s (attempt 2 of 3)" in caplog.text and "(attempt 3 of 3)" in caplog.text
+
+    tries.clear()
+    with pytest.raises(DHTStartFailed, match="2 times: the machine may be too busy.*--dht-start-attempts"):
+        asyncio.run(_session(tmp_path, dht_start_attempts=2)._start_dht(asyncio.Event(), slow_twice))
+
+    def port_in_use():
+        tries.append(1)
+        raise NetworkError("cannot serve the DHT on 127.0.0.1:4000: Address already in use")
+
+    tries.clear()
+    with pytest.raises(NetworkError, match="Address already in use"):
+        asyncio.run(session._start_dht(asyncio.Event(), port_in_use))
+    assert len(tries) == 1, "a port in use is not retried: waiting would not free it"
+
+
+def test_a_stop_during_the_dht_retry_wait_ends_the_start_without_an_error(tmp_path):
+    import asyncio
+
+    from protocols.errors import DHTStartFailed
+
+    def never_ready():
+        raise DHTStartFailed("could not start the DHT on 127.0.0.1:0: TimeoutError('not ready after 180s')")
+
+    async def scenario():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+        return await _session(tmp_path, dht_start_attempts=5)._start_dht(stop, never_ready)
+
+    assert asyncio.run(scenario()) is None
