@@ -11,6 +11,10 @@ stubs still call them) that, for each stream:
 2. asks the servicer's ``admission`` (certificate, ban list) before reading a byte;
 3. reads each 8-byte length and closes the stream, unread, when it exceeds ``max_message_bytes``.
 
+A refused stream gets the reason, then stays open up to ``REFUSAL_LINGER_S`` (dropping what still comes,
+``MAX_LINGERING_REFUSALS`` of them at once), so that the reset of a socket closed with unread bytes does
+not overtake the reason.
+
 Unary handlers (request and reply in one message) ride the p2p daemon's persistent connection, which
 drops a request over its ``persistent_conn_max_msg_size`` (hivemind's default, ``UNARY_MAX_BYTES``)
 before it reaches Python; the same ``HandlerBound`` then refuses a parsed request over its own bound and
@@ -47,6 +51,8 @@ MAX_PREFETCH = 5  # requests of one stream read ahead of the handler (hivemind's
 SMALL_REQUEST_BYTES = 4096  # a request of a few scalar fields and short strings
 REFUSAL_LINGER_S = 1.0  # how long a refused stream stays open for its refusal to reach the caller
 REFUSAL_DISCARD_BYTES = 64 << 10  # what a refused stream may still read (and drop) while it lingers
+MAX_LINGERING_REFUSALS = 32  # refused streams kept open at once in this process; others close at once
+_lingering = 0  # refused streams open now (see _send_refusal)
 
 
 @dataclass(frozen=True)
@@ -314,19 +320,28 @@ async def _send_refusal(reason: str, reader: asyncio.StreamReader, writer: async
     """Send ``reason`` and keep the stream open until the caller closes it, for at most
     ``REFUSAL_LINGER_S``, dropping at most ``REFUSAL_DISCARD_BYTES`` of what it still sends. A socket
     closed with unread bytes in it is reset, and a reset can overtake the refusal, so the caller (often
-    honest, say one past a stream cap) would see its call end with no reason given."""
+    honest, say one past a stream cap) would see its call end with no reason given. A refused stream
+    holds no slot, so at most ``MAX_LINGERING_REFUSALS`` linger at once: a stranger opening streams as
+    fast as it can gets its refusals closed at once, as before, and holds nothing."""
+    global _lingering
     with suppress(Exception):
         await P2P.send_protobuf(RPCError(message=reason), writer)
-    loop = asyncio.get_running_loop()
-    deadline, discarded = loop.time() + REFUSAL_LINGER_S, 0
-    while discarded < REFUSAL_DISCARD_BYTES and (left := deadline - loop.time()) > 0:
-        try:
-            piece = await asyncio.wait_for(reader.read(REFUSAL_DISCARD_BYTES - discarded), left)
-        except (asyncio.TimeoutError, ConnectionError):
-            return
-        if not piece:
-            return
-        discarded += len(piece)
+    if _lingering >= MAX_LINGERING_REFUSALS:
+        return
+    _lingering += 1
+    try:
+        loop = asyncio.get_running_loop()
+        deadline, discarded = loop.time() + REFUSAL_LINGER_S, 0
+        while discarded < REFUSAL_DISCARD_BYTES and (left := deadline - loop.time()) > 0:
+            try:
+                piece = await asyncio.wait_for(reader.read(REFUSAL_DISCARD_BYTES - discarded), left)
+            except (asyncio.TimeoutError, ConnectionError):
+                return
+            if not piece:
+                return
+            discarded += len(piece)
+    finally:
+        _lingering -= 1
 
 
 async def call_bounded(

@@ -384,3 +384,36 @@ def test_strangers_asking_the_coordinator_for_stage_states_share_one_record_read
     assert len(reads) == 2, f"{len(reads)} DHT reads for 50 strangers and one replica"
     assert reads[1] - reads[0] >= checkpoints.PIPELINE_REREAD_S - 0.05
     assert time.monotonic() - started < 5 * checkpoints.PIPELINE_REREAD_S
+
+
+def test_refused_streams_linger_for_their_refusal_to_arrive_but_only_a_bounded_number_at_once():
+    """A refusal is sent, then the stream stays open (up to REFUSAL_LINGER_S) so that closing it with the
+    caller's request unread does not reset it before the refusal arrives. A refused stream holds no slot,
+    so a stranger opening streams as fast as it can would keep any number of them open: past
+    MAX_LINGERING_REFUSALS the refusal is sent and the stream closed at once."""
+    from swarm import inbound
+
+    class Writer:
+        def __init__(self):
+            self.sent = b""
+
+        def write(self, data) -> None:
+            self.sent += bytes(data)
+
+        async def drain(self) -> None:
+            pass
+
+    async def scenario() -> tuple[list[bool], int, list[bytes], int]:
+        callers = [(asyncio.StreamReader(), Writer()) for _ in range(inbound.MAX_LINGERING_REFUSALS + 8)]
+        refusals = [asyncio.create_task(inbound._send_refusal("no", r, w)) for r, w in callers]
+        await asyncio.sleep(0.1)  # well inside REFUSAL_LINGER_S: the lingering ones are still open
+        done, lingering = [t.done() for t in refusals], inbound._lingering
+        for reader, _ in callers:
+            reader.feed_eof()  # each caller closes once it has read the refusal
+        await asyncio.wait_for(asyncio.gather(*refusals), 5)
+        return done, lingering, [w.sent for _, w in callers], inbound._lingering
+
+    done, lingering, sent, after = asyncio.run(scenario())
+    assert lingering == inbound.MAX_LINGERING_REFUSALS and sum(done) == 8
+    assert all(s.startswith(P2P.ERROR_MARKER) and s.endswith(b"no") for s in sent), "every caller is told why"
+    assert after == 0
