@@ -205,7 +205,7 @@ class Session:
 
     async def start(self, client: CoordinatorClient, stop: asyncio.Event) -> bool:
         """Join through ``client``, learn whether others can dial this machine, and start the DHT node;
-        False if ``stop`` was set before the join went through."""
+        False if ``stop`` was set before the DHT node was up (after a join, the peer leaves again)."""
         from swarm.dht import start_dht
         from swarm.keyspace import RunValidator
         from swarm.reachability import learn_dialable
@@ -226,7 +226,8 @@ class Session:
                 client_mode=not self.dialable,
             ),
         )  # fmt: skip
-        if self.dht is None:
+        if self.dht is None:  # stopped while the node was still starting: the coordinator admitted us
+            await self.leave()
             return False
         self._coordinator_maddrs = list(self.admission.dht_initial_peers)
         self.records = RecordSigner(self.key, self.certificate.encoded)
