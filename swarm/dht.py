@@ -168,6 +168,7 @@ def _spawn_dht(
 # How often a slow DHT start says what it waits for: its process imports torch and hivemind and starts
 # the p2p daemon, which takes seconds on a quiet machine and can take minutes on a loaded one.
 DHT_PROGRESS_EVERY_S = 20.0
+CHILD_EXIT_TIMEOUT_S = 10.0  # how long a DHT process that did not start may take to exit
 
 
 def _await_dht(dht: SpawnedDHT, key: SigningKey, where: str, *, timeout_s: float) -> hivemind.DHT:
@@ -185,16 +186,26 @@ def _await_dht(dht: SpawnedDHT, key: SigningKey, where: str, *, timeout_s: float
                     f"{timeout_s:.0f}s; load average {_load()}): its process imports torch and hivemind"
                 )
                 continue
-            error: BaseException = TimeoutError(f"not ready after {waited:.0f}s")
+            _stop_child(dht)
+            # Only a wait that ran out may go better later (a busy machine): the session tries again.
+            raise DHTStartFailed(
+                f"could not start the DHT on {where}: not ready after {waited:.0f}s"
+            ) from None
         except Exception as e:  # hivemind raises bare P2P/daemon errors with no common base
-            error = e
-        if dht.is_alive():
-            dht.terminate()
-        raise DHTStartFailed(f"could not start the DHT on {where}: {error!r}") from None
+            _stop_child(dht)
+            raise NetworkError(f"could not start the DHT on {where}: {e!r}") from None
     if dht.peer_id.to_base58() != key.peer_id:
         dht.shutdown()
         raise ConfigError(f"the DHT came up as {dht.peer_id}, not as identity {key.peer_id}")
     return dht
+
+
+def _stop_child(dht: SpawnedDHT) -> None:
+    """End a DHT process that did not start, and wait for it (bounded), so that a new try on the same
+    port does not find it still bound."""
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(CHILD_EXIT_TIMEOUT_S)
 
 
 def _load() -> str:

@@ -320,9 +320,11 @@ async def _send_refusal(reason: str, reader: asyncio.StreamReader, writer: async
     """Send ``reason`` and keep the stream open until the caller closes it, for at most
     ``REFUSAL_LINGER_S``, dropping at most ``REFUSAL_DISCARD_BYTES`` of what it still sends. A socket
     closed with unread bytes in it is reset, and a reset can overtake the refusal, so the caller (often
-    honest, say one past a stream cap) would see its call end with no reason given. A refused stream
-    holds no slot, so at most ``MAX_LINGERING_REFUSALS`` linger at once: a stranger opening streams as
-    fast as it can gets its refusals closed at once, as before, and holds nothing."""
+    honest, say one past a stream cap) would see its call end with no reason given. A stream refused
+    before it took a slot (a cap, admission) holds none while it lingers, so at most
+    ``MAX_LINGERING_REFUSALS`` linger at once: a stranger opening streams as fast as it can gets its
+    refusals closed at once, as before, and holds nothing. A bad request of an admitted stream lingers in
+    its slot, up to ``REFUSAL_LINGER_S`` more than it could hold it anyway."""
     global _lingering
     with suppress(Exception):
         await P2P.send_protobuf(RPCError(message=reason), writer)

@@ -147,3 +147,37 @@ def test_a_stop_during_the_dht_retry_wait_ends_the_start_without_an_error(tmp_pa
         return await _session(tmp_path, dht_start_attempts=5)._start_dht(stop, never_ready)
 
     assert asyncio.run(scenario()) is None
+
+
+class _DaemonThatCannotBind:
+    """What a DHT start hands over when its p2p daemon exits at once (here: it cannot bind ``--host``):
+    the ready wait raises the daemon's error and the process has ended."""
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        from hivemind.p2p.p2p_daemon import P2PDaemonError
+
+        raise P2PDaemonError(
+            "Daemon failed to start: [listen tcp4 192.0.2.1:0: bind: cannot assign requested address]"
+        )
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_a_daemon_that_cannot_bind_is_not_retried_as_a_slow_start(tmp_path):
+    """Only a wait that ran out is tried again: a daemon that failed outright fails the same way each
+    time, and the busy-machine advice would not apply (found by reading the retry as an attacker would)."""
+    import asyncio
+
+    from protocols.errors import DHTStartFailed, NetworkError
+    from swarm import dht as swarm_dht
+
+    key, tries = SigningKey.generate(), []
+
+    def start():
+        tries.append(1)
+        return swarm_dht._await_dht(_DaemonThatCannotBind(), key, "192.0.2.1:0", timeout_s=180)
+
+    with pytest.raises(NetworkError, match="cannot assign requested address") as failed:
+        asyncio.run(_session(tmp_path, dht_start_attempts=3)._start_dht(asyncio.Event(), start))
+    assert not isinstance(failed.value, DHTStartFailed) and len(tries) == 1
