@@ -11,9 +11,10 @@ stubs still call them) that, for each stream:
 2. asks the servicer's ``admission`` (certificate, ban list) before reading a byte;
 3. reads each 8-byte length and closes the stream, unread, when it exceeds ``max_message_bytes``.
 
-A refused stream gets the reason, then stays open up to ``REFUSAL_LINGER_S`` (dropping what still comes,
-``MAX_LINGERING_REFUSALS`` of them at once), so that the reset of a socket closed with unread bytes does
-not overtake the reason.
+A socket closed with unread bytes in it is reset, and the reset can overtake what was sent before it. So a
+refused stream gets the reason, then stays open up to ``CLOSE_LINGER_S`` (dropping what still comes,
+``MAX_LINGERING_REFUSALS`` of them at once), and a handler that answered before the caller's end of
+stream arrived waits for it as long before closing.
 
 Unary handlers (request and reply in one message) ride the p2p daemon's persistent connection, which
 drops a request over its ``persistent_conn_max_msg_size`` (hivemind's default, ``UNARY_MAX_BYTES``)
@@ -49,7 +50,9 @@ UNARY_MAX_BYTES = DEFAULT_MAX_MSG_SIZE  # what the p2p daemon lets through to a 
 MAX_STREAMS = 256  # streams of one handler open at once, from all peers
 MAX_PREFETCH = 5  # requests of one stream read ahead of the handler (hivemind's default)
 SMALL_REQUEST_BYTES = 4096  # a request of a few scalar fields and short strings
-REFUSAL_LINGER_S = 1.0  # how long a refused stream stays open for its refusal to reach the caller
+# How long a stream stays open after its last reply or refusal, for the caller's last bytes: a socket
+# closed with unread bytes in it is reset, and the reset can overtake what was sent before it.
+CLOSE_LINGER_S = 1.0
 REFUSAL_DISCARD_BYTES = 64 << 10  # what a refused stream may still read (and drop) while it lingers
 MAX_LINGERING_REFUSALS = 32  # refused streams kept open at once in this process; others close at once
 _lingering = 0  # refused streams open now (see _send_refusal)
@@ -295,6 +298,7 @@ class BoundedServicer(ServicerBase):
                     await P2P.send_protobuf(RPCError(message=str(e)), writer)
 
         processing = asyncio.create_task(answer())
+        ended = False  # the caller's end of stream has been read
         try:
             while True:
                 receiving = asyncio.create_task(
@@ -302,12 +306,18 @@ class BoundedServicer(ServicerBase):
                 )
                 await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 if processing.done():
+                    if not ended:
+                        # The caller sends its end of stream after its request; a handler that answered
+                        # first would close with it unread, and the reset overtook the replies (a
+                        # validator saw BrokenPipeError from an honest holder and avoided it).
+                        await asyncio.wait({receiving}, timeout=CLOSE_LINGER_S)
                     receiving.cancel()
                     return
                 try:
                     request, _ = receiving.result()
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the caller closed the stream or died
+                ended = request is None
                 await requests.put(request)  # None: the caller's end of stream
         except (ProtocolError, DecodeError) as e:
             self._refuse(context.remote_id.to_base58(), context.handle_name, str(e))
@@ -318,13 +328,13 @@ class BoundedServicer(ServicerBase):
 
 async def _send_refusal(reason: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Send ``reason`` and keep the stream open until the caller closes it, for at most
-    ``REFUSAL_LINGER_S``, dropping at most ``REFUSAL_DISCARD_BYTES`` of what it still sends. A socket
+    ``CLOSE_LINGER_S``, dropping at most ``REFUSAL_DISCARD_BYTES`` of what it still sends. A socket
     closed with unread bytes in it is reset, and a reset can overtake the refusal, so the caller (often
     honest, say one past a stream cap) would see its call end with no reason given. A stream refused
     before it took a slot (a cap, admission) holds none while it lingers, so at most
     ``MAX_LINGERING_REFUSALS`` linger at once: a stranger opening streams as fast as it can gets its
     refusals closed at once, as before, and holds nothing. A bad request of an admitted stream lingers in
-    its slot, up to ``REFUSAL_LINGER_S`` more than it could hold it anyway."""
+    its slot, up to ``CLOSE_LINGER_S`` more than it could hold it anyway."""
     global _lingering
     with suppress(Exception):
         await P2P.send_protobuf(RPCError(message=reason), writer)
@@ -333,7 +343,7 @@ async def _send_refusal(reason: str, reader: asyncio.StreamReader, writer: async
     _lingering += 1
     try:
         loop = asyncio.get_running_loop()
-        deadline, discarded = loop.time() + REFUSAL_LINGER_S, 0
+        deadline, discarded = loop.time() + CLOSE_LINGER_S, 0
         while discarded < REFUSAL_DISCARD_BYTES and (left := deadline - loop.time()) > 0:
             try:
                 piece = await asyncio.wait_for(reader.read(REFUSAL_DISCARD_BYTES - discarded), left)

@@ -387,7 +387,7 @@ def test_strangers_asking_the_coordinator_for_stage_states_share_one_record_read
 
 
 def test_refused_streams_linger_for_their_refusal_to_arrive_but_only_a_bounded_number_at_once():
-    """A refusal is sent, then the stream stays open (up to REFUSAL_LINGER_S) so that closing it with the
+    """A refusal is sent, then the stream stays open (up to CLOSE_LINGER_S) so that closing it with the
     caller's request unread does not reset it before the refusal arrives. A refused stream holds no slot,
     so a stranger opening streams as fast as it can would keep any number of them open: past
     MAX_LINGERING_REFUSALS the refusal is sent and the stream closed at once."""
@@ -406,7 +406,7 @@ def test_refused_streams_linger_for_their_refusal_to_arrive_but_only_a_bounded_n
     async def scenario() -> tuple[list[bool], int, list[bytes], int]:
         callers = [(asyncio.StreamReader(), Writer()) for _ in range(inbound.MAX_LINGERING_REFUSALS + 8)]
         refusals = [asyncio.create_task(inbound._send_refusal("no", r, w)) for r, w in callers]
-        await asyncio.sleep(0.1)  # well inside REFUSAL_LINGER_S: the lingering ones are still open
+        await asyncio.sleep(0.1)  # well inside CLOSE_LINGER_S: the lingering ones are still open
         done, lingering = [t.done() for t in refusals], inbound._lingering
         for reader, _ in callers:
             reader.feed_eof()  # each caller closes once it has read the refusal
@@ -417,3 +417,33 @@ def test_refused_streams_linger_for_their_refusal_to_arrive_but_only_a_bounded_n
     assert lingering == inbound.MAX_LINGERING_REFUSALS and sum(done) == 8
     assert all(s.startswith(P2P.ERROR_MARKER) and s.endswith(b"no") for s in sent), "every caller is told why"
     assert after == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_handler_that_answered_waits_for_the_callers_end_of_stream_before_closing():
+    """A caller sends its request, then its end of stream. A handler that answered before the end of stream
+    arrived closed with it unread, and the reset overtook the reply under load (a validator saw
+    BrokenPipeError from an honest holder, avoided it, and a 2-peer run stopped). Now the stream stays open
+    until the end of stream arrives (up to CLOSE_LINGER_S), then closes."""
+    from swarm.inbound import CLOSE_LINGER_S, receive_bounded
+
+    async def scenario() -> tuple[str, bytes, float]:
+        honest, stranger, _ = await state_pair()
+        try:
+            _, reader, writer = await stranger.call_binary_stream_handler(honest.peer_id, handle_name())
+            await P2P.send_protobuf(apb.StateRequest(run_id=RUN, min_step=1), writer)
+            reply, _ = await asyncio.wait_for(receive_bounded(reader, apb.StateChunk, 1 << 20), 10)
+            early = await first_bytes(reader, within_s=CLOSE_LINGER_S / 4)  # nothing yet: it waits for us
+            sent = time.monotonic()
+            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+            await asyncio.wait_for(reader.read(), 10)  # then it closes
+            writer.close()
+            return reply.error, early, time.monotonic() - sent
+        finally:
+            await stranger.shutdown()
+            await honest.shutdown()
+
+    error, early, closed_after_s = asyncio.run(scenario())
+    assert "is not a member" in error, "the handler answered the request"
+    assert early == b"", "the stream stayed open, with nothing more sent, until the caller's end of stream"
+    assert closed_after_s < 5, "and closed once it came"
