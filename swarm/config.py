@@ -250,6 +250,12 @@ class TrainingConfig(_Section):
         "steps compute, and apply it one outer step late",
     )
 
+    @property
+    def round_s(self) -> float:
+        """The longest one round takes: a matchmaking window plus the all-reduce's deadline. A peer whose
+        rounds failed for longer is stalled; a peer that failed one is avoided for this long."""
+        return self.matchmaking_time_s + self.averaging_timeout_s
+
 
 class PipelineConfig(_Section):
     """SWARM pipeline parallelism: the model split into stages, each served by several unreliable peers.

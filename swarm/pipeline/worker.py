@@ -133,7 +133,9 @@ class StageWorker(StageMoves):
         self.records = record_signer or (RecordSigner(signing_key) if signing_key is not None else None)
         self.num_stages = run.pipeline.stages
         # One view of who is certified and banned, for the stage's averaging and for its server alike.
-        self.policy = PeerPolicy(dht, run.run_id, coordinator_key, allowed=members)
+        self.policy = PeerPolicy(
+            dht, run.run_id, coordinator_key, allowed=members, unproven_fault_s=run.training.round_s
+        )
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.policy.banned)
         self.gate = PeerGate(
             dht, run.run_id, coordinator_key, policy=self.policy,
@@ -368,9 +370,7 @@ class StageWorker(StageMoves):
             return False
         if self._behind_since is None:
             self._behind_since = time.monotonic()
-        return (
-            time.monotonic() - self._behind_since > training.matchmaking_time_s + training.averaging_timeout_s
-        )
+        return time.monotonic() - self._behind_since > training.round_s
 
     async def _await_backwards(self) -> None:
         """Let the micro-batches run forward here come back for their backward (bounded by one request's

@@ -116,7 +116,7 @@ def catch_up_move(
     counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
     for longer than a matchmaking window plus a round timeout. The data-parallel trainer and every stage
     replica call this."""
-    stalled = stuck_s > training.matchmaking_time_s + training.averaging_timeout_s
+    stalled = stuck_s > training.round_s
     target = catch_up_target(mine, others, max_step=training.max_steps, stalled=stalled)
     return None if target is None else (target.step, target.state_hash, target.holders)
 
