@@ -253,7 +253,7 @@ class TrainingConfig(_Section):
     @property
     def round_s(self) -> float:
         """The longest one round takes: a matchmaking window plus the all-reduce's deadline. A peer whose
-        rounds failed for longer is stalled; a peer that failed one is avoided for this long."""
+        rounds failed for longer is stalled."""
         return self.matchmaking_time_s + self.averaging_timeout_s
 
 

@@ -98,36 +98,6 @@ def test_a_peer_that_knows_no_such_round_counts_against_itself_not_the_leader():
     assert "did not deliver" in policy.refusal("withholder"), "a reducer that took the round stays a suspect"
 
 
-def test_a_reducer_that_fails_rounds_again_and_again_is_avoided_one_round_each_time_never_longer():
-    """Not delivering a part, or denying a round, is what a slow honest peer on a busy machine does too:
-    each is avoided for one round of the run, flat. Escalating (60 s, 120 s ... 960 s) kept such a peer
-    out of every group that the run's minimum size needed it in; its part is repaired meanwhile anyway.
-    A fault only a leader can commit still escalates."""
-    clock = Clock()
-    policy = PeerPolicy(None, "run", suspects=Suspects(clock=clock), unproven_fault_s=32.0)
-    for _ in range(6):
-        policy.blame_round(["slow"], ["walked-away"])
-        assert avoided_for(policy.suspects, "slow", clock) == 32.0
-        assert avoided_for(policy.suspects, "walked-away", clock) == 32.0
-        clock.now += 33.0  # back in the next round, and slow again
-        assert policy.refusal("slow") is None and policy.refusal("walked-away") is None
-    spans = []
-    for _ in range(3):
-        policy.suspect("leader", "listed a peer twice", leader_only=True)
-        spans.append(avoided_for(policy.suspects, "leader", clock))
-        clock.now += spans[-1] + 1.0
-    assert spans == [SUSPECT_S, 2 * SUSPECT_S, 4 * SUSPECT_S]
-
-
-def test_one_round_is_a_matchmaking_window_plus_the_deadline_and_a_span_must_be_positive():
-    from swarm.config import TrainingConfig
-
-    training = TrainingConfig(matchmaking_time_s=1.5, averaging_timeout_s=20.0)
-    assert training.round_s == 21.5
-    with pytest.raises(ValueError, match="unproven_fault_s must be positive"):
-        PeerPolicy(None, "run", unproven_fault_s=0.0)
-
-
 # --- real peers: a member joins through matchmaking, then denies the round ------------------------------
 
 NUMEL = 4096

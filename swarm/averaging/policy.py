@@ -7,11 +7,7 @@ ban state changes only through ``set_bans``/``refresh_bans``; readers get a froz
 
 A suspect is avoided for ``suspect_s`` (60 s), doubled for each repeat offence that comes within
 ``REPEAT_WINDOW_S`` of its last avoid period ending, up to ``MAX_SUSPECT_S``; an offence reported while
-the peer is still avoided is the same offence seen again and escalates nothing. A fault that a slow
-honest peer commits as well (a reducer that did not deliver its part, or said it knows no such round) is
-avoided for one round (``PeerPolicy.unproven_fault_s``), flat: its part is repaired in the same round, so
-avoiding it longer saves nothing, while escalating locked honest peers of a busy machine out of every
-group a run's minimum size needed them in, for up to ``MAX_SUSPECT_S``. At most ``MAX_SUSPECTS``
+the peer is still avoided is the same offence seen again and escalates nothing. At most ``MAX_SUSPECTS``
 peers are remembered (the one whose last offence is oldest is forgotten first), so Sybils that take turns
 cannot grow the map without bound, and each one of them that comes back to offend again waits longer. A policy with neither a coordinator key nor an allowed set admits everyone: that is a local
 benchmark with no admission at all, never a volunteer.
@@ -87,11 +83,8 @@ class Suspects:
         """What is held against ``peer_id``, expired or not; None if nothing."""
         return self._held.get(peer_id)
 
-    def add(
-        self, peer_id: str, reason: str, *, leader_only: bool = False, flat_s: float | None = None
-    ) -> Suspicion:
-        """Avoid ``peer_id`` (``leader_only``: only as a leader); returns what is now held against it.
-        ``flat_s``: for exactly this long, counting no strike (see the module docstring)."""
+    def add(self, peer_id: str, reason: str, *, leader_only: bool = False) -> Suspicion:
+        """Avoid ``peer_id`` (``leader_only``: only as a leader); returns what is now held against it."""
         now = self.clock()
         old = self._held.get(peer_id)
         if old is not None and old.until > now:
@@ -99,14 +92,9 @@ class Suspects:
                 old = Suspicion(old.until, reason, False, old.strikes)
                 self._held[peer_id] = old
             return old
-        if flat_s is not None:
-            held = Suspicion(
-                now + min(flat_s, self.max_suspect_s), reason, leader_only, 0 if old is None else old.strikes
-            )
-        else:
-            strikes = old.strikes + 1 if old is not None and now - old.until <= self.repeat_window_s else 1
-            avoid_s = min(self.suspect_s * 2 ** min(strikes - 1, 32), self.max_suspect_s)
-            held = Suspicion(now + avoid_s, reason, leader_only, strikes)
+        strikes = old.strikes + 1 if old is not None and now - old.until <= self.repeat_window_s else 1
+        avoid_s = min(self.suspect_s * 2 ** min(strikes - 1, 32), self.max_suspect_s)
+        held = Suspicion(now + avoid_s, reason, leader_only, strikes)
         self._held[peer_id] = held
         self._held.move_to_end(peer_id)
         while len(self._held) > self.max_suspects:
@@ -149,9 +137,6 @@ class PeerPolicy:
         also_certified: peers another verified source vouches for (see ``__init__``).
         refresh_s: how often, at most, members and bans are read again.
         suspects: the suspect book to use (default: a fresh one with the module's spans).
-        unproven_fault_s: how long a reducer that did not deliver its part, or denied a round it joined,
-            is avoided: one round of the run (``TrainingConfig.round_s``), never more (see the module
-            docstring).
     """
 
     def __init__(
@@ -164,7 +149,6 @@ class PeerPolicy:
         also_certified: Callable[[], Collection[str]] | None = None,
         refresh_s: float = 1.0,
         suspects: Suspects | None = None,
-        unproven_fault_s: float = SUSPECT_S,
     ):
         """``also_certified`` names peers another verified source vouches for: the trainer's view of
         signed progress records, each of which carries its signer's certificate."""
@@ -175,9 +159,6 @@ class PeerPolicy:
         self._banned: frozenset[str] = frozenset()
         self._bans_at = -float("inf")  # when the coordinator signed the list we hold
         self.suspects = suspects if suspects is not None else Suspects()
-        if not unproven_fault_s > 0:
-            raise ValueError(f"unproven_fault_s must be positive, not {unproven_fault_s}")
-        self.unproven_fault_s = unproven_fault_s
         self._members_at = self._bans_checked_at = -float("inf")
         self._members_lock = asyncio.Lock()
         self._bans_lock = asyncio.Lock()
@@ -254,16 +235,11 @@ class PeerPolicy:
         A denier was listed with its own signed, fresh entry in a group every member checked
         (``groups.check_group``), so it joined and then walked away (or left a group the others kept): the
         fault is its own, not the leader's, and its part is repaired like a withheld one (``repair``).
-
-        Both are avoided for ``unproven_fault_s`` (one round), flat: a slow honest peer does the same.
         """
         for peer in failed:
-            self.suspects.add(peer, "did not deliver its part of a round", flat_s=self.unproven_fault_s)
+            self.suspect(peer, "did not deliver its part of a round")
         for peer in denied:
-            self.suspects.add(
-                peer, "was in the group with its signed entry, then said it knows no such round",
-                flat_s=self.unproven_fault_s,
-            )  # fmt: skip
+            self.suspect(peer, "was in the group with its signed entry, then said it knows no such round")
 
     # --- the rule ------------------------------------------------------------------------------------
 

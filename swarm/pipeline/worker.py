@@ -133,9 +133,7 @@ class StageWorker(StageMoves):
         self.records = record_signer or (RecordSigner(signing_key) if signing_key is not None else None)
         self.num_stages = run.pipeline.stages
         # One view of who is certified and banned, for the stage's averaging and for its server alike.
-        self.policy = PeerPolicy(
-            dht, run.run_id, coordinator_key, allowed=members, unproven_fault_s=run.training.round_s
-        )
+        self.policy = PeerPolicy(dht, run.run_id, coordinator_key, allowed=members)
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.policy.banned)
         self.gate = PeerGate(
             dht, run.run_id, coordinator_key, policy=self.policy,

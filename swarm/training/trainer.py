@@ -134,10 +134,7 @@ class Trainer(CatchUp):
         self.hooks = hooks if hooks is not None else TrainingHooks()
         self._averaged = torch.empty(self.numel)  # each round's result lands here (applied at once)
         # Whom this peer averages with: certified, not banned, not caught breaking a group.
-        self.policy = PeerPolicy(
-            dht, run.run_id, coordinator_key, also_certified=lambda: self.view,
-            unproven_fault_s=run.training.round_s,
-        )  # fmt: skip
+        self.policy = PeerPolicy(dht, run.run_id, coordinator_key, also_certified=lambda: self.view)
         self.averager = build_averager(
             run, dht, prefix=run.run_id, numel=self.numel, signing_key=signing_key, policy=self.policy,
             upload_limiter=upload_limiter, accuse=accuse, hooks=self.hooks.round_hooks, data_host=data_host,
