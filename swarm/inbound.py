@@ -318,7 +318,13 @@ class BoundedServicer(ServicerBase):
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the caller closed the stream or died
                 ended = request is None
-                await requests.put(request)  # None: the caller's end of stream
+                queued = asyncio.create_task(requests.put(request))  # None: the caller's end of stream
+                await asyncio.wait({processing, queued}, return_when=asyncio.FIRST_COMPLETED)
+                if not queued.done():
+                    # The handler returned with the read-ahead full: nothing reads the rest, and waiting
+                    # to queue it held the stream and its slot until the process exited.
+                    queued.cancel()
+                    return
         except (ProtocolError, DecodeError) as e:
             self._refuse(context.remote_id.to_base58(), context.handle_name, str(e))
             await _send_refusal(str(e), reader, writer)

@@ -447,3 +447,61 @@ def test_a_handler_that_answered_waits_for_the_callers_end_of_stream_before_clos
     assert "is not a member" in error, "the handler answered the request"
     assert early == b"", "the stream stayed open, with nothing more sent, until the caller's end of stream"
     assert closed_after_s < 5, "and closed once it came"
+
+
+class _RecordingWriter:
+    def __init__(self) -> None:
+        self.sent, self.closed = b"", False
+
+    def write(self, data) -> None:
+        self.sent += bytes(data)
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _frame(message) -> bytes:
+    body = message.SerializeToString()
+    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
+
+
+def test_a_caller_that_sends_more_than_the_handler_reads_gets_its_slot_back_when_the_handler_ends():
+    """A caller sends a few more requests than the read-ahead holds while the handler is busy (a leader's
+    rpc_join_group holds its follower for the matchmaking window). The reader waited to queue the next
+    one, and once the handler returned nothing read the queue again: the stream and its slot were held
+    until the process exited, so 32-64 certified identities could fill a handler for good (found by
+    reading the close linger as an attacker would). Now the stream closes when the handler ends."""
+    from types import SimpleNamespace
+
+    from swarm import inbound
+
+    bound = HandlerBound(max_message_bytes=1024, max_streams_per_peer=1)
+    busy = asyncio.Event()
+
+    async def handler(request, context):  # a unary request answered by a stream, like rpc_join_group
+        await busy.wait()
+        yield apb.SignedInput(code=apb.NO_EVIDENCE, error="done")
+
+    async def scenario() -> tuple[bool, bool, bytes]:
+        serve = BoundedServicer()._stream_handler(
+            SimpleNamespace(peer_id="server"), "h", handler, apb.InputsRequest, False, bound
+        )
+        info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "caller"))
+        reader, writer = asyncio.StreamReader(), _RecordingWriter()
+        reader.feed_data(_frame(apb.InputsRequest(part_index=1)) * (inbound.MAX_PREFETCH + 3))
+        first = asyncio.create_task(serve(info, reader, writer))
+        await asyncio.sleep(0.2)
+        busy.set()  # the handler answers and returns
+        await asyncio.wait_for(first, 5)
+        again_reader, again_writer = asyncio.StreamReader(), _RecordingWriter()
+        again_reader.feed_data(_frame(apb.InputsRequest(part_index=1)))
+        again_reader.feed_eof()
+        await asyncio.wait_for(serve(info, again_reader, again_writer), 5)
+        return b"done" in writer.sent, writer.closed, again_writer.sent
+
+    answered, closed, again = asyncio.run(scenario())
+    assert answered and closed, "the handler answered, and the stream closed when it ended"
+    assert b"done" in again and b"already has" not in again, "the caller's slot was given back"
