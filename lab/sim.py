@@ -26,6 +26,7 @@ from lab.localswarm import status, wait_until
 from lab.rehearsal import Rehearsal
 from lab.simconfig import SimConfig, build_run, samples_per_step
 from lab.wanlab import LinkSpec, WanLab, peak_mbit
+from peer.control import RESUME_SIGNAL
 from protocols.errors import SwarmError
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
@@ -204,6 +205,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         name: local.start_peer(
             address,
             name,
+            "--start-paused",
             *flags,
             *(rehearsal_flags if name in byzantine else ()),
             device=devices[name],
@@ -211,6 +213,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         )
         for i, name in enumerate(names)
     }
+    _start_together(control, peers, rehearsal)
     if config.protocol_attack:
         from swarm.byzantine.protocol_attacks import protocol_attack_names
 
@@ -348,6 +351,27 @@ def _record_validation(snapshot: dict, byzantine: set[str], history: list[float]
         if not history or abs(value - history[-1]) > 1e-6 * abs(history[-1]):
             history.append(value)
         return
+
+
+def _start_together(control: str, peers: dict, rehearsal: Rehearsal) -> None:
+    """Every peer joins paused; once all are online and say so in their heartbeats, all are resumed at
+    once. A peer that took longer to start (seconds on a loaded machine) used to meet the others' rounds
+    at another step, and the run's outcome depended on when it came."""
+    while True:
+        waiting = {
+            p["name"] for p in status_to_dict(status(control))["peers"]
+            if p["state"] == "online" and p["metrics"].get("paused", 0.0) >= 1.0
+        }  # fmt: skip
+        missing = sorted(set(peers) - waiting)
+        if not missing:
+            break
+        rehearsal.check_children(peers)
+        rehearsal.check_deadline(
+            f"{', '.join(missing)} did not join within {rehearsal.config.timeout_s:.0f}s"
+        )
+        time.sleep(0.5)
+    for child in peers.values():
+        child.signal(RESUME_SIGNAL)
 
 
 def _state(address: str, name: str) -> str:

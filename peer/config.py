@@ -49,6 +49,11 @@ class PeerConfig(SessionConfig):
         30.0, ge=1, le=3600, description="seconds between status lines when stdout is not a terminal"
     )
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="log verbosity")
+    start_paused: bool = Field(
+        False,
+        description="join and serve, but compute nothing until `swarm-peer resume` (SIGUSR2); a rehearsal "
+        "starts all its peers' training at once this way",
+    )
     rehearse_attack: str | None = Field(
         None,
         max_length=64,

@@ -65,6 +65,7 @@ class Volunteer:
         self._started = time.monotonic()
         self.upload_limiter = upload_limiter(config)
         self._control: PeerControl | None = None
+        self.session.paused = config.start_paused  # its heartbeats say "paused" until it is resumed
 
     @property
     def key(self):
