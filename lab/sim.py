@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from coordinator.cli import status_to_dict
+from coordinator.metrics import is_paused
 from lab.localswarm import status, wait_until
 from lab.rehearsal import Rehearsal
 from lab.simconfig import SimConfig, build_run, samples_per_step
@@ -358,10 +359,7 @@ def _start_together(control: str, peers: dict, rehearsal: Rehearsal) -> None:
     once. A peer that took longer to start (seconds on a loaded machine) used to meet the others' rounds
     at another step, and the run's outcome depended on when it came."""
     while True:
-        waiting = {
-            p["name"] for p in status_to_dict(status(control))["peers"]
-            if p["state"] == "online" and p["metrics"].get("paused", 0.0) >= 1.0
-        }  # fmt: skip
+        waiting = {p.name for p in status(control).peers if is_paused(p)}
         missing = sorted(set(peers) - waiting)
         if not missing:
             break

@@ -386,6 +386,25 @@ def test_strangers_asking_the_coordinator_for_stage_states_share_one_record_read
     assert time.monotonic() - started < 5 * checkpoints.PIPELINE_REREAD_S
 
 
+class _RecordingWriter:
+    def __init__(self) -> None:
+        self.sent, self.closed = b"", False
+
+    def write(self, data) -> None:
+        self.sent += bytes(data)
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _frame(message) -> bytes:
+    body = message.SerializeToString()
+    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
+
+
 def test_refused_streams_linger_for_their_refusal_to_arrive_but_only_a_bounded_number_at_once():
     """A refusal is sent, then the stream stays open (up to CLOSE_LINGER_S) so that closing it with the
     caller's request unread does not reset it before the refusal arrives. A refused stream holds no slot,
@@ -393,18 +412,10 @@ def test_refused_streams_linger_for_their_refusal_to_arrive_but_only_a_bounded_n
     MAX_LINGERING_REFUSALS the refusal is sent and the stream closed at once."""
     from swarm import inbound
 
-    class Writer:
-        def __init__(self):
-            self.sent = b""
-
-        def write(self, data) -> None:
-            self.sent += bytes(data)
-
-        async def drain(self) -> None:
-            pass
-
     async def scenario() -> tuple[list[bool], int, list[bytes], int]:
-        callers = [(asyncio.StreamReader(), Writer()) for _ in range(inbound.MAX_LINGERING_REFUSALS + 8)]
+        callers = [
+            (asyncio.StreamReader(), _RecordingWriter()) for _ in range(inbound.MAX_LINGERING_REFUSALS + 8)
+        ]
         refusals = [asyncio.create_task(inbound._send_refusal("no", r, w)) for r, w in callers]
         await asyncio.sleep(0.1)  # well inside CLOSE_LINGER_S: the lingering ones are still open
         done, lingering = [t.done() for t in refusals], inbound._lingering
@@ -447,25 +458,6 @@ def test_a_handler_that_answered_waits_for_the_callers_end_of_stream_before_clos
     assert "is not a member" in error, "the handler answered the request"
     assert early == b"", "the stream stayed open, with nothing more sent, until the caller's end of stream"
     assert closed_after_s < 5, "and closed once it came"
-
-
-class _RecordingWriter:
-    def __init__(self) -> None:
-        self.sent, self.closed = b"", False
-
-    def write(self, data) -> None:
-        self.sent += bytes(data)
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _frame(message) -> bytes:
-    body = message.SerializeToString()
-    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
 
 
 def test_a_caller_that_sends_more_than_the_handler_reads_gets_its_slot_back_when_the_handler_ends():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 import swarm as swarm_api
 from lab.localswarm import LocalSwarm, peer_states, status, wait_until
-from protocols.errors import ConfigError, CoordinatorKeyMismatch
+from protocols.errors import ConfigError, CoordinatorKeyMismatch, DHTStartFailed, NetworkError
 from protocols.keys import SigningKey
 
 pytestmark = pytest.mark.timeout(180)
@@ -99,10 +100,6 @@ def test_a_dht_that_does_not_come_up_in_time_is_started_again_and_the_failure_sa
 ):
     """A busy machine: the DHT node's process is still importing when the wait ends. The session tries
     again (saying so) instead of exiting after it joined; after the last try the error says what to do."""
-    import asyncio
-
-    from protocols.errors import DHTStartFailed, NetworkError
-
     tries: list[int] = []
 
     def slow_twice():
@@ -134,10 +131,6 @@ def test_a_dht_that_does_not_come_up_in_time_is_started_again_and_the_failure_sa
 
 
 def test_a_stop_during_the_dht_retry_wait_ends_the_start_without_an_error(tmp_path):
-    import asyncio
-
-    from protocols.errors import DHTStartFailed
-
     def never_ready():
         raise DHTStartFailed("could not start the DHT on 127.0.0.1:0: TimeoutError('not ready after 180s')")
 
@@ -167,9 +160,6 @@ class _DaemonThatCannotBind:
 def test_a_daemon_that_cannot_bind_is_not_retried_as_a_slow_start(tmp_path):
     """Only a wait that ran out is tried again: a daemon that failed outright fails the same way each
     time, and the busy-machine advice would not apply (found by reading the retry as an attacker would)."""
-    import asyncio
-
-    from protocols.errors import DHTStartFailed, NetworkError
     from swarm import dht as swarm_dht
 
     key, tries = SigningKey.generate(), []
