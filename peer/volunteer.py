@@ -25,7 +25,7 @@ from peer.control import PeerControl
 from peer.device import describe_device, resolve_device
 from peer.limits import apply_gpu_memory_limit, upload_limiter
 from peer.panel import Panel
-from protocols.errors import Banned, ConfigError, NetworkError
+from protocols.errors import Banned, ConfigError
 from swarm.byzantine.attacks import Attack, make_attack
 from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
@@ -43,8 +43,6 @@ logger = logging.getLogger("swarm.peer")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BANNED = 3
-# Waits between attempts to file an accusation the coordinator was too busy to take.
-ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0)
 # How long a stopping peer lets a round in flight finish before it leaves.
 STOP_GRACE_S = 5.0
 
@@ -90,6 +88,11 @@ class Volunteer:
 
     def _check_run(self, run: RunConfig) -> None:
         check_precision(run.training.precision, self.compute_device)  # e.g. fp16 on a CPU: say so now
+        if run.model.name == "external":
+            raise ConfigError(
+                f"run {run.run_id!r} trains a model defined in its researchers' own code (model 'external'): "
+                "swarm-peer join has no code for it; join from that code with session.collaborate (README)"
+            )
 
     def pause(self) -> None:
         """Stop computing but stay in the run (SIGUSR1, ``swarm-peer pause``); credit is kept."""
@@ -106,31 +109,6 @@ class Volunteer:
         if self.state == "paused":
             self.session.set_state("online")
         self._publish_control()
-
-    def _accuser(self, client: CoordinatorClient):
-        """Files a validator's evidence against a reducer with the coordinator, which judges it."""
-
-        async def accuse(accused: str, evidence, verdict: str) -> None:
-            # A busy coordinator (its evidence budget or this peer's accusations spent) says "retry later".
-            for delay_s in (*ACCUSE_RETRY_DELAYS_S, None):
-                try:
-                    answer = await client.accuse(
-                        self.key, self.run_config.run_id, accused=accused, reason=verdict,
-                        evidence=evidence.to_bytes(),
-                    )  # fmt: skip
-                    break
-                except NetworkError as e:
-                    if delay_s is None:
-                        raise
-                    logger.info(
-                        f"accusation against {accused} not taken yet ({e}); retrying in {delay_s:.0f}s"
-                    )
-                    await asyncio.sleep(delay_s)
-            logger.warning(
-                f"accused {accused}; the coordinator banned {answer.banned_peer}: {answer.verdict}"
-            )
-
-        return accuse
 
     def _rehearsed_attack(self) -> Attack | None:
         """The attack this peer plays (``--rehearse-attack``), passed as its trainer's or worker's hooks."""
@@ -211,7 +189,7 @@ class Volunteer:
         if role == "trainer":
             return await asyncio.to_thread(
                 PipelineTrainer, run, session.dht, peer_id=self.key.peer_id, record_signer=session.records,
-                coordinator_key=session.coordinator_key, hooks=self._rehearsed_attack(), accuse=self._accuser(client),
+                coordinator_key=session.coordinator_key, hooks=self._rehearsed_attack(), accuse=session.accuser(),
             )  # fmt: skip
         last = run.pipeline.stages - 1
         if self.config.stage is not None and self.config.stage > last:
@@ -220,7 +198,7 @@ class Volunteer:
         return StageWorker(
             run, session.dht, peer_id=self.key.peer_id, stage=self.config.stage, device=device,
             coordinator_key=session.coordinator_key, memory_bytes=memory, signing_key=self.key,
-            upload_limiter=self.upload_limiter, accuse=self._accuser(client), record_signer=session.records,
+            upload_limiter=self.upload_limiter, accuse=session.accuser(), record_signer=session.records,
             hooks=self._rehearsed_attack(),
         )  # fmt: skip
 
@@ -230,7 +208,7 @@ class Volunteer:
             trainer_class(run), run, session.dht, peer_id=self.key.peer_id, device=device,
             coordinator_key=session.coordinator_key, signing_key=self.key, data_host=config.host,
             data_port=config.data_port, data_announce_host=config.public_host,
-            upload_limiter=self.upload_limiter, accuse=self._accuser(client),
+            upload_limiter=self.upload_limiter, accuse=session.accuser(),
             hooks=self._rehearsed_attack(), record_signer=session.records,
             activation_checkpointing=config.activation_checkpointing,
             fit_memory=config.max_gpu_memory is not None, client_mode=not session.dialable,

@@ -9,6 +9,9 @@
 - ``reachability``: whether other peers can dial this machine, learned at join from the coordinator
 - ``session``: ``Session``, a peer's membership in a run: join, DHT, heartbeats, certificate renewal, leave
 - ``connection``: ``swarm.connect``, a session for a synchronous program, in a ``with`` block
+- ``training.collaboration``: ``session.collaborate(model)``: the researcher's own loop calls ``step``
+  after each backward (strategies ``EveryStep``, ``DiLoCo``); ``describe_model`` declares a model that
+  lives in the researcher's code to the run (``swarm.models.external``)
 - ``membership``: verified peer certificates published in the DHT
 - ``records``: signed DHT records, the one trust boundary for everything read from the run's DHT
 - ``bans``: the coordinator-signed ban list, published in pages in the DHT and enforced by every peer
@@ -77,14 +80,21 @@ _LAZY = {
     "SessionConfig": "swarm.session",
     "connect": "swarm.connection",
     "check_components": "swarm.components",
+    "describe_model": "swarm.models",
+    "Collaboration": "swarm.training.collaboration",
+    "EveryStep": "swarm.training.collaboration",
+    "DiLoCo": "swarm.training.collaboration",
     "load_model": "swarm.training.checkpoint",
 }
 
 __all__ = [
     "AdmissionConfig",
+    "Collaboration",
     "ComponentSpec",
     "ConfigError",
     "CoordinatorClient",
+    "DiLoCo",
+    "EveryStep",
     "MembershipConfig",
     "NetworkError",
     "ProtocolError",
@@ -99,6 +109,7 @@ __all__ = [
     "build_model",
     "check_components",
     "connect",
+    "describe_model",
     "load_model",
     "load_or_create_identity",
     "register_dataset",

@@ -11,10 +11,13 @@ the run ends it (the coordinator's signed heartbeat answer says when the run fin
 What a session reports in its heartbeats (step, parameter hash, suspects, metrics) comes from the
 ``Progress`` it is given: the trainer, once there is one.
 
-Example (a program of its own, no training yet)::
+A program of its own trains through ``collaborate`` (``swarm.training.collaboration``).
+
+Example::
 
     with swarm.connect("203.0.113.7:31330", identity="~/.swarm/identity.key") as session:
         print(session.run_config.run_id, session.certificate.role)
+        collab = session.collaborate(model)  # then collab.step(samples) after each backward
 """
 
 from __future__ import annotations
@@ -51,8 +54,11 @@ from swarm.trust import KnownCoordinators, key_mismatch_fix
 
 if TYPE_CHECKING:  # the CLIs' --help reads SessionConfig: it must not load grpc or torch
     from swarm.coordinator_client import Admission, CoordinatorClient, HeartbeatAnswer
+    from swarm.training.collaboration import Collaboration
 
 logger = logging.getLogger("swarm.peer")
+# Waits between attempts to file an accusation the coordinator was too busy to take.
+ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0)
 
 
 class SessionConfig(BaseModel):
@@ -192,6 +198,8 @@ class Session:
         self._coordinator_maddrs: list[str] = []
         self._reaching: asyncio.Task | None = None
         self._members = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._collaborations: list[Collaboration] = []
 
     def set_state(self, state: str, detail: str = "") -> None:
         if state != self.state:
@@ -211,7 +219,7 @@ class Session:
         from swarm.reachability import learn_dialable
         from swarm.records import RecordSigner
 
-        self.client = client
+        self.client, self._loop = client, asyncio.get_running_loop()
         if self.key is None:
             self.key = await asyncio.to_thread(load_or_create_identity, self.config.identity_path)
         if await self.join(stop) is None:
@@ -386,14 +394,8 @@ class Session:
         while True:
             self._members = await self._announce()
             delay = interval_s
-            progress = self.progress
             try:
-                answer = await self.client.heartbeat(
-                    self.key, self.run_config.run_id, self.coordinator_key,
-                    state="paused" if self.paused else "online", metrics=self.metrics(),
-                    step=progress.step if progress else 0, param_hash=progress.param_hash if progress else "",
-                    suspects=progress.suspected(MAX_SUSPECT_REPORTS) if progress else [],
-                )  # fmt: skip
+                answer = await self._heartbeat()
                 if failures:
                     logger.info(f"reconnected to the coordinator at {self.client.address}")
                 # In the background: a ping to a coordinator's old address waits out its timeout.
@@ -422,10 +424,25 @@ class Session:
             if await wait_or_stop(stop, delay):
                 return False
 
+    async def _heartbeat(self) -> HeartbeatAnswer:
+        progress = self.progress
+        return await self.client.heartbeat(
+            self.key, self.run_config.run_id, self.coordinator_key,
+            state="paused" if self.paused else "online", metrics=self.metrics(),
+            step=progress.step if progress else 0, param_hash=progress.param_hash if progress else "",
+            suspects=progress.suspected(MAX_SUSPECT_REPORTS) if progress else [],
+        )  # fmt: skip
+
     # --- leaving ------------------------------------------------------------------------------------
 
     async def leave(self) -> None:
-        """Tell the coordinator this peer left (it shows offline shortly if it cannot be told)."""
+        """Tell the coordinator this peer left (it shows offline shortly if it cannot be told), after one
+        last heartbeat, so that its record keeps the step and parameter hash this peer ended on."""
+        if self.progress is not None:
+            try:
+                await self._heartbeat()
+            except SwarmError as e:
+                logger.info(f"could not report the last step to the coordinator: {e}")
         try:
             reason = "volunteer stopped" if self.finished_step is None else "the run finished"
             await self.client.leave(self.key, self.run_config.run_id, reason=reason)
@@ -435,8 +452,61 @@ class Session:
                 f"could not tell the coordinator this peer left ({e}); it will show offline shortly"
             )
 
+    # --- accusing and training -----------------------------------------------------------------------
+
+    def accuser(self):
+        """Files a validator's evidence against a reducer with the coordinator, which judges it; retried
+        while the coordinator is too busy to take it (its evidence budget or this peer's spent)."""
+
+        async def accuse(accused: str, evidence, verdict: str) -> None:
+            for delay_s in (*ACCUSE_RETRY_DELAYS_S, None):
+                try:
+                    answer = await self.client.accuse(
+                        self.key, self.run_config.run_id, accused=accused, reason=verdict,
+                        evidence=evidence.to_bytes(),
+                    )  # fmt: skip
+                    break
+                except NetworkError as e:
+                    if delay_s is None:
+                        raise
+                    logger.info(
+                        f"accusation against {accused} not taken yet ({e}); retrying in {delay_s:.0f}s"
+                    )
+                    await asyncio.sleep(delay_s)
+            logger.warning(
+                f"accused {accused}; the coordinator banned {answer.banned_peer}: {answer.verdict}"
+            )
+
+        return accuse
+
+    async def acollaborate(self, model, optimizer=None, *, strategy=None, validate=None) -> Collaboration:
+        """This joined session's part in training ``model`` from the caller's own loop: a
+        ``swarm.training.collaboration.Collaboration`` (its docstring says what it checks and does)."""
+        from swarm.training.collaboration import Collaboration
+
+        collab = await Collaboration.start(self, model, optimizer, strategy=strategy, validate=validate)
+        self._collaborations.append(collab)
+        return collab
+
+    def collaborate(self, model, optimizer=None, *, strategy=None, validate=None) -> Collaboration:
+        """``acollaborate`` from a synchronous program whose session runs in the background (``swarm.connect``)."""
+        if self._loop is None or self._loop.is_closed():
+            raise SwarmError(
+                "session.collaborate: the session is not running (use it inside swarm.connect's with)"
+            )
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            raise SwarmError("session.collaborate blocks: on the session's event loop, await acollaborate")
+        work = self.acollaborate(model, optimizer, strategy=strategy, validate=validate)
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+
     async def close(self) -> None:
         """Stop the background work and the DHT node (after ``leave``, or instead of it on a ban)."""
+        for collab in self._collaborations:
+            await collab.close()
         if self._reaching is not None:
             self._reaching.cancel()
         if self.dht is not None:

@@ -3,6 +3,8 @@
 - (the generic name -> config + factory registry lives in :mod:`swarm.registry`, shared with :mod:`swarm.data`)
 - builder.py: the model registry: ``register_model``, ``build_model``, ``available_models``, ``model_config``
 - gpt.py: ``gpt``, the built-in byte-level GPT (``embed`` -> ``blocks`` -> ``head``)
+- external.py: ``external``, a model defined in the researcher's own code, declared by its tensors
+  (``describe_model``), trained through ``session.collaborate``
 - hf.py: ``hf-causal-lm``, any ``transformers`` causal LM built from a config (the ``[hf]`` extra, imported
   when built)
 - checkpointing.py: activation checkpointing of the blocks a model declares (``activation_blocks()``)
@@ -44,11 +46,14 @@ from swarm.models.checkpointing import (
     set_activation_checkpointing,
     supports_activation_checkpointing,
 )
+from swarm.models.external import ExternalModel, ExternalModelConfig, check_layout, describe_model
 from swarm.models.gpt import GPT, VOCAB_SIZE, GPTConfig
 from swarm.models.hf import HFCausalLM, HFCausalLMConfig
 
 __all__ = [
     "GPT",
+    "ExternalModel",
+    "ExternalModelConfig",
     "MODELS",
     "VOCAB_SIZE",
     "GPTConfig",
@@ -58,6 +63,8 @@ __all__ = [
     "activation_blocks",
     "available_models",
     "build_model",
+    "check_layout",
+    "describe_model",
     "model_config",
     "register_model",
     "set_activation_checkpointing",

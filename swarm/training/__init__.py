@@ -11,6 +11,10 @@
 - memory.py: a peer's peak memory (GPU or RSS) and recognizing out-of-memory errors
 - microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
 - trainer.py: one peer's training loop: accumulate, average, step
+- collaboration.py: ``Collaboration``: the same loop driven by the researcher's own (``collab.step``
+  after each backward), with the ``EveryStep`` and ``DiLoCo`` strategies
+- ownmodel.py: the checks on a model and optimizer the researcher built: the run's tensors, the run's
+  optimizer on single-tensor kernels
 - resync.py: the trainer's state serving and catch-up: download the agreed state, or the coordinator's checkpoint
 - diloco.py: DiLoCo: inner steps on the local copy, averaged pseudo-gradients, the outer optimizer
 - hooks.py: ``TrainingHooks``, what the peer trains on, sends and claims (honest; rehearsed attacks override)

@@ -121,13 +121,15 @@ class DilocoTrainer(Trainer):
 
     # --- inner steps ---------------------------------------------------------------------------------
 
-    def _micro_step(self) -> float:
-        loss = super()._micro_step()
-        batch = self.config.training.micro_batch_size
+    def absorb(self, batch: int, elapsed_s: float, *, mean: bool = False) -> None:
+        """An inner step on the local copy with the micro-batch's gradient (of the summed loss from this
+        loop, or with ``mean`` of the mean loss from the caller's)."""
+        self._count(batch, elapsed_s)
         with self.computing(), torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(batch)
+            if not mean:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.div_(batch)
             optimizer = self.config.optimizer
             clip_gradients(self.model, optimizer.grad_clip_norm)
             global_inner = self.step * self.config.training.inner_steps + self.inner
@@ -136,7 +138,6 @@ class DilocoTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
         self.inner += 1
         self._stats["inner_steps"] += 1
-        return loss
 
     def _window_closed(self) -> bool:
         """Every peer at this outer step, this one included, has done its ``inner_steps`` (by the samples

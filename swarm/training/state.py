@@ -190,7 +190,14 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
 
 def flat_mean_gradient(params: list[torch.nn.Parameter], samples: int) -> torch.Tensor:
     """The accumulated gradients of ``params`` (sums over ``samples``) as one flat CPU vector of means."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return flat_mean([p.grad for p in params], params, samples)
+
+
+def flat_mean(
+    sums: list[torch.Tensor | None], params: list[torch.nn.Parameter], samples: int
+) -> torch.Tensor:
+    """Gradient sums over ``samples`` (one per parameter of ``params``, None: zero) as a flat CPU vector of means."""
+    grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(sums, params, strict=True)]
     return torch.cat([g.detach().flatten().cpu() for g in grads]) / max(samples, 1)
 
 

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import hivemind
 import torch
@@ -38,12 +38,14 @@ from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Position, PositionHistory, quorum
 from swarm.training.hooks import TrainingHooks
 from swarm.training.microbatch import MicroBatchRunner
+from swarm.training.ownmodel import check_own_model
 from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
 from swarm.training.resync import CatchUp
 from swarm.training.state import (
     apply_flat_gradient,
     build_optimizer,
     ensure_optimizer_state,
+    flat_mean,
     flat_mean_gradient,
     params_hash,
     state_hash,
@@ -56,6 +58,12 @@ from swarm.training.sync import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _computed_elsewhere(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    raise ConfigError("this peer's gradients are computed by its caller's own loop (session.collaborate)")
+
+
 # The least time one progress exchange (publish, read, ban list) may take before it is given up and retried.
 PROGRESS_EXCHANGE_MIN_TIMEOUT_S = 10.0
 
@@ -83,6 +91,9 @@ class Trainer(CatchUp):
         client_mode: this peer cannot be dialed (behind NAT), so it never leads an averaging group.
         coordinator_checkpoint: whether the coordinator said it holds a checkpoint when this peer joined;
             False spares a fresh run's peers the look for one before they train from step 0.
+        model, optimizer: a model and optimizer built by the caller (``swarm.training.collaboration``,
+            whose caller computes the gradients), checked against the run's; None: built from the run.
+        validate: the validation loss of a model, when the caller's data is not the run's dataset.
     """
 
     def __init__(
@@ -105,6 +116,9 @@ class Trainer(CatchUp):
         record_signer: RecordSigner | None = None,
         client_mode: bool = False,
         coordinator_checkpoint: bool = True,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        validate: Callable[[torch.nn.Module], float] | None = None,
     ):
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         self.coordinator_checkpoint = coordinator_checkpoint
@@ -116,19 +130,26 @@ class Trainer(CatchUp):
         # Shared by everything this peer sends (averaging parts, state downloads): --max-upload-mbps.
         self.upload_limiter = upload_limiter
         training = run.training
-        self.model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
-        self.optimizer = build_optimizer(self.model, run.optimizer)
+        if model is None:
+            self.model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
+            self.optimizer = build_optimizer(self.model, run.optimizer)
+        else:  # the caller computes: its model must hold the run's state, its optimizer the run's
+            self.model, self.optimizer = model, optimizer or build_optimizer(model, run.optimizer)
+            check_own_model(run, self.model, self.optimizer)
         # Precision, checkpointing and running out of memory are this peer's own: see microbatch.py.
         self.runner = MicroBatchRunner(
             self.model, device=device, precision=training.precision,
             activation_checkpointing=activation_checkpointing, fit_memory=fit_memory,
+            loss_fn=None if model is None else _computed_elsewhere,
         )  # fmt: skip
         ensure_optimizer_state(self.model, self.optimizer)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # The state every peer holds bit for bit, hashed, served and downloaded: the model and its
         # optimizer here; diloco's synced copy and outer optimizer (swarm.training.diloco).
         self.synced_model, self.synced_optimizer = self.model, self.optimizer
-        self.dataset = build_dataset(run.dataset.name, run.dataset.config)
+        # The caller's own loop brings its own data (and, optionally, its own validation).
+        self.dataset = build_dataset(run.dataset.name, run.dataset.config) if model is None else None
+        self.validate_fn = validate
         self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
         self.numel = sum(p.numel() for p in self.params)
         self.hooks = hooks if hooks is not None else TrainingHooks()
@@ -171,6 +192,8 @@ class Trainer(CatchUp):
         self.contributed_samples = 0
         self.last_group_size = 0
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
+        # Gradient sums of the caller's micro-batches (``absorb(mean=True)``), kept out of ``.grad``.
+        self._held: list[torch.Tensor | None] | None = None
 
     # --- metrics -------------------------------------------------------------------------------------
 
@@ -206,16 +229,39 @@ class Trainer(CatchUp):
         self.model.train()
         with self.computing():  # gradients of the sum; divided by the count when averaged
             loss = self.runner.run(inputs, targets)
-        elapsed = time.monotonic() - started
-        self._sps = (
-            0.8 * self._sps + 0.2 * batch / max(elapsed, 1e-6) if self._sps else batch / max(elapsed, 1e-6)
-        )
+        self.absorb(batch, time.monotonic() - started)
+        return loss
+
+    def absorb(self, batch: int, elapsed_s: float, *, mean: bool = False) -> None:
+        """Take a micro-batch of ``batch`` samples whose gradient is in the parameters' ``.grad``, computed
+        in ``elapsed_s``: this loop's own (the gradient of the summed loss, accumulated in ``.grad``), or
+        with ``mean`` one that the caller's loop computed (of the mean loss), which is moved aside, scaled
+        to a sum, so that the caller's next backward starts from no gradient."""
+        if mean:
+            self._hold_gradients(batch)
+        self._count(batch, elapsed_s)
+
+    def _hold_gradients(self, batch: int) -> None:
+        with torch.no_grad():
+            held = self._held if self._held is not None else [None] * len(self.params)
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                grad = p.grad.mul_(batch)
+                held[i] = grad if held[i] is None else held[i].add_(grad)
+                p.grad = None
+            self._held = held
+
+    def _count(self, batch: int, elapsed_s: float) -> None:
+        rate = batch / max(elapsed_s, 1e-6)
+        self._sps = 0.8 * self._sps + 0.2 * rate if self._sps else rate
         self.samples += batch
         self.micro += 1
-        return loss
 
     def _contribution(self) -> torch.Tensor:
         """What this peer averages: the mean gradient of its accumulated micro-batches."""
+        if self._held is not None:
+            return flat_mean(self._held, self.params, self.samples)
         return flat_mean_gradient(self.params, self.samples)
 
     def _round_weight(self) -> float:
@@ -227,6 +273,12 @@ class Trainer(CatchUp):
         # toward the group's size but not toward the aggregate, so the attackers among the senders the
         # rule uses could be a majority of a group whose size says 2f + 1.
         return not self.samples or self._samples_at_step() < self.config.training.target_batch_size
+
+    def count_compute(self, seconds: float) -> None:
+        """Count ``seconds`` that just ended as compute (the caller's own forward and backward)."""
+        if self._first_compute is None:
+            self._first_compute = time.monotonic() - seconds
+        self._stats["compute_s"] += seconds
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -250,6 +302,7 @@ class Trainer(CatchUp):
 
     def _reset_accumulation(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self._held = None
         self.samples = self.micro = 0
 
     def _hashes(self, step: int) -> tuple[str, str]:
@@ -266,6 +319,12 @@ class Trainer(CatchUp):
         self._encoded = None
 
     def _validate(self) -> float:
+        if self.validate_fn is not None:
+            self.synced_model.eval()
+            with torch.no_grad():
+                return float(self.validate_fn(self.synced_model))
+        if self.dataset is None:
+            return float("nan")  # the caller's data, and no validation of its own
         if self._validation is None:
             self._validation = self.dataset.validation_batches(
                 self.config.training.micro_batch_size, self.seq_len, self.config.training.validation_batches
@@ -505,6 +564,9 @@ class Trainer(CatchUp):
 
     async def _finish_rounds(self) -> None:
         """Let a round still running in the background end before the peer reports it finished."""
+
+    async def _drop_pending(self) -> None:
+        """Cancel a round still running in the background (``diloco``'s ``outer_overlap``)."""
 
     def pause(self) -> None:
         """Stop computing after the current micro-batch or round; the peer keeps serving its state."""

@@ -1,0 +1,325 @@
+"""A collaboration that the researcher's own training loop calls: ``collab.step(samples)`` after each backward.
+
+The researcher builds the model, draws the data and runs forward and backward; the collaboration does the
+rest, with the guarantees of the built-in loop (it drives the same ``Trainer``): it takes each micro-batch's
+gradient (of the mean loss over ``samples`` examples) out of ``.grad``, and once the peers at this step
+together hold the run's target batch it averages with a group (signed, robust, verified rounds), applies
+the run's optimizer to the averaged gradient exactly as every other peer does, and commits the step; a peer
+behind or apart from the others downloads the agreed state instead. Between steps it publishes progress,
+serves its state to peers that join late, files evidence against cheating reducers, and reports to the
+coordinator's heartbeats (step, parameter hash, metrics). With ``training.sync = "diloco"`` each call is an
+inner step of the caller's optimizer on the local copy, and every ``inner_steps`` the pseudo-gradients are
+averaged and the outer optimizer steps the synced copy.
+
+The collaboration owns the optimizer step: the optimizer must be the run's (``optimizer=None`` builds it),
+and one on per-device kernels (``foreach``, ``fused``) is refused, since peers given the same gradient
+would step to different bits. The model must hold the run's tensors (``swarm.models.external`` declares
+a model that lives in the researcher's code).
+
+What verification still applies when peers bring their own data: every round input is signed with the
+samples it claims, aggregated with the run's robust rule (CenteredClip by default) that bounds what any
+one input can move, and each reducer's output is checked by its groupmates from the signed inputs
+(evidence to the coordinator bans a reducer that lied); states are compared by hash and a peer apart from
+the majority is moved back. What no longer applies is recomputing a peer's gradient from its public seed:
+data only the peer holds cannot be replayed, so a peer that sends a well-formed but wrong gradient is
+bounded by the robust rule, not caught.
+
+Example::
+
+    with swarm.connect("203.0.113.7:31330", identity="~/.swarm/identity.key") as session:
+        collab = session.collaborate(model, strategy=swarm.EveryStep())
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            collab.step(samples=len(x))
+            if collab.finished:
+                break
+        collab.finish()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from protocols.errors import ConfigError, SwarmError
+from swarm.config import RunConfig
+from swarm.training.trainer import Trainer
+
+if TYPE_CHECKING:
+    from swarm.session import Session
+
+logger = logging.getLogger(__name__)
+
+# How long ``finish`` waits, by default, for the peers it sees to hold its step and state.
+FINISH_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class EveryStep:
+    """Average the gradient at every step of the run (``[training] sync = "every_step"``)."""
+
+    def check(self, run: RunConfig) -> None:
+        if run.training.sync != "every_step":
+            raise ConfigError(
+                f"collaborate: strategy EveryStep(), but run {run.run_id!r} trains with "
+                f"training.sync = {run.training.sync!r}; pass strategy=None to follow the run"
+            )
+
+
+@dataclass(frozen=True)
+class DiLoCo:
+    """``inner_steps`` local steps of the caller's optimizer, then an averaged outer step
+    (``[training] sync = "diloco"``); None: the run's ``inner_steps``."""
+
+    inner_steps: int | None = None
+
+    def check(self, run: RunConfig) -> None:
+        training = run.training
+        if training.sync != "diloco":
+            raise ConfigError(
+                f"collaborate: strategy DiLoCo(...), but run {run.run_id!r} trains with training.sync = "
+                f"{training.sync!r}; pass strategy=None to follow the run"
+            )
+        if self.inner_steps is not None and self.inner_steps != training.inner_steps:
+            raise ConfigError(
+                f"collaborate: strategy DiLoCo(inner_steps={self.inner_steps}), but run {run.run_id!r} has "
+                f"training.inner_steps = {training.inner_steps}: every peer's window is the run's"
+            )
+
+
+Strategy = EveryStep | DiLoCo
+
+
+def strategy_of(run: RunConfig) -> Strategy:
+    """The strategy ``run``'s ``training.sync`` names."""
+    return DiLoCo(run.training.inner_steps) if run.training.sync == "diloco" else EveryStep()
+
+
+class Collaboration:
+    """One peer's part in a run, driven by its caller's loop (see the module docstring).
+
+    ``Session.collaborate`` (from a synchronous program whose session ``swarm.connect`` runs in the
+    background) and ``await Session.acollaborate`` build one; its ``step`` and ``astep`` return after the
+    micro-batch is taken and, when the batch of the run was complete, after the round.
+    """
+
+    def __init__(self, trainer: Trainer, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
+        self.trainer, self._loop, self._stop = trainer, loop, stop
+        self._publisher: asyncio.Task | None = None
+        self._last_step_at = time.monotonic()
+        self._closed = False
+
+    # --- what the caller reads ----------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the caller trains (with ``diloco``: the local copy)."""
+        return self.trainer.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The run's optimizer over the caller's model (with ``diloco``: the inner optimizer)."""
+        return self.trainer.optimizer
+
+    @property
+    def global_step(self) -> int:
+        """The run's step this peer holds (outer steps with ``diloco``)."""
+        return self.trainer.step
+
+    @property
+    def finished(self) -> bool:
+        """The run's ``max_steps`` is reached: further ``step`` calls take no gradient."""
+        return self.trainer._reached_max()
+
+    @property
+    def state_hash(self) -> str:
+        return self.trainer.state_hash
+
+    @property
+    def param_hash(self) -> str:
+        return self.trainer.param_hash
+
+    def metrics(self) -> dict[str, float]:
+        """The numbers the coordinator's heartbeats carry (step, losses, rounds, bytes, utilization...)."""
+        return self.trainer.metrics()
+
+    # --- starting -----------------------------------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls,
+        session: Session,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        strategy: Strategy | None = None,
+        validate: Callable[[torch.nn.Module], float] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> Collaboration:
+        """Check the model and optimizer against the session's run, start averaging and state serving,
+        and move the model to the run's current state (a checkpoint, or the state the peers hold)."""
+        from swarm.training.diloco import trainer_class
+
+        run = session.run_config
+        if run is None or session.dht is None:
+            raise SwarmError("collaborate: the session has not joined a run yet")
+        if run.pipeline.stages > 1:
+            raise ConfigError(
+                f"collaborate: run {run.run_id!r} is split into {run.pipeline.stages} pipeline stages; "
+                "join it with swarm-peer join --role stage or --role trainer"
+            )
+        (strategy or strategy_of(run)).check(run)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"collaborate: the model must be a torch.nn.Module, got {type(model).__name__}")
+        device = str(next(model.parameters()).device)
+        trainer = await asyncio.to_thread(
+            trainer_class(run), run, session.dht, peer_id=session.key.peer_id, device=device,
+            coordinator_key=session.coordinator_key, signing_key=session.key, record_signer=session.records,
+            data_host=session.config.host, accuse=session.accuser(), client_mode=not session.dialable,
+            coordinator_checkpoint=session.admission.holds_checkpoint, model=model, optimizer=optimizer,
+            validate=validate,
+        )  # fmt: skip
+        collab = cls(trainer, asyncio.get_running_loop(), stop or asyncio.Event())
+        await collab._begin()
+        session.progress = trainer
+        return collab
+
+    async def _begin(self) -> None:
+        trainer = self.trainer
+        await trainer.start()
+        self._publisher = asyncio.create_task(trainer._publish_forever())
+        try:
+            await asyncio.sleep(2 * trainer.config.training.progress_interval_s)  # a first view of the run
+            await trainer._catch_up()
+            await trainer._look_for_checkpoint(self._stop)
+            if trainer.validate_fn is not None:
+                await trainer._evaluate()
+        except BaseException:
+            await self.close()
+            raise
+
+    # --- stepping -----------------------------------------------------------------------------------
+
+    def step(self, samples: int) -> bool:
+        """Take the gradient now in the model's ``.grad`` (of the mean loss over ``samples`` examples) and,
+        once the run's batch is complete, average and apply it. Returns True when this peer moved to another
+        step of the run (a round, or the agreed state downloaded). Call it from the caller's thread, not
+        from the session's event loop (use ``astep`` there)."""
+        self._check_thread()
+        self._take(samples)
+        return asyncio.run_coroutine_threadsafe(self._advance(), self._loop).result()
+
+    async def astep(self, samples: int) -> bool:
+        """``step`` for a caller on an event loop (the session's, or another)."""
+        await asyncio.to_thread(self._take, samples)
+        advance = self._advance()
+        if asyncio.get_running_loop() is self._loop:
+            return await advance
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(advance, self._loop))
+
+    def _check_thread(self) -> None:
+        if self._loop.is_running() and _running_loop() is self._loop:
+            raise SwarmError("Collaboration.step blocks: from the session's event loop, await astep instead")
+
+    def _take(self, samples: int) -> None:
+        if self._closed:
+            raise SwarmError("this collaboration is closed")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ConfigError(f"Collaboration.step: samples must be a positive integer, got {samples!r}")
+        trainer = self.trainer
+        now = time.monotonic()
+        elapsed, self._last_step_at = now - self._last_step_at, now
+        if trainer.paused or trainer._reached_max():
+            trainer.optimizer.zero_grad(set_to_none=True)  # nothing to bring to a round: dropped
+            return
+        trainer.count_compute(elapsed)  # the caller's forward and backward since its last step
+        trainer.absorb(samples, elapsed, mean=True)
+
+    async def _advance(self) -> bool:
+        """After a micro-batch: catch up, or average once the batch is complete; return when the caller
+        should compute the next micro-batch. True when the step changed."""
+        trainer, interval_s = self.trainer, self.trainer.config.training.progress_interval_s
+        before = (trainer.step, trainer.state_hash)
+        while not self._stop.is_set() and not trainer._reached_max() and not trainer.paused:
+            if await trainer._catch_up():
+                break  # the accumulated gradient was of another state; the caller computes on from here
+            if trainer._ready_for_round():
+                trainer._rounds_since = trainer._rounds_since or time.monotonic()
+                await trainer._round()
+            if trainer._wants_compute():
+                break
+            await asyncio.sleep(interval_s / 4)  # the batch is complete: wait for the others' view
+        if trainer._reached_max() and not trainer.finished:
+            await trainer._finish_rounds()
+            if trainer.validate_fn is not None and trainer._stats["val_step"] != trainer.step:
+                await trainer._evaluate()
+            trainer.finished = True
+            trainer._finished_at = trainer._finished_at or time.monotonic()
+        return (trainer.step, trainer.state_hash) != before
+
+    # --- pausing and ending -------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop taking gradients (they are dropped) and stop joining rounds; the peer keeps serving state."""
+        self.trainer.pause()
+        self.trainer._reset_accumulation()
+
+    def resume(self) -> None:
+        self.trainer.resume()
+
+    def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
+        """Keep serving this peer's state, and move to the state most peers hold, until every peer in
+        view holds this peer's step and state or ``timeout_s`` passes: a groupmate whose last round
+        failed catches up from this peer before it leaves. True when all agree."""
+        self._check_thread()
+        return asyncio.run_coroutine_threadsafe(self.afinish(timeout_s), self._loop).result()
+
+    async def afinish(self, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
+        if _running_loop() is not self._loop:
+            return await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self.afinish(timeout_s), self._loop)
+            )
+        trainer = self.trainer
+        deadline = time.monotonic() + timeout_s
+        while not self._stop.is_set():
+            await trainer._catch_up()
+            others = [p for k, p in trainer.view.items() if k != trainer.peer_id]
+            if all((p.step, p.state_hash) == (trainer.step, trainer.state_hash) for p in others):
+                return True
+            if time.monotonic() >= deadline:
+                apart = sum(1 for p in others if (p.step, p.state_hash) != (trainer.step, trainer.state_hash))
+                logger.warning(
+                    f"finish: {apart} of {len(others)} peers in view still hold another step or state"
+                )
+                return False
+            await asyncio.sleep(trainer.config.training.progress_interval_s)
+        return False
+
+    async def close(self) -> None:
+        """Stop publishing progress and shut the averager down (the session's ``close`` calls it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._publisher
+        await self.trainer._drop_pending()
+        await self.trainer.averager.shutdown()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+__all__ = ["Collaboration", "DiLoCo", "EveryStep", "Strategy", "strategy_of"]

@@ -1,0 +1,126 @@
+"""A researcher's own model and loop in a run: ``describe_model``, ``session.collaborate``, ``collab.step``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import swarm as swarm_api
+from lab.localswarm import FAST_MEMBERSHIP, ROOT, LocalSwarm, status
+from protocols.errors import ConfigError
+from swarm.models import build_model
+from swarm.models.external import model_layout
+from swarm.training.collaboration import DiLoCo, EveryStep
+from swarm.training.ownmodel import check_own_model
+from swarm.training.state import build_optimizer
+
+EXAMPLE = ROOT / "examples" / "own_loop.py"
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+
+
+def _run(model: nn.Module, **training) -> swarm_api.RunConfig:
+    return swarm_api.RunConfig(run_id="mine", model=swarm_api.describe_model(model), training=training)
+
+
+def test_a_described_model_is_built_everywhere_with_the_same_state_layout(tmp_path: Path) -> None:
+    model = _net()
+    run = _run(model)
+    run.to_toml(tmp_path / "run.toml")
+    again = swarm_api.RunConfig.from_toml(tmp_path / "run.toml")
+    stand_in = build_model(again.model.name, again.model.config)
+    assert model_layout(stand_in) == model_layout(model)
+    assert sum(p.numel() for p in stand_in.parameters()) == sum(p.numel() for p in model.parameters())
+    check_own_model(again, model, build_optimizer(model, again.optimizer))  # accepted as it is
+    with pytest.raises(ConfigError, match="researcher's own code"):
+        stand_in.loss(torch.zeros(1, 1), torch.zeros(1, 1))
+
+
+def test_a_model_that_differs_from_the_run_is_refused_naming_the_tensor() -> None:
+    run = _run(_net())
+    wider = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 2))
+    with pytest.raises(ConfigError, match=r"tensor '0.weight' is \[32, 8\] float32; .* has \[16, 8\]"):
+        check_own_model(run, wider, build_optimizer(wider, run.optimizer))
+    fewer = nn.Sequential(nn.Linear(8, 16), nn.Identity(), nn.Linear(16, 2))
+    with pytest.raises(
+        ConfigError, match=r"has no tensor '1.weight', which the model of run 'mine' \('external'\) has"
+    ):
+        check_own_model(run, fewer, build_optimizer(fewer, run.optimizer))
+
+
+def test_an_optimizer_that_would_step_peers_apart_is_refused_saying_why() -> None:
+    model = _net()
+    run = _run(model)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    with pytest.raises(ConfigError, match="foreach=True: those kernels may differ from device to device"):
+        check_own_model(run, model, fused)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="the optimizer is SGD; .* is AdamW"):
+        check_own_model(run, model, sgd)
+    other_decay = build_optimizer(model, run.optimizer)
+    other_decay.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(ConfigError, match="group 0: 'weight_decay' is 0.5; run 'mine'.* sets 0.01"):
+        check_own_model(run, model, other_decay)
+
+
+def test_a_strategy_other_than_the_runs_is_refused_naming_the_setting() -> None:
+    every_step = _run(_net())
+    diloco = _run(_net(), sync="diloco", inner_steps=20)
+    EveryStep().check(every_step)
+    DiLoCo(inner_steps=20).check(diloco)
+    DiLoCo().check(diloco)
+    with pytest.raises(ConfigError, match="training.sync = 'every_step'"):
+        DiLoCo().check(every_step)
+    with pytest.raises(ConfigError, match="training.inner_steps = 20"):
+        DiLoCo(inner_steps=100).check(diloco)
+    with pytest.raises(ConfigError, match="training.sync = 'diloco'"):
+        EveryStep().check(diloco)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_copies_of_the_own_loop_example_end_on_one_parameter_hash_with_a_lower_loss(swarm: LocalSwarm):
+    swarm.spawn("write-run", [str(EXAMPLE), "--write-run", str(swarm.root / "own.toml")]).wait(60)
+    run = swarm_api.RunConfig.from_toml(swarm.root / "own.toml")
+    run = run.model_copy(update={"membership": FAST_MEMBERSHIP})
+    run.training.progress_interval_s, run.training.matchmaking_time_s = 0.3, 1.0
+    run.training.checkpoint_every_steps = 2  # the coordinator checkpoints through the model's stand-in
+    address = swarm.start_coordinator(run).extra["address"]
+    # The built-in loop has no code for a model that lives in the example: it says so and exits.
+    refused = swarm.start_peer(address, "volunteer")
+    peers = [
+        swarm.spawn(
+            name,
+            [
+                str(EXAMPLE),
+                "--coordinator",
+                address,
+                "--identity",
+                str(swarm.root / f"{name}.key"),
+                "--steps",
+                "6",
+                "--host",
+                "127.0.0.1",
+            ],
+        )  # fmt: skip
+        for name in ("a", "b")
+    ]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+    ends = [json.loads(peer.output().strip().splitlines()[-1]) for peer in peers]
+    assert [e["step"] for e in ends] == [6, 6] and all(e["agreed"] for e in ends), ends
+    assert ends[0]["param_hash"] == ends[1]["param_hash"], ends
+    assert all(e["val_loss_last"] < 0.9 * e["val_loss_first"] for e in ends), ends
+    # The coordinator's record (swarm-coordinator status --json) holds both on that hash at step 6.
+    records = [p for p in status(address).peers if p.name != "volunteer"]
+    assert len(records) == 2 and {(p.step, p.param_hash) for p in records} == {(6, ends[0]["param_hash"])}
+    assert status(address).checkpoint_step in (2, 4, 6)
+    assert refused.wait(60) != 0
+    assert "model 'external'" in refused.output() and "session.collaborate" in refused.output()
