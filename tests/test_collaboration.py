@@ -10,15 +10,17 @@ import torch
 from torch import nn
 
 import swarm as swarm_api
+from coordinator.accusations import run_layouts
+from coordinator.checkpoints import state_layout
 from lab.localswarm import FAST_MEMBERSHIP, ROOT, LocalSwarm, status
 from protocols.errors import ConfigError
 from swarm.models import build_model
 from swarm.models.external import model_layout
 from swarm.training.collaboration import DiLoCo, EveryStep
 from swarm.training.ownmodel import check_own_model
-from swarm.training.state import build_optimizer
+from swarm.training.state import build_optimizer, state_tensors
 
-EXAMPLE = ROOT / "examples" / "own_loop.py"
+EXAMPLES = ROOT / "examples"
 
 
 def _net() -> nn.Module:
@@ -41,6 +43,15 @@ def test_a_described_model_is_built_everywhere_with_the_same_state_layout(tmp_pa
     check_own_model(again, model, build_optimizer(model, again.optimizer))  # accepted as it is
     with pytest.raises(ConfigError, match="researcher's own code"):
         stand_in.loss(torch.zeros(1, 1), torch.zeros(1, 1))
+
+
+def test_the_coordinator_knows_an_external_models_state_without_its_code() -> None:
+    model = _net()
+    run = _run(model)
+    held = state_tensors(model, build_optimizer(model, run.optimizer))
+    layout = state_layout(run)  # what bounds a checkpoint download and checks a resume
+    assert layout == {name: (tuple(t.shape), t.numel() * t.element_size()) for name, t in held.items()}
+    assert run_layouts(run) == {"mine": sum(p.numel() for p in model.parameters())}  # the averaged vector
 
 
 def test_a_model_that_differs_from_the_run_is_refused_naming_the_tensor() -> None:
@@ -84,43 +95,59 @@ def test_a_strategy_other_than_the_runs_is_refused_naming_the_setting() -> None:
         EveryStep().check(diloco)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_copies_of_the_own_loop_example_end_on_one_parameter_hash_with_a_lower_loss(swarm: LocalSwarm):
-    swarm.spawn("write-run", [str(EXAMPLE), "--write-run", str(swarm.root / "own.toml")]).wait(60)
-    run = swarm_api.RunConfig.from_toml(swarm.root / "own.toml")
+def _two_copies(swarm: LocalSwarm, example: Path, *flags: str) -> tuple[list[dict], str]:
+    """The run ``example --write-run`` writes, a coordinator for it, and two copies of ``example`` run
+    to their end: each copy's last line (its JSON summary), and the coordinator's address."""
+    swarm.spawn("write-run", [str(example), "--write-run", str(swarm.root / "run-own.toml")]).wait(120)
+    run = swarm_api.RunConfig.from_toml(swarm.root / "run-own.toml")
     run = run.model_copy(update={"membership": FAST_MEMBERSHIP})
     run.training.progress_interval_s, run.training.matchmaking_time_s = 0.3, 1.0
-    run.training.checkpoint_every_steps = 2  # the coordinator checkpoints through the model's stand-in
     address = swarm.start_coordinator(run).extra["address"]
-    # The built-in loop has no code for a model that lives in the example: it says so and exits.
-    refused = swarm.start_peer(address, "volunteer")
     peers = [
         swarm.spawn(
             name,
             [
-                str(EXAMPLE),
+                str(example),
                 "--coordinator",
                 address,
                 "--identity",
                 str(swarm.root / f"{name}.key"),
-                "--steps",
-                "6",
                 "--host",
                 "127.0.0.1",
+                *flags,
             ],
         )  # fmt: skip
         for name in ("a", "b")
     ]
     for peer in peers:
         assert peer.wait(240) == 0, peer.output()[-3000:]
-    ends = [json.loads(peer.output().strip().splitlines()[-1]) for peer in peers]
-    assert [e["step"] for e in ends] == [6, 6] and all(e["agreed"] for e in ends), ends
+    return [json.loads(peer.output().strip().splitlines()[-1]) for peer in peers], address
+
+
+def _assert_one_state_with_a_lower_loss(ends: list[dict], address: str, steps: int) -> None:
+    assert [e["step"] for e in ends] == [steps, steps] and all(e["agreed"] for e in ends), ends
     assert ends[0]["param_hash"] == ends[1]["param_hash"], ends
     assert all(e["val_loss_last"] < 0.9 * e["val_loss_first"] for e in ends), ends
-    # The coordinator's record (swarm-coordinator status --json) holds both on that hash at step 6.
+    # The coordinator's record (swarm-coordinator status --json) holds both on that hash at that step.
     records = [p for p in status(address).peers if p.name != "volunteer"]
-    assert len(records) == 2 and {(p.step, p.param_hash) for p in records} == {(6, ends[0]["param_hash"])}
-    assert status(address).checkpoint_step in (2, 4, 6)
+    assert len(records) == 2 and {(p.step, p.param_hash) for p in records} == {(steps, ends[0]["param_hash"])}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_copies_of_the_own_loop_example_end_on_one_parameter_hash_with_a_lower_loss(swarm: LocalSwarm):
+    ends, address = _two_copies(swarm, EXAMPLES / "own_loop.py", "--steps", "6")
+    _assert_one_state_with_a_lower_loss(ends, address, 6)
+    # The built-in loop has no code for a model that lives in the example: it says so and exits.
+    refused = swarm.start_peer(address, "volunteer")
     assert refused.wait(60) != 0
     assert "model 'external'" in refused.output() and "session.collaborate" in refused.output()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_copies_of_the_hf_trainer_example_end_on_one_parameter_hash_with_a_lower_loss(swarm: LocalSwarm):
+    pytest.importorskip("accelerate", reason='the [hf] extra: pip install -e ".[hf]"')
+    out = str(swarm.root / "hf-out")
+    ends, address = _two_copies(swarm, EXAMPLES / "hf_trainer.py", "--max-steps", "4", "--output-dir", out)
+    _assert_one_state_with_a_lower_loss(ends, address, 4)

@@ -13,6 +13,7 @@
 - trainer.py: one peer's training loop: accumulate, average, step
 - collaboration.py: ``Collaboration``: the same loop driven by the researcher's own (``collab.step``
   after each backward), with the ``EveryStep`` and ``DiLoCo`` strategies
+- hf.py: ``SwarmCallback``, with which a Hugging Face ``Trainer`` script joins a run (the ``[hf]`` extra)
 - ownmodel.py: the checks on a model and optimizer the researcher built: the run's tensors, the run's
   optimizer on single-tensor kernels
 - resync.py: the trainer's state serving and catch-up: download the agreed state, or the coordinator's checkpoint
