@@ -6,8 +6,11 @@ otherwise the first successful join pins, and a later different key for the same
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
+import tempfile
 from pathlib import Path
 
 from protocols.errors import ConfigError, ProtocolError
@@ -45,14 +48,20 @@ class KnownCoordinators:
             raise ConfigError(f"{self.path}: entry for run {run_id!r}: {e}") from None
 
     def pin(self, run_id: str, key: PublicKey) -> None:
-        data = self._load()
-        if data.get(run_id) == key.peer_id:
-            return
-        data[run_id] = key.peer_id
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-        tmp.replace(self.path)
+        # Peers on one machine (one HOME) may pin at the same moment: the read, change and write of the
+        # file happen under a lock, so that no pin is lost, and the write goes through a temporary file
+        # of its own, so that every reader sees a whole file.
+        with open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = self._load()
+            if data.get(run_id) == key.peer_id:
+                return
+            data[run_id] = key.peer_id
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(data, indent=2, sort_keys=True))
+            os.replace(tmp, self.path)
         logger.info(f"pinned coordinator key {key.peer_id} for run {run_id!r} in {self.path}")
 
 

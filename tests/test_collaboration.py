@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,84 @@ def test_two_copies_of_the_hf_trainer_example_end_on_one_parameter_hash_with_a_l
     out = str(swarm.root / "hf-out")
     ends, address = _two_copies(swarm, EXAMPLES / "hf_trainer.py", "--max-steps", "4", "--output-dir", out)
     _assert_one_state_with_a_lower_loss(ends, address, 4)
+
+
+def _task(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return x, (x[:, 0] > x[:, 1]).long()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diloco_from_a_plain_loop_and_an_async_loop_ends_on_one_state(swarm: LocalSwarm, tmp_path: Path):
+    # One peer steps from a thread, the other awaits astep on an event loop of its own; DiLoCo's inner
+    # steps are the callers' micro-batches and its outer steps the run's.
+    run = _run(_net(), sync="diloco", inner_steps=4, micro_batch_size=16, target_batch_size=32,
+               progress_interval_s=0.3, matchmaking_time_s=1.0, min_group_size=2)  # fmt: skip
+    run = run.model_copy(update={"membership": FAST_MEMBERSHIP, "optimizer": run.optimizer.model_copy(
+        update={"lr": 0.01, "warmup_steps": 0})})  # fmt: skip
+    address = swarm.start_coordinator(run).extra["address"]
+    val_x, val_y = _task(0, 256)
+    loss_fn = nn.CrossEntropyLoss()
+
+    @torch.no_grad()
+    def validate(model: nn.Module) -> float:
+        return float(loss_fn(model(val_x), val_y))
+
+    # Both sessions share one known-coordinators file, as two peers under one HOME do.
+    options = {"known_coordinators": tmp_path / "known.json", "host": "127.0.0.1", "join_timeout_s": 60}
+    ends: dict[str, tuple] = {}
+
+    def plain(name: str) -> None:
+        model = _net()
+        with swarm_api.connect(address, identity=tmp_path / f"{name}.key", name=name, **options) as session:
+            collab = session.collaborate(model, strategy=DiLoCo(inner_steps=4), validate=validate)
+            first = validate(collab.trainer.synced_model)
+            x, y = _task(1, 16 * 400)
+            for i in range(0, len(x), 16):
+                loss_fn(model(x[i : i + 16]), y[i : i + 16]).backward()
+                collab.step(16)
+                if collab.global_step >= 3:
+                    break
+            agreed = collab.finish()
+            last = validate(collab.trainer.synced_model)
+            ends[name] = (collab.global_step, collab.param_hash, agreed, first, last, collab.metrics())
+
+    def awaiting(name: str) -> None:
+        model = _net()
+        with swarm_api.connect(address, identity=tmp_path / f"{name}.key", name=name, **options) as session:
+
+            async def train() -> None:
+                collab = await session.acollaborate(model, validate=validate)
+                first = validate(collab.trainer.synced_model)
+                x, y = _task(2, 16 * 400)
+                for i in range(0, len(x), 16):
+                    loss_fn(model(x[i : i + 16]), y[i : i + 16]).backward()
+                    await collab.astep(16)
+                    if collab.global_step >= 3:
+                        break
+                ends[name] = (
+                    collab.global_step,
+                    collab.param_hash,
+                    await collab.afinish(),
+                    first,
+                    collab.metrics(),
+                )
+
+            asyncio.run(train())
+
+    threads = [
+        threading.Thread(target=plain, args=("plain",)),
+        threading.Thread(target=awaiting, args=("async",)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert set(ends) == {"plain", "async"}, "both loops ended"
+    (step_a, hash_a, agreed_a, first, last, metrics), (step_b, hash_b, agreed_b, *_) = (
+        ends["plain"],
+        ends["async"],
+    )
+    assert (step_a, step_b) == (3, 3) and agreed_a and agreed_b and hash_a == hash_b, ends
+    assert metrics["inner_steps"] >= 12 and last < 0.9 * first, (first, last, metrics)

@@ -129,7 +129,31 @@ def test_pin_then_pinned_round_trips_across_instances(tmp_path: Path) -> None:
     assert reopened.pinned("run-b") == second
     assert reopened.pinned("run-c") is None
     assert json.loads(path.read_text()) == {"run-a": first.peer_id, "run-b": second.peer_id}
-    assert not path.with_suffix(".tmp").exists()
+    assert not list(path.parent.glob("*.tmp")), "no temporary file is left"
+
+
+def test_peers_that_pin_at_once_under_one_home_all_succeed_and_leave_a_whole_file(tmp_path: Path) -> None:
+    import threading
+
+    path = tmp_path / "known_coordinators.json"
+    keys = [SigningKey.generate().public_key for _ in range(8)]
+    errors: list[BaseException] = []
+
+    def pin(index: int) -> None:
+        try:
+            for _ in range(20):
+                KnownCoordinators(path).pin(f"run-{index}", keys[index])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=pin, args=(i,)) for i in range(len(keys))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []  # a shared temporary name made concurrent pins fail with FileNotFoundError
+    # Without the lock, two pins read the same file and the later write dropped the other's run.
+    assert json.loads(path.read_text()) == {f"run-{i}": k.peer_id for i, k in enumerate(keys)}
 
 
 def test_pinning_the_same_key_again_leaves_the_file_alone(tmp_path: Path) -> None:
