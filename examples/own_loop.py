@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--identity", default="~/.swarm/identity.key", help="this peer's key file")
     parser.add_argument("--steps", type=int, default=20, help="train until the run reaches this step")
     parser.add_argument("--host", default="0.0.0.0", help="address this peer listens on")
+    parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
     parser.add_argument("--write-run", metavar="PATH", help="write the run's TOML for this model and exit")
     args = parser.parse_args()
     if args.write_run:
@@ -47,13 +48,18 @@ def main() -> None:
                               optimizer={"lr": 0.01, "warmup_steps": 0}, training=training)  # fmt: skip
         return run.to_toml(args.write_run)
 
-    model, loss_fn = make_model(), nn.CrossEntropyLoss()
-    val_x, val_y = make_data(seed=0, n=512)
+    model, loss_fn = make_model().to(args.device), nn.CrossEntropyLoss()
+    val_x, val_y = (t.to(args.device) for t in make_data(seed=0, n=512))
     validate = torch.no_grad()(lambda m: float(loss_fn(m(val_x), val_y)))
-    with swarm.connect(args.coordinator, identity=args.identity, host=args.host) as session:
+    with swarm.connect(
+        args.coordinator, identity=args.identity, host=args.host, device=args.device
+    ) as session:
         collab = session.collaborate(model, validate=validate)  # checks model and optimizer, catches up
         first = validate(model)
-        x, y = make_data(seed=int.from_bytes(session.key.peer_id.encode()[-6:], "big"), n=32 * 1000)
+        x, y = (
+            t.to(args.device)
+            for t in make_data(int.from_bytes(session.key.peer_id.encode()[-6:], "big"), 32000)
+        )
         for i in range(0, len(x), 32):
             loss_fn(model(x[i : i + 32]), y[i : i + 32]).backward()
             collab.step(samples=32)
