@@ -2,7 +2,9 @@
 outer optimizer and error-feedback decay reach what validation loss, in minutes instead of hours.
 
 Each recipe trains ``--peers`` replicas in turn from the same synced weights for H inner steps on their
-own batches (the public seeds of ``derive_seed``), encodes each pseudo-gradient with the run's codec,
+own batches (the public seeds of ``derive_seed``); each replica is the trainer's own DiLoCo arithmetic
+(``swarm.training.diloco.DilocoReplica``: inner steps, pseudo-gradient, error feedback, outer step,
+overlap). The script encodes each pseudo-gradient with the run's codec,
 aggregates the decoded contributions with the run's rule (``centered_clip``, equal weights), encodes the
 result once as a reducer does, and applies it with the run's outer optimizer; ``every_step`` takes one
 optimizer step per ``peers * batch`` samples on the mean gradient. Model, data, schedule, clipping,
@@ -45,13 +47,11 @@ from swarm.averaging.compression import get_codec  # noqa: E402
 from swarm.data import build_dataset  # noqa: E402
 from swarm.data.seeds import derive_seed  # noqa: E402
 from swarm.models import build_model  # noqa: E402
-from swarm.training.diloco import flat_params, write_flat_params  # noqa: E402
+from swarm.training.diloco import DilocoReplica  # noqa: E402
 from swarm.training.state import (  # noqa: E402
     build_optimizer,
-    build_outer_optimizer,
     clip_gradients,
     learning_rate,
-    set_flat_gradient,
     set_learning_rate,
 )
 
@@ -154,61 +154,47 @@ class Lab:
         peers, batch, inner_steps = self.args.peers, recipe["batch"], recipe["H"]
         outer_steps = max(1, round(self.args.samples / (peers * inner_steps * batch)))
         run = self._sim(recipe, outer_steps)
-        decay = recipe.get("decay", run.training.topk_feedback_decay)
-        codec = get_codec(recipe["codec"], topk_density=recipe.get("density", run.training.topk_density))
-        aggregate = get_aggregator(run.training.aggregator, run.training.aggregator_options)
-        synced = build_model("gpt", self.shape, seed=run.training.seed)
-        outer = build_outer_optimizer(synced, run.outer_optimizer)
-        replicas = [build_model("gpt", self.shape, seed=run.training.seed) for _ in range(peers)]
-        inner = [build_optimizer(m, run.optimizer) for m in replicas]  # local state, never averaged
-        numel = sum(p.numel() for p in synced.parameters())
-        residual = [torch.zeros(numel) for _ in range(peers)] if recipe["codec"] == "topk" else None
-        overlap = recipe.get("overlap", False)
-        initial = flat_params(list(synced.parameters()))
-        starts = [initial] * peers  # where each replica's window starts (never written in place)
-        pending: torch.Tensor | None = None  # overlap: the round in flight, applied one window late
+        training = run.training
+        training.topk_feedback_decay = recipe.get("decay", training.topk_feedback_decay)
+        training.topk_density = recipe.get("density", training.topk_density)
+        training.outer_overlap = recipe.get("overlap", False)
+        codec = get_codec(recipe["codec"], topk_density=training.topk_density)
+        aggregate = get_aggregator(training.aggregator, training.aggregator_options)
+        # Each replica is the trainer's own DiLoCo arithmetic: inner steps, pseudo-gradient, error
+        # feedback, outer step and overlap; each holds a synced copy, as every peer of a run does.
+        replicas = []
+        for _ in range(peers):
+            model = build_model("gpt", self.shape, seed=training.seed)
+            replicas.append(DilocoReplica(model, build_optimizer(model, run.optimizer), run))
+        numel = sum(p.numel() for p in replicas[0].params)
 
-        def outer_step(result: torch.Tensor) -> None:
-            set_flat_gradient(
-                list(synced.parameters()), codec.decode(codec.encode(result), numel, sender="reducer")
-            )
-            outer.step()
-            outer.zero_grad(set_to_none=True)
+        def wire(vector: torch.Tensor, sender: str) -> torch.Tensor:
+            return codec.decode_contribution(codec.encode_contribution(vector), numel, sender=sender)
 
+        pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # overlap: the round in flight
+        applied = 0
         for window in range(outer_steps):
             sent = []
-            for peer, (model, optimizer) in enumerate(zip(replicas, inner, strict=True)):
-                params = list(model.parameters())
-                write_flat_params(params, starts[peer])
+            for peer, replica in enumerate(replicas):
                 for i in range(inner_steps):
                     seed = derive_seed(tag, f"peer{peer}", window, i)
-                    _gradient_step(model, self.dataset, seed, batch, self.seq_len)
-                    clip_gradients(model, run.optimizer.grad_clip_norm)
-                    set_learning_rate(optimizer, learning_rate(run.optimizer, window * inner_steps + i))
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                progress = starts[peer] - flat_params(params)
-                pseudo = progress + decay * residual[peer] if residual is not None else progress
-                wire = codec.encode_contribution(pseudo)
-                sent.append(codec.decode_contribution(wire, numel, sender=f"peer{peer}"))
-                if residual is not None:
-                    residual[peer] = pseudo - sent[-1]
-                starts[peer] = progress  # for now this window's own progress; its next start follows
+                    _gradient_step(replica.model, self.dataset, seed, batch, self.seq_len)
+                    replica.inner_step(window, batch, mean=True)
+                if replica.overlap:
+                    if pending is not None:  # the previous window's round lands now
+                        replica.apply(pending[0], pending[1][peer])
+                    replica.close_window(inner_steps * batch)
+                sent.append(wire(replica.contribution(), f"peer{peer}"))
             result = aggregate(torch.stack(sent), torch.ones(peers), seed=window)
-            if not overlap:
-                outer_step(result)
-                synced_now = flat_params(list(synced.parameters()))
-                starts = [synced_now] * peers
+            result = codec.decode(codec.encode(result), numel, sender="reducer")  # as a reducer encodes it
+            if training.outer_overlap:
+                applied += pending is not None
+                pending = (result, sent)
                 continue
-            if pending is not None:  # the previous window's round lands now
-                outer_step(pending)
-            synced_now = flat_params(list(synced.parameters()))
-            # Onto the synced copy, keeping this window's progress (the first window has nothing landed:
-            # its replicas go on from where they are).
-            starts = [(synced_now if pending is not None else initial) - progress for progress in starts]
-            pending = result
-        applied = outer_steps - 1 if overlap else outer_steps
-        return validation_loss(synced, self.validation), applied
+            for replica, carried in zip(replicas, sent, strict=True):
+                replica.apply(result, carried)
+            applied += 1
+        return validation_loss(replicas[0].synced_model, self.validation), applied
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,12 +83,122 @@ def outer_step_misfit(theirs: dict, mine: dict) -> str | None:
     return f"claims outer step {str(step)[:32]}, not this round's {mine['step']}"
 
 
+class DilocoReplica:
+    """One peer's DiLoCo state and arithmetic, without the network: the local copy and its inner optimizer,
+    the synced copy and its outer optimizer, the error feedback of a sparse codec, and ``outer_overlap``'s
+    window in flight. ``DilocoTrainer`` drives one with the run's rounds; a benchmark drives several in
+    one process (``benchmarks/diloco_recipes.py``), with the same bits.
+
+    Args:
+        model: the local copy (trained by the inner steps); the synced copy starts as a copy of it.
+        optimizer: the run's ``[optimizer]`` over ``model`` (its state stays local).
+        run: the run (``training``'s ``inner_steps``, ``compression``, ``topk_feedback_decay``,
+            ``outer_overlap``; ``[optimizer]``'s schedule and clipping; ``[outer_optimizer]``).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig):
+        self.model, self.optimizer, self.config = model, optimizer, run
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.synced_model = copy.deepcopy(model)
+        self.synced_params = [p for p in self.synced_model.parameters() if p.requires_grad]
+        self.synced_optimizer = build_outer_optimizer(self.synced_model, run.outer_optimizer)
+        numel = sum(p.numel() for p in self.params)
+        self.inner = 0  # local optimizer steps in this window
+        sparse = run.training.compression == "topk"
+        self.residual = torch.zeros(numel) if sparse else None  # error feedback, never shared
+        self.feedback_decay = run.training.topk_feedback_decay
+        # outer_overlap: what the round in flight sends (and for how many samples), where the local window
+        # began, and whether the round's result has reached the synced copy.
+        self.overlap = run.training.outer_overlap
+        self.outbox: torch.Tensor | None = None
+        self.outbox_samples = 0
+        self.window_start: torch.Tensor | None = None
+        self.outbox_applied = False
+
+    def inner_step(self, outer_step: int, batch: int, *, mean: bool) -> None:
+        """One step of the inner optimizer on the local copy with the gradient in ``.grad`` (of the mean
+        loss, or with ``mean=False`` of the loss summed over ``batch`` samples), clipped, at the schedule's
+        learning rate of inner step ``outer_step * inner_steps + inner``."""
+        with torch.no_grad():
+            if not mean:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.div_(batch)
+            optimizer = self.config.optimizer
+            clip_gradients(self.model, optimizer.grad_clip_norm)
+            global_inner = outer_step * self.config.training.inner_steps + self.inner
+            set_learning_rate(self.optimizer, learning_rate(optimizer, global_inner))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.inner += 1
+
+    def contribution(self) -> torch.Tensor:
+        """What this replica sends to the outer round: the frozen window with ``outer_overlap``, else its
+        pseudo-gradient (synced minus local), plus the decayed error feedback of a sparse codec."""
+        if self.overlap:
+            return self.outbox
+        pseudo = flat_params(self.synced_params) - flat_params(self.params)
+        if self.residual is not None:
+            pseudo += self.feedback_decay * self.residual
+        return pseudo
+
+    def weight(self, samples: int) -> float:
+        """The samples behind ``contribution`` (``samples``: those of the window now computing)."""
+        return float(self.outbox_samples) if self.overlap else float(samples)
+
+    def apply(self, averaged: torch.Tensor, sent: torch.Tensor | None = None) -> None:
+        """Apply an outer round's result: keep what the wire did not carry of ``contribution`` (``sent``: what
+        it carried) for the next one, step the synced copy with the outer optimizer, and move the local copy
+        onto it (with ``outer_overlap``, at the end of the window now computing: ``close_window``)."""
+        if self.residual is not None:
+            self.residual = (
+                self.contribution() - sent if sent is not None else torch.zeros_like(self.residual)
+            )
+        set_flat_gradient(self.synced_params, averaged)
+        self.synced_optimizer.step()
+        self.synced_optimizer.zero_grad(set_to_none=True)
+        if self.overlap:
+            self.outbox_applied = True
+        else:
+            self.reset()
+
+    def close_window(self, samples: int) -> None:
+        """``outer_overlap``: freeze this window's pseudo-gradient (of ``samples`` samples) as the next round's
+        contribution and start a new window. If the last round reached the synced copy, the local copy moves
+        onto the new synced copy plus this window's own progress; if it failed, its contribution is sent
+        again with this window's."""
+        local = flat_params(self.params)
+        start = self.window_start if self.window_start is not None else flat_params(self.synced_params)
+        delta = start - local
+        if self.outbox is not None and not self.outbox_applied:
+            delta += self.outbox
+            self.outbox_samples += samples
+        else:
+            if self.residual is not None:
+                delta += self.feedback_decay * self.residual
+            self.outbox_samples = samples
+            if self.outbox is not None:
+                write_flat_params(self.params, flat_params(self.synced_params) - (start - local))
+        self.outbox, self.outbox_applied = delta, False
+        self.window_start = flat_params(self.params)
+        self.inner = 0
+
+    def reset(self) -> None:
+        """Start a window from the synced parameters (after an outer step, a download, or a pause)."""
+        self.inner = 0
+        self.outbox, self.outbox_samples, self.window_start = None, 0, None
+        with torch.no_grad():
+            for local, synced in zip(self.params, self.synced_params, strict=True):
+                local.copy_(synced)
+
+
 class DilocoTrainer(Trainer):
     """A data-parallel peer whose rounds average pseudo-gradients every ``inner_steps`` local steps.
 
     Takes the same arguments as :class:`Trainer`. ``step`` counts outer steps, and ``max_steps``,
     ``validation_every_steps`` and checkpoints count them too; the inner learning rate follows the run's
-    schedule over ``outer_step * inner_steps + inner_step``.
+    schedule over ``outer_step * inner_steps + inner_step``. The arithmetic is its
+    :class:`DilocoReplica`'s; this class decides when a window closes and runs its rounds.
 
     With ``outer_overlap``, at the end of window t the peer starts averaging its pseudo-gradient d_t in
     the background and trains on; at the end of window t + 1 it waits for that round, applies its result
@@ -102,22 +212,29 @@ class DilocoTrainer(Trainer):
             # A pseudo-gradient depends on each peer's local inner-optimizer state, which no seed reveals.
             raise ConfigError(f"attack {hooks.name!r} is rehearsed with sync 'every_step' only")
         super().__init__(run, dht, **kwargs)
-        self.synced_model = copy.deepcopy(self.model)
-        self.synced_params = [p for p in self.synced_model.parameters() if p.requires_grad]
-        self.synced_optimizer = build_outer_optimizer(self.synced_model, run.outer_optimizer)
-        self.inner = 0  # local optimizer steps in this window
-        sparse = run.training.compression == "topk"
-        self.residual = torch.zeros(self.numel) if sparse else None  # error feedback, never shared
-        self.feedback_decay = run.training.topk_feedback_decay
+        self.replica = DilocoReplica(self.model, self.optimizer, run)
+        self.synced_model, self.synced_optimizer = self.replica.synced_model, self.replica.synced_optimizer
         self._stats.update(outer_steps=0.0, inner_steps=0.0)
-        # outer_overlap: the round in flight, what it sends (and for how many samples), where the local
-        # window began, and whether the round's result has reached the synced copy.
         self.overlap = run.training.outer_overlap
-        self._pending: asyncio.Task | None = None
-        self._outbox: torch.Tensor | None = None
-        self._outbox_samples = 0
-        self._window_start: torch.Tensor | None = None
-        self._outbox_applied = False
+        self._pending: asyncio.Task | None = None  # outer_overlap: the round in flight
+
+    @property
+    def inner(self) -> int:
+        """Local optimizer steps in this window."""
+        return self.replica.inner
+
+    @inner.setter
+    def inner(self, value: int) -> None:
+        self.replica.inner = value
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """A sparse codec's error feedback: what the wire left out of the last contribution."""
+        return self.replica.residual
+
+    @residual.setter
+    def residual(self, value: torch.Tensor | None) -> None:
+        self.replica.residual = value
 
     # --- inner steps ---------------------------------------------------------------------------------
 
@@ -125,18 +242,8 @@ class DilocoTrainer(Trainer):
         """An inner step on the local copy with the micro-batch's gradient (of the summed loss from this
         loop, or with ``mean`` of the mean loss from the caller's)."""
         self._count(batch, elapsed_s)
-        with self.computing(), torch.no_grad():
-            if not mean:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.div_(batch)
-            optimizer = self.config.optimizer
-            clip_gradients(self.model, optimizer.grad_clip_norm)
-            global_inner = self.step * self.config.training.inner_steps + self.inner
-            set_learning_rate(self.optimizer, learning_rate(optimizer, global_inner))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.inner += 1
+        with self.computing():
+            self.replica.inner_step(self.step, batch, mean=mean)
         self._stats["inner_steps"] += 1
 
     def _window_closed(self) -> bool:
@@ -168,15 +275,10 @@ class DilocoTrainer(Trainer):
     # --- the outer step ------------------------------------------------------------------------------
 
     def _contribution(self) -> torch.Tensor:
-        if self.overlap:
-            return self._outbox
-        pseudo = flat_params(self.synced_params) - flat_params(self.params)
-        if self.residual is not None:
-            pseudo += self.feedback_decay * self.residual
-        return pseudo
+        return self.replica.contribution()
 
     def _round_weight(self) -> float:
-        return float(self._outbox_samples) if self.overlap else float(self.samples)
+        return self.replica.weight(self.samples)
 
     def _entry_misfit(self, theirs: dict, mine: dict) -> str | None:
         return outer_step_misfit(theirs, mine)
@@ -190,24 +292,14 @@ class DilocoTrainer(Trainer):
         return True
 
     def _apply_round(self, result) -> None:
-        if self.residual is not None:
-            sent = getattr(result, "sent", None)
-            # What the wire did not carry of this contribution waits for the next one.
-            self.residual = self._contribution() - sent if sent is not None else torch.zeros(self.numel)
-        self._apply(result.vector)
+        # What the wire carried of this contribution (a sparse codec's result says); the rest waits.
+        self._apply(result.vector, sent=getattr(result, "sent", None))
 
-    def _apply(self, averaged: torch.Tensor) -> None:
-        self._outer_step(averaged)
-        if self.overlap:
-            self._outbox_applied = True  # the local copy moves onto it at the end of the current window
-        else:
-            self._reset_accumulation()
-
-    def _outer_step(self, averaged: torch.Tensor) -> None:
-        set_flat_gradient(self.synced_params, averaged)
-        self.synced_optimizer.step()
-        self.synced_optimizer.zero_grad(set_to_none=True)
+    def _apply(self, averaged: torch.Tensor, sent: torch.Tensor | None = None) -> None:
+        self.replica.apply(averaged, sent)
         self._stats["outer_steps"] += 1
+        if not self.overlap:
+            self._reset_accumulation()
 
     # --- outer_overlap -------------------------------------------------------------------------------
 
@@ -222,26 +314,8 @@ class DilocoTrainer(Trainer):
         self._pending = asyncio.create_task(super()._round())
 
     def _close_window(self) -> None:
-        """Freeze this window's pseudo-gradient as the next round's contribution and start a new window.
-
-        If the last round reached the synced copy, the local copy moves onto the new synced copy plus this
-        window's own progress; if it failed, its contribution is sent again with this window's."""
-        local = flat_params(self.params)
-        start = self._window_start if self._window_start is not None else flat_params(self.synced_params)
-        delta = start - local
-        if self._outbox is not None and not self._outbox_applied:
-            delta += self._outbox
-            self._outbox_samples += self.samples
-        else:
-            if self.residual is not None:
-                delta += self.feedback_decay * self.residual
-            self._outbox_samples = self.samples
-            if self._outbox is not None:
-                write_flat_params(self.params, flat_params(self.synced_params) - (start - local))
-        self._outbox, self._outbox_applied = delta, False
-        self._window_start = flat_params(self.params)
+        self.replica.close_window(self.samples)
         super()._reset_accumulation()
-        self.inner = 0
 
     async def resync(self, step: int, expected_hash: str, sources: list[str]) -> bool:
         await self._drop_pending()
@@ -269,11 +343,14 @@ class DilocoTrainer(Trainer):
     def _reset_accumulation(self) -> None:
         """Start a window from the synced parameters (after an outer step, a download, or a pause)."""
         super()._reset_accumulation()
-        self.inner = 0
-        self._outbox, self._outbox_samples, self._window_start = None, 0, None
-        with torch.no_grad():
-            for local, synced in zip(self.params, self.synced_params, strict=True):
-                local.copy_(synced)
+        self.replica.reset()
 
 
-__all__ = ["DilocoTrainer", "flat_params", "outer_step_misfit", "trainer_class", "write_flat_params"]
+__all__ = [
+    "DilocoReplica",
+    "DilocoTrainer",
+    "flat_params",
+    "outer_step_misfit",
+    "trainer_class",
+    "write_flat_params",
+]
