@@ -68,7 +68,7 @@ def main() -> None:
     data = args.text.read_bytes()
     held_out = len(data) // 10
     train, evaluation = ByteWindows(data[held_out:]), ByteWindows(data[:held_out])
-    model = make_model()
+    model = make_model().to("cuda" if torch.cuda.is_available() else "cpu")  # where the Trainer will put it
     with swarm.connect(args.coordinator, identity=args.identity, host=args.host) as session:  # swarm
         collab = session.collaborate(model)  # swarm
         training = TrainingArguments(

@@ -12,7 +12,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,7 +25,7 @@ import grpc
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import PeerCertificate, verify_certificate
 from protocols.envelope import open_envelope, seal
-from protocols.errors import CoordinatorKeyMismatch, ProtocolError, SecurityError, SwarmError
+from protocols.errors import CoordinatorKeyMismatch, NetworkError, ProtocolError, SecurityError, SwarmError
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import (
     ACCUSE,
@@ -41,7 +43,11 @@ from protocols.messages import (
 from protocols.version import PROTOCOL_VERSION
 from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
 
+logger = logging.getLogger(__name__)
+
 SERVICE = "/swarm.coordinator.v1.Coordinator/"
+# Waits between attempts to file an accusation the coordinator was too busy to take.
+ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0)
 EVIDENCE_PIECE_BYTES = 512 << 10
 
 
@@ -258,6 +264,19 @@ class CoordinatorClient:
             return await rpc(iter(parts), timeout=self.timeout_s + len(evidence) / 1e6)
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.address) from None
+
+    async def accuse_until_taken(
+        self, key: SigningKey, run_id: str, *, accused: str, reason: str, evidence: bytes
+    ) -> pb.AccuseResponse:
+        """``accuse``, tried again after each of ``ACCUSE_RETRY_DELAYS_S`` while the coordinator is too busy
+        to take it (its evidence budget or this peer's accusations spent)."""
+        for delay_s in ACCUSE_RETRY_DELAYS_S:
+            try:
+                return await self.accuse(key, run_id, accused=accused, reason=reason, evidence=evidence)
+            except NetworkError as e:
+                logger.info(f"accusation against {accused} not taken yet ({e}); retrying in {delay_s:.0f}s")
+                await asyncio.sleep(delay_s)
+        return await self.accuse(key, run_id, accused=accused, reason=reason, evidence=evidence)
 
     async def dial_back(self, ports: list[int]) -> pb.DialBackResponse:
         """Ask the coordinator to open TCP connections back to this machine on ``ports``."""

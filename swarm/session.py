@@ -57,8 +57,6 @@ if TYPE_CHECKING:  # the CLIs' --help reads SessionConfig: it must not load grpc
     from swarm.training.collaboration import Collaboration
 
 logger = logging.getLogger("swarm.peer")
-# Waits between attempts to file an accusation the coordinator was too busy to take.
-ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0)
 
 
 class SessionConfig(BaseModel):
@@ -199,6 +197,7 @@ class Session:
         self._reaching: asyncio.Task | None = None
         self._members = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None  # the session's own: set when it ends
         self._collaborations: list[Collaboration] = []
 
     def set_state(self, state: str, detail: str = "") -> None:
@@ -219,7 +218,7 @@ class Session:
         from swarm.reachability import learn_dialable
         from swarm.records import RecordSigner
 
-        self.client, self._loop = client, asyncio.get_running_loop()
+        self.client, self._loop, self._stop = client, asyncio.get_running_loop(), stop
         if self.key is None:
             self.key = await asyncio.to_thread(load_or_create_identity, self.config.identity_path)
         if await self.join(stop) is None:
@@ -309,7 +308,7 @@ class Session:
             raise SecurityError(
                 f"the run spec names coordinator {run.coordinator_key}, but it signed with another key"
             )
-        self.known.pin(run.run_id, admission.coordinator_key)
+        self.known.pin(run.run_id, admission.coordinator_key, replace=bool(self.config.coordinator_key))
         self.admission, self.run_config = admission, run
         self.certificate, self.coordinator_key = admission.certificate, admission.coordinator_key
         logger.info(
@@ -455,24 +454,16 @@ class Session:
     # --- accusing and training -----------------------------------------------------------------------
 
     def accuser(self):
-        """Files a validator's evidence against a reducer with the coordinator, which judges it; retried
-        while the coordinator is too busy to take it (its evidence budget or this peer's spent)."""
+        """Files a validator's evidence against a reducer with the coordinator, which judges it."""
 
         async def accuse(accused: str, evidence, verdict: str) -> None:
-            for delay_s in (*ACCUSE_RETRY_DELAYS_S, None):
-                try:
-                    answer = await self.client.accuse(
-                        self.key, self.run_config.run_id, accused=accused, reason=verdict,
-                        evidence=evidence.to_bytes(),
-                    )  # fmt: skip
-                    break
-                except NetworkError as e:
-                    if delay_s is None:
-                        raise
-                    logger.info(
-                        f"accusation against {accused} not taken yet ({e}); retrying in {delay_s:.0f}s"
-                    )
-                    await asyncio.sleep(delay_s)
+            answer = await self.client.accuse_until_taken(
+                self.key,
+                self.run_config.run_id,
+                accused=accused,
+                reason=verdict,
+                evidence=evidence.to_bytes(),
+            )
             logger.warning(
                 f"accused {accused}; the coordinator banned {answer.banned_peer}: {answer.verdict}"
             )
@@ -484,24 +475,18 @@ class Session:
         ``swarm.training.collaboration.Collaboration`` (its docstring says what it checks and does)."""
         from swarm.training.collaboration import Collaboration
 
-        collab = await Collaboration.start(self, model, optimizer, strategy=strategy, validate=validate)
+        collab = await Collaboration.start(
+            self, model, optimizer, strategy=strategy, validate=validate, stop=self._stop
+        )
         self._collaborations.append(collab)
         return collab
 
     def collaborate(self, model, optimizer=None, *, strategy=None, validate=None) -> Collaboration:
         """``acollaborate`` from a synchronous program whose session runs in the background (``swarm.connect``)."""
-        if self._loop is None or self._loop.is_closed():
-            raise SwarmError(
-                "session.collaborate: the session is not running (use it inside swarm.connect's with)"
-            )
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            raise SwarmError("session.collaborate blocks: on the session's event loop, await acollaborate")
+        from swarm.training.collaboration import call_on
+
         work = self.acollaborate(model, optimizer, strategy=strategy, validate=validate)
-        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+        return call_on(self._loop, work, "session.collaborate")
 
     async def close(self) -> None:
         """Stop the background work and the DHT node (after ``leave``, or instead of it on a ban)."""

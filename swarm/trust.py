@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from protocols.errors import ConfigError, ProtocolError
+from protocols.errors import ConfigError, CoordinatorKeyMismatch, ProtocolError
 from protocols.keys import PublicKey
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,10 @@ class KnownCoordinators:
         except ProtocolError as e:
             raise ConfigError(f"{self.path}: entry for run {run_id!r}: {e}") from None
 
-    def pin(self, run_id: str, key: PublicKey) -> None:
+    def pin(self, run_id: str, key: PublicKey, *, replace: bool = False) -> None:
+        """Pin ``key`` for ``run_id``. Another key pinned meanwhile (by a peer under the same HOME that
+        trusted another coordinator first) is a CoordinatorKeyMismatch, unless ``replace`` (the user named
+        the key with --coordinator-key)."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # Peers on one machine (one HOME) may pin at the same moment: the read, change and write of the
         # file happen under a lock, so that no pin is lost, and the write goes through a temporary file
@@ -57,6 +60,13 @@ class KnownCoordinators:
             data = self._load()
             if data.get(run_id) == key.peer_id:
                 return
+            if data.get(run_id) is not None and not replace:
+                raise CoordinatorKeyMismatch(
+                    f"run {run_id!r}: {self.path} pinned coordinator {data[run_id]} while this peer joined "
+                    f"{key.peer_id}; {key_mismatch_fix(run_id, key.peer_id, str(self.path))}",
+                    offered=key.peer_id,
+                    run_id=run_id,
+                )
             data[run_id] = key.peer_id
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
             with os.fdopen(fd, "w") as out:

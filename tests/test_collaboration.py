@@ -15,7 +15,7 @@ import swarm as swarm_api
 from coordinator.accusations import run_layouts
 from coordinator.checkpoints import state_layout
 from lab.localswarm import FAST_MEMBERSHIP, ROOT, LocalSwarm, status
-from protocols.errors import ConfigError
+from protocols.errors import ConfigError, SwarmError
 from swarm.models import build_model
 from swarm.models.external import model_layout
 from swarm.training.collaboration import DiLoCo, EveryStep
@@ -189,7 +189,10 @@ def test_diloco_from_a_plain_loop_and_an_async_loop_ends_on_one_state(swarm: Loc
             x, y = _task(1, 16 * 400)
             for i in range(0, len(x), 16):
                 loss_fn(model(x[i : i + 16]), y[i : i + 16]).backward()
-                collab.step(16)
+                if collab.step(16) and collab.global_step == 1:
+                    assert model.training, "validation gives the caller's model back in training mode"
+                    collab.pause()  # drops its window; the other peer waits for it to come back
+                    collab.resume()
                 if collab.global_step >= 3:
                     break
             agreed = collab.finish()
@@ -234,3 +237,25 @@ def test_diloco_from_a_plain_loop_and_an_async_loop_ends_on_one_state(swarm: Loc
     )
     assert (step_a, step_b) == (3, 3) and agreed_a and agreed_b and hash_a == hash_b, ends
     assert metrics["inner_steps"] >= 12 and last < 0.9 * first, (first, last, metrics)
+
+
+def test_collaborate_outside_a_running_session_says_so_instead_of_hanging() -> None:
+    session = swarm_api.Session(swarm_api.SessionConfig(coordinator="127.0.0.1:31330"))
+    with pytest.raises(SwarmError, match="session.collaborate: the session is not running"):
+        session.collaborate(_net())
+
+
+@pytest.mark.parametrize(
+    ("tensor", "error"),
+    [
+        ({"name": "steps", "shape": [3], "dtype": "int64"}, "a trained tensor must be floating point"),
+        ({"name": "loss.weight", "shape": [3]}, "'loss' is an attribute"),
+        ({"name": "block.training", "shape": [3]}, "'training' is an attribute"),
+        ({"name": "w", "shape": [0, 2**70]}, "dimensions must be in"),
+        ({"name": "w", "shape": [2**20, 2**20]}, "more than 4294967296 elements"),
+        ({"name": "w", "shape": [3], "dtype": "complex64"}, "'complex64' is not one of"),
+    ],
+)
+def test_an_external_model_that_cannot_be_built_within_bounds_is_refused_naming_the_tensor(tensor, error):
+    with pytest.raises(ConfigError, match=error):
+        build_model("external", {"tensors": [{"name": "ok", "shape": [2]}, tensor]})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protocols.errors import ConfigError, IdentityError
+from protocols.errors import ConfigError, CoordinatorKeyMismatch, IdentityError
 from protocols.keys import SigningKey
 from swarm.identity import create_identity, load_identity, load_or_create_identity
 from swarm.trust import KnownCoordinators
@@ -192,3 +192,15 @@ def test_pinned_entry_that_is_not_a_peer_id_names_the_run(tmp_path: Path) -> Non
         known.pinned("bad-run")
     assert "'bad-run'" in str(info.value)
     assert str(path) in str(info.value)
+
+
+def test_a_pin_never_overwrites_another_coordinators_key_unless_the_user_named_it(tmp_path: Path) -> None:
+    path = tmp_path / "known_coordinators.json"
+    first, second = SigningKey.generate().public_key, SigningKey.generate().public_key
+    KnownCoordinators(path).pin("run-a", first)
+    # Another peer under the same HOME, which read the file before the first pin, trusted another key.
+    with pytest.raises(CoordinatorKeyMismatch, match=first.peer_id):
+        KnownCoordinators(path).pin("run-a", second)
+    assert KnownCoordinators(path).pinned("run-a") == first
+    KnownCoordinators(path).pin("run-a", second, replace=True)  # --coordinator-key names it
+    assert KnownCoordinators(path).pinned("run-a") == second

@@ -243,8 +243,8 @@ def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim
         now = time.time()
         target = run.training.target_batch_size
         others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
-        trainer.view = {p.peer_id: p for p in others}
-        trainer._views = trainer._step_view + 1  # a view fetched after this step began
+        trainer.progress_view.peers = {p.peer_id: p for p in others}
+        trainer.progress_view.count = trainer._step_view + 1  # a view fetched after this step began
         assert trainer.samples == 0
         assert trainer._wants_compute() and not trainer._ready_for_round()
         trainer._micro_step()

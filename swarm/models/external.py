@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from protocols.errors import ConfigError
@@ -30,7 +30,11 @@ from swarm.models.builder import register_model
 NAME = "external"
 MAX_TENSORS = 65536
 MAX_DIMS = 8
-MAX_NUMEL = 1 << 36  # 64 Gi elements: a bound on what a stand-in may allocate (as zeros)
+# What the coordinator and each peer allocate (as zeros) for a stand-in: 4 Gi elements, 16 GiB in float32.
+MAX_NUMEL = 1 << 32
+FLOATS = {"float32", "float16", "bfloat16", "float64"}
+# Names a stand-in's modules already use: a tensor path through one of them cannot be built.
+_TAKEN = frozenset(dir(nn.Module())) | {"loss"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}  # fmt: skip
 
@@ -48,9 +52,26 @@ class TensorSpec(BaseModel):
     @field_validator("shape")
     @classmethod
     def _dims(cls, shape: list[int]) -> list[int]:
-        if any(d < 0 for d in shape):
-            raise ValueError(f"dimensions must be >= 0, got {shape}")
+        if any(d < 0 or d > MAX_NUMEL for d in shape):
+            raise ValueError(f"dimensions must be in [0, {MAX_NUMEL}], got {shape}")
         return shape
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        taken = [part for part in name.split(".") if part in _TAKEN]
+        if taken:
+            raise ValueError(
+                f"{name!r}: {taken[0]!r} is an attribute every torch module has (or the stand-in's loss); "
+                "rename that module or tensor in the model"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _trainable_floats(self) -> TensorSpec:
+        if self.trainable and self.dtype not in FLOATS:
+            raise ValueError(f"{self.name!r}: a trained tensor must be floating point, not {self.dtype}")
+        return self
 
     @field_validator("dtype")
     @classmethod

@@ -39,12 +39,13 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from swarm.session import Session
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long ``finish`` waits, by default, for the peers it sees to hold its step and state.
 FINISH_TIMEOUT_S = 60.0
@@ -135,8 +137,9 @@ class Collaboration:
 
     @property
     def finished(self) -> bool:
-        """The run's ``max_steps`` is reached: further ``step`` calls take no gradient."""
-        return self.trainer._reached_max()
+        """The run's ``max_steps`` is reached, or the session ended (the coordinator says the run finished,
+        this peer was banned, or the session was closed): further ``step`` calls take no gradient."""
+        return self.trainer._reached_max() or self._stop.is_set() or self._closed
 
     @property
     def state_hash(self) -> str:
@@ -204,6 +207,7 @@ class Collaboration:
         except BaseException:
             await self.close()
             raise
+        self._last_step_at = time.monotonic()  # the caller's first micro-batch starts now
 
     # --- stepping -----------------------------------------------------------------------------------
 
@@ -212,21 +216,23 @@ class Collaboration:
         once the run's batch is complete, average and apply it. Returns True when this peer moved to another
         step of the run (a round, or the agreed state downloaded). Call it from the caller's thread, not
         from the session's event loop (use ``astep`` there)."""
-        self._check_thread()
+        refuse_on(self._loop, "Collaboration.step")
         self._take(samples)
-        return asyncio.run_coroutine_threadsafe(self._advance(), self._loop).result()
+        try:
+            return call_on(self._loop, self._advance(), "Collaboration.step")
+        finally:
+            self._last_step_at = time.monotonic()  # the round is not the caller's compute
 
     async def astep(self, samples: int) -> bool:
         """``step`` for a caller on an event loop (the session's, or another)."""
         await asyncio.to_thread(self._take, samples)
         advance = self._advance()
-        if asyncio.get_running_loop() is self._loop:
-            return await advance
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(advance, self._loop))
-
-    def _check_thread(self) -> None:
-        if self._loop.is_running() and _running_loop() is self._loop:
-            raise SwarmError("Collaboration.step blocks: from the session's event loop, await astep instead")
+        try:
+            if asyncio.get_running_loop() is self._loop:
+                return await advance
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(advance, self._loop))
+        finally:
+            self._last_step_at = time.monotonic()
 
     def _take(self, samples: int) -> None:
         if self._closed:
@@ -234,9 +240,15 @@ class Collaboration:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ConfigError(f"Collaboration.step: samples must be a positive integer, got {samples!r}")
         trainer = self.trainer
+        device = str(trainer.params[0].device)
+        if device != trainer.device:
+            raise SwarmError(
+                f"the model moved to {device} after collaborate took it on {trainer.device}: the run's "
+                "optimizer state (and a DiLoCo synced copy) stay where they were built; move the model first"
+            )
         now = time.monotonic()
         elapsed, self._last_step_at = now - self._last_step_at, now
-        if trainer.paused or trainer._reached_max():
+        if trainer.paused or self.finished:
             trainer.optimizer.zero_grad(set_to_none=True)  # nothing to bring to a round: dropped
             return
         trainer.count_compute(elapsed)  # the caller's forward and backward since its last step
@@ -267,9 +279,13 @@ class Collaboration:
     # --- pausing and ending -------------------------------------------------------------------------
 
     def pause(self) -> None:
-        """Stop taking gradients (they are dropped) and stop joining rounds; the peer keeps serving state."""
+        """Stop taking gradients (those not yet averaged are dropped) and stop joining rounds; the peer keeps
+        serving its state. A DiLoCo round in flight is dropped first: it would land on a reset window."""
+        call_on(self._loop, self.apause(), "Collaboration.pause")
+
+    async def apause(self) -> None:
         self.trainer.pause()
-        self.trainer._reset_accumulation()
+        await self.trainer.drop_accumulation()
 
     def resume(self) -> None:
         self.trainer.resume()
@@ -278,14 +294,15 @@ class Collaboration:
         """Keep serving this peer's state, and move to the state most peers hold, until every peer in
         view holds this peer's step and state or ``timeout_s`` passes: a groupmate whose last round
         failed catches up from this peer before it leaves. True when all agree."""
-        self._check_thread()
-        return asyncio.run_coroutine_threadsafe(self.afinish(timeout_s), self._loop).result()
+        return call_on(self._loop, self.afinish(timeout_s), "Collaboration.finish")
 
     async def afinish(self, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
         if _running_loop() is not self._loop:
             return await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(self.afinish(timeout_s), self._loop)
             )
+        if self._closed:
+            raise SwarmError("Collaboration.finish: the session has ended (see Collaboration.finished)")
         trainer = self.trainer
         deadline = time.monotonic() + timeout_s
         while not self._stop.is_set():
@@ -322,4 +339,27 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-__all__ = ["Collaboration", "DiLoCo", "EveryStep", "Strategy", "strategy_of"]
+def refuse_on(loop: asyncio.AbstractEventLoop | None, what: str) -> None:
+    """Refuse a blocking call from the session's own event loop (it would wait on itself), or without one."""
+    if loop is None or loop.is_closed():
+        raise SwarmError(f"{what}: the session is not running (use it inside swarm.connect's with block)")
+    if _running_loop() is loop:
+        raise SwarmError(f"{what} blocks: on the session's event loop, await its async form instead")
+
+
+def call_on(loop: asyncio.AbstractEventLoop | None, work: Coroutine[Any, Any, T], what: str) -> T:
+    """Run ``work`` on the session's ``loop`` (in its own thread) and wait for its result in this thread."""
+    try:
+        refuse_on(loop, what)
+    except SwarmError:
+        work.close()
+        raise
+    try:
+        return asyncio.run_coroutine_threadsafe(work, loop).result()
+    except concurrent.futures.CancelledError:
+        raise SwarmError(
+            f"{what}: the session ended meanwhile (the run finished, this peer was banned, or it was closed)"
+        ) from None
+
+
+__all__ = ["Collaboration", "DiLoCo", "EveryStep", "Strategy", "call_on", "refuse_on", "strategy_of"]

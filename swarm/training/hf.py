@@ -60,6 +60,11 @@ class SwarmCallback(_transformers.TrainerCallback):
                 "clips the averaged gradient ([optimizer] grad_clip_norm), and a peer must send the gradient "
                 "it computed"
             )
+        if args.fp16:
+            raise ConfigError(
+                "SwarmCallback: TrainingArguments.fp16 scales the loss, and the gradient handed to the run "
+                "would still be scaled; train in fp32 or bf16 (bf16=True), or set the run's precision"
+            )
         model = kwargs.get("model")
         if model is not None and model is not self.collab.model:
             raise ConfigError(

@@ -9,11 +9,21 @@ Only records signed by a certified, unbanned peer under its own peer ID are in a
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import hivemind
 
+from swarm.config import TrainingConfig
 from swarm.records import RecordSigner, RecordTrust, record_key
+from swarm.training.catchup import Position, PositionHistory
+
+logger = logging.getLogger(__name__)
+# The least time one progress exchange (publish, read, ban list) may take before it is given up and retried.
+PROGRESS_EXCHANGE_MIN_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,3 +63,70 @@ async def fetch_progress(dht: hivemind.DHT, trust: RecordTrust) -> dict[str, Pee
         )  # fmt: skip
         for peer_id, r in trust.open_dictionary("progress", found).items()
     }
+
+
+class ProgressView:
+    """One peer's view of the run's progress, renewed by ``exchange``: the verified records of every peer
+    (``peers``), the recent positions that the catch-up rule reads (``positions``), and how many views were
+    fetched (``count``: a round waits for one taken at its own step).
+
+    Args:
+        dht, records, trust: where records are published, how this peer signs, whose records count.
+        peer_id: this peer's ID (its own record is not a position of another).
+        training: the run's training settings, read live (``progress_interval_s``, ``max_steps``).
+        is_banned: whether a peer is banned now (its kept records are dropped).
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        records: RecordSigner,
+        trust: RecordTrust,
+        peer_id: str,
+        training: TrainingConfig,
+        is_banned: Callable[[str], bool],
+    ):
+        self.dht, self.records, self.trust, self.peer_id = dht, records, trust, peer_id
+        self.training, self.is_banned = training, is_banned
+        self.peers: dict[str, PeerProgress] = {}
+        self.positions = PositionHistory()  # recent steps' verified positions: a download the run outran
+        self.count = 0
+
+    async def exchange(self, own: PeerProgress | None) -> None:
+        """Publish ``own`` signed (None: nothing, as a paused peer, which the others must not wait for) and
+        read the verified records of every peer."""
+        ttl_s = max(3.0, 6 * self.training.progress_interval_s)
+        if own is not None:
+            await publish_progress(self.dht, self.records, self.trust.run_id, own, ttl_s=ttl_s)
+        fresh = await fetch_progress(self.dht, self.trust)
+        # A failed read must not make the run look empty: keep records that have not expired yet.
+        recent = {
+            k: v for k, v in self.peers.items() if v.updated_at > time.time() - ttl_s and not self.is_banned(k)
+        }  # fmt: skip
+        self.peers = {**recent, **fresh}
+        self.positions.observe(
+            {k: Position(v.step, v.state_hash) for k, v in fresh.items() if k != self.peer_id},
+            max_step=self.training.max_steps,
+            keep=self.peers,
+        )
+        self.count += 1
+
+    async def run(self, own: Callable[[], PeerProgress | None], after: Callable[[], Awaitable[None]]) -> None:
+        """``exchange`` then ``after`` (the ban list) every ``progress_interval_s`` until cancelled. Each is
+        bounded: a DHT call whose reply never comes (its coroutine dropped in the DHT's process) used to
+        stop this loop for good, freezing the view, so a peer that fell behind never caught up."""
+
+        async def once() -> None:
+            await self.exchange(own())
+            await after()
+
+        while True:
+            interval_s = self.training.progress_interval_s
+            timeout_s = max(PROGRESS_EXCHANGE_MIN_TIMEOUT_S, 10 * interval_s)
+            try:
+                await asyncio.wait_for(once(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                logger.info(f"a progress exchange took over {timeout_s:.0f}s; trying again")
+            except Exception as e:
+                logger.debug(f"progress exchange failed: {e!r}")
+            await asyncio.sleep(interval_s)

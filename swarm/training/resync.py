@@ -82,7 +82,7 @@ class CatchUp:
                 )
                 self._reset_accumulation()
                 await self._commit(decoded.step)
-            self._step_view = self._views
+            self._step_view = self.progress_view.count
             mib = sum(t.numel() * t.element_size() for t in decoded.tensors.values()) / 2**20
             return holder, fetched_s, mib
 
@@ -103,10 +103,12 @@ class CatchUp:
         interval_s = self.config.training.progress_interval_s
         for attempt in range(3):
             if attempt:  # the next view, or give up on it after a few intervals
-                target, deadline = self._views + 1, time.monotonic() + 4 * interval_s + 1.0
-                while self._views < target and time.monotonic() < deadline:
+                target, deadline = self.progress_view.count + 1, time.monotonic() + 4 * interval_s + 1.0
+                while self.progress_view.count < target and time.monotonic() < deadline:
                     await asyncio.sleep(interval_s / 4)
-            if self.positions.agreed(step, state_hash, [k for k in self.view if k != self.peer_id]):
+            if self.progress_view.positions.agreed(
+                step, state_hash, [k for k in self.view if k != self.peer_id]
+            ):
                 return True
         return False
 

@@ -35,11 +35,11 @@ from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, PositionHistory, quorum
+from swarm.training.catchup import quorum
 from swarm.training.hooks import TrainingHooks
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.ownmodel import check_own_model
-from swarm.training.progress import PeerProgress, fetch_progress, publish_progress
+from swarm.training.progress import PeerProgress, ProgressView
 from swarm.training.resync import CatchUp
 from swarm.training.state import (
     apply_flat_gradient,
@@ -62,10 +62,6 @@ logger = logging.getLogger(__name__)
 
 def _computed_elsewhere(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     raise ConfigError("this peer's gradients are computed by its caller's own loop (session.collaborate)")
-
-
-# The least time one progress exchange (publish, read, ban list) may take before it is given up and retried.
-PROGRESS_EXCHANGE_MIN_TIMEOUT_S = 10.0
 
 
 class Trainer(CatchUp):
@@ -165,8 +161,9 @@ class Trainer(CatchUp):
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
         self.step = self.samples = self.micro = 0
         self.state_hash = self.param_hash = ""
-        self.view: dict[str, PeerProgress] = {}
-        self.positions = PositionHistory()  # recent steps' verified positions: a download the run outran
+        self.progress_view = ProgressView(
+            dht, self.records, self.trust, peer_id, training, is_banned=lambda p: p in self.averager.banned
+        )
         self.finished = False
         self.first_validation: tuple[int, float] | None = None
         self._state_lock = asyncio.Lock()
@@ -185,7 +182,6 @@ class Trainer(CatchUp):
         self._first_compute: float | None = None
         self._finished_at: float | None = None
         self._sps = 0.0
-        self._views = 0  # progress views fetched so far; a round waits for one taken at its own step
         self._step_view = 0
         self._next_record_check = 0.0
         # Samples this peer put into rounds that were applied: its credit, reported to the coordinator.
@@ -194,6 +190,15 @@ class Trainer(CatchUp):
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
         # Gradient sums of the caller's micro-batches (``absorb(mean=True)``), kept out of ``.grad``.
         self._held: list[torch.Tensor | None] | None = None
+
+    @property
+    def view(self) -> dict[str, PeerProgress]:
+        """The verified progress records of the run's peers (this one's included), by peer ID."""
+        return self.progress_view.peers
+
+    @view.setter
+    def view(self, peers: dict[str, PeerProgress]) -> None:
+        self.progress_view.peers = peers
 
     # --- metrics -------------------------------------------------------------------------------------
 
@@ -319,21 +324,28 @@ class Trainer(CatchUp):
         self._encoded = None
 
     def _validate(self) -> float:
-        if self.validate_fn is not None:
-            self.synced_model.eval()
-            with torch.no_grad():
-                return float(self.validate_fn(self.synced_model))
-        if self.dataset is None:
-            return float("nan")  # the caller's data, and no validation of its own
-        if self._validation is None:
-            self._validation = self.dataset.validation_batches(
-                self.config.training.micro_batch_size, self.seq_len, self.config.training.validation_batches
-            )
         model = self.synced_model  # what every peer holds, whatever local steps this one took since
+        was_training = (
+            model.training
+        )  # the caller's own loop may train this very model: give it back as it was
         model.eval()
-        with torch.no_grad(), self.runner.evaluation():
-            losses = [float(model.loss(x.to(self.device), y.to(self.device))) for x, y in self._validation]
-        return sum(losses) / len(losses)
+        try:
+            with torch.no_grad():
+                if self.validate_fn is not None:
+                    return float(self.validate_fn(model))
+                if self.dataset is None:
+                    return float("nan")  # the caller's data, and no validation of its own
+                if self._validation is None:
+                    training = self.config.training
+                    self._validation = self.dataset.validation_batches(
+                        training.micro_batch_size, self.seq_len, training.validation_batches
+                    )
+                with self.runner.evaluation():
+                    batches = self._validation
+                    losses = [float(model.loss(x.to(self.device), y.to(self.device))) for x, y in batches]
+                return sum(losses) / len(losses)
+        finally:
+            model.train(was_training)
 
     async def _evaluate(self) -> None:
         started = time.monotonic()
@@ -352,37 +364,12 @@ class Trainer(CatchUp):
 
     async def exchange_progress(self) -> None:
         """Publish this peer's signed progress record and read the verified records of the others."""
-        ttl_s = max(3.0, 6 * self.config.training.progress_interval_s)
-        if not self.paused:  # a paused peer must not look like a groupmate the others wait for
-            await publish_progress(self.dht, self.records, self.config.run_id, self._progress(), ttl_s=ttl_s)
-        fresh = await fetch_progress(self.dht, self.trust)
-        # A failed read must not make the run look empty: keep records that have not expired yet.
-        recent = {
-            k: v for k, v in self.view.items()
-            if v.updated_at > time.time() - ttl_s and k not in self.averager.banned
-        }  # fmt: skip
-        self.view = {**recent, **fresh}
-        self.positions.observe(
-            {k: Position(v.step, v.state_hash) for k, v in fresh.items() if k != self.peer_id},
-            max_step=self.config.training.max_steps,
-            keep=self.view,
-        )
-        self._views += 1
+        # A paused peer must not look like a groupmate the others wait for.
+        await self.progress_view.exchange(None if self.paused else self._progress())
         await self._refresh_bans()
 
     async def _publish_forever(self) -> None:
-        # Bounded: a DHT call whose reply never comes (its coroutine dropped in the DHT's process) used to
-        # stop this loop for good, freezing the view, so a peer that fell behind never caught up.
-        interval_s = self.config.training.progress_interval_s
-        timeout_s = max(PROGRESS_EXCHANGE_MIN_TIMEOUT_S, 10 * interval_s)
-        while True:
-            try:
-                await asyncio.wait_for(self.exchange_progress(), timeout=timeout_s)
-            except asyncio.TimeoutError:
-                logger.info(f"a progress exchange took over {timeout_s:.0f}s; trying again")
-            except Exception as e:
-                logger.debug(f"progress exchange failed: {e!r}")
-            await asyncio.sleep(interval_s)
+        await self.progress_view.run(lambda: None if self.paused else self._progress(), self._refresh_bans)
 
     async def _refresh_bans(self) -> None:
         """Take the coordinator's newest signed ban list; the averager refuses those peers from then on."""
@@ -396,7 +383,7 @@ class Trainer(CatchUp):
 
     def _ready_for_round(self) -> bool:
         """The peers at this step hold the target batch, by a view fetched after this step began."""
-        fresh_view = self._views > self._step_view
+        fresh_view = self.progress_view.count > self._step_view
         target = self.config.training.target_batch_size
         return fresh_view and self.samples > 0 and self._samples_at_step() >= target
 
@@ -459,7 +446,7 @@ class Trainer(CatchUp):
             await self._commit(self.step + 1)
         self.contributed_samples += contributed
         self.last_group_size = len(group.peer_ids)
-        self._step_view = self._views
+        self._step_view = self.progress_view.count
         self._stats["rounds_ok"] += 1
         loss = self._stats["train_loss"]
         logger.info(
@@ -565,6 +552,14 @@ class Trainer(CatchUp):
     async def _finish_rounds(self) -> None:
         """Let a round still running in the background end before the peer reports it finished."""
 
+    async def drop_accumulation(self) -> None:
+        """Drop the gradients not yet averaged (they earned no credit), so that peers do not count them
+        towards a batch this peer will not bring to a round, and first a round in flight that would land
+        on the state they were computed from."""
+        await self._drop_pending()
+        async with self._state_lock:
+            self._reset_accumulation()
+
     async def _drop_pending(self) -> None:
         """Cancel a round still running in the background (``diloco``'s ``outer_overlap``)."""
 
@@ -576,9 +571,7 @@ class Trainer(CatchUp):
         self.paused = False
 
     async def _wait_while_paused(self, stop: asyncio.Event) -> None:
-        # Gradients not yet averaged are dropped (they earned no credit) so peers do not count them
-        # towards a batch this peer will not bring to a round.
-        self._reset_accumulation()
+        await self.drop_accumulation()
         logger.info(f"paused at step {self.step}")
         while self.paused and not stop.is_set():
             await asyncio.sleep(0.2)
