@@ -309,6 +309,11 @@ class Session:
                 f"the run spec names coordinator {run.coordinator_key}, but it signed with another key"
             )
         self.known.pin(run.run_id, admission.coordinator_key, replace=bool(self.config.coordinator_key))
+        if self.run_config is not None and self.run_config.run_id == run.run_id:
+            # Joining again (a restarted coordinator forgot this peer): the roles built on the run config
+            # keep reading it, so it takes the new max_steps in place instead of being replaced.
+            self._apply_max_steps(run.training.max_steps)
+            run = self.run_config
         self.admission, self.run_config = admission, run
         self.certificate, self.coordinator_key = admission.certificate, admission.coordinator_key
         logger.info(
@@ -357,12 +362,7 @@ class Session:
         higher one); True once the run has finished and this peer should leave."""
         if not answer.signed_run_state:
             return False
-        training = self.run_config.training
-        if answer.max_steps != training.max_steps:
-            logger.info(
-                f"the run's max_steps is now {answer.max_steps or 'unlimited'} (was {training.max_steps})"
-            )
-            training.max_steps = answer.max_steps
+        self._apply_max_steps(answer.max_steps)
         if answer.finished_step is None or self.finished_step == answer.finished_step:
             return False
         self.finished_step = answer.finished_step
@@ -375,6 +375,12 @@ class Session:
             "its final checkpoint; leaving. Thank you for your compute!"
         )
         return True
+
+    def _apply_max_steps(self, max_steps: int | None) -> None:
+        training = self.run_config.training
+        if max_steps != training.max_steps:
+            logger.info(f"the run's max_steps is now {max_steps or 'unlimited'} (was {training.max_steps})")
+            training.max_steps = max_steps
 
     def metrics(self) -> dict[str, float]:
         """What the heartbeat reports: the progress's metrics, the DHT members seen, the process's own."""

@@ -88,8 +88,13 @@ def test_a_strangers_stores_are_refused_and_honest_peers_still_average(tmp_path)
 
         # (d) an empty dictionary expiring last, served by the stranger's node, would hide the ban list.
         banned = {SigningKey.generate().peer_id}
-        assert asyncio.run(
-            publish_ban_list(honest[0][0], coordinator, RUN, banned, changed_at=time.time(), ttl_s=60)
+        # A store can time out on a loaded machine (seen once in a CI rehearsal); the coordinator publishes
+        # its list again, as this does, at most 3 times.
+        assert any(
+            asyncio.run(
+                publish_ban_list(honest[0][0], coordinator, RUN, banned, changed_at=time.time(), ttl_s=60)
+            )
+            for _ in range(3)
         )
         stranger.run_coroutine(
             functools.partial(_plant_empty_dictionary, key=ban_list_key(RUN), expiration_time=far)
