@@ -269,11 +269,7 @@ class Collaboration:
                 break
             await asyncio.sleep(interval_s / 4)  # the batch is complete: wait for the others' view
         if trainer._reached_max() and not trainer.finished:
-            await trainer._finish_rounds()
-            if trainer.validate_fn is not None and trainer._stats["val_step"] != trainer.step:
-                await trainer._evaluate()
-            trainer.finished = True
-            trainer._finished_at = trainer._finished_at or time.monotonic()
+            await trainer.finish()
         return (trainer.step, trainer.state_hash) != before
 
     # --- pausing and ending -------------------------------------------------------------------------

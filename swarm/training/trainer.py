@@ -542,8 +542,14 @@ class Trainer(CatchUp):
             if self._ready_for_round():
                 self._rounds_since = self._rounds_since or time.monotonic()
                 await self._round()
+        await self.finish()
+
+    async def finish(self) -> None:
+        """Report this peer finished (this loop's or a caller's): let a background round end, take the
+        last step's validation loss, and keep the final state encoded for the peers that download it."""
         await self._finish_rounds()
-        if self._reached_max() and self._stats["val_step"] != self.step:
+        validates = self.dataset is not None or self.validate_fn is not None
+        if validates and self._reached_max() and self._stats["val_step"] != self.step:
             await self._evaluate()  # the last step's loss, whichever path reached it (round or download)
         self.finished = True
         self._finished_at = self._finished_at or time.monotonic()
