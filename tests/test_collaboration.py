@@ -99,7 +99,7 @@ def test_a_strategy_other_than_the_runs_is_refused_naming_the_setting() -> None:
 
 def _two_copies(swarm: LocalSwarm, example: Path, *flags: str) -> tuple[list[dict], str]:
     """The run ``example --write-run`` writes, a coordinator for it, and two copies of ``example`` run
-    to their end: each copy's last line (its JSON summary), and the coordinator's address."""
+    to their end: each copy's JSON summary, and the coordinator's address."""
     swarm.spawn("write-run", [str(example), "--write-run", str(swarm.root / "run-own.toml")]).wait(120)
     run = swarm_api.RunConfig.from_toml(swarm.root / "run-own.toml")
     run = run.model_copy(update={"membership": FAST_MEMBERSHIP})
@@ -123,7 +123,15 @@ def _two_copies(swarm: LocalSwarm, example: Path, *flags: str) -> tuple[list[dic
     ]
     for peer in peers:
         assert peer.wait(240) == 0, peer.output()[-3000:]
-    return [json.loads(peer.output().strip().splitlines()[-1]) for peer in peers], address
+    return [_summary(peer.output()) for peer in peers], address
+
+
+def _summary(output: str) -> dict:
+    """The example's JSON summary: its last line that is one (hivemind's DHT process may still log after
+    it, e.g. asyncio's note on the bootstrap timer task it leaves pending at shutdown)."""
+    lines = [line for line in output.splitlines() if line.startswith('{"step"')]
+    assert lines, f"no JSON summary in the example's output: {output[-3000:]}"
+    return json.loads(lines[-1])
 
 
 def _assert_one_state_with_a_lower_loss(ends: list[dict], address: str, steps: int) -> None:
