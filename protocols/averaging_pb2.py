@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocols/averaging.proto\x12\x12swarm.averaging.v1\"\xd0\x01\n\tPartChunk\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x12\n\npart_index\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12&\n\x04\x63ode\x18\x05 \x01(\x0e\x32\x18.swarm.averaging.v1.Code\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\tsignature\x18\x07 \x01(\x0c\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12\x10\n\x08included\x18\t \x01(\x0c\x12\x0e\n\x06reveal\x18\n \x01(\x0c\"`\n\rInputsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\npart_index\x18\x03 \x01(\r\x12\x14\n\x0csender_index\x18\x04 \x01(\r\"\x8b\x01\n\x0bSignedInput\x12\x14\n\x0csender_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12&\n\x04\x63ode\x18\x05 \x01(\x0e\x32\x18.swarm.averaging.v1.Code\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"D\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08min_step\x18\x02 \x01(\x04\x12\x12\n\nstate_hash\x18\x03 \x01(\t\"`\n\nStateChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x65rror\x18\x05 \x01(\t*\x7f\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\r\n\tBAD_GROUP\x10\x01\x12\x10\n\x0cNOT_IN_GROUP\x10\x02\x12\r\n\tBAD_CHUNK\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\x0c\n\x08INTERNAL\x10\x05\x12\x11\n\rBAD_SIGNATURE\x10\x06\x12\x0f\n\x0bNO_EVIDENCE\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocols/averaging.proto\x12\x12swarm.averaging.v1\"\xe6\x01\n\tPartChunk\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x12\n\npart_index\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12&\n\x04\x63ode\x18\x05 \x01(\x0e\x32\x18.swarm.averaging.v1.Code\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\tsignature\x18\x07 \x01(\x0c\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12\x10\n\x08included\x18\t \x01(\x0c\x12\x0e\n\x06reveal\x18\n \x01(\x0c\x12\x14\n\x0csigned_at_ms\x18\x0b \x01(\x04\"`\n\rInputsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\npart_index\x18\x03 \x01(\r\x12\x14\n\x0csender_index\x18\x04 \x01(\r\"\x8b\x01\n\x0bSignedInput\x12\x14\n\x0csender_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12&\n\x04\x63ode\x18\x05 \x01(\x0e\x32\x18.swarm.averaging.v1.Code\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"D\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08min_step\x18\x02 \x01(\x04\x12\x12\n\nstate_hash\x18\x03 \x01(\t\"`\n\nStateChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x65rror\x18\x05 \x01(\t*\x7f\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\r\n\tBAD_GROUP\x10\x01\x12\x10\n\x0cNOT_IN_GROUP\x10\x02\x12\r\n\tBAD_CHUNK\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\x0c\n\x08INTERNAL\x10\x05\x12\x11\n\rBAD_SIGNATURE\x10\x06\x12\x0f\n\x0bNO_EVIDENCE\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocols.averaging_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODE']._serialized_start=668
-  _globals['_CODE']._serialized_end=795
+  _globals['_CODE']._serialized_start=690
+  _globals['_CODE']._serialized_end=817
   _globals['_PARTCHUNK']._serialized_start=50
-  _globals['_PARTCHUNK']._serialized_end=258
-  _globals['_INPUTSREQUEST']._serialized_start=260
-  _globals['_INPUTSREQUEST']._serialized_end=356
-  _globals['_SIGNEDINPUT']._serialized_start=359
-  _globals['_SIGNEDINPUT']._serialized_end=498
-  _globals['_STATEREQUEST']._serialized_start=500
-  _globals['_STATEREQUEST']._serialized_end=568
-  _globals['_STATECHUNK']._serialized_start=570
-  _globals['_STATECHUNK']._serialized_end=666
+  _globals['_PARTCHUNK']._serialized_end=280
+  _globals['_INPUTSREQUEST']._serialized_start=282
+  _globals['_INPUTSREQUEST']._serialized_end=378
+  _globals['_SIGNEDINPUT']._serialized_start=381
+  _globals['_SIGNEDINPUT']._serialized_end=520
+  _globals['_STATEREQUEST']._serialized_start=522
+  _globals['_STATEREQUEST']._serialized_end=590
+  _globals['_STATECHUNK']._serialized_start=592
+  _globals['_STATECHUNK']._serialized_end=688
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ BAD_SIGNATURE: Code
 NO_EVIDENCE: Code
 
 class PartChunk(_message.Message):
-    __slots__ = ("group_id", "part_index", "chunk_index", "data", "code", "error", "signature", "weight", "included", "reveal")
+    __slots__ = ("group_id", "part_index", "chunk_index", "data", "code", "error", "signature", "weight", "included", "reveal", "signed_at_ms")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PART_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class PartChunk(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
     REVEAL_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     part_index: int
     chunk_index: int
@@ -46,7 +47,8 @@ class PartChunk(_message.Message):
     weight: float
     included: bytes
     reveal: bytes
-    def __init__(self, group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., signature: _Optional[bytes] = ..., weight: _Optional[float] = ..., included: _Optional[bytes] = ..., reveal: _Optional[bytes] = ...) -> None: ...
+    signed_at_ms: int
+    def __init__(self, group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., signature: _Optional[bytes] = ..., weight: _Optional[float] = ..., included: _Optional[bytes] = ..., reveal: _Optional[bytes] = ..., signed_at_ms: _Optional[int] = ...) -> None: ...
 
 class InputsRequest(_message.Message):
     __slots__ = ("group_id", "chunk_index", "part_index", "sender_index")

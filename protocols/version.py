@@ -1,7 +1,8 @@
 """Protocol version and the size limits that every side enforces on what it reads."""
 
 # 2: signed matchmaking declarations with certificates, signed stage replies and retries, Status in pages.
-PROTOCOL_VERSION = 2
+# 3: aggregates carry the reducer's signed time; the coordinator may demand the inputs behind one.
+PROTOCOL_VERSION = 3
 
 # Domain separator mixed into every signature, so a swarm signature is never valid for anything else.
 SIGNATURE_DOMAIN = b"swarm/signed/v1"

@@ -36,6 +36,8 @@ from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
 from swarm.models import build_model
 
+SIGNED_AT_MS = 1_795_000_000_000  # when the reducers in these tests sign (Unix ms)
+
 pytestmark = pytest.mark.timeout(120)
 
 RUN = "byz-run"
@@ -72,10 +74,12 @@ def signed_round(
     output = CODEC.encode(CODEC.decode(honest, numel, sender="x") + shift) if shift else honest
     entries = input_entries([(i.sender_index, i.weight, i.data) for i in inputs])
     by = part if signer is None else signer
-    signature = keys[by].sign(aggregate_message(digest, part, chunk, members[by], entries, output))
+    signature = keys[by].sign(
+        aggregate_message(digest, part, chunk, members[by], entries, output, SIGNED_AT_MS)
+    )
     return BadAggregateEvidence(
         prefix=RUN.replace(".", "_"), group_id=group_id, members=tuple(members), commitments=(), part=part,
-        chunk=chunk, numel=numel, inputs=tuple(inputs), output=output, output_signature=signature,
+        chunk=chunk, numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, signed_at_ms=SIGNED_AT_MS,
         entries=entries, signer=signer,
     )  # fmt: skip
 

@@ -39,6 +39,8 @@ from swarm.config import RunConfig, TrainingConfig
 from swarm.coordinator_client import CoordinatorClient
 from swarm.models import build_model
 
+SIGNED_AT_MS = 1_795_000_000_000  # when the reducers in these tests sign (Unix ms)
+
 pytestmark = pytest.mark.timeout(120)
 
 RUN = "evidence-run"
@@ -78,10 +80,12 @@ def signed_round(
     if shift:
         output = CODEC.encode(CODEC.decode(output, numel, sender="x") + shift)
     entries = input_entries([(i.sender_index, i.weight, i.data) for i in inputs])
-    signature = keys[part].sign(aggregate_message(digest, part, 0, members[part], entries, output))
+    signature = keys[part].sign(
+        aggregate_message(digest, part, 0, members[part], entries, output, SIGNED_AT_MS)
+    )
     return BadAggregateEvidence(
         prefix=PREFIX, group_id=group_id, members=members, commitments=commits, part=part, chunk=0,
-        numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, entries=entries,
+        numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, signed_at_ms=SIGNED_AT_MS, entries=entries,
         reducers=reducers,
     )  # fmt: skip
 
@@ -184,7 +188,7 @@ def test_a_reducer_that_shows_another_own_input_than_it_aggregated_is_convicted(
     proof = EquivocationEvidence(
         prefix=PREFIX, group_id=honest.group_id, members=honest.members, commitments=honest.commitments,
         part=0, chunk=0, first=second, second=None, entries=honest.entries, output=honest.output,
-        output_signature=honest.output_signature,
+        output_signature=honest.output_signature, signed_at_ms=honest.signed_at_ms,
     )  # fmt: skip
     assert parse_evidence(proof.to_bytes()).accused == keys[0].peer_id
     assert "other than the one it aggregated" in judge(proof)

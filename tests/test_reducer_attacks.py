@@ -5,9 +5,11 @@ every part checked by a drawn validator (verify probability 1), accusations file
 coordinator as volunteers file them. Peer 2 is the attacker. Each test asserts who is banned and
 that no honest peer ever is.
 
-- ``draw_aware_reducer`` lies wherever no validator looks at the moment it signs. Before, the draw
-  was known then (reveals came with the first chunk), so it never lied where it was checked; now the
-  draw comes after delivery, it lies blind and is banned.
+- ``draw_aware_reducer`` lies wherever it predicts no validator looks at the moment it signs. The draw
+  comes from nonces revealed after delivery, hashed under a domain of their own: while the draw was
+  the hash of the members' commitments (the nonces' plain SHA-256, public at matchmaking), it predicted
+  every check and was never banned; now it guesses wrong, lies where it is checked and is banned. Each
+  part holds two chunks, so the drawn one matters.
 - ``framer`` (both tricks) files true evidence edited to accuse an honest reducer: the framer is banned.
 - ``equivocator`` shows validators a contribution other than the one it sent (also, as a reducer, of
   its own input): it is banned, not the reducer that aggregated what it really sent.
@@ -31,7 +33,7 @@ from swarm.models import build_model
 pytestmark = pytest.mark.timeout(240)
 
 RUN = "attack-run"
-MODEL = {"name": "gpt", "config": {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}}
+MODEL = {"name": "gpt", "config": {"d_model": 128, "n_layer": 1, "n_head": 2, "seq_len": 32}}  # 2 chunks a part
 MAX_ROUNDS = 6  # a validator draw that misses the attacker has probability 1/4 per round at most
 
 

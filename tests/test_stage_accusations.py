@@ -42,6 +42,8 @@ from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.worker import stage_prefix
 from swarm.rpc import CHANNEL_OPTIONS
 
+SIGNED_AT_MS = 1_795_000_000_000  # when the reducers in these tests sign (Unix ms)
+
 pytestmark = pytest.mark.timeout(90)
 
 RUN = "stage.run"  # a dot, which averagers turn into "_" in their prefix
@@ -83,10 +85,12 @@ def signed_chunk(
     if shift:
         output = codec.encode(codec.decode(output, numel, sender="x") + shift)
     entries = input_entries([(i.sender_index, i.weight, i.data) for i in inputs])
-    signature = keys[part].sign(aggregate_message(digest, part, chunk, members[part], entries, output))
+    signature = keys[part].sign(
+        aggregate_message(digest, part, chunk, members[part], entries, output, SIGNED_AT_MS)
+    )
     return BadAggregateEvidence(
         prefix=prefix, group_id=group_id, members=tuple(members), commitments=(), part=part, chunk=chunk,
-        numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, entries=entries,
+        numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, signed_at_ms=SIGNED_AT_MS, entries=entries,
     )  # fmt: skip
 
 

@@ -71,6 +71,16 @@ from swarm.ratelimit import RateLimiter
 logger = logging.getLogger(__name__)
 
 
+def draw_seed(digest: bytes, nonces: Sequence[bytes]) -> bytes:
+    """The group's random draw from every member's revealed nonce, in member order.
+
+    Each nonce is hashed under its own domain: its plain SHA-256 is the member's matchmaking commitment,
+    which every member (and the round's digest) holds before any part is delivered, so a draw built from
+    those hashes would be known to every reducer before it signs."""
+    hashed = b"".join(hashlib.sha256(b"swarm/draw-nonce|" + nonce).digest() for nonce in nonces)
+    return hashlib.sha256(b"shared|" + digest + hashed).digest()
+
+
 def drawn_chunk(seed: bytes, part: int, chunks: int) -> int | None:
     """The chunk of ``part`` that the group's draw ``seed`` names for checking (None: the part is empty)."""
     if chunks <= 0:
@@ -321,8 +331,7 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         """The group's random draw: every member's revealed nonce, in member order; None if one is missing."""
         if len(self.reveals) < len(self.members):
             return None
-        reveals = b"".join(hashlib.sha256(self.reveals[i]).digest() for i in range(len(self.members)))
-        return hashlib.sha256(b"shared|" + self.digest + reveals).digest()
+        return draw_seed(self.digest, [self.reveals[i] for i in range(len(self.members))])
 
     async def _next(self, stream: AsyncIterator[apb.PartChunk], timeout_s: float) -> apb.PartChunk:
         return await asyncio.wait_for(stream.__anext__(), timeout_s)

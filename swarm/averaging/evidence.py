@@ -39,6 +39,11 @@ MAX_EVIDENCE_BYTES = 64 << 20
 DEFAULT_CHUNK_VALUES = 1 << 16
 # The inputs of one chunk stay under this many bytes, so that the evidence of any group fits its limit.
 EVIDENCE_INPUT_BUDGET = 48 << 20
+# The coordinator demands the inputs behind an aggregate signed at most this long before it judges
+# (``coordinator.roundinputs``); members refuse an aggregate whose signed time is further than the
+# envelope's clock skew bound from their own clock, and every peer keeps its finished rounds for
+# ``swarm.averaging.rounds.KEEP_ROUNDS_S``, longer than both together.
+INPUT_DEMAND_WINDOW_S = 120.0
 ENTRY = struct.Struct(">Id32s")  # one aggregated input: sender index, signed weight, SHA-256 of the data
 
 
@@ -112,15 +117,16 @@ def contribution_message(
 
 
 def aggregate_message(
-    digest: bytes, part: int, chunk: int, reducer: str, entries: bytes, data: bytes
+    digest: bytes, part: int, chunk: int, reducer: str, entries: bytes, data: bytes, signed_at_ms: int
 ) -> bytes:
-    """What a reducer signs: its output and ``entries``, the exact inputs it aggregated (see below)."""
+    """What a reducer signs: its output and ``entries``, the exact inputs it aggregated (see below), and
+    when it signed (Unix milliseconds: how long it must still be able to show those inputs)."""
     return b"|".join(
         [
             SIGNATURE_DOMAIN,
             b"aggregate",
             digest,
-            struct.pack(">II", part, chunk),
+            struct.pack(">IIQ", part, chunk, signed_at_ms),
             reducer.encode(),
             hashlib.sha256(entries).digest(),
             hashlib.sha256(data).digest(),
@@ -213,6 +219,13 @@ def _round_fields(body: dict) -> dict:
     }  # fmt: skip
 
 
+def _signed_at(body: dict) -> int:
+    signed_at = body.get("signed_at_ms", 0)
+    if type(signed_at) is not int or not 0 <= signed_at < 2**63:
+        raise ProtocolError("evidence names a signing time outside 0 to 2^63 ms")
+    return signed_at
+
+
 def _signed(item: list) -> SignedInput:
     index, data, signature, weight = item
     return SignedInput(int(index), bytes(data), bytes(signature), float(weight))
@@ -277,6 +290,7 @@ class BadAggregateEvidence(RoundEvidence):
     output: bytes
     output_signature: bytes
     entries: bytes
+    signed_at_ms: int
 
     kind = "bad_aggregate"
 
@@ -294,6 +308,7 @@ class BadAggregateEvidence(RoundEvidence):
                 "kind": self.kind, **self._fields(), "numel": self.numel,
                 "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in self.inputs],
                 "output": self.output, "output_signature": self.output_signature, "entries": self.entries,
+                "signed_at_ms": self.signed_at_ms,
             }
         )  # fmt: skip
 
@@ -302,8 +317,31 @@ class BadAggregateEvidence(RoundEvidence):
         return cls(
             **_round_fields(body), numel=int(body["numel"]), inputs=tuple(_signed(i) for i in body["inputs"]),
             output=bytes(body["output"]), output_signature=bytes(body["output_signature"]),
-            entries=bytes(body["entries"]),
+            entries=bytes(body["entries"]), signed_at_ms=_signed_at(body),
         )  # fmt: skip
+
+    def verify_output(self) -> list[Entry]:
+        """The entries the reducer signed it aggregated, if its signature over the output holds."""
+        PublicKey.from_peer_id(self.reducer).verify(
+            self.output_signature,
+            aggregate_message(
+                self.digest, self.part, self.chunk, self.reducer, self.entries, self.output, self.signed_at_ms
+            ),
+        )
+        return parse_entries(self.entries, len(self.members))
+
+    def check_layout(self, codec: Codec, vector_numel: int, chunk_values: int | None = None) -> None:
+        """The chunk's size must be the run's layout's (``vector_numel`` values averaged in all)."""
+        if chunk_values is None:
+            chunk_values = layout_chunk_values(len(self.members), codec.bytes_per_value)
+        expected = chunk_numel(
+            vector_numel, len(self.members), self.part, self.chunk, chunk_values, self.reducers
+        )
+        if self.numel != expected or expected == 0:
+            raise ProtocolError(
+                f"evidence says chunk {self.chunk} of part {self.part} holds {self.numel} values; "
+                f"the run's layout gives {expected}"
+            )
 
     def judge(
         self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, chunk_values: int | None = None
@@ -316,21 +354,8 @@ class BadAggregateEvidence(RoundEvidence):
         signature that fails, inputs other than those the reducer signed that it aggregated. Then the
         accusation is false and it is the accuser who misbehaved.
         """
-        if chunk_values is None:
-            chunk_values = layout_chunk_values(len(self.members), codec.bytes_per_value)
-        expected = chunk_numel(
-            vector_numel, len(self.members), self.part, self.chunk, chunk_values, self.reducers
-        )
-        if self.numel != expected or expected == 0:
-            raise ProtocolError(
-                f"evidence says chunk {self.chunk} of part {self.part} holds {self.numel} values; "
-                f"the run's layout gives {expected}"
-            )
-        PublicKey.from_peer_id(self.reducer).verify(
-            self.output_signature,
-            aggregate_message(self.digest, self.part, self.chunk, self.reducer, self.entries, self.output),
-        )
-        entries = parse_entries(self.entries, len(self.members))
+        self.check_layout(codec, vector_numel, chunk_values)
+        entries = self.verify_output()
         if [i.sender_index for i in self.inputs] != [e.sender_index for e in entries]:
             raise ProtocolError(
                 f"evidence holds inputs of members {[i.sender_index for i in self.inputs]}, "
@@ -373,6 +398,7 @@ class EquivocationEvidence(RoundEvidence):
     entries: bytes = b""
     output: bytes = b""
     output_signature: bytes = b""
+    signed_at_ms: int = 0
 
     kind = "equivocation"
 
@@ -387,6 +413,7 @@ class EquivocationEvidence(RoundEvidence):
                 "kind": self.kind, **self._fields(),
                 "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in inputs],
                 "entries": self.entries, "output": self.output, "output_signature": self.output_signature,
+                "signed_at_ms": self.signed_at_ms,
             }
         )  # fmt: skip
 
@@ -398,7 +425,7 @@ class EquivocationEvidence(RoundEvidence):
         return cls(
             **_round_fields(body), first=inputs[0], second=inputs[1] if len(inputs) == 2 else None,
             entries=bytes(body.get("entries", b"")), output=bytes(body.get("output", b"")),
-            output_signature=bytes(body.get("output_signature", b"")),
+            output_signature=bytes(body.get("output_signature", b"")), signed_at_ms=_signed_at(body),
         )  # fmt: skip
 
     def judge(self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, **_: object) -> str | None:
@@ -418,7 +445,9 @@ class EquivocationEvidence(RoundEvidence):
             raise ProtocolError("an input set against a commitment must be the reducer's own")
         PublicKey.from_peer_id(reducer).verify(
             self.output_signature,
-            aggregate_message(self.digest, self.part, self.chunk, reducer, self.entries, self.output),
+            aggregate_message(
+                self.digest, self.part, self.chunk, reducer, self.entries, self.output, self.signed_at_ms
+            ),
         )
         entries = parse_entries(self.entries, len(self.members))
         own = next((e for e in entries if e.sender_index == self.reducer_index), None)

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -147,10 +148,14 @@ class PartReducer:
             encoded = self._attacked(part, chunk, encoded, hi - lo)
         entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
         me = self.members[self.index]
-        signature = self._sign(aggregate_message(self.digest, part, chunk, me, entries, encoded))
-        return apb.PartChunk(
-            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries
+        signed_at_ms = int(time.time() * 1000)
+        signature = self._sign(
+            aggregate_message(self.digest, part, chunk, me, entries, encoded, signed_at_ms)
         )
+        return apb.PartChunk(
+            part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries,
+            signed_at_ms=signed_at_ms,
+        )  # fmt: skip
 
     def _attacked(self, part: int, chunk: int, encoded: bytes, numel: int) -> bytes:
         """What a rehearsed bad reducer returns instead of ``encoded`` (``RoundHooks.aggregate``)."""

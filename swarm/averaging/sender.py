@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import torch
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from protocols import averaging_pb2 as apb
+from protocols.envelope import MAX_CLOCK_SKEW_S
 from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey
 from swarm.averaging.evidence import SignedInput, aggregate_message, contribution_message, parse_entries
@@ -80,8 +82,17 @@ class PartSender:
         if self.key is not None:
             PublicKey.from_peer_id(reducer).verify(
                 message.signature,
-                aggregate_message(self.digest, part, chunk, reducer, message.included, message.data),
+                aggregate_message(
+                    self.digest, part, chunk, reducer, message.included, message.data, message.signed_at_ms
+                ),
             )
+            # Dated far off, it would leave the window in which the coordinator demands its inputs.
+            off_s = message.signed_at_ms / 1000 - time.time()
+            if abs(off_s) > MAX_CLOCK_SKEW_S:
+                raise ProtocolError(
+                    f"dated its aggregate {off_s:+.0f}s from this peer's clock (the bound is "
+                    f"{MAX_CLOCK_SKEW_S:.0f}s)"
+                )
             entries = parse_entries(message.included, len(self.members))
             if 2 * len(entries) <= len(self.members):
                 raise ProtocolError(f"aggregated only {len(entries)} of {len(self.members)} members")

@@ -193,7 +193,7 @@ class _Check:
         if held is not None and index == holder:  # the reducer's own input contradicts its own list
             return EquivocationEvidence(
                 **self.round, first=held, second=None, entries=self.answer.included, output=self.answer.data,
-                output_signature=self.answer.signature,
+                output_signature=self.answer.signature, signed_at_ms=self.answer.signed_at_ms,
             )  # fmt: skip
         if shown is not None and held is not None and (shown.weight, shown.data) != (held.weight, held.data):
             return EquivocationEvidence(**self.round, first=shown, second=held)
@@ -254,7 +254,7 @@ async def check_reducer(
         return outcome
     evidence = BadAggregateEvidence(
         **check.round, numel=check.numel, inputs=tuple(found), output=answer.data,
-        output_signature=answer.signature, entries=answer.included,
+        output_signature=answer.signature, entries=answer.included, signed_at_ms=answer.signed_at_ms,
     )  # fmt: skip
     try:
         verdict = await asyncio.to_thread(

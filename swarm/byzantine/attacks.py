@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from collections.abc import Callable, Mapping
@@ -481,8 +482,10 @@ class DrawAwareReducerOptions(BadReducerOptions):
 
 @register_attack("draw_aware_reducer", DrawAwareReducerOptions)
 class DrawAwareReducer(BadReducer):
-    """A ``bad_reducer`` that lies only on chunks no validator will check, when it can tell at the moment
-    it signs; where it cannot tell (the draw is not known yet), it lies anyway."""
+    """A ``bad_reducer`` that lies only on chunks no validator will check, as far as it can predict the
+    draw at the moment it signs: the draw itself once every nonce is revealed, else its best guess from
+    what it holds then (the round's digest and every member's nonce commitment, the SHA-256 of the
+    nonce). It lies wherever its prediction says nobody looks."""
 
     def aggregate(
         self, runner: ButterflyAllReduce, part: int, chunk: int, honest: torch.Tensor
@@ -492,6 +495,9 @@ class DrawAwareReducer(BadReducer):
         from swarm.averaging.verification import Assignment, assignments
 
         seed = runner.shared_seed
+        if seed is None and all(runner.commitments):  # the draw as if the commitments were its input
+            public = b"".join(c for c in runner.commitments if c is not None)
+            seed = hashlib.sha256(b"shared|" + runner.digest + public).digest()
         if seed is not None:
             chunks = [len(c) - 1 for c in runner.part_chunks]
             mine = Assignment(runner.index, chunk)
