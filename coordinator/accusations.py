@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from google.protobuf.message import DecodeError
 
 from coordinator.limits import EvidenceBudget
+from coordinator.roundinputs import RoundInputs, judge_unshown
 from coordinator.stagestates import StageStates
 from protocols import coordinator_pb2 as pb
 from protocols.codec import unpack
@@ -28,7 +29,7 @@ from protocols.errors import ProtocolError, SwarmError
 from protocols.messages import AccuseBody
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.compression import get_codec
-from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, parse_evidence
+from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, UnshownInputEvidence, parse_evidence
 from swarm.config import RunConfig
 from swarm.pipeline.evidence import KIND as STAGE_KIND
 from swarm.pipeline.evidence import judge_recomputed, read_stage_evidence
@@ -99,13 +100,23 @@ async def judge_accusation(
     stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
     stage_states: StageStates | None = None,
     stage_state_timeout_s: float = 60.0,
+    round_inputs: RoundInputs | None = None,
+    online: Callable[[str], Awaitable[bool]] | None = None,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for any evidence; the recomputation runs on a thread under
-    ``judging``. Stage evidence goes to ``judge_stage``."""
-    if _kind(data) == STAGE_KIND:
+    ``judging``. Stage evidence goes to ``judge_stage``, that of an unshown input to
+    ``coordinator.roundinputs.judge_unshown`` (``round_inputs`` asks the reducer; ``online`` says whether
+    a peer is online now)."""
+    kind = _kind(data)
+    if kind == STAGE_KIND:
         return await judge_stage(
             run, data, accused, accuser, judging=judging, checkpoint=stage_checkpoint,
             states=stage_states or StageStates(), timeout_s=stage_state_timeout_s,
+        )  # fmt: skip
+    if kind == UnshownInputEvidence.kind:
+        return await judge_unshown(
+            run, layouts, data, accused, accuser, inputs=round_inputs or RoundInputs(),
+            online=online or _never_online, judging=judging,
         )  # fmt: skip
     async with judging:
         return await asyncio.to_thread(judge, run, layouts, data, accused, accuser)
@@ -231,6 +242,10 @@ def judge(
     if verdict is None:
         return "the aggregate is exactly what the rule gives", accuser
     return verdict, accused
+
+
+async def _never_online(peer_id: str) -> bool:
+    return False
 
 
 def _kind(data: bytes) -> object:

@@ -169,6 +169,11 @@ class CheckpointKeeper:
             and now - self._in_view_at.get(r.peer_id, 0.0) > OUTSIDE_GRACE_S
         }
 
+    @property
+    def p2p(self):
+        """The keeper's libp2p node (started by ``start``), which the coordinator also asks peers with."""
+        return self._p2p
+
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
         if self.num_stages > 1:

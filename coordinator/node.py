@@ -31,6 +31,7 @@ from coordinator.datadir import STORE_FILE, DataDirLock
 from coordinator.dialback import DialBackService
 from coordinator.limits import ServiceLimits
 from coordinator.metrics import MetricsLogger, history_point, run_snapshot
+from coordinator.roundinputs import PeerRoundInputs
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from protocols.errors import ConfigError, NetworkError
@@ -141,7 +142,7 @@ class CoordinatorNode:
                 finished_step=lambda: keeper.finished_step,
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
                 outside_dht=keeper.outside_dht, stage_checkpoint=lambda stage: keeper.stages.get(stage),
-                stage_states=keeper.recent,
+                stage_states=keeper.recent, round_inputs=PeerRoundInputs(keeper.p2p),
             )  # fmt: skip
             # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
             # would split the clients between the two.

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 
 from coordinator.accusations import EvidenceReader, StageStates, judge_accusation, next_part, run_layouts
 from coordinator.limits import EvidenceBudget, KeyedBuckets, ServiceLimits, caller_key
+from coordinator.roundinputs import RoundInputs
 from coordinator.store import PeerRecord, Store
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import issue_certificate
@@ -96,12 +97,14 @@ class CoordinatorService:
         outside_dht: Callable[[list[PeerRecord], float], set[str]] = lambda records, now: set(),
         stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
         stage_states: StageStates | None = None,
+        round_inputs: RoundInputs | None = None,
     ):
         self.config = config
         self.holds_checkpoint = holds_checkpoint
         self.finished_step, self.checkpoint_step = finished_step, checkpoint_step
         self.outside_dht, self.stage_checkpoint = outside_dht, stage_checkpoint
         self.stage_states = stage_states  # a stage's states at recent steps, for stage evidence
+        self.round_inputs = round_inputs  # asks a reducer for the inputs behind its aggregate
         self.key, self.store = key, store
         self.dht_initial_peers = dht_initial_peers
         self.limits = limits = limits or ServiceLimits()
@@ -424,7 +427,8 @@ class CoordinatorService:
             verdict, guilty = await judge_accusation(
                 self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
                 stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
-                stage_state_timeout_s=limits.stage_state_timeout_s,
+                stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
+                online=self._online,
             )  # fmt: skip
         finally:
             reader.release()
@@ -452,6 +456,10 @@ class CoordinatorService:
             logger.warning(f"evidence against {guilty} not kept: the store holds all the evidence it may")
         logger.warning(f"accusation by {sender} against {body.accused}: banned {guilty} ({reason})")
         return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
+
+    async def _online(self, peer_id: str) -> bool:
+        record = await self.store.get_peer(peer_id)
+        return record is not None and record.state == "online"
 
     def _admit_accusation(self, sender: str) -> None:
         """Let one more accusation of ``sender`` in, or refuse it."""

@@ -15,16 +15,19 @@ import hashlib
 import pytest
 import torch
 
+from coordinator.roundinputs import RoundInputs, judge_unshown
 from lab.localswarm import FAST_MEMBERSHIP, running_coordinator
 from protocols.errors import ProtocolError, SignatureError
 from protocols.keys import SigningKey
 from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import (
+    INPUT_DEMAND_WINDOW_S,
     MAX_MEMBERS,
     BadAggregateEvidence,
     EquivocationEvidence,
     SignedInput,
+    UnshownInputEvidence,
     aggregate_message,
     aggregation_seed,
     chunk_numel,
@@ -259,3 +262,66 @@ def test_the_coordinator_bans_framers_and_equivocators_not_the_honest_reducer(tm
     assert verdicts["equivocation"].banned_peer == equivocator.peer_id
     assert "two different contributions" in verdicts["equivocation"].verdict
     assert states[reducer.peer_id] != "banned" and states[third.peer_id] != "banned"
+
+
+class ReducerAnswers(RoundInputs):
+    """The reducer the coordinator asks: it shows the inputs of ``full`` it holds, or nothing."""
+
+    can_ask = True
+
+    def __init__(self, full: BadAggregateEvidence | None):
+        self.full, self.asked = full, []
+
+    async def fetch(self, evidence, sender_index):
+        self.asked.append(sender_index)
+        if self.full is None:
+            return None
+        return next(i for i in self.full.inputs if i.sender_index == sender_index)
+
+
+def unshown(full: BadAggregateEvidence, missing: tuple[int, ...] = (0,)) -> UnshownInputEvidence:
+    """``full`` as a validator files it when nobody showed the inputs of ``missing``."""
+    fields = {f: getattr(full, f) for f in BadAggregateEvidence.__dataclass_fields__}
+    shown = tuple(i for i in full.inputs if i.sender_index not in missing)
+    reveals = tuple(i.to_bytes(4, "big") for i in range(len(full.members)))  # `commitments`' nonces
+    return UnshownInputEvidence(**{**fields, "inputs": shown}, missing=missing, reveals=reveals)
+
+
+def test_unshown_input_evidence_convicts_only_a_reducer_that_will_not_show_in_time(keys):
+    run = RunConfig(run_id=RUN, model={"name": "gpt", "config": {"d_model": 32, "n_layer": 1}},
+                    training={"compression": "fp16", "aggregator": "centered_clip"})  # fmt: skip
+    honest, lying = signed_round(keys), signed_round(keys, shift=0.5)
+    reducer, accuser = keys[0].peer_id, keys[1].peer_id
+    signed_s = SIGNED_AT_MS / 1000
+
+    def verdict(evidence, answers, *, online=True, age_s=10.0):
+        async def is_online(peer_id):
+            return online
+
+        return asyncio.run(
+            judge_unshown(
+                run, lambda: {PREFIX: VECTOR}, evidence.to_bytes(), reducer, accuser, inputs=answers,
+                online=is_online, judging=asyncio.Lock(), now=lambda: signed_s + age_s,
+            )
+        )  # fmt: skip
+
+    # It will not show its own input to the coordinator either: convicted, while online and in time.
+    found, guilty = verdict(unshown(honest), ReducerAnswers(None))
+    assert guilty == reducer and "did not show the coordinator" in found
+    assert verdict(unshown(honest), ReducerAnswers(None), online=False)[1] is None
+    assert verdict(unshown(honest), ReducerAnswers(None), age_s=INPUT_DEMAND_WINDOW_S + 1)[1] is None
+    # Shown: the aggregate is recomputed; right bans nobody, wrong convicts the reducer.
+    answers = ReducerAnswers(honest)
+    assert verdict(unshown(honest, (0, 2)), answers) == (
+        "the reducer showed the coordinator every input, and its aggregate is what the rule gives",
+        None,
+    )
+    assert answers.asked == [0, 2]
+    found, guilty = verdict(unshown(lying), ReducerAnswers(lying))
+    assert guilty == reducer and "differs from the rule's result" in found
+    # Evidence that does not hold convicts its accuser: a reveal off its commitment, nothing missing.
+    forged = dataclasses.replace(unshown(honest), reveals=(b"x", *unshown(honest).reveals[1:]))
+    assert verdict(forged, ReducerAnswers(None))[1] == accuser
+    assert verdict(unshown(honest, ()), ReducerAnswers(None))[1] == accuser
+    # Without a way to ask peers, nobody is banned.
+    assert verdict(unshown(honest), RoundInputs())[1] is None

@@ -13,7 +13,8 @@ that no honest peer ever is.
 - ``framer`` (both tricks) files true evidence edited to accuse an honest reducer: the framer is banned.
 - ``equivocator`` shows validators a contribution other than the one it sent (also, as a reducer, of
   its own input): it is banned, not the reducer that aggregated what it really sent.
-- ``refusing_reducer`` lies and shows no input: nothing is provable, but its validator avoids it.
+- ``refusing_reducer`` lies and shows no input, to the validator nor to the coordinator that then
+  demands them: it is banned.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import asyncio
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from lab.localswarm import FAST_MEMBERSHIP, running_coordinator
 from swarm.averaging.averager import Averager
@@ -33,7 +36,10 @@ from swarm.models import build_model
 pytestmark = pytest.mark.timeout(240)
 
 RUN = "attack-run"
-MODEL = {"name": "gpt", "config": {"d_model": 128, "n_layer": 1, "n_head": 2, "seq_len": 32}}  # 2 chunks a part
+MODEL = {
+    "name": "gpt",
+    "config": {"d_model": 128, "n_layer": 1, "n_head": 2, "seq_len": 32},
+}  # 2 chunks a part
 MAX_ROUNDS = 6  # a validator draw that misses the attacker has probability 1/4 per round at most
 
 
@@ -80,6 +86,11 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
             averagers = []
             for i, (dht, key) in enumerate(peers):
                 await client.join(key, RUN, name=f"peer{i}", device="cpu")
+                # Volunteers bootstrap from the coordinator's DHT; these peers share their own, so the
+                # coordinator's node dials them to ask for inputs.
+                own = Multiaddr(f"/p2p/{key.peer_id}")
+                addresses = [m.decapsulate(own) for m in dht.get_visible_maddrs()]
+                await node.keeper.p2p._client.connect(PeerID.from_base58(key.peer_id), addresses)
                 averager = Averager(
                     dht, prefix=RUN, numel=numel, aggregator="centered_clip", signing_key=key,
                     matchmaking_time_s=1.0, sender_timeout_s=2.0, data_plane=False, verify_probability=1.0,
@@ -142,13 +153,16 @@ def test_an_equivocator_is_banned_not_the_reducer(tmp_path, run, numel, peers):
     assert all(states[p] != "banned" for p in honest), "no honest peer is ever banned"
 
 
-def test_a_reducer_that_shows_no_inputs_is_avoided_by_its_validator(tmp_path, run, numel, peers):
+def test_a_reducer_that_shows_no_inputs_is_banned_when_it_will_not_show_the_coordinator(
+    tmp_path, run, numel, peers
+):
     honest, attacker = ids(peers)[:2], ids(peers)[2]
     states, answers, averagers = rehearse(
-        tmp_path, run, numel, peers, "refusing_reducer", until=lambda s: True
+        tmp_path, run, numel, peers, "refusing_reducer", until=lambda s: s.get(attacker) == "banned"
     )
-    # Nothing it did can be proven to a third party, so nobody is banned; the validator that asked for
-    # its inputs keeps it out of its next groups.
-    assert not answers and all(state != "banned" for state in states.values())
-    assert any(a.policy.refusal(attacker) is not None for a in averagers[:2])
+    # Its validator could collect neither its own input nor the others' from it: the coordinator asks
+    # it for them and bans it when it does not show them.
+    assert states[attacker] == "banned"
+    assert any(a.banned_peer == attacker and "did not show the coordinator" in a.verdict for a in answers)
+    assert all(states[p] != "banned" for p in honest), "no honest peer is ever banned"
     assert all(a.policy.refusal(p) is None for a in averagers[:2] for p in honest)

@@ -56,6 +56,8 @@ from swarm.averaging.evidence import (
     DEFAULT_CHUNK_VALUES,
     SignedInput,
     chunk_bounds,
+    draw_seed,
+    drawn_chunk,
     layout_chunk_values,
     reducer_mask,
     round_digest,
@@ -69,23 +71,6 @@ from swarm.averaging.transport import DataPlane
 from swarm.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
-
-
-def draw_seed(digest: bytes, nonces: Sequence[bytes]) -> bytes:
-    """The group's random draw from every member's revealed nonce, in member order.
-
-    Each nonce is hashed under its own domain: its plain SHA-256 is the member's matchmaking commitment,
-    which every member (and the round's digest) holds before any part is delivered, so a draw built from
-    those hashes would be known to every reducer before it signs."""
-    hashed = b"".join(hashlib.sha256(b"swarm/draw-nonce|" + nonce).digest() for nonce in nonces)
-    return hashlib.sha256(b"shared|" + digest + hashed).digest()
-
-
-def drawn_chunk(seed: bytes, part: int, chunks: int) -> int | None:
-    """The chunk of ``part`` that the group's draw ``seed`` names for checking (None: the part is empty)."""
-    if chunks <= 0:
-        return None
-    return int.from_bytes(hashlib.sha256(seed + part.to_bytes(4, "big")).digest()[16:24], "big") % chunks
 
 
 __all__ = [

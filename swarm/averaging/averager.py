@@ -124,7 +124,9 @@ class AveragingServicer(BoundedServicer):
     ) -> TypingAsyncIterator[apb.SignedInput]:
         # A validator may ask while this reducer still serves slower groupmates: look at live rounds too.
         runner = self.averager.rounds.lookup(request.group_id)
-        async for message in serve_inputs(runner, request, context.remote_id):
+        async for message in serve_inputs(
+            runner, request, context.remote_id, judge=self.averager.policy.judge
+        ):
             yield message
 
 

@@ -85,6 +85,23 @@ def chunk_numel(
     return chunks[chunk + 1] - chunks[chunk] if 0 <= chunk < len(chunks) - 1 else 0
 
 
+def draw_seed(digest: bytes, nonces: Sequence[bytes]) -> bytes:
+    """The group's random draw from every member's revealed nonce, in member order.
+
+    Each nonce is hashed under its own domain: its plain SHA-256 is the member's matchmaking commitment,
+    which every member (and the round's digest) holds before any part is delivered, so a draw built from
+    those hashes would be known to every reducer before it signs."""
+    hashed = b"".join(hashlib.sha256(b"swarm/draw-nonce|" + nonce).digest() for nonce in nonces)
+    return hashlib.sha256(b"shared|" + digest + hashed).digest()
+
+
+def drawn_chunk(seed: bytes, part: int, chunks: int) -> int | None:
+    """The chunk of ``part`` that the group's draw ``seed`` names for checking (None: the part is empty)."""
+    if chunks <= 0:
+        return None
+    return int.from_bytes(hashlib.sha256(seed + part.to_bytes(4, "big")).digest()[16:24], "big") % chunks
+
+
 def round_digest(
     prefix: str,
     group_id: bytes,
@@ -303,14 +320,15 @@ class BadAggregateEvidence(RoundEvidence):
         return self.reducer
 
     def to_bytes(self) -> bytes:
-        return pack(
-            {
-                "kind": self.kind, **self._fields(), "numel": self.numel,
-                "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in self.inputs],
-                "output": self.output, "output_signature": self.output_signature, "entries": self.entries,
-                "signed_at_ms": self.signed_at_ms,
-            }
-        )  # fmt: skip
+        return pack(self._body())
+
+    def _body(self) -> dict:
+        return {
+            "kind": self.kind, **self._fields(), "numel": self.numel,
+            "inputs": [[i.sender_index, i.data, i.signature, i.weight] for i in self.inputs],
+            "output": self.output, "output_signature": self.output_signature, "entries": self.entries,
+            "signed_at_ms": self.signed_at_ms,
+        }  # fmt: skip
 
     @classmethod
     def from_body(cls, body: dict) -> BadAggregateEvidence:
@@ -458,7 +476,78 @@ class EquivocationEvidence(RoundEvidence):
         return f"signed a contribution to its own part {self.part} chunk {self.chunk} other than the one it aggregated"
 
 
-Evidence = BadAggregateEvidence | EquivocationEvidence
+@dataclass(frozen=True)
+class UnshownInputEvidence(BadAggregateEvidence):
+    """A reducer's signed aggregate of the round's drawn chunk, with the inputs it signed for that the
+    validator collected, and the ones nobody showed (``missing``, sender indices): the coordinator
+    demands those of the reducer, which holds every input it aggregated, and convicts it if it does not
+    show them (``coordinator.roundinputs``). ``reveals`` are the members' nonces, in member order: they
+    must match the round's commitments and draw this chunk of the part, the only one an honest reducer
+    must keep once the draw is known."""
+
+    missing: tuple[int, ...] = ()
+    reveals: tuple[bytes, ...] = ()
+
+    kind = "unshown_input"
+
+    def _body(self) -> dict:
+        return {**super()._body(), "missing": list(self.missing), "reveals": list(self.reveals)}
+
+    @classmethod
+    def from_body(cls, body: dict) -> UnshownInputEvidence:
+        base = BadAggregateEvidence.from_body(body)
+        missing, reveals = body["missing"], body["reveals"]
+        if not isinstance(missing, list) or not all(type(i) is int for i in missing):
+            raise ProtocolError("evidence names its missing inputs other than as member indices")
+        if not isinstance(reveals, list) or not all(isinstance(r, bytes) and len(r) <= 64 for r in reveals):
+            raise ProtocolError("evidence names its reveals other than as nonces of at most 64 bytes")
+        fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+        return cls(**fields, missing=tuple(missing), reveals=tuple(reveals))
+
+    def check(self, codec: Codec, *, vector_numel: int, chunk_values: int | None = None) -> list[Entry]:
+        """The entries of the inputs the reducer must show, if the evidence holds: the run's layout, the
+        reducer's signature, the drawn chunk, and each shown input the one it aggregated. Raises
+        ProtocolError (or a SecurityError) otherwise: then the accuser is at fault."""
+        self.check_layout(codec, vector_numel, chunk_values)
+        entries = self.verify_output()
+        if len(self.commitments) != len(self.members) or len(self.reveals) != len(self.members):
+            raise ProtocolError("evidence of an unshown input needs every member's commitment and reveal")
+        if any(hashlib.sha256(r).digest() != c for r, c in zip(self.reveals, self.commitments, strict=True)):
+            raise ProtocolError("evidence holds a reveal that does not match its member's commitment")
+        if chunk_values is None:
+            chunk_values = layout_chunk_values(len(self.members), codec.bytes_per_value)
+        bounds = split_bounds(vector_numel, len(self.members), self.reducers)
+        chunks = len(chunk_bounds(bounds[self.part + 1] - bounds[self.part], chunk_values)) - 1
+        if drawn_chunk(draw_seed(self.digest, self.reveals), self.part, chunks) != self.chunk:
+            raise ProtocolError(f"chunk {self.chunk} of part {self.part} is not the one the round drew")
+        shown = {i.sender_index for i in self.inputs}
+        if (
+            len(shown) != len(self.inputs)
+            or set(self.missing) & shown
+            or len(set(self.missing)) != len(self.missing)
+        ):
+            raise ProtocolError("evidence names an input twice, or one as both shown and missing")
+        listed = {e.sender_index: e for e in entries}
+        if not self.missing or set(self.missing) | shown != set(listed):
+            raise ProtocolError("evidence's shown and missing inputs are not the ones the reducer aggregated")
+        for item in self.inputs:
+            sender = self.verify_input(item)
+            entry = listed[item.sender_index]
+            if item.weight != entry.weight or hashlib.sha256(item.data).digest() != entry.data_hash:
+                raise ProtocolError(f"the input of {sender} is not the one the reducer aggregated")
+        return [listed[i] for i in self.missing]
+
+    def completed(self, shown: list[SignedInput]) -> BadAggregateEvidence:
+        """The full evidence once the reducer showed the missing inputs: every input in sender order."""
+        inputs = sorted([*self.inputs, *shown], key=lambda i: i.sender_index)
+        fields = {f: getattr(self, f) for f in BadAggregateEvidence.__dataclass_fields__}
+        return BadAggregateEvidence(**{**fields, "inputs": tuple(inputs)})
+
+    def judge(self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, **_: object) -> str | None:
+        raise ProtocolError("evidence of an unshown input is judged with the reducer's answer to a demand")
+
+
+Evidence = BadAggregateEvidence | EquivocationEvidence | UnshownInputEvidence
 
 
 def parse_evidence(data: bytes) -> Evidence:
@@ -467,7 +556,7 @@ def parse_evidence(data: bytes) -> Evidence:
         data, what="accusation evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES
     )
     try:
-        kinds = {cls.kind: cls for cls in (BadAggregateEvidence, EquivocationEvidence)}
+        kinds = {cls.kind: cls for cls in (BadAggregateEvidence, EquivocationEvidence, UnshownInputEvidence)}
         cls = kinds.get(body.get("kind"))
         if cls is None:
             raise ProtocolError(f"accusation evidence of unknown kind {str(body.get('kind'))[:40]!r}")

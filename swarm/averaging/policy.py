@@ -197,6 +197,11 @@ class PeerPolicy:
 
     # --- members -------------------------------------------------------------------------------------
 
+    @property
+    def judge(self) -> str | None:
+        """The coordinator's peer ID: it may ask for a recent round's inputs (``serve_inputs``)."""
+        return None if self.coordinator_key is None else self.coordinator_key.peer_id
+
     def certified(self, peer_id: str) -> bool:
         if self.open or peer_id in self._members:
             return True
@@ -258,6 +263,8 @@ class PeerPolicy:
     async def admission(self, peer_id: str, timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> str | None:
         """Why ``peer_id`` may send this peer nothing at all (banned, or no certificate after a refresh of at
         most ``timeout_s``); None if it may. Suspicion is left to the round: a suspect is still certified."""
+        if peer_id == self.judge:  # the coordinator demanding the inputs behind an aggregate
+            return None
         await self.admit([peer_id], timeout_s=timeout_s)
         if peer_id in self._banned:
             return "banned by the coordinator"

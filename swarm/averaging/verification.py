@@ -40,6 +40,7 @@ from swarm.averaging.evidence import (
     Evidence,
     RoundEvidence,
     SignedInput,
+    UnshownInputEvidence,
     parse_entries,
 )
 
@@ -87,13 +88,15 @@ def draw(runner: ButterflyAllReduce, probability: float) -> list[Assignment]:
 
 
 async def serve_inputs(
-    runner: ButterflyAllReduce | None, request: apb.InputsRequest, sender: PeerID
+    runner: ButterflyAllReduce | None, request: apb.InputsRequest, sender: PeerID, *, judge: str | None = None
 ) -> AsyncIterator[apb.SignedInput]:
-    """One signed input of a recent round: this peer's own contribution, or one it aggregated."""
+    """One signed input of a recent round: this peer's own contribution, or one it aggregated. Members of
+    the round may ask, and ``judge`` (the coordinator's peer ID), which demands the inputs behind an
+    aggregate that a validator could not collect."""
     if runner is None:
         yield apb.SignedInput(code=apb.NO_EVIDENCE, error="no recent round with this group ID here")
         return
-    if sender not in runner.peer_ids:
+    if sender not in runner.peer_ids and (judge is None or sender.to_base58() != judge):
         yield apb.SignedInput(code=apb.NOT_IN_GROUP, error="only members of the round may ask for its inputs")
         return
     part, chunk, index = request.part_index, request.chunk_index, request.sender_index
@@ -251,7 +254,7 @@ async def check_reducer(
         logger.warning(f"{proof.accused} {verdict} in round {runner.group_id.hex()[:8]}")
         return Outcome(verdict, proof, outcome.unshown)
     if any(f is None for f in found):
-        return outcome
+        return _unshown(runner, check, answer, entries, found, outcome)
     evidence = BadAggregateEvidence(
         **check.round, numel=check.numel, inputs=tuple(found), output=answer.data,
         output_signature=answer.signature, entries=answer.included, signed_at_ms=answer.signed_at_ms,
@@ -271,6 +274,24 @@ async def check_reducer(
         logger.debug(f"verified part {part} chunk {chunk} of round {runner.group_id.hex()[:8]}")
         return Outcome(None, evidence, outcome.unshown)
     logger.warning(f"reducer {reducer} {verdict} in round {runner.group_id.hex()[:8]}")
+    return Outcome(verdict, evidence, outcome.unshown)
+
+
+def _unshown(runner, check: _Check, answer, entries: list[Entry], found: list, outcome: Outcome) -> Outcome:
+    """Inputs the reducer signed for that nobody showed: once the draw is known (this is the drawn chunk,
+    which the reducer must keep), evidence the coordinator acts on by demanding them of the reducer."""
+    seed, commitments = runner.shared_seed, runner.commitments
+    if seed is None or not all(commitments):
+        return outcome  # a chunk of this member's own draw: the reducer may rightly no longer hold it
+    missing = tuple(e.sender_index for e, f in zip(entries, found, strict=True) if f is None)
+    evidence = UnshownInputEvidence(
+        **check.round, numel=check.numel, inputs=tuple(f for f in found if f is not None),
+        output=answer.data, output_signature=answer.signature, entries=answer.included,
+        signed_at_ms=answer.signed_at_ms, missing=missing,
+        reveals=tuple(runner.reveals[i] for i in range(len(runner.members))),
+    )  # fmt: skip
+    members = ", ".join(runner.members[i] for i in missing)
+    verdict = f"did not show the inputs of {members} to part {check.part} chunk {check.chunk} it signed for"
     return Outcome(verdict, evidence, outcome.unshown)
 
 
