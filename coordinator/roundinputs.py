@@ -139,7 +139,9 @@ async def judge_unshown(
         if evidence.accused != accused or accuser not in evidence.members:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
         async with judging:
-            missing = await asyncio.to_thread(evidence.check, codec, vector_numel=vector_numel)
+            missing = await asyncio.to_thread(
+                evidence.check, codec, vector_numel=vector_numel, accuser=accuser
+            )
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
     age_s = now() - evidence.signed_at_ms / 1000

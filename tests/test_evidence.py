@@ -32,6 +32,8 @@ from swarm.averaging.evidence import (
     aggregation_seed,
     chunk_numel,
     contribution_message,
+    draw_seed,
+    drawn_validator,
     input_entries,
     layout_chunk_values,
     parse_evidence,
@@ -291,10 +293,11 @@ def test_unshown_input_evidence_convicts_only_a_reducer_that_will_not_show_in_ti
     run = RunConfig(run_id=RUN, model={"name": "gpt", "config": {"d_model": 32, "n_layer": 1}},
                     training={"compression": "fp16", "aggregator": "centered_clip"})  # fmt: skip
     honest, lying = signed_round(keys), signed_round(keys, shift=0.5)
-    reducer, accuser = keys[0].peer_id, keys[1].peer_id
-    signed_s = SIGNED_AT_MS / 1000
+    reducer, signed_s = keys[0].peer_id, SIGNED_AT_MS / 1000
+    drawn = drawn_validator(draw_seed(honest.digest, unshown(honest).reveals), 0, len(keys))
+    accuser, bystander = keys[drawn].peer_id, keys[3 - drawn].peer_id  # the members other than the reducer
 
-    def verdict(evidence, answers, *, online=True, age_s=10.0):
+    def verdict(evidence, answers, *, online=True, age_s=10.0, accuser=accuser):
         async def is_online(peer_id):
             return online
 
@@ -323,5 +326,7 @@ def test_unshown_input_evidence_convicts_only_a_reducer_that_will_not_show_in_ti
     forged = dataclasses.replace(unshown(honest), reveals=(b"x", *unshown(honest).reveals[1:]))
     assert verdict(forged, ReducerAnswers(None))[1] == accuser
     assert verdict(unshown(honest, ()), ReducerAnswers(None))[1] == accuser
+    # Only the member the round drew to check the part may demand its inputs.
+    assert verdict(unshown(honest), ReducerAnswers(None), accuser=bystander)[1] == bystander
     # Without a way to ask peers, nobody is banned.
     assert verdict(unshown(honest), RoundInputs())[1] is None

@@ -16,6 +16,7 @@
 - ``transport``: ``DataPlane``, a direct TCP path for the bulk part streams beside libp2p
 - ``deadlines``: the data path's deadlines from measured upload throughput and the bytes moved
 - ``rounds``: ``RoundRegistry``, where an inbound part stream finds its round (live or just finished)
+- ``archive``: ``InputArchive``, the inputs this peer aggregated, kept for the coordinator's demand
 - ``hooks``: ``RoundHooks``, what a member does as reducer, validator and leader (honest; attacks override)
 - ``averager``: ``Averager``: hivemind's matchmaking plus our all-reduce and state-download handlers
 - ``factory``: ``build_averager``, the one way every role builds its ``Averager`` from the run config

@@ -382,6 +382,14 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         for part, repair in self.repairs.items():
             repair.trim(drawn[part])
 
+    def aggregated_inputs(self) -> dict[tuple[int, int], list[SignedInput]]:
+        """The signed inputs of each chunk this peer aggregated and still holds, by (part, chunk): its own
+        part's, and those of parts it re-reduced as a substitute (after ``_trim``: the drawn chunks)."""
+        held = {(self.index, chunk): list(items) for chunk, items in enumerate(self.evidence) if items}
+        for part, repair in self.repairs.items():
+            held.update({(part, chunk): list(items) for chunk, items in enumerate(repair.evidence) if items})
+        return held
+
     def close(self) -> None:
         self._closed = True
         for task in self._tasks:

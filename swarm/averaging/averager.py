@@ -49,6 +49,7 @@ from swarm.averaging.allreduce import (
     RoundSettings,
     Traffic,
 )
+from swarm.averaging.archive import InputArchive
 from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
 from swarm.averaging.deadlines import Throughput, round_mbit, transfer_deadline_s
 from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
@@ -123,9 +124,10 @@ class AveragingServicer(BoundedServicer):
         self, request: apb.InputsRequest, context: P2PContext
     ) -> TypingAsyncIterator[apb.SignedInput]:
         # A validator may ask while this reducer still serves slower groupmates: look at live rounds too.
-        runner = self.averager.rounds.lookup(request.group_id)
+        averager = self.averager
+        runner = averager.rounds.lookup(request.group_id)
         async for message in serve_inputs(
-            runner, request, context.remote_id, judge=self.averager.policy.judge
+            runner, request, context.remote_id, judge=averager.policy.judge, archive=averager.archive
         ):
             yield message
 
@@ -228,6 +230,7 @@ class Averager:
         self.policy = policy if policy is not None else PeerPolicy(None, prefix)
         # Live rounds, where inbound parts find theirs, and the last few kept for validators.
         self.rounds: RoundRegistry[ButterflyAllReduce] = RoundRegistry()
+        self.archive = InputArchive()  # the inputs of chunks this peer aggregated, for the coordinator
         # Where an inbound part stream, from either transport, finds its round (see rounds.py).
         self.route_part = PartRouter(
             self.rounds,
@@ -504,6 +507,7 @@ class Averager:
                 )  # fmt: skip
             finally:
                 self.rounds.finish(group.group_id, runner)
+                self._archive_later(runner)
                 self.link.observe(*runner.send_sample())
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
@@ -512,6 +516,12 @@ class Averager:
             if result.complete and len(group.peer_ids) > 1:
                 self._verify_later(runner)
             return group, result
+
+    def _archive_later(self, runner: ButterflyAllReduce) -> None:
+        """Keep the inputs this peer aggregated once the round's draw is settled (``InputArchive``)."""
+        if runner.revealed is None or runner.hooks.refuses_inputs:  # a rehearsed reducer that shows nothing
+            return
+        runner.revealed.add_done_callback(lambda _: self.archive.keep(runner))
 
     def _verify_later(self, runner: ButterflyAllReduce) -> None:
         checks = validate_round(

@@ -95,6 +95,12 @@ def draw_seed(digest: bytes, nonces: Sequence[bytes]) -> bytes:
     return hashlib.sha256(b"shared|" + digest + hashed).digest()
 
 
+def drawn_validator(seed: bytes, part: int, members: int) -> int:
+    """The member that the group's draw ``seed`` names to check ``part`` (never the part's own reducer)."""
+    draw = hashlib.sha256(seed + part.to_bytes(4, "big")).digest()
+    return (part + 1 + int.from_bytes(draw[:8], "big") % (members - 1)) % members
+
+
 def drawn_chunk(seed: bytes, part: int, chunks: int) -> int | None:
     """The chunk of ``part`` that the group's draw ``seed`` names for checking (None: the part is empty)."""
     if chunks <= 0:
@@ -504,10 +510,13 @@ class UnshownInputEvidence(BadAggregateEvidence):
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
         return cls(**fields, missing=tuple(missing), reveals=tuple(reveals))
 
-    def check(self, codec: Codec, *, vector_numel: int, chunk_values: int | None = None) -> list[Entry]:
+    def check(
+        self, codec: Codec, *, vector_numel: int, accuser: str, chunk_values: int | None = None
+    ) -> list[Entry]:
         """The entries of the inputs the reducer must show, if the evidence holds: the run's layout, the
-        reducer's signature, the drawn chunk, and each shown input the one it aggregated. Raises
-        ProtocolError (or a SecurityError) otherwise: then the accuser is at fault."""
+        reducer's signature, the drawn chunk, ``accuser`` the part's drawn validator, and each shown input
+        the one it aggregated. Raises ProtocolError (or a SecurityError) otherwise: then the accuser is
+        at fault."""
         self.check_layout(codec, vector_numel, chunk_values)
         entries = self.verify_output()
         if len(self.commitments) != len(self.members) or len(self.reveals) != len(self.members):
@@ -518,8 +527,14 @@ class UnshownInputEvidence(BadAggregateEvidence):
             chunk_values = layout_chunk_values(len(self.members), codec.bytes_per_value)
         bounds = split_bounds(vector_numel, len(self.members), self.reducers)
         chunks = len(chunk_bounds(bounds[self.part + 1] - bounds[self.part], chunk_values)) - 1
-        if drawn_chunk(draw_seed(self.digest, self.reveals), self.part, chunks) != self.chunk:
+        seed = draw_seed(self.digest, self.reveals)
+        if drawn_chunk(seed, self.part, chunks) != self.chunk:
             raise ProtocolError(f"chunk {self.chunk} of part {self.part} is not the one the round drew")
+        # Only the drawn validator checks a part once the draw is known; no other member may demand.
+        if accuser not in self.members or self.members.index(accuser) != drawn_validator(
+            seed, self.part, len(self.members)
+        ):
+            raise ProtocolError(f"the accuser is not the member the round drew to check part {self.part}")
         shown = {i.sender_index for i in self.inputs}
         if (
             len(shown) != len(self.inputs)

@@ -7,8 +7,8 @@ groupmate may learn of the group a moment earlier and open its part stream first
 ``RoundRegistry.wait_for``: it answers at once for a live round, or wakes when a round is added and
 looks again, or gives up after the caller's deadline. The router then hands the stream down to that
 round's ``serve``: an inbound part only ever goes down, from transport to router to round. Finished
-rounds stay readable (``lookup``) for the validators who ask for their inputs right after, and for the
-coordinator, which may demand them for a while (``KEEP_ROUNDS_S``).
+rounds stay readable (``lookup``) for the validators who ask for their inputs right after; only the
+last ``keep`` are held.
 
 Nothing here trusts the group ID a stream names, and a waiting stream holds no state of its own in the
 registry: a stream that is closed, cancelled or timed out leaves nothing behind, and a made-up ID costs
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Generic, Protocol, TypeVar
@@ -40,23 +39,16 @@ class ServesParts(Protocol):
 
 Runner = TypeVar("Runner", bound=ServesParts)
 
-KEEP_ROUNDS = 4  # finished rounds held for validators, however old
-# Finished rounds are also held this long (a trimmed round holds only its drawn chunks): the coordinator
-# demands the inputs behind an aggregate signed up to INPUT_DEMAND_WINDOW_S before it judges, by its
-# clock, and members accept a signed time up to MAX_CLOCK_SKEW_S off theirs (swarm.averaging.evidence).
-KEEP_ROUNDS_S = 300.0
-MAX_KEPT_ROUNDS = 512  # and never more than this many
+KEEP_ROUNDS = 4  # finished rounds held for validators
 
 
 class RoundRegistry(Generic[Runner]):
-    """The live rounds of one averager by group ID, and the finished ones: the last ``keep``, and those
-    that finished within ``keep_s`` (at most ``MAX_KEPT_ROUNDS``)."""
+    """The live rounds of one averager by group ID, and the last ``keep`` finished ones."""
 
-    def __init__(self, keep: int = KEEP_ROUNDS, keep_s: float = KEEP_ROUNDS_S):
-        self.keep, self.keep_s = keep, keep_s
+    def __init__(self, keep: int = KEEP_ROUNDS):
+        self.keep = keep
         self.live: dict[bytes, Runner] = {}
         self.recent: OrderedDict[bytes, Runner] = OrderedDict()
-        self._finished_at: dict[bytes, float] = {}
         self._added = asyncio.Event()  # set, then replaced, each time a round is added
 
     def add(self, group_id: bytes, runner: Runner) -> None:
@@ -70,14 +62,8 @@ class RoundRegistry(Generic[Runner]):
         self.live.pop(group_id, None)
         self.recent[group_id] = runner
         self.recent.move_to_end(group_id)
-        now = time.monotonic()
-        self._finished_at[group_id] = now
-        # Beyond the last ``keep``, a round is held only while it is recent and trimmed to its drawn
-        # chunks; one whose draw never completed here still holds its whole vectors.
-        for old in list(self.recent)[: max(0, len(self.recent) - self.keep)]:
-            recent = now - self._finished_at[old] < self.keep_s and len(self.recent) <= MAX_KEPT_ROUNDS
-            if not (recent and getattr(self.recent[old], "shared_seed", None) is not None):
-                del self.recent[old], self._finished_at[old]
+        while len(self.recent) > self.keep:
+            self.recent.popitem(last=False)
 
     def lookup(self, group_id: bytes) -> Runner | None:
         """A finished round kept for validators, or a live one (a validator may ask while it still runs)."""
@@ -138,4 +124,4 @@ class PartRouter:
             yield message
 
 
-__all__ = ["KEEP_ROUNDS", "KEEP_ROUNDS_S", "MAX_KEPT_ROUNDS", "PartRouter", "RoundRegistry"]
+__all__ = ["KEEP_ROUNDS", "PartRouter", "RoundRegistry"]

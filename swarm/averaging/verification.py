@@ -32,6 +32,7 @@ from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import AggregatorFn
 from swarm.averaging.allreduce import ButterflyAllReduce, drawn_chunk
+from swarm.averaging.archive import InputArchive
 from swarm.averaging.compression import Codec
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
@@ -41,6 +42,7 @@ from swarm.averaging.evidence import (
     RoundEvidence,
     SignedInput,
     UnshownInputEvidence,
+    drawn_validator,
     parse_entries,
 )
 
@@ -69,7 +71,7 @@ def assignments(
         return mine
     for part in range(members):
         draw = hashlib.sha256(seed + part.to_bytes(4, "big")).digest()
-        validator = (part + 1 + int.from_bytes(draw[:8], "big") % (members - 1)) % members
+        validator = drawn_validator(seed, part, members)
         chosen = int.from_bytes(draw[8:16], "big") / 2**64 < probability
         if (validator == me or every_part) and chosen and part != me and chunks[part] > 0:
             mine.append(Assignment(part, drawn_chunk(seed, part, chunks[part])))
@@ -88,16 +90,28 @@ def draw(runner: ButterflyAllReduce, probability: float) -> list[Assignment]:
 
 
 async def serve_inputs(
-    runner: ButterflyAllReduce | None, request: apb.InputsRequest, sender: PeerID, *, judge: str | None = None
+    runner: ButterflyAllReduce | None,
+    request: apb.InputsRequest,
+    sender: PeerID,
+    *,
+    judge: str | None = None,
+    archive: InputArchive | None = None,
 ) -> AsyncIterator[apb.SignedInput]:
-    """One signed input of a recent round: this peer's own contribution, or one it aggregated. Members of
-    the round may ask, and ``judge`` (the coordinator's peer ID), which demands the inputs behind an
-    aggregate that a validator could not collect."""
-    if runner is None:
+    """One signed input of a recent round: this peer's own contribution, or one it aggregated (from
+    ``archive`` once the round itself is gone). Members of the round may ask, and ``judge`` (the
+    coordinator's peer ID), which demands the inputs behind an aggregate a validator could not collect."""
+    kept = None
+    if runner is None and archive is not None:
+        kept = archive.lookup(request.group_id, request.part_index, request.chunk_index, request.sender_index)
+    if runner is None and kept is None:
         yield apb.SignedInput(code=apb.NO_EVIDENCE, error="no recent round with this group ID here")
         return
-    if sender not in runner.peer_ids and (judge is None or sender.to_base58() != judge):
+    members = runner.members if runner is not None else kept[0]
+    if sender.to_base58() not in members and (judge is None or sender.to_base58() != judge):
         yield apb.SignedInput(code=apb.NOT_IN_GROUP, error="only members of the round may ask for its inputs")
+        return
+    if kept is not None:
+        yield _answer(kept[1], request.sender_index)
         return
     part, chunk, index = request.part_index, request.chunk_index, request.sender_index
     if not (part < len(runner.part_chunks) and chunk < len(runner.part_chunks[part]) - 1):
@@ -114,10 +128,13 @@ async def serve_inputs(
         item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
     elif part in runner.repairs:  # a part this peer re-reduced for a reducer that failed to deliver it
         item = next((i for i in runner.repairs[part].evidence[chunk] if i.sender_index == index), None)
+    yield _answer(item, index)
+
+
+def _answer(item: SignedInput | None, index: int) -> apb.SignedInput:
     if item is None:
-        yield apb.SignedInput(code=apb.NO_EVIDENCE, error=f"holds no input of member {index} to that chunk")
-        return
-    yield apb.SignedInput(
+        return apb.SignedInput(code=apb.NO_EVIDENCE, error=f"holds no input of member {index} to that chunk")
+    return apb.SignedInput(
         sender_index=item.sender_index, data=item.data, signature=item.signature, weight=item.weight
     )
 
