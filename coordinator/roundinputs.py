@@ -159,7 +159,7 @@ async def judge_unshown(
             sender = evidence.members[entry.sender_index]
             return (
                 f"did not show the coordinator the input of {sender} to part {evidence.part} chunk "
-                f"{evidence.chunk} that it signed it aggregated {age_s:.0f}s before",
+                f"{evidence.chunk} that it signed it had aggregated ({age_s:.0f}s earlier)",
                 accused,
             )
         shown.append(item)
