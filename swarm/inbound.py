@@ -9,7 +9,10 @@ stubs still call them) that, for each stream:
 1. refuses it when the caller already holds ``max_streams_per_peer`` streams of this handler, or the
    handler ``max_streams`` in all, before reading a byte;
 2. asks the servicer's ``admission`` (certificate, ban list) before reading a byte;
-3. reads each 8-byte length and closes the stream, unread, when it exceeds ``max_message_bytes``.
+3. reads each 8-byte length and closes the stream, unread, when it exceeds ``max_message_bytes``;
+4. closes it when its first request has not arrived whole within ``FIRST_REQUEST_TIMEOUT_S`` (plus the
+   time its largest request takes at 1 Mbit/s), so that a stream that sends nothing, or trickles its
+   first message, frees its slot.
 
 A socket closed with unread bytes in it is reset, and the reset can overtake what was sent before it. So a
 refused stream gets the reason, then stays open up to ``CLOSE_LINGER_S`` (dropping what still comes,
@@ -53,6 +56,10 @@ SMALL_REQUEST_BYTES = 4096  # a request of a few scalar fields and short strings
 # How long a stream stays open after its last reply or refusal, for the caller's last bytes: a socket
 # closed with unread bytes in it is reset, and the reset can overtake what was sent before it.
 CLOSE_LINGER_S = 1.0
+# From a stream's admission until its first request has arrived whole: this, plus the time its largest
+# request takes at 1 Mbit/s (the slowest uplink the averaging deadlines count on).
+FIRST_REQUEST_TIMEOUT_S = 10.0
+FIRST_REQUEST_MIN_BYTES_PER_S = 125_000
 REFUSAL_DISCARD_BYTES = 64 << 10  # what a refused stream may still read (and drop) while it lingers
 MAX_LINGERING_REFUSALS = 32  # refused streams kept open at once in this process; others close at once
 _lingering = 0  # refused streams open now (see _send_refusal)
@@ -299,12 +306,22 @@ class BoundedServicer(ServicerBase):
 
         processing = asyncio.create_task(answer())
         ended = False  # the caller's end of stream has been read
+        first = True
+        first_within_s = FIRST_REQUEST_TIMEOUT_S + bound.max_message_bytes / FIRST_REQUEST_MIN_BYTES_PER_S
         try:
             while True:
                 receiving = asyncio.create_task(
                     receive_bounded(reader, request_type, bound.max_message_bytes)
                 )
-                await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {processing, receiving}, return_when=asyncio.FIRST_COMPLETED,
+                    timeout=first_within_s if first else None,
+                )  # fmt: skip
+                if first and not (processing.done() or receiving.done()):
+                    receiving.cancel()
+                    processing.cancel()
+                    raise ProtocolError(f"no request arrived within {first_within_s:.0f}s")
+                first = False
                 if processing.done():
                     if not ended:
                         # The caller sends its end of stream after its request; a handler that answered

@@ -39,8 +39,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def state_pair() -> tuple[P2P, P2P, StateServicer]:
-    """An honest state holder and a stranger connected to it; the holder admits nobody."""
+async def state_pair(member: bool = False) -> tuple[P2P, P2P, StateServicer]:
+    """An honest state holder and a stranger connected to it; the holder admits nobody (with ``member``,
+    it admits the caller, and holds no state to send it)."""
     honest = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     stranger = await P2P.create(
         host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await honest.get_visible_maddrs()
@@ -50,7 +51,7 @@ async def state_pair() -> tuple[P2P, P2P, StateServicer]:
         return None
 
     async def admit(requester: str) -> str | None:
-        return f"{requester} is not a member"
+        return None if member else f"{requester} is not a member"
 
     servicer = StateServicer(RUN, provide, admit=admit)
     await servicer.add_p2p_handlers(honest, namespace=state_namespace(RUN))
@@ -159,7 +160,7 @@ def test_a_holder_that_claims_a_192_mib_chunk_fails_the_download_without_being_b
 @pytest.mark.timeout(60)
 def test_a_request_at_the_bound_is_served_and_one_byte_more_is_refused():
     async def scenario() -> tuple[list[str], str]:
-        honest, stranger, _ = await state_pair()
+        honest, stranger, _ = await state_pair(member=True)
         try:
             stub = StateServicer.get_stub(stranger, honest.peer_id, namespace=state_namespace(RUN))
             at_bound = apb.StateRequest(run_id="x" * (SMALL_REQUEST_BYTES - 8), min_step=1)
@@ -175,7 +176,7 @@ def test_a_request_at_the_bound_is_served_and_one_byte_more_is_refused():
             await honest.shutdown()
 
     served, refused = asyncio.run(scenario())
-    assert len(served) == 1 and "is not a member" in served[0], "the handler itself read and answered it"
+    assert len(served) == 1 and "this peer trains run" in served[0], "the handler itself read and answered it"
     assert f"of {SMALL_REQUEST_BYTES + 1} bytes exceeds" in refused
 
 
@@ -186,7 +187,7 @@ def test_the_stream_past_the_per_peer_cap_is_refused_and_a_closed_one_frees_its_
     cap = 4  # StateServicer's max_streams_per_peer
 
     async def scenario() -> tuple[list[bytes], list[str]]:
-        honest, stranger, _ = await state_pair()
+        honest, stranger, _ = await state_pair(member=True)
         try:
             streams = [
                 await stranger.call_binary_stream_handler(honest.peer_id, handle_name())
@@ -213,7 +214,7 @@ def test_the_stream_past_the_per_peer_cap_is_refused_and_a_closed_one_frees_its_
     answers, served = asyncio.run(scenario())
     refused = [a for a in answers if a]
     assert len(refused) == 1 and b"already has 4 streams open" in refused[0], answers
-    assert served and "is not a member" in served[0], "a freed slot serves the next stream"
+    assert served and "no state at step 0" in served[0], "a freed slot serves the next stream"
 
 
 def project_servicers() -> list[type[ServicerBase]]:
@@ -439,7 +440,7 @@ def test_a_handler_that_answered_waits_for_the_callers_end_of_stream_before_clos
     from swarm.inbound import CLOSE_LINGER_S, receive_bounded
 
     async def scenario() -> tuple[str, bytes, float]:
-        honest, stranger, _ = await state_pair()
+        honest, stranger, _ = await state_pair(member=True)
         try:
             _, reader, writer = await stranger.call_binary_stream_handler(honest.peer_id, handle_name())
             await P2P.send_protobuf(apb.StateRequest(run_id=RUN, min_step=1), writer)
@@ -455,7 +456,7 @@ def test_a_handler_that_answered_waits_for_the_callers_end_of_stream_before_clos
             await honest.shutdown()
 
     error, early, closed_after_s = asyncio.run(scenario())
-    assert "is not a member" in error, "the handler answered the request"
+    assert "no state at step 1" in error, "the handler answered the request"
     assert early == b"", "the stream stayed open, with nothing more sent, until the caller's end of stream"
     assert closed_after_s < 5, "and closed once it came"
 
@@ -497,3 +498,33 @@ def test_a_caller_that_sends_more_than_the_handler_reads_gets_its_slot_back_when
     answered, closed, again = asyncio.run(scenario())
     assert answered and closed, "the handler answered, and the stream closed when it ended"
     assert b"done" in again and b"already has" not in again, "the caller's slot was given back"
+
+
+@pytest.mark.timeout(60)
+def test_a_strangers_silent_streams_hold_no_download_slot_and_a_members_close_unanswered(monkeypatch):
+    """A stream that never sends its request held its slot with no deadline, and the state servicer
+    admitted at the handler, after the request: 64 free identities with 4 silent streams each held all
+    256 download slots. Now the servicer's admission is asked before the first byte, and an admitted
+    stream whose first request has not arrived within FIRST_REQUEST_TIMEOUT_S is closed, freeing its slot."""
+    import swarm.inbound
+
+    monkeypatch.setattr(swarm.inbound, "FIRST_REQUEST_TIMEOUT_S", 0.5)
+
+    async def scenario(member: bool) -> list[bytes]:
+        honest, stranger, servicer = await state_pair(member=member)
+        try:
+            streams = [
+                await stranger.call_binary_stream_handler(honest.peer_id, handle_name()) for _ in range(4)
+            ]
+            answers = await asyncio.gather(*(first_bytes(reader) for _, reader, _ in streams))
+            for _, _, writer in streams:
+                writer.close()
+            return answers
+        finally:
+            await stranger.shutdown()
+            await honest.shutdown()
+
+    refused = asyncio.run(scenario(member=False))
+    assert all(b"is not a member" in a for a in refused), refused
+    silent = asyncio.run(scenario(member=True))
+    assert all(b"no request arrived within" in a for a in silent), silent

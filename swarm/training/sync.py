@@ -16,13 +16,14 @@ import asyncio
 import logging
 import random
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
 from typing import TypeVar
 
 import hivemind
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.utils import get_dht_time
 
 from protocols import averaging_pb2 as apb
@@ -101,6 +102,20 @@ async def from_any_holder(holders: list[str], fetch: Callable[[PeerID], Awaitabl
     return None
 
 
+async def _refusals_named(
+    replies: AsyncIterator[apb.StateChunk], peer: PeerID
+) -> AsyncIterator[apb.StateChunk]:
+    """``replies``, with a refusal before the first byte (the holder's admission) raised as the SwarmError
+    its reason names: ``RequesterNotSeen`` when the holder has not read this peer's record yet."""
+    try:
+        async for chunk in replies:
+            yield chunk
+    except P2PHandlerError as e:
+        if NOT_SEEN_YET in str(e):
+            raise RequesterNotSeen(f"{peer} has not read this peer's signed progress record yet") from None
+        raise ProtocolError(f"{peer} refused the state download: {str(e)[:300]}") from None
+
+
 def state_namespace(prefix: str) -> str:
     return f"{prefix.replace('.', '_')}_state"
 
@@ -135,6 +150,11 @@ class StateServicer(BoundedServicer):
         self.uploads: Counter[str] = Counter()
         self.refused = 0
         self._log = LogOnce()
+
+    async def admission(self, peer_id: str) -> str | None:
+        # Before the first byte, so that a stranger's silent streams hold no download slot; the handler
+        # asks again (a view read since may differ) and answers with the reason.
+        return await self.admit(peer_id)
 
     async def rpc_download_state(
         self, request: apb.StateRequest, context: P2PContext
@@ -227,7 +247,7 @@ async def download_state(
         chunks: list[bytes] = []
         received = 0
         header: apb.StateChunk | None = None
-        async for chunk in await stub.rpc_download_state(request):
+        async for chunk in _refusals_named(await stub.rpc_download_state(request), peer):
             if chunk.error:
                 if NOT_SEEN_YET in chunk.error:
                     raise RequesterNotSeen(f"{peer} has not read this peer's signed progress record yet")
