@@ -8,6 +8,7 @@ protocol attacks of ``swarm.byzantine.protocol_attacks``.
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from swarm.bans import ban_list_pages, fetch_ban_list, publish_ban_list
 from swarm.byzantine.protocol_attacks import POISON_HASH, ProtocolTarget, make_protocol_attack
 from swarm.dht import start_dht
 from swarm.identity import create_identity
+from swarm.keyspace import RunValidator
 from swarm.membership import fetch_members, publish_certificate
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust, TrustValidator, record_key, seal_peer_record
@@ -44,6 +46,9 @@ from swarm.training.sync import (
 from swarm.training.trainer import Trainer
 
 RUN = "trust-run"
+# What the honest trainers' process may grow by while every attack (``hostile``: 300 KiB DHT values,
+# frames claiming a terabyte, at each handler) is mounted again and again: their own training included.
+HOSTILE_RSS_BOUND = 256 << 20
 H1, H2, H3 = "1" * 64, "2" * 64, "3" * 64
 
 
@@ -231,7 +236,7 @@ class Admitted:
     def __init__(self, coordinator: SigningKey, run_id: str, home: Path, initial_peers: list[str]):
         path = home / f"{len(list(home.iterdir()))}.key"
         self.key = create_identity(path)
-        validator = TrustValidator(run_id, coordinator.public_key)
+        validator = RunValidator(run_id, coordinator.public_key, stages=1)  # as a volunteer's session does
         self.dht = start_dht(self.key, path, host="127.0.0.1", port=0, initial_peers=initial_peers,
                              validators=[validator])  # fmt: skip
         self.certificate = issue_certificate(
@@ -260,6 +265,11 @@ async def within(awaitable, what: str, timeout_s: float):
         raise AssertionError(f"{what} took more than {timeout_s:.0f}s") from None
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_trainers():
     torch.set_num_threads(1)
     run = tiny_run(RUN, max_steps=4, min_group_size=2)
@@ -282,7 +292,9 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
     ]
     target = ProtocolTarget(attacker_dht, RUN, holders=[p.key.peer_id for p in peers],
                             state_namespace=state_namespace(RUN))  # fmt: skip
-    record_attacks = [make_protocol_attack(n) for n in ("forged_progress", "sybil_hash", "malformed_subkey")]
+    record_attacks = [
+        make_protocol_attack(n) for n in ("forged_progress", "sybil_hash", "malformed_subkey", "hostile")
+    ]
     far_future = make_protocol_attack("far_future")
     flood = make_protocol_attack("download_flood", {"requests": 4})
     stop = asyncio.Event()
@@ -297,7 +309,7 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
 
     async def scenario() -> None:
         await within(publish_and_blind(), "publishing the records", 60)
-        started = time.monotonic()
+        started, rss_before = time.monotonic(), rss_bytes()
         tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
         moves: list[object] = []
         while not all(t.finished for t in trainers):
@@ -310,6 +322,9 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
                 raise AssertionError(f"honest trainers stalled at steps {[t.step for t in trainers]}")
         assert not moves, "no honest peer ever chose the attacker's state"
         assert trainers[0].state_hash == trainers[1].state_hash, "honest peers stay bit-identical"
+        grown = rss_bytes() - rss_before
+        print(f"the honest trainers' process grew by {grown / 2**20:.0f} MiB under the attacks")
+        assert grown < HOSTILE_RSS_BOUND, f"grew by {grown / 2**20:.0f} MiB"
         await within(publish_and_blind(), "publishing the records again", 60)
         view = await within(fetch_progress(first.dht, trainers[0].trust), "reading progress", 30)
         assert set(view) == {p.key.peer_id for p in peers}, "only certified peers are in the view"

@@ -12,7 +12,9 @@ honest peers train:
 - ``malformed_subkey``: a record ahead of the run under a subkey that is not a peer ID (``"!!!!"``);
 - ``far_future``: ``b"junk"`` stored as a single value that expires in 30 years under every record key
   of the run (progress, pipeline, members, checkpoint, bans), to replace the real records;
-- ``download_flood``: many concurrent state downloads from the holders, to exhaust their uplink.
+- ``download_flood``: many concurrent state downloads from the holders, to exhaust their uplink;
+- ``hostile`` (``swarm.byzantine.hostile``): malformed, oversized, far-future and replayed inputs at every
+  DHT key and libp2p handler of the run, read from the code.
 
 Example::
 
@@ -294,5 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# Registered last: it builds on the classes above.
+from swarm.byzantine import hostile  # noqa: E402,F401  isort: skip
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run as the package's module, whose registry ``hostile`` registered into (not this __main__ copy's).
+    from swarm.byzantine.protocol_attacks import main as package_main
+
+    raise SystemExit(package_main())
