@@ -101,12 +101,12 @@ async def judge_accusation(
     stage_states: StageStates | None = None,
     stage_state_timeout_s: float = 60.0,
     round_inputs: RoundInputs | None = None,
-    online: Callable[[str], Awaitable[bool]] | None = None,
+    joined_at: Callable[[str], Awaitable[float | None]] | None = None,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for any evidence; the recomputation runs on a thread under
     ``judging``. Stage evidence goes to ``judge_stage``, that of an unshown input to
-    ``coordinator.roundinputs.judge_unshown`` (``round_inputs`` asks the reducer; ``online`` says whether
-    a peer is online now)."""
+    ``coordinator.roundinputs.judge_unshown`` (``round_inputs`` asks the reducer; ``joined_at`` says when
+    an online peer's session joined)."""
     kind = _kind(data)
     if kind == STAGE_KIND:
         return await judge_stage(
@@ -116,7 +116,7 @@ async def judge_accusation(
     if kind == UnshownInputEvidence.kind:
         return await judge_unshown(
             run, layouts, data, accused, accuser, inputs=round_inputs or RoundInputs(),
-            online=online or _never_online, judging=judging,
+            joined_at=joined_at or _never_online, judging=judging,
         )  # fmt: skip
     async with judging:
         return await asyncio.to_thread(judge, run, layouts, data, accused, accuser)
@@ -244,8 +244,8 @@ def judge(
     return verdict, accused
 
 
-async def _never_online(peer_id: str) -> bool:
-    return False
+async def _never_online(peer_id: str) -> float | None:
+    return None
 
 
 def _kind(data: bytes) -> object:

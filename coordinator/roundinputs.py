@@ -1,23 +1,26 @@
 """The coordinator's demand for the inputs behind an aggregate that a validator could not collect.
 
-A reducer signs the list of inputs it aggregated and holds every one of them: the part's drawn chunk
-for ``KEEP_ROUNDS_S`` after its round (``swarm.averaging.rounds``). A validator that could get an input
-neither from its sender nor from the reducer files ``unshown_input`` evidence (the reducer's signed
-aggregate, the inputs it did collect, and the round's reveals, which fix the drawn chunk). The
-coordinator checks that evidence, then asks the reducer itself for the missing inputs
-(``rpc_round_inputs``, which admits the coordinator's peer ID):
+A reducer signs the list of inputs it aggregated, with the time it signed, and holds every one of them:
+once the round's reveal phase is over it copies them into its ``InputArchive``
+(``swarm.averaging.archive``: the drawn chunk, or every chunk when its draw never completed). The part's
+drawn validator, when it could get an input neither from its sender nor from the reducer, files
+``unshown_input`` evidence (the reducer's signed aggregate, the inputs it did collect, and the round's
+reveals, which fix the drawn chunk and its validator). The coordinator checks that evidence, then asks
+the reducer itself for the missing inputs (``rpc_round_inputs``, which admits the coordinator's peer ID
+outside the handler's stream caps), all of them within ``DEMAND_DEADLINE_S``:
 
 - every one shown, signed by its sender and the one listed: the aggregate is recomputed like any
   ``bad_aggregate`` evidence, and the reducer is convicted if it differs;
-- one not shown while the reducer is online and signed the aggregate within ``INPUT_DEMAND_WINDOW_S``
-  of the coordinator's clock: the reducer is convicted, since an honest one still holds it;
-- a reducer that left the run, or an aggregate signed earlier: nobody is banned.
+- one not shown (refused, wrong, or no answer in time) by a reducer that was online when the evidence
+  arrived, has not joined again since it signed, and signed within ``INPUT_DEMAND_WINDOW_S`` of the
+  coordinator's clock: the reducer is convicted, since an honest one still holds it;
+- otherwise nobody is banned.
 
 Example::
 
     inputs = PeerRoundInputs(p2p)
     found, guilty = await judge_unshown(run, layouts, data, accused, accuser, inputs=inputs,
-                                        online=is_online, judging=lock)
+                                        joined_at=joined_at, judging=lock)
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ from swarm.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
-DEMAND_TIMEOUT_S = 20.0  # per input asked of the reducer
-DEMAND_ATTEMPTS = 2  # a stream that fails to open is tried once more
+DEMAND_TIMEOUT_S = 20.0  # per try of one input asked of the reducer
+DEMAND_ATTEMPTS = 3  # a stream that fails to open or answer is tried again
+DEMAND_DEADLINE_S = 60.0  # for every input of one accusation together
+DEMAND_CONCURRENCY = 8
+JOIN_MARGIN_S = 5.0  # between a session's join and an aggregate it signed, both by the peer's clock
 
 
 class RoundInputs:
@@ -119,51 +125,68 @@ async def judge_unshown(
     accuser: str,
     *,
     inputs: RoundInputs,
-    online: Callable[[str], Awaitable[bool]],
+    joined_at: Callable[[str], Awaitable[float | None]],
     judging: asyncio.Lock,
     now: Callable[[], float] = time.time,
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty) for ``unshown_input`` evidence (see the module docstring)."""
+    """(what was found, who is guilty) for ``unshown_input`` evidence (see the module docstring).
+    ``joined_at(peer)`` is when the peer's current session joined, by the peer's own clock, or None if it
+    is not online: it is read when the evidence arrives, so leaving once asked saves nobody."""
     training = run.training
     codec = get_codec(training.compression, topk_density=training.topk_density)
     try:
         evidence = parse_evidence(data)
         if not isinstance(evidence, UnshownInputEvidence):
             raise ProtocolError("the evidence is not of an unshown input")
-        vector_numel = layouts().get(evidence.prefix)
-        if vector_numel is None:
-            return (
-                f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, which this run does not use",
-                None,
-            )
         if evidence.accused != accused or accuser not in evidence.members:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
-        async with judging:
+        async with judging:  # the first call builds the model: never on the event loop
+            vector_numel = (await asyncio.to_thread(layouts)).get(evidence.prefix)
+            if vector_numel is None:
+                return (
+                    f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, which this run does not use",
+                    None,
+                )
             missing = await asyncio.to_thread(
                 evidence.check, codec, vector_numel=vector_numel, accuser=accuser
             )
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
-    age_s = now() - evidence.signed_at_ms / 1000
+    except Exception as e:  # whatever the accuser sent, it never escapes the judge
+        return f"the evidence does not hold: {e!r}"[:300], accuser
+    signed_s = evidence.signed_at_ms / 1000
+    age_s = now() - signed_s
     if not inputs.can_ask:
         return "this coordinator cannot ask peers for the inputs behind an aggregate", None
     if age_s > INPUT_DEMAND_WINDOW_S:
         return (f"the aggregate was signed {age_s:.0f}s ago, past the {INPUT_DEMAND_WINDOW_S:.0f}s in which its "
                 "inputs may be demanded"), None  # fmt: skip
-    shown = []
-    for entry in missing:
-        item = await inputs.fetch(evidence, entry.sender_index)
-        if not _shows(evidence, entry, item):
-            if not await online(accused):
-                return f"{accused} left the run before it could be asked for the inputs it signed for", None
+    joined = await joined_at(accused)
+    if joined is None:
+        return f"{accused} is not online to be asked for the inputs it signed for", None
+    if joined > signed_s - JOIN_MARGIN_S:  # a peer that restarted since lost what it held in memory
+        return f"{accused} joined again after it signed the aggregate; what it held is gone", None
+    limit = asyncio.Semaphore(DEMAND_CONCURRENCY)
+
+    async def demand(entry: Entry) -> SignedInput | None:
+        async with limit:
+            item = await inputs.fetch(evidence, entry.sender_index)
+        return item if _shows(evidence, entry, item) else None
+
+    tasks = [asyncio.ensure_future(demand(entry)) for entry in missing]
+    done, pending = await asyncio.wait(tasks, timeout=DEMAND_DEADLINE_S) if tasks else (set(), set())
+    for task in pending:
+        task.cancel()
+    shown = [t.result() for t in tasks if t in done and not t.cancelled() and t.exception() is None]
+    for entry, task in zip(missing, tasks, strict=True):
+        if task in pending or task.exception() is not None or task.result() is None:
             sender = evidence.members[entry.sender_index]
             return (
                 f"did not show the coordinator the input of {sender} to part {evidence.part} chunk "
                 f"{evidence.chunk} that it signed it had aggregated ({age_s:.0f}s earlier)",
                 accused,
             )
-        shown.append(item)
-    full = evidence.completed(shown)
+    full = evidence.completed([item for item in shown if item is not None])
     aggregator = get_aggregator(training.aggregator, training.aggregator_options)
     try:
         async with judging:

@@ -30,7 +30,7 @@ from coordinator.roundinputs import RoundInputs
 from coordinator.store import PeerRecord, Store
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import issue_certificate
-from protocols.envelope import Envelope, open_envelope, seal
+from protocols.envelope import MAX_CLOCK_SKEW_S, Envelope, open_envelope, seal
 from protocols.errors import (
     AdmissionDenied,
     Banned,
@@ -70,6 +70,7 @@ STATUS_PAGE_PEERS = 256
 STATUS_PAGE_BYTES = 512 << 10
 # Rows of peers whose certificates expired this long ago are pruned (the ban list's clock-skew grace).
 PRUNE_GRACE_S = 600.0
+MAX_CLOCK_OFFSETS = 1 << 16  # peers whose clock offset is remembered (the oldest go first)
 
 
 class CoordinatorService:
@@ -105,6 +106,8 @@ class CoordinatorService:
         self.outside_dht, self.stage_checkpoint = outside_dht, stage_checkpoint
         self.stage_states = stage_states  # a stage's states at recent steps, for stage evidence
         self.round_inputs = round_inputs  # asks a reducer for the inputs behind its aggregate
+        # Each peer's clock minus ours, from its last signed heartbeat or join (within the skew bound).
+        self._clock_offsets: OrderedDict[str, float] = OrderedDict()
         self.key, self.store = key, store
         self.dht_initial_peers = dht_initial_peers
         self.limits = limits = limits or ServiceLimits()
@@ -241,6 +244,7 @@ class CoordinatorService:
 
         role = "data" if body.role == "auto" else body.role
         now = time.time()
+        self._note_clock(envelope.sender, envelope.issued_at - now)
         await self.store.prune(now, grace_s=PRUNE_GRACE_S)
         certificate = issue_certificate(
             self.key,
@@ -284,6 +288,7 @@ class CoordinatorService:
         body = parse_body(HeartbeatBody, envelope.body, sender=envelope.sender, what="heartbeat")
         record = await self._known_peer(envelope)
         now = time.time()
+        self._note_clock(envelope.sender, envelope.issued_at - now)
         recorded = await self.store.record_heartbeat(
             envelope.sender,
             seq=body.seq,
@@ -428,7 +433,7 @@ class CoordinatorService:
                 self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
                 stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
                 stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
-                online=self._online,
+                joined_at=self._joined_at,
             )  # fmt: skip
         finally:
             reader.release()
@@ -457,9 +462,19 @@ class CoordinatorService:
         logger.warning(f"accusation by {sender} against {body.accused}: banned {guilty} ({reason})")
         return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
 
-    async def _online(self, peer_id: str) -> bool:
+    def _note_clock(self, peer_id: str, offset_s: float) -> None:
+        self._clock_offsets[peer_id] = offset_s
+        self._clock_offsets.move_to_end(peer_id)
+        while len(self._clock_offsets) > MAX_CLOCK_OFFSETS:
+            self._clock_offsets.popitem(last=False)
+
+    async def _joined_at(self, peer_id: str) -> float | None:
+        """When ``peer_id``'s current session joined, by its own clock (ours shifted by the offset its
+        heartbeats show, else by the skew bound, the latest it can be), if it is online now."""
         record = await self.store.get_peer(peer_id)
-        return record is not None and record.state == "online"
+        if record is None or record.state != "online":
+            return None
+        return record.joined_at + self._clock_offsets.get(peer_id, MAX_CLOCK_SKEW_S)
 
     def _admit_accusation(self, sender: str) -> None:
         """Let one more accusation of ``sender`` in, or refuse it."""

@@ -221,7 +221,11 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         mounted = (
             protocol_attack_names() if config.protocol_attack == "all" else config.protocol_attack.split(",")
         )
-        local.spawn("protocol-attacker", ["-m", "swarm.byzantine.protocol_attacks", "--run-id", run.run_id,
+        # Not ``-m``: the package imports the module first (its attacks register there), and runpy warns.
+        attacker = (
+            "import sys; from swarm.byzantine.protocol_attacks import main; sys.exit(main(sys.argv[1:]))"
+        )
+        local.spawn("protocol-attacker", ["-c", attacker, "--run-id", run.run_id,
                                           "--initial-peers", *coordinator.extra["dht_initial_peers"],
                                           "--attack", *mounted])  # fmt: skip
     churned = False

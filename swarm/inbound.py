@@ -191,6 +191,11 @@ class BoundedServicer(ServicerBase):
         The default admits everyone: a servicer whose requests are small checks them in the handler."""
         return None
 
+    def exempt(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s streams skip the stream caps and admission: the coordinator's, where it
+        must be able to ask whatever others hold open. The default exempts nobody."""
+        return False
+
     def _checked_bounds(self) -> dict[str, HandlerBound]:
         missing = self.unbounded_handlers()
         if missing:
@@ -262,8 +267,9 @@ class BoundedServicer(ServicerBase):
 
         async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
+            exempt = self.exempt(peer)
             with closing(writer):
-                reason = slots.enter(peer) or await self._admission_or_leave(peer, slots)
+                reason = None if exempt else slots.enter(peer) or await self._admission_or_leave(peer, slots)
                 if reason is not None:
                     self._refuse(peer, name, reason)
                     await _send_refusal(reason, reader, writer)
@@ -272,7 +278,8 @@ class BoundedServicer(ServicerBase):
                     context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
                     await self._pump(reader, writer, request_type, bound, method, stream_input, context)
                 finally:
-                    slots.leave(peer)
+                    if not exempt:
+                        slots.leave(peer)
 
         return serve
 

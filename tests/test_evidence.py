@@ -55,8 +55,13 @@ RULE = get_aggregator("centered_clip")
 VECTOR = 3001  # values averaged in the rehearsed run: three parts of 1000 or 1001 values
 
 
+def nonce(i: int, salt: bytes = b"") -> bytes:
+    """Member ``i``'s round nonce (32 bytes, as a peer draws them)."""
+    return hashlib.sha256(b"nonce" + salt + i.to_bytes(4, "big")).digest()
+
+
 def commitments(count: int, salt: bytes = b"") -> tuple[bytes, ...]:
-    return tuple(hashlib.sha256(salt + i.to_bytes(4, "big")).digest() for i in range(count))
+    return tuple(hashlib.sha256(nonce(i, salt)).digest() for i in range(count))
 
 
 def signed_round(
@@ -285,7 +290,7 @@ def unshown(full: BadAggregateEvidence, missing: tuple[int, ...] = (0,)) -> Unsh
     """``full`` as a validator files it when nobody showed the inputs of ``missing``."""
     fields = {f: getattr(full, f) for f in BadAggregateEvidence.__dataclass_fields__}
     shown = tuple(i for i in full.inputs if i.sender_index not in missing)
-    reveals = tuple(i.to_bytes(4, "big") for i in range(len(full.members)))  # `commitments`' nonces
+    reveals = tuple(nonce(i) for i in range(len(full.members)))
     return UnshownInputEvidence(**{**fields, "inputs": shown}, missing=missing, reveals=reveals)
 
 
@@ -297,14 +302,14 @@ def test_unshown_input_evidence_convicts_only_a_reducer_that_will_not_show_in_ti
     drawn = drawn_validator(draw_seed(honest.digest, unshown(honest).reveals), 0, len(keys))
     accuser, bystander = keys[drawn].peer_id, keys[3 - drawn].peer_id  # the members other than the reducer
 
-    def verdict(evidence, answers, *, online=True, age_s=10.0, accuser=accuser):
-        async def is_online(peer_id):
-            return online
+    def verdict(evidence, answers, *, online=True, age_s=10.0, accuser=accuser, joined_s=signed_s - 600):
+        async def joined_at(peer_id):
+            return joined_s if online else None
 
         return asyncio.run(
             judge_unshown(
                 run, lambda: {PREFIX: VECTOR}, evidence.to_bytes(), reducer, accuser, inputs=answers,
-                online=is_online, judging=asyncio.Lock(), now=lambda: signed_s + age_s,
+                joined_at=joined_at, judging=asyncio.Lock(), now=lambda: signed_s + age_s,
             )
         )  # fmt: skip
 
@@ -312,6 +317,8 @@ def test_unshown_input_evidence_convicts_only_a_reducer_that_will_not_show_in_ti
     found, guilty = verdict(unshown(honest), ReducerAnswers(None))
     assert guilty == reducer and "did not show the coordinator" in found
     assert verdict(unshown(honest), ReducerAnswers(None), online=False)[1] is None
+    # One that joined again after it signed lost what it held: a restart is no lie.
+    assert verdict(unshown(honest), ReducerAnswers(None), joined_s=signed_s + 5)[1] is None
     assert verdict(unshown(honest), ReducerAnswers(None), age_s=INPUT_DEMAND_WINDOW_S + 1)[1] is None
     # Shown: the aggregate is recomputed; right bans nobody, wrong convicts the reducer.
     answers = ReducerAnswers(honest)

@@ -20,13 +20,17 @@ that no honest peer ever is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from coordinator.roundinputs import JOIN_MARGIN_S
 from lab.localswarm import FAST_MEMBERSHIP, running_coordinator
+from protocols.errors import SwarmError
+from protocols.keys import PublicKey
 from swarm.averaging.averager import Averager
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
@@ -98,6 +102,18 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 )  # fmt: skip
                 await averager.start()
                 averagers.append(averager)
+
+            async def heartbeats() -> None:  # as volunteers do: the coordinator asks only peers online
+                while True:
+                    for _, key in peers:
+                        with contextlib.suppress(SwarmError):
+                            await client.heartbeat(key, RUN, PublicKey.from_peer_id(node.coordinator_peer_id))
+                    await asyncio.sleep(FAST_MEMBERSHIP.heartbeat_interval_s)
+
+            beating = asyncio.create_task(heartbeats())
+            # The coordinator convicts a reducer only for what it signed after its session joined
+            # (coordinator.roundinputs.JOIN_MARGIN_S): a restarted peer lost what it held.
+            await asyncio.sleep(JOIN_MARGIN_S + 1)
             states = {}
             for _ in range(MAX_ROUNDS):
                 outcomes = await asyncio.gather(
@@ -110,6 +126,7 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 states = {p.peer_id: p.state for p in status.peers}
                 if until(states):
                     break
+            beating.cancel()
             for averager in averagers:
                 await averager.shutdown()
             return states, answers, averagers

@@ -12,7 +12,7 @@ Example::
 
     archive = InputArchive()
     archive.keep(runner)                       # after the round's reveal phase
-    item = archive.lookup(group_id, part, chunk, sender_index, asker)   # a SignedInput, or None
+    kept = archive.lookup(group_id, part, chunk, sender_index)   # (members, a SignedInput or None), or None
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from swarm.averaging.evidence import INPUT_DEMAND_WINDOW_S, SignedInput
 
 logger = logging.getLogger(__name__)
 
-KEEP_INPUTS_S = INPUT_DEMAND_WINDOW_S + 2 * MAX_CLOCK_SKEW_S + 60.0  # 420 s
+KEEP_INPUTS_S = INPUT_DEMAND_WINDOW_S + 2 * MAX_CLOCK_SKEW_S + 60.0  # 900 s
 MAX_KEPT_INPUT_BYTES = 256 << 20
 MAX_KEPT_ROUNDS = 4096
 

@@ -52,7 +52,7 @@ from swarm.averaging.allreduce import (
 from swarm.averaging.archive import InputArchive
 from swarm.averaging.compression import DEFAULT_TOPK_DENSITY, get_codec
 from swarm.averaging.deadlines import Throughput, round_mbit, transfer_deadline_s
-from swarm.averaging.evidence import ENTRY, MAX_MEMBERS
+from swarm.averaging.evidence import ENTRY, MAX_MEMBERS, NONCE_BYTES
 from swarm.averaging.groups import (
     EntryFit,
     GroupEntryBody,
@@ -103,6 +103,11 @@ class AveragingServicer(BoundedServicer):
 
     def __init__(self, averager: Averager):
         self.averager = averager
+
+    def exempt(self, peer_id: str) -> bool:
+        # The coordinator demanding a round's inputs: certified Sybils holding every slot must not make
+        # this reducer look as if it refused (coordinator.roundinputs).
+        return peer_id == self.averager.policy.judge
 
     async def admission(self, peer_id: str) -> str | None:
         # Within a follower's wait for the leader's first answer, like matchmaking's own check.
@@ -367,7 +372,7 @@ class Averager:
         moment that many have joined, rather than waiting out the window. A member whose signed entry
         ``fits`` refuses is excluded and suspected (``groups.check_group``).
         """
-        self._nonce = os.urandom(32)
+        self._nonce = os.urandom(NONCE_BYTES)
         body = GroupEntryBody(
             schema_hash=self.schema_hash,
             weight=float(weight),

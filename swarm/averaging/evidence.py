@@ -40,10 +40,12 @@ DEFAULT_CHUNK_VALUES = 1 << 16
 # The inputs of one chunk stay under this many bytes, so that the evidence of any group fits its limit.
 EVIDENCE_INPUT_BUDGET = 48 << 20
 # The coordinator demands the inputs behind an aggregate signed at most this long before it judges
-# (``coordinator.roundinputs``); members refuse an aggregate whose signed time is further than the
-# envelope's clock skew bound from their own clock, and every peer keeps its finished rounds for
-# ``swarm.averaging.rounds.KEEP_ROUNDS_S``, longer than both together.
-INPUT_DEMAND_WINDOW_S = 120.0
+# (``coordinator.roundinputs``). Members refuse an aggregate whose signed time is further than the
+# envelope's clock skew bound (120 s) from their own clock, so a reducer that dates its aggregate back
+# still leaves its validator minutes to wait out the reveals, collect inputs and file; every peer keeps
+# the inputs it aggregated for ``swarm.averaging.archive.KEEP_INPUTS_S``, longer than both together.
+INPUT_DEMAND_WINDOW_S = 600.0
+NONCE_BYTES = 32  # a member's round nonce; its SHA-256 is its matchmaking commitment
 ENTRY = struct.Struct(">Id32s")  # one aggregated input: sender index, signed weight, SHA-256 of the data
 
 
@@ -221,7 +223,7 @@ def _round_fields(body: dict) -> dict:
     members = tuple(body["members"])
     if not 2 <= len(members) <= MAX_MEMBERS or not all(isinstance(m, str) and len(m) < 128 for m in members):
         raise ProtocolError(f"evidence names {len(members)} members; a group has 2 to {MAX_MEMBERS}")
-    commitments = tuple(bytes(c) for c in body.get("commitments", ()))
+    commitments = tuple(_bytes(c, "a nonce commitment", 32) for c in body.get("commitments", ()))
     if commitments and len(commitments) != len(members):
         raise ProtocolError("evidence names a nonce commitment count other than its member count")
     part, chunk = int(body["part"]), int(body["chunk"])
@@ -236,10 +238,17 @@ def _round_fields(body: dict) -> dict:
     if signer is not None and (type(signer) is not int or not 0 <= signer < len(members) or signer == part):
         raise ProtocolError("evidence names as the part's substitute signer no other member of the group")
     return {
-        "prefix": str(body["prefix"]), "group_id": bytes(body["group_id"]), "members": members,
+        "prefix": str(body["prefix"]), "group_id": _bytes(body["group_id"], "the group ID", 64), "members": members,
         "commitments": commitments, "part": part, "chunk": chunk, "reducers": tuple(reducers),
         "signer": signer,
     }  # fmt: skip
+
+
+def _bytes(value: object, what: str, max_bytes: int) -> bytes:
+    """``value`` if it is bytes of at most ``max_bytes`` (``bytes(n)`` of a number would allocate n)."""
+    if not isinstance(value, bytes) or len(value) > max_bytes:
+        raise ProtocolError(f"evidence holds {what} that is not bytes of at most {max_bytes}")
+    return value
 
 
 def _signed_at(body: dict) -> int:
@@ -251,7 +260,10 @@ def _signed_at(body: dict) -> int:
 
 def _signed(item: list) -> SignedInput:
     index, data, signature, weight = item
-    return SignedInput(int(index), bytes(data), bytes(signature), float(weight))
+    if type(index) is not int or not 0 <= index < MAX_MEMBERS:
+        raise ProtocolError("evidence holds an input of no member index")
+    data = _bytes(data, "an input", MAX_EVIDENCE_BYTES)
+    return SignedInput(index, data, _bytes(signature, "a signature", SIGNATURE_BYTES), float(weight))
 
 
 @dataclass(frozen=True)
@@ -340,8 +352,10 @@ class BadAggregateEvidence(RoundEvidence):
     def from_body(cls, body: dict) -> BadAggregateEvidence:
         return cls(
             **_round_fields(body), numel=int(body["numel"]), inputs=tuple(_signed(i) for i in body["inputs"]),
-            output=bytes(body["output"]), output_signature=bytes(body["output_signature"]),
-            entries=bytes(body["entries"]), signed_at_ms=_signed_at(body),
+            output=_bytes(body["output"], "the output", MAX_EVIDENCE_BYTES),
+            output_signature=_bytes(body["output_signature"], "the output's signature", SIGNATURE_BYTES),
+            entries=_bytes(body["entries"], "the entries", MAX_MEMBERS * ENTRY.size),
+            signed_at_ms=_signed_at(body),
         )  # fmt: skip
 
     def verify_output(self) -> list[Entry]:
@@ -448,8 +462,10 @@ class EquivocationEvidence(RoundEvidence):
             raise ProtocolError("equivocation evidence holds one or two inputs")
         return cls(
             **_round_fields(body), first=inputs[0], second=inputs[1] if len(inputs) == 2 else None,
-            entries=bytes(body.get("entries", b"")), output=bytes(body.get("output", b"")),
-            output_signature=bytes(body.get("output_signature", b"")), signed_at_ms=_signed_at(body),
+            entries=_bytes(body.get("entries", b""), "the entries", MAX_MEMBERS * ENTRY.size),
+            output=_bytes(body.get("output", b""), "the output", MAX_EVIDENCE_BYTES),
+            output_signature=_bytes(body.get("output_signature", b""), "the output's signature", SIGNATURE_BYTES),
+            signed_at_ms=_signed_at(body),
         )  # fmt: skip
 
     def judge(self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, **_: object) -> str | None:
@@ -505,8 +521,10 @@ class UnshownInputEvidence(BadAggregateEvidence):
         missing, reveals = body["missing"], body["reveals"]
         if not isinstance(missing, list) or not all(type(i) is int for i in missing):
             raise ProtocolError("evidence names its missing inputs other than as member indices")
-        if not isinstance(reveals, list) or not all(isinstance(r, bytes) and len(r) <= 64 for r in reveals):
-            raise ProtocolError("evidence names its reveals other than as nonces of at most 64 bytes")
+        if not isinstance(reveals, list) or not all(
+            isinstance(r, bytes) and len(r) == NONCE_BYTES for r in reveals
+        ):
+            raise ProtocolError(f"evidence names its reveals other than as nonces of {NONCE_BYTES} bytes")
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
         return cls(**fields, missing=tuple(missing), reveals=tuple(reveals))
 
@@ -576,5 +594,5 @@ def parse_evidence(data: bytes) -> Evidence:
         if cls is None:
             raise ProtocolError(f"accusation evidence of unknown kind {str(body.get('kind'))[:40]!r}")
         return cls.from_body(body)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ProtocolError(f"accusation evidence is malformed: {e!r}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise ProtocolError(f"accusation evidence is malformed: {e!r}"[:300]) from None

@@ -27,6 +27,7 @@ from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
 from protocols.keys import PublicKey
 from swarm.averaging.evidence import (
+    NONCE_BYTES,
     SignedInput,
     aggregate_message,
     aggregation_seed,
@@ -83,6 +84,8 @@ class PartReducer:
         if message.part_index != self.index or message.chunk_index != len(self._results) or message.data:
             raise ProtocolError("sent something other than its nonce reveal after its contributions")
         commitment = self.commitments[sender]
+        if commitment is not None and len(message.reveal) != NONCE_BYTES:  # as evidence carries them
+            raise ProtocolError(f"revealed a nonce of {len(message.reveal)} bytes, not {NONCE_BYTES}")
         if commitment is not None and hashlib.sha256(message.reveal).digest() != commitment:
             raise ProtocolError("revealed a nonce that does not match its matchmaking commitment")
         self.reveals[sender] = message.reveal

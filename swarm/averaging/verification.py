@@ -157,7 +157,7 @@ class _Check:
         # Who signed the aggregate: the part's reducer, or the substitute that re-reduced it.
         signer = runner.signers.get(self.part)
         self.signer = self.part if signer is None else signer
-        self.servicer_type, self.p2p, self.timeout_s = servicer_type, p2p, timeout_s
+        self.servicer_type, self.p2p, self.timeout_s, self.codec = servicer_type, p2p, timeout_s, codec
         lo, hi = runner._chunk(self.part, self.chunk)
         self.numel, self.max_bytes = hi - lo, codec.max_bytes(hi - lo)
         self.round = dict(
@@ -307,6 +307,14 @@ def _unshown(runner, check: _Check, answer, entries: list[Entry], found: list, o
         signed_at_ms=answer.signed_at_ms, missing=missing,
         reveals=tuple(runner.reveals[i] for i in range(len(runner.members))),
     )  # fmt: skip
+    try:  # what the coordinator will check first: evidence that does not hold would ban this member
+        evidence.check(check.codec, vector_numel=runner.numel, accuser=runner.members[runner.index],
+                       chunk_values=runner.chunk_values)  # fmt: skip
+    except SwarmError as e:
+        logger.warning(
+            f"not filing the unshown inputs of part {check.part}: the evidence does not hold ({e})"
+        )
+        return outcome
     members = ", ".join(runner.members[i] for i in missing)
     verdict = f"did not show the inputs of {members} to part {check.part} chunk {check.chunk} it signed for"
     return Outcome(verdict, evidence, outcome.unshown)

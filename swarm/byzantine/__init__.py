@@ -16,6 +16,8 @@ Attacks plug into the library through its typed hooks, each owned by the layer t
   ``forged_retried``, ``front_runner``), registered with the others
 - ``protocol_attacks``: what an unadmitted process with a stock ``hivemind.DHT`` tries against the run's
   DHT and state servers (``swarm-sim --protocol-attack``)
+- ``hostile``: the hostile-peer harness, the protocol attack that sends malformed, oversized, far-future
+  and replayed inputs to every DHT key rule and libp2p handler the code has, registered with the others
 - ``abuse``: attacks on the coordinator's endpoints (``stalled_accuser``, ``challenge_flood``), mounted
   against a live coordinator by ``tests/test_accuse_abuse.py``
 
@@ -23,6 +25,7 @@ These exist to test defenses (``swarm-sim --byzantine K --attack NAME``); an hon
 """
 
 from swarm.byzantine import group_attacks as _group_attacks  # noqa: F401 - registers the group attacks
+from swarm.byzantine import hostile as _hostile  # noqa: F401 - registers the hostile-peer harness
 from swarm.byzantine import pipeline_attacks as _pipeline_attacks  # noqa: F401 - registers the pipeline attacks
 from swarm.byzantine.attacks import Attack, AttackContext, attack_names, attack_options, make_attack
 

@@ -296,12 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# Registered last: it builds on the classes above.
-from swarm.byzantine import hostile  # noqa: E402,F401  isort: skip
-
-
 if __name__ == "__main__":
-    # Run as the package's module, whose registry ``hostile`` registered into (not this __main__ copy's).
+    # Run as the package's module, whose registry the package's ``hostile`` registered into (not this
+    # __main__ copy's).
     from swarm.byzantine.protocol_attacks import main as package_main
 
     raise SystemExit(package_main())
