@@ -70,7 +70,7 @@ STATUS_PAGE_PEERS = 256
 STATUS_PAGE_BYTES = 512 << 10
 # Rows of peers whose certificates expired this long ago are pruned (the ban list's clock-skew grace).
 PRUNE_GRACE_S = 600.0
-MAX_CLOCK_OFFSETS = 1 << 16  # peers whose clock offset is remembered (the oldest go first)
+MAX_CLOCK_OFFSETS = 1 << 16  # peers whose clock offset and session start are remembered (oldest go first)
 
 
 class CoordinatorService:
@@ -106,8 +106,12 @@ class CoordinatorService:
         self.outside_dht, self.stage_checkpoint = outside_dht, stage_checkpoint
         self.stage_states = stage_states  # a stage's states at recent steps, for stage evidence
         self.round_inputs = round_inputs  # asks a reducer for the inputs behind its aggregate
-        # Each peer's clock minus ours, from its last signed heartbeat or join (within the skew bound).
+        # Each peer's clock minus ours, from its last signed heartbeat or join (within the skew bound), and
+        # when its current session joined (the store keeps a peer's first join); a peer not seen joining
+        # since this service started counts as joined when it started.
         self._clock_offsets: OrderedDict[str, float] = OrderedDict()
+        self._sessions: OrderedDict[str, float] = OrderedDict()
+        self._started_at = time.time()
         self.key, self.store = key, store
         self.dht_initial_peers = dht_initial_peers
         self.limits = limits = limits or ServiceLimits()
@@ -245,6 +249,7 @@ class CoordinatorService:
         role = "data" if body.role == "auto" else body.role
         now = time.time()
         self._note_clock(envelope.sender, envelope.issued_at - now)
+        _remember(self._sessions, envelope.sender, now)
         await self.store.prune(now, grace_s=PRUNE_GRACE_S)
         certificate = issue_certificate(
             self.key,
@@ -463,10 +468,7 @@ class CoordinatorService:
         return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
 
     def _note_clock(self, peer_id: str, offset_s: float) -> None:
-        self._clock_offsets[peer_id] = offset_s
-        self._clock_offsets.move_to_end(peer_id)
-        while len(self._clock_offsets) > MAX_CLOCK_OFFSETS:
-            self._clock_offsets.popitem(last=False)
+        _remember(self._clock_offsets, peer_id, offset_s)
 
     async def _joined_at(self, peer_id: str) -> float | None:
         """When ``peer_id``'s current session joined, by its own clock (ours shifted by the offset its
@@ -474,7 +476,8 @@ class CoordinatorService:
         record = await self.store.get_peer(peer_id)
         if record is None or record.state != "online":
             return None
-        return record.joined_at + self._clock_offsets.get(peer_id, MAX_CLOCK_SKEW_S)
+        joined = self._sessions.get(peer_id, self._started_at)
+        return joined + self._clock_offsets.get(peer_id, MAX_CLOCK_SKEW_S)
 
     def _admit_accusation(self, sender: str) -> None:
         """Let one more accusation of ``sender`` in, or refuse it."""
@@ -552,3 +555,10 @@ def _guarded(method: str, request_type: Any, handler: Callable[[Any, str], Await
         return await _answer(method, context, parse_and_handle(raw, context.peer()))
 
     return call
+
+
+def _remember(table: OrderedDict[str, float], peer_id: str, value: float) -> None:
+    table[peer_id] = value
+    table.move_to_end(peer_id)
+    while len(table) > MAX_CLOCK_OFFSETS:
+        table.popitem(last=False)

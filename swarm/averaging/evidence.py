@@ -539,6 +539,8 @@ class UnshownInputEvidence(BadAggregateEvidence):
         entries = self.verify_output()
         if len(self.commitments) != len(self.members) or len(self.reveals) != len(self.members):
             raise ProtocolError("evidence of an unshown input needs every member's commitment and reveal")
+        if any(len(r) != NONCE_BYTES for r in self.reveals):
+            raise ProtocolError(f"evidence holds a reveal of other than {NONCE_BYTES} bytes")
         if any(hashlib.sha256(r).digest() != c for r, c in zip(self.reveals, self.commitments, strict=True)):
             raise ProtocolError("evidence holds a reveal that does not match its member's commitment")
         if chunk_values is None:
