@@ -72,14 +72,22 @@ def signed_round(
     vector: int = VECTOR,
     salt: bytes = b"",
     reducers: tuple[bool, ...] = (),
+    nonces: list[bytes] | None = None,
+    signed_at_ms: int = SIGNED_AT_MS,
+    group_id: bytes = b"group-0001",
+    seed: int = 1,
 ) -> BadAggregateEvidence:
-    """Chunk 0 of part ``part`` as its reducer ``keys[part]`` aggregates it (its output shifted by ``shift``)."""
+    """Chunk 0 of part ``part`` as its reducer ``keys[part]`` aggregates it (its output shifted by ``shift``)
+    at ``signed_at_ms``; the members commit to ``nonces`` (default: ``nonce(i, salt)``)."""
     members = tuple(k.peer_id for k in keys)
-    group_id, commits = b"group-0001", commitments(len(keys), salt)
+    if nonces is None:
+        commits = commitments(len(keys), salt)
+    else:
+        commits = tuple(hashlib.sha256(n).digest() for n in nonces)
     digest = round_digest(PREFIX, group_id, members, commits, reducers)
     chunk_values = layout_chunk_values(len(keys), CODEC.bytes_per_value)
     numel = chunk_numel(vector, len(keys), part, 0, chunk_values, reducers)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(seed)
     inputs = []
     for index, key in enumerate(keys):
         data = CODEC.encode(torch.randn(numel, generator=generator))
@@ -91,12 +99,12 @@ def signed_round(
         output = CODEC.encode(CODEC.decode(output, numel, sender="x") + shift)
     entries = input_entries([(i.sender_index, i.weight, i.data) for i in inputs])
     signature = keys[part].sign(
-        aggregate_message(digest, part, 0, members[part], entries, output, SIGNED_AT_MS)
+        aggregate_message(digest, part, 0, members[part], entries, output, signed_at_ms)
     )
     return BadAggregateEvidence(
         prefix=PREFIX, group_id=group_id, members=members, commitments=commits, part=part, chunk=0,
-        numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, signed_at_ms=SIGNED_AT_MS, entries=entries,
-        reducers=reducers,
+        numel=numel, inputs=tuple(inputs), output=output, output_signature=signature,
+        signed_at_ms=signed_at_ms, entries=entries, reducers=reducers,
     )  # fmt: skip
 
 

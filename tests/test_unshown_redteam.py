@@ -22,20 +22,17 @@ import threading
 import time
 import tracemalloc
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing hints
 
 import pytest
-import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.utils.multiaddr import Multiaddr
 from test_evidence import (
     CODEC,
     PREFIX,
-    RULE,
     RUN,
     SIGNED_AT_MS,
     VECTOR,
@@ -43,6 +40,7 @@ from test_evidence import (
     signed_round,
     unshown,
 )
+from test_input_archive import FinishedRound
 
 from coordinator import roundinputs
 from coordinator.roundinputs import PeerRoundInputs, RoundInputs, judge_unshown
@@ -62,18 +60,10 @@ from swarm.averaging.evidence import (
     BadAggregateEvidence,
     SignedInput,
     UnshownInputEvidence,
-    aggregate_message,
-    aggregation_seed,
-    chunk_numel,
-    contribution_message,
     draw_seed,
     drawn_validator,
-    input_entries,
-    layout_chunk_values,
     parse_entries,
     parse_evidence,
-    reduce_chunk,
-    round_digest,
 )
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.reducer import PartReducer
@@ -107,29 +97,15 @@ def round_with(
     keys: list[SigningKey], *, nonces: list[bytes], signed_at_ms: int, shift: float = 0.0, part: int = 0
 ) -> BadAggregateEvidence:
     """``test_evidence.signed_round`` with the members' nonces and the reducer's signed time chosen."""
-    members = tuple(k.peer_id for k in keys)
-    group_id, commits = b"group-redteam", tuple(hashlib.sha256(n).digest() for n in nonces)
-    digest = round_digest(PREFIX, group_id, members, commits)
-    numel = chunk_numel(VECTOR, len(keys), part, 0, layout_chunk_values(len(keys), CODEC.bytes_per_value))
-    generator = torch.Generator().manual_seed(2)
-    inputs = []
-    for index, key in enumerate(keys):
-        data = CODEC.encode(torch.randn(numel, generator=generator))
-        signature = key.sign(contribution_message(digest, part, 0, members[index], 8.0, data))
-        inputs.append(SignedInput(index, data, signature, 8.0))
-    decoded = [CODEC.decode(i.data, numel, sender="x") for i in inputs]
-    output = reduce_chunk(RULE, CODEC, decoded, [8.0] * len(keys), aggregation_seed(group_id, part, 0))
-    if shift:
-        output = CODEC.encode(CODEC.decode(output, numel, sender="x") + shift)
-    entries = input_entries([(i.sender_index, i.weight, i.data) for i in inputs])
-    signature = keys[part].sign(
-        aggregate_message(digest, part, 0, members[part], entries, output, signed_at_ms)
-    )
-    return BadAggregateEvidence(
-        prefix=PREFIX, group_id=group_id, members=members, commitments=commits, part=part, chunk=0,
-        numel=numel, inputs=tuple(inputs), output=output, output_signature=signature, entries=entries,
+    return signed_round(
+        keys,
+        part=part,
+        shift=shift,
+        nonces=nonces,
         signed_at_ms=signed_at_ms,
-    )  # fmt: skip
+        group_id=b"group-redteam",
+        seed=2,
+    )
 
 
 def as_unshown(
@@ -165,18 +141,6 @@ def service_joined_at(store: Store, clock_offsets: dict[str, float], sessions: d
     for peer, offset_s in clock_offsets.items():
         CoordinatorService._note_clock(service, peer, offset_s)
     return lambda peer: CoordinatorService._joined_at(service, peer)
-
-
-@dataclass
-class FinishedRound:
-    """What ``InputArchive.keep`` reads of a finished ``ButterflyAllReduce``."""
-
-    group_id: bytes
-    members: list[str]
-    held: dict
-
-    def aggregated_inputs(self):
-        return self.held
 
 
 class ArchiveAnswers(RoundInputs):
