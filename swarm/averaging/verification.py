@@ -13,8 +13,10 @@ from its own sender (a sender holds what it signed); only where a sender does no
 the reducer. With every input in hand it recomputes the chunk (``BadAggregateEvidence.judge``): a wrong
 aggregate becomes an accusation the coordinator checks for itself. A sender whose input differs from
 the one the reducer shows, both signed, equivocated: that evidence convicts the sender. An input that
-neither its sender nor the reducer shows cannot be proven against anyone: the validator logs it and
-avoids both in matchmaking for a while (``suspect``, the averager's ``PeerPolicy.suspect``).
+neither its sender nor the reducer shows gets both avoided in matchmaking for a while (``suspect``, the
+averager's ``PeerPolicy.suspect``), and, once the draw is known, ``unshown_input`` evidence: the
+coordinator demands the input of the reducer, which holds every input it signed for
+(``swarm.averaging.archive``), and convicts it if it does not show it (``coordinator.roundinputs``).
 """
 
 from __future__ import annotations
