@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -114,7 +113,7 @@ def _shows(evidence: UnshownInputEvidence, entry: Entry, item: SignedInput | Non
         evidence.verify_input(item)
     except SwarmError:
         return False
-    return item.weight == entry.weight and hashlib.sha256(item.data).digest() == entry.data_hash
+    return entry.matches(item)
 
 
 async def judge_unshown(
@@ -174,10 +173,9 @@ async def judge_unshown(
         return item if _shows(evidence, entry, item) else None
 
     tasks = [asyncio.ensure_future(demand(entry)) for entry in missing]
-    done, pending = await asyncio.wait(tasks, timeout=DEMAND_DEADLINE_S) if tasks else (set(), set())
+    _, pending = await asyncio.wait(tasks, timeout=DEMAND_DEADLINE_S) if tasks else (set(), set())
     for task in pending:
         task.cancel()
-    shown = [t.result() for t in tasks if t in done and not t.cancelled() and t.exception() is None]
     for entry, task in zip(missing, tasks, strict=True):
         if task in pending or task.exception() is not None or task.result() is None:
             sender = evidence.members[entry.sender_index]
@@ -186,7 +184,7 @@ async def judge_unshown(
                 f"{evidence.chunk} that it signed it had aggregated ({age_s:.0f}s earlier)",
                 accused,
             )
-    full = evidence.completed([item for item in shown if item is not None])
+    full = evidence.completed([task.result() for task in tasks])  # every one shown, checked above
     aggregator = get_aggregator(training.aggregator, training.aggregator_options)
     try:
         async with judging:

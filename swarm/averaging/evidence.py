@@ -167,6 +167,10 @@ class Entry:
     weight: float
     data_hash: bytes
 
+    def matches(self, item: SignedInput) -> bool:
+        """Whether ``item`` is this input: the same signed weight, and data of this hash."""
+        return item.weight == self.weight and hashlib.sha256(item.data).digest() == self.data_hash
+
 
 def input_entries(inputs: Sequence[tuple[int, float, bytes]]) -> bytes:
     """The reducer's commitment to its inputs, ``(sender index, weight, data)`` in sender order."""
@@ -402,7 +406,7 @@ class BadAggregateEvidence(RoundEvidence):
         decoded, weights = [], []
         for item, entry in zip(self.inputs, entries, strict=True):
             sender = self.verify_input(item)
-            if item.weight != entry.weight or hashlib.sha256(item.data).digest() != entry.data_hash:
+            if not entry.matches(item):
                 raise ProtocolError(f"the input of {sender} is not the one the reducer aggregated")
             try:
                 decoded.append(codec.decode_contribution(item.data, self.numel, sender=sender))
@@ -493,7 +497,7 @@ class EquivocationEvidence(RoundEvidence):
         own = next((e for e in entries if e.sender_index == self.reducer_index), None)
         if own is None:
             raise ProtocolError("the reducer's input list holds no input of its own")
-        if own.weight == self.first.weight and own.data_hash == hashlib.sha256(self.first.data).digest():
+        if own.matches(self.first):
             raise ProtocolError("the reducer's own input is the one it aggregated")
         return f"signed a contribution to its own part {self.part} chunk {self.chunk} other than the one it aggregated"
 
@@ -568,7 +572,7 @@ class UnshownInputEvidence(BadAggregateEvidence):
         for item in self.inputs:
             sender = self.verify_input(item)
             entry = listed[item.sender_index]
-            if item.weight != entry.weight or hashlib.sha256(item.data).digest() != entry.data_hash:
+            if not entry.matches(item):
                 raise ProtocolError(f"the input of {sender} is not the one the reducer aggregated")
         return [listed[i] for i in self.missing]
 

@@ -205,10 +205,10 @@ class _Check:
         shown = held = None
         if index != holder:
             shown = await self._try(index, index)
-            if shown is not None and _matches(shown, entry):
+            if shown is not None and entry.matches(shown):
                 return shown
         held = await self._try(holder, index)
-        if held is not None and _matches(held, entry):
+        if held is not None and entry.matches(held):
             if shown is not None:  # the sender signed this one too: it shows validators another
                 return EquivocationEvidence(**self.round, first=shown, second=held)
             return held
@@ -233,10 +233,6 @@ class _Check:
         except SwarmError as e:
             logger.info(f"{self.runner.members[holder]} did not show the input of member {sender}: {e}")
             return None
-
-
-def _matches(item: SignedInput, entry: Entry) -> bool:
-    return item.weight == entry.weight and hashlib.sha256(item.data).digest() == entry.data_hash
 
 
 async def check_reducer(
