@@ -201,3 +201,37 @@ class EvidenceBudget:
             if not turn.done():
                 self.held += n
                 turn.set_result(None)
+
+
+class RefusalLog:
+    """Log lines for refused requests: at most ``per_window`` a window of ``window_s`` for each (RPC,
+    kind of error), then, once the window has passed, one line saying how many were left out. Every
+    refusal of a flood used to write its own line, so a caller could fill the organizer's disk at the
+    rate the coordinator refuses it. The keys are the service's methods times the error classes: few."""
+
+    def __init__(
+        self,
+        log: Callable[[str], None],
+        *,
+        per_window: int = 20,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.log, self.per_window, self.window_s, self.clock = log, per_window, window_s, clock
+        self._windows: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def refused(self, method: str, caller: str, error: Exception) -> None:
+        key = (method, type(error).__name__)
+        now = self.clock()
+        started, count = self._windows.get(key, (now, 0))
+        if now - started >= self.window_s:
+            if count > self.per_window:
+                self.log(
+                    f"{count - self.per_window} more refusals of {method} ({key[1]}) in {now - started:.0f}s "
+                    "were not logged"
+                )
+            started, count = now, 0
+        count += 1
+        self._windows[key] = (started, count)
+        if count <= self.per_window:
+            self.log(f"refused {method} from {caller}: {error}")

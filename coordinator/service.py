@@ -25,7 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from coordinator.accusations import EvidenceReader, StageStates, judge_accusation, next_part, run_layouts
-from coordinator.limits import EvidenceBudget, KeyedBuckets, ServiceLimits, caller_key
+from coordinator.limits import EvidenceBudget, KeyedBuckets, RefusalLog, ServiceLimits, caller_key
 from coordinator.roundinputs import RoundInputs
 from coordinator.store import PeerRecord, Store
 from protocols import coordinator_pb2 as pb
@@ -502,29 +502,33 @@ class CoordinatorService:
             "Leave": (pb.LeaveRequest, self.leave),
             "Status": (pb.StatusRequest, self.status),
         }
+        refusals = RefusalLog(logger.warning)
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
-                _guarded(name, request_type, handler),
+                _guarded(name, request_type, handler, refusals),
                 request_deserializer=None,
                 response_serializer=lambda message: message.SerializeToString(),
             )
             for name, (request_type, handler) in methods.items()
         }
         handlers["Accuse"] = grpc.stream_unary_rpc_method_handler(
-            _guarded_stream("Accuse", self.accuse),
+            _guarded_stream("Accuse", self.accuse, refusals),
             request_deserializer=None,
             response_serializer=lambda message: message.SerializeToString(),
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-async def _answer(method: str, context: grpc.aio.ServicerContext, handle: Awaitable[Any]) -> Any:
-    """Await a handler; a SwarmError becomes its gRPC status and a log line naming the caller."""
+async def _answer(
+    method: str, context: grpc.aio.ServicerContext, handle: Awaitable[Any], refusals: RefusalLog
+) -> Any:
+    """Await a handler; a SwarmError becomes its gRPC status and a log line naming the caller (a flood's
+    refusals are counted, not each written out: ``RefusalLog``)."""
     peer = context.peer()
     try:
         return await handle
     except SwarmError as e:
-        logger.warning(f"refused {method} from {peer}: {e}")
+        refusals.refused(method, peer, e)
         error = e
     except Exception:
         logger.exception(f"internal error in {method} from {peer}")
@@ -536,14 +540,18 @@ async def _answer(method: str, context: grpc.aio.ServicerContext, handle: Awaita
     )
 
 
-def _guarded_stream(method: str, handler: Callable[[AsyncIterator[bytes], str], Awaitable[Any]]):
+def _guarded_stream(
+    method: str, handler: Callable[[AsyncIterator[bytes], str], Awaitable[Any]], refusals: RefusalLog
+):
     async def call(parts: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-        return await _answer(method, context, handler(parts.__aiter__(), context.peer()))
+        return await _answer(method, context, handler(parts.__aiter__(), context.peer()), refusals)
 
     return call
 
 
-def _guarded(method: str, request_type: Any, handler: Callable[[Any, str], Awaitable[Any]]):
+def _guarded(
+    method: str, request_type: Any, handler: Callable[[Any, str], Awaitable[Any]], refusals: RefusalLog
+):
     async def parse_and_handle(raw: bytes, peer: str) -> Any:
         try:
             request = request_type.FromString(raw)
@@ -552,7 +560,7 @@ def _guarded(method: str, request_type: Any, handler: Callable[[Any, str], Await
         return await handler(request, peer)
 
     async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await _answer(method, context, parse_and_handle(raw, context.peer()))
+        return await _answer(method, context, parse_and_handle(raw, context.peer()), refusals)
 
     return call
 

@@ -19,6 +19,7 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.cli import status_to_dict
@@ -214,8 +215,12 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         )
         for i, name in enumerate(names)
     }
-    _start_together(control, peers, rehearsal)
-    if config.protocol_attack:
+
+    def mount_protocol_attacks() -> None:
+        """Start the stranger once every honest peer has joined (its flood of challenges would refuse their
+        joins from the same loopback address) and before they train: it is there from the first step."""
+        if not config.protocol_attack:
+            return
         from swarm.byzantine.protocol_attacks import protocol_attack_names
 
         mounted = (
@@ -225,9 +230,18 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         attacker = (
             "import sys; from swarm.byzantine.protocol_attacks import main; sys.exit(main(sys.argv[1:]))"
         )
-        local.spawn("protocol-attacker", ["-c", attacker, "--run-id", run.run_id,
-                                          "--initial-peers", *coordinator.extra["dht_initial_peers"],
-                                          "--attack", *mounted])  # fmt: skip
+        child = local.spawn("protocol-attacker", ["-c", attacker, "--run-id", run.run_id,
+                                                  "--initial-peers", *coordinator.extra["dht_initial_peers"],
+                                                  "--coordinator", address, "--attack", *mounted])  # fmt: skip
+        while "sent so far" not in child.output():
+            if child.process.poll() is not None:
+                raise SwarmError(
+                    f"the protocol attacker exited {child.process.returncode}; see {child.log_path}"
+                )
+            rehearsal.check_deadline("the protocol attacker mounted nothing")
+            time.sleep(0.5)
+
+    _start_together(control, peers, rehearsal, before_resume=mount_protocol_attacks)
     churned = False
     final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
     while True:
@@ -239,7 +253,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         steps = {
             p["name"]: p["step"]
             for p in snapshot["peers"]
-            if p["state"] == "online" and p["name"] not in byzantine
+            if p["state"] == "online" and p["name"] in peers and p["name"] not in byzantine
         }
         if (
             config.churn
@@ -292,7 +306,10 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
          "byzantine": p["name"] in byzantine, "banned": p["state"] == "banned" or bool(p["ban_reason"]),
          "ban_reason": p["ban_reason"]}
         for p in snapshot["peers"]
+        if p["name"] in peers
     ]  # fmt: skip
+    # Identities the sim did not start (a protocol attacker's Sybils): what the coordinator made of them.
+    strangers = [p for p in snapshot["peers"] if p["name"] not in peers]
     # Attackers may hold anything; the run is healthy when the honest peers agree with the checkpoint.
     agree = all(row["param_hash"] == final_hash for row in peer_rows if not row["byzantine"])
     honest = [row for row in peer_rows if not row["byzantine"]]
@@ -312,6 +329,11 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         "bytes_sent_per_peer": {row["peer_id"]: row["bytes_sent"] for row in peer_rows},
         "final_param_hash": final_hash,
         "peers_agree": agree,
+        "strangers": {
+            "rows": len(strangers),
+            "online": sum(p["state"] == "online" for p in strangers),
+            "banned": sum(p["state"] == "banned" or bool(p["ban_reason"]) for p in strangers),
+        },
         "churn_events": churn_events,
         "val_history": val_history,
         "wan": wan,
@@ -358,10 +380,12 @@ def _record_validation(snapshot: dict, byzantine: set[str], history: list[float]
         return
 
 
-def _start_together(control: str, peers: dict, rehearsal: Rehearsal) -> None:
-    """Every peer joins paused; once all are online and say so in their heartbeats, all are resumed at
-    once. A peer that took longer to start (seconds on a loaded machine) used to meet the others' rounds
-    at another step, and the run's outcome depended on when it came."""
+def _start_together(
+    control: str, peers: dict, rehearsal: Rehearsal, before_resume: Callable[[], None] = lambda: None
+) -> None:
+    """Every peer joins paused; once all are online and say so in their heartbeats, ``before_resume`` runs
+    and all are resumed at once. A peer that took longer to start (seconds on a loaded machine) used to
+    meet the others' rounds at another step, and the run's outcome depended on when it came."""
     while True:
         waiting = {p.name for p in status(control).peers if is_paused(p)}
         missing = sorted(set(peers) - waiting)
@@ -372,6 +396,7 @@ def _start_together(control: str, peers: dict, rehearsal: Rehearsal) -> None:
             f"{', '.join(missing)} did not join within {rehearsal.config.timeout_s:.0f}s"
         )
         time.sleep(0.5)
+    before_resume()
     for child in peers.values():
         child.signal(RESUME_SIGNAL)
 

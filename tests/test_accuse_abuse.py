@@ -19,7 +19,7 @@ import grpc
 import pytest
 from helpers import relay_from
 
-from coordinator.limits import KeyedBuckets, ServiceLimits, caller_key
+from coordinator.limits import KeyedBuckets, RefusalLog, ServiceLimits, caller_key
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from lab.localswarm import tiny_run
@@ -30,6 +30,7 @@ from protocols.keys import SigningKey
 from protocols.messages import ACCUSE
 from protocols.version import PROTOCOL_VERSION
 from swarm.byzantine.abuse import challenge_flood, stalled_accusation
+from swarm.byzantine.protocol_attacks import ProtocolTarget, make_protocol_attack
 from swarm.coordinator_client import SERVICE, CoordinatorClient
 from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
 
@@ -192,6 +193,69 @@ def test_a_challenge_flood_from_one_address_leaves_joins_open(tmp_path: Path):
             assert {p.peer_id for p in await store.list_peers()} == {k.peer_id for k in keys}
 
     asyncio.run(scenario())
+
+
+def test_cheap_identities_from_one_address_leave_the_coordinator_usable(tmp_path: Path):
+    """Issue 25 item 6 as ``swarm-sim --protocol-attack coordinator_sybils`` mounts it: from another
+    address, Sybils join with the longest names, heartbeat 64 long metrics, a huge ``contributed_samples``
+    and every honest peer as a suspect, flood challenges, stall an accusation and ban themselves. The
+    honest peers keep heartbeating, a new one still joins, ``Status`` still answers in pages, and every
+    Sybil that accused itself is banned."""
+
+    async def scenario() -> None:
+        async with serving(tmp_path, ServiceLimits()) as (address, store, service):
+            honest = await admitted(address, 2)
+            host, port = address.rsplit(":", 1)
+            relay = await relay_from("127.0.0.2", (host, int(port)))
+            attack = make_protocol_attack(
+                "coordinator_sybils", {"joins_per_mount": 6, "challenges_per_mount": 32}
+            )
+            target = ProtocolTarget(None, RUN, coordinator=f"127.0.0.1:{relay.sockets[0].getsockname()[1]}")
+            try:
+                sent = 0
+                for _ in range(4):
+                    sent += await asyncio.wait_for(attack.mount(target), 30)
+                    await asyncio.sleep(1.1)  # the per-address join rate refills
+            finally:
+                await attack.close()
+                relay.close()
+            assert sent > 100 and attack.refused > 0 and attack.keys, (sent, attack.refused)
+            async with CoordinatorClient(address) as client:
+                for key in honest:
+                    answer = await client.heartbeat(key, RUN, service.key.public_key, step=3)
+                    assert answer.state == "online"
+                newcomer = await admitted(address, 1)
+                page = await client.status(RUN, max_peers=8)
+                everyone = await client.full_status(RUN)
+            assert len(page.peers) == 8 and page.next_after_peer_id and page.ByteSize() < 64 << 10
+            rows = {p.peer_id: p for p in everyone.peers}
+            assert {k.peer_id for k in [*honest, *newcomer]} <= rows.keys()
+            banned = {p for p, row in rows.items() if row.state == "banned"}
+            assert len(banned) == 4, "at each mount one Sybil accused itself and was banned"
+            assert not banned & {k.peer_id for k in [*honest, *newcomer]}
+
+    asyncio.run(scenario())
+
+
+def test_a_flood_of_refused_requests_writes_a_bounded_number_of_log_lines():
+    """Before, each refusal was a log line: the 400 refused challenges above wrote 400 lines, so a caller
+    could fill the organizer's disk at the rate it was refused. Now at most 20 a minute per RPC and kind
+    of error, then one line counting the rest; another kind of refusal is still logged."""
+    lines: list[str] = []
+    now = [0.0]
+    log = RefusalLog(lines.append, per_window=20, window_s=60.0, clock=lambda: now[0])
+    for i in range(10_000):
+        now[0] = i * 0.005  # 10,000 refusals in 50 s
+        log.refused("Challenge", "ipv4:127.0.0.2:1", NetworkError("too many join challenges from 127.0.0.2"))
+    assert len(lines) == 20 and all(
+        line.startswith("refused Challenge from ipv4:127.0.0.2:1") for line in lines
+    )
+    log.refused("Join", "ipv4:127.0.0.3:1", ProtocolError("field 'name': too long"))
+    assert lines[-1] == "refused Join from ipv4:127.0.0.3:1: field 'name': too long"
+    now[0] = 61.0
+    log.refused("Challenge", "ipv4:127.0.0.2:1", NetworkError("too many join challenges from 127.0.0.2"))
+    assert lines[-2] == "9980 more refusals of Challenge (NetworkError) in 61s were not logged"
+    assert lines[-1].startswith("refused Challenge from") and len(lines) == 23
 
 
 def test_caller_keys_and_bounded_buckets():

@@ -23,8 +23,8 @@ from swarm.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(60)
 
-ALL = ["alie", "bad_reducer", "delayed_gradient", "huge_weight", "ipm", "label_flip", "nan", "random_direction", "sign_flip"]  # fmt: skip
-HOOKS = ("batch", "contribution", "weight", "reduce")
+ALL = ["alie", "bad_reducer", "delayed_gradient", "huge_weight", "ipm", "label_flip", "nan", "random_direction", "sign_flip", "step_liar"]  # fmt: skip
+HOOKS = ("batch", "contribution", "weight", "reduce", "entry")
 # The hooks at which each attack lies; at every other hook it is honest.
 LIES_AT = {
     "sign_flip": {"contribution"},
@@ -36,6 +36,7 @@ LIES_AT = {
     "nan": {"contribution"},
     "huge_weight": {"contribution", "weight"},
     "bad_reducer": {"reduce"},
+    "step_liar": {"entry"},
 }
 
 
@@ -61,6 +62,9 @@ def _hooks_changed(name: str) -> set[str]:
     aggregate = _gradient(99)
     if not torch.equal(attack.reduce(aggregate.clone()), aggregate):
         changed.add("reduce")
+    extra = {"step": 7, "state_hash": "ab" * 32}
+    if attack.entry(dict(extra)) != extra:
+        changed.add("entry")
     return changed
 
 
@@ -233,10 +237,12 @@ def test_every_attack_is_the_librarys_three_hooks_and_turns_on_only_its_own_flag
     assert flagged("rewrites_aggregates") == {"bad_reducer", "draw_aware_reducer", "refusing_reducer"}
     assert flagged("withholds_aggregates") == {"withholder"}
     assert flagged("refuses_inputs") == {"refusing_reducer"}
+    assert flagged("denies_rounds") == {"denier"}
     assert flagged("hears_microbatches") == {"forged_retried"}
     assert flagged("front_runs") == {"front_runner"}
     honest, gradient = TrainingHooks(), _gradient(0)
     assert honest.contribute(None, gradient) is gradient and honest.weight(16.0) == 16.0
+    assert honest.entry({"step": 3}) == {"step": 3}
     assert not honest.omniscient and honest.round_hooks.frame(object(), None) is None
 
 

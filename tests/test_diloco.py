@@ -153,27 +153,34 @@ def test_one_claim_cannot_cut_the_window_short_and_a_laggard_holds_it_at_most_tw
             dht.shutdown()
 
 
-class StepLiar(DilocoTrainer):
-    """An admitted peer whose signed group entry claims the next outer step (issue 25 item 3)."""
-
-    def _round_extra(self) -> dict:
-        return {**super()._round_extra(), "step": self.step + 1}
-
-
-def test_a_member_claiming_another_outer_step_is_excluded_and_the_round_goes_on_without_it():
-    """Before, one member's signed entry claiming step s+1 voided every outer round it joined for every
-    member, and nobody was blamed: the honest peers stalled and then caught up to whatever was ahead."""
+@pytest.mark.parametrize(
+    ("sync", "liars"),
+    [("diloco", 1), ("every_step", 2)],
+    ids=["diloco-one-liar-of-four", "every-step-two-sybils-of-four"],
+)
+def test_a_member_claiming_another_step_is_excluded_and_the_round_goes_on_without_it(sync: str, liars: int):
+    """Issue 25 item 3, with the registered ``step_liar`` attack. Before, one member's signed entry claiming
+    step s+1 voided every DiLoCo outer round it joined for every member, and two such members in a group of
+    four voided every every_step round; nobody was blamed: the honest peers stalled and then caught up to
+    whatever was ahead. Now every honest member excludes and suspects them and averages with the rest."""
     steps = 2
-    run = diloco_run(max_steps=steps)
+    training = {"max_steps": steps, "min_group_size": 4 - liars}  # every honest peer in every round
+    run = diloco_run(**training) if sync == "diloco" else tiny_run("step-claims", **training)
     dhts = start_dhts(4)
     try:
-        honest = peers_for(run, dhts[:3])
-        key = KEYS[dhts[3].peer_id.to_base58()]
-        liar = StepLiar(run, dhts[3], peer_id=key.peer_id, signing_key=key)
+        torch.set_num_threads(1)
+        kind = trainer_class(run)
+        attack = make_attack("step_liar", group_size=4, attackers=liars)
+        peers = [
+            kind(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()],
+                 hooks=attack if i >= 4 - liars else None)
+            for i, d in enumerate(dhts)
+        ]  # fmt: skip
+        honest, attackers = peers[: 4 - liars], peers[4 - liars :]
 
         async def scenario() -> None:
             stop = asyncio.Event()
-            tasks = [asyncio.create_task(t.run(stop)) for t in [*honest, liar]]
+            tasks = [asyncio.create_task(t.run(stop)) for t in peers]
             deadline = time.monotonic() + 90
             try:
                 while not all(t.finished for t in honest):
@@ -187,11 +194,14 @@ def test_a_member_claiming_another_outer_step_is_excluded_and_the_round_goes_on_
         assert len({t.state_hash for t in honest}) == 1, "the honest peers hold the same bits"
         metrics = [t.metrics() for t in honest]
         assert all(t.step == steps for t in honest), metrics
-        # Every outer step was averaged and applied, none skipped and made up by a download.
-        assert all(m["outer_steps"] == steps and m["resyncs"] == 0 for m in metrics), metrics
+        # Every step was averaged and applied by the honest peers, none skipped and made up by a download.
+        assert all(m["rounds_ok"] == steps and m["resyncs"] == 0 for m in metrics), [
+            {k: m[k] for k in ("rounds_ok", "rounds_failed", "resyncs")} for m in metrics
+        ]
         for trainer in honest:
-            reason = trainer.policy.refusal(liar.peer_id)
-            assert reason is not None and "claims outer step" in reason, reason
+            for liar in attackers:
+                reason = trainer.policy.refusal(liar.peer_id)
+                assert reason is not None and "claims step" in reason, reason
     finally:
         for d in dhts:
             d.shutdown()

@@ -17,7 +17,7 @@ from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody, GroupRefused, ch
 from swarm.averaging.policy import PeerPolicy
 from swarm.byzantine.attacks import make_attack
 from swarm.byzantine.group_attacks import _with_commitment
-from swarm.training.diloco import outer_step_misfit
+from swarm.training.trainer import step_misfit
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,11 +92,41 @@ def test_every_member_at_the_step_excludes_the_same_misfit_and_keeps_the_rest(id
             group = check_group(
                 [k.peer_id for k in ids], gathered, me=ids[me].peer_id, my_entry=gathered[me],
                 leader=ids[0].peer_id, prefix=PREFIX, schema_hash=SCHEMA, signed=True, refusal=lambda p: None,
-                max_age_s=60.0, fits=lambda e: outer_step_misfit(e.extra, {"step": 4}),
+                max_age_s=60.0, fits=lambda e: step_misfit(e.extra, {"step": 4}),
             )  # fmt: skip
             assert group.peer_ids == [ids[0].peer_id, ids[2].peer_id], claim
-            assert f"claims outer step {claim}, not this round's 4" in group.misfits[ids[1].peer_id]
+            assert f"claims step {claim}, not this round's 4" in group.misfits[ids[1].peer_id]
             assert group.excluded.keys() == group.misfits.keys() == {ids[1].peer_id}
+
+
+def test_two_sybils_claiming_the_next_step_are_excluded_and_suspected_a_peer_behind_blames_nobody():
+    """every_step and DiLoCo alike (issue 25 item 3). Before, in every_step, two members of four whose signed
+    entries claimed step s+1 made the honest members skip the round, nobody blamed; a peer whose rounds
+    keep failing so then lets the peers ahead decide its catch-up. Now each honest member keeps the
+    members at its step and suspects the liars. A peer behind most of its group is the odd one out: it
+    keeps only itself (and leaves) and suspects nobody, while the members ahead suspect it."""
+    keys = [SigningKey.generate() for _ in range(4)]
+    names = [k.peer_id for k in keys]
+
+    def seen_by(me: int, steps: list[int]):
+        gathered = [entry(k, extra={"step": s}) for k, s in zip(keys, steps, strict=True)]
+        return check_group(
+            names, gathered, me=names[me], my_entry=gathered[me], leader=names[0], prefix=PREFIX,
+            schema_hash=SCHEMA, signed=True, refusal=lambda p: None, max_age_s=60.0,
+            fits=lambda e: step_misfit(e.extra, {"step": steps[me]}),
+        )  # fmt: skip
+
+    sybils = [2, 2, 3, 3]  # the last two are the Sybils
+    for me in (0, 1):
+        group = seen_by(me, sybils)
+        assert group.peer_ids == names[:2]
+        assert group.suspects.keys() == {names[2], names[3]}
+    behind = [2, 3, 3, 3]
+    group = seen_by(0, behind)
+    assert group.peer_ids == names[:1] and group.misfits.keys() == set(names[1:])
+    assert group.suspects == {}, "the peer behind blames none of the honest peers ahead of it"
+    group = seen_by(1, behind)
+    assert group.peer_ids == names[1:] and group.suspects.keys() == {names[0]}
 
 
 def test_a_stale_entry_is_excluded(ids):

@@ -10,15 +10,13 @@ bounded map, and a repeat offender is avoided longer each time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
-from protocols import averaging_pb2 as apb
 from swarm.averaging.averager import Averager, RunMatchmaking
 from swarm.averaging.policy import MAX_SUSPECT_S, MAX_SUSPECTS, SUSPECT_S, PeerPolicy, Suspects
+from swarm.byzantine.attacks import make_attack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,18 +110,13 @@ class FollowOnly(RunMatchmaking):
 
 class Denier(Averager):
     """An admitted member that joins a group with its signed entry and contributes, but answers every
-    stream to its part NOT_IN_GROUP, as an honest peer that left the group would (issue 25 item 4)."""
+    stream to its part that it knows no such round, as an honest peer that left the group would (issue 25
+    item 4): the registered ``denier`` attack, in an averager that never leads."""
 
     matchmaking_type = FollowOnly
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.route_part = self._deny
-
-    async def _deny(self, stream, sender) -> AsyncIterator[apb.PartChunk]:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(stream.__anext__(), timeout=self.sender_timeout_s)
-        yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="no averaging round with this group ID here")
+        super().__init__(*args, hooks=make_attack("denier", group_size=3, attackers=1), **kwargs)
 
 
 def test_a_member_that_denies_the_round_is_blamed_and_its_part_repaired(keyed_dhts):

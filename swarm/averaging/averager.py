@@ -242,6 +242,7 @@ class Averager:
             silence_s=lambda: self.stream_silence_s,
             wait_s=sender_timeout_s,
             banned=lambda: self.banned,
+            denies=self.hooks.denies_rounds,
         )
         self._verifications: set[asyncio.Task] = set()
         self._nonce = b""
@@ -428,9 +429,10 @@ class Averager:
             if e.culprit != self.peer_id.to_base58():
                 self.policy.suspect(e.culprit, e.reason, leader_only=e.culprit == leader)
             return None
+        suspects = group.suspects
         for peer, reason in group.excluded.items():
             logger.warning(f"excluding {peer} from group {short}: {reason}")
-            if peer in group.misfits:  # it signed what it claims: the round goes on without it
+            if peer in suspects:  # it signed what it claims: the round goes on without it
                 self.policy.suspect(peer, reason)
         if len(group.peer_ids) < 2:
             logger.info(f"leaving group {short}: fewer than 2 members with valid entries")

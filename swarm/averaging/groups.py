@@ -13,8 +13,8 @@ stage. Before a round every member checks the group the leader announced (``chec
   whose entry fails is excluded from the round (every honest member excludes the same ones, since they
   all see the same bytes), not kept with weight 0;
 - every entry fits the round (``fits``: in DiLoCo, the member's signed outer step is this peer's). A
-  member whose signed entry does not fit is excluded and suspected (``VerifiedGroup.misfits``), and the
-  round goes on among the rest: every member at the round's step computes the same exclusion from the
+  member whose signed entry does not fit is excluded and suspected (``VerifiedGroup.suspects``: unless
+  most of the group does not fit, when this member is the odd one out), and the round goes on among the rest: every member at the round's step computes the same exclusion from the
   same signed bytes, so one member's claim no longer voids the round for all.
 
 Each entry also says whether its member can be dialed. One that cannot (behind NAT) reduces no part of
@@ -83,6 +83,14 @@ class VerifiedGroup:
     entries: list[GroupEntryBody]
     excluded: dict[str, str] = field(default_factory=dict)
     misfits: dict[str, str] = field(default_factory=dict)  # signed entries that do not fit the round
+
+    @property
+    def suspects(self) -> dict[str, str]:
+        """The misfits to suspect: all of them, unless they are most of the group. Then this member is
+        the odd one out (behind, or apart), and blaming everyone else would only make it avoid honest
+        peers once it has caught up; it leaves the round or averages with the few at its step."""
+        listed = len(self.peer_ids) + len(self.excluded)
+        return {} if 2 * len(self.misfits) > listed else dict(self.misfits)
 
     @property
     def reducers(self) -> list[bool]:

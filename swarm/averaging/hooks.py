@@ -2,14 +2,17 @@
 
 A round calls its hooks where this member acts as reducer, validator and group leader; the default does
 what an honest peer does (returns its input, or declines to act), so the library calls it
-unconditionally. Three typed flags stand where there is nothing to call on the honest path:
+unconditionally. Four typed flags stand where there is nothing to call on the honest path:
 ``rewrites_aggregates`` spares an honest reducer decoding its own aggregate for ``aggregate``, and the
-other two are things an honest member simply never does (return nothing, show nothing):
+other three are things an honest member simply never does (return nothing, show nothing, deny a round
+it joined):
 
 - ``aggregate(round, part, chunk, honest) -> Tensor``: what this reducer returns for a chunk, given the
   honest aggregate; called only when ``rewrites_aggregates`` is set;
 - ``withholds_aggregates``: as reducer or a repair's substitute, stream no aggregate back;
 - ``refuses_inputs``: as reducer, show validators none of the inputs it aggregated;
+- ``denies_rounds``: as reducer, answer every part stream that it knows no such round, as an honest
+  member that left the group would;
 - ``show(round, part, chunk, honest) -> SignedInput``: the own input this member shows a validator;
 - ``frame(evidence, round) -> Evidence | None``: as validator that cleared a reducer, evidence to accuse
   it with anyway (None: the honest verdict stands);
@@ -47,6 +50,8 @@ class RoundHooks:
     withholds_aggregates: ClassVar[bool] = False
     #: Whether this member, as reducer, shows validators none of the inputs it aggregated.
     refuses_inputs: ClassVar[bool] = False
+    #: Whether this member, as reducer, says it knows no round of every part stream sent to it.
+    denies_rounds: ClassVar[bool] = False
 
     def aggregate(
         self, round: ButterflyAllReduce, part: int, chunk: int, honest: torch.Tensor

@@ -91,6 +91,7 @@ class PartRouter:
             measured link, so it is asked per stream).
         wait_s: how long a stream waits for the round it names to start here.
         banned: the peer IDs (base58) on the run's ban list now; their streams are refused at once.
+        denies: a rehearsed denier (``RoundHooks.denies_rounds``): every stream is told no such round.
     """
 
     def __init__(
@@ -100,8 +101,10 @@ class PartRouter:
         silence_s: Callable[[], float],
         wait_s: float,
         banned: Callable[[], Collection[str]],
+        denies: bool = False,
     ):
         self.rounds, self.silence_s, self.wait_s, self.banned = rounds, silence_s, wait_s, banned
+        self.denies = denies
 
     async def __call__(
         self, stream: AsyncIterator[apb.PartChunk], sender: PeerID
@@ -117,7 +120,7 @@ class PartRouter:
         # over here may still stand in for a part that another member's reducer failed (see ``repair``).
         runner = self.rounds.live.get(first.group_id) or self.rounds.recent.get(first.group_id)
         runner = runner or await self.rounds.wait_for(first.group_id, self.wait_s)
-        if runner is None:
+        if runner is None or self.denies:
             yield apb.PartChunk(code=apb.BAD_GROUP, error="no averaging round with this group ID here")
             return
         async for message in runner.serve(first, stream, sender):

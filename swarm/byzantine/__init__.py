@@ -18,12 +18,15 @@ Attacks plug into the library through its typed hooks, each owned by the layer t
   DHT and state servers (``swarm-sim --protocol-attack``)
 - ``hostile``: the hostile-peer harness, the protocol attack that sends malformed, oversized, far-future
   and replayed inputs to every DHT key rule and libp2p handler the code has, registered with the others
+- ``coordinator_sybils``: cheap identities against the coordinator (joins, credit, suspicions, stalled
+  accusations, self-bans), the protocol attack ``swarm-sim`` mounts for it
 - ``abuse``: attacks on the coordinator's endpoints (``stalled_accuser``, ``challenge_flood``), mounted
   against a live coordinator by ``tests/test_accuse_abuse.py``
 
 These exist to test defenses (``swarm-sim --byzantine K --attack NAME``); an honest peer never builds one.
 """
 
+from swarm.byzantine import coordinator_sybils as _coordinator_sybils  # noqa: F401 - registers it
 from swarm.byzantine import group_attacks as _group_attacks  # noqa: F401 - registers the group attacks
 from swarm.byzantine import hostile as _hostile  # noqa: F401 - registers the hostile-peer harness
 from swarm.byzantine import pipeline_attacks as _pipeline_attacks  # noqa: F401 - registers the pipeline attacks

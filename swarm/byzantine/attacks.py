@@ -570,3 +570,23 @@ class Withholder(Attack):
     """Sends honest, signed contributions, but never returns the aggregate of its own part."""
 
     withholds_aggregates = True
+
+
+@register_attack("step_liar", AttackOptions)
+class StepLiar(Attack):
+    """Trains and sends honestly, but signs the next step into every group entry (issue 25 item 3). Before,
+    one such member voided every DiLoCo outer round it joined, and two in a group of four every_step round;
+    the stalled honest peers then let the peers ahead decide their catch-up."""
+
+    def entry(self, extra: dict) -> dict:
+        step = extra.get("step")
+        return {**extra, "step": step + 1} if type(step) is int else extra
+
+
+@register_attack("denier", AttackOptions)
+class Denier(Attack):
+    """Joins groups with its own signed entry and sends honest contributions, but answers every part stream
+    sent to it that it knows no such round, as an honest member that left the group would (issue 25 item
+    4). Before, its part was never repaired and the honest leader took the blame."""
+
+    denies_rounds = True

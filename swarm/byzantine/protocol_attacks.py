@@ -14,7 +14,9 @@ honest peers train:
   of the run (progress, pipeline, members, checkpoint, bans), to replace the real records;
 - ``download_flood``: many concurrent state downloads from the holders, to exhaust their uplink;
 - ``hostile`` (``swarm.byzantine.hostile``): malformed, oversized, far-future and replayed inputs at every
-  DHT key and libp2p handler of the run, read from the code.
+  DHT key and libp2p handler of the run, read from the code;
+- ``coordinator_sybils`` (``swarm.byzantine.coordinator_sybils``): cheap identities that join, claim
+  credit, inflate suspicions, stall accusations and ban themselves at the coordinator.
 
 Example::
 
@@ -54,6 +56,7 @@ class ProtocolTarget:
     holders: list[str] = field(default_factory=list)
     state_namespace: str = ""
     step: int = 0  # the highest honest step seen so far (the attacker's own junk may hide it later)
+    coordinator: str = ""  # the coordinator's HOST:PORT, for attacks on its RPCs ("": none)
 
 
 class ProtocolAttackOptions(BaseModel):
@@ -74,6 +77,9 @@ class ProtocolAttack:
     async def mount(self, target: ProtocolTarget) -> int:
         """Run the attack once; returns how many records or requests it sent."""
         return 0
+
+    async def close(self) -> None:
+        """Stop what the attack left running between mounts (streams, channels)."""
 
 
 ProtocolAttackFactory = Callable[[Any], ProtocolAttack]
@@ -236,7 +242,13 @@ class DownloadFlood(ProtocolAttack):
 
 
 async def rehearse(
-    run_id: str, initial_peers: list[str], names: list[str], *, interval_s: float, duration_s: float
+    run_id: str,
+    initial_peers: list[str],
+    names: list[str],
+    *,
+    interval_s: float,
+    duration_s: float,
+    coordinator: str = "",
 ) -> dict[str, int]:
     """Mount ``names`` every ``interval_s`` for ``duration_s`` from a stock hivemind.DHT; returns what was sent."""
     from swarm.training.sync import state_namespace
@@ -246,7 +258,7 @@ async def rehearse(
     dht = SpawnedDHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     attacks = [make_protocol_attack(n, {"requests": 2} if n == "download_flood" else None) for n in names]
     sent = dict.fromkeys(names, 0)
-    target = ProtocolTarget(dht, run_id, state_namespace=state_namespace(run_id))
+    target = ProtocolTarget(dht, run_id, state_namespace=state_namespace(run_id), coordinator=coordinator)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + duration_s
     try:
@@ -268,6 +280,8 @@ async def rehearse(
             )
             await asyncio.sleep(interval_s)
     finally:
+        for attack in attacks:
+            await attack.close()
         dht.shutdown()
     return sent
 
@@ -280,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--attack", nargs="+", choices=protocol_attack_names(), required=True)
+    parser.add_argument("--coordinator", default="", help="HOST:PORT of the coordinator's RPCs")
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--duration-s", type=float, default=3600.0)
     args = parser.parse_args(argv)
@@ -290,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             args.attack,
             interval_s=args.interval_s,
             duration_s=args.duration_s,
+            coordinator=args.coordinator,
         )
     )
     print(f"sent: {sent}", flush=True)

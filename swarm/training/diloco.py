@@ -69,20 +69,6 @@ def write_flat_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> N
             offset += p.numel()
 
 
-def outer_step_misfit(theirs: dict, mine: dict) -> str | None:
-    """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
-
-    Only pseudo-gradients of this outer step: one from another window would move the synced copy by a
-    window's worth of stale progress. A member whose signed entry claims another outer step is excluded
-    before the all-reduce and suspected; the members at this step, who all see the same signed entries,
-    exclude the same ones and average among themselves. A peer behind catches up by download.
-    """
-    step = theirs.get("step")
-    if type(step) is int and step == mine["step"]:  # not ``True``, which equals 1
-        return None
-    return f"claims outer step {str(step)[:32]}, not this round's {mine['step']}"
-
-
 class DilocoReplica:
     """One peer's DiLoCo state and arithmetic, without the network: the local copy and its inner optimizer,
     the synced copy and its outer optimizer, the error feedback of a sparse codec, and ``outer_overlap``'s
@@ -280,17 +266,6 @@ class DilocoTrainer(Trainer):
     def _round_weight(self) -> float:
         return self.replica.weight(self.samples)
 
-    def _entry_misfit(self, theirs: dict, mine: dict) -> str | None:
-        return outer_step_misfit(theirs, mine)
-
-    def _group_usable(self, group) -> bool:
-        """Every member kept claims this outer step (``_entry_misfit``); checked again before applying."""
-        steps = {e.get("step") if isinstance(e, dict) else None for e in group.extras}
-        if steps != {self.step}:
-            logger.info(f"outer step {self.step}: a groupmate was at another outer step; not applied")
-            return False
-        return True
-
     def _apply_round(self, result) -> None:
         # What the wire carried of this contribution (a sparse codec's result says); the rest waits.
         self._apply(result.vector, sent=getattr(result, "sent", None))
@@ -350,7 +325,6 @@ __all__ = [
     "DilocoReplica",
     "DilocoTrainer",
     "flat_params",
-    "outer_step_misfit",
     "trainer_class",
     "write_flat_params",
 ]

@@ -35,7 +35,6 @@ from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import quorum
 from swarm.training.hooks import TrainingHooks
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.ownmodel import check_own_model
@@ -62,6 +61,24 @@ logger = logging.getLogger(__name__)
 
 def _computed_elsewhere(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     raise ConfigError("this peer's gradients are computed by its caller's own loop (session.collaborate)")
+
+
+def step_misfit(theirs: dict, mine: dict) -> str | None:
+    """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
+
+    Only contributions of this step (in DiLoCo, this outer step): a gradient applied to another step's
+    state would commit a state nobody holds, and a pseudo-gradient of another window would move the synced
+    copy by a window's worth of stale progress. A member whose signed entry claims another step is
+    excluded before the all-reduce (and suspected, unless most of the group claims it:
+    ``Averager._checked``); the members at this step, who all see the same signed entries, exclude the
+    same ones and average among themselves. A peer behind catches up by download. Before, in every_step,
+    two Sybils claiming the next step in a group of four made the honest members skip the round, and a
+    peer whose rounds fail for long enough lets the peers ahead decide its catch-up.
+    """
+    step = theirs.get("step")
+    if type(step) is int and step == mine["step"]:  # not ``True``, which equals 1
+        return None
+    return f"claims step {str(step)[:32]}, not this round's {mine['step']}"
 
 
 class Trainer(CatchUp):
@@ -397,7 +414,7 @@ class Trainer(CatchUp):
         # What this peer sends and signs for: its own gradient and samples, but in a rehearsed attack.
         vector = await asyncio.to_thread(lambda: self.hooks.contribute(self, self._contribution()))
         weight = self.hooks.weight(self._round_weight())
-        extra = self._round_extra()
+        extra = self.hooks.entry(self._round_extra())
         # Everyone training at this step is about to look for a group too: assemble once all have joined
         # (never fewer than the run needs; a peer that left only makes the leader wait out its window).
         # A suspect is refused in matchmaking: waiting for it only holds the group until the window ends.
@@ -462,23 +479,14 @@ class Trainer(CatchUp):
 
     def _entry_misfit(self, theirs: dict, mine: dict) -> str | None:
         """Why a groupmate's signed ``extra`` (``mine``: this peer's) does not fit the round, so that every
-        member excludes it before the all-reduce; None: it fits (here, any step: ``_group_usable``)."""
-        return None
+        member excludes it before the all-reduce; None: it fits (``step_misfit``)."""
+        return step_misfit(theirs, mine)
 
     def _group_usable(self, group) -> bool:
-        """Whether a round's result may be applied to this peer's state. A gradient of a neighbouring step
-        still helps, and the majority check repairs a peer apart; but a peer behind most of its groupmates
-        would commit a step with a state nobody else holds, and with one peer always apart (a device that
-        rounds differently) no majority would ever repair that. It catches up by download instead. A lone
-        groupmate that claims a later step changes nothing: it takes a majority of the others."""
-        steps = [
-            e.get("step") if isinstance(e, dict) else None
-            for p, e in zip(group.peer_ids, group.extras, strict=True)
-            if str(p) != self.peer_id
-        ]
-        ahead = sum(1 for s in steps if isinstance(s, int) and s > self.step)
-        if steps and ahead >= quorum(len(steps)):
-            logger.info(f"step {self.step}: {ahead} groupmates are steps ahead; catching up instead")
+        """Every member kept claims this step (``_entry_misfit``); checked again before applying."""
+        steps = {e.get("step") if isinstance(e, dict) else None for e in group.extras}
+        if steps != {self.step}:
+            logger.info(f"step {self.step}: a groupmate was at another step; not applied")
             return False
         return True
 
