@@ -272,9 +272,16 @@ def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not
         # The step began long ago and its batch is still being computed (``_step_since`` was the old clock).
         trainer._started = trainer._step_since = time.monotonic() - 10 * window
         assert trainer._ahead_or_apart() is None, "one key ahead is no majority of the peers in view"
-        # Once its rounds have failed for a whole window, a stalled peer lets the peers ahead decide.
+        # Once its rounds have failed for a whole window, a stalled peer asks the peers it completed rounds
+        # with (``Groupmates``): "evil" never was one, so its record still moves nobody...
         trainer._rounds_since = time.monotonic() - 2 * window
-        assert trainer._ahead_or_apart() == (1, "e" * 64, ["evil"])
+        assert trainer._ahead_or_apart() is None
+        trainer.groupmates.record(["honest0", "honest1"], 0)
+        assert trainer._ahead_or_apart() is None
+        # ...while the groupmates, once they moved on, do.
+        for p in honest:
+            trainer.view[p.peer_id] = PeerProgress(p.peer_id, 1, 8, 1.0, "d" * 64, now)
+        assert trainer._ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
     finally:
         for dht in dhts:
             dht.shutdown()

@@ -32,7 +32,7 @@ from swarm.membership import fetch_members, publish_certificate
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust, TrustValidator, record_key, seal_peer_record
 from swarm.training.catchup import Position, PositionHistory, catch_up_target
-from swarm.training.progress import fetch_progress
+from swarm.training.progress import PeerProgress, fetch_progress
 from swarm.training.state import encode_state, state_hash
 from swarm.training.sync import (
     EncodedState,
@@ -100,6 +100,55 @@ def test_one_admitted_peer_ahead_cannot_steer_a_peer_that_just_committed():
     crowd = {"a": Position(6, H2), **{f"new{i}": Position(0, H1) for i in range(3)},
              **{f"evil{i}": Position(7, H3) for i in range(3)}}  # fmt: skip
     assert catch_up_target(Position(6, H2), crowd) is None
+
+
+def test_a_stalled_peer_follows_only_a_majority_of_the_peers_it_verified_work_with():
+    """Issue 25, catch-up that Sybils cannot steer. Before, once a peer's rounds had failed for a matchmaking
+    window plus a round timeout, only the peers ahead voted, so one certified key one step ahead (or a few
+    Sybils that never trained) was a majority and the stalled peer downloaded their state. Now a stalled
+    peer asks only the peers it completed and applied rounds with lately, all of them, ahead or not."""
+    groupmates = {"a": Position(6, H2), "b": Position(6, H2)}
+    strangers = {f"sybil{i}": Position(7, H3) for i in range(5)}
+    trusted = {"a", "b"}
+    assert (
+        catch_up_target(Position(6, H2), {**groupmates, **strangers}, stalled=True, trusted=trusted) is None
+    )
+    assert catch_up_target(Position(6, H2), {**groupmates, **strangers}, stalled=True).state_hash == H3, (
+        "the rule without anchors: the strangers ahead decide (as stage replicas still do)"
+    )
+    # A groupmate that turned attacker is one vote among the groupmates in view.
+    turned = {**groupmates, "c": Position(7, H3)}
+    assert catch_up_target(Position(6, H2), turned, stalled=True, trusted={"a", "b", "c"}) is None
+    # Most groupmates moved on (the caller's part of a round failed): it follows them.
+    moved = {"a": Position(7, H1), "b": Position(7, H1), "c": Position(6, H2), **strangers}
+    target = catch_up_target(Position(6, H2), moved, stalled=True, trusted={"a", "b", "c"})
+    assert target is not None and (target.step, target.state_hash, target.holders) == (7, H1, ["a", "b"])
+    # No groupmate in view (a peer that never completed a round): not stalled, a majority of all decides.
+    two = {"sybil0": Position(7, H3), "sybil1": Position(7, H3)}
+    assert catch_up_target(Position(6, H2), {**groupmates, **two}, stalled=True).holders == [
+        "sybil0",
+        "sybil1",
+    ]
+    assert catch_up_target(Position(6, H2), {**groupmates, **two}, stalled=True, trusted=set()) is None
+
+
+def test_a_trainer_records_its_groupmates_and_a_stalled_one_ignores_keys_it_never_averaged_with():
+    """The same through the real Trainer: its groupmates of applied rounds, forgotten after a window of
+    steps, anchor ``_ahead_or_apart`` once its rounds have failed for longer than ``round_s``."""
+    key = SigningKey.generate()
+    trainer = Trainer(tiny_run(RUN), None, peer_id=key.peer_id, signing_key=key)
+    trainer.step, trainer.state_hash = 6, H2
+    trainer.groupmates.record(["a", "b"], 6)
+    now = time.time()
+    view = {"a": (6, H2), "b": (6, H2), **{f"sybil{i}": (7, H3) for i in range(5)}}
+    trainer.view = {k: PeerProgress(k, s, 8, 1.0, h, now) for k, (s, h) in view.items()}
+    trainer._rounds_since = time.monotonic() - 10 * trainer.config.training.round_s
+    assert trainer._ahead_or_apart() is None, "stalled, yet the Sybils ahead have no say"
+    trainer.view["a"] = PeerProgress("a", 7, 8, 1.0, H1, now)
+    trainer.view["b"] = PeerProgress("b", 7, 8, 1.0, H1, now)
+    assert trainer._ahead_or_apart() == (7, H1, ["a", "b"])
+    trainer.step = 6 + trainer.groupmates.window + 1  # long past the last round with "a" and "b"
+    assert trainer.groupmates.recent(trainer.step) == set()
 
 
 def test_catch_up_never_follows_an_absurd_step_and_apart_peers_never_swap():

@@ -21,8 +21,11 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    counted from its first round attempt at the step, never from the step's start: computing a large
    batch is not being stuck) lets only the peers ahead of it vote: the peers at its own step may be as
    stuck as it is (a groupmate that keeps vanishing), and one completed round must not leave them apart
-   for good. An attacker must then both make every round of the caller fail and be the only peer
-   ahead, for that long.
+   for good. Of those, only the peers it completed and applied rounds with in its last steps
+   (``Groupmates``) vote, and all of them, ahead or not: a position ahead needs a strict majority of
+   them. A stalled caller with no such groupmate in view is not treated as stalled. Before, one record
+   one step ahead, of any certified key, was a majority of one for a peer whose rounds an attacker kept
+   failing.
 3. Never backwards, never past ``max_step`` (the run's ``max_steps``, or ``MAX_STEP``): a record of step
    2**63-1 cannot freeze a run or its checkpoints.
 4. At the caller's own step the majority position must also beat the caller's own side (itself plus
@@ -72,14 +75,28 @@ def catch_up_target(
     *,
     max_step: int | None = None,
     stalled: bool = False,
+    trusted: Collection[str] | None = None,
 ) -> Target | None:
     """The position to move to, or None when the caller is in line (or no majority exists yet).
 
     ``others`` maps peer IDs (never the caller's own) to their verified positions; ``mine`` is None for a
-    caller that holds no state of its own (the checkpoint keeper)."""
+    caller that holds no state of its own (the checkpoint keeper). ``trusted``: the peers the caller
+    completed rounds with lately (``Groupmates``); a stalled caller that has some in view at or ahead of
+    its step follows only what a strict majority of those hold, and one that has none in view is not
+    treated as stalled. None: a stalled caller lets every peer ahead vote (stage replicas)."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
+    anchors = []
+    if stalled and mine is not None and trusted is not None:
+        anchors = [p for peer, p in others.items() if peer in trusted and p.step >= mine.step]
+        stalled = bool(anchors)
     if mine is None:
         lowest, voters = -1, list(others.values())
+    elif anchors:
+        # Only peers this one verified work with decide, and all of them do, ahead or not: keys that
+        # never shared a round with it, however many, have no say, and one groupmate ahead of the others
+        # is no majority.
+        lowest = mine.step + 1
+        voters = anchors
     elif stalled:
         lowest = mine.step + 1
         voters = [p for p in others.values() if p.step >= lowest]
@@ -110,15 +127,45 @@ def catch_up_target(
 
 
 def catch_up_move(
-    mine: Position, others: Mapping[str, Position], training, *, stuck_s: float
+    mine: Position,
+    others: Mapping[str, Position],
+    training,
+    *,
+    stuck_s: float,
+    trusted: Collection[str] | None = None,
 ) -> tuple[int, str, list[str]] | None:
     """(step, state hash, holders) to move to under the run's ``training`` settings, or None: the caller
     counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
-    for longer than a matchmaking window plus a round timeout. The data-parallel trainer and every stage
-    replica call this."""
+    for longer than a matchmaking window plus a round timeout (``trusted``: see ``catch_up_target``).
+    The data-parallel trainer and every stage replica call this."""
     stalled = stuck_s > training.round_s
-    target = catch_up_target(mine, others, max_step=training.max_steps, stalled=stalled)
+    target = catch_up_target(mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted)
     return None if target is None else (target.step, target.state_hash, target.holders)
+
+
+class Groupmates:
+    """The peers this one completed and applied rounds with in its last ``window`` steps: the anchors of a
+    stalled caller's catch-up (``catch_up_target``'s ``trusted``). Each was listed with its own signed,
+    fresh entry at the round's step in a group this peer checked, its contribution went into the
+    aggregate this peer applied, and validators could check that round; so it held this peer's state
+    then. An identity that never shared a verified round has no say in where a stalled peer goes.
+    Bounded: at most ``limit`` peers, the least recent forgotten first."""
+
+    def __init__(self, window: int = 8, limit: int = 256):
+        self.window, self.limit = window, limit
+        self._last: OrderedDict[str, int] = OrderedDict()
+
+    def record(self, peers: Collection[str], step: int) -> None:
+        """``peers`` were kept members of a round this peer applied at ``step``."""
+        for peer in peers:
+            self._last[peer] = max(step, self._last.get(peer, step))
+            self._last.move_to_end(peer)
+        while len(self._last) > self.limit:
+            self._last.popitem(last=False)
+
+    def recent(self, step: int) -> set[str]:
+        """The groupmates of rounds at ``step - window`` or later."""
+        return {peer for peer, last in self._last.items() if last >= step - self.window}
 
 
 class PositionHistory:

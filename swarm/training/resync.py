@@ -118,7 +118,8 @@ class CatchUp:
         others = {k: Position(v.step, v.state_hash) for k, v in self.view.items() if k != self.peer_id}
         mine = Position(self.step, self.state_hash)
         stuck_s = 0.0 if self._rounds_since is None else time.monotonic() - self._rounds_since
-        return catch_up_move(mine, others, self.config.training, stuck_s=stuck_s)
+        trusted = self.groupmates.recent(self.step)
+        return catch_up_move(mine, others, self.config.training, stuck_s=stuck_s, trusted=trusted)
 
     async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""

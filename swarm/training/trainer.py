@@ -35,6 +35,7 @@ from swarm.data import build_dataset, derive_seed
 from swarm.models import build_model, model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
+from swarm.training.catchup import Groupmates
 from swarm.training.hooks import TrainingHooks
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.ownmodel import check_own_model
@@ -203,6 +204,8 @@ class Trainer(CatchUp):
         self._next_record_check = 0.0
         # Samples this peer put into rounds that were applied: its credit, reported to the coordinator.
         self.contributed_samples = 0
+        # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
+        self.groupmates = Groupmates()
         self.last_group_size = 0
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
         # Gradient sums of the caller's micro-batches (``absorb(mean=True)``), kept out of ``.grad``.
@@ -462,6 +465,7 @@ class Trainer(CatchUp):
                 await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
         self.contributed_samples += contributed
+        self.groupmates.record([str(p) for p in group.peer_ids if str(p) != self.peer_id], self.step)
         self.last_group_size = len(group.peer_ids)
         self._step_view = self.progress_view.count
         self._stats["rounds_ok"] += 1
