@@ -335,7 +335,7 @@ class BoundedServicer(ServicerBase):
                         # first would close with it unread, and the reset overtook the replies (a
                         # validator saw BrokenPipeError from an honest holder and avoided it).
                         await asyncio.wait({receiving}, timeout=CLOSE_LINGER_S)
-                    receiving.cancel()
+                    _discard(receiving)
                     return
                 try:
                     request, _ = receiving.result()
@@ -354,6 +354,15 @@ class BoundedServicer(ServicerBase):
             await _send_refusal(str(e), reader, writer)
         finally:
             processing.cancel()
+
+
+def _discard(task: asyncio.Task) -> None:
+    """Cancel ``task``, or take the error it ended with: the caller's end of stream after the handler
+    answered ends a read with ``IncompleteReadError``, which asyncio would otherwise log as never retrieved."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 async def _send_refusal(reason: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
