@@ -4,6 +4,12 @@ All run inside the store's heartbeat transaction (``coordinator.store``), on its
 verified step bounds credit, so it is bounded itself: by a majority of the reporting peers, by how fast a
 run can train, and by the newest checkpoint.
 
+A data-parallel peer is credited only for rounds other members witnessed (``credit_witnessed``): the
+weight its signed group entry claims, reported by another member of the round
+(``coordinator.witness``), once per step, for steps the run has verified, at most twice the average
+share of the peers that went past that step. Its own ``contributed_samples`` is shown, never credited.
+
+Pipeline roles (stage servers and trainers) hold no such rounds yet, and are credited as follows.
 What is checked, and what is not: a peer's ``contributed_samples`` is its own claim. The coordinator
 credits it only for steps at or below the verified step, only while the parameter hash the peer reports
 for its step is the one most online, unbanned peers at that step report, and at most one share of a
@@ -28,6 +34,8 @@ CHECKPOINT_MARGIN_PERIODS = 2
 # One peer's share of a round may be up to this many times the average share: members differ in
 # speed, and a faster one computes more of the batch than a slower one.
 SHARE_SLACK = 2.0
+# Roles credited from witnessed rounds (``credit_witnessed``); the others report their own, bounded.
+DATA_ROLES = ("data", "auto")
 
 
 def meta_int(db: sqlite3.Connection, key: str) -> int:
@@ -131,3 +139,54 @@ def merge_credit(
         "UPDATE credit SET samples = samples + ?, reported = ?, refused = refused + ?, step = ? WHERE peer_id=?",
         (granted, reported, claimed - granted, max(step, credited_step), peer_id),
     )
+
+
+# Witnessed rounds are credited for steps in this window below the verified step, and forgotten after it
+# (a replayed old round then falls outside the window, so it cannot be credited twice).
+WITNESS_WINDOW_STEPS = 16
+
+
+def credit_witnessed(
+    db: sqlite3.Connection, reporter: str, rounds: list, *, verified: int, max_per_step: float
+) -> float:
+    """Credit each member of ``rounds`` (``coordinator.witness.WitnessedEntry`` lists) other than their
+    ``reporter``: the weight it signed, once per (member, step), only for steps below the ``verified``
+    step and within ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers, and at
+    most ``SHARE_SLACK`` times ``max_per_step`` over the members of the round or the online, unbanned
+    peers past that step, whichever is more. Returns the samples credited."""
+    credited = 0.0
+    for entries in rounds:
+        step = entries[0].step
+        if not verified - WITNESS_WINDOW_STEPS <= step < verified:
+            continue
+        (past,) = db.execute(
+            "SELECT COUNT(*) FROM peers p WHERE p.state='online' AND p.step > ? "
+            "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)",
+            (step,),
+        ).fetchone()
+        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(entries), past, 1))
+        for entry in entries:
+            if entry.peer_id == reporter:
+                continue
+            member = db.execute(
+                "SELECT role FROM peers p WHERE p.peer_id=? "
+                "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)",
+                (entry.peer_id,),
+            ).fetchone()
+            if member is None or member[0] not in DATA_ROLES:
+                continue
+            samples = min(entry.weight, cap)
+            cursor = db.execute(
+                "INSERT OR IGNORE INTO witnessed (peer_id, step, samples) VALUES (?, ?, ?)",
+                (entry.peer_id, step, samples),
+            )
+            if cursor.rowcount != 1:
+                continue  # this member's round at this step was credited already
+            db.execute(
+                "INSERT INTO credit (peer_id, samples) VALUES (?, ?) "
+                "ON CONFLICT(peer_id) DO UPDATE SET samples = samples + excluded.samples",
+                (entry.peer_id, samples),
+            )
+            credited += samples
+    db.execute("DELETE FROM witnessed WHERE step < ?", (verified - WITNESS_WINDOW_STEPS,))
+    return credited

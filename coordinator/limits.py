@@ -204,10 +204,12 @@ class EvidenceBudget:
 
 
 class RefusalLog:
-    """Log lines for refused requests: at most ``per_window`` a window of ``window_s`` for each (RPC,
-    kind of error), then, once the window has passed, one line saying how many were left out. Every
-    refusal of a flood used to write its own line, so a caller could fill the organizer's disk at the
-    rate the coordinator refuses it. The keys are the service's methods times the error classes: few."""
+    """Log lines for refused requests: at most ``per_window`` a window of ``window_s`` for each (RPC, kind
+    of error, caller address), then, once the window has passed, one line saying how many of that caller's
+    were left out (written by any later refusal, whoever makes it). Every refusal of a flood used to write
+    its own line, so a caller could fill the organizer's disk at the rate the coordinator refused it; and a
+    budget shared by all callers would let one caller's junk hide another's refusals. At most
+    ``max_keys`` windows are kept (the least recently refused caller is summed up and forgotten first)."""
 
     def __init__(
         self,
@@ -215,23 +217,43 @@ class RefusalLog:
         *,
         per_window: int = 20,
         window_s: float = 60.0,
+        max_keys: int = 1024,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.log, self.per_window, self.window_s, self.clock = log, per_window, window_s, clock
-        self._windows: dict[tuple[str, str], tuple[float, int]] = {}
+        self.max_keys = max_keys
+        self._windows: OrderedDict[tuple[str, str, str], tuple[float, int]] = OrderedDict()
+        self._swept = clock()
 
     def refused(self, method: str, caller: str, error: Exception) -> None:
-        key = (method, type(error).__name__)
         now = self.clock()
-        started, count = self._windows.get(key, (now, 0))
+        if now - self._swept >= self.window_s:
+            self._sweep(now)
+        key = (method, type(error).__name__, caller_key(caller))
+        started, count = self._windows.pop(key, (now, 0))
         if now - started >= self.window_s:
-            if count > self.per_window:
-                self.log(
-                    f"{count - self.per_window} more refusals of {method} ({key[1]}) in {now - started:.0f}s "
-                    "were not logged"
-                )
+            self._summarize(key, started, count, now)
             started, count = now, 0
         count += 1
         self._windows[key] = (started, count)
+        while len(self._windows) > self.max_keys:
+            old, (old_started, old_count) = self._windows.popitem(last=False)
+            self._summarize(old, old_started, old_count, now)
         if count <= self.per_window:
             self.log(f"refused {method} from {caller}: {error}")
+
+    def _sweep(self, now: float) -> None:
+        """Sum up and forget every window that has passed."""
+        self._swept = now
+        for key, (started, count) in list(self._windows.items()):
+            if now - started >= self.window_s:
+                del self._windows[key]
+                self._summarize(key, started, count, now)
+
+    def _summarize(self, key: tuple[str, str, str], started: float, count: int, now: float) -> None:
+        if count > self.per_window:
+            method, kind, caller = key
+            self.log(
+                f"{count - self.per_window} more refusals of {method} ({kind}) from {caller} in "
+                f"{now - started:.0f}s were not logged"
+            )

@@ -28,6 +28,7 @@ from coordinator.accusations import EvidenceReader, StageStates, judge_accusatio
 from coordinator.limits import EvidenceBudget, KeyedBuckets, RefusalLog, ServiceLimits, caller_key
 from coordinator.roundinputs import RoundInputs
 from coordinator.store import PeerRecord, Store
+from coordinator.witness import witnessed_rounds
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import issue_certificate
 from protocols.envelope import MAX_CLOCK_SKEW_S, Envelope, open_envelope, seal
@@ -112,6 +113,8 @@ class CoordinatorService:
         self._clock_offsets: OrderedDict[str, float] = OrderedDict()
         self._sessions: OrderedDict[str, float] = OrderedDict()
         self._started_at = time.time()
+        # Refused requests, logged a bounded number of times a minute (a flood is counted, not written out).
+        self._refusals = RefusalLog(logger.warning)
         self.key, self.store = key, store
         self.dht_initial_peers = dht_initial_peers
         self.limits = limits = limits or ServiceLimits()
@@ -294,6 +297,11 @@ class CoordinatorService:
         record = await self._known_peer(envelope)
         now = time.time()
         self._note_clock(envelope.sender, envelope.issued_at - now)
+        rounds, refused = witnessed_rounds(body.rounds, run_id=self.run_id, reporter=envelope.sender, now=now)
+        for reason in refused:  # its other rounds still count; these credit nobody
+            self._refusals.refused(
+                "Heartbeat", peer, ProtocolError(f"heartbeat from {envelope.sender}: {reason}")
+            )
         recorded = await self.store.record_heartbeat(
             envelope.sender,
             seq=body.seq,
@@ -302,6 +310,7 @@ class CoordinatorService:
             step=body.step,
             param_hash=body.param_hash,
             suspects=body.suspects,
+            rounds=rounds,
         )
         if not recorded:
             raise ReplayError(f"heartbeat from {envelope.sender} repeats an old sequence number")
@@ -502,7 +511,7 @@ class CoordinatorService:
             "Leave": (pb.LeaveRequest, self.leave),
             "Status": (pb.StatusRequest, self.status),
         }
-        refusals = RefusalLog(logger.warning)
+        refusals = self._refusals
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
                 _guarded(name, request_type, handler, refusals),

@@ -32,7 +32,15 @@ from coordinator.banlist import (  # noqa: F401  (the CLI and metrics import the
     upgrade,
 )
 from coordinator.banlist import SCHEMA as BANS_SCHEMA
-from coordinator.credit import CHECKPOINT_MARGIN_PERIODS, merge_credit, meta_int, round_share, verify_step
+from coordinator.credit import (
+    CHECKPOINT_MARGIN_PERIODS,
+    DATA_ROLES,
+    credit_witnessed,
+    merge_credit,
+    meta_int,
+    round_share,
+    verify_step,
+)
 from coordinator.suspicions import SCHEMA as SUSPICIONS_SCHEMA
 from coordinator.suspicions import record_suspicions, suspicion_counts
 from protocols.errors import ConfigError
@@ -64,6 +72,12 @@ CREATE TABLE IF NOT EXISTS credit (
     reported REAL NOT NULL DEFAULT 0,
     step INTEGER NOT NULL DEFAULT 0,
     refused REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS witnessed (
+    peer_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    samples REAL NOT NULL,
+    PRIMARY KEY (peer_id, step)
 );
 CREATE TABLE IF NOT EXISTS history (
     t REAL NOT NULL,
@@ -296,9 +310,11 @@ class Store:
         step: int,
         param_hash: str,
         suspects: list[str] | None = None,
+        rounds: list | None = None,
     ) -> bool:
-        """Mark the peer online, credit its contribution and take its list of suspects, in one transaction;
-        returns False (and changes nothing) when ``seq`` is not new."""
+        """Mark the peer online, credit the members of the ``rounds`` it witnessed (data-parallel peers,
+        ``coordinator.witness``) or its own reported contribution (pipeline roles), and take its list of
+        suspects, in one transaction; returns False (and changes nothing) when ``seq`` is not new."""
 
         def op(db: sqlite3.Connection) -> bool:
             with transaction(db):
@@ -318,9 +334,19 @@ class Store:
                         max_steps_per_s=self.max_verified_steps_per_s,
                         max_step=ceiling,
                     )
-                    share = round_share(db, step, param_hash, self.max_samples_per_step)
-                    if CONTRIBUTED in metrics and step <= verified and share is not None:
-                        merge_credit(db, peer_id, metrics[CONTRIBUTED], step, share)
+                    (role,) = db.execute("SELECT role FROM peers WHERE peer_id=?", (peer_id,)).fetchone()
+                    if role in DATA_ROLES:
+                        credit_witnessed(
+                            db,
+                            peer_id,
+                            rounds or [],
+                            verified=verified,
+                            max_per_step=self.max_samples_per_step,
+                        )
+                    else:
+                        share = round_share(db, step, param_hash, self.max_samples_per_step)
+                        if CONTRIBUTED in metrics and step <= verified and share is not None:
+                            merge_credit(db, peer_id, metrics[CONTRIBUTED], step, share)
                     record_suspicions(db, peer_id, suspects or (), seen_at)
             return cursor.rowcount == 1
 

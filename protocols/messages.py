@@ -37,6 +37,13 @@ MAX_BAN_PAGES = 128
 MAX_METRICS = 64
 # Peers a heartbeat may name as ones its sender avoids for breaking rounds (``PeerPolicy`` suspects).
 MAX_SUSPECT_REPORTS = 16
+# Rounds a heartbeat may carry as witnessed (the signed group entries of rounds its sender applied),
+# members per round, and bytes per signed entry (about 600 bytes with a long run ID and address; a
+# member's entry beyond the bound is left out by the witness, so that it cannot get a heartbeat refused):
+# at most 144 KiB in all, within the envelope's 256 KiB.
+MAX_WITNESSED_ROUNDS = 3
+MAX_ROUND_ENTRIES = 48
+MAX_ENTRY_BYTES = 1024
 #: A pipeline trainer's highest attempt number for one micro-batch at one step (a sanity bound).
 MAX_ATTEMPT = 1 << 16
 #: Retried micro-batches a stage replica announces per step at most (about 140 bytes each).
@@ -94,7 +101,7 @@ class RunStateBody(_Body):
 
 class HeartbeatBody(_Body):
     """A peer's periodic heartbeat to the coordinator (purpose ``heartbeat``): a sequence number that must
-    grow, its state, step, parameter hash and metrics, and the peers it suspects."""
+    grow, its state, step, parameter hash and metrics, the peers it suspects and the rounds it witnessed."""
 
     seq: int = Field(gt=0)
     state: Literal["online", "paused"]
@@ -106,6 +113,13 @@ class HeartbeatBody(_Body):
     # The peers its sender avoids now for breaking its rounds in ways nobody can prove (a reducer that
     # took a part and never delivered it, a member that denied a round); the coordinator shows the count.
     suspects: list[PeerIdText] = Field(default_factory=list, max_length=MAX_SUSPECT_REPORTS)
+    # The rounds its sender applied lately, each as the signed group entries of its kept members (the
+    # sender's own among them): the coordinator credits each other member the weight it signed.
+    rounds: list[
+        Annotated[
+            list[Annotated[bytes, Field(max_length=MAX_ENTRY_BYTES)]], Field(max_length=MAX_ROUND_ENTRIES)
+        ]
+    ] = Field(default_factory=list, max_length=MAX_WITNESSED_ROUNDS)
 
     @field_validator("metrics")
     @classmethod

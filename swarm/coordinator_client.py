@@ -33,7 +33,9 @@ from protocols.messages import (
     JOIN,
     JOIN_ANSWER,
     LEAVE,
+    MAX_ROUND_ENTRIES,
     MAX_SUSPECT_REPORTS,
+    MAX_WITNESSED_ROUNDS,
     RUN_STATE,
     JoinAnswerBody,
     RunStateBody,
@@ -209,12 +211,15 @@ class CoordinatorClient:
         step: int = 0,
         param_hash: str = "",
         suspects: list[str] | None = None,
+        rounds: list[list[bytes]] | None = None,
     ) -> HeartbeatAnswer:
         seq = self._next_seq()
         body = {
             "seq": seq, "state": state, "metrics": dict(metrics or {}), "step": step,
             "param_hash": param_hash, "suspects": list(suspects or [])[:MAX_SUSPECT_REPORTS],
         }  # fmt: skip
+        if rounds:  # the signed group entries of rounds this peer applied lately (credit for the others)
+            body["rounds"] = [list(entries)[:MAX_ROUND_ENTRIES] for entries in rounds[-MAX_WITNESSED_ROUNDS:]]
         request = pb.HeartbeatRequest(
             header=self._header(run_id), envelope=seal(key, HEARTBEAT, run_id, body)
         )

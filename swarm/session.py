@@ -146,6 +146,8 @@ class Progress(Protocol):
 
     def suspected(self, limit: int) -> list[str]: ...
 
+    def witnessed(self) -> list[list[bytes]]: ...
+
     def metrics(self) -> dict[str, float]: ...
 
 
@@ -436,6 +438,7 @@ class Session:
             state="paused" if self.paused else "online", metrics=self.metrics(),
             step=progress.step if progress else 0, param_hash=progress.param_hash if progress else "",
             suspects=progress.suspected(MAX_SUSPECT_REPORTS) if progress else [],
+            rounds=progress.witnessed() if progress else [],
         )  # fmt: skip
 
     # --- leaving ------------------------------------------------------------------------------------

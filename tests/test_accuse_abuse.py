@@ -254,8 +254,18 @@ def test_a_flood_of_refused_requests_writes_a_bounded_number_of_log_lines():
     assert lines[-1] == "refused Join from ipv4:127.0.0.3:1: field 'name': too long"
     now[0] = 61.0
     log.refused("Challenge", "ipv4:127.0.0.2:1", NetworkError("too many join challenges from 127.0.0.2"))
-    assert lines[-2] == "9980 more refusals of Challenge (NetworkError) in 61s were not logged"
+    assert lines[-2] == "9980 more refusals of Challenge (NetworkError) from 127.0.0.2 in 61s were not logged"
     assert lines[-1].startswith("refused Challenge from") and len(lines) == 23
+    # Another caller's refusals of the same kind are logged however much the first one floods, and a
+    # flood that stops is summed up by the next refusal of any kind once its window has passed.
+    log.refused("Challenge", "ipv4:203.0.113.7:1", NetworkError("too many join challenges from 203.0.113.7"))
+    assert lines[-1].startswith("refused Challenge from ipv4:203.0.113.7:1")
+    for i in range(100):
+        now[0] = 62.0 + i * 0.01
+        log.refused("Challenge", "ipv4:127.0.0.2:1", NetworkError("too many join challenges from 127.0.0.2"))
+    now[0] = 3600.0
+    log.refused("Join", "ipv4:127.0.0.4:1", ProtocolError("field 'name': too long"))
+    assert "81 more refusals of Challenge (NetworkError) from 127.0.0.2" in "\n".join(lines[-3:])
 
 
 def test_caller_keys_and_bounded_buckets():

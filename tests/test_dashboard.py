@@ -210,8 +210,9 @@ def test_a_ban_shows_with_its_reason(run: Run):
 
 
 def test_reported_contributions_become_durable_credit(tmp_path: Path):
-    """How a peer's cumulative counter is merged: growth counts, a restart (a lower value) starts a new
-    count, credit never falls, and claims beyond one share of a round per step advanced are refused
+    """How a pipeline peer's cumulative counter is merged (data-parallel peers are credited from the rounds
+    other members witnessed instead: tests/test_store.py): growth counts, a restart (a lower value) starts
+    a new count, credit never falls, and claims beyond one share of a round per step advanced are refused
     (with two peers at the state: twice the batch over two, one batch)."""
 
     async def scenario() -> None:
@@ -230,7 +231,7 @@ def test_reported_contributions_become_durable_credit(tmp_path: Path):
 
         for peer_id in ("p", "q"):
             await store.admit(
-                PeerRecord(peer_id, b"k", peer_id, "cpu", "data", "online", 0.0, 0.0, 0, 1, 1e12)
+                PeerRecord(peer_id, b"k", peer_id, "cpu", "stage", "online", 0.0, 0.0, 0, 1, 1e12)
             )
         try:
             assert await beat(0, 0) == 0  # the baseline

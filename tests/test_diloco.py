@@ -162,7 +162,8 @@ def test_a_member_claiming_another_step_is_excluded_and_the_round_goes_on_withou
     """Issue 25 item 3, with the registered ``step_liar`` attack. Before, one member's signed entry claiming
     step s+1 voided every DiLoCo outer round it joined for every member, and two such members in a group of
     four voided every every_step round; nobody was blamed: the honest peers stalled and then caught up to
-    whatever was ahead. Now every honest member excludes and suspects them and averages with the rest."""
+    whatever was ahead. Now every honest member excludes them (and suspects a minority of them) and
+    averages with the rest."""
     steps = 2
     training = {"max_steps": steps, "min_group_size": 4 - liars}  # every honest peer in every round
     run = diloco_run(**training) if sync == "diloco" else tiny_run("step-claims", **training)
@@ -198,10 +199,13 @@ def test_a_member_claiming_another_step_is_excluded_and_the_round_goes_on_withou
         assert all(m["rounds_ok"] == steps and m["resyncs"] == 0 for m in metrics), [
             {k: m[k] for k in ("rounds_ok", "rounds_failed", "resyncs")} for m in metrics
         ]
+        # A minority of liars is suspected too; two of four are as much two honest peers behind with a
+        # Sybil each, so they are only excluded (the round goes on without them all the same).
         for trainer in honest:
             for liar in attackers:
                 reason = trainer.policy.refusal(liar.peer_id)
-                assert reason is not None and "claims step" in reason, reason
+                if liars * 2 < 4:
+                    assert reason is not None and "claims step" in reason, reason
     finally:
         for d in dhts:
             d.shutdown()

@@ -99,12 +99,14 @@ def test_every_member_at_the_step_excludes_the_same_misfit_and_keeps_the_rest(id
             assert group.excluded.keys() == group.misfits.keys() == {ids[1].peer_id}
 
 
-def test_two_sybils_claiming_the_next_step_are_excluded_and_suspected_a_peer_behind_blames_nobody():
+def test_members_claiming_another_step_are_excluded_and_only_a_minority_claiming_ahead_is_suspected():
     """every_step and DiLoCo alike (issue 25 item 3). Before, in every_step, two members of four whose signed
-    entries claimed step s+1 made the honest members skip the round, nobody blamed; a peer whose rounds
-    keep failing so then lets the peers ahead decide its catch-up. Now each honest member keeps the
-    members at its step and suspects the liars. A peer behind most of its group is the odd one out: it
-    keeps only itself (and leaves) and suspects nobody, while the members ahead suspect it."""
+    entries claimed step s+1 made the honest members skip the round, nobody blamed, and a peer whose rounds
+    kept failing so then let the peers ahead decide its catch-up. Now each member keeps the members at its
+    step. It suspects a misfit only for a claim ahead (a step behind is what an honest laggard signs, and
+    what a leader replaying a member's older entry shows) and only while the misfits are fewer than half
+    of the group (two of four is as much a laggard with a Sybil at its step as two honest peers with two
+    liars)."""
     keys = [SigningKey.generate() for _ in range(4)]
     names = [k.peer_id for k in keys]
 
@@ -116,17 +118,17 @@ def test_two_sybils_claiming_the_next_step_are_excluded_and_suspected_a_peer_beh
             fits=lambda e: step_misfit(e.extra, {"step": steps[me]}),
         )  # fmt: skip
 
-    sybils = [2, 2, 3, 3]  # the last two are the Sybils
+    for me in (0, 1, 2):
+        group = seen_by(me, [2, 2, 2, 3])  # one liar ahead
+        assert group.peer_ids == names[:3] and group.suspects.keys() == {names[3]}
     for me in (0, 1):
-        group = seen_by(me, sybils)
-        assert group.peer_ids == names[:2]
-        assert group.suspects.keys() == {names[2], names[3]}
-    behind = [2, 3, 3, 3]
-    group = seen_by(0, behind)
-    assert group.peer_ids == names[:1] and group.misfits.keys() == set(names[1:])
-    assert group.suspects == {}, "the peer behind blames none of the honest peers ahead of it"
-    group = seen_by(1, behind)
-    assert group.peer_ids == names[1:] and group.suspects.keys() == {names[0]}
+        group = seen_by(me, [2, 2, 3, 3])  # two of four: excluded, the round goes on, nobody blamed
+        assert group.peer_ids == names[:2] and group.misfits.keys() == {names[2], names[3]}
+        assert group.suspects == {}
+    group = seen_by(1, [2, 3, 3, 3])  # a laggard (or a replayed older entry of it): excluded, not blamed
+    assert group.peer_ids == names[1:] and group.misfits.keys() == {names[0]} and group.suspects == {}
+    group = seen_by(0, [2, 3, 3, 3])  # the laggard itself: the odd one out, it blames nobody
+    assert group.peer_ids == names[:1] and group.suspects == {}
 
 
 def test_a_stale_entry_is_excluded(ids):

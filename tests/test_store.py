@@ -14,14 +14,28 @@ from coordinator.credit import CHECKPOINT_MARGIN_PERIODS
 from coordinator.limits import ServiceLimits
 from coordinator.service import CoordinatorService
 from coordinator.store import PeerRecord, Store, ban_sync, unban_sync
+from coordinator.witness import witnessed_rounds
 from lab.localswarm import tiny_run
+from protocols.envelope import seal
 from protocols.keys import SigningKey
+from protocols.messages import HeartbeatBody
+from swarm.averaging.groups import GROUP_ENTRY
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def peer(peer_id: str, *, cert_expires_at: float = 1e12) -> PeerRecord:
-    return PeerRecord(peer_id, b"k", peer_id, "cpu", "data", "online", 0.0, 0.0, 0, 1, cert_expires_at)
+def peer(peer_id: str, *, cert_expires_at: float = 1e12, role: str = "data") -> PeerRecord:
+    return PeerRecord(peer_id, b"k", peer_id, "cpu", role, "online", 0.0, 0.0, 0, 1, cert_expires_at)
+
+
+def signed_round(
+    keys: list[SigningKey], step: int, weights: list[float], *, run_id: str, now: float
+) -> list[bytes]:
+    """The signed group entries of one round, as a member's heartbeat carries them."""
+    return [
+        seal(k, GROUP_ENTRY, run_id, {"schema_hash": b"s" * 32, "weight": w, "commit": bytes(32), "extra": {"step": step}}, now=now)
+        for k, w in zip(keys, weights, strict=True)
+    ]  # fmt: skip
 
 
 def run(coro):
@@ -33,7 +47,7 @@ def test_a_heartbeat_and_its_credit_commit_together(tmp_path: Path):
         store = Store.open_sync(tmp_path / "c.db", "atomic", max_samples_per_step=32)
         try:
             for p in ("p", "q"):
-                await store.admit(peer(p))
+                await store.admit(peer(p, role="stage"))  # a pipeline role, credited by what it reports
             await store.record_heartbeat("p", seq=1, seen_at=1.0, metrics={}, step=0, param_hash="")
             # The credit write fails (as a full disk would make it) after the heartbeat's own update.
             with sqlite3.connect(tmp_path / "c.db") as db:
@@ -56,7 +70,7 @@ def test_a_heartbeat_and_its_credit_commit_together(tmp_path: Path):
 
 def test_credit_never_passes_the_verified_step(tmp_path: Path):
     """Two Sybils that agree on a far step earn nothing for it: the step the run is verified at is one
-    more than half the reporting peers agree on."""
+    more than half the reporting peers agree on. (Pipeline roles, credited by what they report.)"""
 
     async def scenario() -> None:
         store = Store.open_sync(tmp_path / "c.db", "verified", max_samples_per_step=32)
@@ -73,7 +87,7 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
         honest, fake = "a" * 64, "f" * 64
         try:
             for p in ("h1", "h2", "h3", "s1", "s2"):
-                await store.admit(peer(p))
+                await store.admit(peer(p, role="stage"))
             for p in ("h1", "h2", "h3", "s1", "s2"):
                 await beat(p, 0, 0, honest)  # baselines
             for _ in range(2):  # a report made before the step was verified is merged on the next beat
@@ -101,35 +115,80 @@ def test_credit_never_passes_the_verified_step(tmp_path: Path):
     run(scenario())
 
 
-def test_a_freeloader_that_copies_the_public_step_and_hash_earns_no_more_than_an_honest_share(tmp_path: Path):
-    """Four honest peers each compute a quarter of every 64-sample round; a fifth reports the step and
-    hash it reads from Status and claims the whole batch each step. Once it was credited 4 times an
-    honest peer; now each step's credit is at most twice the average share of the peers at that state."""
-    target, honest_peers, steps = 64, ("h1", "h2", "h3", "h4"), 12
+def test_data_parallel_credit_is_what_other_members_witnessed_and_a_freeloader_earns_nothing(tmp_path: Path):
+    """Issue 25 item 6. Four honest peers each compute a quarter of every 64-sample round and report the
+    round's signed entries; a fifth copies the step and hash it reads from Status and claims the whole
+    batch each step. Before, it was credited 4.5 times an honest peer, then (bounded) up to twice; now
+    credit is the weight a member signed in a round another member reports, so it earns nothing. Two
+    Sybils that make up rounds for each other earn at most twice the average share of a step; a round
+    reported again, or by a member of it that is not its reporter, is credited once."""
+    target, steps, run_id = 64, 12, "witness"
+    keys = {name: SigningKey.generate() for name in ("h1", "h2", "h3", "h4", "free", "s1", "s2")}
+    honest = ["h1", "h2", "h3", "h4"]
 
     async def scenario() -> dict[str, float]:
-        store = Store.open_sync(tmp_path / "c.db", "freeload", max_samples_per_step=target)
-        seq = iter(range(1, 10_000))
+        store = Store.open_sync(tmp_path / "c.db", run_id, max_samples_per_step=target)
+        seq = iter(range(1, 100_000))
+        now = time.time()
         try:
-            for p in (*honest_peers, "free"):
-                await store.admit(peer(p))
+            for key in keys.values():
+                await store.admit(peer(key.peer_id))
             for step in range(steps + 1):
                 state = f"{step:064x}"
-                for p in [*honest_peers, "free"] * 2:  # every peer beats twice while the run is at a step
-                    reported = step * target * (1.0 if p == "free" else 1 / len(honest_peers))
+                done = signed_round([keys[p] for p in honest], step - 1, [16.0] * 4, run_id=run_id, now=now)
+                fake = signed_round([keys["s1"], keys["s2"]], step - 1, [64.0, 64.0], run_id=run_id, now=now)
+                for name in [*honest, "free", "s1", "s2"] * 2:  # every peer beats twice at each step
+                    key = keys[name]
+                    rounds = (
+                        [done] if name in honest and step else [fake] if name in ("s1", "s2") and step else []
+                    )
+                    body = {"seq": next(seq), "state": "online", "step": step, "param_hash": state,
+                            "metrics": {"contributed_samples": step * target}, "rounds": rounds}  # fmt: skip
+                    parsed = HeartbeatBody.model_validate(body)
+                    witnessed, refused = witnessed_rounds(
+                        parsed.rounds, run_id=run_id, reporter=key.peer_id, now=now
+                    )
+                    assert not refused, refused
                     await store.record_heartbeat(
-                        p, seq=next(seq), seen_at=10.0 * next(seq), metrics={"contributed_samples": reported},
-                        step=step, param_hash=state,
+                        key.peer_id, seq=parsed.seq, seen_at=10.0 * next(seq), metrics=parsed.metrics,
+                        step=step, param_hash=state, rounds=witnessed,
                     )  # fmt: skip
-            return {p: (await store.get_peer(p)).contributed_samples for p in (*honest_peers, "free")}
+            return {
+                name: (await store.get_peer(key.peer_id)).contributed_samples for name, key in keys.items()
+            }
         finally:
             store.close()
 
     credit = run(scenario())
-    honest = min(credit[p] for p in honest_peers)
-    assert honest > 0
-    assert credit["free"] <= 2 * honest, credit
-    assert honest >= 0.75 * steps * target / len(honest_peers), "honest work is credited"
+    assert credit["free"] == 0, credit
+    # Every honest round below the verified step is credited once, whoever reports it and how often.
+    assert all(credit[p] == credit["h1"] for p in honest) and credit["h1"] >= 16 * (steps - 3), credit
+    assert credit["h1"] <= 16 * steps
+    # The Sybils' made-up rounds: at most twice the average share of the 7 peers past each step.
+    assert 0 < credit["s1"] <= 2 * target / 7 * steps, credit
+
+
+def test_a_witnessed_round_that_does_not_hold_together_credits_nobody_and_names_why():
+    keys = [SigningKey.generate() for _ in range(3)]
+    now = time.time()
+    good = signed_round(keys, 4, [8.0] * 3, run_id="r", now=now)
+    cases = {
+        "a round of 1 member(s)": [good[:1]],
+        "lists a member twice": [[good[0], good[1], good[1]]],
+        "was not a member of": [good[1:]],
+        "several steps": [[good[0], *signed_round(keys[1:], 5, [8.0] * 2, run_id="r", now=now)]],
+        "rounds[0][1]": [[good[0], b"junk"]],
+        "is no step": [[good[0], seal(keys[1], GROUP_ENTRY, "r", {"schema_hash": b"s" * 32, "weight": 1.0,
+                                                                  "commit": bytes(32), "extra": {"step": True}})]],
+        "another-run": [[good[0], *signed_round(keys[1:2], 4, [8.0], run_id="another-run", now=now)]],
+    }  # fmt: skip
+    for reason, rounds in cases.items():
+        kept, refused = witnessed_rounds(rounds, run_id="r", reporter=keys[0].peer_id, now=now)
+        assert kept == [] and len(refused) == 1 and reason in refused[0], (reason, refused)
+    old = signed_round(keys, 4, [8.0] * 3, run_id="r", now=now - 2 * 3600)
+    assert witnessed_rounds([old], run_id="r", reporter=keys[0].peer_id, now=now)[0] == []
+    kept, _ = witnessed_rounds([good], run_id="r", reporter=keys[0].peer_id, now=now)
+    assert [(e.peer_id, e.step, e.weight) for e in kept[0]] == [(k.peer_id, 4, 8.0) for k in keys]
 
 
 def test_sybils_that_outnumber_the_honest_move_the_verified_step_only_at_the_run_s_pace(tmp_path: Path):

@@ -133,8 +133,9 @@ def test_a_stalled_peer_follows_only_a_majority_of_the_peers_it_verified_work_wi
 
 
 def test_a_trainer_records_its_groupmates_and_a_stalled_one_ignores_keys_it_never_averaged_with():
-    """The same through the real Trainer: its groupmates of applied rounds, forgotten after a window of
-    steps, anchor ``_ahead_or_apart`` once its rounds have failed for longer than ``round_s``."""
+    """The same through the real Trainer: the members of its last applied round, forgotten after a window
+    of steps, anchor ``_ahead_or_apart`` once its rounds have failed for longer than ``round_s``; after
+    twice as long only those ahead of it vote (those at its step may be stuck with it)."""
     key = SigningKey.generate()
     trainer = Trainer(tiny_run(RUN), None, peer_id=key.peer_id, signing_key=key)
     trainer.step, trainer.state_hash = 6, H2
@@ -142,9 +143,14 @@ def test_a_trainer_records_its_groupmates_and_a_stalled_one_ignores_keys_it_neve
     now = time.time()
     view = {"a": (6, H2), "b": (6, H2), **{f"sybil{i}": (7, H3) for i in range(5)}}
     trainer.view = {k: PeerProgress(k, s, 8, 1.0, h, now) for k, (s, h) in view.items()}
-    trainer._rounds_since = time.monotonic() - 10 * trainer.config.training.round_s
-    assert trainer._ahead_or_apart() is None, "stalled, yet the Sybils ahead have no say"
+    round_s = trainer.config.training.round_s
+    for stalled_for in (1.5 * round_s, 3 * round_s):  # stalled, then twice as long
+        trainer._rounds_since = time.monotonic() - stalled_for
+        assert trainer._ahead_or_apart() is None, "stalled, yet the Sybils ahead have no say"
     trainer.view["a"] = PeerProgress("a", 7, 8, 1.0, H1, now)
+    assert trainer._ahead_or_apart() == (7, H1, ["a"]), "twice as long: the groupmates ahead decide"
+    trainer._rounds_since = time.monotonic() - 1.5 * round_s
+    assert trainer._ahead_or_apart() is None, "before that, one of two groupmates is no majority"
     trainer.view["b"] = PeerProgress("b", 7, 8, 1.0, H1, now)
     assert trainer._ahead_or_apart() == (7, H1, ["a", "b"])
     trainer.step = 6 + trainer.groupmates.window + 1  # long past the last round with "a" and "b"

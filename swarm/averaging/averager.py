@@ -88,6 +88,7 @@ class GroupRound:
     leader: str | None = None  # who announced the group; None for a group of one
     reducers: list[bool] | None = None  # which members reduce a part (None: all); see groups.py
     uplinks_mbit: list[float | None] | None = None  # each member's declared upload rate; see deadlines.py
+    signed_entries: list[bytes] = field(default_factory=list)  # the kept members' signed entries
 
 
 class AveragingServicer(BoundedServicer):
@@ -422,7 +423,7 @@ class Averager:
             group: VerifiedGroup = check_group(
                 names, info.gathered, me=self.peer_id.to_base58(), my_entry=self._entry, leader=leader,
                 prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
-                refusal=self.policy.refusal, max_age_s=self.entry_max_age_s, fits=fits,
+                refusal=self.policy.exclusion, max_age_s=self.entry_max_age_s, fits=fits,
             )  # fmt: skip
         except GroupRefused as e:
             logger.warning(f"leaving group {short}: {e.reason}; retrying without {e.culprit}")
@@ -453,6 +454,7 @@ class Averager:
             self.matchmaking.leader.to_base58() if self.matchmaking.leader else None,
             group.reducers,
             group.uplinks_mbit,
+            group.signed,
         )
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:

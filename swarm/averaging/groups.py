@@ -7,14 +7,18 @@ stage. Before a round every member checks the group the leader announced (``chec
 
 - every peer ID appears once (a repeated ID is the leader's doing: the group is left);
 - this peer's own entry is the one it sent (else the leader altered it: the group is left);
-- every other member is admitted (certified by the coordinator, not banned, not under suspicion);
-  one that is not makes the group be left, naming it;
+- every other member is admitted (certified by the coordinator, not banned); one that is not makes
+  the group be left, naming it. A member this peer merely suspects does not: the others, who may not
+  suspect it, go on with the round, and a member that left would answer its part streams as a denier
+  does and be suspected by them in turn (suspicion spread among honest peers so). Suspicion steers
+  matchmaking (whom to lead and follow); a suspect's part that fails is repaired;
 - every entry opens: signed by its member, fresh, with a 32-byte commitment and sane fields. A member
   whose entry fails is excluded from the round (every honest member excludes the same ones, since they
   all see the same bytes), not kept with weight 0;
 - every entry fits the round (``fits``: in DiLoCo, the member's signed outer step is this peer's). A
-  member whose signed entry does not fit is excluded and suspected (``VerifiedGroup.suspects``: unless
-  most of the group does not fit, when this member is the odd one out), and the round goes on among the rest: every member at the round's step computes the same exclusion from the
+  member whose signed entry does not fit is excluded, and suspected when its claim blames it (a step
+  ahead: ``Misfit.blamed``) and the misfits are fewer than half of the group (``VerifiedGroup.suspects``),
+  and the round goes on among the rest: every member at the round's step computes the same exclusion from the
   same signed bytes, so one member's claim no longer voids the round for all.
 
 Each entry also says whether its member can be dialed. One that cannot (behind NAT) reduces no part of
@@ -63,8 +67,18 @@ class GroupEntryBody(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict, max_length=MAX_EXTRA_KEYS, description="caller's")
 
 
+@dataclass(frozen=True)
+class Misfit:
+    """Why a member's signed entry does not fit the round, and whether that blames its signer: a claim
+    no honest member makes (a step ahead of the round's) does; one an honest member makes when it is
+    behind, or that a leader can replay from an older round of the member (a step behind), does not."""
+
+    reason: str
+    blamed: bool = True
+
+
 # Why a member's signed entry does not fit the round (None: it does); see ``check_group``.
-EntryFit = Callable[[GroupEntryBody], "str | None"]
+EntryFit = Callable[[GroupEntryBody], "Misfit | None"]
 
 
 class GroupRefused(SwarmError):
@@ -83,14 +97,19 @@ class VerifiedGroup:
     entries: list[GroupEntryBody]
     excluded: dict[str, str] = field(default_factory=dict)
     misfits: dict[str, str] = field(default_factory=dict)  # signed entries that do not fit the round
+    blamed: set[str] = field(default_factory=set)  # the misfits whose claim blames their signer
+    signed: list[bytes] = field(default_factory=list)  # the kept members' entries as they signed them
 
     @property
     def suspects(self) -> dict[str, str]:
-        """The misfits to suspect: all of them, unless they are most of the group. Then this member is
-        the odd one out (behind, or apart), and blaming everyone else would only make it avoid honest
-        peers once it has caught up; it leaves the round or averages with the few at its step."""
+        """The misfits to suspect: those whose claim blames them, and only while the misfits are fewer
+        than half of the group. With half or more this member may be the odd one out (behind, or apart,
+        or padded by a Sybil at its step), and blaming the others would only make it avoid honest peers
+        once it has caught up; it leaves the round or averages with those at its step."""
         listed = len(self.peer_ids) + len(self.excluded)
-        return {} if 2 * len(self.misfits) > listed else dict(self.misfits)
+        if 2 * len(self.misfits) >= listed:
+            return {}
+        return {peer: reason for peer, reason in self.misfits.items() if peer in self.blamed}
 
     @property
     def reducers(self) -> list[bool]:
@@ -190,8 +209,11 @@ def check_group(
             continue
         misfit = None if fits is None or peer == me else fits(entry)
         if misfit is not None:
-            group.misfits[peer] = group.excluded[peer] = f"its signed entry {misfit}"
+            group.misfits[peer] = group.excluded[peer] = f"its signed entry {misfit.reason}"
+            if misfit.blamed:
+                group.blamed.add(peer)
             continue
         group.peer_ids.append(peer)
         group.entries.append(entry)
+        group.signed.append(data)
     return group

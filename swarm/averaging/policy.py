@@ -260,6 +260,16 @@ class PeerPolicy:
             return f"not a certified member of run {self.run_id!r} (no valid certificate in the DHT)"
         return None
 
+    def exclusion(self, peer_id: str) -> str | None:
+        """Why ``peer_id`` may not be in a round this peer was already put in (banned, or not certified);
+        None if it may. Suspicion is not a reason: the other members may not share it, and a member that
+        left would answer its part streams as a denier does, to be suspected by them in turn."""
+        if peer_id in self._banned:
+            return "banned by the coordinator"
+        if not self.certified(peer_id):
+            return f"not a certified member of run {self.run_id!r} (no valid certificate in the DHT)"
+        return None
+
     async def admission(self, peer_id: str, timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> str | None:
         """Why ``peer_id`` may send this peer nothing at all (banned, or no certificate after a refresh of at
         most ``timeout_s``); None if it may. Suspicion is left to the round: a suspect is still certified."""

@@ -161,6 +161,10 @@ class PipelineTrainer:
     def param_hash(self) -> str:
         return ""  # a trainer holds no parameters
 
+    def witnessed(self) -> list[list[bytes]]:
+        """No data-parallel rounds here: pipeline roles are credited by what they report (bounded)."""
+        return []
+
     def suspected(self, limit: int) -> list[str]:
         return []  # a trainer averages with nobody; servers that fail it are avoided per call instead
 

@@ -201,6 +201,10 @@ class StageWorker(StageMoves):
         # divergent, so the per-stage hash is announced in the pipeline's DHT records instead.
         return ""
 
+    def witnessed(self) -> list[list[bytes]]:
+        """No data-parallel rounds here: pipeline roles are credited by what they report (bounded)."""
+        return []
+
     def suspected(self, limit: int) -> list[str]:
         """The peers this one avoids now for breaking its rounds, for the coordinator (at most ``limit``)."""
         return self.policy.suspects.avoided(limit)

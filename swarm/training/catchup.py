@@ -21,11 +21,14 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    counted from its first round attempt at the step, never from the step's start: computing a large
    batch is not being stuck) lets only the peers ahead of it vote: the peers at its own step may be as
    stuck as it is (a groupmate that keeps vanishing), and one completed round must not leave them apart
-   for good. Of those, only the peers it completed and applied rounds with in its last steps
-   (``Groupmates``) vote, and all of them, ahead or not: a position ahead needs a strict majority of
-   them. A stalled caller with no such groupmate in view is not treated as stalled. Before, one record
-   one step ahead, of any certified key, was a majority of one for a peer whose rounds an attacker kept
-   failing.
+   for good. Of those, only the members of the last round it completed and applied (``Groupmates``)
+   vote, and all of them at or ahead of its step: a position ahead needs a strict majority of them;
+   after twice as long, only those ahead vote (the ones at its step may be stuck with it, below the
+   run's minimum group size), and only while the peers in view at its step are no more than those
+   ahead of it (else rounds at its step can form, and a groupmate ahead alone must not decide). The
+   state is then downloaded from those groupmates only. A stalled caller with no such groupmate in view is not treated as
+   stalled. Before, one record one step ahead, of any certified key, was a majority of one for a peer
+   whose rounds an attacker kept failing.
 3. Never backwards, never past ``max_step`` (the run's ``max_steps``, or ``MAX_STEP``): a record of step
    2**63-1 cannot freeze a run or its checkpoints.
 4. At the caller's own step the majority position must also beat the caller's own side (itself plus
@@ -76,6 +79,7 @@ def catch_up_target(
     max_step: int | None = None,
     stalled: bool = False,
     trusted: Collection[str] | None = None,
+    long_stalled: bool = False,
 ) -> Target | None:
     """The position to move to, or None when the caller is in line (or no majority exists yet).
 
@@ -83,12 +87,23 @@ def catch_up_target(
     caller that holds no state of its own (the checkpoint keeper). ``trusted``: the peers the caller
     completed rounds with lately (``Groupmates``); a stalled caller that has some in view at or ahead of
     its step follows only what a strict majority of those hold, and one that has none in view is not
-    treated as stalled. None: a stalled caller lets every peer ahead vote (stage replicas)."""
+    treated as stalled. ``long_stalled`` (its rounds have failed twice as long): the anchors at its own step
+    may be as stuck as it is (below the run's minimum group size with it), so only the anchors ahead vote.
+    None: a stalled caller lets every peer ahead vote (stage replicas)."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
     anchors = []
     if stalled and mine is not None and trusted is not None:
         anchors = [p for peer, p in others.items() if peer in trusted and p.step >= mine.step]
-        stalled = bool(anchors)
+        if not anchors:
+            stalled = False  # no groupmate in view: the rule of a caller that is not stalled
+        elif long_stalled:
+            anchors = [p for p in anchors if p.step > mine.step]
+            level = sum(1 for p in others.values() if p.step == mine.step)
+            ahead = sum(1 for p in others.values() if p.step > mine.step)
+            if not anchors or level > ahead:
+                # Every groupmate in view is where the caller is (nobody to follow), or most peers in view
+                # are at its step, so that rounds there can form: a groupmate ahead alone must not decide.
+                return None
     if mine is None:
         lowest, voters = -1, list(others.values())
     elif anchors:
@@ -122,7 +137,11 @@ def catch_up_target(
         mine_side = 1 + sum(1 for p in voters if Position(p.step, p.state_hash) == mine)
         if mine_side > support or (mine_side == support and mine.state_hash < best.state_hash):
             return None
-    holders = sorted(peer for peer, p in others.items() if Position(p.step, p.state_hash) == best)
+    holders = sorted(
+        peer
+        for peer, p in others.items()
+        if Position(p.step, p.state_hash) == best and (not anchors or peer in trusted)
+    )
     return Target(best.step, best.state_hash, holders, support)
 
 
@@ -138,34 +157,33 @@ def catch_up_move(
     counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
     for longer than a matchmaking window plus a round timeout (``trusted``: see ``catch_up_target``).
     The data-parallel trainer and every stage replica call this."""
-    stalled = stuck_s > training.round_s
-    target = catch_up_target(mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted)
+    stalled, long_stalled = stuck_s > training.round_s, stuck_s > 2 * training.round_s
+    target = catch_up_target(
+        mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted, long_stalled=long_stalled
+    )
     return None if target is None else (target.step, target.state_hash, target.holders)
 
 
 class Groupmates:
-    """The peers this one completed and applied rounds with in its last ``window`` steps: the anchors of a
-    stalled caller's catch-up (``catch_up_target``'s ``trusted``). Each was listed with its own signed,
-    fresh entry at the round's step in a group this peer checked, its contribution went into the
-    aggregate this peer applied, and validators could check that round; so it held this peer's state
-    then. An identity that never shared a verified round has no say in where a stalled peer goes.
-    Bounded: at most ``limit`` peers, the least recent forgotten first."""
+    """The members of the last round this peer completed and applied, within ``window`` steps: the anchors
+    of a stalled caller's catch-up (``catch_up_target``'s ``trusted``). Each was listed with its own
+    signed, fresh entry at the round's step in a group this peer checked, its contribution went into the
+    aggregate this peer applied (so it held this peer's state then), and by the run's model of attackers
+    the round had an honest majority. Only the last round counts: a union over several rounds would let
+    a leader that adds two fresh Sybils to each of the victim's rounds make them most of its anchors."""
 
-    def __init__(self, window: int = 8, limit: int = 256):
-        self.window, self.limit = window, limit
-        self._last: OrderedDict[str, int] = OrderedDict()
+    def __init__(self, window: int = 8):
+        self.window = window
+        self.members: frozenset[str] = frozenset()
+        self.step = -1
 
     def record(self, peers: Collection[str], step: int) -> None:
-        """``peers`` were kept members of a round this peer applied at ``step``."""
-        for peer in peers:
-            self._last[peer] = max(step, self._last.get(peer, step))
-            self._last.move_to_end(peer)
-        while len(self._last) > self.limit:
-            self._last.popitem(last=False)
+        """``peers`` were the other kept members of the round that brought this peer to ``step``."""
+        self.members, self.step = frozenset(peers), step
 
     def recent(self, step: int) -> set[str]:
-        """The groupmates of rounds at ``step - window`` or later."""
-        return {peer for peer, last in self._last.items() if last >= step - self.window}
+        """The last round's members, if that round brought this peer to ``step - window`` or later."""
+        return set(self.members) if self.step >= step - self.window else set()
 
 
 class PositionHistory:

@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import hivemind
@@ -27,7 +29,9 @@ import torch
 
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
+from protocols.messages import MAX_ENTRY_BYTES, MAX_ROUND_ENTRIES, MAX_WITNESSED_ROUNDS
 from swarm.averaging.factory import build_averager
+from swarm.averaging.groups import Misfit
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
@@ -64,14 +68,14 @@ def _computed_elsewhere(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
     raise ConfigError("this peer's gradients are computed by its caller's own loop (session.collaborate)")
 
 
-def step_misfit(theirs: dict, mine: dict) -> str | None:
+def step_misfit(theirs: dict, mine: dict) -> Misfit | None:
     """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
 
     Only contributions of this step (in DiLoCo, this outer step): a gradient applied to another step's
     state would commit a state nobody holds, and a pseudo-gradient of another window would move the synced
     copy by a window's worth of stale progress. A member whose signed entry claims another step is
-    excluded before the all-reduce (and suspected, unless most of the group claims it:
-    ``Averager._checked``); the members at this step, who all see the same signed entries, exclude the
+    excluded before the all-reduce (and suspected for a step ahead, while the misfits are fewer than
+    half of the group: ``VerifiedGroup.suspects``); the members at this step, who all see the same signed entries, exclude the
     same ones and average among themselves. A peer behind catches up by download. Before, in every_step,
     two Sybils claiming the next step in a group of four made the honest members skip the round, and a
     peer whose rounds fail for long enough lets the peers ahead decide its catch-up.
@@ -79,7 +83,10 @@ def step_misfit(theirs: dict, mine: dict) -> str | None:
     step = theirs.get("step")
     if type(step) is int and step == mine["step"]:  # not ``True``, which equals 1
         return None
-    return f"claims step {str(step)[:32]}, not this round's {mine['step']}"
+    # A step behind is what an honest laggard signs, and what a leader replaying the member's entry of an
+    # earlier round shows: excluded, never blamed.
+    behind = type(step) is int and step < mine["step"]
+    return Misfit(f"claims step {str(step)[:32]}, not this round's {mine['step']}", blamed=not behind)
 
 
 class Trainer(CatchUp):
@@ -206,6 +213,9 @@ class Trainer(CatchUp):
         self.contributed_samples = 0
         # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
         self.groupmates = Groupmates()
+        # The signed entries of its last applied rounds, which its heartbeats show the coordinator: the
+        # other members' credit (``witnessed``).
+        self._witnessed: deque[list[bytes]] = deque(maxlen=MAX_WITNESSED_ROUNDS)
         self.last_group_size = 0
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
         # Gradient sums of the caller's micro-batches (``absorb(mean=True)``), kept out of ``.grad``.
@@ -225,6 +235,23 @@ class Trainer(CatchUp):
     def suspected(self, limit: int) -> list[str]:
         """The peers this one avoids now for breaking its rounds, for the coordinator (at most ``limit``)."""
         return self.policy.suspects.avoided(limit)
+
+    def witnessed(self) -> list[list[bytes]]:
+        """The signed group entries of this peer's last applied rounds, its own among them, for its
+        heartbeats: the coordinator credits each other member the weight it signed (``coordinator.credit``)."""
+        return list(self._witnessed)
+
+    def _witness(self, group) -> None:
+        """Keep an applied round's signed entries for the heartbeats: its own, and up to the bound a random
+        choice of the others' (each member is witnessed by many, so a large group's members are all
+        likely reported); a groupmate's entry over the size bound is left out, never sent to be refused."""
+        entries = list(zip((str(p) for p in group.peer_ids), group.signed_entries, strict=False))
+        mine = [e for peer, e in entries if peer == self.peer_id]
+        others = [e for peer, e in entries if peer != self.peer_id and len(e) <= MAX_ENTRY_BYTES]
+        if len(mine) != 1 or len(mine[0]) > MAX_ENTRY_BYTES or not others:
+            return
+        chosen = random.sample(others, min(len(others), MAX_ROUND_ENTRIES - 1))
+        self._witnessed.append(mine + chosen)
 
     def metrics(self) -> dict[str, float]:
         started = self._first_compute if self._first_compute is not None else time.monotonic()
@@ -466,6 +493,7 @@ class Trainer(CatchUp):
             await self._commit(self.step + 1)
         self.contributed_samples += contributed
         self.groupmates.record([str(p) for p in group.peer_ids if str(p) != self.peer_id], self.step)
+        self._witness(group)
         self.last_group_size = len(group.peer_ids)
         self._step_view = self.progress_view.count
         self._stats["rounds_ok"] += 1
@@ -481,7 +509,7 @@ class Trainer(CatchUp):
         """What this peer signs into its group entry for the round at its step."""
         return {"step": self.step, "state_hash": self.state_hash}
 
-    def _entry_misfit(self, theirs: dict, mine: dict) -> str | None:
+    def _entry_misfit(self, theirs: dict, mine: dict) -> Misfit | None:
         """Why a groupmate's signed ``extra`` (``mine``: this peer's) does not fit the round, so that every
         member excludes it before the all-reduce; None: it fits (``step_misfit``)."""
         return step_misfit(theirs, mine)
