@@ -2,7 +2,8 @@
 
 - ``config``: ``CoordinatorConfig``, the typed settings behind ``swarm-coordinator start``'s flags
 - ``store``: the run's record in SQLite (peers, certificates, metrics, bans, credit, metrics history)
-- ``credit``: how reported contributions become credit, up to the step the peers verifiably agree on
+- ``credit``: how witnessed rounds (and pipeline roles' reports) become credit, up to the verified step
+- ``witness``: the rounds a heartbeat reports its sender applied, opened and checked member by member
 - ``suspicions``: which peers others avoid for breaking their rounds, as their heartbeats report it
 - ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status, accusations
 - ``limits``: ``ServiceLimits``, per-caller and global limits on challenges, accusations and evidence
