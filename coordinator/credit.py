@@ -150,43 +150,56 @@ def credit_witnessed(
     db: sqlite3.Connection, reporter: str, rounds: list, *, verified: int, max_per_step: float
 ) -> float:
     """Credit each member of ``rounds`` (``coordinator.witness.WitnessedEntry`` lists) other than their
-    ``reporter``: the weight it signed, once per (member, step), only for steps below the ``verified``
-    step and within ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers, and at
-    most ``SHARE_SLACK`` times ``max_per_step`` over the members of the round or the online, unbanned
-    peers past that step, whichever is more. Returns the samples credited."""
+    ``reporter``: the weight it signed, for steps below the ``verified`` step and within
+    ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers, and at most
+    ``SHARE_SLACK`` times ``max_per_step`` over the round's joined, unbanned members or the online,
+    unbanned data-parallel peers, whichever are more. A (member, step) is
+    credited the most any report of it allows, the difference added when a later report allows more (so
+    a first report padded with strangers' entries cannot hold an honest member's credit down). Sybils
+    that sign entries for each other's made-up rounds earn at most that share each per step: together
+    less than ``SHARE_SLACK`` batches a step, however many they are; they lower the honest peers'
+    share only once they outnumber them.
+    Returns the samples credited."""
+    (online,) = db.execute(
+        "SELECT COUNT(*) FROM peers p WHERE p.state='online' AND p.role IN (?, ?) "
+        "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)",
+        DATA_ROLES,
+    ).fetchone()
     credited = 0.0
     for entries in rounds:
         step = entries[0].step
         if not verified - WITNESS_WINDOW_STEPS <= step < verified:
             continue
-        (past,) = db.execute(
-            "SELECT COUNT(*) FROM peers p WHERE p.state='online' AND p.step > ? "
-            "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)",
-            (step,),
-        ).fetchone()
-        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(entries), past, 1))
+        members = {}
         for entry in entries:
-            if entry.peer_id == reporter:
-                continue
-            member = db.execute(
+            row = db.execute(
                 "SELECT role FROM peers p WHERE p.peer_id=? "
                 "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)",
                 (entry.peer_id,),
             ).fetchone()
-            if member is None or member[0] not in DATA_ROLES:
+            if row is not None and row[0] in DATA_ROLES:
+                members[entry.peer_id] = entry
+        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(members), online, 1))
+        for peer_id, entry in members.items():
+            if peer_id == reporter:
                 continue
             samples = min(entry.weight, cap)
-            cursor = db.execute(
-                "INSERT OR IGNORE INTO witnessed (peer_id, step, samples) VALUES (?, ?, ?)",
-                (entry.peer_id, step, samples),
-            )
-            if cursor.rowcount != 1:
-                continue  # this member's round at this step was credited already
+            row = db.execute(
+                "SELECT samples FROM witnessed WHERE peer_id=? AND step=?", (peer_id, step)
+            ).fetchone()
+            more = samples - (row[0] if row else 0.0)
+            if more <= 0:
+                continue  # credited as much already
             db.execute(
-                "INSERT INTO credit (peer_id, samples) VALUES (?, ?) "
-                "ON CONFLICT(peer_id) DO UPDATE SET samples = samples + excluded.samples",
-                (entry.peer_id, samples),
+                "INSERT INTO witnessed (peer_id, step, samples) VALUES (?, ?, ?) "
+                "ON CONFLICT(peer_id, step) DO UPDATE SET samples = excluded.samples",
+                (peer_id, step, samples),
             )
-            credited += samples
+            db.execute(  # a new row's baseline is this step, should its peer ever report for itself
+                "INSERT INTO credit (peer_id, samples, step) VALUES (?, ?, ?) "
+                "ON CONFLICT(peer_id) DO UPDATE SET samples = samples + excluded.samples",
+                (peer_id, more, step),
+            )
+            credited += more
     db.execute("DELETE FROM witnessed WHERE step < ?", (verified - WITNESS_WINDOW_STEPS,))
     return credited

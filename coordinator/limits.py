@@ -209,7 +209,8 @@ class RefusalLog:
     were left out (written by any later refusal, whoever makes it). Every refusal of a flood used to write
     its own line, so a caller could fill the organizer's disk at the rate the coordinator refused it; and a
     budget shared by all callers would let one caller's junk hide another's refusals. At most
-    ``max_keys`` windows are kept (the least recently refused caller is summed up and forgotten first)."""
+    ``max_keys`` windows are kept (the least recently refused caller is summed up and forgotten first),
+    and at most ``max_lines`` refusals are written a window in all, however many callers refuse."""
 
     def __init__(
         self,
@@ -218,10 +219,12 @@ class RefusalLog:
         per_window: int = 20,
         window_s: float = 60.0,
         max_keys: int = 1024,
+        max_lines: int = 200,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.log, self.per_window, self.window_s, self.clock = log, per_window, window_s, clock
-        self.max_keys = max_keys
+        self.max_keys, self.max_lines = max_keys, max_lines
+        self._lines, self._unlogged = 0, 0  # refusals logged and left out in all, this window
         self._windows: OrderedDict[tuple[str, str, str], tuple[float, int]] = OrderedDict()
         self._swept = clock()
 
@@ -229,6 +232,11 @@ class RefusalLog:
         now = self.clock()
         if now - self._swept >= self.window_s:
             self._sweep(now)
+            if self._unlogged:
+                self.log(
+                    f"{self._unlogged} more refusals, from many callers, were not logged in the last minute"
+                )
+            self._lines = self._unlogged = 0
         key = (method, type(error).__name__, caller_key(caller))
         started, count = self._windows.pop(key, (now, 0))
         if now - started >= self.window_s:
@@ -239,8 +247,13 @@ class RefusalLog:
         while len(self._windows) > self.max_keys:
             old, (old_started, old_count) = self._windows.popitem(last=False)
             self._summarize(old, old_started, old_count, now)
-        if count <= self.per_window:
-            self.log(f"refused {method} from {caller}: {error}")
+        if count > self.per_window:
+            return
+        if self._lines >= self.max_lines:  # many callers at once: the process's own budget
+            self._unlogged += 1
+            return
+        self._lines += 1
+        self.log(f"refused {method} from {caller}: {error}")
 
     def _sweep(self, now: float) -> None:
         """Sum up and forget every window that has passed."""

@@ -113,6 +113,9 @@ class CoordinatorService:
         self._clock_offsets: OrderedDict[str, float] = OrderedDict()
         self._sessions: OrderedDict[str, float] = OrderedDict()
         self._started_at = time.time()
+        # When each peer's witnessed rounds were last read (see ``heartbeat``), bounded like the clocks.
+        self._witnessed_at: OrderedDict[str, float] = OrderedDict()
+        self._witness_every_s = config.membership.heartbeat_interval_s / 2
         # Refused requests, logged a bounded number of times a minute (a flood is counted, not written out).
         self._refusals = RefusalLog(logger.warning)
         self.key, self.store = key, store
@@ -250,6 +253,17 @@ class CoordinatorService:
         self._check_admission(body, envelope)
 
         role = "data" if body.role == "auto" else body.role
+        if role != "data" and self.config.pipeline.stages < 2:
+            raise ProtocolError(
+                f"join request from {envelope.sender}: field 'role': {role!r} needs a run split into pipeline "
+                f"stages; run {self.run_id!r} is data-parallel (join as 'auto' or 'data')"
+            )
+        known = await self.store.get_peer(envelope.sender)
+        if known is not None and known.role != role:
+            raise ProtocolError(
+                f"join request from {envelope.sender}: field 'role': this key joined as {known.role!r}; a key "
+                f"keeps its role (its credit is counted by it): join as {known.role!r} or with a new identity"
+            )
         now = time.time()
         self._note_clock(envelope.sender, envelope.issued_at - now)
         _remember(self._sessions, envelope.sender, now)
@@ -297,7 +311,14 @@ class CoordinatorService:
         record = await self._known_peer(envelope)
         now = time.time()
         self._note_clock(envelope.sender, envelope.issued_at - now)
-        rounds, refused = witnessed_rounds(body.rounds, run_id=self.run_id, reporter=envelope.sender, now=now)
+        rounds, refused = [], []
+        # Each witnessed entry is a signature check: a peer's rounds are read at most twice a heartbeat
+        # interval (it resends them), off the event loop, so back-to-back heartbeats cost one check each.
+        if body.rounds and now - self._witnessed_at.get(envelope.sender, 0.0) >= self._witness_every_s:
+            _remember(self._witnessed_at, envelope.sender, now)
+            rounds, refused = await asyncio.to_thread(
+                witnessed_rounds, body.rounds, run_id=self.run_id, reporter=envelope.sender, now=now
+            )
         for reason in refused:  # its other rounds still count; these credit nobody
             self._refusals.refused(
                 "Heartbeat", peer, ProtocolError(f"heartbeat from {envelope.sender}: {reason}")

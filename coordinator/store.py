@@ -281,7 +281,8 @@ class Store:
         )
 
     async def admit(self, record: PeerRecord) -> None:
-        """Insert or replace a peer on join; a rejoin keeps its first joined_at."""
+        """Insert or replace a peer on join; a rejoin keeps its first joined_at and its role (the
+        service refuses a rejoin under another role: credit is counted by role)."""
 
         def op(db: sqlite3.Connection) -> None:
             with transaction(db):
@@ -289,7 +290,7 @@ class Store:
                     "INSERT INTO peers (peer_id, public_key, name, device, role, state, joined_at, last_seen,"
                     " last_seq, cert_serial, cert_expires_at, metrics) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
                     " ON CONFLICT(peer_id) DO UPDATE SET name=excluded.name, device=excluded.device,"
-                    " role=excluded.role, state=excluded.state, last_seen=excluded.last_seen,"
+                    " state=excluded.state, last_seen=excluded.last_seen,"
                     " cert_serial=excluded.cert_serial, cert_expires_at=excluded.cert_expires_at",
                     (
                         record.peer_id, record.public_key, record.name, record.device, record.role,

@@ -148,6 +148,9 @@ def test_a_trainer_records_its_groupmates_and_a_stalled_one_ignores_keys_it_neve
         trainer._rounds_since = time.monotonic() - stalled_for
         assert trainer._ahead_or_apart() is None, "stalled, yet the Sybils ahead have no say"
     trainer.view["a"] = PeerProgress("a", 7, 8, 1.0, H1, now)
+    assert trainer._ahead_or_apart() is None, "twice as long, but most peers ahead hold another state"
+    for i in range(5):
+        del trainer.view[f"sybil{i}"]
     assert trainer._ahead_or_apart() == (7, H1, ["a"]), "twice as long: the groupmates ahead decide"
     trainer._rounds_since = time.monotonic() - 1.5 * round_s
     assert trainer._ahead_or_apart() is None, "before that, one of two groupmates is no majority"

@@ -25,8 +25,9 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    vote, and all of them at or ahead of its step: a position ahead needs a strict majority of them;
    after twice as long, only those ahead vote (the ones at its step may be stuck with it, below the
    run's minimum group size), and only while the peers in view at its step are no more than those
-   ahead of it (else rounds at its step can form, and a groupmate ahead alone must not decide). The
-   state is then downloaded from those groupmates only. A stalled caller with no such groupmate in view is not treated as
+   ahead of it (else rounds at its step can form, and a groupmate ahead alone must not decide) and most
+   peers in view ahead of it hold the same position. The state is then downloaded from those
+   groupmates only. A stalled caller with no such groupmate in view is not treated as
    stalled. Before, one record one step ahead, of any certified key, was a majority of one for a peer
    whose rounds an attacker kept failing.
 3. Never backwards, never past ``max_step`` (the run's ``max_steps``, or ``MAX_STEP``): a record of step
@@ -133,6 +134,13 @@ def catch_up_target(
         electorate = len(others) + int(own)
     if support < quorum(electorate) or best == mine:
         return None
+    if anchors and long_stalled:
+        # The groupmates ahead decide only what most peers in view ahead of the caller hold too: one
+        # attacker groupmate ahead is no majority of the honest peers that moved on.
+        ahead_of_me = [p for p in others.values() if p.step > mine.step]
+        held = sum(1 for p in ahead_of_me if Position(p.step, p.state_hash) == best)
+        if held < quorum(len(ahead_of_me)):
+            return None
     if mine is not None and best.step == mine.step:
         mine_side = 1 + sum(1 for p in voters if Position(p.step, p.state_hash) == mine)
         if mine_side > support or (mine_side == support and mine.state_hash < best.state_hash):

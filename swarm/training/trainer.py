@@ -68,6 +68,11 @@ def _computed_elsewhere(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
     raise ConfigError("this peer's gradients are computed by its caller's own loop (session.collaborate)")
 
 
+# Applied rounds a peer keeps to report (see ``Trainer.witnessed``): the coordinator credits rounds up to
+# 16 steps below its verified step (``coordinator.credit.WITNESS_WINDOW_STEPS``).
+KEEP_WITNESSED_ROUNDS = 16
+
+
 def step_misfit(theirs: dict, mine: dict) -> Misfit | None:
     """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
 
@@ -213,9 +218,10 @@ class Trainer(CatchUp):
         self.contributed_samples = 0
         # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
         self.groupmates = Groupmates()
-        # The signed entries of its last applied rounds, which its heartbeats show the coordinator: the
-        # other members' credit (``witnessed``).
-        self._witnessed: deque[list[bytes]] = deque(maxlen=MAX_WITNESSED_ROUNDS)
+        # The signed entries of its last applied rounds, which its heartbeats show the coordinator a few at a
+        # time, in turn (``witnessed``): the other members' credit once the run's verified step passes them.
+        self._witnessed: deque[list[bytes]] = deque(maxlen=KEEP_WITNESSED_ROUNDS)
+        self._witness_turn = 0
         self.last_group_size = 0
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
         # Gradient sums of the caller's micro-batches (``absorb(mean=True)``), kept out of ``.grad``.
@@ -237,9 +243,17 @@ class Trainer(CatchUp):
         return self.policy.suspects.avoided(limit)
 
     def witnessed(self) -> list[list[bytes]]:
-        """The signed group entries of this peer's last applied rounds, its own among them, for its
-        heartbeats: the coordinator credits each other member the weight it signed (``coordinator.credit``)."""
-        return list(self._witnessed)
+        """Up to ``MAX_WITNESSED_ROUNDS`` of this peer's last ``KEEP_WITNESSED_ROUNDS`` applied rounds, as
+        their members' signed group entries (its own among them), taken in turn at each call (each
+        heartbeat): the coordinator credits each other member the weight it signed once the run's
+        verified step is past the round (``coordinator.credit``), so a round is resent until it drops out,
+        and a verified step that lags by more than a heartbeat's worth of rounds loses no credit."""
+        kept = list(self._witnessed)
+        if len(kept) <= MAX_WITNESSED_ROUNDS:
+            return kept
+        start = self._witness_turn % len(kept)
+        self._witness_turn = start + MAX_WITNESSED_ROUNDS
+        return [kept[(start + i) % len(kept)] for i in range(MAX_WITNESSED_ROUNDS)]
 
     def _witness(self, group) -> None:
         """Keep an applied round's signed entries for the heartbeats: its own, and up to the bound a random
