@@ -17,6 +17,31 @@ from protocols.keys import SigningKey
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.dht import SpawnedDHT, start_local_dhts
 
+
+@contextlib.asynccontextmanager
+async def serving_coordinator(tmp_path: Path, run_id: str, limits=None, **store_options):
+    """The real coordinator service and store of a tiny run, served over gRPC on a loopback port: yields
+    (address, store, service)."""
+    import grpc
+
+    from coordinator.service import CoordinatorService
+    from coordinator.store import Store
+    from lab.localswarm import tiny_run
+    from swarm.rpc import CHANNEL_OPTIONS
+
+    store = Store.open_sync(tmp_path / "coordinator.db", run_id, **store_options)
+    service = CoordinatorService(tiny_run(run_id), SigningKey.generate(), store, [], limits)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((service.generic_handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", store, service
+    finally:
+        await server.stop(grace=0.5)
+        store.close()
+
+
 SIM_LOG_LINES = 25  # of each log a failed swarm-sim kept, shown in the failure
 KEYS: dict[str, SigningKey] = {}  # peer ID -> the identity its DHT runs under (trainers sign with it)
 

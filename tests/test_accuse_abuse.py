@@ -9,20 +9,15 @@ leaves joins from every other address working.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from helpers import relay_from
+from helpers import relay_from, serving_coordinator
 
 from coordinator.limits import KeyedBuckets, RefusalLog, ServiceLimits, caller_key
-from coordinator.service import CoordinatorService
-from coordinator.store import Store
-from lab.localswarm import tiny_run
 from protocols import coordinator_pb2 as pb
 from protocols.envelope import seal
 from protocols.errors import NetworkError, ProtocolError
@@ -39,22 +34,9 @@ pytestmark = pytest.mark.timeout(60)
 RUN = "abuse-run"
 
 
-@contextlib.asynccontextmanager
-async def serving(
-    tmp_path: Path, limits: ServiceLimits, run_id: str = RUN
-) -> AsyncIterator[tuple[str, Store, CoordinatorService]]:
+def serving(tmp_path: Path, limits: ServiceLimits, run_id: str = RUN):
     """The real service, store and limits of a tiny run, served over gRPC on a loopback port."""
-    store = Store.open_sync(tmp_path / "coordinator.db", run_id)
-    service = CoordinatorService(tiny_run(run_id), SigningKey.generate(), store, [], limits)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}", store, service
-    finally:
-        await server.stop(grace=0.5)
-        store.close()
+    return serving_coordinator(tmp_path, run_id, limits)
 
 
 async def admitted(address: str, count: int, run_id: str = RUN) -> list[SigningKey]:

@@ -8,17 +8,14 @@ witnessed_rounds, catch_up_target, RefusalLog, Trainer), in-process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import grpc
 import pytest
+from helpers import serving_coordinator
 
 from coordinator.limits import RefusalLog
-from coordinator.service import CoordinatorService
 from coordinator.store import PeerRecord, Store
 from coordinator.witness import witnessed_rounds
 from lab.localswarm import tiny_run
@@ -28,7 +25,6 @@ from protocols.keys import PublicKey, SigningKey
 from protocols.messages import MAX_WITNESSED_ROUNDS, HeartbeatBody
 from swarm.averaging.groups import GROUP_ENTRY
 from swarm.coordinator_client import CoordinatorClient
-from swarm.rpc import CHANNEL_OPTIONS
 from swarm.training.catchup import Groupmates, Position, catch_up_target
 from swarm.training.trainer import KEEP_WITNESSED_ROUNDS, Trainer
 
@@ -110,21 +106,8 @@ async def honest_steps(b: Beats, honest: list[SigningKey], steps, history: dict,
 # --- 1. the self-reported credit path is open to any peer that joins as "stage" ---------------------
 
 
-@contextlib.asynccontextmanager
-async def serving(tmp_path: Path, run_id: str) -> AsyncIterator[tuple[str, Store, CoordinatorService]]:
-    store = Store.open_sync(
-        tmp_path / "c.db", run_id, max_samples_per_step=TARGET, max_verified_steps_per_s=1000
-    )
-    service = CoordinatorService(tiny_run(run_id), SigningKey.generate(), store, [])
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}", store, service
-    finally:
-        await server.stop(grace=0.5)
-        store.close()
+def serving(tmp_path: Path, run_id: str):
+    return serving_coordinator(tmp_path, run_id, max_samples_per_step=TARGET, max_verified_steps_per_s=1000)
 
 
 def test_a_data_parallel_run_refuses_pipeline_roles_and_a_key_keeps_its_role(tmp_path: Path):
