@@ -85,8 +85,8 @@ def catch_up_target(
     """The position to move to, or None when the caller is in line (or no majority exists yet).
 
     ``others`` maps peer IDs (never the caller's own) to their verified positions; ``mine`` is None for a
-    caller that holds no state of its own (the checkpoint keeper). ``trusted``: the peers the caller
-    completed rounds with lately (``Groupmates``); a stalled caller that has some in view at or ahead of
+    caller that holds no state of its own (the checkpoint keeper). ``trusted``: the members of the
+    caller's last applied round (``Groupmates``); a stalled caller that has some in view at or ahead of
     its step follows only what a strict majority of those hold, and one that has none in view is not
     treated as stalled. ``long_stalled`` (its rounds have failed twice as long): the anchors at its own step
     may be as stuck as it is (below the run's minimum group size with it), so only the anchors ahead vote.
