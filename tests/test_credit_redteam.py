@@ -26,7 +26,8 @@ from protocols.messages import MAX_WITNESSED_ROUNDS, HeartbeatBody
 from swarm.averaging.groups import GROUP_ENTRY
 from swarm.coordinator_client import CoordinatorClient
 from swarm.training.catchup import Groupmates, Position, catch_up_target
-from swarm.training.trainer import KEEP_WITNESSED_ROUNDS, Trainer
+from swarm.training.trainer import Trainer
+from swarm.training.witness import KEEP_WITNESSED_ROUNDS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -284,7 +285,9 @@ def test_a_peer_reports_each_of_its_last_16_rounds_in_turn_so_a_lagging_verified
     trainer = Trainer(tiny_run("rotation"), None, peer_id=key.peer_id, signing_key=key)
     for step in range(KEEP_WITNESSED_ROUNDS + 4):
         mine = entry(key, step, 16.0, run_id="rotation", now=time.time())
-        trainer._witness(SimpleNamespace(peer_ids=[key.peer_id, "other"], signed_entries=[mine, b"o" * 300]))
+        trainer.witness.record(
+            SimpleNamespace(peer_ids=[key.peer_id, "other"], signed_entries=[mine, b"o" * 300])
+        )
     seen = set()
     for _ in range(6):
         rounds = trainer.witnessed()

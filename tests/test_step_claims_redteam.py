@@ -294,12 +294,12 @@ def test_a_groupmates_oversized_entry_is_left_out_of_the_witnessed_rounds_never_
         peer_ids=[me, *(k.peer_id for k in others)],
         signed_entries=[b"mine" * 10, huge, *(b"e" * 500 for _ in others[1:])],
     )
-    trainer._witness(group)
+    trainer.witness.record(group)
     (reported,) = trainer.witnessed()
     assert reported[0] == b"mine" * 10 and huge not in reported
     assert len(reported) == MAX_ROUND_ENTRIES and all(len(e) <= MAX_ENTRY_BYTES for e in reported)
     for _ in range(5):
-        trainer._witness(group)
+        trainer.witness.record(group)
     HeartbeatBody.model_validate(
         {"seq": 1, "state": "online", "rounds": trainer.witnessed()}
     )  # within every bound of the message

@@ -11,6 +11,7 @@
 - memory.py: a peer's peak memory (GPU or RSS) and recognizing out-of-memory errors
 - microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
 - trainer.py: one peer's training loop: accumulate, average, step
+- witness.py: the applied rounds a peer's heartbeats show the coordinator, whose members it credits
 - collaboration.py: ``Collaboration``: the same loop driven by the researcher's own (``collab.step``
   after each backward), with the ``EveryStep`` and ``DiLoCo`` strategies
 - hf.py: ``SwarmCallback``, with which a Hugging Face ``Trainer`` script joins a run (the ``[hf]`` extra)

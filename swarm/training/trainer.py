@@ -19,9 +19,7 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import hivemind
@@ -29,7 +27,6 @@ import torch
 
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
-from protocols.messages import MAX_ENTRY_BYTES, MAX_ROUND_ENTRIES, MAX_WITNESSED_ROUNDS
 from swarm.averaging.factory import build_averager
 from swarm.averaging.groups import Misfit
 from swarm.averaging.policy import PeerPolicy
@@ -60,17 +57,13 @@ from swarm.training.sync import (
     StateServicer,
     state_namespace,
 )
+from swarm.training.witness import WitnessedRounds
 
 logger = logging.getLogger(__name__)
 
 
 def _computed_elsewhere(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     raise ConfigError("this peer's gradients are computed by its caller's own loop (session.collaborate)")
-
-
-# Applied rounds a peer keeps to report (see ``Trainer.witnessed``): the coordinator credits rounds up to
-# 16 steps below its verified step (``coordinator.credit.WITNESS_WINDOW_STEPS``).
-KEEP_WITNESSED_ROUNDS = 16
 
 
 def step_misfit(theirs: dict, mine: dict) -> Misfit | None:
@@ -218,10 +211,8 @@ class Trainer(CatchUp):
         self.contributed_samples = 0
         # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
         self.groupmates = Groupmates()
-        # The signed entries of its last applied rounds, which its heartbeats show the coordinator a few at a
-        # time, in turn (``witnessed``): the other members' credit once the run's verified step passes them.
-        self._witnessed: deque[list[bytes]] = deque(maxlen=KEEP_WITNESSED_ROUNDS)
-        self._witness_turn = 0
+        # Its applied rounds, as their signed entries, for the heartbeats: the other members' credit.
+        self.witness = WitnessedRounds(peer_id)
         self.last_group_size = 0
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
         # Gradient sums of the caller's micro-batches (``absorb(mean=True)``), kept out of ``.grad``.
@@ -243,29 +234,8 @@ class Trainer(CatchUp):
         return self.policy.suspects.avoided(limit)
 
     def witnessed(self) -> list[list[bytes]]:
-        """Up to ``MAX_WITNESSED_ROUNDS`` of this peer's last ``KEEP_WITNESSED_ROUNDS`` applied rounds, as
-        their members' signed group entries (its own among them), taken in turn at each call (each
-        heartbeat): the coordinator credits each other member the weight it signed once the run's
-        verified step is past the round (``coordinator.credit``), so a round is resent until it drops out,
-        and a verified step that lags by more than a heartbeat's worth of rounds loses no credit."""
-        kept = list(self._witnessed)
-        if len(kept) <= MAX_WITNESSED_ROUNDS:
-            return kept
-        start = self._witness_turn % len(kept)
-        self._witness_turn = start + MAX_WITNESSED_ROUNDS
-        return [kept[(start + i) % len(kept)] for i in range(MAX_WITNESSED_ROUNDS)]
-
-    def _witness(self, group) -> None:
-        """Keep an applied round's signed entries for the heartbeats: its own, and up to the bound a random
-        choice of the others' (each member is witnessed by many, so a large group's members are all
-        likely reported); a groupmate's entry over the size bound is left out, never sent to be refused."""
-        entries = list(zip((str(p) for p in group.peer_ids), group.signed_entries, strict=False))
-        mine = [e for peer, e in entries if peer == self.peer_id]
-        others = [e for peer, e in entries if peer != self.peer_id and len(e) <= MAX_ENTRY_BYTES]
-        if len(mine) != 1 or len(mine[0]) > MAX_ENTRY_BYTES or not others:
-            return
-        chosen = random.sample(others, min(len(others), MAX_ROUND_ENTRIES - 1))
-        self._witnessed.append(mine + chosen)
+        """The applied rounds the next heartbeat shows the coordinator (``swarm.training.witness``)."""
+        return self.witness.next()
 
     def metrics(self) -> dict[str, float]:
         started = self._first_compute if self._first_compute is not None else time.monotonic()
@@ -507,7 +477,7 @@ class Trainer(CatchUp):
             await self._commit(self.step + 1)
         self.contributed_samples += contributed
         self.groupmates.record([str(p) for p in group.peer_ids if str(p) != self.peer_id], self.step)
-        self._witness(group)
+        self.witness.record(group)
         self.last_group_size = len(group.peer_ids)
         self._step_view = self.progress_view.count
         self._stats["rounds_ok"] += 1
