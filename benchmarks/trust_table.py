@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             extra = ROWS[row][2]
             if extra[0] == "--attack":
-                extra = ["--byzantine", str(args.f), *extra]
+                # With fewer than 3f + 1 peers the sim's floor of 2f + 1 outlasts banned attackers: the
+                # honest peers alone are the floor here (a group at it may then be half attackers).
+                floor = str(args.peers - args.f)
+                extra = ["--byzantine", str(args.f), "--min-group-size", floor, *extra]
             results[mode][row] = run_sim(flags + extra, args.timeout_s + 120)
             print(f"{mode} {row}: {_summary(results[mode][row])}", flush=True)
             if args.json:

@@ -112,6 +112,12 @@ class SimConfig(BaseModel):
     verify_probability: float = Field(
         0.5, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
     )
+    min_group_size: int | None = Field(
+        None, ge=1, le=4096,
+        description="training.min_group_size (default: max(2f + 1, peers - f) with --byzantine f: every "
+        "group holds an honest majority; a rehearsal with fewer than 3f + 1 peers that bans its attackers "
+        "then stalls, and needs peers - f here)",
+    )  # fmt: skip
     wan: str | None = Field(
         None,
         max_length=64,
@@ -227,11 +233,14 @@ def build_run(config: SimConfig) -> RunConfig:
             "precision": config.precision, "sync": config.sync, "inner_steps": config.inner_steps,
             "outer_overlap": config.outer_overlap, "compression": config.compression,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
-            # Every honest peer takes part in every round (one may be missing while churn restarts it):
-            # the honest peers alone reach the minimum, so a run goes on once its attackers are banned
-            # (bans never lower it: Trainer._round). With 3f + 1 peers or more every group then holds an
-            # honest majority; with fewer (6 peers, f = 2) a group at the floor may be half attackers.
-            "min_group_size": max(1, config.peers - config.byzantine - (1 if config.churn else 0)),
+            # Every peer takes part in every round (one may be missing while churn restarts it). With
+            # attackers, every group must hold an honest majority (2f + 1 peers at least), and the honest
+            # peers alone must reach the minimum: bans never lower it (see Trainer._round). With fewer
+            # than 3f + 1 peers both cannot hold: --min-group-size chooses.
+            "min_group_size": config.min_group_size or max(
+                2 * config.byzantine + 1 if config.byzantine else 1,
+                config.peers - config.byzantine - (1 if config.churn else 0),
+            ),
             "verify_probability": config.verify_probability,
             **({"aggregator": config.aggregator} if config.aggregator else {}),
             "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),
