@@ -6,8 +6,9 @@ run can train, and by the newest checkpoint.
 
 A data-parallel peer is credited only for rounds other members witnessed (``credit_witnessed``): the
 weight its signed group entry claims, reported by another member of the round
-(``coordinator.witness``), once per step, for steps the run has verified, at most twice the average
-share of the peers that went past that step. Its own ``contributed_samples`` is shown, never credited.
+(``coordinator.witness``), once per step, for steps the run has verified, at most twice a batch over the
+round's joined members or the online data-parallel peers, whichever are more. Its own
+``contributed_samples`` is shown, never credited.
 
 Pipeline roles (stage servers and trainers) hold no such rounds yet, and are credited as follows.
 What is checked, and what is not: a peer's ``contributed_samples`` is its own claim. The coordinator
@@ -36,6 +37,8 @@ CHECKPOINT_MARGIN_PERIODS = 2
 SHARE_SLACK = 2.0
 # Roles credited from witnessed rounds (``credit_witnessed``); the others report their own, bounded.
 DATA_ROLES = ("data", "auto")
+# A row of ``peers p`` whose peer is not banned.
+UNBANNED = "NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
 
 
 def meta_int(db: sqlite3.Connection, key: str) -> int:
@@ -70,7 +73,7 @@ def verify_step(
     since = float(row[0])
     if step <= verified or not param_hash:
         return verified
-    online = "p.state='online' AND p.param_hash != '' AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+    online = f"p.state='online' AND p.param_hash != '' AND {UNBANNED}"
     (agreeing,) = db.execute(
         f"SELECT COUNT(*) FROM peers p WHERE p.step=? AND p.param_hash=? AND {online}", (step, param_hash)
     ).fetchone()
@@ -95,7 +98,7 @@ def round_share(db: sqlite3.Connection, step: int, param_hash: str, max_per_step
     """Samples one peer reporting ``(step, param_hash)`` may be credited per step it advanced:
     ``SHARE_SLACK`` times the run's target batch over the online, unbanned peers that report this
     state, or None (no credit now) when they are not more than half of those reporting at ``step``."""
-    online = "p.state='online' AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+    online = f"p.state='online' AND {UNBANNED}"
     (agreeing,) = db.execute(
         f"SELECT COUNT(*) FROM peers p WHERE p.step=? AND p.param_hash=? AND {online}", (step, param_hash)
     ).fetchone()
@@ -161,8 +164,7 @@ def credit_witnessed(
     share only once they outnumber them.
     Returns the samples credited."""
     (online,) = db.execute(
-        "SELECT COUNT(*) FROM peers p WHERE p.state='online' AND p.role IN (?, ?) "
-        "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)",
+        f"SELECT COUNT(*) FROM peers p WHERE p.state='online' AND p.role IN (?, ?) AND {UNBANNED}",
         DATA_ROLES,
     ).fetchone()
     credited = 0.0
@@ -173,8 +175,7 @@ def credit_witnessed(
         members = {}
         for entry in entries:
             row = db.execute(
-                "SELECT role FROM peers p WHERE p.peer_id=? "
-                "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)",
+                f"SELECT role FROM peers p WHERE p.peer_id=? AND {UNBANNED}",
                 (entry.peer_id,),
             ).fetchone()
             if row is not None and row[0] in DATA_ROLES:

@@ -35,6 +35,7 @@ from coordinator.banlist import SCHEMA as BANS_SCHEMA
 from coordinator.credit import (
     CHECKPOINT_MARGIN_PERIODS,
     DATA_ROLES,
+    UNBANNED,
     credit_witnessed,
     merge_credit,
     meta_int,
@@ -248,7 +249,7 @@ class Store:
             majority: dict[int, tuple[int, str]] = {}
             for step, param_hash, count in db.execute(
                 "SELECT p.step, p.param_hash, COUNT(*) FROM peers p WHERE p.state='online' AND p.param_hash != ''"
-                f" {where}AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+                f" {where}AND {UNBANNED}"
                 " GROUP BY p.step, p.param_hash",
                 args,
             ):
