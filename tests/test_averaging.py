@@ -13,47 +13,63 @@ from protocols.errors import ConfigError
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager
 from swarm.averaging.evidence import contribution_message, round_digest
+from swarm.averaging.sender import PartSender
 
 pytestmark = pytest.mark.timeout(120)
 
 NUMEL = 300_007  # not a multiple of the group size or the chunk size
 
 
+class TruncatingSender(PartSender):
+    def encode_contribution(self, part: int, chunk: int) -> bytes:
+        return super().encode_contribution(part, chunk)[:-2]
+
+
 class TruncatingAllReduce(ButterflyAllReduce):
     """A groupmate that sends one value too few in every chunk it contributes to others' parts."""
 
-    def encode_contribution(self, part: int, chunk: int) -> bytes:
-        return super().encode_contribution(part, chunk)[:-2]
+    sender_type = TruncatingSender
+
+
+class ReplayingSender(PartSender):
+    def contribution(self, part, chunk):
+        message = super().contribution(part, chunk)
+        r = self.round
+        digest = round_digest("another-run", r.group_id, r.members)
+        signed = contribution_message(digest, part, chunk, r.members[r.index], r.weight, message.data)
+        message.signature = r.key.sign(signed)
+        return message
 
 
 class ReplayingAllReduce(ButterflyAllReduce):
     """A groupmate that sends contributions signed for another run (as if replayed from there)."""
 
-    def _contribution(self, part, chunk):
-        message = super()._contribution(part, chunk)
-        digest = round_digest("another-run", self.group_id, self.members)
-        signed = contribution_message(
-            digest, part, chunk, self.members[self.index], self.weight, message.data
-        )
-        message.signature = self.key.sign(signed)
+    sender_type = ReplayingSender
+
+
+class UnsignedSender(PartSender):
+    def contribution(self, part, chunk):
+        message = super().contribution(part, chunk)
+        message.signature = b""
         return message
 
 
 class UnsignedAllReduce(ButterflyAllReduce):
     """A groupmate that sends its contributions unsigned."""
 
-    def _contribution(self, part, chunk):
-        message = super()._contribution(part, chunk)
-        message.signature = b""
-        return message
+    sender_type = UnsignedSender
+
+
+class NegativeWeightSender(PartSender):
+    def contribution(self, part, chunk):
+        self.round.weight = -5.0
+        return super().contribution(part, chunk)
 
 
 class NegativeWeightAllReduce(ButterflyAllReduce):
     """A groupmate that claims (and signs) a negative weight, to pull the average away from itself."""
 
-    def _contribution(self, part, chunk):
-        self.weight = -5.0
-        return super()._contribution(part, chunk)
+    sender_type = NegativeWeightSender
 
 
 @pytest.fixture

@@ -309,18 +309,18 @@ def test_a_compressed_round_is_bit_identical_and_what_each_peer_sent_is_what_red
         runner = runners[0]
         for peer, vector in inputs.items():  # what the wire carried of each peer's vector, every chunk
             for part in range(3):
-                lo, hi = runner._chunk(part, 0)
+                lo, hi = runner.chunk_range(part, 0)
                 assert torch.equal(sent[peer][lo:hi], roundtrip(codec, vector[lo:hi], contribution=True))
         for reducer in runners:  # the inputs each reducer kept for validators: what their senders recorded
-            lo, hi = reducer._chunk(reducer.index, 0)
-            assert len(reducer.evidence[0]) == 3
-            for item in reducer.evidence[0]:
+            lo, hi = reducer.chunk_range(reducer.index, 0)
+            assert len(reducer.reducer.evidence[0]) == 3
+            for item in reducer.reducer.evidence[0]:
                 decoded = codec.decode_contribution(item.data, hi - lo, sender="x")
                 assert torch.equal(decoded, sent[reducer.members[item.sender_index]][lo:hi])
         # The result is the rule over what was sent, encoded once: recomputed here bit for bit.
         rule, stacked = get_aggregator(aggregator), torch.stack([sent[p] for p in runner.members])
         for part in range(3):
-            lo, hi = runner._chunk(part, 0)
+            lo, hi = runner.chunk_range(part, 0)
             seed = aggregation_seed(runner.group_id, part, 0)
             expected = rule(stacked[:, lo:hi].contiguous(), fair_weights([1.0] * 3), seed=seed)
             assert torch.equal(results[0].vector[lo:hi], roundtrip(codec, expected))

@@ -15,6 +15,7 @@ import torch
 from swarm.averaging.allreduce import ButterflyAllReduce
 from swarm.averaging.averager import Averager, AveragingServicer
 from swarm.averaging.evidence import BadAggregateEvidence, parse_evidence, split_bounds
+from swarm.averaging.reducer import PartReducer
 from swarm.averaging.verification import Assignment, check_reducer
 from swarm.byzantine.attacks import make_attack
 
@@ -23,25 +24,29 @@ pytestmark = pytest.mark.timeout(180)
 NUMEL = 30_011
 
 
+class WithholdingReducer(PartReducer):
+    """Member 0, as reducer of part 0, takes the chunks of the round's ``withhold_from`` and returns nothing."""
+
+    async def serve(self, first, stream, sender):
+        if self.round.index == 0 and sender in self.round.withhold_from:
+            await self.consume(sender, first, stream)
+            return
+        async for message in super().serve(first, stream, sender):
+            yield message
+
+
 class Roles(ButterflyAllReduce):
     """The run's all-reduce, but member 0 returns part 0 to none of ``withhold_from``, and member 1
     (part 0's substitute) shifts every aggregate it signs when ``liar`` is set."""
 
     withhold_from: frozenset[int] = frozenset({1, 2})
     liar = False
+    reducer_type = WithholdingReducer
 
     def __init__(self, settings, **kwargs):
         super().__init__(settings, **kwargs)
         if self.index == 1 and self.liar:
             self.hooks = make_attack("bad_reducer", group_size=3, attackers=1)
-
-    async def serve(self, first, stream, sender):
-        index = self.peer_ids.index(sender) if sender in self.peer_ids else None
-        if self.index == 0 and first.part_index == 0 and index in self.withhold_from:
-            await self._consume(index, first, stream)  # takes the sender's chunks, returns nothing
-            return
-        async for message in super().serve(first, stream, sender):
-            yield message
 
 
 class LyingSubstitute(Roles):
@@ -161,5 +166,5 @@ def test_a_part_the_reducer_gave_some_member_is_never_re_reduced_for_the_others(
     (_, _, _), (one, substitute, _), (two, validator, _) = results
     assert two[1].complete and 0 not in validator.signers
     assert not one[1].complete and 0 not in substitute.signers
-    assert substitute.repairs[0].results == [None] * len(substitute.repairs[0].results)
+    assert substitute.repairs.by_part[0].results == [None] * len(substitute.repairs.by_part[0].results)
     assert check.verdict is None and check.evidence.signer is None, "member 2 checked the reducer's own"

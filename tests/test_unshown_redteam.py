@@ -66,9 +66,9 @@ from swarm.averaging.evidence import (
     parse_evidence,
 )
 from swarm.averaging.policy import PeerPolicy
-from swarm.averaging.reducer import PartReducer
+from swarm.averaging.reducer import check_reveal
 from swarm.averaging.rounds import RoundRegistry
-from swarm.averaging.sender import PartSender
+from swarm.averaging.sender import check_answer
 from swarm.averaging.transport import MAX_CONNECTIONS_PER_PEER
 from swarm.averaging.verification import Outcome, _unshown
 from swarm.config import RunConfig
@@ -253,7 +253,7 @@ def test_a_backdated_aggregate_still_leaves_time_to_demand_its_inputs(keys):
     """A lying reducer dates its aggregate in the past to escape ``unshown_input``.
 
     Members accept a signed time up to ``MAX_CLOCK_SKEW_S`` (120 s) off their clock
-    (``sender.py:_check_answer``), so a reducer may sign ``signed_at_ms = now - 119 s`` and every member
+    (``sender.py:check_answer``), so a reducer may sign ``signed_at_ms = now - 119 s`` and every member
     still takes it. The coordinator now demands inputs for ``INPUT_DEMAND_WINDOW_S`` (600 s) after the
     signed time, and an honest reducer archives them for ``KEEP_INPUTS_S`` (900 s): the backdating buys
     the liar nothing. Its aggregate is shifted and it shows nothing; judged 10 s after the real signing,
@@ -263,7 +263,7 @@ def test_a_backdated_aggregate_still_leaves_time_to_demand_its_inputs(keys):
     nonces = [os.urandom(NONCE_BYTES) for _ in keys]
     backdated_ms = now_ms - int((MAX_CLOCK_SKEW_S - 1) * 1000)
     lying = round_with(keys, nonces=nonces, signed_at_ms=backdated_ms, shift=0.5)
-    # Member 1 checks the aggregate it got back, as ``PartSender._check_answer`` does: it passes.
+    # Member 1 checks the aggregate it got back, as ``sender.check_answer`` does: it passes.
     member = SimpleNamespace(
         members=list(lying.members), key=keys[1], digest=lying.digest, index=1, weight=8.0
     )
@@ -271,7 +271,7 @@ def test_a_backdated_aggregate_still_leaves_time_to_demand_its_inputs(keys):
         part_index=0, chunk_index=0, data=lying.output, signature=lying.output_signature,
         included=lying.entries, signed_at_ms=lying.signed_at_ms,
     )  # fmt: skip
-    PartSender._check_answer(member, 0, 0, answer, hashlib.sha256(lying.inputs[1].data).digest())
+    check_answer(member, 0, 0, answer, hashlib.sha256(lying.inputs[1].data).digest())
 
     evidence = as_unshown(lying, nonces, missing=(0,))
     accuser = drawn_accuser(evidence)
@@ -293,19 +293,22 @@ def test_a_backdated_aggregate_still_leaves_time_to_demand_its_inputs(keys):
 
 def validator_files(keys, lying: BadAggregateEvidence, nonces: list[bytes], validator: int):
     """The drawn ``validator``, as the reducer of its own part, takes every other member's reveal
-    (``PartReducer._check_reveal``, into the round's shared ``reveals``); then, unable to collect the
+    (``reducer.check_reveal``, into the round's shared ``reveals``); then, unable to collect the
     reducer's own input of part 0, it files through ``_unshown`` as ``check_reducer`` does. Returns its
     outcome and the reveals it refused (sender index -> why)."""
     commits = list(lying.commitments)
     reducer_view = SimpleNamespace(
-        index=validator, _results=[None], commitments=commits, reveals={validator: nonces[validator]}
+        index=validator,
+        chunk_count=lambda part: 1,
+        commitments=commits,
+        reveals={validator: nonces[validator]},
     )
     refused = {}
     for sender, nonce in enumerate(nonces):
         if sender != validator:
             reveal = apb.PartChunk(part_index=validator, chunk_index=1, reveal=nonce)
             try:
-                PartReducer._check_reveal(reducer_view, sender, reveal)
+                check_reveal(reducer_view, sender, reveal)
             except ProtocolError as e:
                 refused[sender] = str(e)
     runner = SimpleNamespace(
@@ -330,7 +333,7 @@ def test_a_long_nonce_is_refused_at_its_reveal_and_the_honest_validator_files_no
     """A lying reducer commits to a 100-byte nonce, lies, and shows nothing, so that the evidence its
     honest validator files carries a reveal the coordinator refuses, which would ban the validator.
 
-    Reveals are now exactly ``NONCE_BYTES`` (32): ``PartReducer._check_reveal`` refuses any other length
+    Reveals are now exactly ``NONCE_BYTES`` (32): ``reducer.check_reveal`` refuses any other length
     even when its SHA-256 matches the commitment, just as the coordinator's parser refuses such evidence.
     The validator never takes the long reveal, so the round has no shared draw and it files nothing;
     it is not banned. With honest 32-byte nonces the same lie is filed, and the coordinator convicts the

@@ -19,6 +19,7 @@ from lab.localswarm import tiny_run, wait_until
 from swarm.averaging.allreduce import ButterflyAllReduce, RoundSettings
 from swarm.averaging.averager import Averager
 from swarm.averaging.evidence import split_bounds
+from swarm.averaging.sender import PartSender
 from swarm.byzantine.attacks import make_attack
 
 pytestmark = pytest.mark.timeout(180)
@@ -138,21 +139,26 @@ def test_a_round_keeps_only_what_its_validators_can_ask_for(peers):
     assert len(done) == 3 and all(o.verdict is None and o.evidence is not None for o in done)
     for runner in runners:
         assert runner.shared_seed is not None and runner.local is None
-        assert sum(bool(inputs) for inputs in runner.evidence) == 1 < len(runner.evidence)
+        assert sum(bool(inputs) for inputs in runner.reducer.evidence) == 1 < len(runner.reducer.evidence)
         assert all(len(got) <= 1 for got in runner.answers)
-        held = sum(len(i.data) for i in runner._kept_inputs.values()) + sum(
-            len(i.data) for inputs in runner.evidence for i in inputs
+        held = sum(len(i.data) for i in runner.kept_inputs.values()) + sum(
+            len(i.data) for inputs in runner.reducer.evidence for i in inputs
         )
         assert held <= 2 * 3 * 1000 * 2, "at most one chunk per part and one chunk's inputs, in fp16"
+
+
+class HidesItsReveal(PartSender):
+    """Reveals its nonce to every reducer but ``SelectiveReveal.victim``."""
+
+    def reveals_to(self, part: int) -> bool:
+        return self.round.members[part] != SelectiveReveal.victim
 
 
 class SelectiveReveal(SmallChunks):
     """A member that reveals its nonce to every reducer but ``victim``, which then lacks the draw."""
 
     victim = ""
-
-    def reveals_to(self, part: int) -> bool:
-        return self.members[part] != self.victim
+    sender_type = HidesItsReveal
 
 
 def test_a_member_missing_the_draw_suspects_nobody(peers):

@@ -25,10 +25,12 @@ after every part has arrived or failed for them, on the same streams, so no redu
 it before it has signed and delivered its aggregate. ``run()`` returns after the first phase;
 ``revealed`` completes after the second.
 
-Layout of the code: this module holds the round's state and the two phases; ``ButterflyAllReduce``
-extends the sender side (streaming this peer's chunks of the other parts and checking what comes back)
-in ``sender.PartSender``, the reducer side (checking, aggregating, signing and returning this peer's own
-part) in ``reducer.PartReducer``, and a substitute's side of a repair in ``repair.PartRepairs``.
+Layout of the code: this module holds what the whole round shares (its group, layout, output, counters
+and the two phases) and composes three objects, each with its own state: ``sender`` (a
+``sender.PartSender``: streams this peer's chunks of the other parts and checks what comes back),
+``reducer`` (a ``reducer.PartReducer``: checks, aggregates, signs and returns this peer's own part) and
+``repairs`` (a ``repair.PartRepairs``: a substitute's side of a repair, and a sender's turn to one). A
+rehearsal or a test swaps one of them through ``sender_type``, ``reducer_type`` or ``repairs_type``.
 
 Transport: a part stream goes over the reducer's announced TCP data address when it has one and answers
 (see ``transport``), and over hivemind's libp2p streams otherwise; both carry the same ``PartChunk``
@@ -65,7 +67,7 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.reducer import PartReducer
-from swarm.averaging.repair import PartRepair, PartRepairs
+from swarm.averaging.repair import PartRepairs
 from swarm.averaging.sender import PartSender
 from swarm.averaging.transport import DataPlane
 from swarm.ratelimit import RateLimiter
@@ -134,13 +136,17 @@ class RoundSettings:
     chunk_values: int | None = None  # values per chunk; None: the layout's for the group size
 
 
-class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
+class ButterflyAllReduce:
     """One round among ``peer_ids`` (in the same order on every peer); ``run()`` returns a RoundResult.
 
     ``settings`` holds what the peer's rounds share; the rest is this round's: its group (ID, members,
     their nonce commitments, data addresses and which of them reduce), this peer's ``weight``, vector and
     nonce, the slowest member's uplink (``mbit``, for the deadlines) and an optional output buffer.
     """
+
+    sender_type: type[PartSender] = PartSender
+    reducer_type: type[PartReducer] = PartReducer
+    repairs_type: type[PartRepairs] = PartRepairs
 
     def __init__(
         self,
@@ -212,44 +218,28 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         ]
         self.received = [[False] * (len(c) - 1) for c in self.part_chunks]
 
-        # Reducer state for this peer's own part.
-        my_chunks = self.part_chunks[self.index]
-        self._inputs: list[dict[int, tuple[torch.Tensor, SignedInput]]] = [
-            {} for _ in range(len(my_chunks) - 1)
-        ]
-        self._weights: dict[int, float] = {}
-        self._results: list[apb.PartChunk | None] = [None] * (len(my_chunks) - 1)
-        # What a validator needs: the signed inputs of each chunk of our part, and the aggregates we got.
-        self.evidence: list[list[SignedInput]] = [[] for _ in self._results]
-        self.answers: list[dict[int, apb.PartChunk]] = [{} for _ in self.peer_ids]
-        self._reduced = [asyncio.Event() for _ in self._results]
-        self._active = set(range(len(self.peer_ids)))
-        self._changed = asyncio.Event()
+        self.answers: list[dict[int, apb.PartChunk]] = [{} for _ in self.peer_ids]  # aggregates we got
+        self.changed = asyncio.Event()  # a contribution, a drop or a reveal arrived
         self.dropped: dict[str, str] = {}
         self.failed_reducers: list[str] = []
         self.denied_by: list[str] = []
         self.bytes_sent = self.bytes_received = 0
         self._first_send: float | None = None
         self.send_window_s = 0.0  # from the first byte this peer sent until its phase one ended
-        self.contributed_bytes = 0  # of this peer's own values, sent to other reducers
-        # Chunks handed to each reducer's stream so far, for the parts still being sent (see _pace).
-        self._handed: dict[int, int] = {}
-        self._handed_more = asyncio.Event()
         # Phase one ends when every part has arrived or failed for this peer; then it reveals its nonce.
         # Nobody streams to a member that reduces no part: it waits for no part of its own and no reveal.
         self._unsettled = {p for p in range(len(self.peer_ids)) if self.reduces(p) or p == self.index}
-        self._delivered = asyncio.Event()
-        self._heard: set[int] = {self.index}  # members whose reveal arrived, or whose stream to us ended
+        self.delivered = asyncio.Event()
+        self.heard: set[int] = {self.index}  # members whose reveal arrived, or whose stream to us ended
         self._senders = set(range(len(self.peer_ids))) if self.reduces(self.index) else {self.index}
-        self._tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task] = []
         self.revealed: asyncio.Task | None = None
-        self._kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
-        # Repairs of parts whose reducer failed (see ``repair``): those this peer stands in for, the
-        # signer of each part that came from a substitute's re-reduction, and when each direct stream ended.
-        self.repairs: dict[int, PartRepair] = {}
-        self.signers: dict[int, int] = {}
-        self._direct_done = {p: asyncio.Event() for p in range(len(self.peer_ids))}
-        self._closed = False
+        self.kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
+        self.signers: dict[int, int] = {}  # parts that came from a substitute's re-reduction: its index
+        self.closed = False
+        self.sender = self.sender_type(self)
+        self.reducer = self.reducer_type(self)
+        self.repairs = self.repairs_type(self)
 
     def _keep_committed(self, commitments: list[bytes | None], nonce: bytes, flags: list[bool]) -> list[bool]:
         """Leave out members with no nonce commitment (all honest members see the same list); returns
@@ -268,15 +258,19 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         self.commitments = [commitments[i] for i in keep]
         return [flags[i] for i in keep]
 
-    # --- helpers -------------------------------------------------------------------------------------
+    # --- what the composed parts share ---------------------------------------------------------------
 
     def reduces(self, part: int) -> bool:
         """Whether member ``part`` reduces a part of the vector (one nobody can dial does not)."""
         return not self.reducers or self.reducers[part]
 
-    def _chunk(self, part: int, chunk: int) -> tuple[int, int]:
+    def chunk_range(self, part: int, chunk: int) -> tuple[int, int]:
+        """Where ``chunk`` of ``part`` lies in the vector: (first index, one past the last)."""
         base, bounds = self.part_bounds[part], self.part_chunks[part]
         return base + bounds[chunk], base + bounds[chunk + 1]
+
+    def chunk_count(self, part: int) -> int:
+        return len(self.part_chunks[part]) - 1
 
     def send_sample(self) -> tuple[int, float]:
         """(bytes of contributions this peer sent, seconds from its first send until its phase one ended,
@@ -287,9 +281,10 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         if self._first_send is None:
             return 0, 0.0
         window = self.send_window_s or asyncio.get_running_loop().time() - self._first_send
-        return self.contributed_bytes, window
+        return self.sender.contributed_bytes, window
 
-    def _count(self, *, sent: int = 0, received: int = 0) -> None:
+    def count(self, *, sent: int = 0, received: int = 0) -> None:
+        """Bytes of tensor data that went out or came in, for this round and the peer's traffic."""
         if sent and self._first_send is None:
             self._first_send = asyncio.get_running_loop().time()
         self.bytes_sent += sent
@@ -297,19 +292,24 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         self.traffic.sent += sent
         self.traffic.received += received
 
-    async def _throttle(self, nbytes: int) -> None:
+    async def throttle(self, nbytes: int) -> None:
+        """Wait until the peer's upload limit lets ``nbytes`` go out."""
         if self._first_send is None:  # the wait for the first bytes counts as sending time
             self._first_send = asyncio.get_running_loop().time()
         if self.upload_limiter is not None:
             await self.upload_limiter.acquire(nbytes)
 
-    def _settle(self, part: int) -> None:
+    def settle(self, part: int) -> None:
+        """``part`` arrived or failed for this peer; once every part has, phase one is over."""
         self._unsettled.discard(part)
         if not self._unsettled:
-            self._delivered.set()
+            self.delivered.set()
 
-    def _sign(self, message: bytes) -> bytes:
+    def sign(self, message: bytes) -> bytes:
         return self.key.sign(message) if self.key is not None else b""
+
+    async def next(self, stream: AsyncIterator[apb.PartChunk], timeout_s: float) -> apb.PartChunk:
+        return await asyncio.wait_for(stream.__anext__(), timeout_s)
 
     @property
     def shared_seed(self) -> bytes | None:
@@ -318,8 +318,7 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
             return None
         return draw_seed(self.digest, [self.reveals[i] for i in range(len(self.members))])
 
-    async def _next(self, stream: AsyncIterator[apb.PartChunk], timeout_s: float) -> apb.PartChunk:
-        return await asyncio.wait_for(stream.__anext__(), timeout_s)
+    # --- the round's two phases ----------------------------------------------------------------------
 
     def _result(self, complete: bool) -> RoundResult:
         return RoundResult(
@@ -333,11 +332,10 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
             logger.warning(f"leaving round {self.group_id.hex()[:8]}: {self.refusal}")
             return self._result(False)
         others = [p for p in range(len(self.peer_ids)) if p != self.index and self.reduces(p)]
-        self._handed = {p: 0 for p in others if len(self.part_chunks[p]) > 1}
-        self._tasks.append(asyncio.create_task(self._reduce_own_part()))
-        self._tasks += [asyncio.create_task(self._exchange_with(part)) for part in others]
+        self.tasks.append(asyncio.create_task(self.reducer.reduce_own_part()))
+        self.tasks += self.sender.start(others)
         try:
-            await self._delivered.wait()
+            await self.delivered.wait()
         except BaseException:
             self.close()
             raise
@@ -346,18 +344,34 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         self.revealed = asyncio.create_task(self._reveal_phase())
         return self._result(all(all(part) for part in self.received))
 
+    async def serve(
+        self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
+    ) -> AsyncIterator[apb.PartChunk]:
+        """An inbound part stream from a groupmate: its chunks of this peer's own part go to ``reducer``,
+        its chunks of a part whose reducer failed it to ``repairs`` (when this peer stands in for it)."""
+        if sender not in self.peer_ids or sender == self.p2p.peer_id:
+            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="not a member of this averaging group")
+            return
+        if not self.reduces(self.index):
+            yield apb.PartChunk(code=apb.BAD_CHUNK, error="this member reduces no part in this round")
+            return
+        index = self.peer_ids.index(sender)
+        handler = self.reducer.serve if first.part_index == self.index else self.repairs.serve
+        async for message in handler(first, stream, index):
+            yield message
+
     async def _reveal_phase(self) -> None:
         """Wait (bounded) for our reveal to go out and every groupmate's reveal to come in."""
         deadline = asyncio.get_running_loop().time() + self.reveal_timeout_s + 2 * self.sender_timeout_s
         try:
-            await asyncio.wait(self._tasks, timeout=deadline - asyncio.get_running_loop().time())
-            while not self._senders <= self._heard | set(self.reveals):
-                self._changed.clear()
+            await asyncio.wait(self.tasks, timeout=deadline - asyncio.get_running_loop().time())
+            while not self._senders <= self.heard | set(self.reveals):
+                self.changed.clear()
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     break
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), left)
+                    await asyncio.wait_for(self.changed.wait(), left)
         finally:
             self.close()
         self._trim()
@@ -369,28 +383,45 @@ class ButterflyAllReduce(PartSender, PartReducer, PartRepairs):
         seed = self.shared_seed
         if seed is None:
             return
-        counts = [len(c) - 1 for c in self.part_chunks]
-        drawn = [drawn_chunk(seed, part, counts[part]) for part in range(len(counts))]
-        self._kept_inputs = {
-            (part, chunk): self.own_input(part, chunk)
+        drawn = [drawn_chunk(seed, part, self.chunk_count(part)) for part in range(len(self.part_chunks))]
+        self.kept_inputs = {
+            (part, chunk): self.sender.own_input(part, chunk)
             for part, chunk in enumerate(drawn)
             if chunk is not None
         }
         self.local = None
-        self.evidence = [inputs if c == drawn[self.index] else [] for c, inputs in enumerate(self.evidence)]
         self.answers = [{c: a for c, a in got.items() if c == drawn[p]} for p, got in enumerate(self.answers)]
-        for part, repair in self.repairs.items():
-            repair.trim(drawn[part])
+        self.reducer.trim(drawn[self.index])
+        self.repairs.trim(drawn)
+
+    # --- what validators read ------------------------------------------------------------------------
+
+    def own_input(self, part: int, chunk: int) -> SignedInput | None:
+        """This peer's signed contribution to one chunk of a part; None for a chunk that no validator
+        drew once the round is trimmed."""
+        return self.sender.own_input(part, chunk)
+
+    def held_input(self, part: int, chunk: int, sender: int) -> SignedInput | None:
+        """Member ``sender``'s signed input to ``chunk`` of ``part`` as this peer aggregated it, for its
+        own part or one it re-reduced as a substitute; None if it holds none."""
+        if part == self.index:
+            inputs = self.reducer.evidence[chunk]
+        else:
+            repair = self.repairs.by_part.get(part)
+            inputs = repair.evidence[chunk] if repair is not None else []
+        return next((i for i in inputs if i.sender_index == sender), None)
 
     def aggregated_inputs(self) -> dict[tuple[int, int], list[SignedInput]]:
         """The signed inputs of each chunk this peer aggregated and still holds, by (part, chunk): its own
         part's, and those of parts it re-reduced as a substitute (after ``_trim``: the drawn chunks)."""
-        held = {(self.index, chunk): list(items) for chunk, items in enumerate(self.evidence) if items}
-        for part, repair in self.repairs.items():
+        held = {
+            (self.index, chunk): list(items) for chunk, items in enumerate(self.reducer.evidence) if items
+        }
+        for part, repair in self.repairs.by_part.items():
             held.update({(part, chunk): list(items) for chunk, items in enumerate(repair.evidence) if items})
         return held
 
     def close(self) -> None:
-        self._closed = True
-        for task in self._tasks:
+        self.closed = True
+        for task in self.tasks:
             task.cancel()

@@ -6,8 +6,9 @@ changes mid-round; the expected part, order, size and encoding) and drops a send
 falls silent, with a log line naming it. ``_reduce_chunks`` waits, chunk by chunk, for every sender still
 active, aggregates them with the run's rule (``reduce_chunk``, the function validators rerun), signs the
 encoded result over the exact inputs it used, and ``serve`` streams those same bytes to every sender,
-then takes the sender's nonce reveal. The state these methods read and write (the round's members,
-digest, inputs, results and events) is set up by ``ButterflyAllReduce.__init__``.
+then takes the sender's nonce reveal. What the whole round shares (members, digest, layout, output) it
+reads from its ``round``; its own state is the inputs, weights and results of this peer's part, and which
+senders are still in.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import torch
-from hivemind.p2p import PeerID
 
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
@@ -36,41 +37,75 @@ from swarm.averaging.evidence import (
     reduce_chunk,
 )
 
+if TYPE_CHECKING:
+    from swarm.averaging.allreduce import ButterflyAllReduce
+
 logger = logging.getLogger(__name__)
 
 
-class PartReducer:
-    """Takes groupmates' chunks of this peer's part, aggregates, signs, and streams the result back
-    (a mixin of ``ButterflyAllReduce``, whose constructor holds the round's state)."""
+def check_reveal(round: ButterflyAllReduce, sender: int, message: apb.PartChunk) -> None:
+    """``sender``'s nonce reveal after its contributions to this peer's part, checked against its
+    matchmaking commitment; a reveal that holds up joins ``round.reveals``."""
+    if (
+        message.part_index != round.index
+        or message.chunk_index != round.chunk_count(round.index)
+        or message.data
+    ):
+        raise ProtocolError("sent something other than its nonce reveal after its contributions")
+    commitment = round.commitments[sender]
+    if commitment is not None and len(message.reveal) != NONCE_BYTES:  # as evidence carries them
+        raise ProtocolError(f"revealed a nonce of {len(message.reveal)} bytes, not {NONCE_BYTES}")
+    if commitment is not None and hashlib.sha256(message.reveal).digest() != commitment:
+        raise ProtocolError("revealed a nonce that does not match its matchmaking commitment")
+    round.reveals[sender] = message.reveal
 
-    def _drop(self, sender: int, reason: str) -> None:
-        if sender in self._active and sender != self.index:
-            self._active.discard(sender)
-            peer = self.peer_ids[sender].to_base58()
-            self.dropped[peer] = reason
-            logger.warning(f"dropped {peer} from averaging round {self.group_id.hex()[:8]}: {reason}")
-            self._changed.set()
-            for repair in self.repairs.values():  # one input fewer to wait for
-                repair.changed.set()
+
+class PartReducer:
+    """Takes groupmates' chunks of this peer's part of ``round``, aggregates, signs, and streams the result
+    back."""
+
+    def __init__(self, round: ButterflyAllReduce):
+        self.round = round
+        chunks = round.chunk_count(round.index)
+        self._inputs: list[dict[int, tuple[torch.Tensor, SignedInput]]] = [{} for _ in range(chunks)]
+        self._weights: dict[int, float] = {}  # each sender's weight, from its first chunk
+        self.results: list[apb.PartChunk | None] = [None] * chunks
+        # What a validator needs: the signed inputs of each chunk of our part.
+        self.evidence: list[list[SignedInput]] = [[] for _ in range(chunks)]
+        self._reduced = [asyncio.Event() for _ in range(chunks)]
+        # Members still in the round for this peer's part; a repair waits for the same ones.
+        self.active = set(range(len(round.peer_ids)))
+
+    def drop(self, sender: int, reason: str) -> None:
+        """Leave ``sender`` out of this peer's part (and of the parts it stands in for), naming why."""
+        r = self.round
+        if sender in self.active and sender != r.index:
+            self.active.discard(sender)
+            peer = r.peer_ids[sender].to_base58()
+            r.dropped[peer] = reason
+            logger.warning(f"dropped {peer} from averaging round {r.group_id.hex()[:8]}: {reason}")
+            r.changed.set()
+            r.repairs.input_dropped()
 
     def _deliver(self, sender: int, chunk: int, values: torch.Tensor, signed: SignedInput) -> None:
-        if sender in self._active:
+        if sender in self.active:
             self._inputs[chunk][sender] = (values, signed)
-            self._changed.set()
+            self.round.changed.set()
 
-    def _check_contribution(
+    def check_contribution(
         self, sender: int, message: apb.PartChunk, chunk: int, *, part: int | None = None,
         weights: dict[int, float] | None = None,
     ) -> None:  # fmt: skip
         """Refuse a chunk of our part (or of ``part``, which we stand in for) whose signature or weight
         does not hold up; ``weights`` holds each sender's weight from its first chunk."""
-        part = self.index if part is None else part
+        r = self.round
+        part = r.index if part is None else part
         weights = self._weights if weights is None else weights
-        peer = self.members[sender]
-        if self.key is not None:
+        peer = r.members[sender]
+        if r.key is not None:
             PublicKey.from_peer_id(peer).verify(
                 message.signature,
-                contribution_message(self.digest, part, chunk, peer, message.weight, message.data),
+                contribution_message(r.digest, part, chunk, peer, message.weight, message.data),
             )
         weight = message.weight
         if not math.isfinite(weight) or weight < 0:
@@ -80,164 +115,148 @@ class PartReducer:
         elif weight != weights.get(sender):
             raise ProtocolError(f"changed its weight from {weights.get(sender)} to {weight} mid-round")
 
-    def _check_reveal(self, sender: int, message: apb.PartChunk) -> None:
-        if message.part_index != self.index or message.chunk_index != len(self._results) or message.data:
-            raise ProtocolError("sent something other than its nonce reveal after its contributions")
-        commitment = self.commitments[sender]
-        if commitment is not None and len(message.reveal) != NONCE_BYTES:  # as evidence carries them
-            raise ProtocolError(f"revealed a nonce of {len(message.reveal)} bytes, not {NONCE_BYTES}")
-        if commitment is not None and hashlib.sha256(message.reveal).digest() != commitment:
-            raise ProtocolError("revealed a nonce that does not match its matchmaking commitment")
-        self.reveals[sender] = message.reveal
-
-    async def _reduce_own_part(self) -> None:
+    async def reduce_own_part(self) -> None:
+        r = self.round
         try:
             await self._reduce_chunks()
         except Exception as e:
-            logger.warning(f"reducing part {self.index} of round {self.group_id.hex()[:8]} failed: {e!r}")
+            logger.warning(f"reducing part {r.index} of round {r.group_id.hex()[:8]} failed: {e!r}")
         finally:
             for event in self._reduced:
                 event.set()  # a chunk with no result ends the groupmates' streams
-            self._settle(self.index)
+            r.settle(r.index)
 
     async def _reduce_chunks(self) -> None:
+        r = self.round
         try:
-            for chunk in range(len(self._results)):
-                own, signed = self._own_decoded(self.index, chunk)
+            for chunk in range(len(self.results)):
+                own, signed = r.sender.own_decoded(r.index, chunk)
                 if not (math.isfinite(signed.weight) and signed.weight >= 0):
                     raise ProtocolError(f"weight {signed.weight!r} is not a finite number >= 0")
-                lo, hi = self._chunk(self.index, chunk)
-                self.sent[lo:hi] = own
-                self._deliver(self.index, chunk, own, signed)
+                lo, hi = r.chunk_range(r.index, chunk)
+                r.sent[lo:hi] = own
+                self._deliver(r.index, chunk, own, signed)
         except ProtocolError as e:
-            logger.warning(f"leaving this peer's own values out of round {self.group_id.hex()[:8]}: {e}")
-            self._active.discard(self.index)
-        for chunk in range(len(self._results)):
-            while not self._active.issubset(self._inputs[chunk]):
-                self._changed.clear()
+            logger.warning(f"leaving this peer's own values out of round {r.group_id.hex()[:8]}: {e}")
+            self.active.discard(r.index)
+        for chunk in range(len(self.results)):
+            while not self.active.issubset(self._inputs[chunk]):
+                r.changed.clear()
                 try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=self.sender_timeout_s)
+                    await asyncio.wait_for(r.changed.wait(), timeout=r.sender_timeout_s)
                 except asyncio.TimeoutError:
-                    for sender in self._active - set(self._inputs[chunk]):
-                        self._drop(sender, f"sent nothing for {self.sender_timeout_s:.1f}s")
-            senders = sorted(self._active)
+                    for sender in self.active - set(self._inputs[chunk]):
+                        self.drop(sender, f"sent nothing for {r.sender_timeout_s:.1f}s")
+            senders = sorted(self.active)
             if not senders:
-                logger.warning(
-                    f"no valid contribution for part {self.index} in round {self.group_id.hex()[:8]}"
-                )
+                logger.warning(f"no valid contribution for part {r.index} in round {r.group_id.hex()[:8]}")
                 return
             inputs = [self._inputs[chunk][s] for s in senders]
-            result = await self._aggregate(self.index, chunk, inputs)
-            lo, hi = self._chunk(self.index, chunk)
-            self.output[lo:hi] = self.codec.decode(result.data, hi - lo, sender="self")
-            self.received[self.index][chunk] = True
-            self._results[chunk] = result
+            result = await self.aggregate(r.index, chunk, inputs)
+            lo, hi = r.chunk_range(r.index, chunk)
+            r.output[lo:hi] = r.codec.decode(result.data, hi - lo, sender="self")
+            r.received[r.index][chunk] = True
+            self.results[chunk] = result
             self.evidence[chunk] = [signed for _, signed in inputs]
             self._inputs[chunk].clear()
             self._reduced[chunk].set()
 
-    async def _aggregate(
+    async def aggregate(
         self, part: int, chunk: int, inputs: list[tuple[torch.Tensor, SignedInput]]
     ) -> apb.PartChunk:
         """One chunk of ``part`` aggregated from ``inputs`` (decoded values and signed input, in sender
         order) under the run's rule, and signed by this peer over exactly those inputs. Claimed weights go
-        in as signed; the rule clips them to a fair share (see ``reduce_chunk``)."""
+        in as signed; the rule clips them to a fair share (see ``reduce_chunk``). A substitute's repair
+        aggregates through here too."""
+        r = self.round
         encoded = await asyncio.to_thread(
-            reduce_chunk, self.aggregator, self.codec, [v for v, _ in inputs],
-            [signed.weight for _, signed in inputs], aggregation_seed(self.group_id, part, chunk),
+            reduce_chunk, r.aggregator, r.codec, [v for v, _ in inputs],
+            [signed.weight for _, signed in inputs], aggregation_seed(r.group_id, part, chunk),
         )  # fmt: skip
-        if self.hooks.rewrites_aggregates:  # a rehearsed bad reducer returns something else, signed as usual
-            lo, hi = self._chunk(part, chunk)
-            encoded = self._attacked(part, chunk, encoded, hi - lo)
+        if r.hooks.rewrites_aggregates:  # a rehearsed bad reducer returns something else, signed as usual
+            lo, hi = r.chunk_range(part, chunk)
+            honest = r.codec.decode(encoded, hi - lo, sender="self")
+            encoded = r.codec.encode(r.hooks.aggregate(r, part, chunk, honest))
         entries = input_entries([(s.sender_index, s.weight, s.data) for _, s in inputs])
-        me = self.members[self.index]
         signed_at_ms = int(time.time() * 1000)
-        signature = self._sign(
-            aggregate_message(self.digest, part, chunk, me, entries, encoded, signed_at_ms)
+        signature = r.sign(
+            aggregate_message(r.digest, part, chunk, r.members[r.index], entries, encoded, signed_at_ms)
         )
         return apb.PartChunk(
             part_index=part, chunk_index=chunk, data=encoded, signature=signature, included=entries,
             signed_at_ms=signed_at_ms,
         )  # fmt: skip
 
-    def _attacked(self, part: int, chunk: int, encoded: bytes, numel: int) -> bytes:
-        """What a rehearsed bad reducer returns instead of ``encoded`` (``RoundHooks.aggregate``)."""
-        honest = self.codec.decode(encoded, numel, sender="self")
-        return self.codec.encode(self.hooks.aggregate(self, part, chunk, honest))
-
     async def serve(
-        self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: PeerID
+        self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: int
     ) -> AsyncIterator[apb.PartChunk]:
-        """Take a groupmate's chunks of our part, stream the aggregated chunks back, then take its reveal."""
-        if sender not in self.peer_ids or sender == self.p2p.peer_id:
-            yield apb.PartChunk(code=apb.NOT_IN_GROUP, error="not a member of this averaging group")
-            return
-        if not self.reduces(self.index):
-            yield apb.PartChunk(code=apb.BAD_CHUNK, error="this member reduces no part in this round")
-            return
-        index = self.peer_ids.index(sender)
-        if first.part_index != self.index:  # a part whose reducer failed this sender (see ``repair``)
-            async for message in self._serve_repair(first, stream, index):
-                yield message
-            return
-        if self.revealed is not None:  # this part was reduced without that sender
+        """Take member ``sender``'s chunks of our part, stream the aggregated chunks back, then take its
+        reveal (the round has checked that ``sender`` is a member and that this peer reduces)."""
+        r = self.round
+        if r.revealed is not None:  # this part was reduced without that sender
             yield apb.PartChunk(code=apb.BAD_GROUP, error="this round's first phase is over here")
             return
-        consumer = asyncio.create_task(self._consume(index, first, stream))
+        consumer = asyncio.create_task(self.consume(sender, first, stream))
         try:
-            if self.hooks.withholds_aggregates:  # a rehearsed withholder returns nothing
+            if r.hooks.withholds_aggregates:  # a rehearsed withholder returns nothing
                 await consumer
                 return
             for chunk, event in enumerate(self._reduced):
                 await event.wait()
-                result = self._results[chunk]
+                result = self.results[chunk]
                 if result is None:
                     return
-                await self._throttle(len(result.data))
-                self._count(sent=len(result.data))
+                await r.throttle(len(result.data))
+                r.count(sent=len(result.data))
                 yield result
             await consumer  # it ends with the sender's reveal, or a bounded wait for it
         finally:
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
-            self._heard.add(index)
-            self._changed.set()
+            r.heard.add(sender)
+            r.changed.set()
 
-    async def _consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
-        expected = 0
+    async def consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
+        """Take member ``sender``'s chunks of our part, then its reveal; a chunk that breaks a rule, or
+        silence, drops it."""
+        r = self.round
+        expected, chunks = 0, len(self.results)
+        peer = r.members[sender]
         try:
             message = first
             while True:
-                if message.part_index != self.index or message.chunk_index != expected:
+                if message.part_index != r.index or message.chunk_index != expected:
                     raise ProtocolError(
                         f"sent part {message.part_index} chunk {message.chunk_index}, "
-                        f"expected part {self.index} chunk {expected}"
+                        f"expected part {r.index} chunk {expected}"
                     )
-                lo, hi = self._chunk(self.index, expected)
-                peer = self.members[sender]
-                self._count(received=len(message.data))
-                self._check_contribution(sender, message, expected)
-                values = self.codec.decode_contribution(message.data, hi - lo, sender=peer)
+                lo, hi = r.chunk_range(r.index, expected)
+                r.count(received=len(message.data))
+                self.check_contribution(sender, message, expected)
+                values = r.codec.decode_contribution(message.data, hi - lo, sender=peer)
                 signed = SignedInput(sender, message.data, message.signature, message.weight)
                 self._deliver(sender, expected, values, signed)
                 expected += 1
-                if expected == len(self._results):
+                if expected == chunks:
                     break
-                message = await self._next(stream, self.sender_timeout_s)
+                message = await r.next(stream, r.sender_timeout_s)
         except ProtocolError as e:
-            self._drop(sender, str(e).removeprefix(f"{self.peer_ids[sender].to_base58()} "))
+            self.drop(sender, str(e).removeprefix(f"{peer} "))
             return
         except (asyncio.TimeoutError, StopAsyncIteration):
-            self._drop(sender, f"stopped after {expected} of {len(self._results)} chunks")
+            self.drop(sender, f"stopped after {expected} of {chunks} chunks")
             return
         except Exception as e:
-            self._drop(sender, f"stream failed: {e!r}")
+            self.drop(sender, f"stream failed: {e!r}")
             return
-        peer = self.members[sender]
         try:
-            self._check_reveal(sender, await self._next(stream, self.reveal_timeout_s))
+            check_reveal(r, sender, await r.next(stream, r.reveal_timeout_s))
         except (asyncio.TimeoutError, StopAsyncIteration):
-            logger.info(f"{peer} revealed no nonce in round {self.group_id.hex()[:8]}")
+            logger.info(f"{peer} revealed no nonce in round {r.group_id.hex()[:8]}")
         except Exception as e:
-            logger.warning(f"{peer} sent a bad nonce reveal in round {self.group_id.hex()[:8]}: {e!r}")
+            logger.warning(f"{peer} sent a bad nonce reveal in round {r.group_id.hex()[:8]}: {e!r}")
+
+    def trim(self, drawn: int | None) -> None:
+        """Keep only the inputs of the chunk of this peer's part that validators drew."""
+        self.evidence = [inputs if c == drawn else [] for c, inputs in enumerate(self.evidence)]

@@ -36,25 +36,27 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
-from swarm.averaging.evidence import (
-    SignedInput,
-)
+from swarm.averaging.evidence import SignedInput
+from swarm.averaging.sender import check_answer
+
+if TYPE_CHECKING:
+    from swarm.averaging.allreduce import ButterflyAllReduce
 
 logger = logging.getLogger(__name__)
 
 
 class PartRepair:
-    """The substitute's side of one part's repair in one round (``runner``: the ``ButterflyAllReduce``)."""
+    """The substitute's side of one part's repair in one round."""
 
-    def __init__(self, runner: Any, part: int):
-        self.runner, self.part = runner, part
-        chunks = len(runner.part_chunks[part]) - 1
+    def __init__(self, round: ButterflyAllReduce, part: int):
+        self.round, self.part = round, part
+        chunks = round.chunk_count(part)
         self.inputs: list[dict[int, tuple[torch.Tensor, SignedInput]]] = [{} for _ in range(chunks)]
         self.weights: dict[int, float] = {}
         self.results: list[apb.PartChunk | None] = [None] * chunks
@@ -74,7 +76,7 @@ class PartRepair:
         own part) but the part's reducer. A member the reducer served never comes, so the part is never
         re-reduced while an honest member holds the reducer's version, and attackers can never make up
         the majority of its inputs while they are a minority of the group."""
-        return (self.runner._active - {self.part}) | {self.runner.index}
+        return (self.round.reducer.active - {self.part}) | {self.round.index}
 
     def deliver(self, sender: int, chunk: int, values: torch.Tensor, signed: SignedInput) -> None:
         if not self.done.is_set():
@@ -82,23 +84,23 @@ class PartRepair:
             self.changed.set()
 
     async def _run(self) -> None:
-        runner, part = self.runner, self.part
+        r, part = self.round, self.part
         loop = asyncio.get_running_loop()
         try:
             # This peer's own stream to the reducer must have ended (its deadlines bound it).
-            await asyncio.wait_for(runner._direct_done[part].wait(), runner.round_timeout_s)
-            if all(runner.received[part]):
-                self.results = [runner.answers[part].get(c) for c in range(len(self.results))]
+            await asyncio.wait_for(r.sender.direct_done[part].wait(), r.round_timeout_s)
+            if all(r.received[part]):
+                self.results = [r.answers[part].get(c) for c in range(len(self.results))]
                 self.relayed = True
                 return
             for chunk in range(len(self.results)):
-                self.deliver(runner.index, chunk, *runner._own_decoded(part, chunk))
-            deadline = loop.time() + runner.round_timeout_s
+                self.deliver(r.index, chunk, *r.sender.own_decoded(part, chunk))
+            deadline = loop.time() + r.round_timeout_s
             for chunk in range(len(self.results)):
                 await self._reduce(chunk, deadline)
                 self.ready[chunk].set()  # streamed as soon as it is signed
         except Exception as e:
-            logger.warning(f"repairing part {part} of round {runner.group_id.hex()[:8]} failed: {e!r}")
+            logger.warning(f"repairing part {part} of round {r.group_id.hex()[:8]} failed: {e!r}")
             self.results = [None] * len(self.results)
         finally:
             for event in self.ready:
@@ -106,36 +108,36 @@ class PartRepair:
             self.done.set()
 
     async def _reduce(self, chunk: int, deadline: float) -> None:
-        runner, part = self.runner, self.part
+        r, part = self.round, self.part
         loop = asyncio.get_running_loop()
         while not self.senders() <= set(self.inputs[chunk]):
             self.changed.clear()
             left = deadline - loop.time()
             if left <= 0:
-                missing = [runner.members[i] for i in sorted(self.senders() - set(self.inputs[chunk]))]
+                missing = [r.members[i] for i in sorted(self.senders() - set(self.inputs[chunk]))]
                 raise ProtocolError(f"no input to chunk {chunk} from {missing}: they may hold the reducer's")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), left)
         senders = sorted(self.senders())
-        if 2 * len(senders) <= len(runner.members):
-            raise ProtocolError(f"only {len(senders)} of {len(runner.members)} members are left to aggregate")
+        if 2 * len(senders) <= len(r.members):
+            raise ProtocolError(f"only {len(senders)} of {len(r.members)} members are left to aggregate")
         inputs = [self.inputs[chunk][s] for s in senders]
-        self.results[chunk] = await runner._aggregate(part, chunk, inputs)
+        self.results[chunk] = await r.reducer.aggregate(part, chunk, inputs)
         self.evidence[chunk] = [signed for _, signed in inputs]
         self.inputs[chunk].clear()
 
     async def consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
         """Take one sender's chunks of the part; a chunk that does not hold up ends its share."""
-        runner, expected, message = self.runner, 0, first
-        peer = runner.members[sender]
+        r, expected, message = self.round, 0, first
+        peer = r.members[sender]
         try:
             while True:
                 if message.part_index != self.part or message.chunk_index != expected:
                     raise ProtocolError(f"sent part {message.part_index} chunk {message.chunk_index}")
-                runner._check_contribution(sender, message, expected, part=self.part, weights=self.weights)
-                lo, hi = runner._chunk(self.part, expected)
-                runner._count(received=len(message.data))
-                values = runner.codec.decode_contribution(message.data, hi - lo, sender=peer)
+                r.reducer.check_contribution(sender, message, expected, part=self.part, weights=self.weights)
+                lo, hi = r.chunk_range(self.part, expected)
+                r.count(received=len(message.data))
+                values = r.codec.decode_contribution(message.data, hi - lo, sender=peer)
                 self.deliver(
                     sender,
                     expected,
@@ -145,7 +147,7 @@ class PartRepair:
                 expected += 1
                 if expected == len(self.results):
                     return
-                message = await runner._next(stream, runner.sender_timeout_s)
+                message = await r.next(stream, r.sender_timeout_s)
         except Exception as e:  # its input stays missing: the repair fails at its deadline
             logger.info(f"{peer} sent a bad repair stream for part {self.part}: {e!r}")
 
@@ -154,34 +156,49 @@ class PartRepair:
 
 
 class PartRepairs:
-    """The repair side of ``ButterflyAllReduce`` (a mixin; its constructor holds the round's state)."""
+    """The repairs of one round: the parts this peer stands in for (``by_part``), and a sender's turn to a
+    part's substitute once its reducer failed it (``recover``)."""
+
+    def __init__(self, round: ButterflyAllReduce):
+        self.round = round
+        self.by_part: dict[int, PartRepair] = {}
 
     def substitute(self, part: int) -> int | None:
         """The member that stands in for the reducer of ``part``: the next one after it that reduces."""
-        count = len(self.members)
-        return next((i % count for i in range(part + 1, part + count) if self.reduces(i % count)), None)
+        count = len(self.round.members)
+        return next((i % count for i in range(part + 1, part + count) if self.round.reduces(i % count)), None)
+
+    def input_dropped(self) -> None:
+        """A member left the round here: every repair has one input fewer to wait for."""
+        for repair in self.by_part.values():
+            repair.changed.set()
+
+    def trim(self, drawn: list[int | None]) -> None:
+        """Keep only the inputs of each repaired part's drawn chunk."""
+        for part, repair in self.by_part.items():
+            repair.trim(drawn[part])
 
     def _repair_for(self, part: int) -> PartRepair:
-        repair = self.repairs.get(part)
+        repair = self.by_part.get(part)
         if repair is None:
-            repair = self.repairs[part] = PartRepair(self, part)
-            self._tasks.append(repair.task)
+            repair = self.by_part[part] = PartRepair(self.round, part)
+            self.round.tasks.append(repair.task)
         return repair
 
-    async def _serve_repair(
+    async def serve(
         self, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk], sender: int
     ) -> AsyncIterator[apb.PartChunk]:
-        """A groupmate's contributions to a part whose reducer failed it; that part's aggregate back."""
-        part = first.part_index
+        """Member ``sender``'s contributions to a part whose reducer failed it; that part's aggregate back."""
+        r, part = self.round, first.part_index
         if (
-            part >= len(self.members)
+            part >= len(r.members)
             or sender == part
-            or not self.reduces(part)
-            or self.substitute(part) != self.index
+            or not r.reduces(part)
+            or self.substitute(part) != r.index
         ):
             yield apb.PartChunk(code=apb.BAD_CHUNK, error=f"this member does not stand in for part {part}")
             return
-        if self._closed:
+        if r.closed:
             yield apb.PartChunk(code=apb.BAD_GROUP, error="this round is over here")
             return
         repair = self._repair_for(part)
@@ -196,60 +213,62 @@ class PartRepairs:
             for chunk, ready in enumerate(repair.ready):
                 await ready.wait()  # the repair's own deadline bounds this
                 result = repair.results[chunk]
-                if result is None or self.hooks.withholds_aggregates:  # a rehearsed withholder
+                if result is None or r.hooks.withholds_aggregates:  # a rehearsed withholder
                     return
-                await self._throttle(len(result.data))
-                self._count(sent=len(result.data))
+                await r.throttle(len(result.data))
+                r.count(sent=len(result.data))
                 yield result
         finally:
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
 
-    async def _recover(self, part: int) -> bool:
+    async def recover(self, part: int) -> bool:
         """After the reducer of ``part`` failed this peer: the part from its substitute; whether it came."""
+        r = self.round
         substitute = self.substitute(part)
         if substitute is None or substitute == part:
             return False
-        if substitute == self.index:
+        if substitute == r.index:
             repair = self._repair_for(part)
             await repair.done.wait()
             if not repair.complete or repair.relayed:
                 return False
             for chunk, message in enumerate(repair.results):
-                self._take(part, chunk, message)
-            self.signers[part] = self.index
+                r.sender.take(part, chunk, message)
+            r.signers[part] = r.index
             return True
         try:
             signer = await self._recover_from(part, substitute)
         except Exception as e:
             logger.warning(
-                f"substitute {self.members[substitute]} of part {part} failed in round "
-                f"{self.group_id.hex()[:8]}: {e!r}"
+                f"substitute {r.members[substitute]} of part {part} failed in round "
+                f"{r.group_id.hex()[:8]}: {e!r}"
             )
             return False
         if signer != part:
-            self.signers[part] = signer
+            r.signers[part] = signer
         return True
 
     async def _recover_from(self, part: int, substitute: int) -> int:
-        chunks = len(self.part_chunks[part]) - 1
-        messages = [self._contribution(part, chunk) for chunk in range(chunks)]
+        r = self.round
+        chunks = r.chunk_count(part)
+        messages = [r.sender.contribution(part, chunk) for chunk in range(chunks)]
         sent = [hashlib.sha256(m.data).digest() for m in messages]  # a relay may answer before we send
 
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for message in messages:
-                await self._throttle(len(message.data))
-                self._count(sent=len(message.data))
+                await r.throttle(len(message.data))
+                r.count(sent=len(message.data))
                 yield message
 
-        stream = await self._open(substitute, outgoing())
+        stream = await r.sender.open(substitute, outgoing())
         signer = None
         try:
             for expected in range(chunks):
                 # The substitute first waits out its own stream to the reducer and the other senders;
                 # the round's own deadline bounds the whole wait.
-                message = await self._next(stream, self.round_timeout_s)
+                message = await r.next(stream, r.round_timeout_s)
                 if message.code != apb.OK:
                     raise ProtocolError(f"answered {apb.Code.Name(message.code)}: {message.error[:200]}")
                 if message.part_index != part or message.chunk_index != expected:
@@ -257,8 +276,8 @@ class PartRepairs:
                 # A relayed aggregate is signed by the reducer; a re-reduced one by the substitute.
                 candidates = [signer] if signer is not None else [part, substitute]
                 signer = self._signed_by(part, expected, message, sent[expected], candidates)
-                self._count(received=len(message.data))
-                self._take(part, expected, message)
+                r.count(received=len(message.data))
+                r.sender.take(part, expected, message)
         finally:
             if hasattr(stream, "aclose"):
                 with contextlib.suppress(Exception):
@@ -271,7 +290,7 @@ class PartRepairs:
         error: Exception | None = None
         for signer in candidates:
             try:
-                self._check_answer(part, chunk, message, sent, signer=signer)
+                check_answer(self.round, part, chunk, message, sent, signer=signer)
                 return signer
             except Exception as e:
                 error = e

@@ -6,8 +6,9 @@ each chunk of that part (``_contribution``), paced so that no stream runs far ah
 comes back (``_check_answer``: the reducer's signature, more than half of the group included, this
 peer's own input listed as sent) and writes the decoded bytes into the round's output. A reducer that
 fails turns the sender to the part's substitute (``repair``). Once every part has arrived or failed, the
-sender's nonce reveal goes out on the same streams. The state these methods read and write is set up by
-``ButterflyAllReduce.__init__``.
+sender's nonce reveal goes out on the same streams. What the whole round shares (its members, layout,
+output and counters) it reads from its ``round``; its own state is the pacing of its streams and when
+each direct stream ended.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -28,37 +30,89 @@ from protocols.errors import ProtocolError, SwarmError
 from protocols.keys import PublicKey
 from swarm.averaging.evidence import SignedInput, aggregate_message, contribution_message, parse_entries
 
+if TYPE_CHECKING:
+    from swarm.averaging.allreduce import ButterflyAllReduce
+
 logger = logging.getLogger(__name__)
 
 
+def check_answer(
+    round: ButterflyAllReduce,
+    part: int,
+    chunk: int,
+    message: apb.PartChunk,
+    sent: bytes,
+    *,
+    signer: int | None = None,
+) -> None:
+    """A reducer's aggregate must be signed by it (or by ``signer``, the part's substitute), cover more
+    than half of the group, and list this peer's input (if at all) as the one it sent, whose SHA-256 is
+    ``sent``. Reads ``round``'s members, key, digest, index and weight."""
+    if round.key is None:
+        return
+    reducer = round.members[part if signer is None else signer]
+    PublicKey.from_peer_id(reducer).verify(
+        message.signature,
+        aggregate_message(
+            round.digest, part, chunk, reducer, message.included, message.data, message.signed_at_ms
+        ),
+    )
+    # Dated far off, it would leave the window in which the coordinator demands its inputs.
+    off_s = message.signed_at_ms / 1000 - time.time()
+    if abs(off_s) > MAX_CLOCK_SKEW_S:
+        raise ProtocolError(
+            f"dated its aggregate {off_s:+.0f}s from this peer's clock (the bound is {MAX_CLOCK_SKEW_S:.0f}s)"
+        )
+    entries = parse_entries(message.included, len(round.members))
+    if 2 * len(entries) <= len(round.members):
+        raise ProtocolError(f"aggregated only {len(entries)} of {len(round.members)} members")
+    mine = next((e for e in entries if e.sender_index == round.index), None)
+    if mine is not None and (mine.weight != round.weight or mine.data_hash != sent):
+        raise ProtocolError("signed that it aggregated an input of this peer that this peer never sent")
+
+
 class PartSender:
-    """Streams this peer's contributions to the other reducers and takes their aggregates back (a mixin
-    of ``ButterflyAllReduce``, whose constructor holds the round's state)."""
+    """Streams this peer's contributions to the other reducers of ``round`` and takes their aggregates back."""
+
+    def __init__(self, round: ButterflyAllReduce):
+        self.round = round
+        self.contributed_bytes = 0  # of this peer's own values, sent to other reducers
+        # Chunks handed to each reducer's stream so far, for the parts still being sent (see _pace).
+        self._handed: dict[int, int] = {}
+        self._handed_more = asyncio.Event()
+        # Set when this peer's own stream to a part's reducer ended, either way (a repair waits for it).
+        self.direct_done = {p: asyncio.Event() for p in range(len(round.peer_ids))}
+
+    def start(self, parts: Sequence[int]) -> list[asyncio.Task]:
+        """Stream to the reducer of each of ``parts``: one task each."""
+        self._handed = {p: 0 for p in parts if self.round.chunk_count(p) > 0}
+        return [asyncio.create_task(self.exchange_with(part)) for part in parts]
 
     def encode_contribution(self, part: int, chunk: int) -> bytes:
         """This peer's values for one chunk of another peer's part, as sent on the wire."""
-        lo, hi = self._chunk(part, chunk)
-        return self.codec.encode_contribution(self.local[lo:hi])
+        lo, hi = self.round.chunk_range(part, chunk)
+        return self.round.codec.encode_contribution(self.round.local[lo:hi])
 
-    def _contribution(self, part: int, chunk: int) -> apb.PartChunk:
+    def contribution(self, part: int, chunk: int) -> apb.PartChunk:
+        """This peer's signed contribution to one chunk of ``part``, as sent to its reducer or substitute."""
+        r = self.round
         data = self.encode_contribution(part, chunk)
-        me = self.members[self.index]
         return apb.PartChunk(
-            group_id=self.group_id if chunk == 0 else b"",
+            group_id=r.group_id if chunk == 0 else b"",
             part_index=part,
             chunk_index=chunk,
             data=data,
-            weight=self.weight,
-            signature=self._sign(contribution_message(self.digest, part, chunk, me, self.weight, data)),
+            weight=r.weight,
+            signature=r.sign(contribution_message(r.digest, part, chunk, r.members[r.index], r.weight, data)),
         )
 
-    def _own_decoded(self, part: int, chunk: int) -> tuple[torch.Tensor, SignedInput]:
+    def own_decoded(self, part: int, chunk: int) -> tuple[torch.Tensor, SignedInput]:
         """This peer's values for one chunk of ``part`` as a reducer decodes them from the wire bytes,
         and its signed contribution: what it aggregates of its own, as reducer or as substitute."""
-        message = self._contribution(part, chunk)
-        lo, hi = self._chunk(part, chunk)
-        values = self.codec.decode_contribution(message.data, hi - lo, sender="this peer")
-        return values, SignedInput(self.index, message.data, message.signature, message.weight)
+        message = self.contribution(part, chunk)
+        lo, hi = self.round.chunk_range(part, chunk)
+        values = self.round.codec.decode_contribution(message.data, hi - lo, sender="this peer")
+        return values, SignedInput(self.round.index, message.data, message.signature, message.weight)
 
     def reveals_to(self, part: int) -> bool:
         """Whether this peer reveals its nonce to the reducer of ``part`` (an honest one always does)."""
@@ -67,40 +121,10 @@ class PartSender:
     def own_input(self, part: int, chunk: int) -> SignedInput | None:
         """This peer's signed contribution to one chunk of a part (Ed25519 signs the same bytes the same);
         None for a chunk that no validator drew once the round is trimmed."""
-        if self.local is None:
-            return self._kept_inputs.get((part, chunk))
-        message = self._contribution(part, chunk)
-        return SignedInput(self.index, message.data, message.signature, message.weight)
-
-    def _check_answer(
-        self, part: int, chunk: int, message: apb.PartChunk, sent: bytes, *, signer: int | None = None
-    ) -> None:
-        """A reducer's aggregate must be signed by it (or by ``signer``, the part's substitute), cover
-        more than half of the group, and list this peer's input (if at all) as the one it sent, whose
-        SHA-256 is ``sent``."""
-        reducer = self.members[part if signer is None else signer]
-        if self.key is not None:
-            PublicKey.from_peer_id(reducer).verify(
-                message.signature,
-                aggregate_message(
-                    self.digest, part, chunk, reducer, message.included, message.data, message.signed_at_ms
-                ),
-            )
-            # Dated far off, it would leave the window in which the coordinator demands its inputs.
-            off_s = message.signed_at_ms / 1000 - time.time()
-            if abs(off_s) > MAX_CLOCK_SKEW_S:
-                raise ProtocolError(
-                    f"dated its aggregate {off_s:+.0f}s from this peer's clock (the bound is "
-                    f"{MAX_CLOCK_SKEW_S:.0f}s)"
-                )
-            entries = parse_entries(message.included, len(self.members))
-            if 2 * len(entries) <= len(self.members):
-                raise ProtocolError(f"aggregated only {len(entries)} of {len(self.members)} members")
-            mine = next((e for e in entries if e.sender_index == self.index), None)
-            if mine is not None and (mine.weight != self.weight or mine.data_hash != sent):
-                raise ProtocolError(
-                    "signed that it aggregated an input of this peer that this peer never sent"
-                )
+        if self.round.local is None:
+            return self.round.kept_inputs.get((part, chunk))
+        message = self.contribution(part, chunk)
+        return SignedInput(self.round.index, message.data, message.signature, message.weight)
 
     async def _pace(self, part: int, chunk: int, lead: int = 2) -> None:
         """Hold the stream to reducer ``part`` until every other reducer's stream has been handed all but
@@ -108,7 +132,7 @@ class PartSender:
         ahead: its reducer finishes early and idles, while a reducer whose inputs lag still has every
         aggregate to send when the others are done (measured in the WAN lab: about 2 s of a 13 s round
         at 10 Mbit/s). The wait is bounded, so a stalled reducer never holds the others for long."""
-        deadline = asyncio.get_running_loop().time() + self.sender_timeout_s / 4
+        deadline = asyncio.get_running_loop().time() + self.round.sender_timeout_s / 4
         while self._handed and chunk > min(self._handed.values()) + lead:
             self._handed_more.clear()
             left = deadline - asyncio.get_running_loop().time()
@@ -117,90 +141,93 @@ class PartSender:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._handed_more.wait(), left)
 
-    async def _exchange_with(self, part: int) -> None:
-        peer = self.peer_ids[part]
-        chunks = len(self.part_chunks[part]) - 1
+    async def exchange_with(self, part: int) -> None:
+        r = self.round
+        peer = r.peer_ids[part]
+        chunks = r.chunk_count(part)
         sent: list[bytes] = []
 
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for chunk in range(chunks):
                 await self._pace(part, chunk)
-                message = self._contribution(part, chunk)
+                message = self.contribution(part, chunk)
                 sent.append(hashlib.sha256(message.data).digest())
-                lo, hi = self._chunk(part, chunk)
+                lo, hi = r.chunk_range(part, chunk)
                 with contextlib.suppress(ProtocolError):  # a rehearsed bad sender's bytes stay unrecorded
-                    self.sent[lo:hi] = self.codec.decode_contribution(message.data, hi - lo, sender="self")
-                await self._throttle(len(message.data))
-                self._count(sent=len(message.data))
+                    r.sent[lo:hi] = r.codec.decode_contribution(message.data, hi - lo, sender="self")
+                await r.throttle(len(message.data))
+                r.count(sent=len(message.data))
                 self.contributed_bytes += len(message.data)
                 self._handed[part] = chunk + 1
                 self._handed_more.set()
                 yield message
             self._handed.pop(part, None)
             self._handed_more.set()
-            await self._delivered.wait()
+            await r.delivered.wait()
             if self.reveals_to(part):
-                yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=self.nonce)
+                yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=r.nonce)
 
         stream, expected, denied = None, 0, False
         try:
-            stream = await self._open(part, outgoing())
+            stream = await self.open(part, outgoing())
             while expected < chunks:
-                message = await self._next(stream, 2 * self.sender_timeout_s)
+                message = await r.next(stream, 2 * r.sender_timeout_s)
                 if message.code != apb.OK:
                     denied = expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
                 if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
-                self._count(received=len(message.data))
-                self._check_answer(part, expected, message, sent[expected])
-                self._take(part, expected, message)
+                r.count(received=len(message.data))
+                check_answer(r, part, expected, message, sent[expected])
+                self.take(part, expected, message)
                 expected += 1
         except Exception as e:
-            self._direct_done[part].set()
+            self.direct_done[part].set()
             if isinstance(e, StopAsyncIteration):
                 e = ProtocolError(f"reducer ended its stream after {expected} of {chunks} chunks")
             logger.warning(
-                f"reducer {peer.to_base58()} of part {part} failed in round {self.group_id.hex()[:8]}: {e!r}"
+                f"reducer {peer.to_base58()} of part {part} failed in round {r.group_id.hex()[:8]}: {e!r}"
             )
             if stream is not None and hasattr(stream, "aclose"):
                 with contextlib.suppress(Exception):
                     await stream.aclose()
-            self.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
+            r.dropped.setdefault(peer.to_base58(), f"failed as reducer: {e!r}")
             self._handed.pop(part, None)
             self._handed_more.set()
             # Nor wait for its contributions to our part: a peer that died mid-round may not have opened
             # its stream to us yet, and would otherwise hold our part for the whole silence deadline.
-            self._drop(part, f"failed as reducer: {e!r}")
-            (self.denied_by if denied else self.failed_reducers).append(peer.to_base58())
+            r.reducer.drop(part, f"failed as reducer: {e!r}")
+            (r.denied_by if denied else r.failed_reducers).append(peer.to_base58())
             # The part may still come, from its substitute, before this peer reveals (see ``repair``); a
             # denial too: the denier is listed with its own signed entry in a group every member checked.
-            if await self._recover(part):
-                logger.info(f"part {part} of round {self.group_id.hex()[:8]} came from its substitute")
-            self._settle(part)
+            if await r.repairs.recover(part):
+                logger.info(f"part {part} of round {r.group_id.hex()[:8]} came from its substitute")
+            r.settle(part)
             return
-        self._direct_done[part].set()
-        self._settle(part)
+        self.direct_done[part].set()
+        r.settle(part)
         # Phase two: the stream stays open until our reveal has gone out and the reducer has its own.
         with contextlib.suppress(Exception):
-            async for _ in aiter_with_timeout(stream, self.reveal_timeout_s + self.sender_timeout_s):
+            async for _ in aiter_with_timeout(stream, r.reveal_timeout_s + r.sender_timeout_s):
                 pass
 
-    def _take(self, part: int, chunk: int, message: apb.PartChunk) -> None:
+    def take(self, part: int, chunk: int, message: apb.PartChunk) -> None:
         """A checked aggregate chunk of ``part``: its decoded bytes into the output, kept for validators."""
-        lo, hi = self._chunk(part, chunk)
-        self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=self.members[part])
-        self.answers[part][chunk] = message
-        self.received[part][chunk] = True
+        r = self.round
+        lo, hi = r.chunk_range(part, chunk)
+        r.output[lo:hi] = r.codec.decode(message.data, hi - lo, sender=r.members[part])
+        r.answers[part][chunk] = message
+        r.received[part][chunk] = True
 
-    async def _open(self, part: int, outgoing: AsyncIterator[apb.PartChunk]) -> AsyncIterator[apb.PartChunk]:
+    async def open(self, part: int, outgoing: AsyncIterator[apb.PartChunk]) -> AsyncIterator[apb.PartChunk]:
         """The reducer's answer stream: over its data address when it has one that answers, else libp2p."""
-        peer, address = self.peer_ids[part], self.addresses[part]
-        if self.data_plane is not None and address is not None:
+        r = self.round
+        peer, address = r.peer_ids[part], r.addresses[part]
+        if r.data_plane is not None and address is not None:
             try:
-                connection = await self.data_plane.connect(address, peer, timeout_s=self.connect_timeout_s)
+                connection = await r.data_plane.connect(address, peer, timeout_s=r.connect_timeout_s)
                 return connection.exchange(outgoing)
             except SwarmError as e:
                 logger.info(f"reaching {peer.to_base58()} through libp2p: {e}")
-        stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
+        stub = r.servicer_type.get_stub(r.p2p, peer, namespace=r.prefix)
         return await stub.rpc_aggregate_part(outgoing)

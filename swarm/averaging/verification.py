@@ -126,10 +126,8 @@ async def serve_inputs(
         item = await asyncio.to_thread(runner.own_input, part, chunk)
         if item is not None:  # a rehearsed equivocator shows validators another input
             item = runner.hooks.show(runner, part, chunk, item)
-    elif part == runner.index:
-        item = next((i for i in runner.evidence[chunk] if i.sender_index == index), None)
-    elif part in runner.repairs:  # a part this peer re-reduced for a reducer that failed to deliver it
-        item = next((i for i in runner.repairs[part].evidence[chunk] if i.sender_index == index), None)
+    else:  # one it aggregated: of its own part, or of one it re-reduced for a reducer that failed
+        item = runner.held_input(part, chunk, index)
     yield _answer(item, index)
 
 
@@ -160,7 +158,7 @@ class _Check:
         signer = runner.signers.get(self.part)
         self.signer = self.part if signer is None else signer
         self.servicer_type, self.p2p, self.timeout_s, self.codec = servicer_type, p2p, timeout_s, codec
-        lo, hi = runner._chunk(self.part, self.chunk)
+        lo, hi = runner.chunk_range(self.part, self.chunk)
         self.numel, self.max_bytes = hi - lo, codec.max_bytes(hi - lo)
         self.round = dict(
             prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members),

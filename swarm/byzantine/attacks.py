@@ -547,7 +547,7 @@ class Framer(Attack):
         from swarm.averaging.evidence import SignedInput, contribution_message
 
         honest = runner.own_input(part, chunk)
-        lo, hi = runner._chunk(part, chunk)
+        lo, hi = runner.chunk_range(part, chunk)
         data = runner.codec.encode_contribution(
             -runner.codec.decode(honest.data, hi - lo, sender="self") - 1.0
         )
