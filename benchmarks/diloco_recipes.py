@@ -2,12 +2,12 @@
 outer optimizer and error-feedback decay reach what validation loss, in minutes instead of hours.
 
 Each recipe trains ``--peers`` replicas in turn from the same synced weights for H inner steps on their
-own batches (the public seeds of ``derive_seed``); each replica is the trainer's own DiLoCo arithmetic
-(``swarm.training.diloco.DilocoReplica``: inner steps, pseudo-gradient, error feedback, outer step,
-overlap). The script encodes each pseudo-gradient with the run's codec,
-aggregates the decoded contributions with the run's rule (``centered_clip``, equal weights), encodes the
-result once as a reducer does, and applies it with the run's outer optimizer; ``every_step`` takes one
-optimizer step per ``peers * batch`` samples on the mean gradient. Model, data, schedule, clipping,
+own batches (the public seeds of ``derive_seed``); each replica is the trainer's own DiLoCo strategy
+(``swarm.training.diloco.DilocoSync``: inner steps, pseudo-gradient, error feedback, outer step,
+overlap). The script encodes each pseudo-gradient with the run's codec, aggregates the decoded
+contributions with the run's rule (``centered_clip``, equal weights), encodes the result once as a
+reducer does, and applies it with the run's outer optimizer; ``every_step`` takes one optimizer step
+per ``peers * batch`` samples on the mean gradient. Model, data, schedule, clipping,
 codecs, optimizers and aggregator are the swarm's own (``build_run`` of ``swarm-sim``); what is left
 out is everything the network adds: matchmaking, windows that close on other peers' progress,
 stragglers, attackers, bytes. The swarm's own figures come from ``bench_diloco.py``; this script is
@@ -43,11 +43,12 @@ import torch  # noqa: E402
 from lab.sim import eval_batches, validation_loss  # noqa: E402
 from lab.simconfig import PRESETS, SimConfig, build_run, parse_outer_optimizer  # noqa: E402
 from swarm.averaging.aggregators import get_aggregator  # noqa: E402
+from swarm.averaging.allreduce import RoundResult  # noqa: E402
 from swarm.averaging.compression import get_codec  # noqa: E402
 from swarm.data import build_dataset  # noqa: E402
 from swarm.data.seeds import derive_seed  # noqa: E402
 from swarm.models import build_model  # noqa: E402
-from swarm.training.diloco import DilocoReplica  # noqa: E402
+from swarm.training.diloco import DilocoSync  # noqa: E402
 from swarm.training.state import (  # noqa: E402
     build_optimizer,
     clip_gradients,
@@ -160,13 +161,13 @@ class Lab:
         training.outer_overlap = recipe.get("overlap", False)
         codec = get_codec(recipe["codec"], topk_density=training.topk_density)
         aggregate = get_aggregator(training.aggregator, training.aggregator_options)
-        # Each replica is the trainer's own DiLoCo arithmetic: inner steps, pseudo-gradient, error
-        # feedback, outer step and overlap; each holds a synced copy, as every peer of a run does.
-        replicas = []
+        # Each peer is the trainer's own DiLoCo strategy: inner steps, pseudo-gradient, error feedback,
+        # outer step and overlap; each holds a synced copy, as every peer of a run does.
+        peers_ = []
         for _ in range(peers):
             model = build_model("gpt", self.shape, seed=training.seed)
-            replicas.append(DilocoReplica(model, build_optimizer(model, run.optimizer), run))
-        numel = sum(p.numel() for p in replicas[0].params)
+            peers_.append(DilocoSync(model, build_optimizer(model, run.optimizer), run))
+        numel = sum(p.numel() for p in peers_[0].replica.params)
 
         def wire(vector: torch.Tensor, sender: str) -> torch.Tensor:
             return codec.decode_contribution(codec.encode_contribution(vector), numel, sender=sender)
@@ -175,26 +176,27 @@ class Lab:
         applied = 0
         for window in range(outer_steps):
             sent = []
-            for peer, replica in enumerate(replicas):
+            for peer, strategy in enumerate(peers_):
                 for i in range(inner_steps):
                     seed = derive_seed(tag, f"peer{peer}", window, i)
-                    _gradient_step(replica.model, self.dataset, seed, batch, self.seq_len)
-                    replica.inner_step(window, batch, mean=True)
-                if replica.overlap:
+                    _gradient_step(strategy.replica.model, self.dataset, seed, batch, self.seq_len)
+                    strategy.absorb(batch, step=window, mean=True)
+                if strategy.overlap:
                     if pending is not None:  # the previous window's round lands now
-                        replica.apply(pending[0], pending[1][peer])
-                    replica.close_window(inner_steps * batch)
-                sent.append(wire(replica.contribution(), f"peer{peer}"))
+                        strategy.apply(RoundResult(pending[0], True, sent=pending[1][peer]), window)
+                    strategy.close_window(inner_steps * batch)
+                sent.append(wire(strategy.contribution(inner_steps * batch), f"peer{peer}"))
             result = aggregate(torch.stack(sent), torch.ones(peers), seed=window)
             result = codec.decode(codec.encode(result), numel, sender="reducer")  # as a reducer encodes it
             if training.outer_overlap:
                 applied += pending is not None
                 pending = (result, sent)
                 continue
-            for replica, carried in zip(replicas, sent, strict=True):
-                replica.apply(result, carried)
+            for strategy, carried in zip(peers_, sent, strict=True):
+                if strategy.apply(RoundResult(result, True, sent=carried), window):
+                    strategy.reset()  # as the trainer does once a round ends the window
             applied += 1
-        return validation_loss(replicas[0].synced_model, self.validation), applied
+        return validation_loss(peers_[0].synced_model, self.validation), applied
 
 
 def main(argv: list[str] | None = None) -> int:

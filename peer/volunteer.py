@@ -34,7 +34,6 @@ from swarm.identity import load_or_create_identity
 from swarm.pipeline.trainer import PipelineTrainer
 from swarm.pipeline.worker import StageWorker, available_memory_bytes
 from swarm.session import Session
-from swarm.training.diloco import trainer_class
 from swarm.training.precision import check_precision
 from swarm.training.trainer import Trainer
 
@@ -205,7 +204,7 @@ class Volunteer:
     async def _data_role(self, device: str, client: CoordinatorClient) -> Trainer:
         config, session, run = self.config, self.session, self.run_config
         return await asyncio.to_thread(
-            trainer_class(run), run, session.dht, peer_id=self.key.peer_id, device=device,
+            Trainer, run, session.dht, peer_id=self.key.peer_id, device=device,
             coordinator_key=session.coordinator_key, signing_key=self.key, data_host=config.host,
             data_port=config.data_port, data_announce_host=config.public_host,
             upload_limiter=self.upload_limiter, accuse=session.accuser(),

@@ -15,7 +15,6 @@ from swarm.byzantine import attack_names, attack_options, make_attack
 from swarm.byzantine.attacks import alie_z
 from swarm.byzantine.colluders import exact_gradients, honest_gradients
 from swarm.pipeline.hooks import PipelineHooks
-from swarm.training.diloco import DilocoTrainer
 from swarm.training.hooks import TrainingHooks
 from swarm.training.progress import PeerProgress
 from swarm.training.state import flat_mean_gradient
@@ -251,4 +250,4 @@ def test_diloco_refuses_an_omniscient_attack_and_names_it():
     run = tiny_run("diloco", sync="diloco", inner_steps=2)
     attack = make_attack("omniscient_alie", group_size=5, attackers=2)
     with pytest.raises(ConfigError, match="'omniscient_alie' is rehearsed with sync 'every_step' only"):
-        DilocoTrainer(run, None, peer_id="peer", hooks=attack)
+        Trainer(run, None, peer_id="peer", hooks=attack)

@@ -184,8 +184,8 @@ class OtherKindOfDevice(Trainer):
     """A peer whose optimizer step rounds differently, as a CPU peer's does among GPU peers: after each
     step one parameter is one float32 ulp off what the others computed from the same averaged gradient."""
 
-    def _apply(self, averaged: torch.Tensor) -> None:
-        super()._apply(averaged)
+    def _apply_round(self, result) -> None:
+        super()._apply_round(result)
         with torch.no_grad():
             first = self.params[0].view(-1)
             first[0] = torch.nextafter(first[0], torch.tensor(float("inf")))

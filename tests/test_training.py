@@ -14,6 +14,7 @@ from helpers import KEYS, VanishingAllReduce, start_dhts
 from lab.localswarm import running_coordinator, tiny_run
 from protocols.certificates import issue_certificate
 from protocols.keys import SigningKey
+from swarm.averaging.allreduce import RoundResult
 from swarm.coordinator_client import CoordinatorClient
 from swarm.identity import load_identity
 from swarm.records import RecordSigner, TrustValidator
@@ -179,7 +180,7 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
             for trainer in (honest, liar, joiner):
                 await trainer.exchange_progress()
         for trainer in (honest, liar):  # both take the same step 1; only the liar will misreport it
-            await asyncio.to_thread(trainer._apply, step_gradient)
+            await asyncio.to_thread(trainer._apply_round, RoundResult(step_gradient, True))
             await trainer._commit(1)
         assert honest.state_hash == liar.state_hash and joiner.step == 0
         liar_id, honest_id = liar.peer_id, honest.peer_id
@@ -208,7 +209,8 @@ def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(ca
             await trainer.start()
         await holder.exchange_progress()  # the holder's view: itself only
         await asyncio.to_thread(
-            holder._apply, torch.randn(holder.numel, generator=torch.Generator().manual_seed(2))
+            holder._apply_round,
+            RoundResult(torch.randn(holder.numel, generator=torch.Generator().manual_seed(2)), True),
         )
         await holder._commit(1)
         with caplog.at_level("INFO", logger="swarm.training.sync"):
@@ -246,10 +248,10 @@ def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim
         trainer.progress_view.peers = {p.peer_id: p for p in others}
         trainer.progress_view.count = trainer._step_view + 1  # a view fetched after this step began
         assert trainer.samples == 0
-        assert trainer._wants_compute() and not trainer._ready_for_round()
+        assert trainer.wants_compute() and not trainer.ready_for_round()
         trainer._micro_step()
         assert trainer.samples == run.training.micro_batch_size
-        assert trainer._ready_for_round() and not trainer._wants_compute()
+        assert trainer.ready_for_round() and not trainer.wants_compute()
     finally:
         for dht in dhts:
             dht.shutdown()

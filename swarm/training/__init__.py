@@ -11,6 +11,7 @@
 - memory.py: a peer's peak memory (GPU or RSS) and recognizing out-of-memory errors
 - microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
 - trainer.py: one peer's training loop: accumulate, average, step
+- strategies.py: what a sync mode decides for the trainer (``EveryStepSync``; diloco's in diloco.py)
 - witness.py: the applied rounds a peer's heartbeats show the coordinator, whose members it credits
 - collaboration.py: ``Collaboration``: the same loop driven by the researcher's own (``collab.step``
   after each backward), with the ``EveryStep`` and ``DiLoCo`` strategies
@@ -18,7 +19,8 @@
 - ownmodel.py: the checks on a model and optimizer the researcher built: the run's tensors, the run's
   optimizer on single-tensor kernels
 - resync.py: the trainer's state serving and catch-up: download the agreed state, or the coordinator's checkpoint
-- diloco.py: DiLoCo: inner steps on the local copy, averaged pseudo-gradients, the outer optimizer
+- diloco.py: DiLoCo (``DilocoSync``): inner steps on the local copy, averaged pseudo-gradients, the
+  outer optimizer
 - hooks.py: ``TrainingHooks``, what the peer trains on, sends and claims (honest; rehearsed attacks override)
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).

@@ -168,8 +168,6 @@ class Collaboration:
     ) -> Collaboration:
         """Check the model and optimizer against the session's run, start averaging and state serving,
         and move the model to the run's current state (a checkpoint, or the state the peers hold)."""
-        from swarm.training.diloco import trainer_class
-
         run = session.run_config
         if run is None or session.dht is None:
             raise SwarmError("collaborate: the session has not joined a run yet")
@@ -183,7 +181,7 @@ class Collaboration:
             raise ConfigError(f"collaborate: the model must be a torch.nn.Module, got {type(model).__name__}")
         device = str(next(model.parameters()).device)
         trainer = await asyncio.to_thread(
-            trainer_class(run), run, session.dht, peer_id=session.key.peer_id, device=device,
+            Trainer, run, session.dht, peer_id=session.key.peer_id, device=device,
             coordinator_key=session.coordinator_key, signing_key=session.key, record_signer=session.records,
             data_host=session.config.host, accuse=session.accuser(), client_mode=not session.dialable,
             coordinator_checkpoint=session.admission.holds_checkpoint, model=model, optimizer=optimizer,
@@ -262,10 +260,9 @@ class Collaboration:
         while not self._stop.is_set() and not trainer._reached_max() and not trainer.paused:
             if await trainer._catch_up():
                 break  # the accumulated gradient was of another state; the caller computes on from here
-            if trainer._ready_for_round():
-                trainer._rounds_since = trainer._rounds_since or time.monotonic()
-                await trainer._round()
-            if trainer._wants_compute():
+            if trainer.ready_for_round():
+                await trainer.take_round()
+            if trainer.wants_compute():
                 break
             await asyncio.sleep(interval_s / 4)  # the batch is complete: wait for the others' view
         if trainer._reached_max() and not trainer.finished:
@@ -324,7 +321,7 @@ class Collaboration:
             self._publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._publisher
-        await self.trainer._drop_pending()
+        await self.trainer.strategy.drop_pending()
         await self.trainer.averager.shutdown()
 
 

@@ -18,12 +18,15 @@ pseudo-gradient (error feedback) and adds it, scaled by ``topk_feedback_decay``,
 its momentum.
 
 With ``outer_overlap`` the outer round runs in the background while the next inner steps compute, and
-its result is applied one outer step late (see :class:`DilocoTrainer` for the exact update).
+its result is applied one outer step late (see :class:`DilocoSync` for the exact update).
+
+:class:`DilocoSync` is the trainer's strategy for such a run (``swarm.training.strategies``); the
+arithmetic, with no network, is :class:`DilocoReplica`'s.
 
 Example::
 
     run.training.sync = "diloco"
-    trainer = trainer_class(run)(run, dht, peer_id=key.peer_id, signing_key=key)
+    trainer = Trainer(run, dht, peer_id=key.peer_id, signing_key=key)  # builds a DilocoSync
     await trainer.run(stop_event)
 """
 
@@ -33,10 +36,11 @@ import asyncio
 import contextlib
 import copy
 import logging
+from collections.abc import Awaitable, Callable
 
 import torch
 
-from protocols.errors import ConfigError
+from swarm.averaging.allreduce import RoundResult
 from swarm.config import RunConfig
 from swarm.training.state import (
     build_outer_optimizer,
@@ -45,14 +49,8 @@ from swarm.training.state import (
     set_flat_gradient,
     set_learning_rate,
 )
-from swarm.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-def trainer_class(run: RunConfig) -> type[Trainer]:
-    """The data-parallel trainer for the run's ``training.sync``."""
-    return DilocoTrainer if run.training.sync == "diloco" else Trainer
 
 
 def flat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -72,7 +70,7 @@ def write_flat_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> N
 class DilocoReplica:
     """One peer's DiLoCo state and arithmetic, without the network: the local copy and its inner optimizer,
     the synced copy and its outer optimizer, the error feedback of a sparse codec, and ``outer_overlap``'s
-    window in flight. ``DilocoTrainer`` drives one with the run's rounds; a benchmark drives several in
+    window in flight. ``DilocoSync`` drives one with the run's rounds; a benchmark drives several in
     one process (``benchmarks/diloco_recipes.py``), with the same bits.
 
     Args:
@@ -178,13 +176,14 @@ class DilocoReplica:
                 local.copy_(synced)
 
 
-class DilocoTrainer(Trainer):
-    """A data-parallel peer whose rounds average pseudo-gradients every ``inner_steps`` local steps.
+class DilocoSync:
+    """``sync = "diloco"`` as the trainer's strategy (``swarm.training.strategies``): each micro-batch is an
+    inner step on the local copy, and a round averages the window's pseudo-gradient every ``inner_steps``.
 
-    Takes the same arguments as :class:`Trainer`. ``step`` counts outer steps, and ``max_steps``,
-    ``validation_every_steps`` and checkpoints count them too; the inner learning rate follows the run's
-    schedule over ``outer_step * inner_steps + inner_step``. The arithmetic is its
-    :class:`DilocoReplica`'s; this class decides when a window closes and runs its rounds.
+    ``step`` counts outer steps, and ``max_steps``, ``validation_every_steps`` and checkpoints count them
+    too; the inner learning rate follows the run's schedule over ``outer_step * inner_steps + inner_step``.
+    The arithmetic is its :class:`DilocoReplica`'s; this class decides when a window closes and schedules
+    its rounds.
 
     With ``outer_overlap``, at the end of window t the peer starts averaging its pseudo-gradient d_t in
     the background and trains on; at the end of window t + 1 it waits for that round, applies its result
@@ -192,15 +191,11 @@ class DilocoTrainer(Trainer):
     its newest local progress while every peer's synced copy moves by the same bits, one window late.
     """
 
-    def __init__(self, run: RunConfig, dht, **kwargs):
-        hooks = kwargs.get("hooks")
-        if hooks is not None and hooks.omniscient:
-            # A pseudo-gradient depends on each peer's local inner-optimizer state, which no seed reveals.
-            raise ConfigError(f"attack {hooks.name!r} is rehearsed with sync 'every_step' only")
-        super().__init__(run, dht, **kwargs)
-        self.replica = DilocoReplica(self.model, self.optimizer, run)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig):
+        self.config, self.optimizer = run, optimizer
+        self.replica = DilocoReplica(model, optimizer, run)
         self.synced_model, self.synced_optimizer = self.replica.synced_model, self.replica.synced_optimizer
-        self._stats.update(outer_steps=0.0, inner_steps=0.0)
+        self.stats: dict[str, float] = dict(outer_steps=0.0, inner_steps=0.0)
         self.overlap = run.training.outer_overlap
         self._pending: asyncio.Task | None = None  # outer_overlap: the round in flight
 
@@ -209,30 +204,15 @@ class DilocoTrainer(Trainer):
         """Local optimizer steps in this window."""
         return self.replica.inner
 
-    @inner.setter
-    def inner(self, value: int) -> None:
-        self.replica.inner = value
-
-    @property
-    def residual(self) -> torch.Tensor | None:
-        """A sparse codec's error feedback: what the wire left out of the last contribution."""
-        return self.replica.residual
-
-    @residual.setter
-    def residual(self, value: torch.Tensor | None) -> None:
-        self.replica.residual = value
-
     # --- inner steps ---------------------------------------------------------------------------------
 
-    def absorb(self, batch: int, elapsed_s: float, *, mean: bool = False) -> None:
-        """An inner step on the local copy with the micro-batch's gradient (of the summed loss from this
-        loop, or with ``mean`` of the mean loss from the caller's)."""
-        self._count(batch, elapsed_s)
-        with self.computing():
-            self.replica.inner_step(self.step, batch, mean=mean)
-        self._stats["inner_steps"] += 1
+    def absorb(self, batch: int, *, step: int, mean: bool) -> None:
+        """An inner step on the local copy with the micro-batch's gradient (of the summed loss from the
+        built-in loop, or with ``mean`` of the mean loss from the caller's)."""
+        self.replica.inner_step(step, batch, mean=mean)
+        self.stats["inner_steps"] += 1
 
-    def _window_closed(self) -> bool:
+    def window_closed(self, samples: int, others: list[int]) -> bool:
         """Every peer at this outer step, this one included, has done its ``inner_steps`` (by the samples
         its signed progress record claims), or this one has done twice as many. Peers that get there
         first train on until the last one does, so no peer idles and a window holds at least
@@ -248,55 +228,56 @@ class DilocoTrainer(Trainer):
         if self.inner >= 2 * training.inner_steps:
             return True
         full = training.inner_steps * training.micro_batch_size
-        others = [p.samples for k, p in self.view.items() if k != self.peer_id and p.step == self.step]
-        return self.samples >= full and all(samples >= full for samples in others)
+        return samples >= full and all(theirs >= full for theirs in others)
 
-    def _wants_compute(self) -> bool:
+    def wants_compute(self, samples: int, others: list[int]) -> bool:
         # At least one inner step: a peer that arrives after the window closed brings that much.
-        return self.inner == 0 or not self._window_closed()
+        return self.inner == 0 or not self.window_closed(samples, others)
 
-    def _ready_for_round(self) -> bool:
-        return self.inner > 0 and not self._wants_compute()
+    def ready(self, samples: int, others: list[int], *, fresh_view: bool) -> bool:
+        return self.inner > 0 and not self.wants_compute(samples, others)
 
     # --- the outer step ------------------------------------------------------------------------------
 
-    def _contribution(self) -> torch.Tensor:
+    def contribution(self, samples: int) -> torch.Tensor:
         return self.replica.contribution()
 
-    def _round_weight(self) -> float:
-        return self.replica.weight(self.samples)
+    def weight(self, samples: int) -> float:
+        return self.replica.weight(samples)
 
-    def _apply_round(self, result) -> None:
+    def apply(self, result: RoundResult, step: int) -> bool:
         # What the wire carried of this contribution (a sparse codec's result says); the rest waits.
-        self._apply(result.vector, sent=getattr(result, "sent", None))
+        self.replica.apply(result.vector, getattr(result, "sent", None))
+        self.stats["outer_steps"] += 1
+        return not self.overlap
 
-    def _apply(self, averaged: torch.Tensor, sent: torch.Tensor | None = None) -> None:
-        self.replica.apply(averaged, sent)
-        self._stats["outer_steps"] += 1
-        if not self.overlap:
-            self._reset_accumulation()
+    def reset(self) -> None:
+        """Start a window from the synced parameters (after an outer step, a download, or a pause)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.replica.reset()
+
+    def close_window(self, samples: int) -> None:
+        self.replica.close_window(samples)
+        self.optimizer.zero_grad(set_to_none=True)
 
     # --- outer_overlap -------------------------------------------------------------------------------
 
-    async def _round(self) -> None:
+    async def schedule(
+        self,
+        round: Callable[[], Awaitable[None]],
+        close_window: Callable[[], None],
+        reached_max: Callable[[], bool],
+    ) -> None:
         if not self.overlap:
-            return await super()._round()
+            return await round()
         if self._pending is not None:  # the previous window's round: hidden behind this window's compute
             await asyncio.shield(self._pending)
-            if self._reached_max():
+            if reached_max():
                 return
-        await asyncio.to_thread(self._close_window)
-        self._pending = asyncio.create_task(super()._round())
+        await asyncio.to_thread(close_window)
+        self._pending = asyncio.create_task(round())
 
-    def _close_window(self) -> None:
-        self.replica.close_window(self.samples)
-        super()._reset_accumulation()
-
-    async def resync(self, step: int, expected_hash: str, sources: list[str]) -> bool:
-        await self._drop_pending()
-        return await super().resync(step, expected_hash, sources)
-
-    async def _drop_pending(self) -> None:
+    async def drop_pending(self) -> None:
         """A download replaces the synced copy: the round in flight must not land on it afterwards."""
         if self._pending is not None:
             self._pending.cancel()
@@ -304,27 +285,10 @@ class DilocoTrainer(Trainer):
                 await self._pending
             self._pending = None
 
-    async def _finish_rounds(self) -> None:
-        if self._pending is not None and self._reached_max():  # it committed the last step; validating it
+    async def finish_rounds(self, reached_max: bool) -> None:
+        if self._pending is not None and reached_max:  # it committed the last step; validating it
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.shield(self._pending)
 
-    async def _loop(self, stop: asyncio.Event) -> None:
-        try:
-            await super()._loop(stop)
-        finally:
-            await self._drop_pending()
 
-    def _reset_accumulation(self) -> None:
-        """Start a window from the synced parameters (after an outer step, a download, or a pause)."""
-        super()._reset_accumulation()
-        self.replica.reset()
-
-
-__all__ = [
-    "DilocoReplica",
-    "DilocoTrainer",
-    "flat_params",
-    "trainer_class",
-    "write_flat_params",
-]
+__all__ = ["DilocoReplica", "DilocoSync", "flat_params", "write_flat_params"]

@@ -1,6 +1,6 @@
 """``TrainingHooks``: what a data-parallel peer trains on, sends and claims, honest by default.
 
-``Trainer`` (and ``DilocoTrainer``) call these at the points where a volunteer could lie; the default
+``Trainer`` calls these, whatever its sync strategy, at the points where a volunteer could lie; the default
 returns what it is given, so the loop calls it unconditionally:
 
 - ``batch(inputs, targets) -> (inputs, targets)``: the micro-batch the peer trains on;
@@ -11,7 +11,7 @@ returns what it is given, so the loop calls it unconditionally:
 - ``round_hooks``: the ``swarm.averaging.hooks.RoundHooks`` its averager runs rounds with.
 
 ``omniscient`` says that ``contribute`` recomputes the other peers' gradients from their public seeds,
-which only ``every_step`` training allows (``DilocoTrainer`` refuses it with a ``ConfigError``).
+which only ``every_step`` training allows (``swarm.training.strategies.check_hooks`` refuses it with a ``ConfigError``).
 
 Rehearsed attacks (``swarm.byzantine.attacks.Attack``) implement these; the library never imports them.
 

@@ -63,8 +63,9 @@ class CatchUp:
         return download_limit(sum(t.numel() * t.element_size() for t in tensors.values()))
 
     async def resync(self, step: int, expected_hash: str, sources: list[str]) -> bool:
-        """Download the state of ``step`` from one of ``sources`` that matches ``expected_hash``."""
-
+        """Download the state of ``step`` from one of ``sources`` that matches ``expected_hash``. A round in
+        flight in the background is dropped first: it must not land on the downloaded state."""
+        await self.strategy.drop_pending()
         max_bytes = self.max_state_bytes()
 
         async def fetch(holder: PeerID) -> tuple[PeerID, float, float]:  # holder, seconds, MiB

@@ -43,15 +43,13 @@ from swarm.training.ownmodel import check_own_model
 from swarm.training.progress import PeerProgress, ProgressView
 from swarm.training.resync import CatchUp
 from swarm.training.state import (
-    apply_flat_gradient,
     build_optimizer,
     ensure_optimizer_state,
-    flat_mean,
-    flat_mean_gradient,
     params_hash,
     state_hash,
     state_tensors,
 )
+from swarm.training.strategies import build_strategy, check_hooks
 from swarm.training.sync import (
     EncodedState,
     StateServicer,
@@ -139,6 +137,8 @@ class Trainer(CatchUp):
         optimizer: torch.optim.Optimizer | None = None,
         validate: Callable[[torch.nn.Module], float] | None = None,
     ):
+        self.hooks = hooks if hooks is not None else TrainingHooks()
+        check_hooks(run, self.hooks)
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
         self.coordinator_checkpoint = coordinator_checkpoint
         if record_signer is None and signing_key is None:
@@ -163,15 +163,16 @@ class Trainer(CatchUp):
         )  # fmt: skip
         ensure_optimizer_state(self.model, self.optimizer)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # The state every peer holds bit for bit, hashed, served and downloaded: the model and its
-        # optimizer here; diloco's synced copy and outer optimizer (swarm.training.diloco).
-        self.synced_model, self.synced_optimizer = self.model, self.optimizer
+        # What the run's sync mode decides (swarm.training.strategies), and the state every peer holds bit
+        # for bit, hashed, served and downloaded: the model and its optimizer with every_step; diloco's
+        # synced copy and outer optimizer.
+        self.strategy = build_strategy(run, self.model, self.optimizer)
+        self.synced_model, self.synced_optimizer = self.strategy.synced_model, self.strategy.synced_optimizer
         # The caller's own loop brings its own data (and, optionally, its own validation).
         self.dataset = build_dataset(run.dataset.name, run.dataset.config) if model is None else None
         self.validate_fn = validate
         self.seq_len = int(model_config(run.model.name, run.model.config).seq_len)
         self.numel = sum(p.numel() for p in self.params)
-        self.hooks = hooks if hooks is not None else TrainingHooks()
         self._averaged = torch.empty(self.numel)  # each round's result lands here (applied at once)
         # Whom this peer averages with: certified, not banned, not caught breaking a group.
         self.policy = PeerPolicy(dht, run.run_id, coordinator_key, also_certified=lambda: self.view)
@@ -215,8 +216,6 @@ class Trainer(CatchUp):
         self.witness = WitnessedRounds(peer_id)
         self.last_group_size = 0
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
-        # Gradient sums of the caller's micro-batches (``absorb(mean=True)``), kept out of ``.grad``.
-        self._held: list[torch.Tensor | None] | None = None
 
     @property
     def view(self) -> dict[str, PeerProgress]:
@@ -242,6 +241,7 @@ class Trainer(CatchUp):
         wall = max((self._finished_at or time.monotonic()) - started - self._stats["eval_s"], 1e-9)
         return {
             **self._stats,
+            **self.strategy.stats,
             "bytes_sent": float(self.averager.traffic.sent),
             "bytes_received": float(self.averager.traffic.received),
             "step": float(self.step),
@@ -270,45 +270,19 @@ class Trainer(CatchUp):
 
     def absorb(self, batch: int, elapsed_s: float, *, mean: bool = False) -> None:
         """Take a micro-batch of ``batch`` samples whose gradient is in the parameters' ``.grad``, computed
-        in ``elapsed_s``: this loop's own (the gradient of the summed loss, accumulated in ``.grad``), or
-        with ``mean`` one that the caller's loop computed (of the mean loss), which is moved aside, scaled
-        to a sum, so that the caller's next backward starts from no gradient."""
-        if mean:
-            self._hold_gradients(batch)
-        self._count(batch, elapsed_s)
-
-    def _hold_gradients(self, batch: int) -> None:
-        with torch.no_grad():
-            held = self._held if self._held is not None else [None] * len(self.params)
-            for i, p in enumerate(self.params):
-                if p.grad is None:
-                    continue
-                grad = p.grad.mul_(batch)
-                held[i] = grad if held[i] is None else held[i].add_(grad)
-                p.grad = None
-            self._held = held
-
-    def _count(self, batch: int, elapsed_s: float) -> None:
+        in ``elapsed_s``: this loop's own (of the summed loss), or with ``mean`` one that the caller's loop
+        computed (of the mean loss). What it does with it is the strategy's (accumulate, or an inner step)."""
+        with self.computing():
+            self.strategy.absorb(batch, step=self.step, mean=mean)
         rate = batch / max(elapsed_s, 1e-6)
         self._sps = 0.8 * self._sps + 0.2 * rate if self._sps else rate
         self.samples += batch
         self.micro += 1
 
-    def _contribution(self) -> torch.Tensor:
-        """What this peer averages: the mean gradient of its accumulated micro-batches."""
-        if self._held is not None:
-            return flat_mean(self._held, self.params, self.samples)
-        return flat_mean_gradient(self.params, self.samples)
-
-    def _round_weight(self) -> float:
-        """The samples behind what ``_contribution`` returns (a signed claim in the round)."""
-        return float(self.samples)
-
-    def _wants_compute(self) -> bool:
-        # A peer always brings at least one micro-batch: one that joined a round with none would count
-        # toward the group's size but not toward the aggregate, so the attackers among the senders the
-        # rule uses could be a majority of a group whose size says 2f + 1.
-        return not self.samples or self._samples_at_step() < self.config.training.target_batch_size
+    def wants_compute(self) -> bool:
+        """Whether to compute another micro-batch before the round (the strategy decides, by the samples
+        of the peers at this step)."""
+        return self.strategy.wants_compute(self.samples, self._others_at_step())
 
     def count_compute(self, seconds: float) -> None:
         """Count ``seconds`` that just ended as compute (the caller's own forward and backward)."""
@@ -328,17 +302,16 @@ class Trainer(CatchUp):
             self._stats["compute_s"] += time.monotonic() - started
 
     def _apply_round(self, result) -> None:
-        self._apply(result.vector)
-
-    def _apply(self, averaged: torch.Tensor) -> None:
-        apply_flat_gradient(
-            self.model, self.params, self.optimizer, self.config.optimizer, self.step, averaged
-        )
-        self._reset_accumulation()
+        if self.strategy.apply(result, self.step):
+            self._reset_accumulation()
 
     def _reset_accumulation(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self._held = None
+        self.strategy.reset()
+        self.samples = self.micro = 0
+
+    def _close_window(self) -> None:
+        """``outer_overlap``: this window's work becomes the contribution of a round in the background."""
+        self.strategy.close_window(self.samples)
         self.samples = self.micro = 0
 
     def _hashes(self, step: int) -> tuple[str, str]:
@@ -406,17 +379,20 @@ class Trainer(CatchUp):
         """Take the coordinator's newest signed ban list; the averager refuses those peers from then on."""
         await self.policy.refresh_bans()
 
-    def _samples_at_step(self) -> int:
-        others = sum(
-            p.samples for p in self.view.values() if p.step == self.step and p.peer_id != self.peer_id
-        )
-        return others + self.samples
+    def _others_at_step(self) -> list[int]:
+        """The samples the other peers at this step claim, by their signed progress records."""
+        return [p.samples for p in self.view.values() if p.step == self.step and p.peer_id != self.peer_id]
 
-    def _ready_for_round(self) -> bool:
-        """The peers at this step hold the target batch, by a view fetched after this step began."""
+    def ready_for_round(self) -> bool:
+        """Whether this peer's round is due, by the strategy (with every_step: the peers at this step hold
+        the target batch, by a view fetched after this step began)."""
         fresh_view = self.progress_view.count > self._step_view
-        target = self.config.training.target_batch_size
-        return fresh_view and self.samples > 0 and self._samples_at_step() >= target
+        return self.strategy.ready(self.samples, self._others_at_step(), fresh_view=fresh_view)
+
+    async def take_round(self) -> None:
+        """Average what this peer holds now: at once, or (diloco's ``outer_overlap``) in the background."""
+        self._rounds_since = self._rounds_since or time.monotonic()
+        await self.strategy.schedule(self._round, self._close_window, self._reached_max)
 
     async def _round(self) -> None:
         # Alone only if nobody else is training: peers at another step will soon be at this one.
@@ -426,8 +402,10 @@ class Trainer(CatchUp):
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
         # What this peer sends and signs for: its own gradient and samples, but in a rehearsed attack.
-        vector = await asyncio.to_thread(lambda: self.hooks.contribute(self, self._contribution()))
-        weight = self.hooks.weight(self._round_weight())
+        vector = await asyncio.to_thread(
+            lambda: self.hooks.contribute(self, self.strategy.contribution(self.samples))
+        )
+        weight = self.hooks.weight(self.strategy.weight(self.samples))
         extra = self.hooks.entry(self._round_extra())
         # Everyone training at this step is about to look for a group too: assemble once all have joined
         # (never fewer than the run needs; a peer that left only makes the leader wait out its window).
@@ -442,7 +420,7 @@ class Trainer(CatchUp):
             alone=not others and needed == 1,
             expected_size=expected,
             out=self._averaged,
-            fits=lambda entry: self._entry_misfit(entry.extra, extra),
+            fits=lambda entry: step_misfit(entry.extra, extra),
         )
         # Matchmaking plus all-reduce: what a slow link costs this peer (docs/wan.md reads it).
         self._stats["last_round_s"] = time.monotonic() - started
@@ -470,7 +448,7 @@ class Trainer(CatchUp):
             logger.warning(
                 f"step {self.step}: {len(strangers)} groupmates held another state; the majority check follows"
             )
-        contributed = int(self._round_weight())
+        contributed = int(self.strategy.weight(self.samples))
         async with self._state_lock:
             with self.computing():
                 await asyncio.to_thread(self._apply_round, result)
@@ -493,13 +471,8 @@ class Trainer(CatchUp):
         """What this peer signs into its group entry for the round at its step."""
         return {"step": self.step, "state_hash": self.state_hash}
 
-    def _entry_misfit(self, theirs: dict, mine: dict) -> Misfit | None:
-        """Why a groupmate's signed ``extra`` (``mine``: this peer's) does not fit the round, so that every
-        member excludes it before the all-reduce; None: it fits (``step_misfit``)."""
-        return step_misfit(theirs, mine)
-
     def _group_usable(self, group) -> bool:
-        """Every member kept claims this step (``_entry_misfit``); checked again before applying."""
+        """Every member kept claims this step (``step_misfit``); checked again before applying."""
         steps = {e.get("step") if isinstance(e, dict) else None for e in group.extras}
         if steps != {self.step}:
             logger.info(f"step {self.step}: a groupmate was at another step; not applied")
@@ -546,32 +519,34 @@ class Trainer(CatchUp):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.training.progress_interval_s)
 
     async def _loop(self, stop: asyncio.Event) -> None:
-        await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
-        await self._catch_up()
-        await self._look_for_checkpoint(stop)
-        await self._evaluate()  # where this peer starts: step 0, or the state it just caught up to
-        while not stop.is_set() and not self._reached_max():
-            if self.paused:
-                await self._wait_while_paused(stop)
-                continue
-            if self._wants_compute():
-                loss = await asyncio.to_thread(self._micro_step)
-                previous = self._stats["train_loss"]
-                self._stats["train_loss"] = loss if math.isnan(previous) else 0.9 * previous + 0.1 * loss
-            else:
-                # The batch is (nearly) complete: wait for a fresh view rather than pile up more samples.
-                await asyncio.sleep(self.config.training.progress_interval_s / 4)
-            if await self._catch_up():
-                continue
-            if self._ready_for_round():
-                self._rounds_since = self._rounds_since or time.monotonic()
-                await self._round()
-        await self.finish()
+        try:
+            await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
+            await self._catch_up()
+            await self._look_for_checkpoint(stop)
+            await self._evaluate()  # where this peer starts: step 0, or the state it just caught up to
+            while not stop.is_set() and not self._reached_max():
+                if self.paused:
+                    await self._wait_while_paused(stop)
+                    continue
+                if self.wants_compute():
+                    loss = await asyncio.to_thread(self._micro_step)
+                    previous = self._stats["train_loss"]
+                    self._stats["train_loss"] = loss if math.isnan(previous) else 0.9 * previous + 0.1 * loss
+                else:
+                    # The batch is (nearly) complete: wait for a fresh view rather than pile up more samples.
+                    await asyncio.sleep(self.config.training.progress_interval_s / 4)
+                if await self._catch_up():
+                    continue
+                if self.ready_for_round():
+                    await self.take_round()
+            await self.finish()
+        finally:
+            await self.strategy.drop_pending()
 
     async def finish(self) -> None:
         """Report this peer finished (this loop's or a caller's): let a background round end, take the
         last step's validation loss, and keep the final state encoded for the peers that download it."""
-        await self._finish_rounds()
+        await self.strategy.finish_rounds(self._reached_max())
         validates = self.dataset is not None or self.validate_fn is not None
         if validates and self._reached_max() and self._stats["val_step"] != self.step:
             await self._evaluate()  # the last step's loss, whichever path reached it (round or download)
@@ -579,19 +554,13 @@ class Trainer(CatchUp):
         self._finished_at = self._finished_at or time.monotonic()
         await self.encoded_state()
 
-    async def _finish_rounds(self) -> None:
-        """Let a round still running in the background end before the peer reports it finished."""
-
     async def drop_accumulation(self) -> None:
         """Drop the gradients not yet averaged (they earned no credit), so that peers do not count them
         towards a batch this peer will not bring to a round, and first a round in flight that would land
         on the state they were computed from."""
-        await self._drop_pending()
+        await self.strategy.drop_pending()
         async with self._state_lock:
             self._reset_accumulation()
-
-    async def _drop_pending(self) -> None:
-        """Cancel a round still running in the background (``diloco``'s ``outer_overlap``)."""
 
     def pause(self) -> None:
         """Stop computing after the current micro-batch or round; the peer keeps serving its state."""
