@@ -26,7 +26,7 @@ from byzantine_table import run_sim  # noqa: E402
 # (issue item, label, flags): admitted attackers get --byzantine F, strangers are one more process.
 ROWS = {
     "far_future": ("1", "a stranger's junk, 30 years out, under every record key", ["--protocol-attack", "far_future"]),
-    "hostile": ("1, 2", "a stranger at every DHT key rule and libp2p handler", ["--protocol-attack", "hostile"]),
+    "hostile": ("1, 2", "a stranger at every DHT key rule, libp2p handler and coordinator RPC", ["--protocol-attack", "hostile"]),
     "step_liar": ("3", "admitted peers signing the next step into their entries", ["--attack", "step_liar"]),
     "denier": ("4", "admitted peers denying every round they joined", ["--attack", "denier"]),
     "refusing_reducer": ("5", "admitted reducers that lie and show no input", ["--attack", "refusing_reducer"]),

@@ -47,19 +47,24 @@ class EvidenceReader:
     async def read(
         self, first: pb.AccusationPart, parts: AsyncIterator[bytes], body: AccuseBody, sender: str
     ) -> bytes:
-        """Exactly ``body.evidence_bytes`` bytes, matching the signed hash; ProtocolError otherwise."""
+        """Exactly ``body.evidence_bytes`` bytes, matching the signed hash, and then the stream's end;
+        ProtocolError otherwise."""
         evidence = bytearray()
         piece: pb.AccusationPart | None = first
+        too_much = (
+            f"accusation from {sender} carried more than the {body.evidence_bytes} evidence bytes "
+            "it signed for"
+        )
         while piece is not None:
             if len(evidence) + len(piece.evidence) > body.evidence_bytes:
-                raise ProtocolError(
-                    f"accusation from {sender} carried more than the {body.evidence_bytes} evidence bytes "
-                    "it signed for"
-                )
+                raise ProtocolError(too_much)
             await self.budget.charge(self.key, len(piece.evidence))
             self.charged += len(piece.evidence)
             evidence += piece.evidence
             if len(evidence) == body.evidence_bytes:
+                # A part past the signed evidence is refused like evidence past it, not judged without it.
+                if await next_part(parts, required=False) is not None:
+                    raise ProtocolError(too_much + ", in parts after it")
                 break
             piece = await next_part(parts, required=False)
         if len(evidence) != body.evidence_bytes:

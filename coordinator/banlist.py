@@ -4,9 +4,11 @@ which bans the signed ban list in the DHT names.
 A ban list holds at most ``swarm.bans.MAX_BANNED`` peers, and under open admission identities are
 cheap: a Sybil that files a false accusation bans itself. So the published list names only bans whose
 certificates may still be valid (a banned peer is never renewed, and re-admission of a banned key is
-refused at join), convictions and operator bans before the bans of false accusers, and the newest
-first within each: a fresh ban always makes the list unless more convictions than the list holds are
-live, and each of those needed a round it was caught cheating in.
+refused at join), convictions and operator bans before the bans of false accusers. Within each, a
+conviction ranks by how many earlier ones its accuser's address brought (``enforced_bans_sync``), then
+newest first: a conviction in a round that Sybils made up among themselves is as true as any, so it is
+addresses, not keys, that can crowd the list; a fresh ban makes the list unless more addresses than the
+list holds convicted someone while it is live.
 
 All functions take the store's connection and run on its thread (``coordinator.store``).
 """
@@ -28,7 +30,8 @@ CREATE TABLE IF NOT EXISTS bans (
     reason TEXT NOT NULL,
     banned_at REAL NOT NULL,
     evidence BLOB,
-    false_accuser INTEGER NOT NULL DEFAULT 0
+    false_accuser INTEGER NOT NULL DEFAULT 0,
+    accuser_address TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS ban_evidence (
     peer_id TEXT PRIMARY KEY,
@@ -64,10 +67,13 @@ def transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 def upgrade(db: sqlite3.Connection) -> None:
     """Bring a store written by an older coordinator up to ``SCHEMA``: evidence once lived in
-    ``bans.evidence``, and bans once did not say whether they were a false accuser's."""
+    ``bans.evidence``, and bans once did not say whether they were a false accuser's, nor from which
+    address the accusation came."""
     columns = {row[1] for row in db.execute("PRAGMA table_info(bans)")}
     if "false_accuser" not in columns:
         db.execute("ALTER TABLE bans ADD COLUMN false_accuser INTEGER NOT NULL DEFAULT 0")
+    if "accuser_address" not in columns:
+        db.execute("ALTER TABLE bans ADD COLUMN accuser_address TEXT NOT NULL DEFAULT ''")
     with transaction(db):
         db.execute(
             "INSERT OR IGNORE INTO ban_evidence (peer_id, bytes, preview, data) SELECT peer_id,"
@@ -85,14 +91,16 @@ def ban_sync(
     *,
     max_stored_evidence_bytes: int = 0,
     false_accuser: bool = False,
+    accuser_address: str = "",
 ) -> bool:
     """Ban ``peer_id``; its evidence is kept only while all kept evidence fits in
-    ``max_stored_evidence_bytes``. Returns whether the evidence was kept."""
+    ``max_stored_evidence_bytes``. ``accuser_address``: the address (``limits.caller_key``) whose
+    accusation brought the ban; empty for an operator's. Returns whether the evidence was kept."""
     with transaction(db):
         db.execute(
-            "INSERT OR REPLACE INTO bans (peer_id, reason, banned_at, evidence, false_accuser)"
-            " VALUES (?, ?, ?, NULL, ?)",
-            (peer_id, reason, time.time(), int(false_accuser)),
+            "INSERT OR REPLACE INTO bans (peer_id, reason, banned_at, evidence, false_accuser, accuser_address)"
+            " VALUES (?, ?, ?, NULL, ?, ?)",
+            (peer_id, reason, time.time(), int(false_accuser), accuser_address[:128]),
         )
         if not evidence:
             return False
@@ -127,14 +135,21 @@ def list_bans_sync(db: sqlite3.Connection) -> list[Ban]:
 
 
 def enforced_bans_sync(db: sqlite3.Connection, now: float, grace_s: float) -> list[str]:
-    """Banned peers that may still hold a valid certificate (or never held one from this store): the
-    convictions and operator bans first, then false accusers, the newest first within each."""
+    """Banned peers that may still hold a valid certificate (or never held one from this store), in the
+    order the signed list keeps them when it is full: the convictions and operator bans first, then false
+    accusers. Within each, operator bans come first, then each accusing address's first conviction, then
+    each one's second, and so on, the newest first among equals. Sybils that convict one another in
+    rounds made up among themselves (every such conviction is a true one) push a conviction from
+    another address off the list only with as many addresses as the list holds, not with as many keys."""
     return [
         row[0]
         for row in db.execute(
-            "SELECT b.peer_id FROM bans b LEFT JOIN peers p ON p.peer_id = b.peer_id"
-            " WHERE p.peer_id IS NULL OR p.cert_expires_at + ? > ?"
-            " ORDER BY b.false_accuser, b.banned_at DESC, b.peer_id",
+            "SELECT peer_id FROM (SELECT b.peer_id, b.false_accuser, b.banned_at, b.accuser_address,"
+            " ROW_NUMBER() OVER (PARTITION BY b.accuser_address ORDER BY b.banned_at, b.peer_id) AS nth"
+            " FROM bans b LEFT JOIN peers p ON p.peer_id = b.peer_id"
+            " WHERE p.peer_id IS NULL OR p.cert_expires_at + ? > ?)"
+            " ORDER BY false_accuser, CASE WHEN accuser_address = '' THEN 0 ELSE nth END, banned_at DESC,"
+            " peer_id",
             (grace_s, now),
         )
     ]

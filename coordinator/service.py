@@ -491,6 +491,7 @@ class CoordinatorService:
             evidence if convicted else None,
             max_stored_evidence_bytes=limits.stored_evidence_bytes,
             false_accuser=not convicted,
+            accuser_address=caller_key(peer),
         )
         if convicted and not kept:
             logger.warning(f"evidence against {guilty} not kept: the store holds all the evidence it may")
@@ -525,6 +526,11 @@ class CoordinatorService:
     # --- wiring into grpc ----------------------------------------------------------------------------
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, self.method_handlers())
+
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """Every RPC this service answers, by method name: ``generic_handler`` serves exactly these (the
+        hostile-peer harness, ``swarm.byzantine.hostile``, must send to each: tests/test_hostile.py)."""
         methods: dict[str, tuple[Any, Callable[[Any, str], Awaitable[Any]]]] = {
             "Challenge": (pb.ChallengeRequest, self.challenge),
             "Join": (pb.JoinRequest, self.join),
@@ -546,7 +552,7 @@ class CoordinatorService:
             request_deserializer=None,
             response_serializer=lambda message: message.SerializeToString(),
         )
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        return handlers
 
 
 async def _answer(

@@ -402,6 +402,7 @@ class Store:
         *,
         max_stored_evidence_bytes: int = 0,
         false_accuser: bool = False,
+        accuser_address: str = "",
     ) -> bool:
         """Ban ``peer_id`` (``coordinator.banlist.ban_sync``); returns whether its evidence was kept."""
         return await self._run(
@@ -412,6 +413,7 @@ class Store:
                 evidence,
                 max_stored_evidence_bytes=max_stored_evidence_bytes,
                 false_accuser=false_accuser,
+                accuser_address=accuser_address,
             )
         )
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import closing, suppress
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -57,9 +57,18 @@ SMALL_REQUEST_BYTES = 4096  # a request of a few scalar fields and short strings
 # closed with unread bytes in it is reset, and the reset can overtake what was sent before it.
 CLOSE_LINGER_S = 1.0
 # From a stream's admission until its first request has arrived whole: this, plus the time its largest
-# request takes at 1 Mbit/s (the slowest uplink the averaging deadlines count on).
+# request takes at 1 Mbit/s (the slowest uplink the averaging deadlines count on). Each reply must be
+# taken by the caller within the same allowance for the reply's largest message: a caller that stops
+# reading ends its stream, and frees the handler's slot, instead of holding it for as long as it likes.
 FIRST_REQUEST_TIMEOUT_S = 10.0
 FIRST_REQUEST_MIN_BYTES_PER_S = 125_000
+
+
+def transfer_within_s(nbytes: int) -> float:
+    """How long one message of ``nbytes`` may take to cross a stream (see FIRST_REQUEST_TIMEOUT_S)."""
+    return FIRST_REQUEST_TIMEOUT_S + nbytes / FIRST_REQUEST_MIN_BYTES_PER_S
+
+
 REFUSAL_DISCARD_BYTES = 64 << 10  # what a refused stream may still read (and drop) while it lingers
 MAX_LINGERING_REFUSALS = 32  # refused streams kept open at once in this process; others close at once
 _lingering = 0  # refused streams open now (see _send_refusal)
@@ -211,8 +220,9 @@ class BoundedServicer(ServicerBase):
             name = self._get_handle_name(namespace, handler.method_name)
             bound, method = bounds[handler.method_name], getattr(servicer, handler.method_name)
             if handler.stream_input or handler.stream_output:
+                reply_within_s = transfer_within_s(self.reply_bytes.get(handler.method_name, UNARY_MAX_BYTES))
                 serve = self._stream_handler(
-                    p2p, name, method, handler.request_type, handler.stream_input, bound
+                    p2p, name, method, handler.request_type, handler.stream_input, bound, reply_within_s
                 )
                 await p2p.add_binary_stream_handler(name, serve, balanced=balanced)
             else:
@@ -229,6 +239,8 @@ class BoundedServicer(ServicerBase):
                 f"a unary handler cannot take {bound.max_message_bytes} bytes (daemon: {UNARY_MAX_BYTES})"
             )
         slots = _Slots(bound)
+        if reply_within_s is None:
+            reply_within_s = transfer_within_s(UNARY_MAX_BYTES)
 
         async def serve(request: Message, context: P2PContext) -> Message:
             peer = context.remote_id.to_base58()
@@ -261,7 +273,7 @@ class BoundedServicer(ServicerBase):
 
     def _stream_handler(
         self, p2p: P2P, name: str, method: Callable, request_type: type[Message], stream_input: bool,
-        bound: HandlerBound,
+        bound: HandlerBound, reply_within_s: float | None = None,
     ) -> Callable:  # fmt: skip
         slots = _Slots(bound)
 
@@ -276,7 +288,9 @@ class BoundedServicer(ServicerBase):
                     return
                 try:
                     context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
-                    await self._pump(reader, writer, request_type, bound, method, stream_input, context)
+                    await self._pump(
+                        reader, writer, request_type, bound, method, stream_input, context, reply_within_s
+                    )
                 finally:
                     if not exempt:
                         slots.leave(peer)
@@ -286,9 +300,12 @@ class BoundedServicer(ServicerBase):
     async def _pump(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request_type: type[Message],
         bound: HandlerBound, method: Callable, stream_input: bool, context: P2PContext,
+        reply_within_s: float,
     ) -> None:  # fmt: skip
         """hivemind's ``_handle_stream`` with a bounded reader: requests are read ahead into a queue of
-        ``MAX_PREFETCH`` while the handler answers, and a broken request ends the stream."""
+        ``MAX_PREFETCH`` while the handler answers, and a broken request ends the stream. Each reply must
+        be written within ``reply_within_s``: a caller that stops reading ends the stream, and the
+        handler's generator is closed at once (its ``finally`` frees what it held, such as an upload slot)."""
         requests: asyncio.Queue[Message | None] = asyncio.Queue(MAX_PREFETCH)
 
         async def incoming() -> AsyncIterator[Message]:
@@ -296,6 +313,7 @@ class BoundedServicer(ServicerBase):
                 yield request
 
         async def answer() -> None:
+            output = None
             try:
                 source = incoming()
                 output = method(source if stream_input else await _first(source), context)
@@ -303,13 +321,23 @@ class BoundedServicer(ServicerBase):
                     output = _single(output)
                 async for response in output:
                     try:
-                        await P2P.send_protobuf(response, writer)
+                        await asyncio.wait_for(P2P.send_protobuf(response, writer), reply_within_s)
+                    except asyncio.TimeoutError:
+                        self._refuse(
+                            context.remote_id.to_base58(), context.handle_name,
+                            f"it read no reply for {reply_within_s:.0f}s",
+                        )  # fmt: skip
+                        return
                     except Exception:
                         return  # the caller closed the stream or it broke: the caller sees why
             except Exception as e:
                 logger.warning(f"{context.handle_name} failed for {context.remote_id}: {e!r}")
                 with suppress(Exception):
                     await P2P.send_protobuf(RPCError(message=str(e)), writer)
+            finally:
+                if isinstance(output, AsyncGenerator):
+                    with suppress(Exception):
+                        await output.aclose()
 
         processing = asyncio.create_task(answer())
         ended = False  # the caller's end of stream has been read

@@ -19,11 +19,12 @@ from swarm.dht import SpawnedDHT, start_local_dhts
 
 
 @contextlib.asynccontextmanager
-async def serving_coordinator(tmp_path: Path, run_id: str, limits=None, **store_options):
+async def serving_coordinator(tmp_path: Path, run_id: str, limits=None, *, dial_back=False, **store_options):
     """The real coordinator service and store of a tiny run, served over gRPC on a loopback port: yields
-    (address, store, service)."""
+    (address, store, service). ``dial_back`` serves ``DialBack`` too, as the coordinator node does."""
     import grpc
 
+    from coordinator.dialback import DialBackService
     from coordinator.service import CoordinatorService
     from coordinator.store import Store
     from lab.localswarm import tiny_run
@@ -32,7 +33,9 @@ async def serving_coordinator(tmp_path: Path, run_id: str, limits=None, **store_
     store = Store.open_sync(tmp_path / "coordinator.db", run_id, **store_options)
     service = CoordinatorService(tiny_run(run_id), SigningKey.generate(), store, [], limits)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
+    server.add_generic_rpc_handlers(
+        (service.generic_handler(), *([DialBackService().generic_handler()] if dial_back else []))
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -154,12 +154,12 @@ def test_a_repeated_member_or_an_altered_own_entry_leaves_the_group_naming_the_l
     assert refused.value.culprit == leader
 
 
-def test_an_uncertified_or_banned_member_leaves_the_group_naming_it(ids):
+def test_an_uncertified_or_banned_member_leaves_the_group_blaming_the_leader_that_listed_it(ids):
     policy = PeerPolicy(None, PREFIX, allowed={ids[0].peer_id, ids[2].peer_id})
     gathered = [entry(k) for k in ids]
     with pytest.raises(GroupRefused, match="not a certified member") as refused:
         check(ids, gathered, refusal=policy.refusal)
-    assert refused.value.culprit == ids[1].peer_id
+    assert refused.value.culprit == ids[2].peer_id, "the leader listed it: the listed peer is not to blame"
     policy = PeerPolicy(None, PREFIX, allowed={k.peer_id for k in ids})
     assert check(ids, gathered, refusal=policy.refusal).peer_ids == [k.peer_id for k in ids]
     policy.set_bans({ids[2].peer_id}, issued_at=10.0)

@@ -8,7 +8,8 @@ stage. Before a round every member checks the group the leader announced (``chec
 - every peer ID appears once (a repeated ID is the leader's doing: the group is left);
 - this peer's own entry is the one it sent (else the leader altered it: the group is left);
 - every other member is admitted (certified by the coordinator, not banned); one that is not makes
-  the group be left, naming it. A member this peer merely suspects does not: the others, who may not
+  the group be left, blaming the leader that listed it (a made-up key listed by a Sybil leader must not
+  take the blame, nor fill the suspect book in the leader's place). A member this peer merely suspects does not: the others, who may not
   suspect it, go on with the round, and a member that left would answer its part streams as a denier
   does and be suspected by them in turn (suspicion spread among honest peers so). Suspicion steers
   matchmaking (whom to lead and follow); a suspect's part that fails is repaired;
@@ -197,7 +198,10 @@ def check_group(
     for peer in peer_ids:
         reason = None if peer == me else refusal(peer)
         if reason is not None:
-            raise GroupRefused(peer, f"group member {peer} (leader {leader}): {reason}")
+            # Only the leader puts a member in the list: the blame is its, never the listed peer's (a
+            # made-up key would otherwise take it, and fill this peer's suspect book in its place).
+            culprit = peer if peer == leader else leader
+            raise GroupRefused(culprit, f"leader {leader} listed group member {peer}: {reason}")
     group = VerifiedGroup([], [])
     for peer, data in zip(peer_ids, gathered, strict=True):
         try:

@@ -51,7 +51,7 @@ FAR_FUTURE_S = 1e9
 class ProtocolTarget:
     """What the attacker reaches: its own DHT node, the run, and the honest state holders it saw."""
 
-    dht: hivemind.DHT
+    dht: hivemind.DHT | None  # None: no DHT node, for an attack on the coordinator alone (``hostile``)
     run_id: str
     holders: list[str] = field(default_factory=list)
     state_namespace: str = ""

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import hivemind
 import torch
@@ -64,15 +64,16 @@ def _computed_elsewhere(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
     raise ConfigError("this peer's gradients are computed by its caller's own loop (session.collaborate)")
 
 
-def step_misfit(theirs: dict, mine: dict) -> Misfit | None:
+def step_misfit(theirs: dict, mine: dict, held: Collection[int] = ()) -> Misfit | None:
     """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
 
     Only contributions of this step (in DiLoCo, this outer step): a gradient applied to another step's
     state would commit a state nobody holds, and a pseudo-gradient of another window would move the synced
     copy by a window's worth of stale progress. A member whose signed entry claims another step is
-    excluded before the all-reduce (and suspected for a step ahead, while the misfits are fewer than
-    half of the group: ``VerifiedGroup.suspects``); the members at this step, who all see the same signed entries, exclude the
-    same ones and average among themselves. A peer behind catches up by download. Before, in every_step,
+    excluded before the all-reduce (and suspected for a step ahead that no peer in ``held``, the steps
+    of the run's signed progress records, holds, while the misfits are fewer than half of the group:
+    ``VerifiedGroup.suspects``); the members at this step, who all see the same signed entries, exclude
+    the same ones and average among themselves. A peer behind catches up by download. Before, in every_step,
     two Sybils claiming the next step in a group of four made the honest members skip the round, and a
     peer whose rounds fail for long enough lets the peers ahead decide its catch-up.
     """
@@ -80,9 +81,11 @@ def step_misfit(theirs: dict, mine: dict) -> Misfit | None:
     if type(step) is int and step == mine["step"]:  # not ``True``, which equals 1
         return None
     # A step behind is what an honest laggard signs, and what a leader replaying the member's entry of an
-    # earlier round shows: excluded, never blamed.
-    behind = type(step) is int and step < mine["step"]
-    return Misfit(f"claims step {str(step)[:32]}, not this round's {mine['step']}", blamed=not behind)
+    # earlier round shows: excluded, never blamed. So is a step ahead that the run's signed progress
+    # records hold (``held``): this peer is the laggard, and a Sybil leader that lists honest peers' fresh
+    # entries beside its own at this peer's step must not make it avoid them once it has caught up.
+    backed = type(step) is int and (step < mine["step"] or step in held)
+    return Misfit(f"claims step {str(step)[:32]}, not this round's {mine['step']}", blamed=not backed)
 
 
 class Trainer(CatchUp):
@@ -411,6 +414,7 @@ class Trainer(CatchUp):
         # (never fewer than the run needs; a peer that left only makes the leader wait out its window).
         # A suspect is refused in matchmaking: waiting for it only holds the group until the window ends.
         at_step = [p for p in others if p.step == self.step and self.policy.refusal(p.peer_id) is None]
+        held_steps = {p.step for p in others}  # a groupmate claiming one of these is ahead, not lying
         expected = max(needed, 1 + len(at_step))
         started = time.monotonic()
         outcome = await self.averager.average(
@@ -420,7 +424,7 @@ class Trainer(CatchUp):
             alone=not others and needed == 1,
             expected_size=expected,
             out=self._averaged,
-            fits=lambda entry: step_misfit(entry.extra, extra),
+            fits=lambda entry: step_misfit(entry.extra, extra, held_steps),
         )
         # Matchmaking plus all-reduce: what a slow link costs this peer (docs/wan.md reads it).
         self._stats["last_round_s"] = time.monotonic() - started
