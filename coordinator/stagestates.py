@@ -24,9 +24,9 @@ from collections.abc import Awaitable, Callable
 from hivemind.p2p import P2P, PeerID
 
 from swarm.config import RunConfig
-from swarm.keyspace import stage_prefix
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.records import PipelineView, StageRecord
+from swarm.records import stage_prefix
 from swarm.training.state import DecodedState
 from swarm.training.sync import download_limit, download_state, from_any_holder, state_namespace
 

@@ -239,8 +239,6 @@ class BoundedServicer(ServicerBase):
                 f"a unary handler cannot take {bound.max_message_bytes} bytes (daemon: {UNARY_MAX_BYTES})"
             )
         slots = _Slots(bound)
-        if reply_within_s is None:
-            reply_within_s = transfer_within_s(UNARY_MAX_BYTES)
 
         async def serve(request: Message, context: P2PContext) -> Message:
             peer = context.remote_id.to_base58()
@@ -276,6 +274,8 @@ class BoundedServicer(ServicerBase):
         bound: HandlerBound, reply_within_s: float | None = None,
     ) -> Callable:  # fmt: skip
         slots = _Slots(bound)
+        if reply_within_s is None:
+            reply_within_s = transfer_within_s(UNARY_MAX_BYTES)
 
         async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()

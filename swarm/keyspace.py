@@ -35,7 +35,7 @@ from protocols.messages import MAX_BAN_PAGES
 from swarm.averaging.declarations import MAX_DECLARATION_BYTES, matchmaking_key, open_declaration
 from swarm.bans import BanPageValidator, ban_list_key, open_ban_page
 from swarm.dhtstorage import NODE_BANS
-from swarm.records import VALIDATED_KINDS, TrustValidator, record_key
+from swarm.records import VALIDATED_KINDS, TrustValidator, record_key, stage_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,6 @@ class KeyRule:
     check: str  # "record", "ban_page" or "declaration"
     scope: str
     arg: str | int | None = None
-
-
-def stage_prefix(run_id: str, stage: int) -> str:
-    """The prefix of stage ``stage``'s records and averagers."""
-    return f"{run_id}.stage{stage}"
 
 
 def run_keys(run_id: str, stages: int = MAX_STAGES) -> dict[str, KeyRule]:

@@ -67,6 +67,11 @@ _REGULAR_SUBKEY = MSGPackSerializer.dumps(None)
 EXPIRY_SLACK_S = 1e-3
 
 
+def stage_prefix(run_id: str, stage: int) -> str:
+    """The prefix of pipeline stage ``stage``'s records and averagers."""
+    return f"{run_id}.stage{stage}"
+
+
 def record_key(run_id: str, kind: str) -> str:
     """The DHT key of ``kind`` records of ``run_id`` (e.g. ``my-run.progress``)."""
     if kind not in PEER_KINDS and kind not in RUN_KINDS:

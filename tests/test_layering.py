@@ -6,6 +6,12 @@ each other (the coordinator never runs a volunteer, and a volunteer reaches the 
 gRPC), and no package imports the lab that rehearses them. Inside ``swarm``, no module imports the
 rehearsal attacks (``swarm.byzantine``): they plug in through the library's hooks, from ``peer`` and ``lab``.
 
+Inside ``swarm`` the parts are ordered too (``SWARM_LAYERS``): the foundation modules at its top level
+(config, identity, records, DHT, inbound bounds...) import no part of it; ``data``, ``models`` and
+``averaging`` import only the foundation and never each other; ``training`` builds on those three;
+``pipeline`` on training too; the facade modules that compose a whole run (``session``, ``connection``,
+``components``, ``keyspace``: every record kind's validator) on all of them; ``byzantine`` on everything.
+
 Imports are read with ``ast``, so a module is never executed. Module-level and function-level imports
 both count: a lazy import is still a dependency. Imports under ``if TYPE_CHECKING:`` are left out, as
 they never run. Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``; those implicit
@@ -35,6 +41,19 @@ ALLOWED = {
 
 # Rehearsal attacks: only the applications and the lab build them; the library calls them through its hooks.
 REHEARSAL = "swarm.byzantine"
+# The order of ``swarm``'s parts (see the module docstring): a part imports only parts of lower rank, and
+# itself. The parts of one rank are independent of each other.
+SWARM_FACADE = ("swarm.session", "swarm.connection", "swarm.components", "swarm.keyspace")
+SWARM_LAYERS = {
+    "foundation": 0,
+    "swarm.data": 1,
+    "swarm.models": 1,
+    "swarm.averaging": 1,
+    "swarm.training": 2,
+    "swarm.pipeline": 3,
+    "facade": 4,
+    "swarm.byzantine": 5,
+}
 
 Edge = tuple[str, str, int]  # importer, imported, line
 
@@ -124,6 +143,29 @@ def layering_violations(graph: dict[str, list[Edge]]) -> list[str]:
             a, b = importer.split(".")[0], imported.split(".")[0]
             if a != b and b not in ALLOWED[a]:
                 problems.append(f"{importer} (line {line}) imports {imported}: {a} may not import {b}")
+    return problems
+
+
+def swarm_part(module: str) -> str | None:
+    """Which part of ``swarm`` (a key of ``SWARM_LAYERS``) ``module`` belongs to; None outside ``swarm``
+    (and for ``swarm`` itself, whose map imports lazily by name)."""
+    if not _within(module, "swarm") or module == "swarm":
+        return None
+    if module in SWARM_FACADE:
+        return "facade"
+    part = ".".join(module.split(".")[:2])
+    return part if part in SWARM_LAYERS else "foundation"
+
+
+def swarm_order_violations(graph: dict[str, list[Edge]]) -> list[str]:
+    """Imports inside ``swarm`` against ``SWARM_LAYERS``, each naming both modules and their parts."""
+    problems = []
+    for edges in graph.values():
+        for importer, imported, line in edges:
+            a, b = swarm_part(importer), swarm_part(imported)
+            if a is None or b is None or a == b or SWARM_LAYERS[b] < SWARM_LAYERS[a]:
+                continue
+            problems.append(f"{importer} (line {line}) imports {imported}: {a} may not import {b}")
     return problems
 
 
@@ -225,6 +267,11 @@ def test_layers_point_one_way() -> None:
     assert layering_violations(graph) == []
 
 
+def test_swarms_parts_point_one_way() -> None:
+    graph, _ = import_graph(ROOT)
+    assert swarm_order_violations(graph) == []
+
+
 def test_the_library_never_imports_the_rehearsal_attacks() -> None:
     graph, _ = import_graph(ROOT)
     assert any(_within(imported, REHEARSAL) for edges in graph.values() for _, imported, _ in edges)
@@ -288,6 +335,25 @@ def test_an_import_against_the_layers_is_named(
     graph, _ = import_graph(root)
     [problem] = layering_violations(graph)
     assert problem.startswith(named)
+
+
+def test_an_import_against_swarms_order_is_named(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "swarm/config.py": "from swarm.averaging.groups import x\n",  # the foundation reaches up
+            "swarm/averaging/groups.py": "from swarm.models import y\nfrom swarm.config import z\n",
+            "swarm/models/__init__.py": '"""Map."""\n',
+            "swarm/training/trainer.py": "from swarm.averaging.groups import x\n",  # downwards: allowed
+            "swarm/pipeline/worker.py": "from swarm.training.trainer import t\n",  # downwards: allowed
+            "swarm/session.py": "from swarm.pipeline.worker import w\n",  # the facade: allowed
+        },
+    )
+    graph, _ = import_graph(root)
+    assert sorted(swarm_order_violations(graph)) == [
+        "swarm.averaging.groups (line 1) imports swarm.models: swarm.averaging may not import swarm.models",
+        "swarm.config (line 1) imports swarm.averaging.groups: foundation may not import swarm.averaging",
+    ]
 
 
 def test_a_library_import_of_the_rehearsal_attacks_is_named(tmp_path: Path) -> None:

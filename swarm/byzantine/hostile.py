@@ -74,8 +74,8 @@ OVERSIZED_REQUEST_BYTES = 4 * MAX_GRPC_MESSAGE_BYTES
 
 def _namespaces() -> dict[type[ServicerBase], Callable[[str, int], list[str]]]:
     from swarm.averaging.averager import AveragingServicer
-    from swarm.keyspace import stage_prefix
     from swarm.pipeline.server import StageServicer, pipeline_namespace
+    from swarm.records import stage_prefix
     from swarm.training.sync import StateServicer, state_namespace
 
     def prefixes(run_id: str, stages: int) -> list[str]:

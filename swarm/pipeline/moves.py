@@ -19,13 +19,13 @@ import time
 from protocols.errors import ConfigError, SwarmError
 from swarm.averaging.averager import Averager
 from swarm.averaging.factory import build_averager
-from swarm.keyspace import stage_prefix
 from swarm.pipeline.balance import choose_stage, rebalance_move, stage_totals
 from swarm.pipeline.history import StateHistory
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.records import PipelineView
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import pipeline_namespace
+from swarm.records import stage_prefix
 from swarm.training.sync import StateServicer, fetch_checkpoint_record, state_namespace
 
 logger = logging.getLogger(__name__)
