@@ -158,8 +158,8 @@ def test_a_late_joiner_downloads_the_synced_state_with_the_outer_momentum():
         assert late.metrics()["resyncs"] >= 1
         assert len({t.state_hash for t in trainers}) == 1
         # The outer momentum is shared state: bit-identical on the late joiner.
-        ours = state_tensors(late.synced_model, late.synced_optimizer)
-        theirs = state_tensors(trainers[0].synced_model, trainers[0].synced_optimizer)
+        ours = state_tensors(late.synced.model, late.synced.optimizer)
+        theirs = state_tensors(trainers[0].synced.model, trainers[0].synced.optimizer)
         momentum = [k for k in ours if k.endswith("/momentum_buffer")]
         assert momentum and all(torch.equal(ours[k], theirs[k]) for k in momentum)
         assert float(ours[momentum[0]].abs().sum()) > 0

@@ -58,7 +58,7 @@ def _averager_of(me: SigningKey, leader: SigningKey, members: list[str], my_entr
 def _trainer(step: int, state_hash: str) -> Trainer:
     key = SigningKey.generate()
     trainer = Trainer(tiny_run(RUN), None, peer_id=key.peer_id, signing_key=key)
-    trainer.step, trainer.state_hash = step, state_hash
+    trainer.synced.step, trainer.synced.state_hash = step, state_hash
     return trainer
 
 
@@ -157,10 +157,10 @@ def test_two_honest_peers_split_from_a_completed_round_catch_up_once_stalled_twi
     for me, other in ((v, w), (w, v)):
         me.groupmates.record([h1, other.peer_id], 6)
         me.view = _view({h1: (7, H_NEW), other.peer_id: (6, H_OLD)})
-        me._rounds_since = time.monotonic() - 1.5 * me.config.training.round_s
-        assert me._ahead_or_apart() is None, "stalled: H1 is 1 vote of 2 anchors"
-        me._rounds_since = time.monotonic() - 3 * me.config.training.round_s
-        assert me._ahead_or_apart() == (7, H_NEW, [h1]), "stalled twice as long: H1 ahead decides"
+        me.catchup.stalled_since = time.monotonic() - 1.5 * me.config.training.round_s
+        assert me.catchup.ahead_or_apart() is None, "stalled: H1 is 1 vote of 2 anchors"
+        me.catchup.stalled_since = time.monotonic() - 3 * me.config.training.round_s
+        assert me.catchup.ahead_or_apart() == (7, H_NEW, [h1]), "stalled twice as long: H1 ahead decides"
         mine = Position(6, H_OLD)
         others = {k: Position(p.step, p.state_hash) for k, p in me.view.items()}
         old_rule = catch_up_target(mine, others, stalled=True)  # trusted=None: the rule before this change
@@ -179,10 +179,10 @@ def test_one_attacker_groupmate_parked_at_the_victims_step_holds_it_only_for_two
     victim.groupmates.record(["h1", "attacker"], 6)
     victim.view = _view({"h1": (7, H_NEW), "attacker": (6, H_OLD)})
     for stuck_for in (0.0, 1.5):
-        victim._rounds_since = time.monotonic() - stuck_for * victim.config.training.round_s
-        assert victim._ahead_or_apart() is None
-    victim._rounds_since = time.monotonic() - 3 * victim.config.training.round_s
-    assert victim._ahead_or_apart() == (7, H_NEW, ["h1"])
+        victim.catchup.stalled_since = time.monotonic() - stuck_for * victim.config.training.round_s
+        assert victim.catchup.ahead_or_apart() is None
+    victim.catchup.stalled_since = time.monotonic() - 3 * victim.config.training.round_s
+    assert victim.catchup.ahead_or_apart() == (7, H_NEW, ["h1"])
 
 
 def test_rotating_sybils_each_a_minority_of_one_round_never_become_most_of_the_anchors():
@@ -198,15 +198,15 @@ def test_rotating_sybils_each_a_minority_of_one_round_never_become_most_of_the_a
     sybils = [f"sybil{i}" for i in range(16)]
     for step in range(8):
         victim.groupmates.record([*honest_mates, *sybils[2 * step : 2 * step + 2]], step)
-    victim.step = 8
+    victim.synced.step = 8
     crowd = {f"honest{i}": (8, H_OLD) for i in range(38)}
     view = {**crowd, **{h: (8, H_OLD) for h in honest_mates}, **{s: (9, H_EVIL) for s in sybils}}
     victim.view = _view(view)
-    victim._rounds_since = None  # not stalled: the whole view decides, and the Sybils are a minority
-    assert victim._ahead_or_apart() is None
+    victim.catchup.stalled_since = None  # not stalled: the whole view decides, and the Sybils are a minority
+    assert victim.catchup.ahead_or_apart() is None
     for stuck_for in (1.5, 3.0):
-        victim._rounds_since = time.monotonic() - stuck_for * victim.config.training.round_s
-        assert victim._ahead_or_apart() is None
+        victim.catchup.stalled_since = time.monotonic() - stuck_for * victim.config.training.round_s
+        assert victim.catchup.ahead_or_apart() is None
 
 
 def test_a_stalled_peers_groupmate_target_is_downloaded_from_groupmates_only():
@@ -225,8 +225,8 @@ def test_a_stalled_peers_groupmate_target_is_downloaded_from_groupmates_only():
     victim.view = _view({"a": (7, H_NEW), "b": (7, H_NEW), **{s: (7, H_NEW) for s in sybils}})
     for k, p in victim.view.items():
         victim.progress_view.positions.observe({k: Position(p.step, p.state_hash)})
-    victim._rounds_since = time.monotonic() - 1.5 * victim.config.training.round_s
-    assert victim._ahead_or_apart() == (7, H_NEW, ["a", "b"]), "only groupmates are holders"
+    victim.catchup.stalled_since = time.monotonic() - 1.5 * victim.config.training.round_s
+    assert victim.catchup.ahead_or_apart() == (7, H_NEW, ["a", "b"]), "only groupmates are holders"
 
 
 # --- 3. RefusalLog -----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from swarm.training.checkpoint import load_latest_checkpoint
 from swarm.training.progress import PeerProgress
 from swarm.training.state import encode_state, state_tensors
 from swarm.training.sync import EncodedState
+from swarm.training.synced import SyncedState
 from swarm.training.trainer import Trainer
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -146,18 +147,16 @@ def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss
     asyncio.run(scenario())
 
 
-class TamperingTrainer(Trainer):
+class TamperingState(SyncedState):
     """Serves its state with one weight changed, under the hash of the honest state."""
 
-    async def encoded_state(self):
-        honest = await super().encoded_state()
+    async def encoded(self):
+        honest = await super().encoded()
         model = self.model
         with torch.no_grad():
             original = model.embed.token.weight[0, 0].item()
             model.embed.token.weight[0, 0] += 1.0
-            tampered = encode_state(
-                self.step, state_tensors(model, self.optimizer), {"run_id": self.config.run_id}
-            )
+            tampered = encode_state(self.step, state_tensors(model, self.optimizer), {"run_id": self.run_id})
             model.embed.token.weight[0, 0] = original
         return EncodedState(honest.step, honest.state_hash, tampered)
 
@@ -165,11 +164,8 @@ class TamperingTrainer(Trainer):
 def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
     run = tiny_run("tamper")
     dhts = start_dhts(3)
-    honest, liar = trainers_for(run, dhts[:1]) + [
-        TamperingTrainer(
-            run, dhts[1], peer_id=dhts[1].peer_id.to_base58(), signing_key=KEYS[dhts[1].peer_id.to_base58()]
-        )
-    ]
+    honest, liar = trainers_for(run, dhts[:2])
+    liar.synced.__class__ = TamperingState  # before start(), which serves liar.synced.encoded
     joiner = trainers_for(run, dhts[2:])[0]
     step_gradient = torch.randn(honest.numel, generator=torch.Generator().manual_seed(1))
 
@@ -184,9 +180,11 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
             await trainer._commit(1)
         assert honest.state_hash == liar.state_hash and joiner.step == 0
         liar_id, honest_id = liar.peer_id, honest.peer_id
-        assert not await joiner.resync(1, honest.state_hash, [liar_id]), "a tampered state must be refused"
+        assert not await joiner.catchup.resync(1, honest.state_hash, [liar_id]), (
+            "a tampered state must be refused"
+        )
         assert joiner.step == 0, "and nothing of it loaded"
-        assert await joiner.resync(1, honest.state_hash, [liar_id, honest_id, liar_id])
+        assert await joiner.catchup.resync(1, honest.state_hash, [liar_id, honest_id, liar_id])
         assert joiner.step == 1 and joiner.state_hash == honest.state_hash
 
     try:
@@ -214,10 +212,10 @@ def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(ca
         )
         await holder._commit(1)
         with caplog.at_level("INFO", logger="swarm.training.sync"):
-            assert not await joiner.resync(1, holder.state_hash, [holder.peer_id])
+            assert not await joiner.catchup.resync(1, holder.state_hash, [holder.peer_id])
         for trainer in (joiner, holder):  # the joiner's record reaches the holder's next view
             await trainer.exchange_progress()
-        assert await joiner.resync(1, holder.state_hash, [holder.peer_id])
+        assert await joiner.catchup.resync(1, holder.state_hash, [holder.peer_id])
         assert joiner.state_hash == holder.state_hash
 
     try:
@@ -273,17 +271,17 @@ def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not
         window = run.training.matchmaking_time_s + run.training.averaging_timeout_s
         # The step began long ago and its batch is still being computed (``_step_since`` was the old clock).
         trainer._started = trainer._step_since = time.monotonic() - 10 * window
-        assert trainer._ahead_or_apart() is None, "one key ahead is no majority of the peers in view"
+        assert trainer.catchup.ahead_or_apart() is None, "one key ahead is no majority of the peers in view"
         # Once its rounds have failed for a whole window, a stalled peer asks the peers it completed rounds
         # with (``Groupmates``): "evil" never was one, so its record still moves nobody...
-        trainer._rounds_since = time.monotonic() - 2 * window
-        assert trainer._ahead_or_apart() is None
+        trainer.catchup.stalled_since = time.monotonic() - 2 * window
+        assert trainer.catchup.ahead_or_apart() is None
         trainer.groupmates.record(["honest0", "honest1"], 0)
-        assert trainer._ahead_or_apart() is None
+        assert trainer.catchup.ahead_or_apart() is None
         # ...while the groupmates, once they moved on, do.
         for p in honest:
             trainer.view[p.peer_id] = PeerProgress(p.peer_id, 1, 8, 1.0, "d" * 64, now)
-        assert trainer._ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
+        assert trainer.catchup.ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
     finally:
         for dht in dhts:
             dht.shutdown()

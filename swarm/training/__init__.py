@@ -18,7 +18,9 @@
 - hf.py: ``SwarmCallback``, with which a Hugging Face ``Trainer`` script joins a run (the ``[hf]`` extra)
 - ownmodel.py: the checks on a model and optimizer the researcher built: the run's tensors, the run's
   optimizer on single-tensor kernels
-- resync.py: the trainer's state serving and catch-up: download the agreed state, or the coordinator's checkpoint
+- synced.py: ``SyncedState``, the state every peer holds bit for bit: its step, hashes, encoding, commit and load
+- resync.py: ``CatchUp``, the trainer's state serving and catch-up: download the agreed state, or the
+  coordinator's checkpoint
 - diloco.py: DiLoCo (``DilocoSync``): inner steps on the local copy, averaged pseudo-gradients, the
   outer optimizer
 - hooks.py: ``TrainingHooks``, what the peer trains on, sends and claims (honest; rehearsed attacks override)

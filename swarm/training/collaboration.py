@@ -198,8 +198,8 @@ class Collaboration:
         self._publisher = asyncio.create_task(trainer._publish_forever())
         try:
             await asyncio.sleep(2 * trainer.config.training.progress_interval_s)  # a first view of the run
-            await trainer._catch_up()
-            await trainer._look_for_checkpoint(self._stop)
+            await trainer.catchup.catch_up()
+            await trainer.catchup.look_for_checkpoint(self._stop)
             if trainer.validate_fn is not None:
                 await trainer._evaluate()
         except BaseException:
@@ -258,7 +258,7 @@ class Collaboration:
         trainer, interval_s = self.trainer, self.trainer.config.training.progress_interval_s
         before = (trainer.step, trainer.state_hash)
         while not self._stop.is_set() and not trainer._reached_max() and not trainer.paused:
-            if await trainer._catch_up():
+            if await trainer.catchup.catch_up():
                 break  # the accumulated gradient was of another state; the caller computes on from here
             if trainer.ready_for_round():
                 await trainer.take_round()
@@ -299,7 +299,7 @@ class Collaboration:
         trainer = self.trainer
         deadline = time.monotonic() + timeout_s
         while not self._stop.is_set():
-            await trainer._catch_up()
+            await trainer.catchup.catch_up()
             others = [p for k, p in trainer.view.items() if k != trainer.peer_id]
             if all((p.step, p.state_hash) == (trainer.step, trainer.state_hash) for p in others):
                 return True

@@ -45,16 +45,13 @@ from swarm.training.resync import CatchUp
 from swarm.training.state import (
     build_optimizer,
     ensure_optimizer_state,
-    params_hash,
-    state_hash,
-    state_tensors,
 )
 from swarm.training.strategies import build_strategy, check_hooks
 from swarm.training.sync import (
-    EncodedState,
     StateServicer,
     state_namespace,
 )
+from swarm.training.synced import SyncedState
 from swarm.training.witness import WitnessedRounds
 
 logger = logging.getLogger(__name__)
@@ -88,7 +85,7 @@ def step_misfit(theirs: dict, mine: dict, held: Collection[int] = ()) -> Misfit 
     return Misfit(f"claims step {str(step)[:32]}, not this round's {mine['step']}", blamed=not backed)
 
 
-class Trainer(CatchUp):
+class Trainer:
     """One data-parallel peer: accumulate micro-batches, average the gradient with a group, step.
 
     Args:
@@ -143,7 +140,6 @@ class Trainer(CatchUp):
         self.hooks = hooks if hooks is not None else TrainingHooks()
         check_hooks(run, self.hooks)
         self.config, self.dht, self.peer_id, self.device = run, dht, peer_id, device
-        self.coordinator_checkpoint = coordinator_checkpoint
         if record_signer is None and signing_key is None:
             raise ConfigError("a trainer signs its DHT records: pass signing_key (the key of its peer ID)")
         # Holds this peer's certificate; the volunteer renews it in place.
@@ -170,7 +166,7 @@ class Trainer(CatchUp):
         # for bit, hashed, served and downloaded: the model and its optimizer with every_step; diloco's
         # synced copy and outer optimizer.
         self.strategy = build_strategy(run, self.model, self.optimizer)
-        self.synced_model, self.synced_optimizer = self.strategy.synced_model, self.strategy.synced_optimizer
+        self.synced = SyncedState(self.strategy.synced_model, self.strategy.synced_optimizer, run.run_id)
         # The caller's own loop brings its own data (and, optionally, its own validation).
         self.dataset = build_dataset(run.dataset.name, run.dataset.config) if model is None else None
         self.validate_fn = validate
@@ -186,39 +182,57 @@ class Trainer(CatchUp):
             record_signer=self.records,
         )  # fmt: skip
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
-        self.step = self.samples = self.micro = 0
-        self.state_hash = self.param_hash = ""
+        self.samples = self.micro = 0
         self.progress_view = ProgressView(
             dht, self.records, self.trust, peer_id, training, is_banned=lambda p: p in self.averager.banned
         )
         self.finished = False
         self.first_validation: tuple[int, float] | None = None
-        self._state_lock = asyncio.Lock()
-        self._encoded: EncodedState | None = None
         self._validation = None
         self._stats = dict(
             train_loss=float("nan"), val_loss=float("nan"), val_step=-1.0, rounds_ok=0.0, rounds_failed=0.0,
-            resyncs=0.0, compute_s=0.0, averaging_s=0.0, last_round_s=0.0, eval_s=0.0,
+            compute_s=0.0, averaging_s=0.0, last_round_s=0.0, eval_s=0.0,
         )  # fmt: skip
         self._started = time.monotonic()
-        # When this peer first tried a round at its current step (None before it has): the catch-up
-        # rule's stall clock, which time spent computing the batch must not start.
-        self._rounds_since: float | None = None
         # The training window that compute_utilization covers: first micro-batch to max_steps, less the
         # validations inside it (eval_s), which neither train nor wait on other peers.
         self._first_compute: float | None = None
         self._finished_at: float | None = None
         self._sps = 0.0
         self._step_view = 0
-        self._next_record_check = 0.0
         # Samples this peer put into rounds that were applied: its credit, reported to the coordinator.
         self.contributed_samples = 0
         # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
         self.groupmates = Groupmates()
+        # Serving the synced state, and moving to the state the run holds (swarm.training.resync).
+        self.catchup = CatchUp(
+            self.synced, run, progress_view=self.progress_view, averager=self.averager, dht=dht,
+            peer_id=peer_id, groupmates=self.groupmates, coordinator_key=coordinator_key,
+            coordinator_checkpoint=coordinator_checkpoint, before_load=self.strategy.drop_pending,
+            after_load=self._loaded,
+        )  # fmt: skip
         # Its applied rounds, as their signed entries, for the heartbeats: the other members' credit.
         self.witness = WitnessedRounds(peer_id)
         self.last_group_size = 0
         self.paused = False  # set by pause(): no compute, no rounds; the peer stays in the run
+
+    @property
+    def step(self) -> int:
+        """The run's step this peer holds (outer steps with ``diloco``)."""
+        return self.synced.step
+
+    @property
+    def state_hash(self) -> str:
+        return self.synced.state_hash
+
+    @property
+    def param_hash(self) -> str:
+        return self.synced.param_hash
+
+    @property
+    def synced_model(self) -> torch.nn.Module:
+        """The model every peer holds bit for bit (with ``diloco``: the synced copy)."""
+        return self.synced.model
 
     @property
     def view(self) -> dict[str, PeerProgress]:
@@ -245,6 +259,7 @@ class Trainer(CatchUp):
         return {
             **self._stats,
             **self.strategy.stats,
+            "resyncs": float(self.catchup.resyncs),
             "bytes_sent": float(self.averager.traffic.sent),
             "bytes_received": float(self.averager.traffic.received),
             "step": float(self.step),
@@ -317,18 +332,15 @@ class Trainer(CatchUp):
         self.strategy.close_window(self.samples)
         self.samples = self.micro = 0
 
-    def _hashes(self, step: int) -> tuple[str, str]:
-        tensors = state_tensors(self.synced_model, self.synced_optimizer)
-        return state_hash(step, tensors), params_hash(self.synced_model)
-
     async def _commit(self, step: int) -> None:
-        """Move to ``step`` with the hashes of the state now held. The step and its hashes change together
-        on the event loop, so progress never pairs a new step with an old hash."""
-        hashes = await asyncio.to_thread(self._hashes, step)
-        if step != self.step:
-            self._rounds_since = None
-        self.step, (self.state_hash, self.param_hash) = step, hashes
-        self._encoded = None
+        """Move to ``step`` with the hashes of the state now held (``SyncedState.commit``)."""
+        if await self.synced.commit(step):
+            self.catchup.step_changed()
+
+    def _loaded(self) -> None:
+        """A downloaded state replaced this peer's: what it accumulated was of the state before."""
+        self._reset_accumulation()
+        self._step_view = self.progress_view.count
 
     def _validate(self) -> float:
         model = self.synced_model  # what every peer holds, whatever local steps this one took since
@@ -394,7 +406,7 @@ class Trainer(CatchUp):
 
     async def take_round(self) -> None:
         """Average what this peer holds now: at once, or (diloco's ``outer_overlap``) in the background."""
-        self._rounds_since = self._rounds_since or time.monotonic()
+        self.catchup.round_tried()
         await self.strategy.schedule(self._round, self._close_window, self._reached_max)
 
     async def _round(self) -> None:
@@ -453,7 +465,7 @@ class Trainer(CatchUp):
                 f"step {self.step}: {len(strangers)} groupmates held another state; the majority check follows"
             )
         contributed = int(self.strategy.weight(self.samples))
-        async with self._state_lock:
+        async with self.synced.lock:
             with self.computing():
                 await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
@@ -491,8 +503,8 @@ class Trainer(CatchUp):
         await self.averager.start()
         servicer = StateServicer(
             self.config.run_id,
-            self.encoded_state,
-            admit=self._admit_download,
+            self.synced.encoded,
+            admit=self.catchup.admit_download,
             upload_limiter=self.upload_limiter,
         )
         await servicer.add_p2p_handlers(self.averager.p2p, namespace=state_namespace(self.config.run_id))
@@ -518,15 +530,15 @@ class Trainer(CatchUp):
         """After ``max_steps``: serve state, and still move to the state most peers hold. A last step that
         came out apart (another kind of device rounds differently) must not leave this peer apart."""
         while not stop.is_set() and self._reached_max():
-            await self._catch_up()
+            await self.catchup.catch_up()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.training.progress_interval_s)
 
     async def _loop(self, stop: asyncio.Event) -> None:
         try:
             await asyncio.sleep(2 * self.config.training.progress_interval_s)  # a first view of the run
-            await self._catch_up()
-            await self._look_for_checkpoint(stop)
+            await self.catchup.catch_up()
+            await self.catchup.look_for_checkpoint(stop)
             await self._evaluate()  # where this peer starts: step 0, or the state it just caught up to
             while not stop.is_set() and not self._reached_max():
                 if self.paused:
@@ -539,7 +551,7 @@ class Trainer(CatchUp):
                 else:
                     # The batch is (nearly) complete: wait for a fresh view rather than pile up more samples.
                     await asyncio.sleep(self.config.training.progress_interval_s / 4)
-                if await self._catch_up():
+                if await self.catchup.catch_up():
                     continue
                 if self.ready_for_round():
                     await self.take_round()
@@ -556,14 +568,14 @@ class Trainer(CatchUp):
             await self._evaluate()  # the last step's loss, whichever path reached it (round or download)
         self.finished = True
         self._finished_at = self._finished_at or time.monotonic()
-        await self.encoded_state()
+        await self.synced.encoded()
 
     async def drop_accumulation(self) -> None:
         """Drop the gradients not yet averaged (they earned no credit), so that peers do not count them
         towards a batch this peer will not bring to a round, and first a round in flight that would land
         on the state they were computed from."""
         await self.strategy.drop_pending()
-        async with self._state_lock:
+        async with self.synced.lock:
             self._reset_accumulation()
 
     def pause(self) -> None:
