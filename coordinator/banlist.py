@@ -97,13 +97,22 @@ def ban_sync(
     ``max_stored_evidence_bytes``. ``accuser_address``: the address (``limits.caller_key``) whose
     accusation brought the ban; empty for an operator's. Returns whether the evidence was kept."""
     with transaction(db):
+        # A ban keeps the time and address of its first conviction: a later accusation of a banned peer
+        # (an accomplice filing the same evidence from a crowded address) must not move it down the list.
+        # It is replaced only by a stronger kind: a conviction over a false accuser's ban, an operator's
+        # ban over any.
         db.execute(
-            "INSERT OR REPLACE INTO bans (peer_id, reason, banned_at, evidence, false_accuser, accuser_address)"
-            " VALUES (?, ?, ?, NULL, ?, ?)",
+            "INSERT INTO bans (peer_id, reason, banned_at, evidence, false_accuser, accuser_address)"
+            " VALUES (?, ?, ?, NULL, ?, ?) ON CONFLICT(peer_id) DO UPDATE SET reason=excluded.reason,"
+            " banned_at=excluded.banned_at, false_accuser=excluded.false_accuser,"
+            " accuser_address=excluded.accuser_address"
+            " WHERE excluded.accuser_address = '' OR (bans.false_accuser = 1 AND excluded.false_accuser = 0)",
             (peer_id, reason, time.time(), int(false_accuser), accuser_address[:128]),
         )
         if not evidence:
             return False
+        if db.execute("SELECT 1 FROM ban_evidence WHERE peer_id=?", (peer_id,)).fetchone():
+            return True  # the first conviction's evidence stays
         (stored,) = db.execute(
             "SELECT COALESCE(SUM(bytes), 0) FROM ban_evidence WHERE peer_id != ?", (peer_id,)
         ).fetchone()

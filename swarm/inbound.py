@@ -151,6 +151,9 @@ class BoundedServicer(ServicerBase):
     reply_bytes: ClassVar[
         dict[str, int]
     ] = {}  # the largest reply message a caller reads, per streaming handler
+    # How many streams of a handler may send replies at once over this peer's one uplink (the handler's own
+    # cap); each reply's deadline allows for that share of a 1 Mbit/s uplink (``transfer_within_s``).
+    reply_sharers: ClassVar[dict[str, int]] = {}
     inbound_refused: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -220,7 +223,8 @@ class BoundedServicer(ServicerBase):
             name = self._get_handle_name(namespace, handler.method_name)
             bound, method = bounds[handler.method_name], getattr(servicer, handler.method_name)
             if handler.stream_input or handler.stream_output:
-                reply_within_s = transfer_within_s(self.reply_bytes.get(handler.method_name, UNARY_MAX_BYTES))
+                reply = self.reply_bytes.get(handler.method_name, UNARY_MAX_BYTES)
+                reply_within_s = transfer_within_s(reply * self.reply_sharers.get(handler.method_name, 1))
                 serve = self._stream_handler(
                     p2p, name, method, handler.request_type, handler.stream_input, bound, reply_within_s
                 )

@@ -269,3 +269,237 @@ def test_convictions_fabricated_among_sybils_cannot_push_a_real_cheaters_convict
     assert len(listed) > MAX_BANNED
     assert cheater_row.peer_id in listed[:MAX_BANNED], "what coordinator/node.py:_publish_bans signs"
     assert cheater_row.cert_expires_at > time.time() + 300, "while its certificate is valid"
+
+
+# --- a second read, of the fixes above ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_an_accomplice_reaccusing_a_convicted_cheater_from_a_crowded_address_cannot_move_its_ban(
+    tmp_path: Path,
+):
+    """Attack: after an honest member H convicts cheater C, C's accomplice S (a member of the same round,
+    holding the same signed evidence) files the same true accusation again from an address X whose Sybils
+    already convicted each other MAX_BANNED times. Flaw (coordinator/banlist.py:ban_sync): the re-judged ban
+    replaced C's row, so C ranked as X's newest conviction and fell off the signed list while its
+    certificate was valid. Now a ban keeps its first conviction's time and address."""
+    from helpers import relay_from
+    from test_byzantine import RUN as BYZ_RUN
+    from test_byzantine import signed_round
+    from test_sybil_coordinator import admitted, serving, true_accusation
+
+    from coordinator.limits import ServiceLimits
+    from swarm.bans import MAX_BANNED
+    from swarm.coordinator_client import CoordinatorClient
+
+    crowded = "127.0.0.2"  # the accomplices' address, as ``caller_key`` names it
+
+    async def scenario():
+        async with serving(tmp_path, ServiceLimits()) as (address, store, service):
+            honest, cheater, accomplice = await admitted(address, 3)
+            await store._run(lambda db: db.execute("PRAGMA synchronous=OFF"))
+            for _ in range(MAX_BANNED):  # the flock's made-up rounds, convicted from the crowded address
+                await store.ban(SigningKey.generate().peer_id, "part 1 chunk 0: differs from the rule's result",
+                                b"evidence", max_stored_evidence_bytes=0, accuser_address=crowded)  # fmt: skip
+            answer = await true_accusation(address, service, honest, cheater, accomplice)
+            assert answer.banned_peer == cheater.peer_id
+            host, port = address.rsplit(":", 1)
+            relay = await relay_from(crowded, (host, int(port)))
+            try:
+                vector = service._layouts[BYZ_RUN.replace(".", "_")]
+                evidence = signed_round(
+                    [honest, cheater, accomplice], shift=0.5, part=1, vector=vector
+                ).to_bytes()
+                async with CoordinatorClient(
+                    f"127.0.0.1:{relay.sockets[0].getsockname()[1]}", timeout_s=30
+                ) as c:
+                    await c.accuse(
+                        accomplice, BYZ_RUN, accused=cheater.peer_id, reason="shifted", evidence=evidence
+                    )
+            finally:
+                relay.close()
+            return await store.enforced_bans(time.time(), grace_s=600), await store.get_peer(cheater.peer_id)
+
+    after, cheater_row = asyncio.run(scenario())
+    assert cheater_row.peer_id in after[:MAX_BANNED], "H's conviction keeps its place on the signed list"
+
+
+def test_a_member_gone_from_a_followers_view_neither_breaks_an_honest_leaders_group_nor_blames_it(
+    monkeypatch,
+):
+    """Attack: Sybil M announces its member record, stops announcing (the record drops out of the DHT),
+    pokes honest follower F into re-reading the members, and joins honest leader L's group, whose cache
+    still admits it. Flaw: check_group judged membership from F's view of the DHT, so F left and blamed
+    L: repeated, F avoided L as a leader for 960 s while following Sybil leaders. Now each entry carries its
+    member's coordinator certificate, checked offline: F keeps M in the round and blames nobody; a listed
+    key with no valid certificate (a phantom) is excluded by every member alike and the round goes on."""
+    import swarm.averaging.policy as policy_module
+    from protocols.certificates import issue_certificate
+    from swarm.averaging.policy import PeerPolicy
+
+    coordinator = SigningKey.generate()
+    leader, follower, m = (SigningKey.generate() for _ in range(3))
+    announced = {p.peer_id for p in (leader, follower, m)}
+
+    async def fetch_members(_dht, _run_id, _key):
+        return {p: object() for p in announced}
+
+    monkeypatch.setattr(policy_module, "fetch_members", fetch_members)
+
+    def certified_entry(key: SigningKey) -> bytes:
+        certificate = issue_certificate(
+            coordinator, public_key=key.public_key, run_id=RUN, role="data", name="m", serial=1, ttl_s=600
+        ).encoded
+        body = {"schema_hash": SCHEMA, "weight": 8.0, "commit": os.urandom(32), "data": None,
+                "extra": {"step": 11, "state_hash": H_OLD}, "certificate": certificate}  # fmt: skip
+        return seal(key, GROUP_ENTRY, PREFIX, body)
+
+    my_entry = certified_entry(follower)
+    averager = _averager_of(follower, leader, [], my_entry)
+    averager.policy = PeerPolicy(object(), RUN, coordinator_key=coordinator.public_key, refresh_s=0.0)
+
+    async def scenario():
+        await averager.policy.refresh_members()
+        announced.discard(m.peer_id)  # M stops announcing
+        assert await averager.policy.admission(SigningKey.generate().peer_id) is not None  # the poke
+        members = [leader.peer_id, follower.peer_id, m.peer_id]
+        gathered = {
+            leader.peer_id: certified_entry(leader),
+            follower.peer_id: my_entry,
+            m.peer_id: certified_entry(m),
+        }
+        kept = await averager._checked(_info(members, gathered), lambda e: step_misfit(e.extra, {"step": 11}))
+        phantom = SigningKey.generate()
+        members.append(phantom.peer_id)
+        gathered[phantom.peer_id] = _entry(phantom, 11)  # signed by its key, but no certificate
+        without = await averager._checked(
+            _info(members, gathered), lambda e: step_misfit(e.extra, {"step": 11})
+        )
+        return kept, without, phantom
+
+    kept, without, phantom = asyncio.run(scenario())
+    assert kept is not None and len(kept.peer_ids) == 3, "M's entry proves its membership"
+    assert without is not None and phantom.peer_id not in {str(p) for p in without.peer_ids}
+    assert len(averager.policy.suspects) == 0, "nobody is blamed: no listed member lacked what it needed"
+
+
+def test_a_member_banned_moments_ago_breaks_the_group_blaming_nobody_and_an_old_ban_blames_the_leader():
+    """A leader reads the coordinator's ban list at its own pace: a member banned moments ago in the
+    follower's view is no proof against the leader (the second review's race, through a Sybil that gets
+    itself banned). The follower leaves the group and blames nobody; once it has held the ban for
+    BAN_GRACE_S, a leader that still lists the banned peer is at fault."""
+    from swarm.averaging import policy as policy_module
+
+    leader, b, banned = (SigningKey.generate() for _ in range(3))
+    members = [leader.peer_id, b.peer_id, banned.peer_id]
+    my_entry = _entry(b, 11)
+    averager = _averager_of(b, leader, members, my_entry)
+    gathered = {leader.peer_id: _entry(leader, 11), b.peer_id: my_entry, banned.peer_id: _entry(banned, 11)}
+    averager.policy.set_bans({banned.peer_id}, issued_at=1.0)
+    fits = lambda e: step_misfit(e.extra, {"step": 11})  # noqa: E731
+    assert asyncio.run(averager._checked(_info(members, gathered), fits)) is None
+    assert len(averager.policy.suspects) == 0, "a fresh ban blames nobody"
+    averager.policy._banned_since[banned.peer_id] -= policy_module.BAN_GRACE_S + 1
+    assert asyncio.run(averager._checked(_info(members, gathered), fits)) is None
+    assert averager.policy.refusal(leader.peer_id, as_leader=True) is not None, "an old one blames the leader"
+
+
+class _SharedUplink:
+    """A TCP relay in front of a holder whose holder-to-caller bytes all share one ``rate`` (bytes/s): the
+    holder's uplink, as every stream it serves sees it."""
+
+    def __init__(self, target: tuple[str, int], rate: float):
+        self.target, self.rate, self._free_at = target, rate, 0.0
+        self.server: asyncio.Server | None = None
+
+    async def _pace(self, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        start = max(loop.time(), self._free_at)
+        self._free_at = start + n / self.rate
+        await asyncio.sleep(self._free_at - loop.time())
+
+    async def _pipe(self, reader, writer, paced: bool) -> None:
+        import contextlib
+
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(16 << 10):
+                if paced:
+                    await self._pace(len(data))
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        await asyncio.gather(self._pipe(reader, up_writer, False), self._pipe(up_reader, writer, True))
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_an_honest_joiner_downloads_from_a_holder_whose_slow_uplink_three_others_share(monkeypatch):
+    """Attack: three certified Sybils download the state at full speed, one stream each, from an honest
+    holder on the 1 Mbit/s uplink the deadlines count on, so an honest joiner gets a quarter of it. Flaw:
+    each reply's deadline allowed one message on a whole 1 Mbit/s link (swarm/inbound.py:_pump), so the
+    joiner's stream was cut after 1 MiB. Now the state servicer's replies allow for the MAX_UPLOADS
+    streams that share the uplink (``reply_sharers``). Scaled 67x: uplink and minimum rate 8 MiB/s."""
+    import torch
+    from hivemind.p2p import P2P
+
+    import swarm.inbound
+    from protocols import averaging_pb2 as apb
+    from swarm.training.state import encode_state, state_hash
+    from swarm.training.sync import EncodedState, StateServicer, download_state, state_namespace
+
+    rate = float(8 << 20)  # the holder's uplink, which is also the minimum the deadlines assume
+    monkeypatch.setattr(swarm.inbound, "FIRST_REQUEST_MIN_BYTES_PER_S", rate)
+    monkeypatch.setattr(swarm.inbound, "FIRST_REQUEST_TIMEOUT_S", 10.0 * 125_000 / rate)
+    tensors = {"w": torch.arange(12 << 20, dtype=torch.float32)}  # 48 MiB
+    state = EncodedState(7, state_hash(7, tensors), encode_state(7, tensors, {"run_id": RUN}))
+    name = StateServicer._get_handle_name(state_namespace(RUN), "rpc_download_state")
+
+    async def provide() -> EncodedState:
+        return state
+
+    async def admit(requester: str) -> str | None:
+        return None  # every requester here is a certified, unbanned member of the run
+
+    async def drain(p2p, holder) -> None:
+        """A Sybil's download, read as fast as the uplink gives it; again when it ends."""
+        while True:
+            try:
+                _, reader, writer = await p2p.call_binary_stream_handler(holder.peer_id, name)
+                await P2P.send_protobuf(apb.StateRequest(run_id=RUN, min_step=7), writer)
+                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+                while await P2P.receive_protobuf(apb.StateChunk, reader) is not None:
+                    pass
+            except Exception:
+                await asyncio.sleep(0.05)
+
+    async def scenario():
+        holder = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        servicer = StateServicer(RUN, provide, admit=admit)
+        await servicer.add_p2p_handlers(holder, namespace=state_namespace(RUN))
+        maddr = str((await holder.get_visible_maddrs())[0])
+        uplink = _SharedUplink(("127.0.0.1", int(maddr.split("/tcp/")[1].split("/")[0])), rate)
+        via = f"/ip4/127.0.0.1/tcp/{await uplink.start()}/p2p/{holder.peer_id}"
+        joiner = await P2P.create(initial_peers=[via])
+        sybils = [await P2P.create(initial_peers=[via]) for _ in range(3)]
+        tasks = [asyncio.create_task(drain(s, holder)) for s in sybils]
+        try:
+            await asyncio.sleep(1.0)
+            return await download_state(joiner, holder.peer_id, namespace=state_namespace(RUN), run_id=RUN,
+                                        min_step=7, expected_hash=state.state_hash, max_bytes=len(state.data) * 2,
+                                        timeout_s=60)  # fmt: skip
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            uplink.server.close()
+            for p in (*sybils, joiner, holder):
+                await p.shutdown()
+
+    decoded = asyncio.run(scenario())
+    assert decoded.step == 7 and torch.equal(decoded.tensors["w"], tensors["w"]), "the joiner gets the state"

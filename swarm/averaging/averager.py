@@ -383,6 +383,7 @@ class Averager:
             extra=extra or {},
             dialable=not self.client_mode,
             uplink_mbit=None if self.link.mbit is None else round(self.link.mbit, 3),
+            certificate=self.record_signer.certificate if self.record_signer is not None else b"",
         )
         self._entry = make_entry(self.signing_key, self.prefix, body)
         target = self.max_group_size if expected_size is None else expected_size
@@ -418,16 +419,18 @@ class Averager:
         names = [p.to_base58() for p in info.peer_ids]
         leader = self.matchmaking.leader.to_base58() if self.matchmaking.leader else "unknown"
         short = info.group_id.hex()[:8]
-        await self.policy.admit(names)
         try:
             group: VerifiedGroup = check_group(
                 names, info.gathered, me=self.peer_id.to_base58(), my_entry=self._entry, leader=leader,
                 prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
-                refusal=self.policy.exclusion, max_age_s=self.entry_max_age_s, fits=fits,
+                refusal=self.policy.listed_refusal, max_age_s=self.entry_max_age_s, fits=fits,
+                certify=self.policy.certificate_refusal, leader_at_fault=self.policy.leader_at_fault,
             )  # fmt: skip
         except GroupRefused as e:
-            logger.warning(f"leaving group {short}: {e.reason}; retrying without {e.culprit}")
-            if e.culprit != self.peer_id.to_base58():
+            logger.warning(
+                f"leaving group {short}: {e.reason}; retrying without {e.culprit or 'blaming nobody'}"
+            )
+            if e.culprit is not None and e.culprit != self.peer_id.to_base58():
                 self.policy.suspect(e.culprit, e.reason, leader_only=e.culprit == leader)
             return None
         suspects = group.suspects

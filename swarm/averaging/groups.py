@@ -7,9 +7,12 @@ stage. Before a round every member checks the group the leader announced (``chec
 
 - every peer ID appears once (a repeated ID is the leader's doing: the group is left);
 - this peer's own entry is the one it sent (else the leader altered it: the group is left);
-- every other member is admitted (certified by the coordinator, not banned); one that is not makes
-  the group be left, blaming the leader that listed it (a made-up key listed by a Sybil leader must not
-  take the blame, nor fill the suspect book in the leader's place). A member this peer merely suspects does not: the others, who may not
+- every other member is admitted: its entry carries its coordinator certificate, checked offline, so
+  a member without a valid one (a made-up key a Sybil leader listed) is excluded by every member alike
+  and the round goes on; one banned in this peer's view makes the group be left, blaming the leader only
+  when the ban is older than a leader's ban list can lag (``PeerPolicy.leader_at_fault``), nobody
+  otherwise. Membership is never judged from this peer's view of the DHT, which an honest leader's may
+  not match (a member whose record just vanished). A member this peer merely suspects does not: the others, who may not
   suspect it, go on with the round, and a member that left would answer its part streams as a denier
   does and be suspected by them in turn (suspicion spread among honest peers so). Suspicion steers
   matchmaking (whom to lead and follow); a suspect's part that fails is repaired;
@@ -48,6 +51,7 @@ from swarm.averaging.transport import parse_address
 GROUP_ENTRY = "group-entry"
 COMMITMENT_BYTES = 32
 MAX_EXTRA_KEYS = 32
+MAX_CERTIFICATE_BYTES = 4096
 
 
 class GroupEntryBody(BaseModel):
@@ -66,6 +70,9 @@ class GroupEntryBody(BaseModel):
         default=None, ge=0, le=1e5, allow_inf_nan=False, description="its measured upload rate, if any"
     )
     extra: dict[str, Any] = Field(default_factory=dict, max_length=MAX_EXTRA_KEYS, description="caller's")
+    certificate: bytes = Field(
+        default=b"", max_length=MAX_CERTIFICATE_BYTES, description="its coordinator certificate, if any"
+    )
 
 
 @dataclass(frozen=True)
@@ -83,9 +90,10 @@ EntryFit = Callable[[GroupEntryBody], "Misfit | None"]
 
 
 class GroupRefused(SwarmError):
-    """The group as announced cannot be used; ``culprit`` is the peer to avoid in the retry."""
+    """The group as announced cannot be used; ``culprit`` is the peer to avoid in the retry (None: nobody
+    can be blamed, as for a member banned so recently that the leader may not have the list yet)."""
 
-    def __init__(self, culprit: str, reason: str):
+    def __init__(self, culprit: str | None, reason: str):
         super().__init__(reason)
         self.culprit, self.reason = culprit, reason
 
@@ -179,8 +187,15 @@ def check_group(
     refusal: Callable[[str], str | None],
     max_age_s: float,
     fits: EntryFit | None = None,
+    certify: Callable[[str, bytes], str | None] | None = None,
+    leader_at_fault: Callable[[str], bool] = lambda peer: True,
 ) -> VerifiedGroup:
-    """Check a group as its leader announced it (see the module docstring); raises ``GroupRefused``."""
+    """Check a group as its leader announced it (see the module docstring); raises ``GroupRefused``.
+
+    ``refusal``: why a listed member may not be in the round at all in this peer's view (banned); the
+    group is then left, blaming the leader when ``leader_at_fault(member)``. ``certify``: why a member's
+    entry does not prove it is admitted (its certificate); such a member is excluded like any bad entry,
+    by every member alike, since all see the same bytes."""
     if len(peer_ids) != len(gathered):
         raise GroupRefused(
             leader, f"leader {leader} sent {len(gathered)} entries for {len(peer_ids)} members"
@@ -199,8 +214,8 @@ def check_group(
         reason = None if peer == me else refusal(peer)
         if reason is not None:
             # Only the leader puts a member in the list: the blame is its, never the listed peer's (a
-            # made-up key would otherwise take it, and fill this peer's suspect book in its place).
-            culprit = peer if peer == leader else leader
+            # made-up key would otherwise take it), and only when the leader must have known.
+            culprit = leader if peer == leader or leader_at_fault(peer) else None
             raise GroupRefused(culprit, f"leader {leader} listed group member {peer}: {reason}")
     group = VerifiedGroup([], [])
     for peer, data in zip(peer_ids, gathered, strict=True):
@@ -210,6 +225,10 @@ def check_group(
             )
         except SwarmError as e:
             group.excluded[peer] = str(e)
+            continue
+        unproven = None if certify is None or peer == me else certify(peer, entry.certificate)
+        if unproven is not None:
+            group.excluded[peer] = f"its entry proves no admission: {unproven}"
             continue
         misfit = None if fits is None or peer == me else fits(entry)
         if misfit is not None:

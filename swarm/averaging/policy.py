@@ -31,14 +31,19 @@ from dataclasses import dataclass
 
 import hivemind
 
+from protocols.errors import SwarmError
 from protocols.keys import PublicKey
 from swarm.bans import fetch_ban_list
 from swarm.membership import fetch_members
+from swarm.records import check_record_certificate
 
 logger = logging.getLogger(__name__)
 
 #: How long a refresh of the DHT's members may hold up a group check before the cached view answers.
 MEMBERS_REFRESH_TIMEOUT_S = 2.0
+# How long after this peer first sees a ban a leader that lists the banned peer is at fault: a leader reads
+# the coordinator's list (published every few seconds) at its own pace, and may not have it yet.
+BAN_GRACE_S = 60.0
 #: How long a first offender is avoided.
 SUSPECT_S = 60.0
 #: The longest a repeat offender is avoided at a time.
@@ -157,6 +162,7 @@ class PeerPolicy:
         self.open = coordinator_key is None and allowed is None
         self._members: frozenset[str] = frozenset(allowed or ())
         self._banned: frozenset[str] = frozenset()
+        self._banned_since: dict[str, float] = {}  # when this peer first saw each ban it holds
         self._bans_at = -float("inf")  # when the coordinator signed the list we hold
         self.suspects = suspects if suspects is not None else Suspects()
         self._members_at = self._bans_checked_at = -float("inf")
@@ -175,6 +181,8 @@ class PeerPolicy:
             return set()
         added = set(banned) - self._banned
         self._banned, self._bans_at = frozenset(banned), issued_at
+        now = time.monotonic()
+        self._banned_since = {p: self._banned_since.get(p, now) for p in self._banned}
         if added:
             logger.warning(f"the coordinator banned {sorted(added)}; refusing them in rounds and stages")
         return added
@@ -260,14 +268,34 @@ class PeerPolicy:
             return f"not a certified member of run {self.run_id!r} (no valid certificate in the DHT)"
         return None
 
-    def exclusion(self, peer_id: str) -> str | None:
-        """Why ``peer_id`` may not be in a round this peer was already put in (banned, or not certified);
-        None if it may. Suspicion is not a reason: the other members may not share it, and a member that
-        left would answer its part streams as a denier does, to be suspected by them in turn."""
+    def listed_refusal(self, peer_id: str) -> str | None:
+        """Why a member a leader listed may not be in the round, before its entry is opened: banned, or, in
+        a run without a coordinator, not one of the allowed peers. In a coordinated run its entry carries
+        its certificate (``certificate_refusal``), so this peer's view of the DHT is not asked."""
         if peer_id in self._banned:
             return "banned by the coordinator"
-        if not self.certified(peer_id):
-            return f"not a certified member of run {self.run_id!r} (no valid certificate in the DHT)"
+        if self.coordinator_key is None and not self.certified(peer_id):
+            return f"not a member of run {self.run_id!r}"
+        return None
+
+    def leader_at_fault(self, peer_id: str) -> bool:
+        """Whether a leader that listed ``peer_id`` (refused by ``listed_refusal``) must have known better:
+        for a ban, once this peer has held it for ``BAN_GRACE_S``; a fixed member set never lags."""
+        since = self._banned_since.get(peer_id)
+        return since is None or time.monotonic() - since > BAN_GRACE_S
+
+    def certificate_refusal(self, peer_id: str, certificate: bytes) -> str | None:
+        """Why ``certificate`` (from ``peer_id``'s signed group entry) does not prove it a member of the
+        run now; None if it does, or if the run has no coordinator."""
+        if self.coordinator_key is None:
+            return None
+        now = time.time()
+        try:
+            check_record_certificate(
+                certificate, self.coordinator_key, self.run_id, peer_id=peer_id, expires_at=now, now=now
+            )
+        except SwarmError as e:
+            return str(e)
         return None
 
     async def admission(self, peer_id: str, timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> str | None:

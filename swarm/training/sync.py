@@ -132,6 +132,8 @@ class StateServicer(BoundedServicer):
         )
     }
     reply_bytes = {"rpc_download_state": CHUNK_BYTES + SMALL_REQUEST_BYTES}  # a chunk and the first's header
+    # Its uploads share the holder's uplink: a chunk may take MAX_UPLOADS times as long as alone.
+    reply_sharers = {"rpc_download_state": MAX_UPLOADS}
 
     def __init__(
         self,
