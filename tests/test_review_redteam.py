@@ -4,7 +4,6 @@ where the flaw was, what it did before, and that it no longer does (each test fa
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import time
 from pathlib import Path
@@ -12,20 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 from hivemind.p2p import PeerID
+from test_step_claims_redteam import H_OLD, PREFIX, RUN, SCHEMA, _averager_of
 
 from protocols.envelope import seal
 from protocols.keys import SigningKey
-from swarm.averaging.averager import Averager
 from swarm.averaging.groups import GROUP_ENTRY
 from swarm.averaging.policy import PeerPolicy
 from swarm.training.trainer import step_misfit
 
 pytestmark = pytest.mark.timeout(120)
-
-RUN = "review-run"
-PREFIX = "review-run"
-SCHEMA = hashlib.sha256(b"schema").digest()
-H_OLD = "1" * 64
 
 
 def _entry(key: SigningKey, step: int, *, now: float | None = None, prefix: str = PREFIX) -> bytes:
@@ -35,20 +29,6 @@ def _entry(key: SigningKey, step: int, *, now: float | None = None, prefix: str 
         "extra": {"step": step, "state_hash": H_OLD},
     }  # fmt: skip
     return seal(key, GROUP_ENTRY, prefix, body, now=now)
-
-
-def _averager_of(me: SigningKey, leader: SigningKey, members: list[str], my_entry: bytes) -> Averager:
-    """The real ``Averager._checked`` without a daemon: only what it reads is set (as in
-    tests/test_step_claims_redteam.py). ``members``: the peers certified in this peer's view."""
-    averager = object.__new__(Averager)
-    averager.p2p = SimpleNamespace(peer_id=PeerID.from_base58(me.peer_id))
-    averager.matchmaking = SimpleNamespace(leader=PeerID.from_base58(leader.peer_id))
-    averager.policy = PeerPolicy(None, RUN, allowed=members)
-    averager.prefix, averager.schema_hash, averager.signing_key = PREFIX, SCHEMA, me
-    averager._entry = my_entry
-    averager.averaging_timeout_s, averager.matchmaking_time_s = 30.0, 2.0
-    averager.min_reducers, averager.max_weight = 1, 1e9
-    return averager
 
 
 def _info(members: list[str], gathered: dict[str, bytes]) -> SimpleNamespace:
@@ -122,6 +102,27 @@ def test_two_sybils_at_a_laggards_step_cannot_make_it_suspect_the_honest_peers_a
 # --- 4. four admitted identities hold every state upload slot of a holder, forever ------------------
 
 
+def _served_state():
+    """A 48 MiB state (more than the daemons buffer between two peers), its handler's name, and a state
+    servicer that serves it to every requester (each a certified, unbanned member of the run here)."""
+    import torch
+
+    from swarm.training.state import encode_state, state_hash
+    from swarm.training.sync import EncodedState, StateServicer, state_namespace
+
+    tensors = {"w": torch.arange(12 << 20, dtype=torch.float32)}
+    state = EncodedState(7, state_hash(7, tensors), encode_state(7, tensors, {"run_id": RUN}))
+
+    async def provide() -> EncodedState:
+        return state
+
+    async def admit(requester: str) -> str | None:
+        return None
+
+    name = StateServicer._get_handle_name(state_namespace(RUN), "rpc_download_state")
+    return tensors, state, name, StateServicer(RUN, provide, admit=admit)
+
+
 @pytest.mark.timeout(120)
 def test_admitted_identities_that_never_read_free_the_state_upload_slots_they_took(monkeypatch):
     """Attack: four certified Sybils each open one ``rpc_download_state`` stream to an honest holder, send
@@ -136,25 +137,15 @@ def test_admitted_identities_that_never_read_free_the_state_upload_slots_they_to
 
     import swarm.inbound
     from protocols import averaging_pb2 as apb
-    from swarm.training.state import encode_state, state_hash
-    from swarm.training.sync import MAX_UPLOADS, EncodedState, StateServicer, download_state, state_namespace
+    from swarm.training.sync import MAX_UPLOADS, download_state, state_namespace
 
     # 10 s plus a chunk at 1 Mbit/s in a run; 2 s here, so that the test does not wait for it.
     monkeypatch.setattr(swarm.inbound, "FIRST_REQUEST_TIMEOUT_S", 1.0)
     monkeypatch.setattr(swarm.inbound, "FIRST_REQUEST_MIN_BYTES_PER_S", 1 << 20)
-    tensors = {"w": torch.arange(12 << 20, dtype=torch.float32)}  # 48 MiB: more than the daemons buffer
-    state = EncodedState(7, state_hash(7, tensors), encode_state(7, tensors, {"run_id": RUN}))
-    name = StateServicer._get_handle_name(state_namespace(RUN), "rpc_download_state")
-
-    async def provide() -> EncodedState:
-        return state
-
-    async def admit(requester: str) -> str | None:
-        return None  # every requester here is a certified, unbanned member of the run
+    tensors, state, name, servicer = _served_state()
 
     async def scenario():
         holder = await P2P.create()
-        servicer = StateServicer(RUN, provide, admit=admit)
         await servicer.add_p2p_handlers(holder, namespace=state_namespace(RUN))
         maddrs = await holder.get_visible_maddrs()
         sybils = [await P2P.create(initial_peers=maddrs) for _ in range(MAX_UPLOADS)]
@@ -335,7 +326,6 @@ def test_a_member_gone_from_a_followers_view_neither_breaks_an_honest_leaders_gr
     key with no valid certificate (a phantom) is excluded by every member alike and the round goes on."""
     import swarm.averaging.policy as policy_module
     from protocols.certificates import issue_certificate
-    from swarm.averaging.policy import PeerPolicy
 
     coordinator = SigningKey.generate()
     leader, follower, m = (SigningKey.generate() for _ in range(3))
@@ -450,21 +440,12 @@ def test_an_honest_joiner_downloads_from_a_holder_whose_slow_uplink_three_others
 
     import swarm.inbound
     from protocols import averaging_pb2 as apb
-    from swarm.training.state import encode_state, state_hash
-    from swarm.training.sync import EncodedState, StateServicer, download_state, state_namespace
+    from swarm.training.sync import download_state, state_namespace
 
     rate = float(8 << 20)  # the holder's uplink, which is also the minimum the deadlines assume
     monkeypatch.setattr(swarm.inbound, "FIRST_REQUEST_MIN_BYTES_PER_S", rate)
     monkeypatch.setattr(swarm.inbound, "FIRST_REQUEST_TIMEOUT_S", 10.0 * 125_000 / rate)
-    tensors = {"w": torch.arange(12 << 20, dtype=torch.float32)}  # 48 MiB
-    state = EncodedState(7, state_hash(7, tensors), encode_state(7, tensors, {"run_id": RUN}))
-    name = StateServicer._get_handle_name(state_namespace(RUN), "rpc_download_state")
-
-    async def provide() -> EncodedState:
-        return state
-
-    async def admit(requester: str) -> str | None:
-        return None  # every requester here is a certified, unbanned member of the run
+    tensors, state, name, servicer = _served_state()
 
     async def drain(p2p, holder) -> None:
         """A Sybil's download, read as fast as the uplink gives it; again when it ends."""
@@ -480,7 +461,6 @@ def test_an_honest_joiner_downloads_from_a_holder_whose_slow_uplink_three_others
 
     async def scenario():
         holder = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        servicer = StateServicer(RUN, provide, admit=admit)
         await servicer.add_p2p_handlers(holder, namespace=state_namespace(RUN))
         maddr = str((await holder.get_visible_maddrs())[0])
         uplink = _SharedUplink(("127.0.0.1", int(maddr.split("/tcp/")[1].split("/")[0])), rate)

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +49,9 @@ from swarm.training.state import (
     set_flat_gradient,
     set_learning_rate,
 )
+
+if TYPE_CHECKING:
+    from swarm.training.strategies import Action, Flag, RoundCall
 
 logger = logging.getLogger(__name__)
 
@@ -262,12 +265,7 @@ class DilocoSync:
 
     # --- outer_overlap -------------------------------------------------------------------------------
 
-    async def schedule(
-        self,
-        round: Callable[[], Awaitable[None]],
-        close_window: Callable[[], None],
-        reached_max: Callable[[], bool],
-    ) -> None:
+    async def schedule(self, round: RoundCall, close_window: Action, reached_max: Flag) -> None:
         if not self.overlap:
             return await round()
         if self._pending is not None:  # the previous window's round: hidden behind this window's compute

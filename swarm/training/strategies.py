@@ -37,6 +37,10 @@ from swarm.config import RunConfig
 from swarm.training.hooks import TrainingHooks
 from swarm.training.state import apply_flat_gradient, flat_mean, flat_mean_gradient
 
+RoundCall = Callable[[], Awaitable[None]]  # one round of the trainer's, run to its end
+Action = Callable[[], None]
+Flag = Callable[[], bool]
+
 
 class SyncStrategy(Protocol):
     """What a sync mode decides for the trainer (see the module docstring)."""
@@ -72,12 +76,7 @@ class SyncStrategy(Protocol):
     def close_window(self, samples: int) -> None:
         """Freeze what was accumulated as the contribution of a round about to run in the background."""
 
-    async def schedule(
-        self,
-        round: Callable[[], Awaitable[None]],
-        close_window: Callable[[], None],
-        reached_max: Callable[[], bool],
-    ) -> None:
+    async def schedule(self, round: RoundCall, close_window: Action, reached_max: Flag) -> None:
         """Run ``round`` now, or (``outer_overlap``) in the background after ``close_window``."""
 
     async def drop_pending(self) -> None:
@@ -151,12 +150,7 @@ class EveryStepSync:
     def close_window(self, samples: int) -> None:
         raise ConfigError("every_step rounds never run in the background (outer_overlap is a diloco setting)")
 
-    async def schedule(
-        self,
-        round: Callable[[], Awaitable[None]],
-        close_window: Callable[[], None],
-        reached_max: Callable[[], bool],
-    ) -> None:
+    async def schedule(self, round: RoundCall, close_window: Action, reached_max: Flag) -> None:
         await round()
 
     async def drop_pending(self) -> None:
@@ -182,4 +176,4 @@ def build_strategy(run: RunConfig, model: torch.nn.Module, optimizer: torch.opti
     return EveryStepSync(model, optimizer, run)
 
 
-__all__ = ["EveryStepSync", "SyncStrategy", "build_strategy", "check_hooks"]
+__all__ = ["Action", "EveryStepSync", "Flag", "RoundCall", "SyncStrategy", "build_strategy", "check_hooks"]
