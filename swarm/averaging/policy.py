@@ -3,7 +3,10 @@
 ``PeerPolicy`` answers "may this peer be in a round with me?": it must hold a coordinator certificate
 announced in the DHT (``swarm.membership``), not be on the coordinator's signed ban list
 (``swarm.bans``), and not have been caught breaking a group recently (a suspect: ``Suspects``). The
-ban state changes only through ``set_bans``/``refresh_bans``; readers get a frozen copy.
+ban state changes only through ``set_bans``/``refresh_bans``; readers get a frozen copy. Once a leader has
+announced a group, its members are checked by what they signed instead (``listed_refusal``,
+``certificate_refusal``: the certificate each entry carries), never by this peer's view of the DHT,
+which an honest leader's may not match, nor by suspicion, which the other members may not share.
 
 A suspect is avoided for ``suspect_s`` (60 s), doubled for each repeat offence that comes within
 ``REPEAT_WINDOW_S`` of its last avoid period ending, up to ``MAX_SUSPECT_S``; an offence reported while
