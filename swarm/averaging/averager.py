@@ -427,9 +427,8 @@ class Averager:
                 certify=self.policy.certificate_refusal, leader_at_fault=self.policy.leader_at_fault,
             )  # fmt: skip
         except GroupRefused as e:
-            logger.warning(
-                f"leaving group {short}: {e.reason}; retrying without {e.culprit or 'blaming nobody'}"
-            )
+            blame = f"retrying without {e.culprit}" if e.culprit else "blaming nobody"
+            logger.warning(f"leaving group {short}: {e.reason}; {blame}")
             if e.culprit is not None and e.culprit != self.peer_id.to_base58():
                 self.policy.suspect(e.culprit, e.reason, leader_only=e.culprit == leader)
             return None
