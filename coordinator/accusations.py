@@ -35,10 +35,6 @@ from swarm.pipeline.evidence import KIND as STAGE_KIND
 from swarm.pipeline.evidence import judge_recomputed, read_stage_evidence
 from swarm.pipeline.records import StageRecord
 
-# How long, after the last byte of the signed evidence, the reader waits for the stream's end (a part
-# arriving instead is refused).
-END_OF_STREAM_GRACE_S = 2.0
-
 
 class EvidenceReader:
     """Reads the evidence one accusation signed for, charging ``budget`` under ``key`` (its caller's
@@ -67,13 +63,10 @@ class EvidenceReader:
             evidence += piece.evidence
             if len(evidence) == body.evidence_bytes:
                 # A part past the signed evidence is refused like evidence past it, not judged without it.
-                # An honest client ends its stream with its last part; one whose end is slow to come (a
-                # loaded machine) is judged all the same after END_OF_STREAM_GRACE_S.
-                try:
-                    extra = await asyncio.wait_for(next_part(parts, required=False), END_OF_STREAM_GRACE_S)
-                except asyncio.TimeoutError:
-                    extra = None
-                if extra is not None:
+                # An honest client ends its stream with its last part. (The read is not raced against a
+                # timer: cancelling a read of gRPC's request stream broke the call with INTERNAL; the
+                # accusation's own deadline bounds it.)
+                if await next_part(parts, required=False) is not None:
                     raise ProtocolError(too_much + ", in parts after it")
                 break
             piece = await next_part(parts, required=False)
