@@ -8,7 +8,9 @@ witnessed_rounds, catch_up_target, RefusalLog, Trainer), in-process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -89,6 +91,19 @@ class Beats:
         return (await self.store.get_peer(key.peer_id)).contributed_samples
 
 
+@contextlib.contextmanager
+def credit_store(tmp_path: Path, run_id: str) -> Iterator[Beats]:
+    """Heartbeats into a real Store of ``run_id`` (a target batch of ``TARGET``; the verified step's rate
+    never binds), closed on exit."""
+    store = Store.open_sync(
+        tmp_path / "c.db", run_id, max_samples_per_step=TARGET, max_verified_steps_per_s=1000
+    )
+    try:
+        yield Beats(store, run_id)
+    finally:
+        store.close()
+
+
 def state(step: int) -> str:
     return f"{step:064x}"
 
@@ -148,13 +163,10 @@ def test_a_sybil_credited_by_witness_gains_nothing_by_rejoining_as_stage(
     run_id = "r"
 
     async def scenario() -> dict[str, float]:
-        store = Store.open_sync(
-            tmp_path / "c.db", run_id, max_samples_per_step=TARGET, max_verified_steps_per_s=1000
-        )
-        b = Beats(store, run_id)
-        h = [SigningKey.generate() for _ in range(3)]
-        s1, s2, fresh = (SigningKey.generate() for _ in range(3))
-        try:
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            h = [SigningKey.generate() for _ in range(3)]
+            s1, s2, fresh = (SigningKey.generate() for _ in range(3))
             for k in (*h, s1, s2):
                 await store.admit(record(k))
             await store.admit(record(fresh, "stage"))
@@ -171,8 +183,6 @@ def test_a_sybil_credited_by_witness_gains_nothing_by_rejoining_as_stage(
             await b.beat(fresh, far, state(far), metrics={"contributed_samples": 1e12})
             return {"before": before, "s2": await b.credit(s2), "fresh": await b.credit(fresh),
                     "honest": await b.credit(h[0])}  # fmt: skip
-        finally:
-            store.close()
 
     credit = run(scenario())
     assert credit["fresh"] == 0  # the same claim from a peer without a witnessed row is only a baseline
@@ -194,13 +204,10 @@ def test_sybils_farming_made_up_rounds_earn_less_than_two_batches_a_step_however
     steps = 12
 
     async def scenario() -> tuple[float, float]:
-        store = Store.open_sync(
-            tmp_path / "c.db", run_id, max_samples_per_step=TARGET, max_verified_steps_per_s=1000
-        )
-        b = Beats(store, run_id)
-        honest = [SigningKey.generate() for _ in range(4)]
-        sybils = [SigningKey.generate() for _ in range(8)]
-        try:
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            honest = [SigningKey.generate() for _ in range(4)]
+            sybils = [SigningKey.generate() for _ in range(8)]
             for k in (*honest, *sybils):
                 await store.admit(record(k))
             history: dict = {}
@@ -222,8 +229,6 @@ def test_sybils_farming_made_up_rounds_earn_less_than_two_batches_a_step_however
                 sum([await b.credit(k) for k in honest]),
                 sum([await b.credit(k) for k in sybils]),
             )
-        finally:
-            store.close()
 
     honest_total, sybil_total = run(scenario())
     assert honest_total > 0
@@ -246,14 +251,11 @@ def test_a_first_report_padded_with_strangers_does_not_lower_an_honest_members_c
     run_id = "r"
 
     async def scenario() -> tuple[float, float]:
-        store = Store.open_sync(
-            tmp_path / "c.db", run_id, max_samples_per_step=TARGET, max_verified_steps_per_s=1000
-        )
-        b = Beats(store, run_id)
-        honest = [SigningKey.generate() for _ in range(4)]
-        attacker = SigningKey.generate()
-        padding = [SigningKey.generate() for _ in range(43)]  # never joined
-        try:
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            honest = [SigningKey.generate() for _ in range(4)]
+            attacker = SigningKey.generate()
+            padding = [SigningKey.generate() for _ in range(43)]  # never joined
             for k in (*honest, attacker):
                 await store.admit(record(k))
             s = 5
@@ -266,8 +268,6 @@ def test_a_first_report_padded_with_strangers_does_not_lower_an_honest_members_c
             for k in honest:
                 await b.beat(k, s + 1, state(s + 1), [real])
             return await b.credit(honest[0]), await b.credit(honest[1])
-        finally:
-            store.close()
 
     c0, c1 = run(scenario())
     assert c0 == 16 and c1 == 16, (c0, c1)  # padding with strangers' entries no longer lowers the share
