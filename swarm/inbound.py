@@ -275,11 +275,9 @@ class BoundedServicer(ServicerBase):
 
     def _stream_handler(
         self, p2p: P2P, name: str, method: Callable, request_type: type[Message], stream_input: bool,
-        bound: HandlerBound, reply_within_s: float | None = None,
+        bound: HandlerBound, reply_within_s: float,
     ) -> Callable:  # fmt: skip
         slots = _Slots(bound)
-        if reply_within_s is None:
-            reply_within_s = transfer_within_s(UNARY_MAX_BYTES)
 
         async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()

@@ -480,8 +480,9 @@ def test_a_caller_that_sends_more_than_the_handler_reads_gets_its_slot_back_when
 
     async def scenario() -> tuple[bool, bool, bytes]:
         serve = BoundedServicer()._stream_handler(
-            SimpleNamespace(peer_id="server"), "h", handler, apb.InputsRequest, False, bound
-        )
+            SimpleNamespace(peer_id="server"), "h", handler, apb.InputsRequest, False, bound,
+            inbound.transfer_within_s(inbound.UNARY_MAX_BYTES),
+        )  # fmt: skip
         info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "caller"))
         reader, writer = asyncio.StreamReader(), _RecordingWriter()
         reader.feed_data(_frame(apb.InputsRequest(part_index=1)) * (inbound.MAX_PREFETCH + 3))

@@ -12,10 +12,10 @@ stage. Before a round every member checks the group the leader announced (``chec
   and the round goes on; one banned in this peer's view makes the group be left, blaming the leader only
   when the ban is older than a leader's ban list can lag (``PeerPolicy.leader_at_fault``), nobody
   otherwise. Membership is never judged from this peer's view of the DHT, which an honest leader's may
-  not match (a member whose record just vanished). A member this peer merely suspects does not: the others, who may not
-  suspect it, go on with the round, and a member that left would answer its part streams as a denier
-  does and be suspected by them in turn (suspicion spread among honest peers so). Suspicion steers
-  matchmaking (whom to lead and follow); a suspect's part that fails is repaired;
+  not match (a member whose record just vanished). A member this peer merely suspects stays: the
+  others, who may not suspect it, go on with the round, and a member that left would answer its part
+  streams as a denier does and be suspected by them in turn (suspicion spread among honest peers so).
+  Suspicion steers matchmaking (whom to lead and follow); a suspect's part that fails is repaired;
 - every entry opens: signed by its member, fresh, with a 32-byte commitment and sane fields. A member
   whose entry fails is excluded from the round (every honest member excludes the same ones, since they
   all see the same bytes), not kept with weight 0;
