@@ -345,6 +345,7 @@ class BoundedServicer(ServicerBase):
         ended = False  # the caller's end of stream has been read
         first = True
         first_within_s = FIRST_REQUEST_TIMEOUT_S + bound.max_message_bytes / FIRST_REQUEST_MIN_BYTES_PER_S
+        receiving: asyncio.Task | None = None
         try:
             while True:
                 receiving = asyncio.create_task(
@@ -384,6 +385,8 @@ class BoundedServicer(ServicerBase):
             await _send_refusal(str(e), reader, writer)
         finally:
             processing.cancel()
+            if receiving is not None:  # this handler was cancelled while a read was pending
+                _discard(receiving)
 
 
 def _discard(task: asyncio.Task) -> None:

@@ -501,6 +501,46 @@ def test_a_caller_that_sends_more_than_the_handler_reads_gets_its_slot_back_when
     assert b"done" in again and b"already has" not in again, "the caller's slot was given back"
 
 
+def test_a_handler_cancelled_mid_read_leaves_no_unretrieved_read_behind():
+    """A handler cancelled while it waits for the caller's next frame (its P2P shutting down, the call
+    torn down) left that read pending; the caller's close then ended it with IncompleteReadError and
+    asyncio printed "Task exception was never retrieved" (seen in a CI log). The read is discarded with
+    the handler."""
+    import gc
+    from types import SimpleNamespace
+
+    from swarm import inbound
+
+    bound = HandlerBound(max_message_bytes=1024, max_streams_per_peer=1)
+
+    async def handler(requests, context):  # a streaming handler that reads, then waits
+        async for _ in requests:
+            await asyncio.sleep(3600)
+        yield apb.SignedInput(code=apb.NO_EVIDENCE)
+
+    async def scenario() -> list[str]:
+        unretrieved: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unretrieved.append(ctx["message"]))
+        serve = BoundedServicer()._stream_handler(
+            SimpleNamespace(peer_id="server"), "h", handler, apb.InputsRequest, True, bound,
+            inbound.transfer_within_s(inbound.UNARY_MAX_BYTES),
+        )  # fmt: skip
+        info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "caller"))
+        reader, writer = asyncio.StreamReader(), _RecordingWriter()
+        reader.feed_data(_frame(apb.InputsRequest(part_index=1)))
+        serving = asyncio.create_task(serve(info, reader, writer))
+        await asyncio.sleep(0.2)  # the first request is in the handler, the next read is pending
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        reader.feed_eof()  # the caller closes
+        await asyncio.sleep(0.1)
+        gc.collect()
+        await asyncio.sleep(0)
+        return unretrieved
+
+    assert asyncio.run(scenario()) == []
+
+
 @pytest.mark.timeout(60)
 def test_a_strangers_silent_streams_hold_no_download_slot_and_a_members_close_unanswered(monkeypatch):
     """A stream that never sends its request held its slot with no deadline, and the state servicer
