@@ -1,7 +1,7 @@
 """Compute utilization, samples/s and bytes on the wire of collaborative training with 2 peers.
 
 Each peer is its own process (spawned, ``torch.set_num_threads(1)``: one core each on a 2-core
-machine) running ``swarm.training.Trainer`` on its own ``SpawnedDHT``, all on loopback. They train the
+machine) running ``swarm.training.trainer.Trainer`` on its own ``SpawnedDHT``, all on loopback. They train the
 demo model (the default ``gpt`` config, or ``--model-config``) for ``--steps`` global steps.
 
 Figures are taken over the steady state: from the moment a peer reaches step 1 (its first round done,
@@ -137,7 +137,7 @@ async def _train(conn: Connection, initial_peers: list[str], settings: Settings)
         trainer = await asyncio.to_thread(Trainer, run, dht, peer_id=key.peer_id, signing_key=key)
         rounds: list[dict] = []
         _instrument(trainer, rounds)
-        conn.send(("ready", {"params": trainer.numel}))
+        conn.send(("ready", {"params": trainer.peer.numel}))
         await asyncio.to_thread(conn.recv)  # "go": both peers are built, so neither trains alone at first
 
         stop = asyncio.Event()

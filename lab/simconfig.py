@@ -235,7 +235,7 @@ def build_run(config: SimConfig) -> RunConfig:
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             # Every peer takes part in every round (one may be missing while churn restarts it). With
             # attackers, every group must hold an honest majority (2f + 1 peers at least), and the honest
-            # peers alone must reach the minimum: bans never lower it (see Trainer._round). With fewer
+            # peers alone must reach the minimum: bans never lower it (see TrainingPeer._round). With fewer
             # than 3f + 1 peers both cannot hold: --min-group-size chooses.
             "min_group_size": config.min_group_size or max(
                 2 * config.byzantine + 1 if config.byzantine else 1,

@@ -139,7 +139,8 @@ class SessionConfig(BaseModel):
 
 
 class Progress(Protocol):
-    """What a session's heartbeats report about the work done in it (``Trainer`` and the pipeline roles)."""
+    """What a session's heartbeats report about the work done in it (``TrainingPeer``, the built-in ``Trainer``
+    and the pipeline roles)."""
 
     step: int
     param_hash: str

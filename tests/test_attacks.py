@@ -195,22 +195,24 @@ def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_se
         for trainer, micro_batches in zip(honest, (3, 2), strict=True):
             for _ in range(micro_batches):
                 trainer._micro_step()
-        sent = {t.peer_id: flat_mean_gradient(t.params, t.samples) for t in honest}
-        before = [p.grad.clone() for p in honest[0].params]
+        peers = [t.peer for t in honest]
+        sent = {p.peer_id: flat_mean_gradient(p.params, p.samples) for p in peers}
+        before = [p.grad.clone() for p in peers[0].params]
         rows = honest_gradients(
-            honest[0].model, honest[0].dataset, run_id=run.run_id, step=0,
-            micro_batch=run.training.micro_batch_size, seq_len=honest[0].seq_len,
-            peers={t.peer_id: t.samples for t in honest},
+            peers[0].model, honest[0].dataset, run_id=run.run_id, step=0,
+            micro_batch=run.training.micro_batch_size, seq_len=peers[0].seq_len,
+            peers={p.peer_id: p.samples for p in peers},
         )  # fmt: skip
         assert rows is not None and rows.shape[0] == 2
         for row, peer_id in zip(rows, sorted(sent), strict=True):
             assert torch.equal(row, sent[peer_id]), "the recomputed gradient is the honest peer's, exactly"
-        assert all(torch.equal(p.grad, g) for p, g in zip(honest[0].params, before, strict=True))
-        # The trainer's hook: its own honest gradient, then each peer its verified view shows at this step.
-        other = honest[1]
-        honest[0].view = {other.peer_id: PeerProgress(other.peer_id, 0, other.samples, 1.0, "h", 0.0)}
-        seen = exact_gradients(honest[0], sent[honest[0].peer_id])
-        assert torch.equal(seen, torch.stack([sent[honest[0].peer_id], sent[other.peer_id]]))
+        assert all(torch.equal(p.grad, g) for p, g in zip(peers[0].params, before, strict=True))
+        # The peer's hook: its own honest gradient, then each peer its verified view shows at this step (the
+        # batches drawn from the run's public dataset, as any attacker can).
+        other = peers[1]
+        peers[0].view = {other.peer_id: PeerProgress(other.peer_id, 0, other.samples, 1.0, "h", 0.0)}
+        seen = exact_gradients(peers[0], sent[peers[0].peer_id])
+        assert torch.equal(seen, torch.stack([sent[peers[0].peer_id], sent[other.peer_id]]))
         attack = make_attack("omniscient_alie", group_size=5, attackers=2)
         assert attack.omniscient and not make_attack("alie", group_size=5, attackers=2).omniscient
         lie = attack.contribution(rows[0], 0, peers=rows)

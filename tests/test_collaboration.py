@@ -193,7 +193,7 @@ def test_diloco_from_a_plain_loop_and_an_async_loop_ends_on_one_state(swarm: Loc
         model = _net()
         with swarm_api.connect(address, identity=tmp_path / f"{name}.key", name=name, **options) as session:
             collab = session.collaborate(model, strategy=DiLoCo(inner_steps=4), validate=validate)
-            first = validate(collab.trainer.synced_model)
+            first = validate(collab.peer.synced_model)
             x, y = _task(1, 16 * 400)
             for i in range(0, len(x), 16):
                 loss_fn(model(x[i : i + 16]), y[i : i + 16]).backward()
@@ -204,7 +204,7 @@ def test_diloco_from_a_plain_loop_and_an_async_loop_ends_on_one_state(swarm: Loc
                 if collab.global_step >= 3:
                     break
             agreed = collab.finish()
-            last = validate(collab.trainer.synced_model)
+            last = validate(collab.peer.synced_model)
             ends[name] = (collab.global_step, collab.param_hash, agreed, first, last, collab.metrics())
 
     def awaiting(name: str) -> None:
@@ -213,7 +213,7 @@ def test_diloco_from_a_plain_loop_and_an_async_loop_ends_on_one_state(swarm: Loc
 
             async def train() -> None:
                 collab = await session.acollaborate(model, validate=validate)
-                first = validate(collab.trainer.synced_model)
+                first = validate(collab.peer.synced_model)
                 x, y = _task(2, 16 * 400)
                 for i in range(0, len(x), 16):
                     loss_fn(model(x[i : i + 16]), y[i : i + 16]).backward()

@@ -285,7 +285,7 @@ def test_a_peer_reports_each_of_its_last_16_rounds_in_turn_so_a_lagging_verified
     trainer = Trainer(tiny_run("rotation"), None, peer_id=key.peer_id, signing_key=key)
     for step in range(KEEP_WITNESSED_ROUNDS + 4):
         mine = entry(key, step, 16.0, run_id="rotation", now=time.time())
-        trainer.witness.record(
+        trainer.peer.witness.record(
             SimpleNamespace(peer_ids=[key.peer_id, "other"], signed_entries=[mine, b"o" * 300])
         )
     seen = set()

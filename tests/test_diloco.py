@@ -77,14 +77,14 @@ def test_outer_steps_keep_peers_identical_and_loss_falls(compression, overlap):
         hashes = {t.state_hash for t in trainers}
         assert len(hashes) == 1, f"peers disagree after {steps} outer steps: {hashes}"
         assert all(t.step == steps for t in trainers), [t.metrics() for t in trainers]
-        first, last = trainers[0].first_validation[1], trainers[0].metrics()["val_loss"]
+        first, last = trainers[0].peer.first_validation[1], trainers[0].metrics()["val_loss"]
         assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f}: {trainers[0].metrics()}"
         # Each peer took its inner steps locally: every outer step carried several optimizer steps.
         inner = [t.metrics()["inner_steps"] for t in trainers]
         assert max(inner) >= steps * INNER_STEPS * 0.8, [t.metrics() for t in trainers]
         if compression == "topk":
             # Error feedback: what the wire left out of the last contribution is kept for the next one.
-            assert all(float(t.strategy.replica.residual.abs().sum()) > 0 for t in trainers)
+            assert all(float(t.peer.strategy.replica.residual.abs().sum()) > 0 for t in trainers)
     finally:
         for d in dhts:
             d.shutdown()
@@ -139,7 +139,7 @@ def test_a_member_claiming_another_step_is_excluded_and_the_round_goes_on_withou
         # Sybil each, so they are only excluded (the round goes on without them all the same).
         for trainer in honest:
             for liar in attackers:
-                reason = trainer.policy.refusal(liar.peer_id)
+                reason = trainer.peer.policy.refusal(liar.peer.peer_id)
                 if liars * 2 < 4:
                     assert reason is not None and "claims step" in reason, reason
     finally:
@@ -158,13 +158,13 @@ def test_a_late_joiner_downloads_the_synced_state_with_the_outer_momentum():
         assert late.metrics()["resyncs"] >= 1
         assert len({t.state_hash for t in trainers}) == 1
         # The outer momentum is shared state: bit-identical on the late joiner.
-        ours = state_tensors(late.synced.model, late.synced.optimizer)
-        theirs = state_tensors(trainers[0].synced.model, trainers[0].synced.optimizer)
+        ours = state_tensors(late.peer.synced.model, late.peer.synced.optimizer)
+        theirs = state_tensors(trainers[0].peer.synced.model, trainers[0].peer.synced.optimizer)
         momentum = [k for k in ours if k.endswith("/momentum_buffer")]
         assert momentum and all(torch.equal(ours[k], theirs[k]) for k in momentum)
         assert float(ours[momentum[0]].abs().sum()) > 0
         # The coordinator's checkpoint of a diloco run has the same layout as the peers' state.
-        shared = state_tensors(late.synced_model, build_shared_optimizer(late.synced_model, run))
+        shared = state_tensors(late.peer.synced_model, build_shared_optimizer(late.peer.synced_model, run))
         assert shared.keys() == ours.keys()
     finally:
         for d in dhts:
@@ -181,7 +181,7 @@ def test_a_sign_flipping_peer_does_not_steer_diloco_with_centered_clip():
         asyncio.run(train(trainers))
         honest = trainers[:2]
         assert len({t.state_hash for t in honest}) == 1
-        first, last = honest[0].first_validation[1], honest[0].metrics()["val_loss"]
+        first, last = honest[0].peer.first_validation[1], honest[0].metrics()["val_loss"]
         assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f} with a sign-flipping peer"
     finally:
         for d in dhts:
@@ -194,13 +194,13 @@ def test_compute_utilization_leaves_out_the_validations_inside_the_training_wind
     dhts = start_dhts(1)
     try:
         (trainer,) = peers_for(diloco_run(), dhts)
-        trainer._validate = lambda: (time.sleep(0.5), 3.0)[1]  # an evaluation that takes half a second
-        asyncio.run(trainer._evaluate())  # before the first micro-batch: outside the window
+        trainer.peer._validate = lambda: (time.sleep(0.5), 3.0)[1]  # an evaluation that takes half a second
+        asyncio.run(trainer.peer.evaluate())  # before the first micro-batch: outside the window
         assert trainer.metrics()["eval_s"] == 0
-        trainer._first_compute = time.monotonic() - 10.0  # a window of 10 s, 4 of them computing...
-        trainer._stats["compute_s"] = 4.0
-        asyncio.run(trainer._evaluate())  # ...and a validation inside it
-        trainer._finished_at = time.monotonic()
+        trainer.peer._first_compute = time.monotonic() - 10.0  # a window of 10 s, 4 of them computing...
+        trainer.peer._stats["compute_s"] = 4.0
+        asyncio.run(trainer.peer.evaluate())  # ...and a validation inside it
+        trainer.peer._finished_at = time.monotonic()
         metrics = trainer.metrics()
         assert metrics["eval_s"] >= 0.5 and metrics["val_loss"] == 3.0
         assert metrics["compute_utilization"] == pytest.approx(0.4, abs=0.01), metrics

@@ -47,5 +47,5 @@ def test_two_peers_train_a_transformers_model_on_local_files_to_one_state(tmp_pa
     assert first.step == second.step == 4
     assert first.param_hash == second.param_hash and first.state_hash == second.state_hash
     assert first.metrics()["rounds_ok"] >= 1
-    (_, initial), final = first.first_validation, first.metrics()["val_loss"]
+    (_, initial), final = first.peer.first_validation, first.metrics()["val_loss"]
     assert final < initial - 0.2, (initial, final)

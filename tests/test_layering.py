@@ -41,6 +41,8 @@ ALLOWED = {
 
 # Rehearsal attacks: only the applications and the lab build them; the library calls them through its hooks.
 REHEARSAL = "swarm.byzantine"
+#: The built-in training loop: one caller of ``swarm.training.peer.TrainingPeer``, like a researcher's own.
+BUILTIN_LOOP = "swarm.training.trainer"
 # The order of ``swarm``'s parts (see the module docstring): a part imports only parts of lower rank, and
 # itself. The parts of one rank are independent of each other.
 SWARM_FACADE = ("swarm.session", "swarm.connection", "swarm.components", "swarm.keyspace")
@@ -183,6 +185,17 @@ def rehearsal_imports(graph: dict[str, list[Edge]]) -> list[str]:
     ]
 
 
+def builtin_loop_imports(graph: dict[str, list[Edge]]) -> list[str]:
+    """Library modules (``swarm`` outside the rehearsal package) that import the built-in loop: the library
+    serves every loop through ``TrainingPeer``, so what it offers the built-in one it offers a researcher's."""
+    return [
+        f"{importer} (line {line}) imports {imported}: the library drives a TrainingPeer, not the built-in loop"
+        for edges in graph.values()
+        for importer, imported, line in edges
+        if imported == BUILTIN_LOOP and _within(importer, "swarm") and not _within(importer, REHEARSAL)
+    ]
+
+
 def import_cycles(graph: dict[str, list[Edge]]) -> list[list[str]]:
     """One cycle, in import order, for every strongly connected group of modules (Tarjan's algorithm)."""
     successors = {name: sorted({b for _, b, _ in edges}) for name, edges in graph.items()}
@@ -276,6 +289,12 @@ def test_the_library_never_imports_the_rehearsal_attacks() -> None:
     graph, _ = import_graph(ROOT)
     assert any(_within(imported, REHEARSAL) for edges in graph.values() for _, imported, _ in edges)
     assert rehearsal_imports(graph) == []
+
+
+def test_the_library_never_imports_the_builtin_loop() -> None:
+    graph, _ = import_graph(ROOT)
+    assert any(imported == BUILTIN_LOOP for edges in graph.values() for _, imported, _ in edges)
+    assert builtin_loop_imports(graph) == []
 
 
 def test_no_import_cycle_among_the_projects_modules() -> None:
@@ -378,6 +397,26 @@ def test_a_library_import_of_the_rehearsal_attacks_is_named(tmp_path: Path) -> N
         "only through its hooks",
         "swarm.training.trainer (line 2) imports swarm.byzantine.attacks: the library reaches attacks only "
         "through its hooks",
+    ]
+
+
+def test_a_library_import_of_the_builtin_loop_is_named(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "swarm/training/__init__.py": '"""Map."""\n',
+            "swarm/training/trainer.py": "from swarm.training.peer import TrainingPeer\n",
+            "swarm/training/peer.py": "TrainingPeer = object\n",
+            "swarm/training/collaboration.py": "from swarm.training.trainer import Trainer\n",
+            "swarm/byzantine/__init__.py": '"""Map."""\n',
+            "swarm/byzantine/colluders.py": "from swarm.training.trainer import Trainer\n",  # the rehearsal
+            "peer/volunteer.py": "from swarm.training.trainer import Trainer\n",  # an application: allowed
+        },
+    )
+    graph, _ = import_graph(root)
+    assert builtin_loop_imports(graph) == [
+        "swarm.training.collaboration (line 1) imports swarm.training.trainer: the library drives a "
+        "TrainingPeer, not the built-in loop"
     ]
 
 

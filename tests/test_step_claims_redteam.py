@@ -23,8 +23,9 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.groups import GROUP_ENTRY
 from swarm.averaging.policy import PeerPolicy
 from swarm.training.catchup import Position, catch_up_target
+from swarm.training.peer import TrainingPeer, step_misfit
 from swarm.training.progress import PeerProgress
-from swarm.training.trainer import Trainer, step_misfit
+from swarm.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,11 +56,11 @@ def _averager_of(me: SigningKey, leader: SigningKey, members: list[str], my_entr
     return averager
 
 
-def _trainer(step: int, state_hash: str) -> Trainer:
+def _trainer(step: int, state_hash: str) -> TrainingPeer:
     key = SigningKey.generate()
-    trainer = Trainer(tiny_run(RUN), None, peer_id=key.peer_id, signing_key=key)
-    trainer.synced.step, trainer.synced.state_hash = step, state_hash
-    return trainer
+    peer = Trainer(tiny_run(RUN), None, peer_id=key.peer_id, signing_key=key).peer
+    peer.synced.step, peer.synced.state_hash = step, state_hash
+    return peer
 
 
 def _view(positions: dict[str, tuple[int, str]]) -> dict[str, PeerProgress]:

@@ -142,7 +142,7 @@ def test_a_restarted_swarm_resumes_from_the_checkpoint_at_the_same_step_and_loss
             assert second[0].state_hash == second[1].state_hash
             # The resumed peers first evaluated the checkpoint's weights: the same step and loss as before.
             for trainer in second:
-                assert trainer.first_validation == (4, pytest.approx(loss_at_4, abs=1e-6))
+                assert trainer.peer.first_validation == (4, pytest.approx(loss_at_4, abs=1e-6))
 
     asyncio.run(scenario())
 
@@ -164,9 +164,9 @@ class TamperingState(SyncedState):
 def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
     run = tiny_run("tamper")
     dhts = start_dhts(3)
-    honest, liar = trainers_for(run, dhts[:2])
+    honest, liar = (t.peer for t in trainers_for(run, dhts[:2]))
     liar.synced.__class__ = TamperingState  # before start(), which serves liar.synced.encoded
-    joiner = trainers_for(run, dhts[2:])[0]
+    joiner = trainers_for(run, dhts[2:])[0].peer
     step_gradient = torch.randn(honest.numel, generator=torch.Generator().manual_seed(1))
 
     async def scenario() -> None:
@@ -200,7 +200,7 @@ def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(ca
     on every resume: that is a line at INFO ("will look again"), not a warning that discards the holder."""
     run = tiny_run("not-seen-yet")
     dhts = start_dhts(2)
-    holder, joiner = trainers_for(run, dhts)
+    holder, joiner = (t.peer for t in trainers_for(run, dhts))
 
     async def scenario() -> None:
         for trainer in (holder, joiner):
@@ -243,13 +243,13 @@ def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim
         now = time.time()
         target = run.training.target_batch_size
         others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
-        trainer.progress_view.peers = {p.peer_id: p for p in others}
-        trainer.progress_view.count = trainer._step_view + 1  # a view fetched after this step began
-        assert trainer.samples == 0
-        assert trainer.wants_compute() and not trainer.ready_for_round()
+        trainer.peer.progress_view.peers = {p.peer_id: p for p in others}
+        trainer.peer.progress_view.count = trainer.peer._step_view + 1  # a view fetched after this step began
+        assert trainer.peer.samples == 0
+        assert trainer.peer.wants_compute() and not trainer.peer.ready_for_round()
         trainer._micro_step()
-        assert trainer.samples == run.training.micro_batch_size
-        assert trainer.ready_for_round() and not trainer.wants_compute()
+        assert trainer.peer.samples == run.training.micro_batch_size
+        assert trainer.peer.ready_for_round() and not trainer.peer.wants_compute()
     finally:
         for dht in dhts:
             dht.shutdown()
@@ -267,21 +267,23 @@ def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not
         now = time.time()
         honest = [PeerProgress(f"honest{i}", 0, 8, 1.0, trainer.state_hash, now) for i in range(2)]
         evil = PeerProgress("evil", 1, 32, 1.0, "e" * 64, now)
-        trainer.view = {p.peer_id: p for p in [*honest, evil]}
+        trainer.peer.view = {p.peer_id: p for p in [*honest, evil]}
         window = run.training.matchmaking_time_s + run.training.averaging_timeout_s
         # The step began long ago and its batch is still being computed (``_step_since`` was the old clock).
-        trainer._started = trainer._step_since = time.monotonic() - 10 * window
-        assert trainer.catchup.ahead_or_apart() is None, "one key ahead is no majority of the peers in view"
+        trainer.peer._started = trainer.peer._step_since = time.monotonic() - 10 * window
+        assert trainer.peer.catchup.ahead_or_apart() is None, (
+            "one key ahead is no majority of the peers in view"
+        )
         # Once its rounds have failed for a whole window, a stalled peer asks the peers it completed rounds
         # with (``Groupmates``): "evil" never was one, so its record still moves nobody...
-        trainer.catchup.stalled_since = time.monotonic() - 2 * window
-        assert trainer.catchup.ahead_or_apart() is None
-        trainer.groupmates.record(["honest0", "honest1"], 0)
-        assert trainer.catchup.ahead_or_apart() is None
+        trainer.peer.catchup.stalled_since = time.monotonic() - 2 * window
+        assert trainer.peer.catchup.ahead_or_apart() is None
+        trainer.peer.groupmates.record(["honest0", "honest1"], 0)
+        assert trainer.peer.catchup.ahead_or_apart() is None
         # ...while the groupmates, once they moved on, do.
         for p in honest:
-            trainer.view[p.peer_id] = PeerProgress(p.peer_id, 1, 8, 1.0, "d" * 64, now)
-        assert trainer.catchup.ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
+            trainer.peer.view[p.peer_id] = PeerProgress(p.peer_id, 1, 8, 1.0, "d" * 64, now)
+        assert trainer.peer.catchup.ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
     finally:
         for dht in dhts:
             dht.shutdown()

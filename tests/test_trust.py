@@ -138,26 +138,32 @@ def test_a_trainer_records_its_groupmates_and_a_stalled_one_ignores_keys_it_neve
     twice as long only those ahead of it vote (those at its step may be stuck with it)."""
     key = SigningKey.generate()
     trainer = Trainer(tiny_run(RUN), None, peer_id=key.peer_id, signing_key=key)
-    trainer.synced.step, trainer.synced.state_hash = 6, H2
-    trainer.groupmates.record(["a", "b"], 6)
+    trainer.peer.synced.step, trainer.peer.synced.state_hash = 6, H2
+    trainer.peer.groupmates.record(["a", "b"], 6)
     now = time.time()
     view = {"a": (6, H2), "b": (6, H2), **{f"sybil{i}": (7, H3) for i in range(5)}}
-    trainer.view = {k: PeerProgress(k, s, 8, 1.0, h, now) for k, (s, h) in view.items()}
-    round_s = trainer.config.training.round_s
+    trainer.peer.view = {k: PeerProgress(k, s, 8, 1.0, h, now) for k, (s, h) in view.items()}
+    round_s = trainer.peer.config.training.round_s
     for stalled_for in (1.5 * round_s, 3 * round_s):  # stalled, then twice as long
-        trainer.catchup.stalled_since = time.monotonic() - stalled_for
-        assert trainer.catchup.ahead_or_apart() is None, "stalled, yet the Sybils ahead have no say"
-    trainer.view["a"] = PeerProgress("a", 7, 8, 1.0, H1, now)
-    assert trainer.catchup.ahead_or_apart() is None, "twice as long, but most peers ahead hold another state"
+        trainer.peer.catchup.stalled_since = time.monotonic() - stalled_for
+        assert trainer.peer.catchup.ahead_or_apart() is None, "stalled, yet the Sybils ahead have no say"
+    trainer.peer.view["a"] = PeerProgress("a", 7, 8, 1.0, H1, now)
+    assert trainer.peer.catchup.ahead_or_apart() is None, (
+        "twice as long, but most peers ahead hold another state"
+    )
     for i in range(5):
-        del trainer.view[f"sybil{i}"]
-    assert trainer.catchup.ahead_or_apart() == (7, H1, ["a"]), "twice as long: the groupmates ahead decide"
-    trainer.catchup.stalled_since = time.monotonic() - 1.5 * round_s
-    assert trainer.catchup.ahead_or_apart() is None, "before that, one of two groupmates is no majority"
-    trainer.view["b"] = PeerProgress("b", 7, 8, 1.0, H1, now)
-    assert trainer.catchup.ahead_or_apart() == (7, H1, ["a", "b"])
-    trainer.synced.step = 6 + trainer.groupmates.window + 1  # long past the last round with "a" and "b"
-    assert trainer.groupmates.recent(trainer.step) == set()
+        del trainer.peer.view[f"sybil{i}"]
+    assert trainer.peer.catchup.ahead_or_apart() == (7, H1, ["a"]), (
+        "twice as long: the groupmates ahead decide"
+    )
+    trainer.peer.catchup.stalled_since = time.monotonic() - 1.5 * round_s
+    assert trainer.peer.catchup.ahead_or_apart() is None, "before that, one of two groupmates is no majority"
+    trainer.peer.view["b"] = PeerProgress("b", 7, 8, 1.0, H1, now)
+    assert trainer.peer.catchup.ahead_or_apart() == (7, H1, ["a", "b"])
+    trainer.peer.synced.step = (
+        6 + trainer.peer.groupmates.window + 1
+    )  # long past the last round with "a" and "b"
+    assert trainer.peer.groupmates.recent(trainer.step) == set()
 
 
 def test_catch_up_never_follows_an_absurd_step_and_apart_peers_never_swap():
@@ -375,7 +381,9 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
             for attack in record_attacks:
                 await within(attack.mount(target), f"mounting {attack.name}", 30)
             await asyncio.sleep(0.3)
-            moves += [m for m in (t.catchup.ahead_or_apart() for t in trainers) if m and m[1] == POISON_HASH]
+            moves += [
+                m for m in (t.peer.catchup.ahead_or_apart() for t in trainers) if m and m[1] == POISON_HASH
+            ]
             if time.monotonic() > started + 200:
                 raise AssertionError(f"honest trainers stalled at steps {[t.step for t in trainers]}")
         assert not moves, "no honest peer ever chose the attacker's state"
@@ -384,7 +392,7 @@ def test_an_unadmitted_attacker_neither_steers_nor_crashes_nor_blinds_honest_tra
         print(f"the honest trainers' process grew by {grown / 2**20:.0f} MiB under the attacks")
         assert grown < HOSTILE_RSS_BOUND, f"grew by {grown / 2**20:.0f} MiB"
         await within(publish_and_blind(), "publishing the records again", 60)
-        view = await within(fetch_progress(first.dht, trainers[0].trust), "reading progress", 30)
+        view = await within(fetch_progress(first.dht, trainers[0].peer.trust), "reading progress", 30)
         assert set(view) == {p.key.peer_id for p in peers}, "only certified peers are in the view"
         members = await within(fetch_members(second.dht, RUN, coordinator.public_key), "reading members", 30)
         assert set(members) == set(view)

@@ -57,7 +57,7 @@ from swarm.training.hooks import TrainingHooks
 
 if TYPE_CHECKING:
     from swarm.averaging.allreduce import ButterflyAllReduce
-    from swarm.training.trainer import Trainer
+    from swarm.training.peer import TrainingPeer
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Attack(TrainingHooks, RoundHooks, PipelineHooks):
     def round_hooks(self) -> RoundHooks:
         return self
 
-    def contribute(self, trainer: Trainer, honest: torch.Tensor) -> torch.Tensor:
+    def contribute(self, trainer: TrainingPeer, honest: torch.Tensor) -> torch.Tensor:
         """The training hook: ``contribution`` at the trainer's step, with every peer's exact gradient of
         the step as ``peers`` when the attack is ``omniscient``."""
         peers = None

@@ -6,7 +6,8 @@ therefore replays each honest peer's micro-batches on its own copy of the state 
 gradient that peer will send, down to the last bit on the same kind of device. Colluding attacks
 (``omniscient_alie``, ``omniscient_ipm``) aim at the true mean and spread instead of an estimate; the
 rehearsal (``Trainer`` with such an attack as its hooks) makes robust rules face that attacker, not a
-weaker one: ``exact_gradients`` reads what it needs from the live trainer.
+weaker one: ``exact_gradients`` reads the state and the signed progress records from the live peer, and
+draws the batches from the run's public dataset, as any attacker can.
 
 Example::
 
@@ -17,17 +18,19 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.data import derive_seed
+from swarm.data import build_dataset, derive_seed
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.state import flat_mean_gradient
 
 if TYPE_CHECKING:
-    from swarm.training.trainer import Trainer
+    from swarm.training.peer import TrainingPeer
 
 
 def honest_gradients(
@@ -63,14 +66,22 @@ def honest_gradients(
     return torch.stack(rows) if rows else None
 
 
-def exact_gradients(trainer: Trainer, own: torch.Tensor) -> torch.Tensor:
+@functools.lru_cache(maxsize=4)
+def _public_dataset(name: str, config_json: str):
+    return build_dataset(name, json.loads(config_json))
+
+
+def exact_gradients(trainer: TrainingPeer, own: torch.Tensor) -> torch.Tensor:
     """The gradients a rehearsed attacker that reads the code aims at: its own honest one (first row) and
     every other peer's at ``trainer``'s step, recomputed from their public batch seeds and the samples
     their signed progress records claim."""
     step, config = trainer.step, trainer.config
     others = {k: p.samples for k, p in trainer.view.items() if k != trainer.peer_id and p.step == step}
+    dataset = _public_dataset(
+        config.dataset.name, json.dumps(config.dataset.config, sort_keys=True, default=str)
+    )
     rows = honest_gradients(
-        trainer.model, trainer.dataset, run_id=config.run_id, step=step,
+        trainer.model, dataset, run_id=config.run_id, step=step,
         micro_batch=config.training.micro_batch_size, seq_len=trainer.seq_len, peers=others,
         precision=config.training.precision, device=trainer.device,
     )  # fmt: skip

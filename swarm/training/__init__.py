@@ -10,16 +10,18 @@
 - precision.py: autocast for ``training.precision`` (fp32, bf16, fp16) and fp16's deterministic loss scale
 - memory.py: a peer's peak memory (GPU or RSS) and recognizing out-of-memory errors
 - microbatch.py: one micro-batch's forward and backward: precision, checkpointing, shrinking when out of memory
-- trainer.py: one peer's training loop: accumulate, average, step
-- strategies.py: what a sync mode decides for the trainer (``EveryStepSync``; diloco's in diloco.py)
+- peer.py: ``TrainingPeer``, one data-parallel peer whoever computes its gradients: takes micro-batch
+  gradients, averages them with a group, steps, catches up; every loop drives one
+- trainer.py: the built-in loop (``Trainer``): the run's own data through a ``TrainingPeer``
+- strategies.py: what a sync mode decides for the peer (``EveryStepSync``; diloco's in diloco.py)
 - witness.py: the applied rounds a peer's heartbeats show the coordinator, whose members it credits
-- collaboration.py: ``Collaboration``: the same loop driven by the researcher's own (``collab.step``
-  after each backward), with the ``EveryStep`` and ``DiLoCo`` strategies
+- collaboration.py: ``Collaboration``: a ``TrainingPeer`` driven by the researcher's own loop
+  (``collab.step`` after each backward), with the ``EveryStep`` and ``DiLoCo`` strategies
 - hf.py: ``SwarmCallback``, with which a Hugging Face ``Trainer`` script joins a run (the ``[hf]`` extra)
 - ownmodel.py: the checks on a model and optimizer the researcher built: the run's tensors, the run's
   optimizer on single-tensor kernels
 - synced.py: ``SyncedState``, the state every peer holds bit for bit: its step, hashes, encoding, commit and load
-- resync.py: ``CatchUp``, the trainer's state serving and catch-up: download the agreed state, or the
+- resync.py: ``CatchUp``, the peer's state serving and catch-up: download the agreed state, or the
   coordinator's checkpoint
 - diloco.py: DiLoCo (``DilocoSync``): inner steps on the local copy, averaged pseudo-gradients, the
   outer optimizer

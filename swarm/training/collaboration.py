@@ -1,7 +1,7 @@
 """A collaboration that the researcher's own training loop calls: ``collab.step(samples)`` after each backward.
 
 The researcher builds the model, draws the data and runs forward and backward; the collaboration does the
-rest, with the guarantees of the built-in loop (it drives the same ``Trainer``): it takes each micro-batch's
+rest, with the guarantees of the built-in loop (both drive a ``TrainingPeer``): it takes each micro-batch's
 gradient (of the mean loss over ``samples`` examples) out of ``.grad``, and once the peers at this step
 together hold the run's target batch it averages with a group (signed, robust, verified rounds), applies
 the run's optimizer to the averaged gradient exactly as every other peer does, and commits the step; a peer
@@ -51,7 +51,9 @@ import torch
 
 from protocols.errors import ConfigError, SwarmError
 from swarm.config import RunConfig
-from swarm.training.trainer import Trainer
+from swarm.training.ownmodel import check_own_model
+from swarm.training.peer import TrainingPeer
+from swarm.training.state import build_optimizer
 
 if TYPE_CHECKING:
     from swarm.session import Session
@@ -112,8 +114,8 @@ class Collaboration:
     micro-batch is taken and, when the batch of the run was complete, after the round.
     """
 
-    def __init__(self, trainer: Trainer, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
-        self.trainer, self._loop, self._stop = trainer, loop, stop
+    def __init__(self, peer: TrainingPeer, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
+        self.peer, self._loop, self._stop = peer, loop, stop
         self._publisher: asyncio.Task | None = None
         self._last_step_at = time.monotonic()
         self._closed = False
@@ -123,35 +125,35 @@ class Collaboration:
     @property
     def model(self) -> torch.nn.Module:
         """The model the caller trains (with ``diloco``: the local copy)."""
-        return self.trainer.model
+        return self.peer.model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer over the caller's model (with ``diloco``: the inner optimizer)."""
-        return self.trainer.optimizer
+        return self.peer.optimizer
 
     @property
     def global_step(self) -> int:
         """The run's step this peer holds (outer steps with ``diloco``)."""
-        return self.trainer.step
+        return self.peer.step
 
     @property
     def finished(self) -> bool:
         """The run's ``max_steps`` is reached, or the session ended (the coordinator says the run finished,
         this peer was banned, or the session was closed): further ``step`` calls take no gradient."""
-        return self.trainer._reached_max() or self._stop.is_set() or self._closed
+        return self.peer.reached_max() or self._stop.is_set() or self._closed
 
     @property
     def state_hash(self) -> str:
-        return self.trainer.state_hash
+        return self.peer.state_hash
 
     @property
     def param_hash(self) -> str:
-        return self.trainer.param_hash
+        return self.peer.param_hash
 
     def metrics(self) -> dict[str, float]:
         """The numbers the coordinator's heartbeats carry (step, losses, rounds, bytes, utilization...)."""
-        return self.trainer.metrics()
+        return self.peer.metrics()
 
     # --- starting -----------------------------------------------------------------------------------
 
@@ -180,28 +182,30 @@ class Collaboration:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"collaborate: the model must be a torch.nn.Module, got {type(model).__name__}")
         device = str(next(model.parameters()).device)
-        trainer = await asyncio.to_thread(
-            Trainer, run, session.dht, peer_id=session.key.peer_id, device=device,
+        optimizer = optimizer or build_optimizer(model, run.optimizer)
+        await asyncio.to_thread(check_own_model, run, model, optimizer)
+        peer = await asyncio.to_thread(
+            TrainingPeer, run, session.dht, peer_id=session.key.peer_id, device=device,
             coordinator_key=session.coordinator_key, signing_key=session.key, record_signer=session.records,
             data_host=session.config.host, accuse=session.accuser(), client_mode=not session.dialable,
             coordinator_checkpoint=session.admission.holds_checkpoint, model=model, optimizer=optimizer,
             validate=validate,
         )  # fmt: skip
-        collab = cls(trainer, asyncio.get_running_loop(), stop or asyncio.Event())
+        collab = cls(peer, asyncio.get_running_loop(), stop or asyncio.Event())
         await collab._begin()
-        session.progress = trainer
+        session.progress = peer
         return collab
 
     async def _begin(self) -> None:
-        trainer = self.trainer
-        await trainer.start()
-        self._publisher = asyncio.create_task(trainer._publish_forever())
+        peer = self.peer
+        await peer.start()
+        self._publisher = asyncio.create_task(peer.publish_forever())
         try:
-            await asyncio.sleep(2 * trainer.config.training.progress_interval_s)  # a first view of the run
-            await trainer.catchup.catch_up()
-            await trainer.catchup.look_for_checkpoint(self._stop)
-            if trainer.validate_fn is not None:
-                await trainer._evaluate()
+            await asyncio.sleep(2 * peer.config.training.progress_interval_s)  # a first view of the run
+            await peer.catchup.catch_up()
+            await peer.catchup.look_for_checkpoint(self._stop)
+            if peer.validate_fn is not None:
+                await peer.evaluate()
         except BaseException:
             await self.close()
             raise
@@ -237,37 +241,37 @@ class Collaboration:
             raise SwarmError("this collaboration is closed")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ConfigError(f"Collaboration.step: samples must be a positive integer, got {samples!r}")
-        trainer = self.trainer
-        device = str(trainer.params[0].device)
-        if device != trainer.device:
+        peer = self.peer
+        device = str(peer.params[0].device)
+        if device != peer.device:
             raise SwarmError(
-                f"the model moved to {device} after collaborate took it on {trainer.device}: the run's "
+                f"the model moved to {device} after collaborate took it on {peer.device}: the run's "
                 "optimizer state (and a DiLoCo synced copy) stay where they were built; move the model first"
             )
         now = time.monotonic()
         elapsed, self._last_step_at = now - self._last_step_at, now
-        if trainer.paused or self.finished:
-            trainer.optimizer.zero_grad(set_to_none=True)  # nothing to bring to a round: dropped
+        if peer.paused or self.finished:
+            peer.optimizer.zero_grad(set_to_none=True)  # nothing to bring to a round: dropped
             return
-        trainer.count_compute(elapsed)  # the caller's forward and backward since its last step
-        trainer.absorb(samples, elapsed, mean=True)
+        peer.count_compute(elapsed)  # the caller's forward and backward since its last step
+        peer.absorb(samples, elapsed, mean=True)
 
     async def _advance(self) -> bool:
         """After a micro-batch: catch up, or average once the batch is complete; return when the caller
         should compute the next micro-batch. True when the step changed."""
-        trainer, interval_s = self.trainer, self.trainer.config.training.progress_interval_s
-        before = (trainer.step, trainer.state_hash)
-        while not self._stop.is_set() and not trainer._reached_max() and not trainer.paused:
-            if await trainer.catchup.catch_up():
+        peer, interval_s = self.peer, self.peer.config.training.progress_interval_s
+        before = (peer.step, peer.state_hash)
+        while not self._stop.is_set() and not peer.reached_max() and not peer.paused:
+            if await peer.catchup.catch_up():
                 break  # the accumulated gradient was of another state; the caller computes on from here
-            if trainer.ready_for_round():
-                await trainer.take_round()
-            if trainer.wants_compute():
+            if peer.ready_for_round():
+                await peer.take_round()
+            if peer.wants_compute():
                 break
             await asyncio.sleep(interval_s / 4)  # the batch is complete: wait for the others' view
-        if trainer._reached_max() and not trainer.finished:
-            await trainer.finish()
-        return (trainer.step, trainer.state_hash) != before
+        if peer.reached_max() and not peer.finished:
+            await peer.finish()
+        return (peer.step, peer.state_hash) != before
 
     # --- pausing and ending -------------------------------------------------------------------------
 
@@ -277,11 +281,11 @@ class Collaboration:
         call_on(self._loop, self.apause(), "Collaboration.pause")
 
     async def apause(self) -> None:
-        self.trainer.pause()
-        await self.trainer.drop_accumulation()
+        self.peer.pause()
+        await self.peer.drop_accumulation()
 
     def resume(self) -> None:
-        self.trainer.resume()
+        self.peer.resume()
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
         """Keep serving this peer's state, and move to the state most peers hold, until every peer in
@@ -296,20 +300,20 @@ class Collaboration:
             )
         if self._closed:
             raise SwarmError("Collaboration.finish: the session has ended (see Collaboration.finished)")
-        trainer = self.trainer
+        peer = self.peer
         deadline = time.monotonic() + timeout_s
         while not self._stop.is_set():
-            await trainer.catchup.catch_up()
-            others = [p for k, p in trainer.view.items() if k != trainer.peer_id]
-            if all((p.step, p.state_hash) == (trainer.step, trainer.state_hash) for p in others):
+            await peer.catchup.catch_up()
+            others = [p for k, p in peer.view.items() if k != peer.peer_id]
+            if all((p.step, p.state_hash) == (peer.step, peer.state_hash) for p in others):
                 return True
             if time.monotonic() >= deadline:
-                apart = sum(1 for p in others if (p.step, p.state_hash) != (trainer.step, trainer.state_hash))
+                apart = sum(1 for p in others if (p.step, p.state_hash) != (peer.step, peer.state_hash))
                 logger.warning(
                     f"finish: {apart} of {len(others)} peers in view still hold another step or state"
                 )
                 return False
-            await asyncio.sleep(trainer.config.training.progress_interval_s)
+            await asyncio.sleep(peer.config.training.progress_interval_s)
         return False
 
     async def close(self) -> None:
@@ -321,8 +325,8 @@ class Collaboration:
             self._publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._publisher
-        await self.trainer.strategy.drop_pending()
-        await self.trainer.averager.shutdown()
+        await self.peer.strategy.drop_pending()
+        await self.peer.averager.shutdown()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

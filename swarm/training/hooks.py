@@ -1,11 +1,11 @@
 """``TrainingHooks``: what a data-parallel peer trains on, sends and claims, honest by default.
 
-``Trainer`` calls these, whatever its sync strategy, at the points where a volunteer could lie; the default
+``TrainingPeer`` (and the built-in loop, for ``batch``) calls these, whatever its sync strategy, at the points where a volunteer could lie; the default
 returns what it is given, so the loop calls it unconditionally:
 
 - ``batch(inputs, targets) -> (inputs, targets)``: the micro-batch the peer trains on;
 - ``contribute(trainer, honest) -> Tensor``: the vector it sends to the round, given the honest one
-  (run in a worker thread; ``trainer`` is the live ``Trainer``, for hooks that read its state);
+  (run in a worker thread; ``trainer`` is the live ``TrainingPeer``, for hooks that read its state);
 - ``weight(claimed) -> float``: the weight (samples) it signs for that vector;
 - ``entry(extra) -> dict``: what it signs into its group entry besides (its step and state hash);
 - ``round_hooks``: the ``swarm.averaging.hooks.RoundHooks`` its averager runs rounds with.
@@ -29,7 +29,7 @@ import torch
 from swarm.averaging.hooks import RoundHooks
 
 if TYPE_CHECKING:
-    from swarm.training.trainer import Trainer
+    from swarm.training.peer import TrainingPeer
 
 
 class TrainingHooks:
@@ -51,7 +51,7 @@ class TrainingHooks:
     def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs, targets
 
-    def contribute(self, trainer: Trainer, honest: torch.Tensor) -> torch.Tensor:
+    def contribute(self, trainer: TrainingPeer, honest: torch.Tensor) -> torch.Tensor:
         return honest
 
     def weight(self, claimed: float) -> float:

@@ -3,7 +3,7 @@ peers with a valid signed record, and moves to the state the run agrees on (the 
 ``swarm.training.catchup``) by downloading it from a holder, or, in a swarm restarted from nothing, from
 the coordinator's checkpoint.
 
-:class:`CatchUp` is composed by :class:`swarm.training.trainer.Trainer`: it holds the peer's
+:class:`CatchUp` is composed by :class:`swarm.training.peer.TrainingPeer`: it holds the peer's
 ``SyncedState``, reads its progress view, averager (libp2p daemon, bans, transfer deadlines) and the
 groupmates of its applied rounds, and owns the stall clock of the catch-up rule. The trainer tells it when
 a round was tried (``round_tried``) and gives two callbacks: ``before_load`` (drop a round in flight that
