@@ -82,6 +82,19 @@ def test_catch_up_follows_a_strict_majority_of_certified_peers_only():
     assert moved is not None and moved.state_hash == H2, "only a majority of certified keys moves a peer"
 
 
+def test_a_stalled_stage_replica_apart_at_the_last_step_moves_to_its_stage_mates_state():
+    """A stage replica counts as stalled once its step has lasted a round's time, and a stalled one let
+    only peers ahead vote. At the run's last step no round comes and nobody is ahead, so a replica that
+    came out of the last round apart from its stage-mates stayed apart for good (a CI run of the pipeline
+    attack sim ended with "the honest replicas of every stage DISAGREE"). With nobody ahead, the majority
+    at its own step decides, as for a replica that is not stalled; a lone other state is no majority."""
+    mates = {"a": Position(3, H2), "b": Position(3, H2)}
+    assert catch_up_target(Position(3, H3), mates, max_step=3, stalled=True).holders == ["a", "b"]
+    assert catch_up_target(Position(3, H1), {"x": Position(3, H2)}, max_step=3, stalled=True) is None
+    # Peers ahead still decide alone for a stalled replica, as before.
+    assert catch_up_target(Position(2, H1), {"a": Position(3, H2)}, stalled=True).holders == ["a"]
+
+
 def test_one_admitted_peer_ahead_cannot_steer_a_peer_that_just_committed():
     """Right after "c" commits step 6 its honest groupmates still show step 5 (their records lag by up to
     a progress interval); an admitted attacker announces step 7 with a poisoned hash, then step 8. Before,
