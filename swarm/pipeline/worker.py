@@ -59,7 +59,7 @@ from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, catch_up_move
+from swarm.training.catchup import Position, catch_up_target
 from swarm.training.state import DecodedState
 from swarm.training.sync import (
     EncodedState,
@@ -288,7 +288,9 @@ class StageWorker(StageMoves):
 
     def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
         """The step and hash to move to, with the replicas that hold it; None when in line. The rule is the
-        data-parallel trainer's (``swarm.training.catchup``), among the replicas of this stage."""
+        data-parallel peer's (``swarm.training.catchup``), among the replicas of this stage: it counts as
+        stalled only while its rounds fail (serving a long step is not stalling), and a stalled one follows
+        the mates of its last round, all of them, never any replica that is ahead alone."""
         r = self.replica
         others = {
             x.peer_id: Position(x.step, x.state_hash)
@@ -296,7 +298,13 @@ class StageWorker(StageMoves):
             if x.peer_id != self.peer_id
         }
         mine = Position(r.step, r.state_hash)
-        return catch_up_move(mine, others, self.config.training, stuck_s=time.monotonic() - self._step_since)
+        # Stage rounds need no minimum group, so the mates at its own step are never too few to go on
+        # without the ones ahead: no "long stalled" rule, in which the mates ahead alone decide.
+        stalled = r.closing and time.monotonic() - self._step_since > self.config.training.round_s
+        target = catch_up_target(
+            mine, others, max_step=self.config.training.max_steps, stalled=stalled, trusted=self._round_mates
+        )
+        return None if target is None else (target.step, target.state_hash, target.holders)
 
     async def _catch_up(self, move: tuple[int, str, list[str]] | None = None) -> bool:
         move = move or self._ahead_or_apart()

@@ -90,18 +90,12 @@ def catch_up_target(
     its step follows only what a strict majority of those hold, and one that has none in view is not
     treated as stalled. ``long_stalled`` (its rounds have failed twice as long): the anchors at its own step
     may be as stuck as it is (below the run's minimum group size with it), so only the anchors ahead vote.
-    None: a stalled caller lets every peer ahead vote (stage replicas), and is not stalled when no peer is
-    ahead."""
+    None: a stalled caller lets every peer ahead vote. A caller with no peer ahead is not stalled."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
-    if (
-        stalled
-        and trusted is None
-        and mine is not None
-        and not any(p.step > mine.step for p in others.values())
-    ):
-        # Nobody ahead to follow: a replica apart from its stage-mates at its own step (the last step of a
-        # run, where no round comes to stall it) moves to the majority's state like one that is not stalled.
-        stalled = False
+    if stalled and mine is not None and not any(p.step > mine.step for p in others.values()):
+        # Nobody ahead to follow: a peer apart from the others at its own step (a stage replica at the run's
+        # last step, where no round comes) moves to the majority's state like one that is not stalled.
+        stalled = long_stalled = False
     anchors = []
     if stalled and mine is not None and trusted is not None:
         anchors = [p for peer, p in others.items() if peer in trusted and p.step >= mine.step]
