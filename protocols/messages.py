@@ -38,12 +38,13 @@ MAX_METRICS = 64
 # Peers a heartbeat may name as ones its sender avoids for breaking rounds (``PeerPolicy`` suspects).
 MAX_SUSPECT_REPORTS = 16
 # Rounds a heartbeat may carry as witnessed (the signed group entries of rounds its sender applied),
-# members per round, and bytes per signed entry (about 600 bytes with a long run ID and address; a
-# member's entry beyond the bound is left out by the witness, so that it cannot get a heartbeat refused):
-# at most 144 KiB in all, within the envelope's 256 KiB.
+# members per round, and bytes per signed entry (an honest entry with its certificate is about 900 bytes,
+# 1,401 with every field an honest peer fills at its bound: a 64-character run ID and name of 4-byte
+# characters, a 256-character data address; a member's entry beyond the bound is left out by the
+# witness, so that it cannot get a heartbeat refused): at most 216 KiB in all, within the envelope's 256 KiB.
 MAX_WITNESSED_ROUNDS = 3
 MAX_ROUND_ENTRIES = 48
-MAX_ENTRY_BYTES = 1024
+MAX_ENTRY_BYTES = 1536
 #: A pipeline trainer's highest attempt number for one micro-batch at one step (a sanity bound).
 MAX_ATTEMPT = 1 << 16
 #: Retried micro-batches a stage replica announces per step at most (about 140 bytes each).

@@ -26,6 +26,7 @@ from swarm.training.catchup import Position, catch_up_target
 from swarm.training.peer import TrainingPeer, step_misfit
 from swarm.training.progress import PeerProgress
 from swarm.training.trainer import Trainer
+from swarm.training.witness import WitnessedRounds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -305,3 +306,40 @@ def test_a_groupmates_oversized_entry_is_left_out_of_the_witnessed_rounds_never_
         {"seq": 1, "state": "online", "rounds": trainer.witnessed()}
     )  # within every bound of the message
     assert len(trainer.witnessed()) == MAX_WITNESSED_ROUNDS
+
+
+def test_an_honest_entry_at_every_bound_is_witnessed_and_a_full_heartbeat_fits_its_envelope():
+    """An honest peer's entry carries its certificate (run ID, name) and its data address. With a long
+    host name (a 120-character address was enough) it passed the 1,024 bytes a witnessed entry could have, so
+    every witness, itself included, left it out: the peer earned no credit, and nothing said why. The
+    bound now holds an entry with every field an honest peer fills at its own bound, and a heartbeat full
+    of such entries still fits the signed envelope."""
+    from protocols.certificates import issue_certificate
+    from protocols.messages import HEARTBEAT
+    from protocols.version import MAX_ENVELOPE_BYTES
+    from swarm.averaging.groups import GroupEntryBody, make_entry
+
+    coordinator, me = SigningKey.generate(), SigningKey.generate()
+    run_id = "r" * 64  # RUN_ID_PATTERN's longest
+    certificate = issue_certificate(
+        coordinator, public_key=me.public_key, run_id=run_id, role="data", name="\U0001f600" * 64,
+        serial=2**40, ttl_s=86400.0,
+    )  # fmt: skip
+    body = GroupEntryBody(
+        schema_hash=b"s" * 32, weight=1e12 + 0.5, commit=b"c" * 32, data="h" * 250 + ":65535", dialable=True,
+        uplink_mbit=99999.5, extra={"step": 2**62, "state_hash": "f" * 64}, certificate=certificate.encoded,
+    )  # fmt: skip
+    entry = make_entry(me, run_id, body)
+    assert len(entry) <= MAX_ENTRY_BYTES, f"an honest entry of {len(entry)} bytes would be left out"
+    witness = WitnessedRounds(me.peer_id)
+    others = [SigningKey.generate() for _ in range(MAX_ROUND_ENTRIES)]
+    group = SimpleNamespace(peer_ids=[me.peer_id, *(k.peer_id for k in others)], signed_entries=[entry] * 49)
+    for _ in range(MAX_WITNESSED_ROUNDS):
+        witness.record(group)
+    rounds = witness.next()
+    assert [len(r) for r in rounds] == [MAX_ROUND_ENTRIES] * MAX_WITNESSED_ROUNDS and rounds[0][0] == entry
+    metrics = {f"metric_{i:02d}_" + "m" * 54: 1e300 for i in range(64)}
+    heartbeat = {"seq": 1, "state": "online", "step": 2**62, "param_hash": "f" * 64, "metrics": metrics,
+                 "suspects": [me.peer_id] * 16, "rounds": rounds}  # fmt: skip
+    HeartbeatBody.model_validate(heartbeat)
+    assert len(seal(me, HEARTBEAT, run_id, heartbeat)) <= MAX_ENVELOPE_BYTES
