@@ -250,8 +250,9 @@ def test_one_replica_ahead_cannot_hand_its_state_to_a_replica_that_is_serving_a_
     """A stage replica's stall clock ran from its last commit, so one serving micro-batches for longer than a
     round's time counted as stalled, and a stalled replica followed any replica ahead: an admitted attacker
     announcing the next step with a state of its own was a majority of one, and the honest replica
-    downloaded that state (its hash was all it checked). Now the clock runs only while the replica's rounds
-    are failing, and then only the stage-mates of its last round decide, all of them, as in data parallel."""
+    downloaded that state (its hash was all it checked). Now, for a replica that has averaged in its stage,
+    the clock runs only while its rounds are failing, and then the mates of its last round decide, all of
+    them, as in data parallel."""
     from swarm.pipeline.worker import StageWorker
 
     torch.set_num_threads(1)
@@ -268,11 +269,12 @@ def test_one_replica_ahead_cannot_hand_its_state_to_a_replica_that_is_serving_a_
         mine = worker.replica.state_hash
         worker.view = PipelineView(holders={0: [record(honest, 0, mine), record(mate, 0, mine),
                                                 record(attacker, 1, poison)]})  # fmt: skip
+        worker._round_mates = {mate.peer_id, attacker.peer_id}
         worker._step_since = time.monotonic() - 10 * run.training.round_s  # a long step of micro-batches
         assert worker._ahead_or_apart() is None, "serving is not stalling: the attacker ahead is no majority"
         # Its rounds have failed for a round's time: only the mates of its last round may lead it, all of them.
         worker.replica.closing = True
-        worker._round_mates = {mate.peer_id, attacker.peer_id}
+        worker._step_since = time.monotonic() - 1.5 * run.training.round_s
         assert worker._ahead_or_apart() is None, "one of its two round mates ahead is no majority"
         worker.view.holders[0][1] = record(mate, 1, poison)  # both mates hold the next step's state: follow
         assert worker._ahead_or_apart() == (1, poison, sorted([mate.peer_id, attacker.peer_id]))

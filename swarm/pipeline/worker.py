@@ -59,7 +59,7 @@ from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, catch_up_target
+from swarm.training.catchup import Position, catch_up_move
 from swarm.training.state import DecodedState
 from swarm.training.sync import (
     EncodedState,
@@ -157,7 +157,10 @@ class StageWorker(StageMoves):
         self._leave_to: int | None = None  # the stage a requested move goes to
         self._leave_since = 0.0
         self._leave_throughput: dict[int, float] = {}  # samples/s by stage when rebalancing chose the move
-        self._round_mates: set[str] = set()  # the other members of this replica's last completed round
+        # The replicas whose state this one holds, the anchors of its catch-up when stalled: the other
+        # members of its last completed round, the holders it downloaded from, or the stage's servers
+        # when it joined; never those of a stage it left.
+        self._round_mates: set[str] = set()
         self._handlers: list[tuple[ServicerBase, str]] = []  # registered for the stage served
         self._last_record: StageRecord | None = None
         self._stats = {
@@ -289,8 +292,9 @@ class StageWorker(StageMoves):
     def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
         """The step and hash to move to, with the replicas that hold it; None when in line. The rule is the
         data-parallel peer's (``swarm.training.catchup``), among the replicas of this stage: it counts as
-        stalled only while its rounds fail (serving a long step is not stalling), and a stalled one follows
-        the mates of its last round, all of them, never any replica that is ahead alone."""
+        stalled only while its step's rounds fail or while it sits out the step it joined at (serving a long
+        step is not stalling), and a stalled one follows its anchors (``_round_mates``), never a replica
+        ahead that is not one of them."""
         r = self.replica
         others = {
             x.peer_id: Position(x.step, x.state_hash)
@@ -298,13 +302,10 @@ class StageWorker(StageMoves):
             if x.peer_id != self.peer_id
         }
         mine = Position(r.step, r.state_hash)
-        # Stage rounds need no minimum group, so the mates at its own step are never too few to go on
-        # without the ones ahead: no "long stalled" rule, in which the mates ahead alone decide.
-        stalled = r.closing and time.monotonic() - self._step_since > self.config.training.round_s
-        target = catch_up_target(
-            mine, others, max_step=self.config.training.max_steps, stalled=stalled, trusted=self._round_mates
-        )
-        return None if target is None else (target.step, target.state_hash, target.holders)
+        # A joiner must follow the servers it joined behind, which step on without it while it sits out.
+        trying = r.closing or self._joining_at is not None
+        stuck_s = time.monotonic() - self._step_since if trying else 0.0
+        return catch_up_move(mine, others, self.config.training, stuck_s=stuck_s, trusted=self._round_mates)
 
     async def _catch_up(self, move: tuple[int, str, list[str]] | None = None) -> bool:
         move = move or self._ahead_or_apart()
@@ -328,6 +329,7 @@ class StageWorker(StageMoves):
             return False
         holder, decoded = loaded
         await r.compute(self.states.replace, r, decoded.step, decoded.tensors)  # keeps the state it leaves
+        self._round_mates = set(holders) - {self.peer_id}  # they hold the state it holds now
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["resyncs"] += 1
         logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder.to_base58()}")

@@ -92,7 +92,7 @@ def catch_up_target(
     may be as stuck as it is (below the run's minimum group size with it), so only the anchors ahead vote.
     None: a stalled caller lets every peer ahead vote. A caller with no peer ahead is not stalled."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
-    if stalled and mine is not None and not any(p.step > mine.step for p in others.values()):
+    if stalled and mine is not None and not any(mine.step < p.step <= limit for p in others.values()):
         # Nobody ahead to follow: a peer apart from the others at its own step (a stage replica at the run's
         # last step, where no round comes) moves to the majority's state like one that is not stalled.
         stalled = long_stalled = False
