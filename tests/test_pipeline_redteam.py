@@ -269,7 +269,7 @@ def test_one_replica_ahead_cannot_hand_its_state_to_a_replica_that_is_serving_a_
         mine = worker.replica.state_hash
         worker.view = PipelineView(holders={0: [record(honest, 0, mine), record(mate, 0, mine),
                                                 record(attacker, 1, poison)]})  # fmt: skip
-        worker._round_mates = {mate.peer_id, attacker.peer_id}
+        worker._anchors = {mate.peer_id, attacker.peer_id}
         worker._step_since = time.monotonic() - 10 * run.training.round_s  # a long step of micro-batches
         assert worker._ahead_or_apart() is None, "serving is not stalling: the attacker ahead is no majority"
         # Its rounds have failed for a round's time: only the mates of its last round may lead it, all of them.

@@ -84,11 +84,11 @@ def test_a_round_mate_of_the_stage_a_replica_left_is_no_anchor_in_the_stage_it_m
     mover, mate, attacker, g1, g2 = (SigningKey.generate() for _ in range(5))
     worker = worker_on(run, mover, 0)
     try:
-        worker._round_mates = {mate.peer_id, attacker.peer_id}  # its last round in stage 0
+        worker._round_mates = worker._anchors = {mate.peer_id, attacker.peer_id}  # its last round in stage 0
         worker.replica.close()
         worker.replica = None
         joined_behind(worker, 1, PipelineView())  # nobody serves stage 1 in this view: it serves at once
-        assert worker.replica.index == 1 and worker._round_mates == set()
+        assert worker.replica.index == 1 and worker._anchors == worker._round_mates == set()
         mine = worker.replica.state_hash
         worker.view = PipelineView(holders={1: [record(mover, 1, 0, mine, closing=True), record(g1, 1, 0, mine),
                                                 record(g2, 1, 0, mine), record(attacker, 1, 1, POISON)]})  # fmt: skip
@@ -116,7 +116,7 @@ def test_joiners_follow_the_server_they_joined_behind_and_no_replica_ahead_besid
         worker.replica = None
         joined_behind(worker, 0, PipelineView(stages={0: [record(server, 0, 0, mine)]},
                                               holders={0: [record(server, 0, 0, mine)]}))  # fmt: skip
-        assert worker._joining_at == 0 and worker._round_mates == {server.peer_id}
+        assert worker._joining_at == 0 and worker._anchors == {server.peer_id}
         mine = worker.replica.state_hash
         joining = [record(joiner, 0, 0, mine, serving=False, joining=True),
                    record(other_joiner, 0, 0, mine, serving=False, joining=True)]  # fmt: skip

@@ -73,7 +73,7 @@ class StageMoves:
         self._serving = False
         self._joining_at = replica.step  # while it loads the stage's state it takes no round either
         self.replica, self.averager = replica, averager
-        self._round_mates = set()  # those of the stage it left are no anchors here
+        self._round_mates, self._anchors = set(), set()  # those of the stage it left count for nothing here
         self.states = StateHistory(self.config.run_id, self.config.pipeline.kept_states)
         self._busy_mark, self._load = (time.monotonic(), 0.0), 0.0  # busy time is counted per replica
         await replica.measure()
@@ -97,7 +97,7 @@ class StageMoves:
         others = [x for x in self.view.replicas(index) if x.peer_id != self.peer_id]
         self._joining_at = replica.step if others else None
         if others:  # it sits this step out: the servers' round decides the state it then follows
-            self._round_mates = {x.peer_id for x in others}
+            self._anchors = {x.peer_id for x in others}
         with contextlib.suppress(Exception):
             await self._announce()
         if self._joining_at is None:

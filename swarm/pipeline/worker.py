@@ -59,7 +59,7 @@ from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, catch_up_move
+from swarm.training.catchup import Position, catch_up_target
 from swarm.training.state import DecodedState
 from swarm.training.sync import (
     EncodedState,
@@ -157,10 +157,12 @@ class StageWorker(StageMoves):
         self._leave_to: int | None = None  # the stage a requested move goes to
         self._leave_since = 0.0
         self._leave_throughput: dict[int, float] = {}  # samples/s by stage when rebalancing chose the move
-        # The replicas whose state this one holds, the anchors of its catch-up when stalled: the other
-        # members of its last completed round, the holders it downloaded from, or the stage's servers
-        # when it joined; never those of a stage it left.
+        # The other members of its last completed round in the stage it serves (rebalancing counts them).
         self._round_mates: set[str] = set()
+        # The replicas whose state this one holds, the anchors of its catch-up when stalled: its round
+        # mates, the replica that served its last download (with the anchors that held that state too),
+        # or the stage's servers when it joined; never those of a stage it left.
+        self._anchors: set[str] = set()
         self._handlers: list[tuple[ServicerBase, str]] = []  # registered for the stage served
         self._last_record: StageRecord | None = None
         self._stats = {
@@ -293,19 +295,26 @@ class StageWorker(StageMoves):
         """The step and hash to move to, with the replicas that hold it; None when in line. The rule is the
         data-parallel peer's (``swarm.training.catchup``), among the replicas of this stage: it counts as
         stalled only while its step's rounds fail or while it sits out the step it joined at (serving a long
-        step is not stalling), and a stalled one follows its anchors (``_round_mates``), never a replica
-        ahead that is not one of them."""
+        step is not stalling), and a stalled one follows its anchors (``_anchors``), never a replica
+        ahead that is not one of them. A joiner sitting out its step follows the servers it joined behind
+        once they step on: replicas that sit out that step with it (joining, or not serving) have no say,
+        and nor does the "twice as long" rule, in which replicas at its step outvote those ahead."""
         r = self.replica
+        joining = self._joining_at is not None
         others = {
             x.peer_id: Position(x.step, x.state_hash)
             for x in self.view.members(r.index)
             if x.peer_id != self.peer_id
+            and not (joining and x.step == r.step and (x.joining or not x.serving))
         }
         mine = Position(r.step, r.state_hash)
-        # A joiner must follow the servers it joined behind, which step on without it while it sits out.
-        trying = r.closing or self._joining_at is not None
-        stuck_s = time.monotonic() - self._step_since if trying else 0.0
-        return catch_up_move(mine, others, self.config.training, stuck_s=stuck_s, trusted=self._round_mates)
+        training = self.config.training
+        stuck_s = time.monotonic() - self._step_since if r.closing or joining else 0.0
+        target = catch_up_target(
+            mine, others, max_step=training.max_steps, stalled=stuck_s > training.round_s,
+            trusted=self._anchors, long_stalled=not joining and stuck_s > 2 * training.round_s,
+        )  # fmt: skip
+        return None if target is None else (target.step, target.state_hash, target.holders)
 
     async def _catch_up(self, move: tuple[int, str, list[str]] | None = None) -> bool:
         move = move or self._ahead_or_apart()
@@ -329,7 +338,12 @@ class StageWorker(StageMoves):
             return False
         holder, decoded = loaded
         await r.compute(self.states.replace, r, decoded.step, decoded.tensors)  # keeps the state it leaves
-        self._round_mates = set(holders) - {self.peer_id}  # they hold the state it holds now
+        # The replica that served the verified bytes, and the anchors that hold that state too: a record
+        # that merely shows a position (hashes are public) earns no say.
+        self._anchors = {holder.to_base58()} | {
+            x.peer_id for x in self.view.members(r.index)
+            if x.peer_id in self._anchors and (x.step, x.state_hash) == (step, expected)
+        }  # fmt: skip
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["resyncs"] += 1
         logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder.to_base58()}")
@@ -457,7 +471,7 @@ class StageWorker(StageMoves):
         self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
         self._stats["rounds_ok"] += 1
         self.applied.setdefault(r.index, {})[extra["step"]] = samples
-        self._round_mates = {p.to_base58() for p in group.peer_ids} - {self.peer_id}
+        self._round_mates = self._anchors = {p.to_base58() for p in group.peer_ids} - {self.peer_id}
         logger.info(f"stage {r.index}: step {r.step} with {len(group.peer_ids)} replicas, "
                     f"{samples:.0f} samples (params {r.param_hash[:12]})")  # fmt: skip
         with contextlib.suppress(Exception):
