@@ -10,7 +10,8 @@
 - server.py: the P2P handlers of a stage server (``StageServicer``), every refusal a code and a message
 - worker.py: a peer hosting a stage (``StageWorker``): serve, average with the stage's replicas, catch up,
   rebalance
-- moves.py: how that peer joins a stage, serves it, leaves it and moves to another (``StageMoves``)
+- moves.py: how that peer joins a stage, serves it, catches up with it (whom it follows: its anchors),
+  leaves it and moves to another (``StageMoves``)
 - history.py: the states a replica serves: its current one and those of its last steps (``StateHistory``)
 - verify.py: signed replies of stage replicas (``check_reply``) and the micro-batch's dropout seed
 - evidence.py: two replicas' different answers to one micro-batch (``StageMismatchEvidence``), judged

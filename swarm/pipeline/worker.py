@@ -40,7 +40,7 @@ import time
 
 import hivemind
 import torch
-from hivemind.p2p import PeerID, ServicerBase
+from hivemind.p2p import ServicerBase
 
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
@@ -52,22 +52,13 @@ from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.history import StateHistory
 from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.layout import available_memory_bytes as available_memory_bytes  # the volunteer's import
-from swarm.pipeline.layout import stage_bytes
-from swarm.pipeline.moves import StageMoves, stage_prefix
+from swarm.pipeline.moves import StageMoves
 from swarm.pipeline.records import PipelineView, StageRecord, fetch_view, publish_record
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.catchup import Position, catch_up_target
-from swarm.training.state import DecodedState
-from swarm.training.sync import (
-    EncodedState,
-    download_limit,
-    download_state,
-    from_any_holder,
-    state_namespace,
-)
+from swarm.training.sync import EncodedState
 
 logger = logging.getLogger(__name__)
 
@@ -290,64 +281,6 @@ class StageWorker(StageMoves):
             return None
         await self.policy.admit([requester])
         return self.policy.refusal(requester)
-
-    def _ahead_or_apart(self) -> tuple[int, str, list[str]] | None:
-        """The step and hash to move to, with the replicas that hold it; None when in line. The rule is the
-        data-parallel peer's (``swarm.training.catchup``), among the replicas of this stage: it counts as
-        stalled only while its step's rounds fail or while it sits out the step it joined at (serving a long
-        step is not stalling), and a stalled one follows its anchors (``_anchors``), never a replica
-        ahead that is not one of them. A joiner sitting out its step follows the servers it joined behind
-        once they step on: replicas that sit out that step with it (joining, or not serving) have no say,
-        and nor does the "twice as long" rule, in which replicas at its step outvote those ahead."""
-        r = self.replica
-        joining = self._joining_at is not None
-        others = {
-            x.peer_id: Position(x.step, x.state_hash)
-            for x in self.view.members(r.index)
-            if x.peer_id != self.peer_id
-            and not (joining and x.step == r.step and (x.joining or not x.serving))
-        }
-        mine = Position(r.step, r.state_hash)
-        training = self.config.training
-        stuck_s = time.monotonic() - self._step_since if r.closing or joining else 0.0
-        target = catch_up_target(
-            mine, others, max_step=training.max_steps, stalled=stuck_s > training.round_s,
-            trusted=self._anchors, long_stalled=not joining and stuck_s > 2 * training.round_s,
-        )  # fmt: skip
-        return None if target is None else (target.step, target.state_hash, target.holders)
-
-    async def _catch_up(self, move: tuple[int, str, list[str]] | None = None) -> bool:
-        move = move or self._ahead_or_apart()
-        if move is None:
-            return False
-        step, expected, holders = move
-        r = self.replica
-        logger.info(f"stage {r.index}: replicas hold step {step} ({expected[:12]}), this one step {r.step}: "
-                    "downloading their state")  # fmt: skip
-
-        async def fetch(holder: PeerID) -> tuple[PeerID, DecodedState]:
-            return holder, await download_state(
-                self.averager.p2p, holder,
-                namespace=state_namespace(stage_prefix(self.config.run_id, r.index)), run_id=self.config.run_id,
-                min_step=step, expected_hash=expected, max_bytes=download_limit(stage_bytes(self.config, r.index)),
-                timeout_s=self.config.training.averaging_timeout_s,
-            )  # fmt: skip
-
-        loaded = await from_any_holder(holders, fetch, f"stage {r.index} state")
-        if loaded is None:
-            return False
-        holder, decoded = loaded
-        await r.compute(self.states.replace, r, decoded.step, decoded.tensors)  # keeps the state it leaves
-        # The replica that served the verified bytes, and the anchors that hold that state too: a record
-        # that merely shows a position (hashes are public) earns no say.
-        self._anchors = {holder.to_base58()} | {
-            x.peer_id for x in self.view.members(r.index)
-            if x.peer_id in self._anchors and (x.step, x.state_hash) == (step, expected)
-        }  # fmt: skip
-        self._step_view, self._step_since, self._held_since = self._views, time.monotonic(), None
-        self._stats["resyncs"] += 1
-        logger.info(f"stage {r.index}: loaded the state of step {r.step} from {holder.to_base58()}")
-        return True
 
     # --- closing a step ------------------------------------------------------------------------------
 
