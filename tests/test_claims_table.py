@@ -146,6 +146,7 @@ def test_every_row_fills_every_column_and_names_only_real_fields(claims: list[li
 
 
 CITED_TEST = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+CITED_TEST_FILE = re.compile(r"`(tests/[\w/]+\.py)`")
 CITED_CODE = re.compile(r"`((?:protocols|swarm|peer|coordinator|lab)/[\w/]+\.py):([A-Za-z_][\w.]*)`")
 
 
@@ -160,6 +161,8 @@ def test_every_cited_test_and_function_exists(claims: list[list[str]]) -> None:
             assert re.search(rf"^def {name}\(", source.read_text(), re.M), (
                 f"row {row[0]!r}: no test {path}::{name}"
             )
+        for path in CITED_TEST_FILE.findall(row[-1]):
+            assert (root / path).is_file(), f"row {row[0]!r} cites {path}, which does not exist"
         for path, dotted in CITED_CODE.findall(text):
             source = root / path
             assert source.is_file(), f"row {row[0]!r} cites {path}, which does not exist"
