@@ -269,7 +269,7 @@ def run_layouts(run: RunConfig) -> dict[str, int]:
     trainable parameters under the run's prefix, and each pipeline stage's under that stage's."""
     from swarm.models import build_model
     from swarm.pipeline.layout import build_stage
-    from swarm.pipeline.worker import stage_prefix
+    from swarm.records import stage_prefix
 
     def trainable(module) -> int:
         return sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -40,8 +40,7 @@ from swarm.bans import fetch_ban_list
 from swarm.config import RunConfig
 from swarm.pipeline.layout import stage_bytes
 from swarm.pipeline.records import PipelineView, fetch_view
-from swarm.pipeline.worker import stage_prefix
-from swarm.records import RecordTrust
+from swarm.records import RecordTrust, stage_prefix
 from swarm.training.catchup import Position, catch_up_target
 from swarm.training.checkpoint import (
     Checkpoint,

@@ -39,7 +39,7 @@ from swarm.averaging.evidence import (
 from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
 from swarm.pipeline.replica import StageReplica
-from swarm.pipeline.worker import stage_prefix
+from swarm.records import stage_prefix
 from swarm.rpc import CHANNEL_OPTIONS
 
 SIGNED_AT_MS = 1_795_000_000_000  # when the reducers in these tests sign (Unix ms)

@@ -17,7 +17,8 @@ from swarm.averaging.policy import PeerPolicy
 from swarm.bans import publish_ban_list
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
-from swarm.pipeline.worker import StageWorker, stage_prefix
+from swarm.pipeline.worker import StageWorker
+from swarm.records import stage_prefix
 
 pytestmark = pytest.mark.timeout(180)
 
