@@ -85,13 +85,15 @@ def pipeline_run(model: dict, target_batch_size: int, micro_batch_size: int) -> 
 
 
 async def _train(run: RunConfig, steps: int) -> dict:
+    import shutil
     import tempfile
 
     from swarm.dht import start_local_dhts
     from swarm.pipeline.trainer import PipelineTrainer
     from swarm.pipeline.worker import StageWorker
 
-    nodes = start_local_dhts(6, Path(tempfile.mkdtemp(prefix="bench-pipeline-")))
+    keys_dir = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))  # the nodes' identities, removed at the end
+    nodes = start_local_dhts(6, keys_dir)
     dhts, keys = [d for d, _ in nodes], [k for _, k in nodes]
     ids = [k.peer_id for k in keys]
     workers = [StageWorker(run, dhts[i], peer_id=ids[i], stage=i // 2, members=set(ids), signing_key=keys[i])
@@ -155,6 +157,7 @@ async def _train(run: RunConfig, steps: int) -> dict:
         for i, dht in enumerate(dhts):
             if i != 3:
                 dht.shutdown()
+        shutil.rmtree(keys_dir, ignore_errors=True)
 
 
 def whole_model_samples_per_s(run: RunConfig, steps: int, threads: int) -> float:
