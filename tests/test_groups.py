@@ -17,7 +17,7 @@ from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody, GroupRefused, ch
 from swarm.averaging.policy import PeerPolicy
 from swarm.byzantine.attacks import make_attack
 from swarm.byzantine.group_attacks import _with_commitment
-from swarm.training.peer import step_misfit
+from swarm.training.progress import step_misfit
 
 pytestmark = pytest.mark.timeout(180)
 

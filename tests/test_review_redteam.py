@@ -17,7 +17,7 @@ from protocols.envelope import seal
 from protocols.keys import SigningKey
 from swarm.averaging.groups import GROUP_ENTRY
 from swarm.averaging.policy import PeerPolicy
-from swarm.training.peer import step_misfit
+from swarm.training.progress import step_misfit
 
 pytestmark = pytest.mark.timeout(120)
 

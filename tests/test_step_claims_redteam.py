@@ -23,8 +23,8 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.groups import GROUP_ENTRY
 from swarm.averaging.policy import PeerPolicy
 from swarm.training.catchup import Position, catch_up_target
-from swarm.training.peer import TrainingPeer, step_misfit
-from swarm.training.progress import PeerProgress
+from swarm.training.peer import TrainingPeer
+from swarm.training.progress import PeerProgress, step_misfit
 from swarm.training.trainer import Trainer
 from swarm.training.witness import WitnessedRounds
 

@@ -31,7 +31,7 @@ from swarm.pipeline.records import PipelineView
 from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import pipeline_namespace
 from swarm.records import stage_prefix
-from swarm.training.catchup import Position, catch_up_target
+from swarm.training.catchup import Position, catch_up_move
 from swarm.training.state import DecodedState
 from swarm.training.sync import (
     StateServicer,
@@ -234,13 +234,15 @@ class StageMoves:
             and not (joining and x.step == r.step and (x.joining or not x.serving))
         }
         mine = Position(r.step, r.state_hash)
-        training = self.config.training
         stuck_s = time.monotonic() - self._step_since if r.closing or joining else 0.0
-        target = catch_up_target(
-            mine, others, max_step=training.max_steps, stalled=stuck_s > training.round_s,
-            trusted=self._anchors, long_stalled=not joining and stuck_s > 2 * training.round_s,
-        )  # fmt: skip
-        return None if target is None else (target.step, target.state_hash, target.holders)
+        return catch_up_move(
+            mine,
+            others,
+            self.config.training,
+            stuck_s=stuck_s,
+            trusted=self._anchors,
+            long_stall_rule=not joining,
+        )
 
     async def _catch_up(self, move: tuple[int, str, list[str]] | None = None) -> bool:
         move = move or self._ahead_or_apart()

@@ -3,7 +3,8 @@
 - state.py: optimizer and learning-rate schedule from ``OptimizerConfig``; the flat ``name -> tensor``
   state of model plus optimizer, its hashes, and its safetensors encoding for peers that join late
 - checkpoint.py: atomic on-disk checkpoints with the run config, newest-first loading that skips damaged files
-- progress.py: who is at which step with how many samples, shared through the DHT
+- progress.py: who is at which step with how many samples, shared through the DHT, and whether a
+  groupmate's signed step fits this peer's round (``step_misfit``)
 - catchup.py: the one catch-up rule: when a holder of state must move to another state, and from whom
 - sync.py: downloading the full state from another peer, verified against the agreed hash
 - optimizers.py: LAMB and LARS, the layer-wise adaptive optimizers for large global batches

@@ -164,12 +164,15 @@ def catch_up_move(
     *,
     stuck_s: float,
     trusted: Collection[str] | None = None,
+    long_stall_rule: bool = True,
 ) -> tuple[int, str, list[str]] | None:
     """(step, state hash, holders) to move to under the run's ``training`` settings, or None: the caller
     counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
-    for longer than a matchmaking window plus a round timeout (``trusted``: see ``catch_up_target``).
-    The data-parallel trainer and every stage replica call this."""
-    stalled, long_stalled = stuck_s > training.round_s, stuck_s > 2 * training.round_s
+    for longer than a matchmaking window plus a round timeout (``trusted``: see ``catch_up_target``),
+    and as long stalled twice as long, unless ``long_stall_rule`` is off (a stage replica sitting out
+    the step it joined at). The data-parallel trainer and every stage replica call this."""
+    stalled = stuck_s > training.round_s
+    long_stalled = long_stall_rule and stuck_s > 2 * training.round_s
     target = catch_up_target(
         mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted, long_stalled=long_stalled
     )

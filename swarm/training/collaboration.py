@@ -201,11 +201,7 @@ class Collaboration:
         await peer.start()
         self._publisher = asyncio.create_task(peer.publish_forever())
         try:
-            await asyncio.sleep(2 * peer.config.training.progress_interval_s)  # a first view of the run
-            await peer.catchup.catch_up()
-            await peer.catchup.look_for_checkpoint(self._stop)
-            if peer.validate_fn is not None:
-                await peer.evaluate()
+            await peer.enter(self._stop)
         except BaseException:
             await self.close()
             raise

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 
 import hivemind
 import torch
@@ -32,7 +32,6 @@ import torch
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.factory import build_averager
-from swarm.averaging.groups import Misfit
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
@@ -42,7 +41,7 @@ from swarm.records import RecordSigner, RecordTrust
 from swarm.training.catchup import Groupmates
 from swarm.training.hooks import TrainingHooks
 from swarm.training.memory import peak_memory_bytes
-from swarm.training.progress import PeerProgress, ProgressView
+from swarm.training.progress import PeerProgress, ProgressView, step_misfit
 from swarm.training.resync import CatchUp
 from swarm.training.state import build_optimizer, ensure_optimizer_state
 from swarm.training.strategies import build_strategy, check_hooks
@@ -54,30 +53,6 @@ logger = logging.getLogger(__name__)
 
 #: The validation loss of a model: the built-in loop's on the run's data, or the caller's own.
 Validate = Callable[[torch.nn.Module], float]
-
-
-def step_misfit(theirs: dict, mine: dict, held: Collection[int] = ()) -> Misfit | None:
-    """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
-
-    Only contributions of this step (in DiLoCo, this outer step): a gradient applied to another step's
-    state would commit a state nobody holds, and a pseudo-gradient of another window would move the synced
-    copy by a window's worth of stale progress. A member whose signed entry claims another step is
-    excluded before the all-reduce (and suspected for a step ahead that no peer in ``held``, the steps
-    of the run's signed progress records, holds, while the misfits are fewer than half of the group:
-    ``VerifiedGroup.suspects``); the members at this step, who all see the same signed entries, exclude
-    the same ones and average among themselves. A peer behind catches up by download. Before, in every_step,
-    two Sybils claiming the next step in a group of four made the honest members skip the round, and a
-    peer whose rounds fail for long enough lets the peers ahead decide its catch-up.
-    """
-    step = theirs.get("step")
-    if type(step) is int and step == mine["step"]:  # not ``True``, which equals 1
-        return None
-    # A step behind is what an honest laggard signs, and what a leader replaying the member's entry of an
-    # earlier round shows: excluded, never blamed. So is a step ahead that the run's signed progress
-    # records hold (``held``): this peer is the laggard, and a Sybil leader that lists honest peers' fresh
-    # entries beside its own at this peer's step must not make it avoid them once it has caught up.
-    backed = type(step) is int and (step < mine["step"] or step in held)
-    return Misfit(f"claims step {str(step)[:32]}, not this round's {mine['step']}", blamed=not backed)
 
 
 class TrainingPeer:
@@ -470,6 +445,15 @@ class TrainingPeer:
         await servicer.add_p2p_handlers(self.averager.p2p, namespace=state_namespace(self.config.run_id))
         await self._commit(self.step)
 
+    async def enter(self, stop: asyncio.Event) -> None:
+        """Take a first view of the run, move to the state it holds (the peers', or the coordinator's
+        checkpoint), and take its validation loss: what every loop does before its first micro-batch."""
+        await asyncio.sleep(2 * self.config.training.progress_interval_s)
+        await self.catchup.catch_up()
+        await self.catchup.look_for_checkpoint(stop)
+        if self.validate_fn is not None:
+            await self.evaluate()  # where this peer starts: step 0, or the state it just caught up to
+
     async def finish(self) -> None:
         """Report this peer finished: let a background round end, take the last step's validation loss,
         and keep the final state encoded for the peers that download it."""
@@ -496,4 +480,4 @@ class TrainingPeer:
         self.paused = False  # the next micro-batch and round go ahead
 
 
-__all__ = ["TrainingPeer", "Validate", "step_misfit"]
+__all__ = ["TrainingPeer", "Validate"]

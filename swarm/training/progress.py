@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 import hivemind
 
+from swarm.averaging.groups import Misfit
 from swarm.config import TrainingConfig
 from swarm.records import RecordSigner, RecordTrust, record_key
 from swarm.training.catchup import Position, PositionHistory
@@ -130,3 +131,27 @@ class ProgressView:
             except Exception as e:
                 logger.debug(f"progress exchange failed: {e!r}")
             await asyncio.sleep(interval_s)
+
+
+def step_misfit(theirs: dict, mine: dict, held: Collection[int] = ()) -> Misfit | None:
+    """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
+
+    Only contributions of this step (in DiLoCo, this outer step): a gradient applied to another step's
+    state would commit a state nobody holds, and a pseudo-gradient of another window would move the synced
+    copy by a window's worth of stale progress. A member whose signed entry claims another step is
+    excluded before the all-reduce (and suspected for a step ahead that no peer in ``held``, the steps
+    of the run's signed progress records, holds, while the misfits are fewer than half of the group:
+    ``VerifiedGroup.suspects``); the members at this step, who all see the same signed entries, exclude
+    the same ones and average among themselves. A peer behind catches up by download. Before, in every_step,
+    two Sybils claiming the next step in a group of four made the honest members skip the round, and a
+    peer whose rounds fail for long enough lets the peers ahead decide its catch-up.
+    """
+    step = theirs.get("step")
+    if type(step) is int and step == mine["step"]:  # not ``True``, which equals 1
+        return None
+    # A step behind is what an honest laggard signs, and what a leader replaying the member's entry of an
+    # earlier round shows: excluded, never blamed. So is a step ahead that the run's signed progress
+    # records hold (``held``): this peer is the laggard, and a Sybil leader that lists honest peers' fresh
+    # entries beside its own at this peer's step must not make it avoid them once it has caught up.
+    backed = type(step) is int and (step < mine["step"] or step in held)
+    return Misfit(f"claims step {str(step)[:32]}, not this round's {mine['step']}", blamed=not backed)

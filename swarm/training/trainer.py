@@ -160,10 +160,7 @@ class Trainer:
     async def _loop(self, stop: asyncio.Event) -> None:
         peer, interval_s = self.peer, self.peer.config.training.progress_interval_s
         try:
-            await asyncio.sleep(2 * interval_s)  # a first view of the run
-            await peer.catchup.catch_up()
-            await peer.catchup.look_for_checkpoint(stop)
-            await peer.evaluate()  # where this peer starts: step 0, or the state it just caught up to
+            await peer.enter(stop)
             while not stop.is_set() and not peer.reached_max():
                 if peer.paused:
                     await self._wait_while_paused(stop)
