@@ -9,7 +9,8 @@ the accuser (nobody when the evidence is of an averaging prefix the run does not
 stage at that step, or that state downloaded from the stage's replicas by its hash
 (``coordinator.stagestates``), within ``stage_state_timeout_s``. A state that no replica serves is
 asked of the replica that signed for it; one that cannot show it (or named none) is convicted while
-an honest replica would still hold it (``unshown_fault``).
+an honest replica would still hold it (``unshown_fault``). A signed stage answer that breaks the stage's
+rules (``stage_bad_answer``) is judged on its bytes alone (``swarm.pipeline.evidence.judge_answer``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from swarm.averaging.aggregators import get_aggregator
 from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, UnshownInputEvidence, parse_evidence
 from swarm.config import RunConfig
+from swarm.pipeline.evidence import ANSWER_KIND, judge_answer, judge_recomputed, read_stage_evidence
 from swarm.pipeline.evidence import KIND as STAGE_KIND
-from swarm.pipeline.evidence import judge_recomputed, read_stage_evidence
 from swarm.pipeline.records import StageRecord
 
 
@@ -121,6 +122,9 @@ async def judge_accusation(
             run, data, accused, accuser, judging=judging, checkpoint=stage_checkpoint,
             states=stage_states or StageStates(), timeout_s=stage_state_timeout_s,
         )  # fmt: skip
+    if kind == ANSWER_KIND:  # a signed answer that breaks the stage's rules: its bytes are the proof
+        async with judging:
+            return await asyncio.to_thread(judge_answer, run, data, accused, accuser)
     if kind == UnshownInputEvidence.kind:
         return await judge_unshown(
             run, layouts, data, accused, accuser, inputs=round_inputs or RoundInputs(),

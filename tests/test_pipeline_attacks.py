@@ -217,6 +217,38 @@ def test_a_replica_claiming_1e12_samples_per_s_gets_only_what_the_trainer_measur
     assert share() < 0.55, "a replica got more than twice the median replica's share"
 
 
+def test_a_replica_that_refuses_every_call_busy_or_as_past_its_listed_step_is_routed_around():
+    """Before the fix a replica answering every call BUSY, or WRONG_STEP with a later step while its record
+    still served the step, was never avoided: each pick of it cost a view's wait and it was picked again at
+    its routing weight. An honest replica that moved on is listed at its new step within two views."""
+    from swarm.pipeline.balance import Avoidance, pick_server
+    from swarm.pipeline.trainer import PipelineTrainer
+
+    key = SigningKey.generate()
+    trainer = PipelineTrainer(attack_run(), None, peer_id=key.peer_id, seed=0, signing_key=key)
+    honest, liar = (StageRecord(SigningKey.generate().peer_id, 0, 0, 50.0, 0.5, HASH, HASH, time.time())
+                    for _ in range(2))  # fmt: skip
+    trainer.view = PipelineView(stages={0: [honest, liar]})
+
+    def picks(n: int = 400) -> int:
+        return sum(trainer._choose(0, 0) == liar.peer_id for _ in range(n))
+
+    assert picks() > 100  # equal weights before it refuses
+    avoid = trainer.avoid
+    assert not avoid.refused_ahead(liar.peer_id, views=5)  # its record may lag one view...
+    assert not avoid.refused_ahead(liar.peer_id, views=6)  # ...or two
+    assert avoid.refused_ahead(liar.peer_id, views=7)  # still listed at the step it refuses: avoided
+    assert picks() == 0
+    avoid.until.clear()
+    avoid.busy(liar.peer_id)
+    assert picks() == 0  # busy: the next picks go to the other replica...
+    avoid.until[liar.peer_id] = time.monotonic() - 1
+    assert picks() > 100  # ...for a moment only: an honest replica is busy now and then
+    alone = Avoidance(cooldown_s=60.0, busy_s=0.5)
+    alone.failed(liar.peer_id)
+    assert pick_server([liar], trainer.rng, avoid=alone.current()) == liar  # the only one left: still picked
+
+
 @pytest.mark.timeout(180)  # three DHT nodes start in the fixture: half a minute on a loaded machine
 def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient(keyed_dhts):
     """Three replicas of stage 1 average; only one counted a micro-batch (the others hold weight 0). Before

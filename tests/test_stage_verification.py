@@ -126,7 +126,7 @@ def test_honest_replicas_of_a_stage_answer_every_checked_microbatch_bit_for_bit(
         for mb in range(12):
             first = await through(a, trainer, run, mb, seed=mb)
             assert await check.check(0, b.key.peer_id, 2, first) is None
-        assert check.stats == {"checks": 12, "mismatches": 0}
+        assert check.stats == {"checks": 12, "mismatches": 0, "bad_answers": 0}
         # The check was a signed retry: the second replica counted every micro-batch at attempt 2.
         assert sorted(b.replica.claims.values()) == [2] * 12
 
@@ -287,7 +287,7 @@ def test_a_check_reaching_a_replica_that_already_counted_the_microbatch_finds_no
         first = await through(a, trainer, run, 9, seed=9)
         assert await check.check(0, b.key.peer_id, 3, first) is None
         assert await check.check(0, a.key.peer_id, 3, first) is None  # never checked against itself
-        assert check.stats == {"checks": 1, "mismatches": 0}
+        assert check.stats == {"checks": 1, "mismatches": 0, "bad_answers": 0}
 
     asyncio.run(scenario())
 

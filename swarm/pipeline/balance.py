@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Sequence
 
 from swarm.pipeline.records import PipelineView, StageRecord
@@ -56,6 +57,53 @@ class Measured:
         known = [self.rates[p] for p in peer_ids if p in self.rates]
         median = statistics.median(known) if known else 1.0
         return [max(min(self.rates.get(p, median), MEASURED_CAP * median), _MIN_WEIGHT) for p in peer_ids]
+
+
+class Avoidance:
+    """The replicas a trainer avoids for a while: those that failed a call (``failed``), answered busy
+    (``busy``, for a moment) or keep refusing a step as past while their record still serves it
+    (``refused_ahead``). ``pick_server`` picks an avoided replica only when nothing else is left.
+
+    Example::
+
+        avoid = Avoidance(cooldown_s=30.0, busy_s=0.5)
+        avoid.failed(peer_id)
+        record = pick_server(replicas, rng, avoid=avoid.current())
+    """
+
+    #: Views after a replica's first "the step is past" during which its record may still lag its step.
+    LAGGING_VIEWS = 2
+
+    def __init__(self, cooldown_s: float, busy_s: float) -> None:
+        self.cooldown_s, self.busy_s = cooldown_s, busy_s
+        self.until: dict[str, float] = {}
+        self.ahead: dict[str, int] = {}  # replica -> the view count at its first "step is past" refusal
+
+    def current(self) -> set[str]:
+        now = time.monotonic()
+        for peer in [p for p, t in self.until.items() if t <= now]:
+            del self.until[peer]
+        return set(self.until)
+
+    def failed(self, peer: str) -> None:
+        self.until[peer] = time.monotonic() + self.cooldown_s
+
+    def busy(self, peer: str) -> None:
+        self.until[peer] = max(self.until.get(peer, 0.0), time.monotonic() + self.busy_s)
+
+    def refused_ahead(self, peer: str, views: int) -> bool:
+        """``peer``, picked from a view that lists it at the call's step, answered that its step is past.
+        An honest replica that moved on is listed at its new step within a view or two; one that still
+        is ``LAGGING_VIEWS`` views later is refusing its listed step, and is avoided (True)."""
+        first = self.ahead.setdefault(peer, views)
+        if views - first < self.LAGGING_VIEWS:
+            return False
+        del self.ahead[peer]
+        self.failed(peer)
+        return True
+
+    def served(self, peer: str) -> None:
+        self.ahead.pop(peer, None)
 
 
 def reported_cap(view: PipelineView, num_stages: int) -> float:

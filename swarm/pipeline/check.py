@@ -1,11 +1,13 @@
 """A trainer's checks of stage replicas: a drawn micro-batch repeated at a second replica, compared.
 
 A check is a signed retry of one stage's calls (see swarm/pipeline/verify.py); a mismatch becomes
-``StageMismatchEvidence`` and is filed with the coordinator.
+``StageMismatchEvidence`` and is filed with the coordinator. A signed answer that fails the trainer's
+check of what it relays becomes ``StageAnswerEvidence`` (``file_bad_answer``), filed the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -16,11 +18,13 @@ from protocols.keys import SigningKey
 from protocols.messages import MAX_ATTEMPT
 from swarm.averaging.compression import Codec
 from swarm.config import RunConfig
-from swarm.pipeline.evidence import StageMismatchEvidence
-from swarm.pipeline.verify import replies_differ
+from swarm.pipeline.evidence import FILE_SLACK, StageAnswerEvidence, StageMismatchEvidence
+from swarm.pipeline.verify import AnswerCheck, replies_differ
 from swarm.pipeline.wire import sign_attempt
 
 logger = logging.getLogger(__name__)
+
+MAX_FILED_ANSWERS = 256  # replicas whose bad answer this trainer filed (one filing each)
 
 
 @dataclass
@@ -53,16 +57,52 @@ class StageCheck:
         self.run, self.key, self.codec = run, key, codec
         self.call, self.choose, self.accuse = call, choose, accuse
         self.rng = random.SystemRandom()  # private: a replica cannot predict which micro-batch is checked
-        self.stats = {"checks": 0, "mismatches": 0}
+        self.stats = {"checks": 0, "mismatches": 0, "bad_answers": 0}
+        self.answers = AnswerCheck(run)
+        self.filed: set[str] = set()  # replicas whose bad answer was filed: one accusation each
+        self._filings: set[asyncio.Task] = set()
+
+    def file_bad_answer(self, stage: int, peer: str, forward, backward, reply) -> StageAnswerEvidence | None:
+        """File ``peer``'s signed ``reply`` (to ``forward``, and ``backward`` if it answers one) with the
+        coordinator if it fails the check past ``FILE_SLACK``; in the background, once per replica."""
+        request = backward if backward is not None else forward
+        fault = self.answers.fault(stage, request, reply, slack=FILE_SLACK)
+        if fault is None or peer in self.filed or len(self.filed) >= MAX_FILED_ANSWERS:
+            return None
+        self.filed.add(peer)
+        self.stats["bad_answers"] += 1
+        evidence = StageAnswerEvidence(
+            self.run.run_id, stage, self.key.peer_id, peer, forward, backward, reply
+        )
+        verdict = f"stage {stage} replica {peer} signed an answer that fails the check: {fault}"
+        logger.warning(verdict)
+        if self.accuse is not None:
+            task = asyncio.get_running_loop().create_task(self._file(peer, evidence, verdict))
+            self._filings.add(task)
+            task.add_done_callback(self._filings.discard)
+        return evidence
+
+    async def _file(self, peer: str, evidence: object, verdict: str) -> None:
+        try:
+            await self.accuse(peer, evidence, verdict)
+        except Exception as e:
+            logger.warning(f"accusation of stage replica {peer} not filed: {e!r}")
 
     def drawn(self) -> bool:
         p = self.run.pipeline.verify_probability
         return p > 0 and self.rng.random() < p
 
-    async def maybe_check(self, step: int, attempt: int, trace: dict[int, StageCall]) -> object | None:
-        """With probability ``verify_probability``, check one stage of the micro-batch ``trace`` holds;
-        returns the evidence of a mismatch, if one was found (and filed)."""
-        if not trace or not self.drawn():
+    def drawn_validation(self) -> bool:
+        """Whether a validation pass checks one of its batches: every pass while checks are on (a pass
+        is a few batches, so a per-batch draw would leave a replica that lies only there unchecked)."""
+        return self.run.pipeline.verify_probability > 0
+
+    async def maybe_check(
+        self, step: int, attempt: int, trace: dict[int, StageCall], *, drawn: bool | None = None
+    ) -> object | None:
+        """With probability ``verify_probability`` (or if ``drawn``), check one stage of the micro-batch
+        ``trace`` holds; returns the evidence of a mismatch, if one was found (and filed)."""
+        if not trace or not (self.drawn() if drawn is None else drawn):
             return None
         order = list(trace)
         self.rng.shuffle(order)
@@ -80,7 +120,8 @@ class StageCheck:
                                  first.forward.microbatch_id, attempt)  # fmt: skip
         forward = ppb.ForwardRequest()
         forward.CopyFrom(first.forward)
-        forward.attempt, forward.attempt_signature = attempt, signature
+        if not forward.inference:  # an inference call counts nothing: it is asked again as it was
+            forward.attempt, forward.attempt_signature = attempt, signature
         try:
             reply = await self.call(stage, other, "rpc_forward", forward)
             backward = back = None

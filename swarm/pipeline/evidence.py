@@ -9,6 +9,11 @@ signatures name the same run, stage, step, trainer, micro-batch and inputs and t
 (``judge_recomputed``). Where those states come from (the coordinator's checkpoint, or the stage's
 replicas, by hash) is ``coordinator.accusations.judge_stage``'s business. Evidence that does not hold
 bans its accuser.
+
+A signed reply that no honest replica signs (malformed, of the wrong shape, non-finite, ``grad_inputs``
+over the norm bound, naming no state) needs no recomputation: ``StageAnswerEvidence`` holds the call and
+the signed reply, and the judge repeats the trainer's check on the bytes (``judge_answer``). An honest
+replica checks its own answer the same way before it signs (``swarm.pipeline.server``).
 """
 
 from __future__ import annotations
@@ -20,10 +25,16 @@ from protocols.codec import pack, unpack
 from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.compression import get_codec
 from swarm.config import RunConfig
-from swarm.pipeline.verify import check_reply, replies_differ, seed_forward
+from swarm.pipeline.verify import AnswerCheck, check_reply, replies_differ, seed_forward
 from swarm.pipeline.wire import MAX_TENSOR_BYTES
 
 KIND = "stage_mismatch"
+ANSWER_KIND = "stage_bad_answer"
+#: The judge convicts a norm over the bound only past this relative margin, and a trainer files only past
+#: twice it: two machines' float sums of one norm differ by far less, so an honest replica that signed a
+#: norm at the bound by its own sum is never convicted, nor an honest trainer's filing found false.
+JUDGE_SLACK = 1e-3
+FILE_SLACK = 2 * JUDGE_SLACK
 #: Three tensors of inputs and two replies of two tensors each, at most.
 MAX_STAGE_EVIDENCE_BYTES = 8 * MAX_TENSOR_BYTES
 
@@ -195,4 +206,98 @@ def judge_recomputed(
         f"stage {stage} replica {guilty} answered micro-batch {evidence.forward.microbatch_id} at step {step} "
         "wrongly for the state it named",
         guilty,
+    )
+
+
+@dataclass(frozen=True)
+class StageAnswerEvidence:
+    """A replica's signed reply that no honest replica signs, with the call it answers.
+
+    Example::
+
+        evidence = StageAnswerEvidence(run_id, stage, trainer, replica, forward, backward, reply)
+        found, guilty = judge_answer(run, evidence.to_bytes(), replica, trainer)
+    """
+
+    run_id: str
+    stage: int
+    trainer: str
+    replica: str
+    forward: ppb.ForwardRequest  # exactly as sent (attempt and signature kept: the reply signs them)
+    backward: ppb.BackwardRequest | None  # the backward the reply answers (None: a forward's reply)
+    reply: ppb.ForwardReply | ppb.BackwardReply
+
+    kind = ANSWER_KIND
+
+    @property
+    def accused(self) -> str:
+        return self.replica
+
+    @property
+    def step(self) -> int:
+        return self.forward.step
+
+    def to_bytes(self) -> bytes:
+        return pack({
+            "kind": ANSWER_KIND, "run_id": self.run_id, "stage": self.stage, "trainer": self.trainer,
+            "replica": self.replica, "forward": self.forward.SerializeToString(),
+            "backward": None if self.backward is None else self.backward.SerializeToString(),
+            "reply": self.reply.SerializeToString(),
+        })  # fmt: skip
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StageAnswerEvidence:
+        body = unpack(data, what="stage answer evidence", max_bytes=MAX_STAGE_EVIDENCE_BYTES,
+                      max_binary=2 * MAX_TENSOR_BYTES)  # fmt: skip
+        try:
+            if body.get("kind") != ANSWER_KIND:
+                raise ProtocolError(f"stage answer evidence of kind {str(body.get('kind'))[:40]!r}")
+            backward = (
+                None if body["backward"] is None else ppb.BackwardRequest.FromString(bytes(body["backward"]))
+            )
+            reply_type = ppb.BackwardReply if backward is not None else ppb.ForwardReply
+            return cls(str(body["run_id"]), int(body["stage"]), str(body["trainer"]), str(body["replica"]),
+                       ppb.ForwardRequest.FromString(bytes(body["forward"])), backward,
+                       reply_type.FromString(bytes(body["reply"])))  # fmt: skip
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProtocolError(f"stage answer evidence is malformed: {e!r}") from None
+        except Exception as e:  # protobuf's DecodeError
+            raise ProtocolError(f"stage answer evidence holds a malformed message: {e!r}") from None
+
+    def verify(self, run: RunConfig, accused: str, accuser: str) -> None:
+        """Raise a ProtocolError unless the evidence is of this run, filed by the trainer that made the
+        call, against the replica whose signature over that call and the reply holds."""
+        if self.run_id != run.run_id or self.forward.run_id != run.run_id:
+            raise ProtocolError(f"the evidence is of run {self.run_id[:80]!r}")
+        if not 0 <= self.stage < run.pipeline.stages or self.forward.stage != self.stage:
+            raise ProtocolError(f"the evidence names stage {self.stage}, which this run does not have")
+        if self.backward is not None and (
+            self.backward.stage != self.stage or self.backward.microbatch_id != self.forward.microbatch_id
+        ):
+            raise ProtocolError("the evidence's backward is of another stage or micro-batch than its forward")
+        if self.trainer != accuser or self.replica != accused:
+            raise ProtocolError("the evidence names another trainer or another replica than the accusation")
+        if self.reply.code != ppb.OK:
+            raise ProtocolError(f"the reply of {self.replica} is a refusal, not an answer")
+        check_reply(
+            self.replica, self.run_id, self.stage, self.trainer, self.reply, self.forward, self.backward
+        )
+
+
+def judge_answer(run: RunConfig, data: bytes, accused: str, accuser: str) -> tuple[str, str | None]:
+    """(what was found, who is guilty) for ``StageAnswerEvidence``: the replica if the answer it signed
+    fails the trainer's check (past ``JUDGE_SLACK`` on the norm), else the accuser."""
+    try:
+        evidence = StageAnswerEvidence.from_bytes(data)
+        evidence.verify(run, accused, accuser)
+    except SwarmError as e:
+        return f"the evidence does not hold: {e}", accuser
+    request = evidence.backward if evidence.backward is not None else evidence.forward
+    fault = AnswerCheck(run).fault(evidence.stage, request, evidence.reply, slack=JUDGE_SLACK)
+    if fault is None:
+        return f"the answer of stage {evidence.stage} replica {accused} passes the check", accuser
+    return (
+        f"stage {evidence.stage} replica {accused} signed an answer to micro-batch "
+        f"{evidence.forward.microbatch_id} at step {evidence.step} that no honest replica signs: {fault}",
+        accused,
     )

@@ -13,13 +13,14 @@ import logging
 from hivemind.p2p import P2PContext, ServicerBase
 
 from protocols import pipeline_pb2 as ppb
+from protocols.errors import ProtocolError
 from protocols.keys import SigningKey
 from swarm.inbound import UNARY_MAX_BYTES, BoundedServicer, HandlerBound
 from swarm.pipeline.gate import PeerGate
 from swarm.pipeline.history import rehash
 from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.replica import Refusal, StageReplica
-from swarm.pipeline.verify import seed_forward, sign_reply
+from swarm.pipeline.verify import AnswerCheck, seed_forward, sign_reply
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class StageServicer(BoundedServicer):
     ):
         self.replica, self.gate, self.key = replica, gate, key
         self.hooks = hooks if hooks is not None else PipelineHooks()
+        # A signed answer that fails the trainer's check is evidence against its signer: check it first.
+        self.answers = AnswerCheck(replica.run)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -108,6 +111,12 @@ class StageServicer(BoundedServicer):
                 backward = ppb.BackwardRequest()
                 backward.CopyFrom(request)
                 backward.grad_outputs.CopyFrom(kept)
+        try:
+            self.answers.check(r.index, request, reply)
+        except ProtocolError as e:  # e.g. grad_inputs over the run's bound: refused, never signed
+            raise Refusal(
+                ppb.INTERNAL, f"this replica's own answer fails the stage's check: {e}", r.step
+            ) from None
         reply = self.hooks.stage_reply(kind, request, reply, r)  # a rehearsed cheat signs a wrong answer
         reply.state_hash = r.state_hash
         if self.key is not None:

@@ -45,7 +45,7 @@ from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
 from swarm.data import build_dataset, derive_seed
 from swarm.models import model_config
-from swarm.pipeline.balance import Measured, pick_server
+from swarm.pipeline.balance import Avoidance, Measured, pick_server
 from swarm.pipeline.check import StageCall, StageCheck
 from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
@@ -53,7 +53,6 @@ from swarm.pipeline.server import StageServicer, pipeline_namespace
 from swarm.pipeline.verify import AnswerCheck, check_reply
 from swarm.pipeline.wire import encode_ids, sign_attempt
 from swarm.records import RecordSigner, RecordTrust
-from swarm.training.sync import is_state_hash
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +133,8 @@ class PipelineTrainer:
         self.issued: set[int] = set()
         self.completed: set[int] = set()
         self.completed_at: Counter[int] = Counter()  # step -> samples of micro-batches completed there
-        self.avoid: dict[str, float] = {}
+        pipeline = run.pipeline
+        self.avoid = Avoidance(pipeline.failed_server_cooldown_s, busy_s=pipeline.announce_interval_s)
         self.measured = Measured()  # what this trainer timed of each replica: its only routing input
         self.finished = False
         self.paused = False  # set by pause(): no new micro-batches; those in flight complete
@@ -145,8 +145,8 @@ class PipelineTrainer:
         self._stats = {"train_loss": math.nan, "val_loss": math.nan, "val_step": -1.0, "retries": 0.0,
                        "failures": 0.0, "compute_wait_s": 0.0}  # fmt: skip
         self._failures_by_code: dict[str, int] = {}
-        # Checked before they go on to another stage: relayed unchecked, a malformed or over-bound answer
-        # was refused there as this trainer's bad request, and got it banned by that honest replica.
+        # Answers are checked before they go on to another stage: relayed unchecked, a malformed or
+        # over-bound answer was refused there as this trainer's bad request, and got it banned there.
         self.answers = AnswerCheck(run)
         self.check = StageCheck(run, self.records.key, get_codec(run.training.compression), call=self._call,
                                 choose=self._choose_other, accuse=accuse)  # fmt: skip
@@ -179,6 +179,7 @@ class PipelineTrainer:
             "microbatches_waiting": float(len(waiting)),
             "stage_checks": float(self.check.stats["checks"]),
             "stage_mismatches": float(self.check.stats["mismatches"]),
+            "stage_bad_answers": float(self.check.stats["bad_answers"]),
             "finished": float(self.finished),
             "val_loss_initial": self.first_validation[1] if self.first_validation else math.nan,
             "val_step_initial": float(self.first_validation[0]) if self.first_validation else math.nan,
@@ -213,17 +214,15 @@ class PipelineTrainer:
     # --- calls ---------------------------------------------------------------------------------------
 
     def _choose(self, stage: int, step: int) -> str | None:
-        now = time.monotonic()
-        avoid = {p for p, until in self.avoid.items() if until > now}
-        record = pick_server(self.view.replicas(stage, step), self.rng, avoid=avoid, measured=self.measured)
+        record = pick_server(
+            self.view.replicas(stage, step), self.rng, avoid=self.avoid.current(), measured=self.measured
+        )
         return record.peer_id if record else None
 
     def _choose_other(self, stage: int, step: int, peer: str) -> str | None:
         """A second replica of ``stage`` at ``step`` to check ``peer``'s answer against."""
-        now = time.monotonic()
-        avoid = {p for p, until in self.avoid.items() if until > now}
         others = [r for r in self.view.replicas(stage, step) if r.peer_id != peer]
-        record = pick_server(others, self.rng, avoid=avoid, measured=self.measured)
+        record = pick_server(others, self.rng, avoid=self.avoid.current(), measured=self.measured)
         return record.peer_id if record else None
 
     async def _call(self, stage: int, peer: str, method: str, request, forward=None):
@@ -243,18 +242,20 @@ class PipelineTrainer:
             raise StageFailure(stage, peer, -1, f"call failed: {e!r}"[:300]) from None
         if reply.code != ppb.OK:
             raise StageFailure(stage, peer, reply.code, reply.error[:500], reply.step)
+        sent = (request, None) if forward is None else (forward, request)
         try:
-            sent = (request, None) if forward is None else (forward, request)
             check_reply(peer, self.config.run_id, stage, self.peer_id, reply, *sent)
-            if not is_state_hash(reply.state_hash):  # a reply that names no state cannot be judged
-                raise ProtocolError(
-                    f"stage {stage} replica {peer} names no state its reply was computed with "
-                    f"(state_hash {reply.state_hash[:80]!r})"
-                )
-            self.answers.check(stage, request, reply)
         except ProtocolError as e:
             raise StageFailure(stage, peer, ppb.BAD_REQUEST, f"refused: {e}"[:500]) from None
+        # Checked before it goes on to another stage; signed, a failing answer is evidence against its signer.
+        fault = self.answers.fault(stage, request, reply)
+        if fault is not None:
+            self.check.file_bad_answer(stage, peer, *sent, reply)
+            raise StageFailure(
+                stage, peer, ppb.BAD_REQUEST, f"refused: stage {stage} replica {peer}: {fault}"[:500]
+            )
         self.measured.record(peer, self.batch, time.monotonic() - started)
+        self.avoid.served(peer)
         return reply
 
     async def _attempt(self, mb: MicroBatch) -> float:
@@ -325,8 +326,13 @@ class PipelineTrainer:
                     name = CODE_NAMES.get(f.code, "NETWORK")
                     self._failures_by_code[name] = self._failures_by_code.get(name, 0) + 1
                     if f.code == ppb.WRONG_STEP and f.server_step is not None and f.server_step > mb.step:
+                        if self.avoid.refused_ahead(f.peer, self._views):
+                            logger.warning(f"stage {f.stage} replica {f.peer} keeps refusing step {mb.step} as "
+                                           "past while its record serves it; avoiding it")  # fmt: skip
                         await self._wait_for_views(1)
                         continue  # the run is moving on; the loop re-checks the step
+                    if f.code == ppb.BUSY and f.peer != "-":
+                        self.avoid.busy(f.peer)  # for a moment: the next pick goes elsewhere if it can
                     if f.code in (
                         -1,
                         ppb.BAD_REQUEST,
@@ -335,7 +341,7 @@ class PipelineTrainer:
                         ppb.UNKNOWN_PEER,
                         ppb.BANNED,
                     ):
-                        self.avoid[f.peer] = time.monotonic() + self.config.pipeline.failed_server_cooldown_s
+                        self.avoid.failed(f.peer)
                         if mb.counted_by.get(f.stage) == f.peer:
                             del mb.counted_by[f.stage]  # that replica is gone; its count went with it
                         if f.code == ppb.BAD_REQUEST and f.stage > 0:
@@ -379,10 +385,13 @@ class PipelineTrainer:
             self.dataset.validation_batches, self.batch, self.seq_len, self.config.training.validation_batches
         )
         losses = []
-        for inputs, targets in batches:
+        # One drawn batch of each validation is checked at a second replica of one stage: a replica that
+        # answers only inference calls wrongly would move every trainer's validation loss unseen.
+        checked = self.check.rng.randrange(len(batches)) if batches and self.check.drawn_validation() else -1
+        for index, (inputs, targets) in enumerate(batches):
             for attempt in range(self.config.pipeline.max_attempts):
                 try:
-                    losses.append(await self._infer(inputs, targets))
+                    losses.append(await self._infer(inputs, targets, check=index == checked))
                     break
                 except StageFailure as f:
                     logger.info(f"validation attempt {attempt + 1} failed ({f}); retrying")
@@ -396,8 +405,9 @@ class PipelineTrainer:
         logger.info(f"step {self.step}: validation loss {loss:.4f}")
         return loss
 
-    async def _infer(self, inputs, targets) -> float:
+    async def _infer(self, inputs, targets, *, check: bool = False) -> float:
         hidden = encode_ids(inputs)
+        trace: dict[int, StageCall] = {}
         for stage in range(self.num_stages):
             peer = self._choose(stage, self.step)
             if peer is None:
@@ -410,7 +420,9 @@ class PipelineTrainer:
             if stage == self.num_stages - 1:
                 request.targets.CopyFrom(encode_ids(targets))
             reply = await self._call(stage, peer, "rpc_forward", request)
+            trace[stage] = StageCall(peer, request, reply)
             hidden = reply.outputs
+        await self.check.maybe_check(self.step, 0, trace, drawn=check)
         return reply.loss
 
     # --- the loop ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from swarm.averaging.compression import Codec, get_codec
 from swarm.config import RunConfig
 from swarm.models import model_config
 from swarm.pipeline.wire import decode_floats
+from swarm.training.sync import is_state_hash
 
 SIGNATURE_BYTES = 64
 
@@ -153,8 +154,11 @@ class AnswerCheck:
         self.shape = [run.training.micro_batch_size, config.seq_len, config.d_model]
         self.last, self.bound = run.pipeline.stages - 1, run.pipeline.max_grad_output_norm
 
-    def check(self, stage: int, request, reply: ppb.ForwardReply | ppb.BackwardReply) -> None:
-        """``request``: the call ``reply`` answers (a forward's own, or the backward)."""
+    def check(
+        self, stage: int, request, reply: ppb.ForwardReply | ppb.BackwardReply, *, slack: float = 0.0
+    ) -> None:
+        """``request``: the call ``reply`` answers (a forward's own, or the backward). ``slack``: how far
+        over the norm bound (relatively) still passes; a judge allows for another machine's rounding."""
         backward = isinstance(request, ppb.BackwardRequest)
         if not backward and stage < self.last:
             decode_floats(reply.outputs, self.codec, self.shape, what=f"stage {stage}'s outputs")
@@ -164,5 +168,16 @@ class AnswerCheck:
         what = f"stage {stage}'s grad_inputs"
         grad = decode_floats(reply.grad_inputs, self.codec, self.shape, what=what)
         norm = float(grad.norm())
-        if not norm <= self.bound:
-            raise ProtocolError(f"{what} has L2 norm {norm:.4g}, over the run's bound {self.bound:.4g}")
+        if not norm <= self.bound * (1.0 + slack):
+            raise ProtocolError(f"{what} has L2 norm {norm:.6g}, over the run's bound {self.bound:.6g}")
+
+    def fault(self, stage: int, request, reply, *, slack: float = 0.0) -> str | None:
+        """What is wrong with a signed ``reply`` that no honest replica would sign, or None: it names
+        no state, or ``check`` refuses it. Deterministic from the reply's bytes, so a judge can repeat it."""
+        if not is_state_hash(reply.state_hash):  # a reply that names no state cannot be judged
+            return f"it names no state it was computed with (state_hash {reply.state_hash[:80]!r})"
+        try:
+            self.check(stage, request, reply, slack=slack)
+        except ProtocolError as e:
+            return str(e)
+        return None
