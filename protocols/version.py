@@ -2,7 +2,9 @@
 
 # 2: signed matchmaking declarations with certificates, signed stage replies and retries, Status in pages.
 # 3: aggregates carry the reducer's signed time; the coordinator may demand the inputs behind one.
-PROTOCOL_VERSION = 3
+# 4: a stage replica checks its own answer before signing it (pipeline reply digest v2), so a signed
+#    answer that fails the check is evidence against its signer (``stage_bad_answer``).
+PROTOCOL_VERSION = 4
 
 # Domain separator mixed into every signature, so a swarm signature is never valid for anything else.
 SIGNATURE_DOMAIN = b"swarm/signed/v1"

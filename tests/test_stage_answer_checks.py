@@ -125,7 +125,7 @@ def test_filing_an_answer_that_passes_bans_the_trainer_and_a_norm_within_roundin
     )
     close = asyncio.run(near.call(trainer, "rpc_forward", forward))
     pipeline = PipelineTrainer(run, None, peer_id=trainer.peer_id, signing_key=trainer)
-    assert pipeline.answers.fault(1, forward, close) is not None  # the trainer refuses it
+    assert pipeline.answers.fault(1, close, forward) is not None  # the trainer refuses it
     assert pipeline.check.file_bad_answer(1, near.key.peer_id, forward, None, close) is None
     evidence = StageAnswerEvidence(run.run_id, 1, trainer.peer_id, near.key.peer_id, forward, None, close)
     found, guilty = judge_answer(run, evidence.to_bytes(), near.key.peer_id, trainer.peer_id)

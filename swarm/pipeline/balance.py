@@ -77,7 +77,8 @@ class Avoidance:
     def __init__(self, cooldown_s: float, busy_s: float) -> None:
         self.cooldown_s, self.busy_s = cooldown_s, busy_s
         self.until: dict[str, float] = {}
-        self.ahead: dict[str, int] = {}  # replica -> the view count at its first "step is past" refusal
+        # replica -> (view of the first, view of the latest) "step is past" refusal of its current streak
+        self.ahead: dict[str, tuple[int, int]] = {}
 
     def current(self) -> set[str]:
         now = time.monotonic()
@@ -93,17 +94,19 @@ class Avoidance:
 
     def refused_ahead(self, peer: str, views: int) -> bool:
         """``peer``, picked from a view that lists it at the call's step, answered that its step is past.
-        An honest replica that moved on is listed at its new step within a view or two; one that still
-        is ``LAGGING_VIEWS`` views later is refusing its listed step, and is avoided (True)."""
-        first = self.ahead.setdefault(peer, views)
+        An honest replica that moved on is listed at its new step within ``LAGGING_VIEWS`` views, so its
+        refusals end within them. A streak of such refusals, each within ``LAGGING_VIEWS`` views of the
+        last (served calls in between do not end it), that spans ``LAGGING_VIEWS`` views is refusing its
+        listed step: the replica is avoided like a failed one (True)."""
+        for p in [p for p, (_, last) in self.ahead.items() if views - last > self.LAGGING_VIEWS]:
+            del self.ahead[p]  # streaks that ended: an honest replica's next race starts a new one
+        first = self.ahead.get(peer, (views, views))[0]
         if views - first < self.LAGGING_VIEWS:
+            self.ahead[peer] = (first, views)
             return False
         del self.ahead[peer]
         self.failed(peer)
         return True
-
-    def served(self, peer: str) -> None:
-        self.ahead.pop(peer, None)
 
 
 def reported_cap(view: PipelineView, num_stages: int) -> float:

@@ -24,7 +24,10 @@ from swarm.pipeline.wire import sign_attempt
 
 logger = logging.getLogger(__name__)
 
-MAX_FILED_ANSWERS = 256  # replicas whose bad answer this trainer filed (one filing each)
+#: Replicas a trainer remembers having filed a bad answer of (one filing each; the oldest is forgotten past
+#: it, so no number of filings ever stops the next), and filings it has in flight at once.
+MAX_FILED_ANSWERS = 256
+MAX_FILINGS_IN_FLIGHT = 8
 
 
 @dataclass
@@ -59,17 +62,18 @@ class StageCheck:
         self.rng = random.SystemRandom()  # private: a replica cannot predict which micro-batch is checked
         self.stats = {"checks": 0, "mismatches": 0, "bad_answers": 0}
         self.answers = AnswerCheck(run)
-        self.filed: set[str] = set()  # replicas whose bad answer was filed: one accusation each
+        self.filed: dict[str, None] = {}  # replicas whose bad answer was filed, oldest first: one each
         self._filings: set[asyncio.Task] = set()
 
     def file_bad_answer(self, stage: int, peer: str, forward, backward, reply) -> StageAnswerEvidence | None:
         """File ``peer``'s signed ``reply`` (to ``forward``, and ``backward`` if it answers one) with the
         coordinator if it fails the check past ``FILE_SLACK``; in the background, once per replica."""
-        request = backward if backward is not None else forward
-        fault = self.answers.fault(stage, request, reply, slack=FILE_SLACK)
-        if fault is None or peer in self.filed or len(self.filed) >= MAX_FILED_ANSWERS:
-            return None
-        self.filed.add(peer)
+        fault = self.answers.fault(stage, reply, forward, backward, slack=FILE_SLACK)
+        if fault is None or peer in self.filed or len(self._filings) >= MAX_FILINGS_IN_FLIGHT:
+            return None  # a filing in flight for it, or too many at once: its next bad answer files
+        self.filed[peer] = None
+        while len(self.filed) > MAX_FILED_ANSWERS:
+            del self.filed[next(iter(self.filed))]
         self.stats["bad_answers"] += 1
         evidence = StageAnswerEvidence(
             self.run.run_id, stage, self.key.peer_id, peer, forward, backward, reply
@@ -85,7 +89,8 @@ class StageCheck:
     async def _file(self, peer: str, evidence: object, verdict: str) -> None:
         try:
             await self.accuse(peer, evidence, verdict)
-        except Exception as e:
+        except Exception as e:  # not taken: the replica's next bad answer is filed again
+            self.filed.pop(peer, None)
             logger.warning(f"accusation of stage replica {peer} not filed: {e!r}")
 
     def drawn(self) -> bool:

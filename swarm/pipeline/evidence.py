@@ -292,8 +292,9 @@ def judge_answer(run: RunConfig, data: bytes, accused: str, accuser: str) -> tup
         evidence.verify(run, accused, accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
-    request = evidence.backward if evidence.backward is not None else evidence.forward
-    fault = AnswerCheck(run).fault(evidence.stage, request, evidence.reply, slack=JUDGE_SLACK)
+    fault = AnswerCheck(run).fault(
+        evidence.stage, evidence.reply, evidence.forward, evidence.backward, slack=JUDGE_SLACK
+    )
     if fault is None:
         return f"the answer of stage {evidence.stage} replica {accused} passes the check", accuser
     return (

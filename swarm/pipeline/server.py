@@ -112,7 +112,7 @@ class StageServicer(BoundedServicer):
                 backward.CopyFrom(request)
                 backward.grad_outputs.CopyFrom(kept)
         try:
-            self.answers.check(r.index, request, reply)
+            self.answers.check(r.index, reply, forward, backward)
         except ProtocolError as e:  # e.g. grad_inputs over the run's bound: refused, never signed
             raise Refusal(
                 ppb.INTERNAL, f"this replica's own answer fails the stage's check: {e}", r.step

@@ -248,14 +248,13 @@ class PipelineTrainer:
         except ProtocolError as e:
             raise StageFailure(stage, peer, ppb.BAD_REQUEST, f"refused: {e}"[:500]) from None
         # Checked before it goes on to another stage; signed, a failing answer is evidence against its signer.
-        fault = self.answers.fault(stage, request, reply)
+        fault = self.answers.fault(stage, reply, *sent)
         if fault is not None:
             self.check.file_bad_answer(stage, peer, *sent, reply)
             raise StageFailure(
                 stage, peer, ppb.BAD_REQUEST, f"refused: stage {stage} replica {peer}: {fault}"[:500]
             )
         self.measured.record(peer, self.batch, time.monotonic() - started)
-        self.avoid.served(peer)
         return reply
 
     async def _attempt(self, mb: MicroBatch) -> float:

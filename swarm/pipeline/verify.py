@@ -17,6 +17,7 @@ mismatch becomes ``StageMismatchEvidence`` (swarm/pipeline/evidence.py), filed w
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 
 import torch
@@ -62,7 +63,9 @@ def reply_digest(
     attempt: int, sent: bytes, answer: bytes,
 ) -> bytes:  # fmt: skip
     """What a replica signs for one reply (``call``: "forward", "inference" or "backward")."""
-    head = f"swarm-pipeline-reply\0{call}\0{run_id}\0{stage}\0{step}\0{state_hash}\0{trainer}\0"
+    # v2: a replica checks its own answer before signing (AnswerCheck), so a signed answer that fails the
+    # check convicts its signer; a v1 signature, which made no such promise, verifies for nothing now.
+    head = f"swarm-pipeline-reply-v2\0{call}\0{run_id}\0{stage}\0{step}\0{state_hash}\0{trainer}\0"
     return hashlib.sha256(f"{head}{microbatch_id}\0{attempt}\0".encode() + sent + answer).digest()
 
 
@@ -140,44 +143,65 @@ def seed_forward(run_id: str, stage: int, request: ppb.ForwardRequest, trainer: 
 class AnswerCheck:
     """The checks a stage makes of what a trainer relays to it, made by the trainer on the answer first:
     forward ``outputs`` (to the next stage) and ``grad_inputs`` (to the previous one's backward) must be
-    in the run's codec, of the micro-batch's shape, finite, and ``grad_inputs`` within
-    ``max_grad_output_norm``. A failure raises a ProtocolError naming the stage and the field.
+    in the run's codec, of the call's shape (the rows and length of its inputs, within the micro-batch's),
+    finite, and ``grad_inputs`` within ``max_grad_output_norm``; a loss is a finite cross-entropy (>= 0) at
+    the last stage's forward and 0 anywhere else. A failure raises a ProtocolError naming the stage and
+    the field.
 
     Example::
 
-        AnswerCheck(run).check(stage, request, reply)
+        AnswerCheck(run).check(stage, reply, forward)            # a forward's reply
+        AnswerCheck(run).check(stage, reply, forward, backward)  # a backward's reply
     """
 
     def __init__(self, run: RunConfig):
         config = model_config(run.model.name, run.model.config)
         self.codec = get_codec(run.training.compression)
-        self.shape = [run.training.micro_batch_size, config.seq_len, config.d_model]
+        self.rows, self.length, self.width = run.training.micro_batch_size, config.seq_len, config.d_model
         self.last, self.bound = run.pipeline.stages - 1, run.pipeline.max_grad_output_norm
 
+    def _shape(self, stage: int, forward: ppb.ForwardRequest) -> list[int]:
+        """The answer's shape: the rows and length of the call's inputs, which the stage accepts only
+        within the micro-batch's (a replica that answered other inputs deviated)."""
+        shape = list(forward.inputs.shape)
+        if len(shape) < 2 or not (1 <= shape[0] <= self.rows and 1 <= shape[1] <= self.length):
+            raise ProtocolError(f"stage {stage} answered a call whose inputs have shape {shape[:4]}")
+        return [shape[0], shape[1], self.width]
+
     def check(
-        self, stage: int, request, reply: ppb.ForwardReply | ppb.BackwardReply, *, slack: float = 0.0
-    ) -> None:
-        """``request``: the call ``reply`` answers (a forward's own, or the backward). ``slack``: how far
-        over the norm bound (relatively) still passes; a judge allows for another machine's rounding."""
-        backward = isinstance(request, ppb.BackwardRequest)
-        if not backward and stage < self.last:
-            decode_floats(reply.outputs, self.codec, self.shape, what=f"stage {stage}'s outputs")
+        self, stage: int, reply, forward: ppb.ForwardRequest, backward: ppb.BackwardRequest | None = None,
+        *, slack: float = 0.0,
+    ) -> None:  # fmt: skip
+        """``slack``: how far over the norm bound (relatively) still passes; a judge allows for another
+        machine's rounding."""
+        shape = self._shape(stage, forward)
+        answers_loss = backward is None and stage == self.last and forward.HasField("targets")
+        loss = reply.loss if isinstance(reply, ppb.ForwardReply) else 0.0
+        if answers_loss and not (math.isfinite(loss) and loss >= 0):
+            raise ProtocolError(f"stage {stage}'s loss {loss!r} is not a finite cross-entropy")
+        if not answers_loss and loss != 0:
+            raise ProtocolError(f"stage {stage} answered a loss ({loss!r}) to a call that has none")
+        if backward is None and stage < self.last:
+            decode_floats(reply.outputs, self.codec, shape, what=f"stage {stage}'s outputs")
         # A training call's grad_inputs go on to the previous stage's backward (stage 0 answers none).
-        if stage == 0 or (not backward and (stage < self.last or request.inference)):
+        if stage == 0 or (backward is None and (stage < self.last or forward.inference)):
             return
         what = f"stage {stage}'s grad_inputs"
-        grad = decode_floats(reply.grad_inputs, self.codec, self.shape, what=what)
+        grad = decode_floats(reply.grad_inputs, self.codec, shape, what=what)
         norm = float(grad.norm())
         if not norm <= self.bound * (1.0 + slack):
             raise ProtocolError(f"{what} has L2 norm {norm:.6g}, over the run's bound {self.bound:.6g}")
 
-    def fault(self, stage: int, request, reply, *, slack: float = 0.0) -> str | None:
+    def fault(
+        self, stage: int, reply, forward: ppb.ForwardRequest, backward: ppb.BackwardRequest | None = None,
+        *, slack: float = 0.0,
+    ) -> str | None:  # fmt: skip
         """What is wrong with a signed ``reply`` that no honest replica would sign, or None: it names
         no state, or ``check`` refuses it. Deterministic from the reply's bytes, so a judge can repeat it."""
         if not is_state_hash(reply.state_hash):  # a reply that names no state cannot be judged
             return f"it names no state it was computed with (state_hash {reply.state_hash[:80]!r})"
         try:
-            self.check(stage, request, reply, slack=slack)
+            self.check(stage, reply, forward, backward, slack=slack)
         except ProtocolError as e:
             return str(e)
         return None
