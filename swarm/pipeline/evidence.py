@@ -39,6 +39,11 @@ FILE_SLACK = 2 * JUDGE_SLACK
 MAX_STAGE_EVIDENCE_BYTES = 8 * MAX_TENSOR_BYTES
 
 
+def _of_kind(body, kind: str) -> None:
+    if body.get("kind") != kind:
+        raise ProtocolError(f"{kind} evidence of kind {str(body.get('kind'))[:40]!r}")
+
+
 @dataclass(frozen=True)
 class StageReply:
     """One replica's signed reply, as evidence holds it."""
@@ -104,8 +109,7 @@ class StageMismatchEvidence:
         body = unpack(data, what="stage evidence", max_bytes=MAX_STAGE_EVIDENCE_BYTES,
                       max_binary=2 * MAX_TENSOR_BYTES)  # fmt: skip
         try:
-            if body.get("kind") != KIND:
-                raise ProtocolError(f"stage evidence of kind {str(body.get('kind'))[:40]!r}")
+            _of_kind(body, KIND)
             backward = body["grad_outputs"] is not None
             reply_type = ppb.BackwardReply if backward else ppb.ForwardReply
             replies = tuple(
@@ -250,8 +254,7 @@ class StageAnswerEvidence:
         body = unpack(data, what="stage answer evidence", max_bytes=MAX_STAGE_EVIDENCE_BYTES,
                       max_binary=2 * MAX_TENSOR_BYTES)  # fmt: skip
         try:
-            if body.get("kind") != ANSWER_KIND:
-                raise ProtocolError(f"stage answer evidence of kind {str(body.get('kind'))[:40]!r}")
+            _of_kind(body, ANSWER_KIND)
             backward = (
                 None if body["backward"] is None else ppb.BackwardRequest.FromString(bytes(body["backward"]))
             )
