@@ -130,11 +130,8 @@ def test_a_microbatch_retried_after_a_timeout_is_applied_once(tmp_path: Path):
     completed = {s: float(trainer.completed_at[s]) for s in range(STEPS)}
     for w, stage in ((first, 0), (slow, 1), (fast, 1)):
         assert w.applied[stage] == completed, "each stage's round took every completed sample exactly once"
-    # The trainer's claim held the slow replica's first step past a timeout, so it holds no step there for a
-    # while (StepHolds): the slow replica may close a step before its late copy of a micro-batch completes.
-    counted = len(trainer.completed) * run.training.micro_batch_size
-    assert slow._stats.get("samples_dropped", 0) >= counted // 2, (
-        "the slow replica counted the micro-batches too, then dropped them"
+    assert slow._stats.get("samples_dropped", 0) >= len(trainer.completed) * run.training.micro_batch_size, (
+        "the slow replica counted every micro-batch too, then dropped them"
     )
     assert hashes["slow"] == hashes["fast"], "the replicas of stage 1 hold identical parameters"
 
@@ -191,7 +188,7 @@ def test_a_closing_stage_takes_the_backward_of_a_forward_it_holds_and_nothing_ne
         replica.closing = True  # what StageWorker._step_round sets before it waits for backwards
         assert replica.samples == 0
         backward(1, first)  # before the fix: Refusal BUSY "step 0 is closed"
-        assert replica.samples == batch and not replica.awaiting_backward(), (
+        assert replica.samples == batch and replica.awaiting_backward() == 0, (
             "the held micro-batch counts here"
         )
         with pytest.raises(Refusal, match="is closed") as refused:

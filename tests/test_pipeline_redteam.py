@@ -215,44 +215,35 @@ def test_sybil_stage_records_do_not_move_a_stages_last_honest_replica_away():
         worker.replica.close()
 
 
-def test_one_forward_without_backward_and_an_in_flight_claim_delay_few_steps_by_one_timeout():
+def test_one_forward_without_backward_and_an_in_flight_claim_delay_a_step_by_one_timeout_not_two():
     """A trainer sends one forward to a stage-0 replica at each step, never its backward, and claims it in
-    flight. The in-flight hold and the wait for backwards shared no deadline, so every step closed two
-    request timeouts late; then one timeout late, every step. Now a trainer still holding when the
-    deadline passes is struck and holds no step for 4, 8, 16... steps: of 20 steps, 3 are delayed."""
+    flight: the in-flight hold and the wait for backwards shared no deadline, so every step closed two
+    request timeouts late; now one."""
     from swarm.pipeline.records import TrainerRecord
     from swarm.pipeline.worker import StageWorker
 
     torch.set_num_threads(1)
-    timeout_s = 0.6
+    timeout_s = 1.5
     run = redteam_run(request_timeout_s=timeout_s)
     key = SigningKey.generate()
     worker = StageWorker(run, None, peer_id=key.peer_id, stage=0, signing_key=key, rebalance=False)
     worker.replica = StageReplica(run, 0)
-    stuck = make_attack("stuck_in_flight", group_size=2, attackers=1)
-    delayed = []
     try:
-        for step in range(20):
-            forward = stage0_forward(run, 1)
-            forward.step = step
-            worker.replica.forward(forward, "attacker")
-            worker._views, worker._step_view, worker._held_since = step + 1, step, None
-            worker.view = PipelineView(trainers=[
-                TrainerRecord("honest", step, run.training.target_batch_size, 0, time.time()),
-                stuck.announce(TrainerRecord("attacker", step, 0, 0, time.time())),
-            ])  # fmt: skip
-            started = time.monotonic()
-            while not worker._ready_to_step() and time.monotonic() - started < 10:
-                time.sleep(0.02)
-            asyncio.run(worker._await_backwards())
-            waited = time.monotonic() - started
-            assert waited < 2 * timeout_s, f"step {step} closed after {waited:.2f}s"
-            if waited >= timeout_s:
-                delayed.append(step)
-            worker.replica.apply(torch.zeros(worker.replica.numel))  # the step's forwards go with it
+        worker.replica.forward(stage0_forward(run, 1), "attacker")
+        stuck = make_attack("stuck_in_flight", group_size=2, attackers=1)
+        worker._views = 1
+        worker.view = PipelineView(trainers=[
+            TrainerRecord("honest", 0, run.training.target_batch_size, 0, time.time()),
+            stuck.announce(TrainerRecord("attacker", 0, 0, 0, time.time())),
+        ])  # fmt: skip
+        started = time.monotonic()
+        while not worker._ready_to_step() and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        asyncio.run(worker._await_backwards())
+        waited = time.monotonic() - started
+        assert timeout_s <= waited < 2 * timeout_s, f"the step closed after {waited:.2f}s"
     finally:
         worker.replica.close()
-    assert delayed == [0, 5, 14], f"steps held for a timeout: {delayed}"
 
 
 def test_one_replica_ahead_cannot_hand_its_state_to_a_replica_that_is_serving_a_long_step():

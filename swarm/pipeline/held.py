@@ -6,11 +6,6 @@ them, and one caller at most ``forwards_per_caller(run)`` awaiting their backwar
 past that retires its own oldest one (``make_room``). Without the per-caller bound one trainer that
 never sent a backward filled the replica's 512 states, and every other trainer was refused ``BUSY`` for
 ``forward_state_ttl_s``.
-
-A trainer's forwards awaiting their backward, and its in-flight claim, hold the replica's step open for
-at most one request's timeout. A trainer still holding when that runs out is struck (``StepHolds``):
-it holds none of the next steps for a while, so one that sends a forward each step and never its
-backward delays one step of every few, not each step.
 """
 
 from __future__ import annotations
@@ -70,40 +65,3 @@ def make_room(forwards: dict[Key, HeldForward], key: Key, limit: int) -> int:
     for _, k in waiting[:excess]:
         del forwards[k]
     return excess
-
-
-class StepHolds:
-    """Which trainers may hold a replica's step open: a trainer still holding it when the hold's deadline
-    passed is struck, and holds no step for ``STRIKE_STEPS`` steps, doubling with each strike (at most
-    ``MAX_STRUCK_STEPS``). An honest trainer's micro-batch that outlives a request's timeout is a failed
-    call anyway (the trainer retries it), so a strike costs an honest trainer little.
-
-    Example::
-
-        holds = StepHolds()
-        holding = [t for t in trainers if holds.may_hold(t, step)]
-        holds.strike(still_holding, step)          # when the deadline passed
-    """
-
-    STRIKE_STEPS = 4
-    MAX_STRUCK_STEPS = 256
-    MAX_TRAINERS = 4096  # struck trainers remembered; the oldest strike is forgotten past it
-
-    def __init__(self) -> None:
-        self.until: dict[str, int] = {}  # trainer -> the first step it may hold again
-        self.strikes: dict[str, int] = {}
-
-    def may_hold(self, trainer: str, step: int) -> bool:
-        return step >= self.until.get(trainer, 0)
-
-    def struck(self, step: int) -> set[str]:
-        return {t for t, until in self.until.items() if step < until}
-
-    def strike(self, trainers, step: int) -> None:
-        for trainer in trainers:
-            n = self.strikes[trainer] = self.strikes.get(trainer, 0) + 1
-            self.until[trainer] = step + 1 + min(self.STRIKE_STEPS * 2 ** (n - 1), self.MAX_STRUCK_STEPS)
-            while len(self.until) > self.MAX_TRAINERS:
-                oldest = min(self.until, key=self.until.__getitem__)
-                del self.until[oldest]
-                self.strikes.pop(oldest, None)

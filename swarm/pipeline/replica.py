@@ -210,11 +210,11 @@ class StageReplica:
             )
         return inputs, targets
 
-    def awaiting_backward(self, ignore: frozenset[str] | set[str] = frozenset()) -> set[str]:
-        """The callers of micro-batches run forward here at this step whose backward has not come
-        (expired ones dropped; callers in ``ignore`` left out); runs on the worker thread."""
+    def awaiting_backward(self) -> int:
+        """Micro-batches run forward here at this step whose backward has not come (expired ones
+        dropped); runs on the worker thread."""
         self._purge(time.monotonic())
-        return {k[0] for k, f in self.forwards.items() if f.result is None and k[0] not in ignore}
+        return sum(1 for f in self.forwards.values() if f.result is None)
 
     def _purge(self, now: float) -> None:
         ttl = self.run.pipeline.forward_state_ttl_s

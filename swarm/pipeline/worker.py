@@ -49,7 +49,6 @@ from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
 from swarm.pipeline.gate import PeerGate
-from swarm.pipeline.held import StepHolds
 from swarm.pipeline.history import StateHistory
 from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.layout import available_memory_bytes as available_memory_bytes  # the volunteer's import
@@ -137,7 +136,6 @@ class StageWorker(StageMoves):
         self._views = 0
         self._step_view = 0
         self.states = StateHistory(run.run_id, run.pipeline.kept_states)
-        self.holds = StepHolds()  # trainers that held a step past a request's timeout hold none for a while
         self._busy_mark = (time.monotonic(), 0.0)
         self._load = 0.0
         self.moves: list[dict] = []
@@ -305,9 +303,7 @@ class StageWorker(StageMoves):
             return False
         # Any peer may publish a trainer record: an in-flight claim holds the step only for a trainer whose
         # micro-batches this replica served at this step, and for one request's timeout at most.
-        # A trainer that held a step past that timeout before holds none for a while (``StepHolds``).
-        holding = [t.peer_id for t in trainers
-                   if t.in_flight and t.peer_id in r.served and self.holds.may_hold(t.peer_id, r.step)]  # fmt: skip
+        holding = [t.peer_id for t in trainers if t.in_flight and t.peer_id in r.served]
         if not holding:
             return True
         now = time.monotonic()
@@ -317,7 +313,6 @@ class StageWorker(StageMoves):
             return False
         logger.info(f"stage {r.index}: step {r.step} held by in-flight claims of {len(holding)} trainers for "
                     f"{now - self._held_since:.1f}s; closing it")  # fmt: skip
-        self.holds.strike(holding, r.step)
         return True
 
     def _left_behind(self) -> bool:
@@ -345,11 +340,7 @@ class StageWorker(StageMoves):
         r = self.replica
         start = self._held_since if self._held_since is not None else time.monotonic()
         deadline = start + self.config.pipeline.request_timeout_s
-        struck = self.holds.struck(r.step)
-        while waiting := await r.compute(r.awaiting_backward, struck):
-            if time.monotonic() >= deadline:
-                self.holds.strike(waiting - self.holds.struck(r.step), r.step)
-                break
+        while await r.compute(r.awaiting_backward) and time.monotonic() < deadline:
             await asyncio.sleep(self.config.pipeline.announce_interval_s / 4)
 
     async def _settle_duplicates(self) -> None:
