@@ -50,7 +50,7 @@ from swarm.pipeline.check import StageCall, StageCheck
 from swarm.pipeline.hooks import PipelineHooks
 from swarm.pipeline.records import PipelineView, TrainerRecord, fetch_view, publish_record
 from swarm.pipeline.server import StageServicer, pipeline_namespace
-from swarm.pipeline.verify import AnswerCheck, check_reply
+from swarm.pipeline.verify import check_reply
 from swarm.pipeline.wire import encode_ids, sign_attempt
 from swarm.records import RecordSigner, RecordTrust
 
@@ -145,11 +145,12 @@ class PipelineTrainer:
         self._stats = {"train_loss": math.nan, "val_loss": math.nan, "val_step": -1.0, "retries": 0.0,
                        "failures": 0.0, "compute_wait_s": 0.0}  # fmt: skip
         self._failures_by_code: dict[str, int] = {}
-        # Answers are checked before they go on to another stage: relayed unchecked, a malformed or
-        # over-bound answer was refused there as this trainer's bad request, and got it banned there.
-        self.answers = AnswerCheck(run)
         self.check = StageCheck(run, self.records.key, get_codec(run.training.compression), call=self._call,
                                 choose=self._choose_other, accuse=accuse)  # fmt: skip
+        # Answers are checked before they go on to another stage: relayed unchecked, a malformed or
+        # over-bound answer was refused there as this trainer's bad request, and got it banned there.
+        # The same check files a failing one (``StageCheck.file_bad_answer``).
+        self.answers = self.check.answers
 
     def pause(self) -> None:
         self.paused = True
