@@ -303,6 +303,60 @@ def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient
             worker.replica.close()
 
 
+def test_a_replica_a_step_behind_never_averages_with_one_a_step_ahead(keyed_dhts):
+    """Replica A's round at step 0 failed while B and C stepped on to 1; A tries step 0 again while B
+    runs its round of step 1. Before the fix A and B formed a group (the stage's averager never compared
+    the steps its members signed), both applied the average, and in a 20-step clean `swarm-sim --stages 2`
+    all three replicas of stage 0 ended on three different states. Now each excludes the other: neither
+    applies anything, and A catches up by download (the catch-up rule)."""
+    from swarm.pipeline.worker import StageWorker
+
+    torch.set_num_threads(1)
+    data = attack_run().model_dump(mode="json")
+    data["training"].update(
+        min_group_size=2, matchmaking_time_s=1.0, sender_timeout_s=2.0, averaging_timeout_s=10.0
+    )
+    run = RunConfig.parse(data)
+    members = {key.peer_id for _, key in keyed_dhts}
+    workers = [
+        StageWorker(run, dht, peer_id=key.peer_id, stage=1, members=members, signing_key=key, rebalance=False)
+        for dht, key in keyed_dhts
+    ]
+    for worker in workers:
+        worker.replica = StageReplica(run, 1)
+        worker.averager = worker.build_averager(1, worker.replica.numel)
+    behind, ahead, idle = workers
+    for worker in workers:
+        worker.replica.forward(last_stage_request(run, 1, seed=1), caller=SigningKey.generate().peer_id)
+    for worker in (ahead, idle):  # the round of step 0 that ``behind`` missed
+        worker.replica.apply(torch.zeros(worker.replica.numel))
+        request = last_stage_request(run, 2, seed=2)
+        request.step = 1
+        worker.replica.forward(request, caller=SigningKey.generate().peer_id)
+
+    async def scenario() -> tuple[str, str]:
+        for worker in workers:
+            await worker.averager.start()
+            await worker.replica.commit()
+            await worker._announce()
+        for worker in workers:
+            await worker._refresh_view()
+        before = (behind.replica.state_hash, ahead.replica.state_hash)
+        await asyncio.gather(behind._step_round(), ahead._step_round())
+        for worker in workers:
+            await worker.averager.shutdown()
+        return before
+
+    try:
+        before = asyncio.run(scenario())
+        assert (behind.replica.step, ahead.replica.step) == (0, 1), "a cross-step round was applied"
+        assert (behind.replica.state_hash, ahead.replica.state_hash) == before
+        assert behind._stats["rounds_failed"] == ahead._stats["rounds_failed"] == 1
+    finally:
+        for worker in workers:
+            worker.replica.close()
+
+
 def test_a_replica_claiming_1e12_samples_per_s_does_not_move_its_honest_stage_mates_away():
     """Rebalancing can only read reported rates. Before the fix, in `swarm-sim --stages 2 --peers-per-stage 2
     --byzantine 1 --attack stage_throughput_lie` the liar's stage looked the richest, its honest replica

@@ -58,6 +58,7 @@ from swarm.pipeline.replica import StageReplica
 from swarm.pipeline.server import StageServicer
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
+from swarm.training.progress import step_misfit
 from swarm.training.sync import EncodedState
 
 logger = logging.getLogger(__name__)
@@ -381,7 +382,13 @@ class StageWorker(StageMoves):
             self.policy.suspect(trainer, f"its gradient at stage {r.index} step {r.step} is an outlier")
         others = [x for x in self.view.averaging(r.index, r.step) if x.peer_id != self.peer_id]
         extra = {"step": r.step, "state_hash": r.state_hash}
-        outcome = await self.averager.average(vector, float(r.samples), extra, alone=not others)
+        # Only replicas at this step average: one a step behind (its round failed, the others stepped on)
+        # averaged with one a step ahead, and both applied a gradient to states nobody else held.
+        held = {x.step for x in self.view.members(r.index)}
+        outcome = await self.averager.average(
+            vector, float(r.samples), extra, alone=not others,
+            fits=lambda entry: step_misfit(entry.extra, extra, held),
+        )  # fmt: skip
         self._stats["averaging_s"] += time.monotonic() - started
         if outcome is None or not outcome[1].complete:
             self._stats["rounds_failed"] += 1
@@ -390,6 +397,12 @@ class StageWorker(StageMoves):
         group, result = outcome
         if r.step != extra["step"]:
             return  # a catch-up replaced the state meanwhile
+        if any(not isinstance(e, dict) or e.get("step") != r.step for e in group.extras):
+            self._stats["rounds_failed"] += 1
+            logger.info(
+                f"stage {r.index} step {r.step}: a replica in the group was at another step; not applied"
+            )
+            return
         averaged, samples = result.vector, sum(group.weights)
         if not counted_by_majority(group.weights):
             # Every member sees the same signed weights, so all step alike: with no gradient, as a round
