@@ -5,6 +5,7 @@
 - ``credit``: how witnessed rounds (and pipeline roles' reports) become credit, up to the verified step
 - ``witness``: the rounds a heartbeat reports its sender applied, opened and checked member by member
 - ``suspicions``: which peers others avoid for breaking their rounds, as their heartbeats report it
+- ``standing``: the credited peers the coordinator signs into heartbeat answers, for catch-up votes
 - ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status, accusations
 - ``limits``: ``ServiceLimits``, per-caller and global limits on challenges, accusations and evidence
 - ``accusations``: reading an accusation's evidence as it arrives, and judging it with the run's rule

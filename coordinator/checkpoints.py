@@ -33,6 +33,7 @@ import hivemind
 from hivemind.p2p import PeerID
 
 from coordinator.stagestates import RecentStageStates
+from coordinator.standing import Standing
 from coordinator.store import PeerRecord
 from protocols.errors import ConfigError
 from protocols.keys import SigningKey
@@ -135,8 +136,16 @@ class CheckpointKeeper:
     that resume, and announces it in a record signed with ``key``.
     """
 
-    def __init__(self, run: RunConfig, dht: hivemind.DHT, key: SigningKey, directory: Path):
+    def __init__(
+        self,
+        run: RunConfig,
+        dht: hivemind.DHT,
+        key: SigningKey,
+        directory: Path,
+        standing: Standing | None = None,
+    ):
         self.run, self.dht, self.key, self.directory = run, dht, key, directory
+        self.standing = standing  # the coordinator's credit by peer: votes weigh by it (None: counted only)
         self.latest: Checkpoint | None = None
         self._encoded: EncodedState | None = None
         self._max_bytes = 0
@@ -246,7 +255,8 @@ class CheckpointKeeper:
         if len(self._in_view_at) > 4 * len(self.view) + 1024:  # forget peers long gone
             self._in_view_at = {k: t for k, t in self._in_view_at.items() if now - t < OUTSIDE_GRACE_S}
         others = {k: Position(p.step, p.state_hash) for k, p in self.view.items()}
-        target = catch_up_target(None, others, max_step=self.run.training.max_steps)
+        credit = None if self.standing is None else (await self.standing.current())[1]
+        target = catch_up_target(None, others, max_step=self.run.training.max_steps, credit=credit)
         if target is not None and self._due(target.step):
             await self._fetch_and_save(target.step, target.state_hash, target.holders)
 

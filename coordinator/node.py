@@ -33,6 +33,7 @@ from coordinator.limits import ServiceLimits
 from coordinator.metrics import MetricsLogger, history_point, run_snapshot
 from coordinator.roundinputs import PeerRoundInputs
 from coordinator.service import CoordinatorService
+from coordinator.standing import Standing
 from coordinator.store import Store
 from protocols.errors import ConfigError, NetworkError
 from swarm.bans import MAX_BANNED, publish_ban_list
@@ -131,7 +132,8 @@ class CoordinatorNode:
                 validators=[RunValidator(run.run_id, key.public_key, stages=run.pipeline.stages)],
             )
             self.dht_initial_peers = visible_maddrs(self._dht)
-            keeper = self.keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints")
+            standing = Standing(self._store)  # one for the heartbeat answers and the keeper's catch-up
+            keeper = self.keeper = CheckpointKeeper(run, self._dht, key, data_dir / "checkpoints", standing)
             await keeper.start()
             self._store.follow_checkpoints(
                 lambda: keeper.latest.step if keeper.latest else None, run.training.checkpoint_every_steps
@@ -142,7 +144,7 @@ class CoordinatorNode:
                 finished_step=lambda: keeper.finished_step,
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
                 outside_dht=keeper.outside_dht, stage_checkpoint=lambda stage: keeper.stages.get(stage),
-                stage_states=keeper.recent, round_inputs=PeerRoundInputs(keeper.p2p),
+                stage_states=keeper.recent, round_inputs=PeerRoundInputs(keeper.p2p), standing=standing,
             )  # fmt: skip
             # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
             # would split the clients between the two.

@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from coordinator.accusations import EvidenceReader, StageStates, judge_accusation, next_part, run_layouts
 from coordinator.limits import EvidenceBudget, KeyedBuckets, RefusalLog, ServiceLimits, caller_key
 from coordinator.roundinputs import RoundInputs
+from coordinator.standing import Standing
 from coordinator.store import PeerRecord, Store
 from coordinator.witness import witnessed_rounds
 from protocols import coordinator_pb2 as pb
@@ -84,6 +85,7 @@ class CoordinatorService:
         dht_initial_peers: the DHT bootstrap addresses handed to every admitted peer.
         limits: per-caller and global limits on challenges, accusations and evidence bytes.
         holds_checkpoint: whether the coordinator holds a checkpoint now (told to each peer it admits).
+        standing: the credit it signs into heartbeat answers (the checkpoint keeper's too; default: its own).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class CoordinatorService:
         stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
         stage_states: StageStates | None = None,
         round_inputs: RoundInputs | None = None,
+        standing: Standing | None = None,
     ):
         self.config = config
         self.holds_checkpoint = holds_checkpoint
@@ -107,6 +110,7 @@ class CoordinatorService:
         self.outside_dht, self.stage_checkpoint = outside_dht, stage_checkpoint
         self.stage_states = stage_states  # a stage's states at recent steps, for stage evidence
         self.round_inputs = round_inputs  # asks a reducer for the inputs behind its aggregate
+        self.standing = standing or Standing(store)  # credit by peer, signed into heartbeat answers
         # Each peer's clock minus ours, from its last signed heartbeat or join (within the skew bound), and
         # when its current session joined (the store keeps a peer's first join); a peer not seen joining
         # since this service started counts as joined when it started.
@@ -116,6 +120,7 @@ class CoordinatorService:
         # When each peer's witnessed rounds were last read (see ``heartbeat``), bounded like the clocks.
         self._witnessed_at: OrderedDict[str, float] = OrderedDict()
         self._witness_every_s = config.membership.heartbeat_interval_s / 2
+        self._standing_sent: OrderedDict[str, float] = OrderedDict()  # which standing each peer was sent
         # Refused requests, logged a bounded number of times a minute (a flood is counted, not written out).
         self._refusals = RefusalLog(logger.warning)
         self.key, self.store = key, store
@@ -357,6 +362,11 @@ class CoordinatorService:
             "seq": body.seq, "max_steps": self.config.training.max_steps or 0,
             "finished_step": self.finished_step() or 0,
         }  # fmt: skip
+        standing_at, credit = await self.standing.current()
+        # Only a newer one than the peer holds, and each one once per peer: at most one per refresh.
+        if standing_at > body.standing_at and self._standing_sent.get(envelope.sender) != standing_at:
+            _remember(self._standing_sent, envelope.sender, standing_at)
+            run_state.update(standing_at=standing_at, standing=credit)
         return pb.HeartbeatResponse(
             state="online", certificate=renewed, server_time=now,
             run_state=seal(self.key, RUN_STATE, self.run_id, run_state),

@@ -42,6 +42,7 @@ from coordinator.credit import (
     round_share,
     verify_step,
 )
+from coordinator.standing import credited_peers
 from coordinator.suspicions import SCHEMA as SUSPICIONS_SCHEMA
 from coordinator.suspicions import record_suspicions, suspicion_counts
 from protocols.errors import ConfigError
@@ -440,6 +441,10 @@ class Store:
     async def suspicion_counts(self) -> dict[str, int]:
         """Per peer, how many online, unbanned peers avoid it now (``coordinator.suspicions``)."""
         return await self._run(suspicion_counts)
+
+    async def standing(self) -> dict[str, float]:
+        """The credited samples of the online, unbanned peers with the most (``coordinator.standing``)."""
+        return await self._run(credited_peers)
 
     async def credit_refused(self) -> dict[str, float]:
         """Samples each peer claimed beyond what its progress allows (only peers with such claims)."""

@@ -211,7 +211,7 @@ class Volunteer:
             hooks=self._rehearsed_attack(), record_signer=session.records,
             activation_checkpointing=config.activation_checkpointing,
             fit_memory=config.max_gpu_memory is not None, client_mode=not session.dialable,
-            coordinator_checkpoint=session.admission.holds_checkpoint,
+            coordinator_checkpoint=session.admission.holds_checkpoint, standing=session.standing,
         )  # fmt: skip
 
     async def _run(self, stop: asyncio.Event) -> int:

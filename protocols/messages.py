@@ -45,6 +45,9 @@ MAX_SUSPECT_REPORTS = 16
 MAX_WITNESSED_ROUNDS = 3
 MAX_ROUND_ENTRIES = 48
 MAX_ENTRY_BYTES = 1536
+# Peers the coordinator names in a heartbeat answer's standing (their credited samples), at most: about
+# 33 KiB, sent only to a peer whose copy is older than the coordinator's (``RunStateBody.standing``).
+MAX_STANDING = 512
 #: A pipeline trainer's highest attempt number for one micro-batch at one step (a sanity bound).
 MAX_ATTEMPT = 1 << 16
 #: Retried micro-batches a stage replica announces per step at most (about 140 bytes each).
@@ -98,6 +101,13 @@ class RunStateBody(_Body):
     seq: int = Field(gt=0)
     max_steps: int = Field(ge=0, lt=2**63)
     finished_step: int = Field(ge=0, lt=2**63)
+    # The run's standing when the coordinator last computed it (``standing_at``, its clock), sent only when
+    # the heartbeat's copy is older: the credited samples of the online, unbanned peers with the most,
+    # which weigh their votes in catch-up (``swarm.training.catchup``). Empty: nothing new.
+    standing_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    standing: dict[PeerIdText, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=MAX_STANDING
+    )
 
 
 class HeartbeatBody(_Body):
@@ -114,6 +124,8 @@ class HeartbeatBody(_Body):
     # The peers its sender avoids now for breaking its rounds in ways nobody can prove (a reducer that
     # took a part and never delivered it, a member that denied a round); the coordinator shows the count.
     suspects: list[PeerIdText] = Field(default_factory=list, max_length=MAX_SUSPECT_REPORTS)
+    # When the coordinator computed the standing its sender holds (0: none): a newer one comes back.
+    standing_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     # The rounds its sender applied lately, each as the signed group entries of its kept members (the
     # sender's own among them): the coordinator credits each other member the weight it signed.
     rounds: list[

@@ -15,6 +15,7 @@
 - ``membership``: verified peer certificates published in the DHT
 - ``records``: signed DHT records, the one trust boundary for everything read from the run's DHT
 - ``bans``: the coordinator-signed ban list, published in pages in the DHT and enforced by every peer
+- ``standing``: the run's standing as a peer last heard it: each credited peer's samples, coordinator-signed
 - ``keyspace``: every DHT key a run uses, each with its check (``RunValidator``); other keys are refused
 - ``dht``: starting hivemind's DHT under a swarm identity
 - ``dhtstorage``: ``BoundedStorage``, what a DHT node keeps for others, bounded in total and per signer

@@ -78,6 +78,9 @@ class HeartbeatAnswer:
     max_steps: int | None = None
     finished_step: int | None = None
     signed_run_state: bool = False
+    # The run's standing, when the coordinator sent a newer one than the heartbeat's copy (None: none).
+    standing_at: float = 0.0
+    standing: dict[str, float] | None = None
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -212,11 +215,13 @@ class CoordinatorClient:
         param_hash: str = "",
         suspects: list[str] | None = None,
         rounds: list[list[bytes]] | None = None,
+        standing_at: float = 0.0,
     ) -> HeartbeatAnswer:
         seq = self._next_seq()
         body = {
             "seq": seq, "state": state, "metrics": dict(metrics or {}), "step": step,
             "param_hash": param_hash, "suspects": list(suspects or [])[:MAX_SUSPECT_REPORTS],
+            "standing_at": float(standing_at),
         }  # fmt: skip
         if rounds:  # the signed group entries of rounds this peer applied lately (credit for the others)
             body["rounds"] = [list(entries)[:MAX_ROUND_ENTRIES] for entries in rounds[-MAX_WITNESSED_ROUNDS:]]
@@ -241,7 +246,8 @@ class CoordinatorClient:
             raise SecurityError(f"{what} answers another heartbeat (sequence {run_state.seq}, not {seq})")
         return replace(
             answer, max_steps=run_state.max_steps or None, finished_step=run_state.finished_step or None,
-            signed_run_state=True,
+            signed_run_state=True, standing_at=run_state.standing_at,
+            standing=dict(run_state.standing) if run_state.standing_at > standing_at else None,
         )  # fmt: skip
 
     async def leave(self, key: SigningKey, run_id: str, *, reason: str = "") -> str:

@@ -50,6 +50,7 @@ from protocols.keys import PublicKey, SigningKey
 from protocols.messages import MAX_SUSPECT_REPORTS
 from swarm.config import RUN_ID_PATTERN, RunConfig
 from swarm.identity import DEFAULT_IDENTITY, load_or_create_identity
+from swarm.standing import Standing
 from swarm.trust import KnownCoordinators, key_mismatch_fix
 
 if TYPE_CHECKING:  # the CLIs' --help reads SessionConfig: it must not load grpc or torch
@@ -196,6 +197,7 @@ class Session:
         self.paused = False
         self.state = "starting"
         self.finished_step: int | None = None  # set once the coordinator says the run has finished
+        self.standing = Standing()  # the credit the coordinator last signed; catch-up weighs votes by it
         self._coordinator_maddrs: list[str] = []
         self._reaching: asyncio.Task | None = None
         self._members = 0
@@ -365,6 +367,7 @@ class Session:
         higher one); True once the run has finished and this peer should leave."""
         if not answer.signed_run_state:
             return False
+        self.standing.take(answer.standing_at, answer.standing)
         self._apply_max_steps(answer.max_steps)
         if answer.finished_step is None or self.finished_step == answer.finished_step:
             return False
@@ -439,7 +442,7 @@ class Session:
             state="paused" if self.paused else "online", metrics=self.metrics(),
             step=progress.step if progress else 0, param_hash=progress.param_hash if progress else "",
             suspects=progress.suspected(MAX_SUSPECT_REPORTS) if progress else [],
-            rounds=progress.witnessed() if progress else [],
+            rounds=progress.witnessed() if progress else [], standing_at=self.standing.at,
         )  # fmt: skip
 
     # --- leaving ------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ loopback with the real service, store and limits.
 
 Stalled accusations cannot keep a true one out, a table of Sybils with long metric names cannot push
 ``Status`` past gRPC's cap or stop anyone joining, and self-banned Sybils cannot push a fresh
-conviction off the published ban list.
+conviction off the published ban list. The standing the coordinator signs into heartbeat answers
+names only peers with credit, so Sybils without witnessed work have no say in catch-up.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from protocols.messages import MAX_METRICS
 from swarm.bans import MAX_BANNED
 from swarm.byzantine.abuse import stalled_accusation
 from swarm.coordinator_client import CoordinatorClient
+from swarm.standing import Standing
+from swarm.training.catchup import Position, catch_up_target
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -195,5 +198,50 @@ def test_a_conviction_of_a_key_that_never_joined_is_refused(tmp_path: Path):
             with pytest.raises(ProtocolError, match="is not a peer of this run"):
                 await true_accusation(address, service, accuser, stranger, third)
             assert await store.list_bans() == []
+
+    asyncio.run(scenario())
+
+
+def test_the_signed_standing_names_credited_peers_only_and_makes_catch_up_ignore_sybils(tmp_path: Path):
+    """Issue 25 (catch-up that Sybils cannot steer), through the real service and client: the heartbeat
+    answer carries the coordinator's signed standing (the credited samples of online, unbanned peers),
+    only when newer than the peer's copy; a session keeps it and its catch-up weighs votes by it, so five
+    Sybils announcing a made-up step beside three credited peers move nobody."""
+
+    async def scenario() -> None:
+        async with serving(tmp_path, ServiceLimits()) as (address, store, service):
+            h1, h2, h3, convicted, *sybils = await admitted(address, 4 + 5)
+            granted = {h1.peer_id: 300.0, h2.peer_id: 200.0, h3.peer_id: 100.0, convicted.peer_id: 500.0}
+
+            def grant(db) -> None:  # as coordinator.credit grants it for witnessed rounds (test_store.py)
+                for peer_id, samples in granted.items():
+                    db.execute(
+                        "INSERT INTO credit (peer_id, samples, step) VALUES (?, ?, 0)", (peer_id, samples)
+                    )
+
+            await store._run(grant)
+            await store.ban(convicted.peer_id, "shifted a part it reduced")
+            session = Standing()
+            async with CoordinatorClient(address) as client:
+                for key in sybils:
+                    await client.heartbeat(key, RUN, service.key.public_key, step=6, param_hash="2" * 64)
+                answer = await client.heartbeat(h1, RUN, service.key.public_key, standing_at=session.at)
+                assert session.take(answer.standing_at, answer.standing)
+                assert session.credit == {k: v for k, v in granted.items() if k != convicted.peer_id}
+                again = await client.heartbeat(h1, RUN, service.key.public_key, standing_at=session.at)
+                assert again.standing is None and not session.take(again.standing_at, again.standing)
+                # Claiming to hold none gets it no second copy of the same standing (33 KiB each).
+                assert (
+                    await client.heartbeat(h1, RUN, service.key.public_key, standing_at=0)
+                ).standing is None
+            view = {**{k.peer_id: Position(5, "1" * 64) for k in (h1, h2, h3)},
+                    **{k.peer_id: Position(6, "2" * 64) for k in sybils}}  # fmt: skip
+            assert catch_up_target(Position(0, "3" * 64), view).state_hash == "2" * 64  # counting keys
+            target = catch_up_target(Position(0, "3" * 64), view, credit=session.credit)
+            assert target.state_hash == "1" * 64 and set(target.holders) == {
+                h1.peer_id,
+                h2.peer_id,
+                h3.peer_id,
+            }
 
     asyncio.run(scenario())

@@ -82,6 +82,41 @@ def test_catch_up_follows_a_strict_majority_of_certified_peers_only():
     assert moved is not None and moved.state_hash == H2, "only a majority of certified keys moves a peer"
 
 
+def test_sybils_without_credit_neither_steer_nor_hold_back_a_fresh_peer_a_peer_in_line_or_the_keeper():
+    """Issue 25 (catch-up that Sybils cannot steer). Under open admission one address gets many
+    certified keys: 5 Sybils announce a made-up step 6 beside 3 honest peers at step 5. Counting keys, a
+    fresh peer, the checkpoint keeper and an honest peer in line all followed the Sybils (and downloaded
+    their state); weighed by the coordinator's signed credit, keys that did no witnessed work have no say."""
+    honest = {"h1": Position(5, H1), "h2": Position(5, H1), "h3": Position(5, H1)}
+    sybils = {f"s{i}": Position(6, H2) for i in range(5)}
+    view = {**honest, **sybils}
+    credit = {"h1": 1200.0, "h2": 900.0, "h3": 1000.0}
+    fresh, keeper, in_line = Position(0, H3), None, Position(5, H1)
+    for mine in (fresh, keeper):  # counting keys: the Sybils' state
+        assert catch_up_target(mine, view).state_hash == H2
+    assert catch_up_target(in_line, view).state_hash == H2  # a fourth honest peer, at step 5 with them
+    for mine in (fresh, keeper):
+        target = catch_up_target(mine, view, credit=credit)
+        assert (target.step, target.state_hash, target.holders) == (5, H1, ["h1", "h2", "h3"])
+    assert catch_up_target(in_line, view, credit=credit) is None
+    # Sybils that farmed a little credit by witnessing each other's made-up rounds weigh that little.
+    farmed = {**credit, **{s: 60.0 for s in sybils}}
+    assert catch_up_target(fresh, view, credit=farmed).state_hash == H1
+    # One peer with a long history weighs no more than the third most credited: it neither decides ...
+    whale = {**credit, "s0": 10**9}
+    assert catch_up_target(fresh, view, credit=whale).state_hash == H1
+    # ... nor vetoes: alone at another state, it cannot keep a fresh peer from the honest peers' state.
+    split = {**honest, "w": Position(5, H2)}
+    assert catch_up_target(fresh, split, credit={**credit, "w": 10**9}).state_hash == H1
+    # Before three peers in view have credit (a run's first steps), counting keys decides as before.
+    assert catch_up_target(fresh, view, credit={"h1": 5.0, "h2": 5.0}).state_hash == H2
+    # A newer state a holder offers during a download is vouched for by credit the same way.
+    history = PositionHistory()
+    history.observe({**{k: Position(7, H3) for k in sybils}, **honest})
+    voters = list(view)
+    assert history.agreed(7, H3, voters) and not history.agreed(7, H3, voters, credit=credit)
+
+
 def test_a_stalled_stage_replica_apart_at_the_last_step_moves_to_its_stage_mates_state():
     """A stage replica counts as stalled once its step has lasted a round's time, and a stalled one let
     only peers ahead vote. At the run's last step no round comes and nobody is ahead, so a replica that

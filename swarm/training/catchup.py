@@ -17,6 +17,14 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    peers they never outnumber the honest peers in view, and admission bounds how many keys one
    attacker gets. A coordinator's signed checkpoint record is the other trusted source; callers use it
    when most peers in view have not trained past step 0.
+   Once ``CREDIT_QUORUM`` (3) peers in view have credit, votes are not counted but weighed
+   (``by_credit``): by the samples the coordinator credited each for rounds other members witnessed, as
+   it signs them into its heartbeat answers (``swarm.standing``), each capped at the third most any peer
+   in view holds, so that one peer with a long history neither decides nor vetoes alone. Keys that did
+   no witnessed work weigh nothing, so under ``open`` admission Sybils that outnumber the honest peers in
+   view neither move a fresh peer, one that is not stalled, or the coordinator's checkpoint keeper, nor
+   keep them from the honest peers' state. Before credit exists (a run's first steps), and for a
+   stalled caller's groupmates (below), counting decides.
    A caller whose rounds have failed at its step for longer than a whole round can take (``stalled``,
    counted from its first round attempt at the step, never from the step's start: computing a large
    batch is not being stuck) lets only the peers ahead of it vote: the peers at its own step may be as
@@ -48,6 +56,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 MAX_STEP = 2**62
+# A peer's vote by credit is capped at the credit of the peer that holds this much of it (the third most).
+CREDIT_CAP_RANK = 3
+# Peers in view with credit that make credit, not the count of keys, decide a move: with fewer, one peer
+# credited early would decide alone.
+CREDIT_QUORUM = 3
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,48 @@ def quorum(others: int) -> int:
     return others // 2 + 1
 
 
+def credit_weights(peers: Collection[str], credit: Mapping[str, float]) -> dict[str, float]:
+    """Each of ``peers``' vote by credit: its credited samples (0 without credit), capped at the third
+    most any of them holds, so that one peer with a long history neither decides nor vetoes alone.
+    The cap is set by the peers with the most credit, so many keys with a little cannot lower it."""
+    held = sorted((c for c in (credit.get(peer, 0.0) for peer in peers) if c > 0), reverse=True)
+    cap = held[min(CREDIT_CAP_RANK, len(held)) - 1] if held else 0.0
+    return {peer: min(credit.get(peer, 0.0), cap) for peer in peers}
+
+
+def credited(peers: Collection[str], credit: Mapping[str, float]) -> list[str]:
+    """The peers of ``peers`` the coordinator credited with witnessed work."""
+    return [peer for peer in peers if credit.get(peer, 0.0) > 0]
+
+
+def by_credit(
+    mine: Position | None,
+    others: Mapping[str, Position],
+    voters: Mapping[str, Position],
+    *,
+    lowest: int,
+    limit: int,
+    stalled: bool,
+    credit: Mapping[str, float],
+) -> tuple[Position, int] | None:
+    """The position the voters' credit decides, with how many voters hold it; None when no position has
+    a strict majority of the credit. Each vote weighs ``credit_weights`` (over every peer in view). A
+    state ahead of a caller that is not stalled needs a majority of the credit of every peer in view, as
+    counting asks of it (honest peers further behind must not leave the decision to the peers ahead)."""
+    weights = credit_weights(others, credit)
+    backing: dict[Position, float] = {}
+    for peer, p in voters.items():
+        if lowest <= p.step <= limit and weights[peer] > 0:
+            backing[p] = backing.get(p, 0.0) + weights[peer]
+    if not backing:
+        return None
+    best = min(backing, key=lambda p: (-backing[p], -p.step, p.state_hash))
+    pool = others if not stalled and (mine is None or best.step > mine.step) else voters
+    if best == mine or 2 * backing[best] <= sum(weights[peer] for peer in pool):
+        return None
+    return best, sum(1 for p in voters.values() if p == best)
+
+
 def catch_up_target(
     mine: Position | None,
     others: Mapping[str, Position],
@@ -81,6 +136,7 @@ def catch_up_target(
     stalled: bool = False,
     trusted: Collection[str] | None = None,
     long_stalled: bool = False,
+    credit: Mapping[str, float] | None = None,
 ) -> Target | None:
     """The position to move to, or None when the caller is in line (or no majority exists yet).
 
@@ -90,19 +146,22 @@ def catch_up_target(
     its step follows only what a strict majority of those hold, and one that has none in view is not
     treated as stalled. ``long_stalled`` (its rounds have failed twice as long): the anchors at its own step
     may be as stuck as it is (below the run's minimum group size with it), so only the anchors ahead vote.
-    None: a stalled caller lets every peer ahead vote. A caller with no peer ahead is not stalled."""
+    None: a stalled caller lets every peer ahead vote. A caller with no peer ahead is not stalled.
+    ``credit``: the coordinator's signed standing (``swarm.standing``); once ``CREDIT_QUORUM`` peers in
+    view have credit, a move that groupmates do not decide is decided by credit (``by_credit``), not by
+    counting keys. None: counting only."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
     if stalled and mine is not None and not any(mine.step < p.step <= limit for p in others.values()):
         # Nobody ahead to follow: a peer apart from the others at its own step (a stage replica at the run's
         # last step, where no round comes) moves to the majority's state like one that is not stalled.
         stalled = long_stalled = False
-    anchors = []
+    anchors: dict[str, Position] = {}
     if stalled and mine is not None and trusted is not None:
-        anchors = [p for peer, p in others.items() if peer in trusted and p.step >= mine.step]
+        anchors = {peer: p for peer, p in others.items() if peer in trusted and p.step >= mine.step}
         if not anchors:
             stalled = False  # no groupmate in view: the rule of a caller that is not stalled
         elif long_stalled:
-            anchors = [p for p in anchors if p.step > mine.step]
+            anchors = {peer: p for peer, p in anchors.items() if p.step > mine.step}
             level = sum(1 for p in others.values() if p.step == mine.step)
             ahead = sum(1 for p in others.values() if p.step > mine.step)
             if not anchors or level > ahead:
@@ -110,7 +169,7 @@ def catch_up_target(
                 # are at its step, so that rounds there can form: a groupmate ahead alone must not decide.
                 return None
     if mine is None:
-        lowest, voters = -1, list(others.values())
+        lowest, voters = -1, dict(others)
     elif anchors:
         # Only peers this one verified work with decide, and all of them do, ahead or not: keys that
         # never shared a round with it, however many, have no say, and one groupmate ahead of the others
@@ -119,36 +178,43 @@ def catch_up_target(
         voters = anchors
     elif stalled:
         lowest = mine.step + 1
-        voters = [p for p in others.values() if p.step >= lowest]
+        voters = {peer: p for peer, p in others.items() if p.step >= lowest}
     else:
         lowest = mine.step
-        voters = [p for p in others.values() if p.step >= mine.step - 1]
-    counts = Counter(Position(p.step, p.state_hash) for p in voters if lowest <= p.step <= limit)
-    if not counts:
-        return None
-    best, support = min(counts.items(), key=lambda item: (-item[1], -item[0].step, item[0].state_hash))
-    electorate = len(voters)
-    if mine is not None and not stalled and best.step > mine.step:
-        # A state ahead needs a majority of every peer in view: honest peers that are further behind
-        # (downloading, just joined) must not leave the window to a few keys that agree on a step ahead.
-        # The caller's own state is a vote too when nobody but the candidate's holders is ahead of it.
-        own = len(others) >= 2 and all(
-            p.step <= mine.step for p in others.values() if Position(p.step, p.state_hash) != best
-        )
-        electorate = len(others) + int(own)
-    if support < quorum(electorate) or best == mine:
-        return None
-    if anchors and long_stalled:
-        # The groupmates ahead decide only what most peers in view ahead of the caller hold too: one
-        # attacker groupmate ahead is no majority of the honest peers that moved on.
-        ahead_of_me = [p for p in others.values() if p.step > mine.step]
-        held = sum(1 for p in ahead_of_me if Position(p.step, p.state_hash) == best)
-        if held < quorum(len(ahead_of_me)):
+        voters = {peer: p for peer, p in others.items() if p.step >= mine.step - 1}
+    if credit is not None and not anchors and len(credited(others, credit)) >= CREDIT_QUORUM:
+        decided = by_credit(mine, others, voters, lowest=lowest, limit=limit, stalled=stalled, credit=credit)
+        if decided is None:
             return None
-    if mine is not None and best.step == mine.step:
-        mine_side = 1 + sum(1 for p in voters if Position(p.step, p.state_hash) == mine)
-        if mine_side > support or (mine_side == support and mine.state_hash < best.state_hash):
+        best, support = decided
+    else:
+        counts = Counter(p for p in voters.values() if lowest <= p.step <= limit)
+        if not counts:
             return None
+        best, support = min(counts.items(), key=lambda item: (-item[1], -item[0].step, item[0].state_hash))
+        electorate = len(voters)
+        if mine is not None and not stalled and best.step > mine.step:
+            # A state ahead needs a majority of every peer in view: honest peers that are further behind
+            # (downloading, just joined) must not leave the window to a few keys that agree on a step
+            # ahead. The caller's own state is a vote too when nobody but the candidate's holders is
+            # ahead of it.
+            own = len(others) >= 2 and all(
+                p.step <= mine.step for p in others.values() if Position(p.step, p.state_hash) != best
+            )
+            electorate = len(others) + int(own)
+        if support < quorum(electorate) or best == mine:
+            return None
+        if anchors and long_stalled:
+            # The groupmates ahead decide only what most peers in view ahead of the caller hold too: one
+            # attacker groupmate ahead is no majority of the honest peers that moved on.
+            ahead_of_me = [p for p in others.values() if p.step > mine.step]
+            held = sum(1 for p in ahead_of_me if Position(p.step, p.state_hash) == best)
+            if held < quorum(len(ahead_of_me)):
+                return None
+        if mine is not None and best.step == mine.step:
+            mine_side = 1 + sum(1 for p in voters.values() if p == mine)
+            if mine_side > support or (mine_side == support and mine.state_hash < best.state_hash):
+                return None
     holders = sorted(
         peer
         for peer, p in others.items()
@@ -165,17 +231,20 @@ def catch_up_move(
     stuck_s: float,
     trusted: Collection[str] | None = None,
     long_stall_rule: bool = True,
+    credit: Mapping[str, float] | None = None,
 ) -> tuple[int, str, list[str]] | None:
     """(step, state hash, holders) to move to under the run's ``training`` settings, or None: the caller
     counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
     for longer than a matchmaking window plus a round timeout (``trusted``: see ``catch_up_target``),
     and as long stalled twice as long, unless ``long_stall_rule`` is off (a stage replica sitting out
-    the step it joined at). The data-parallel trainer and every stage replica call this."""
+    the step it joined at). ``credit``: see ``catch_up_target``. The data-parallel trainer and every
+    stage replica call this."""
     stalled = stuck_s > training.round_s
     long_stalled = long_stall_rule and stuck_s > 2 * training.round_s
     target = catch_up_target(
-        mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted, long_stalled=long_stalled
-    )
+        mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted,
+        long_stalled=long_stalled, credit=credit,
+    )  # fmt: skip
     return None if target is None else (target.step, target.state_hash, target.holders)
 
 
@@ -235,8 +304,15 @@ class PositionHistory:
             for peer in [p for p in self._seen if p not in keep]:
                 del self._seen[peer]
 
-    def agreed(self, step: int, state_hash: str, voters: Collection[str]) -> bool:
-        """Whether a strict majority of ``voters`` were seen at ``step`` holding ``state_hash``."""
+    def agreed(
+        self, step: int, state_hash: str, voters: Collection[str], credit: Mapping[str, float] | None = None
+    ) -> bool:
+        """Whether a strict majority of ``voters`` were seen at ``step`` holding ``state_hash``: of their
+        credit once ``CREDIT_QUORUM`` of them have some (``credit``: the coordinator's standing), else of
+        their count, as ``catch_up_target`` decides."""
         position, voters = Position(step, state_hash), set(voters)
-        support = sum(1 for peer in voters if position in self._seen.get(peer, ()))
-        return support > 0 and support >= quorum(len(voters))
+        seen = {peer for peer in voters if position in self._seen.get(peer, ())}
+        if credit is not None and len(credited(voters, credit)) >= CREDIT_QUORUM:
+            weights = credit_weights(voters, credit)
+            return 2 * sum(weights[peer] for peer in seen) > sum(weights.values())
+        return bool(seen) and len(seen) >= quorum(len(voters))

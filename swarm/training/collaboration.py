@@ -188,8 +188,8 @@ class Collaboration:
             TrainingPeer, run, session.dht, peer_id=session.key.peer_id, device=device,
             coordinator_key=session.coordinator_key, signing_key=session.key, record_signer=session.records,
             data_host=session.config.host, accuse=session.accuser(), client_mode=not session.dialable,
-            coordinator_checkpoint=session.admission.holds_checkpoint, model=model, optimizer=optimizer,
-            validate=validate,
+            coordinator_checkpoint=session.admission.holds_checkpoint, standing=session.standing,
+            model=model, optimizer=optimizer, validate=validate,
         )  # fmt: skip
         collab = cls(peer, asyncio.get_running_loop(), stop or asyncio.Event())
         await collab._begin()

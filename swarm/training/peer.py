@@ -38,6 +38,7 @@ from swarm.config import RunConfig
 from swarm.models import model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
+from swarm.standing import Standing
 from swarm.training.catchup import Groupmates
 from swarm.training.hooks import TrainingHooks
 from swarm.training.memory import peak_memory_bytes
@@ -78,6 +79,7 @@ class TrainingPeer:
         client_mode: this peer cannot be dialed (behind NAT), so it never leads an averaging group.
         coordinator_checkpoint: whether the coordinator said it holds a checkpoint when this peer joined;
             False spares a fresh run's peers the look for one before they train from step 0.
+        standing: the coordinator's signed standing (the session's): catch-up weighs votes by credit.
         validate: the validation loss of a model (the synced one); None: no validation.
     """
 
@@ -101,6 +103,7 @@ class TrainingPeer:
         record_signer: RecordSigner | None = None,
         client_mode: bool = False,
         coordinator_checkpoint: bool = True,
+        standing: Standing | None = None,
         validate: Validate | None = None,
     ):
         self.hooks = hooks if hooks is not None else TrainingHooks()
@@ -157,8 +160,8 @@ class TrainingPeer:
         self.catchup = CatchUp(
             self.synced, run, progress_view=self.progress_view, averager=self.averager, dht=dht,
             peer_id=peer_id, groupmates=self.groupmates, coordinator_key=coordinator_key,
-            coordinator_checkpoint=coordinator_checkpoint, before_load=self.strategy.drop_pending,
-            after_load=self._loaded,
+            coordinator_checkpoint=coordinator_checkpoint, standing=standing,
+            before_load=self.strategy.drop_pending, after_load=self._loaded,
         )  # fmt: skip
         # Its applied rounds, as their signed entries, for the heartbeats: the other members' credit.
         self.witness = WitnessedRounds(peer_id)

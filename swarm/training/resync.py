@@ -30,6 +30,7 @@ from hivemind.p2p import PeerID
 from protocols.keys import PublicKey
 from swarm.averaging.averager import Averager
 from swarm.config import RunConfig
+from swarm.standing import Standing
 from swarm.training.catchup import Groupmates, Position, catch_up_move, quorum
 from swarm.training.progress import ProgressView
 from swarm.training.sync import (
@@ -63,6 +64,8 @@ class CatchUp:
         groupmates: the members of its last applied rounds (the anchors of a stalled peer's catch-up).
         coordinator_key: the coordinator's key (None: a run without one, as in some tests).
         coordinator_checkpoint: whether the coordinator said it holds a checkpoint when this peer joined.
+        standing: the coordinator's signed standing as the session last heard it: votes weigh by credit
+            (None: a run without a coordinator; votes are counted only).
         before_load, after_load: called around a download's load (see the module docstring).
     """
 
@@ -78,6 +81,7 @@ class CatchUp:
         groupmates: Groupmates,
         coordinator_key: PublicKey | None = None,
         coordinator_checkpoint: bool = True,
+        standing: Standing | None = None,
         before_load: Callable[[], Awaitable[None]] = _nothing,
         after_load: Callable[[], None] = lambda: None,
     ):
@@ -85,6 +89,7 @@ class CatchUp:
         self.dht, self.peer_id, self.groupmates = dht, peer_id, groupmates
         self.coordinator_key, self.coordinator_checkpoint = coordinator_key, coordinator_checkpoint
         self.before_load, self.after_load = before_load, after_load
+        self.standing = standing
         # When this peer first tried a round at its current step (None before it has): the catch-up
         # rule's stall clock, which time spent computing the batch must not start.
         self.stalled_since: float | None = None
@@ -153,7 +158,8 @@ class CatchUp:
                 target, deadline = view.count + 1, time.monotonic() + 4 * interval_s + 1.0
                 while view.count < target and time.monotonic() < deadline:
                     await asyncio.sleep(interval_s / 4)
-            if view.positions.agreed(step, state_hash, [k for k in view.peers if k != self.peer_id]):
+            voters = [k for k in view.peers if k != self.peer_id]
+            if view.positions.agreed(step, state_hash, voters, credit=self._credit()):
                 return True
         return False
 
@@ -165,7 +171,12 @@ class CatchUp:
         mine = Position(self.synced.step, self.synced.state_hash)
         stuck_s = 0.0 if self.stalled_since is None else time.monotonic() - self.stalled_since
         trusted = self.groupmates.recent(self.synced.step)
-        return catch_up_move(mine, others, self.config.training, stuck_s=stuck_s, trusted=trusted)
+        return catch_up_move(
+            mine, others, self.config.training, stuck_s=stuck_s, trusted=trusted, credit=self._credit()
+        )
+
+    def _credit(self) -> dict[str, float] | None:
+        return None if self.standing is None else self.standing.credit
 
     async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
