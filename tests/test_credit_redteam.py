@@ -330,15 +330,23 @@ def test_back_to_back_heartbeats_have_their_rounds_read_at_most_twice_an_interva
     """Before (medium): Heartbeat had no per-peer rate limit, and each may carry 3 rounds x 48 signed entries of
     up to 1 KiB that the coordinator opens synchronously in the handler (about 10 ms of CPU each here),
     where a heartbeat used to cost one signature check. Entries of keys that never joined are enough."""
+    import coordinator.service
+
     run_id = "cpu-run"
-    calls = {"n": 0}
-    verify = PublicKey.verify
+    calls = {"n": 0, "reads": 0}
+    verify, read = PublicKey.verify, coordinator.service.witnessed_rounds
 
     def counting(self, signature, data):
         calls["n"] += 1
         return verify(self, signature, data)
 
-    async def scenario() -> tuple[int, int]:
+    def reading(*args, **kwargs):
+        calls["reads"] += 1
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(coordinator.service, "witnessed_rounds", reading)
+
+    async def scenario() -> tuple[int, float]:
         async with serving(tmp_path, run_id) as (address, store, service):
             attacker = SigningKey.generate()
             junk = [SigningKey.generate() for _ in range(47)]
@@ -348,17 +356,22 @@ def test_back_to_back_heartbeats_have_their_rounds_read_at_most_twice_an_interva
                 one = [entry(attacker, 3, 1.0, run_id=run_id, now=now, pad=600)]
                 one += [entry(k, 3, 1.0, run_id=run_id, now=now, pad=600) for k in junk]
                 monkeypatch.setattr(PublicKey, "verify", counting)
-                accepted = 0
+                accepted, started = 0, time.monotonic()
                 for _ in range(30):
                     await client.heartbeat(
                         attacker, run_id, admission.coordinator_key, rounds=[one, one, one]
                     )
                     accepted += 1
-                return accepted, calls["n"]
+                return accepted, time.monotonic() - started
 
-    accepted, checks = run(scenario())
+    accepted, elapsed = run(scenario())
     assert accepted == 30  # heartbeats are never refused for it: a peer must not look offline
-    assert checks <= 2 * 145, checks  # its rounds are read at most twice a heartbeat interval
+    # Its rounds are read at most twice a heartbeat interval (0.5 s here), however fast it beats: on a
+    # busy machine the 30 heartbeats take longer, and so allow more reads.
+    allowed = 1 + int(elapsed / 0.25)
+    assert calls["reads"] <= min(allowed, 29), (calls["reads"], elapsed)
+    # Each read is 145 signature checks; a heartbeat otherwise costs a few (envelope, answer).
+    assert calls["n"] <= 145 * calls["reads"] + 3 * 30, calls
 
 
 # --- 9. RefusalLog: the per-caller budget is evaded by cycling more callers than max_keys --------------
