@@ -7,7 +7,7 @@ run can train, and by the newest checkpoint.
 A data-parallel peer is credited only for rounds other members witnessed (``credit_witnessed``): the
 weight its signed group entry claims, reported by another member of the round
 (``coordinator.witness``), once per step, for steps the run has verified, at most twice a batch over the
-round's joined members or the online data-parallel peers, whichever are more. Its own
+round's joined members or the data-parallel peers in the run (online or offline), whichever are more. Its own
 ``contributed_samples`` is shown, never credited.
 
 Pipeline roles (stage servers and trainers) hold no such rounds yet, and are credited as follows.
@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 import sqlite3
 
+from swarm.training.catchup import CREDIT_QUORUM, credit_weights, credited
+
 # With a checkpoint, the verified step stays within this many checkpoint periods of the newest one: the
 # coordinator takes one every ``checkpoint_every_steps`` of agreed progress, so an honest run is about
 # one period ahead of it (two leave room for a checkpoint still being downloaded).
@@ -39,6 +41,9 @@ SHARE_SLACK = 2.0
 DATA_ROLES = ("data", "auto")
 # A row of ``peers p`` whose peer is not banned.
 UNBANNED = "NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
+# A row of ``peers p`` that witnessed rounds may credit: a data-parallel peer in the run (online or
+# offline, not left), not banned; two role parameters follow (``DATA_ROLES``).
+CREDITABLE = f"p.state IN ('online', 'offline') AND p.role IN (?, ?) AND {UNBANNED}"
 
 
 def meta_int(db: sqlite3.Connection, key: str) -> int:
@@ -61,7 +66,8 @@ def verify_step(
 ) -> int:
     """The run's verified step after a peer reported ``(step, param_hash)`` at ``now`` (the coordinator's
     clock, never the peer's). It advances towards a step at which at least two unbanned online peers, and
-    more than half of those that report a hash, hold the same parameters, but by at most
+    more than half of those that report a hash (once 3 data-parallel reporters have credit: more than
+    half of their credit instead, ``_credit_backs``), hold the same parameters, but by at most
     ``max_steps_per_s`` (the run's ``training.max_verified_steps_per_s``) per second since it last moved,
     and never past ``max_step`` (the newest checkpoint's step plus a margin, where there is one). It
     never falls (peers at it may later go offline)."""
@@ -80,7 +86,9 @@ def verify_step(
     if agreeing < 2:
         return verified
     (reporting,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {online}").fetchone()
-    if 2 * agreeing <= reporting:
+    backed = _credit_backs(db, step, param_hash, online)
+    majority = backed if backed is not None else 2 * agreeing > reporting
+    if not majority:
         return verified
     allowed = verified + math.floor(max(0.0, now - since) * max_steps_per_s)
     target = min(step, allowed, step if max_step is None else max_step)
@@ -92,6 +100,25 @@ def verify_step(
     held_back = target == allowed
     _set_meta(db, "verified_at", since + (target - verified) / max_steps_per_s if held_back else now)
     return target
+
+
+def _credit_backs(db: sqlite3.Connection, step: int, param_hash: str, online: str) -> bool | None:
+    """Whether the data-parallel reporters' credit backs ``(step, param_hash)`` as catch-up weighs it
+    (``swarm.training.catchup.by_credit``: a strict majority of their capped credit), or None while
+    fewer than ``CREDIT_QUORUM`` of them have credit (then reporters are counted). Counting alone let
+    Sybils that outnumber the online honest peers move the verified step past the witness window, where
+    no honest round was credited again, and hold it back from the honest peers' step."""
+    rows = db.execute(
+        f"SELECT p.peer_id, p.step, p.param_hash, COALESCE(c.samples, 0) FROM peers p "
+        f"LEFT JOIN credit c ON c.peer_id = p.peer_id WHERE {online} AND p.role IN (?, ?)",
+        DATA_ROLES,
+    ).fetchall()
+    credit = {peer: samples for peer, _, _, samples in rows}
+    if len(credited(credit, credit)) < CREDIT_QUORUM:
+        return None
+    weights = credit_weights(credit, credit)
+    backing = sum(weights[peer] for peer, s, h, _ in rows if (s, h) == (step, param_hash))
+    return 2 * backing > sum(weights.values())
 
 
 def round_share(db: sqlite3.Connection, step: int, param_hash: str, max_per_step: float) -> float | None:
@@ -154,19 +181,18 @@ def credit_witnessed(
 ) -> float:
     """Credit each member of ``rounds`` (``coordinator.witness.WitnessedEntry`` lists) other than their
     ``reporter``: the weight it signed, for steps below the ``verified`` step and within
-    ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers, and at most
-    ``SHARE_SLACK`` times ``max_per_step`` over the round's joined, unbanned members or the online,
-    unbanned data-parallel peers, whichever are more. A (member, step) is
+    ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers that have not left, and
+    at most ``SHARE_SLACK`` times ``max_per_step`` over the round's such members or all such peers of
+    the run (online or offline), whichever are more. A (member, step) is
     credited the most any report of it allows, the difference added when a later report allows more (so
     a first report padded with strangers' entries cannot hold an honest member's credit down). Sybils
     that sign entries for each other's made-up rounds earn at most that share each per step: together
     less than ``SHARE_SLACK`` batches a step, however many they are; they lower the honest peers'
     share only once they outnumber them.
     Returns the samples credited."""
-    (online,) = db.execute(
-        f"SELECT COUNT(*) FROM peers p WHERE p.state='online' AND p.role IN (?, ?) AND {UNBANNED}",
-        DATA_ROLES,
-    ).fetchone()
+    # Every peer that could be credited as a member counts, online or not: a farm of keys gone silent
+    # (offline) earned each a share of a round of five while the online peers were few.
+    (eligible,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {CREDITABLE}", DATA_ROLES).fetchone()
     credited = 0.0
     for entries in rounds:
         step = entries[0].step
@@ -175,12 +201,11 @@ def credit_witnessed(
         members = {}
         for entry in entries:
             row = db.execute(
-                f"SELECT role FROM peers p WHERE p.peer_id=? AND {UNBANNED}",
-                (entry.peer_id,),
+                f"SELECT 1 FROM peers p WHERE p.peer_id=? AND {CREDITABLE}", (entry.peer_id, *DATA_ROLES)
             ).fetchone()
-            if row is not None and row[0] in DATA_ROLES:
+            if row is not None:
                 members[entry.peer_id] = entry
-        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(members), online, 1))
+        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(members), eligible, 1))
         for peer_id, entry in members.items():
             if peer_id == reporter:
                 continue

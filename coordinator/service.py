@@ -299,6 +299,7 @@ class CoordinatorService:
             )
         )
         logger.info(f"admitted {envelope.sender} ({body.name!r}, {body.device}, role {role}) from {peer}")
+        self._standing_sent.pop(envelope.sender, None)  # a restarted peer holds no standing: send it again
         answer = {
             "challenge": body.challenge,
             "certificate": certificate.encoded,

@@ -23,8 +23,9 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    in view holds, so that one peer with a long history neither decides nor vetoes alone. Keys that did
    no witnessed work weigh nothing, so under ``open`` admission Sybils that outnumber the honest peers in
    view neither move a fresh peer, one that is not stalled, or the coordinator's checkpoint keeper, nor
-   keep them from the honest peers' state. Before credit exists (a run's first steps), and for a
-   stalled caller's groupmates (below), counting decides.
+   keep them from the honest peers' state, and only credited holders serve the download. At the
+   caller's own step its own credit weighs for its side (rule 4). Before credit exists (a run's first
+   steps), and for a stalled caller's groupmates (below), counting decides.
    A caller whose rounds have failed at its step for longer than a whole round can take (``stalled``,
    counted from its first round attempt at the step, never from the step's start: computing a large
    batch is not being stuck) lets only the peers ahead of it vote: the peers at its own step may be as
@@ -89,7 +90,8 @@ def quorum(others: int) -> int:
 def credit_weights(peers: Collection[str], credit: Mapping[str, float]) -> dict[str, float]:
     """Each of ``peers``' vote by credit: its credited samples (0 without credit), capped at the third
     most any of them holds, so that one peer with a long history neither decides nor vetoes alone.
-    The cap is set by the peers with the most credit, so many keys with a little cannot lower it."""
+    The cap is set by the three peers with the most credit: with three honest peers among them, many
+    keys with a little credit cannot lower it; with fewer, keys holding as much as the third do."""
     held = sorted((c for c in (credit.get(peer, 0.0) for peer in peers) if c > 0), reverse=True)
     cap = held[min(CREDIT_CAP_RANK, len(held)) - 1] if held else 0.0
     return {peer: min(credit.get(peer, 0.0), cap) for peer in peers}
@@ -109,12 +111,16 @@ def by_credit(
     limit: int,
     stalled: bool,
     credit: Mapping[str, float],
+    me: str | None = None,
 ) -> tuple[Position, int] | None:
     """The position the voters' credit decides, with how many voters hold it; None when no position has
-    a strict majority of the credit. Each vote weighs ``credit_weights`` (over every peer in view). A
-    state ahead of a caller that is not stalled needs a majority of the credit of every peer in view, as
-    counting asks of it (honest peers further behind must not leave the decision to the peers ahead)."""
-    weights = credit_weights(others, credit)
+    a strict majority of the credit. Each vote weighs ``credit_weights`` (over every peer in view and
+    the caller, ``me``). A state ahead of a caller that is not stalled needs a majority of the credit
+    of every peer in view, as counting asks of it (honest peers further behind must not leave the
+    decision to the peers ahead). At the caller's own step its own side (itself and the voters that
+    agree with it) must be outweighed, equal sides going to the smaller hash as when counting: two
+    apart sides of equal credit never swap states."""
+    weights = credit_weights([*others, *([me] if me is not None else [])], credit)
     backing: dict[Position, float] = {}
     for peer, p in voters.items():
         if lowest <= p.step <= limit and weights[peer] > 0:
@@ -125,6 +131,10 @@ def by_credit(
     pool = others if not stalled and (mine is None or best.step > mine.step) else voters
     if best == mine or 2 * backing[best] <= sum(weights[peer] for peer in pool):
         return None
+    if mine is not None and best.step == mine.step:
+        mine_side = backing.get(mine, 0.0) + (weights[me] if me is not None else 0.0)
+        if mine_side > backing[best] or (mine_side == backing[best] and mine.state_hash < best.state_hash):
+            return None
     return best, sum(1 for p in voters.values() if p == best)
 
 
@@ -137,6 +147,7 @@ def catch_up_target(
     trusted: Collection[str] | None = None,
     long_stalled: bool = False,
     credit: Mapping[str, float] | None = None,
+    me: str | None = None,
 ) -> Target | None:
     """The position to move to, or None when the caller is in line (or no majority exists yet).
 
@@ -148,8 +159,9 @@ def catch_up_target(
     may be as stuck as it is (below the run's minimum group size with it), so only the anchors ahead vote.
     None: a stalled caller lets every peer ahead vote. A caller with no peer ahead is not stalled.
     ``credit``: the coordinator's signed standing (``swarm.standing``); once ``CREDIT_QUORUM`` peers in
-    view have credit, a move that groupmates do not decide is decided by credit (``by_credit``), not by
-    counting keys. None: counting only."""
+    view have credit, a move that groupmates do not decide is decided by credit (``by_credit``; ``me``:
+    the caller's peer ID, whose own credit weighs for its side), not by counting keys. None: counting
+    only."""
     limit = min(MAX_STEP, max_step if max_step is not None else MAX_STEP)
     if stalled and mine is not None and not any(mine.step < p.step <= limit for p in others.values()):
         # Nobody ahead to follow: a peer apart from the others at its own step (a stage replica at the run's
@@ -182,8 +194,11 @@ def catch_up_target(
     else:
         lowest = mine.step
         voters = {peer: p for peer, p in others.items() if p.step >= mine.step - 1}
-    if credit is not None and not anchors and len(credited(others, credit)) >= CREDIT_QUORUM:
-        decided = by_credit(mine, others, voters, lowest=lowest, limit=limit, stalled=stalled, credit=credit)
+    weighed = credit is not None and not anchors and len(credited(others, credit)) >= CREDIT_QUORUM
+    if weighed:
+        decided = by_credit(
+            mine, others, voters, lowest=lowest, limit=limit, stalled=stalled, credit=credit, me=me
+        )
         if decided is None:
             return None
         best, support = decided
@@ -215,10 +230,14 @@ def catch_up_target(
             mine_side = 1 + sum(1 for p in voters.values() if p == mine)
             if mine_side > support or (mine_side == support and mine.state_hash < best.state_hash):
                 return None
+    # Downloads come from the peers that decided: groupmates, or when credit decides, credited peers (keys
+    # without credit that copy the position would be most of the holders, each tried first in turn).
     holders = sorted(
         peer
         for peer, p in others.items()
-        if Position(p.step, p.state_hash) == best and (not anchors or peer in trusted)
+        if Position(p.step, p.state_hash) == best
+        and (not anchors or peer in trusted)
+        and (not weighed or credit.get(peer, 0.0) > 0)
     )
     return Target(best.step, best.state_hash, holders, support)
 
@@ -232,18 +251,19 @@ def catch_up_move(
     trusted: Collection[str] | None = None,
     long_stall_rule: bool = True,
     credit: Mapping[str, float] | None = None,
+    me: str | None = None,
 ) -> tuple[int, str, list[str]] | None:
     """(step, state hash, holders) to move to under the run's ``training`` settings, or None: the caller
     counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
     for longer than a matchmaking window plus a round timeout (``trusted``: see ``catch_up_target``),
     and as long stalled twice as long, unless ``long_stall_rule`` is off (a stage replica sitting out
-    the step it joined at). ``credit``: see ``catch_up_target``. The data-parallel trainer and every
-    stage replica call this."""
+    the step it joined at). ``credit``, ``me``: see ``catch_up_target``. The data-parallel trainer and
+    every stage replica call this."""
     stalled = stuck_s > training.round_s
     long_stalled = long_stall_rule and stuck_s > 2 * training.round_s
     target = catch_up_target(
         mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted,
-        long_stalled=long_stalled, credit=credit,
+        long_stalled=long_stalled, credit=credit, me=me,
     )  # fmt: skip
     return None if target is None else (target.step, target.state_hash, target.holders)
 

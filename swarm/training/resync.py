@@ -172,8 +172,9 @@ class CatchUp:
         stuck_s = 0.0 if self.stalled_since is None else time.monotonic() - self.stalled_since
         trusted = self.groupmates.recent(self.synced.step)
         return catch_up_move(
-            mine, others, self.config.training, stuck_s=stuck_s, trusted=trusted, credit=self._credit()
-        )
+            mine, others, self.config.training, stuck_s=stuck_s, trusted=trusted, credit=self._credit(),
+            me=self.peer_id,
+        )  # fmt: skip
 
     def _credit(self) -> dict[str, float] | None:
         return None if self.standing is None else self.standing.credit

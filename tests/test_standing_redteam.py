@@ -1,0 +1,318 @@
+"""Ways into catch-up by credit (issue 25) and the signed standing, found by an attacker's read of the
+change; each test failed on that change (it was written to pass while the defect was present) and
+passes on its fix. Each uses the real code in-process: Store (credit_witnessed, verify_step,
+credited_peers), CoordinatorService over loopback gRPC, CoordinatorClient, swarm.standing.Standing and
+swarm.training.catchup.catch_up_target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import serving_coordinator
+
+from coordinator.store import PeerRecord, Store
+from coordinator.witness import witnessed_rounds
+from protocols.envelope import seal
+from protocols.keys import SigningKey
+from protocols.messages import HeartbeatBody
+from swarm.averaging.groups import GROUP_ENTRY
+from swarm.coordinator_client import CoordinatorClient
+from swarm.standing import Standing
+from swarm.training.catchup import Position, catch_up_target
+
+pytestmark = pytest.mark.timeout(120)
+
+TARGET = 64.0  # the run's target batch (max_samples_per_step)
+POISON = "e" * 64  # the state the attacker wants peers to load
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def state(step: int) -> str:
+    return f"{step:064x}"
+
+
+def record(key: SigningKey, role: str = "data") -> PeerRecord:
+    p = key.peer_id
+    return PeerRecord(p, key.public_key.raw, p[:8], "cpu", role, "online", 0.0, 0.0, 0, 1, 1e12)
+
+
+def a_round(keys: list[SigningKey], step: int, weight: float, *, run_id: str, now: float) -> list[bytes]:
+    """Signed group entries of ``keys`` at ``step`` (what a member of a round reports as witness)."""
+    body = lambda: {"schema_hash": b"s" * 32, "weight": weight, "commit": bytes(32),  # noqa: E731
+                    "extra": {"step": step, "state_hash": "0" * 64}}  # fmt: skip
+    return [seal(k, GROUP_ENTRY, run_id, body(), now=now) for k in keys]
+
+
+class Beats:
+    """Heartbeats straight into a real Store, through the real HeartbeatBody and witnessed_rounds."""
+
+    def __init__(self, store: Store, run_id: str):
+        self.store, self.run_id, self.seq, self.t = store, run_id, 0, 1.0
+        self.now = time.time()
+
+    async def beat(self, key: SigningKey, step: int, param_hash: str, rounds=None) -> None:
+        self.seq += 1
+        self.t += 10.0
+        body = HeartbeatBody.model_validate(
+            {"seq": self.seq, "state": "online", "step": step, "param_hash": param_hash,
+             "rounds": list(rounds or [])}
+        )  # fmt: skip
+        kept, refused = witnessed_rounds(body.rounds, run_id=self.run_id, reporter=key.peer_id, now=self.now)
+        assert not refused, refused
+        await self.store.record_heartbeat(
+            key.peer_id, seq=body.seq, seen_at=self.t, metrics={}, step=step, param_hash=param_hash,
+            rounds=kept,
+        )  # fmt: skip
+
+    async def credit(self, key: SigningKey) -> float:
+        return (await self.store.get_peer(key.peer_id)).contributed_samples
+
+
+@contextlib.contextmanager
+def credit_store(tmp_path: Path, run_id: str) -> Iterator[Beats]:
+    store = Store.open_sync(
+        tmp_path / "c.db", run_id, max_samples_per_step=TARGET, max_verified_steps_per_s=1000
+    )
+    try:
+        yield Beats(store, run_id)
+    finally:
+        store.close()
+
+
+async def honest_step(b: Beats, honest: list[SigningKey], step: int, history: list) -> None:
+    """The honest peers average in one group at ``step - 1`` (a quarter batch each) and heartbeat at
+    ``step`` with their last 3 applied rounds, as the trainer does."""
+    if step:
+        history.append(a_round(honest, step - 1, TARGET / len(honest), run_id=b.run_id, now=b.now))
+    for k in honest:
+        await b.beat(k, step, state(step), history[-3:])
+
+
+# --- 1. offline members: the farm's credit grows with its key count, unbounded --------------------------
+
+
+def test_offline_sybil_keys_share_the_two_batch_bound_and_cannot_steer_once_back_online(tmp_path: Path):
+    """HIGH. ``credit_witnessed`` caps each member at 2*target/max(len(round), online) where ``online``
+    counts only *online* data-parallel peers, but a member need only have a peers row (any state). A
+    farm of 48 keys joins, goes silent (the node marks them offline after ``offline_after_s``), and
+    one online reporter reports made-up rounds of itself + 4 farm keys: each key is credited
+    2*64/5 = 25.6 samples a step, 16x the honest run's whole batch per step together, against the
+    documented bound "together less than twice a batch a step, however many they are" (credit.py,
+    protocol.md HeartbeatBody.rounds, dashboard.md). Each farm key out-earns every honest member
+    (25.6 vs 16 a step). The keys then heartbeat once (back online, so ``credited_peers`` lists them
+    in the signed standing) and announce a made-up state: 3 of them in view move a fresh peer, the
+    checkpoint keeper and an honest peer in line at the honest state, beside 4 honest peers.
+    A farm that starts late catches up with the honest credit at ~K/H times the honest rate.
+    Fixed: every data-parallel peer of the run, online or offline, counts in each share's denominator."""
+    run_id = "farm"
+    steps = 10
+
+    async def scenario():
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            honest = [SigningKey.generate() for _ in range(4)]
+            reporter = SigningKey.generate()
+            farm = [SigningKey.generate() for _ in range(48)]
+            for k in (*honest, reporter, *farm):
+                await store.admit(record(k))
+            await b.beat(reporter, 0, "")  # online, reporting no hash: it never moves the verified step
+            history: list = []
+            await honest_step(b, honest, 0, history)
+            # The farm keys stay silent: the coordinator node turns them offline (coordinator/node.py).
+            assert set(await store.mark_offline(0.5)) == {k.peer_id for k in farm}
+            chunks = [farm[i : i + 4] for i in range(0, len(farm), 4)]
+            for step in range(1, steps + 1):
+                await honest_step(b, honest, step, history)
+                for j in range(0, len(chunks), 3):  # 3 rounds per heartbeat (MAX_WITNESSED_ROUNDS)
+                    rounds = [a_round([reporter, *c], step - 1, TARGET, run_id=run_id, now=b.now)
+                              for c in chunks[j : j + 3]]  # fmt: skip
+                    await b.beat(reporter, 0, "", rounds)
+            honest_credit = [await b.credit(k) for k in honest]
+            farm_credit = [await b.credit(k) for k in farm]
+            for k in farm[:3]:  # three keys come back online before the standing is next computed
+                await b.beat(k, 0, "")
+            return honest_credit, farm_credit, await store.standing()
+
+    honest_credit, farm_credit, standing = run(scenario())
+    # The documented bound holds: the farm together earns less than twice a batch a step ...
+    assert sum(farm_credit) <= 2 * TARGET * steps, sum(farm_credit)
+    # ... and (as documented) it lowers each honest member's share to the same cap as its own keys.
+    assert all(0 < c <= max(honest_credit) for c in farm_credit)
+    honest_ids = [k for k in standing if standing[k] in honest_credit][:4]
+    sybil_ids = [k for k in standing if k not in honest_ids]
+    view = {**{k: Position(steps, state(steps)) for k in honest_ids},
+            **{k: Position(steps + 1, POISON) for k in sybil_ids}}  # fmt: skip
+    for mine in (Position(0, "3" * 64), None, Position(steps, state(steps))):  # fresh, keeper, in line
+        target = catch_up_target(mine, view, credit=standing)
+        assert target is None or target.state_hash != POISON
+
+
+# --- 2. the verified step pushed past the witness window freezes every honest peer's credit --------------
+
+
+def test_sybils_outnumbering_online_peers_neither_push_the_verified_step_nor_freeze_honest_credit(
+    tmp_path: Path,
+):
+    """HIGH. Issue 25's premise is Sybils that outnumber the honest peers. ``verify_step`` moves the run's
+    verified step to a step that more than half of the online reporters claim (at the run's pace,
+    default 10 steps/s, and once a checkpoint exists up to checkpoint + 2 periods = +100 steps by
+    default). ``credit_witnessed`` credits only rounds in [verified - 16, verified): once 4 Sybils
+    beside 3 honest peers push it 16+ steps past the honest run, no honest round is ever credited
+    again, while the Sybils immediately farm 16 steps of made-up rounds inside the window (and each
+    further step as they push on). Credit, and with it catch-up, then belongs to the Sybils: a fresh
+    peer and the keeper follow their made-up state. The defense degrades to the count-of-keys rule it
+    replaced (via verify_step's count), with a delay of seconds. Fixed: once 3 data-parallel reporters
+    have credit, the verified step also needs a strict majority of their credit (``_credit_backs``)."""
+    run_id = "push"
+
+    async def scenario():
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            honest = [SigningKey.generate() for _ in range(3)]
+            sybils = [SigningKey.generate() for _ in range(4)]
+            for k in (*honest, *sybils):
+                await store.admit(record(k))
+            history: list = []
+            for step in range(11):
+                await honest_step(b, honest, step, history)
+            frozen = [await b.credit(k) for k in honest]
+            far = 500
+            for k in sybils:  # 4 of the 7 reporters agree on step 500: verified there at once
+                await b.beat(k, far, POISON)
+            verified = await store.verified_step()
+            # The Sybils witness each other's made-up rounds inside the new window, in pairs.
+            for a, c in ((sybils[0], sybils[1]), (sybils[1], sybils[0]), (sybils[2], sybils[3]),
+                         (sybils[3], sybils[2])):  # fmt: skip
+                for s0 in range(far - 16, far, 3):
+                    rounds = [
+                        a_round([a, c], s, TARGET, run_id=run_id, now=b.now)
+                        for s in range(s0, min(s0 + 3, far))
+                    ]
+                    await b.beat(a, far, POISON, rounds)
+            for step in range(11, 21):  # the honest run trains on, as before
+                await honest_step(b, honest, step, history)
+            after = [await b.credit(k) for k in honest]
+            return frozen, after, [await b.credit(k) for k in sybils], verified, await store.standing()
+
+    frozen, after, sybil_credit, verified, standing = run(scenario())
+    assert verified <= 20  # the Sybils' step 500 was never verified
+    assert all(c > 0 for c in frozen)
+    assert all(a > f for a, f in zip(after, frozen, strict=True))  # honest rounds are still credited
+    assert max(sybil_credit) == 0  # made-up rounds at steps never verified earn nothing
+    view = {
+        **{k: Position(20, state(20)) for k in standing},
+        **{f"sybil{i}": Position(500, POISON) for i in range(4)},
+    }
+    for mine in (Position(0, "3" * 64), None):
+        assert catch_up_target(mine, view, credit=standing).state_hash == state(20)
+
+
+# --- 4. a restarted peer (or one whose answer was lost) holds no standing: counting decides -------------
+
+
+def test_a_restarted_peer_that_joins_again_is_sent_the_standing_and_sybil_keys_do_not_move_it(tmp_path: Path):
+    """MEDIUM. The service sends each standing version to a peer ID once (``_standing_sent``), whatever
+    ``standing_at`` the heartbeat says it holds. A peer whose process restarts (same identity file, a
+    new Session whose Standing is empty) and joins again is refused the current standing until the
+    next 30 s refresh; so is a peer whose one answer carrying it was lost. Its catch-up then reads an
+    empty credit map, fewer than CREDIT_QUORUM credited peers, and counts keys: five Sybils beside
+    three credited honest peers move the restarted (fresh) peer to their state, exactly what issue 25
+    closed. An on-path attacker (the endpoint is plaintext, in the documented threat model) can drop
+    the single ~33 KiB answer per refresh that carries a new standing, so that the victim never
+    holds one and always counts keys. Fixed: a join forgets which standing the peer was sent, so a
+    restarted peer's first heartbeat gets it (an on-path attacker that drops answers can drop every
+    heartbeat anyway)."""
+    run_id = "restart-run"
+
+    async def scenario() -> tuple[dict | None, Standing]:
+        async with serving_coordinator(tmp_path, run_id) as (address, store, service):
+            keys = [SigningKey.generate() for _ in range(3 + 5)]
+            async with CoordinatorClient(address) as client:
+                for i, k in enumerate(keys):
+                    await client.join(k, run_id, name=f"p{i}", device="cpu")
+            honest, sybils = keys[:3], keys[3:]
+
+            def grant(db) -> None:
+                for k, samples in zip(honest, (300.0, 200.0, 100.0), strict=True):
+                    db.execute(
+                        "INSERT INTO credit (peer_id, samples, step) VALUES (?, ?, 0)", (k.peer_id, samples)
+                    )
+
+            await store._run(grant)
+            coordinator_key = service.key.public_key
+            async with CoordinatorClient(address) as client:
+                before = Standing()
+                first = await client.heartbeat(honest[0], run_id, coordinator_key, standing_at=before.at)
+                assert before.take(first.standing_at, first.standing) and len(before.credit) == 3
+                # The peer's process restarts: same key, a new session holding no standing; it joins again.
+                await client.join(honest[0], run_id, name="p0", device="cpu")
+                after = Standing()
+                again = await client.heartbeat(honest[0], run_id, coordinator_key, standing_at=after.at)
+                after.take(again.standing_at, again.standing)
+                return {"honest": [k.peer_id for k in honest], "sybils": [k.peer_id for k in sybils]}, after
+
+    ids, restarted = run(scenario())
+    assert len(restarted.credit) == 3 and restarted.at > 0
+    view = {
+        **{k: Position(5, "1" * 64) for k in ids["honest"]},
+        **{k: Position(6, POISON) for k in ids["sybils"]},
+    }
+    assert catch_up_target(Position(0, "3" * 64), view, credit=restarted.credit).state_hash == "1" * 64
+
+
+# --- 5. rule 4 is gone under credit: two equal apart sides swap states ---------------------------------
+
+
+def test_two_equal_apart_sides_at_one_step_do_not_swap_states_under_credit():
+    """MEDIUM (liveness of an honest run). Rule 4 (catchup.py): at the caller's own step the majority must
+    beat the caller's own side, the caller counted; equal sides go to the smaller hash "so two apart
+    peers never swap". ``by_credit`` drops the caller's own vote: its pool is the other voters only.
+    Two honest groups of two at step 5 that averaged apart (hashes X and Y, equal credit): each peer
+    sees the other side hold 2/3 of the others' credit, so all four move, A's to Y and B's to X, and
+    after downloading they are apart again; a credited attacker needs only to split a round in two to
+    start it. Counting keys, only the larger-hash side moves and the run converges. Fixed: the caller's
+    own credit weighs for its side, and equal sides go to the smaller hash."""
+    x, y = "a" * 64, "b" * 64
+    credit = {p: 100.0 for p in ("A1", "A2", "B1", "B2")}
+    sides = {"A1": x, "A2": x, "B1": y, "B2": y}
+    moves = {}
+    for me, mine in sides.items():
+        others = {p: Position(5, h) for p, h in sides.items() if p != me}
+        moves[me] = catch_up_target(Position(5, mine), others, credit=credit, me=me)
+        counted = catch_up_target(Position(5, mine), others)
+        assert (counted is None) == (mine == x)  # counting: only the larger hash moves
+    assert {me: t.state_hash if t else None for me, t in moves.items()} == {
+        "A1": None,
+        "A2": None,
+        "B1": x,
+        "B2": x,
+    }
+
+
+# --- 7. keys without credit still hold the download ---------------------------------------------------
+
+
+def test_keys_without_credit_that_copy_the_honest_position_are_no_download_holders():
+    """LOW-MEDIUM (liveness of a fresh peer). The credit rule decides *which* position, but the holders
+    it returns are every key in view at that position, credited or not. 30 Sybil keys that copy the
+    public honest (step, hash) are 30 of 33 holders; ``from_any_holder`` tries them in random order
+    and each may stall the transfer up to ``transfer_deadline_s`` (or offer a newer state), so a
+    fresh peer's download goes to a Sybil ~91% of the time and is held for minutes per attempt.
+    Fixed: when credit decides, only credited peers are holders."""
+    honest = {f"h{i}": 500.0 for i in range(3)}
+    view = {
+        **{k: Position(7, "1" * 64) for k in honest},
+        **{f"s{i}": Position(7, "1" * 64) for i in range(30)},
+    }
+    target = catch_up_target(Position(0, "3" * 64), view, credit=honest)
+    assert target.state_hash == "1" * 64
+    assert sorted(target.holders) == sorted(honest)
