@@ -28,8 +28,6 @@ from __future__ import annotations
 import math
 import sqlite3
 
-from swarm.training.catchup import CREDIT_QUORUM, credit_weights, credited
-
 # With a checkpoint, the verified step stays within this many checkpoint periods of the newest one: the
 # coordinator takes one every ``checkpoint_every_steps`` of agreed progress, so an honest run is about
 # one period ahead of it (two leave room for a checkpoint still being downloaded).
@@ -108,6 +106,9 @@ def _credit_backs(db: sqlite3.Connection, step: int, param_hash: str, online: st
     fewer than ``CREDIT_QUORUM`` of them have credit (then reporters are counted). Counting alone let
     Sybils that outnumber the online honest peers move the verified step past the witness window, where
     no honest round was credited again, and hold it back from the honest peers' step."""
+    # Imported here: swarm.training's package loads torch, which `swarm-coordinator --help` must not.
+    from swarm.training.catchup import CREDIT_QUORUM, credit_weights, credited
+
     rows = db.execute(
         f"SELECT p.peer_id, p.step, p.param_hash, COALESCE(c.samples, 0) FROM peers p "
         f"LEFT JOIN credit c ON c.peer_id = p.peer_id WHERE {online} AND p.role IN (?, ?)",
