@@ -64,8 +64,7 @@ def verify_step(
 ) -> int:
     """The run's verified step after a peer reported ``(step, param_hash)`` at ``now`` (the coordinator's
     clock, never the peer's). It advances towards a step at which at least two unbanned online peers, and
-    more than half of those that report a hash (once 3 data-parallel reporters have credit: more than
-    half of their credit instead, ``_credit_backs``), hold the same parameters, but by at most
+    more than half of those that report a hash, hold the same parameters, but by at most
     ``max_steps_per_s`` (the run's ``training.max_verified_steps_per_s``) per second since it last moved,
     and never past ``max_step`` (the newest checkpoint's step plus a margin, where there is one). It
     never falls (peers at it may later go offline)."""
@@ -84,9 +83,7 @@ def verify_step(
     if agreeing < 2:
         return verified
     (reporting,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {online}").fetchone()
-    backed = _credit_backs(db, step, param_hash, online)
-    majority = backed if backed is not None else 2 * agreeing > reporting
-    if not majority:
+    if 2 * agreeing <= reporting:
         return verified
     allowed = verified + math.floor(max(0.0, now - since) * max_steps_per_s)
     target = min(step, allowed, step if max_step is None else max_step)
@@ -98,28 +95,6 @@ def verify_step(
     held_back = target == allowed
     _set_meta(db, "verified_at", since + (target - verified) / max_steps_per_s if held_back else now)
     return target
-
-
-def _credit_backs(db: sqlite3.Connection, step: int, param_hash: str, online: str) -> bool | None:
-    """Whether the data-parallel reporters' credit backs ``(step, param_hash)`` as catch-up weighs it
-    (``swarm.training.catchup.by_credit``: a strict majority of their capped credit), or None while
-    fewer than ``CREDIT_QUORUM`` of them have credit (then reporters are counted). Counting alone let
-    Sybils that outnumber the online honest peers move the verified step past the witness window, where
-    no honest round was credited again, and hold it back from the honest peers' step."""
-    # Imported here: swarm.training's package loads torch, which `swarm-coordinator --help` must not.
-    from swarm.training.catchup import CREDIT_QUORUM, credit_weights, credited
-
-    rows = db.execute(
-        f"SELECT p.peer_id, p.step, p.param_hash, COALESCE(c.samples, 0) FROM peers p "
-        f"LEFT JOIN credit c ON c.peer_id = p.peer_id WHERE {online} AND p.role IN (?, ?)",
-        DATA_ROLES,
-    ).fetchall()
-    credit = {peer: samples for peer, _, _, samples in rows}
-    if len(credited(credit, credit)) < CREDIT_QUORUM:
-        return None
-    weights = credit_weights(credit, credit)
-    backing = sum(weights[peer] for peer, s, h, _ in rows if (s, h) == (step, param_hash))
-    return 2 * backing > sum(weights.values())
 
 
 def round_share(db: sqlite3.Connection, step: int, param_hash: str, max_per_step: float) -> float | None:
