@@ -250,16 +250,15 @@ def test_a_replica_that_refuses_every_call_busy_or_as_past_its_listed_step_is_ro
 
 
 @pytest.mark.timeout(180)  # three DHT nodes start in the fixture: half a minute on a loaded machine
-def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient(keyed_dhts):
-    """Three replicas of stage 1 average; only one counted a micro-batch (the others hold weight 0). Before
-    the fix the robust rule left the weight-0 replicas out and all three applied that one's gradient,
-    whatever it was; now a minority's vector is never applied and the replicas still agree and step."""
+def stage_one_workers(keyed_dhts, *, min_group_size: int) -> tuple[RunConfig, list]:
+    """A StageWorker of stage 1 on each DHT of ``keyed_dhts``, each with its replica and averager built
+    (not started), in a run with short rounds."""
     from swarm.pipeline.worker import StageWorker
 
     torch.set_num_threads(1)
     data = attack_run().model_dump(mode="json")
     data["training"].update(
-        min_group_size=3, matchmaking_time_s=1.0, sender_timeout_s=2.0, averaging_timeout_s=10.0
+        min_group_size=min_group_size, matchmaking_time_s=1.0, sender_timeout_s=2.0, averaging_timeout_s=10.0
     )
     run = RunConfig.parse(data)
     members = {key.peer_id for _, key in keyed_dhts}
@@ -267,10 +266,18 @@ def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient
         StageWorker(run, dht, peer_id=key.peer_id, stage=1, members=members, signing_key=key, rebalance=False)
         for dht, key in keyed_dhts
     ]
-    reference = StageReplica(run, 1)  # where the stage is after a step with no gradient
     for worker in workers:
         worker.replica = StageReplica(run, 1)
         worker.averager = worker.build_averager(1, worker.replica.numel)
+    return run, workers
+
+
+def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient(keyed_dhts):
+    """Three replicas of stage 1 average; only one counted a micro-batch (the others hold weight 0). Before
+    the fix the robust rule left the weight-0 replicas out and all three applied that one's gradient,
+    whatever it was; now a minority's vector is never applied and the replicas still agree and step."""
+    run, workers = stage_one_workers(keyed_dhts, min_group_size=3)
+    reference = StageReplica(run, 1)  # where the stage is after a step with no gradient
     counter = workers[0]
     counter.replica.forward(last_stage_request(run, 1, seed=1), caller=SigningKey.generate().peer_id)
     assert counter.replica.samples == BATCH and all(w.replica.samples == 0 for w in workers[1:])
@@ -309,22 +316,7 @@ def test_a_replica_a_step_behind_never_averages_with_one_a_step_ahead(keyed_dhts
     the steps its members signed), both applied the average, and in a 20-step clean `swarm-sim --stages 2`
     all three replicas of stage 0 ended on three different states. Now each excludes the other: neither
     applies anything, and A catches up by download (the catch-up rule)."""
-    from swarm.pipeline.worker import StageWorker
-
-    torch.set_num_threads(1)
-    data = attack_run().model_dump(mode="json")
-    data["training"].update(
-        min_group_size=2, matchmaking_time_s=1.0, sender_timeout_s=2.0, averaging_timeout_s=10.0
-    )
-    run = RunConfig.parse(data)
-    members = {key.peer_id for _, key in keyed_dhts}
-    workers = [
-        StageWorker(run, dht, peer_id=key.peer_id, stage=1, members=members, signing_key=key, rebalance=False)
-        for dht, key in keyed_dhts
-    ]
-    for worker in workers:
-        worker.replica = StageReplica(run, 1)
-        worker.averager = worker.build_averager(1, worker.replica.numel)
+    run, workers = stage_one_workers(keyed_dhts, min_group_size=2)
     behind, ahead, idle = workers
     for worker in workers:
         worker.replica.forward(last_stage_request(run, 1, seed=1), caller=SigningKey.generate().peer_id)
