@@ -272,6 +272,16 @@ def stage_one_workers(keyed_dhts, *, min_group_size: int) -> tuple[RunConfig, li
     return run, workers
 
 
+async def start_and_announce(workers: list) -> None:
+    """Start each worker's averager, hash and announce its replica, then let each read the others."""
+    for worker in workers:
+        await worker.averager.start()
+        await worker.replica.commit()
+        await worker._announce()
+    for worker in workers:
+        await worker._refresh_view()
+
+
 def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient(keyed_dhts):
     """Three replicas of stage 1 average; only one counted a micro-batch (the others hold weight 0). Before
     the fix the robust rule left the weight-0 replicas out and all three applied that one's gradient,
@@ -283,12 +293,7 @@ def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient
     assert counter.replica.samples == BATCH and all(w.replica.samples == 0 for w in workers[1:])
 
     async def scenario() -> None:
-        for worker in workers:
-            await worker.averager.start()
-            await worker.replica.commit()
-            await worker._announce()
-        for worker in workers:
-            await worker._refresh_view()
+        await start_and_announce(workers)
         for _ in range(5):
             pending = [w for w in workers if w.replica.step == 0]
             if not pending:
@@ -327,12 +332,7 @@ def test_a_replica_a_step_behind_never_averages_with_one_a_step_ahead(keyed_dhts
         worker.replica.forward(request, caller=SigningKey.generate().peer_id)
 
     async def scenario() -> tuple[str, str]:
-        for worker in workers:
-            await worker.averager.start()
-            await worker.replica.commit()
-            await worker._announce()
-        for worker in workers:
-            await worker._refresh_view()
+        await start_and_announce(workers)
         before = (behind.replica.state_hash, ahead.replica.state_hash)
         await asyncio.gather(behind._step_round(), ahead._step_round())
         for worker in workers:
