@@ -7,4 +7,5 @@ processes, so it sits above ``peer`` and ``coordinator`` and neither of them imp
 - ``rehearsal``: ``Rehearsal``, the skeleton both sims share: log directory, processes, bounds, report
 - ``sim``: the ``swarm-sim`` entry point: rehearse a data-parallel run, then check it
 - ``pipeline_sim``: ``swarm-sim --stages S``: rehearse a pipeline run, then check it
+- ``roundfigures``: the per-step figures of a rehearsal (groups, downloads, bytes) from its peers' round journals
 """

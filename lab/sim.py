@@ -16,6 +16,7 @@ from __future__ import annotations
 import swarm.procenv  # noqa: F401  # isort: skip  (before grpc loads: see its docstring)
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from coordinator.cli import status_to_dict
 from coordinator.metrics import is_paused
 from lab.localswarm import status, wait_until
 from lab.rehearsal import Rehearsal
+from lab.roundfigures import steady_downloads, step_figures
 from lab.simconfig import SimConfig, build_run, samples_per_step
 from lab.wanlab import LinkSpec, WanLab, peak_mbit
 from peer.control import RESUME_SIGNAL
@@ -33,6 +35,7 @@ from protocols.errors import SwarmError
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
 from swarm.config import RunConfig
+from swarm.journal import read_journal
 
 EVAL_WINDOWS = 256  # validation windows of the sim's own evaluation, spread over the whole split
 EVAL_BATCH = 16
@@ -170,6 +173,9 @@ def simulate(config: SimConfig) -> int:
             return _simulate(config, run, rehearsal, progress)
         except (SwarmError, TimeoutError) as e:
             progress.close()
+            if config.json_path:  # what the rounds did up to the failure is what explains it
+                report = {"failed": str(e), **_round_report(rehearsal.root, config)}
+                config.json_path.write_text(json.dumps(report, indent=2))
             return rehearsal.failed(e)
 
 
@@ -200,21 +206,22 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
     devices = {name: "gpu" if i < config.gpu_peers else "cpu" for i, name in enumerate(names)}
     # Attackers are peer1.. (the churn victim is the last peer, always honest).
     byzantine = set(names[1 : 1 + config.byzantine])
+    group_size = min(config.peers, config.max_group_size or config.peers)
     rehearsal_flags = ["--rehearse-attack", str(config.attack), "--rehearse-attackers", str(config.byzantine),
-                       "--rehearse-group-size", str(config.peers)]  # fmt: skip
+                       "--rehearse-group-size", str(group_size)]  # fmt: skip
     flags = ["--activation-checkpointing"] if config.activation_checkpointing else []
-    peers = {
-        name: local.start_peer(
-            address,
-            name,
-            "--start-paused",
-            *flags,
-            *(rehearsal_flags if name in byzantine else ()),
-            device=devices[name],
-            **_placement(lab, i + 1),
-        )
-        for i, name in enumerate(names)
-    }
+
+    def launch(name: str, *, paused: bool, attacker: bool = True):
+        return local.start_peer(
+            address, name, *(["--start-paused"] if paused else []), *flags,
+            "--round-journal", str(_journal_path(local.root, name)),
+            *(rehearsal_flags if attacker and name in byzantine else ()),
+            device=devices[name], **_placement(lab, names.index(name) + 1),
+        )  # fmt: skip
+
+    # With --join-over, peer i starts at i / (N - 1) of that span (and trains as soon as it is in).
+    due = {name: i * config.join_over / max(1, len(names) - 1) for i, name in enumerate(names)}
+    peers = {name: launch(name, paused=not config.join_over) for name in names if not config.join_over}
 
     def mount_protocol_attacks() -> None:
         """Start the stranger once every honest peer has joined (its flood of challenges would refuse their
@@ -241,10 +248,19 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             rehearsal.check_deadline("the protocol attacker mounted nothing")
             time.sleep(0.5)
 
-    _start_together(control, peers, rehearsal, before_resume=mount_protocol_attacks)
+    if config.join_over:
+        started_at = time.monotonic()
+    else:
+        _start_together(control, peers, rehearsal, before_resume=mount_protocol_attacks)
     churned = False
     final = checkpoints / f"ckpt-{config.steps:08d}.safetensors"
     while True:
+        if config.join_over and len(peers) < len(names):
+            for name in names:
+                if name not in peers and time.monotonic() - started_at >= due[name]:
+                    peers[name] = launch(name, paused=False)
+            if len(peers) == len(names):
+                mount_protocol_attacks()
         snapshot = status_to_dict(status(control))
         _record_validation(snapshot, byzantine, val_history)
         if lab is not None:
@@ -269,13 +285,12 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             wait_until(
                 lambda v=victim: _state(control, v) == "offline", timeout_s=30, what=f"{victim} offline"
             )
-            peers[victim] = local.start_peer(
-                address, victim, *flags, device=devices[victim], **_placement(lab, len(names))
-            )
+            peers[victim] = launch(victim, paused=False, attacker=False)
             churn_events[-1]["restarted"] = True
             churned = True
         if (
-            len(steps) == config.peers - len(byzantine)
+            len(peers) == len(names)
+            and len(steps) == config.peers - len(byzantine)
             and all(s >= config.steps for s in steps.values())
             and final.exists()
         ):
@@ -335,6 +350,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             "banned": sum(p["state"] == "banned" or bool(p["ban_reason"]) for p in strangers),
         },
         "churn_events": churn_events,
+        **_round_report(local.root, config),
         "val_history": val_history,
         "wan": wan,
         "attack": config.attack,
@@ -344,8 +360,34 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
         "samples_per_s": samples_per_s,
     }
     line = (f"validation loss {initial_loss:.4f} -> {final_loss:.4f} over {config.steps} steps in {duration:.0f}s; "
-            f"{len(peer_rows)} peers {'hold identical parameters' if agree else 'DISAGREE'} ({final_hash[:16]})")  # fmt: skip
+            f"{len(peer_rows)} peers {'hold identical parameters' if agree else 'DISAGREE'} ({final_hash[:16]}); "
+            f"one update at {result['steps_with_one_update']} of {config.steps} steps, "
+            f"{result['state_downloads']} state downloads ({result['steady_state_downloads']} after the first 2 steps "
+            "by peers already in line)")  # fmt: skip
     return rehearsal.finish(result, final_loss < initial_loss and agree, line)
+
+
+def _round_report(root: Path, config: SimConfig) -> dict:
+    """The per-step figures of the peers' round journals (``lab.roundfigures``), with their sums."""
+    names = [f"peer{i}" for i in range(config.peers)]
+    journals = {name: read_journal(path) for name in names if (path := _journal_path(root, name)).exists()}
+    figures = step_figures(journals, config.steps)
+    run = build_run(config)
+    return {
+        # Per step: groups, the largest, state downloads (a joiner's among them), bytes, matchmaking time.
+        "per_step": figures,
+        "state_downloads": sum(f["state_downloads"] for f in figures),
+        "steady_state_downloads": steady_downloads(figures),
+        "steps_with_one_update": sum(f["same_update"] for f in figures),
+        "join_over_s": config.join_over,
+        "max_group_size": run.training.max_group_size,
+        "min_group_size": run.training.min_group_size,
+    }
+
+
+def _journal_path(root: Path, name: str) -> Path:
+    """Where peer ``name`` writes its round journal (``swarm.journal``); a restart appends to it."""
+    return root / f"{name}-rounds.jsonl"
 
 
 def _placement(lab: WanLab | None, index: int) -> dict:

@@ -33,12 +33,17 @@ class SimConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    peers: int = Field(3, ge=1, le=16, description="volunteer processes to start")
+    peers: int = Field(3, ge=1, le=64, description="volunteer processes to start")
     gpu_peers: int = Field(
-        0, ge=0, le=16, description="how many of the peers join with --gpu (the others with --cpu)"
+        0, ge=0, le=64, description="how many of the peers join with --gpu (the others with --cpu)"
     )
     steps: int = Field(20, ge=1, le=100_000, description="global training steps to run")
     churn: bool = Field(False, description="kill a peer outright and restart it during the run")
+    join_over: float = Field(
+        0.0, ge=0, le=3600,
+        description="start the peers one after another, evenly over this many seconds (0: all join paused "
+        "and start training together)",
+    )  # fmt: skip
     json_path: Path | None = Field(
         None, description="write the results as JSON here", json_schema_extra={"cli_flag": "--json"}
     )
@@ -116,7 +121,12 @@ class SimConfig(BaseModel):
         None, ge=1, le=4096,
         description="training.min_group_size (default: max(2f + 1, peers - f) with --byzantine f: every "
         "group holds an honest majority; a rehearsal with fewer than 3f + 1 peers that bans its attackers "
-        "then stalls, and needs peers - f here)",
+        "then stalls, and needs peers - f here; with --max-group-size: 2f + 1, or the run's 1)",
+    )  # fmt: skip
+    max_group_size: int | None = Field(
+        None, ge=2, le=1024,
+        description="training.max_group_size (default: the run's, 64); set it to rehearse more peers than "
+        "one group holds",
     )  # fmt: skip
     wan: str | None = Field(
         None,
@@ -174,6 +184,12 @@ class SimConfig(BaseModel):
     def _lab_fits(self) -> SimConfig:
         if self.nat > self.peers:
             raise ValueError(f"--nat {self.nat} is more than --peers ({self.peers})")
+        if (self.max_group_size or 4096) < (self.min_group_size or 1):
+            raise ValueError(
+                f"--min-group-size {self.min_group_size} is more than --max-group-size {self.max_group_size}"
+            )
+        if self.join_over and self.stages:
+            raise ValueError("--join-over rehearses data-parallel peers; it does not apply with --stages yet")
         if self.replace_into_stage is not None and (
             self.kill_stage_peer_at is None or self.replace_into_stage >= self.stages
         ):
@@ -212,6 +228,20 @@ def parse_outer_optimizer(text: str) -> tuple[float, float]:
     return float(lr), float(momentum or 0)
 
 
+def min_group_size(config: SimConfig) -> int:
+    """The rehearsal's ``training.min_group_size``: --min-group-size, else every peer in every round (one
+    may be missing while churn restarts it), else with --max-group-size the run's own default; with
+    attackers, every group must hold an honest majority (2f + 1 peers at least), and the honest peers
+    alone must reach the minimum: bans never lower it (see TrainingPeer._round). With fewer than 3f + 1
+    peers both cannot hold: --min-group-size chooses."""
+    if config.min_group_size is not None:
+        return config.min_group_size
+    floor = 2 * config.byzantine + 1 if config.byzantine else 1
+    if config.max_group_size is not None:
+        return min(floor, config.max_group_size)
+    return max(floor, config.peers - config.byzantine - (1 if config.churn else 0))
+
+
 def build_run(config: SimConfig) -> RunConfig:
     steps = config.steps
     # The inner learning-rate schedule of diloco counts inner steps.
@@ -233,14 +263,8 @@ def build_run(config: SimConfig) -> RunConfig:
             "precision": config.precision, "sync": config.sync, "inner_steps": config.inner_steps,
             "outer_overlap": config.outer_overlap, "compression": config.compression,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
-            # Every peer takes part in every round (one may be missing while churn restarts it). With
-            # attackers, every group must hold an honest majority (2f + 1 peers at least), and the honest
-            # peers alone must reach the minimum: bans never lower it (see TrainingPeer._round). With fewer
-            # than 3f + 1 peers both cannot hold: --min-group-size chooses.
-            "min_group_size": config.min_group_size or max(
-                2 * config.byzantine + 1 if config.byzantine else 1,
-                config.peers - config.byzantine - (1 if config.churn else 0),
-            ),
+            "min_group_size": min_group_size(config),
+            **({"max_group_size": config.max_group_size} if config.max_group_size else {}),
             "verify_probability": config.verify_probability,
             **({"aggregator": config.aggregator} if config.aggregator else {}),
             "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -47,6 +48,11 @@ class PeerConfig(SessionConfig):
     )
     status_interval_s: float = Field(
         30.0, ge=1, le=3600, description="seconds between status lines when stdout is not a terminal"
+    )
+    round_journal: Path | None = Field(
+        None,
+        description="append one JSON line per averaging round tried and state downloaded to this file "
+        "(swarm-sim reads it; see swarm/journal.py)",
     )
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="log verbosity")
     start_paused: bool = Field(

@@ -26,6 +26,7 @@ from peer.device import describe_device, resolve_device
 from peer.limits import apply_gpu_memory_limit, upload_limiter
 from peer.panel import Panel
 from protocols.errors import Banned, ConfigError
+from swarm import journal
 from swarm.byzantine.attacks import Attack, make_attack
 from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
@@ -167,9 +168,12 @@ class Volunteer:
         self._control = PeerControl(self.config.identity_path)
         self._control.start(self.pause, self.resume)
         panel = asyncio.create_task(Panel(self.status, interval_s=self.config.status_interval_s).run(stop))
+        opened = journal.open_journal(self.config.round_journal) if self.config.round_journal else None
         try:
             return await self._run(stop)
         finally:
+            if opened is not None:
+                journal.close_journal(opened)
             panel.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await panel

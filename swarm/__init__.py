@@ -18,6 +18,7 @@
 - ``standing``: the run's standing as a peer last heard it: each credited peer's samples, coordinator-signed
 - ``keyspace``: every DHT key a run uses, each with its check (``RunValidator``); other keys are refused
 - ``dht``: starting hivemind's DHT under a swarm identity
+- ``journal``: a peer's round journal, one JSON line per round tried and state downloaded (no torch)
 - ``dhtstorage``: ``BoundedStorage``, what a DHT node keeps for others, bounded in total and per signer
 - ``hivemind_import``: hivemind imported once, with its one import-time torch warning filtered
 - ``hf_import``: the optional Hugging Face extra, imported on first use and offline

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
 
@@ -225,6 +226,7 @@ class Averager:
         self.traffic = Traffic()
         self.link = Throughput()  # this peer's measured upload rate, declared in its group entries
         self.round_mbit: float | None = None  # the rate the last round counted on (its slowest member's)
+        self.last_form_s = 0.0  # how long the last round's matchmaking took
         if verify_probability > 0 and signing_key is None:
             # Validators refuse unsigned inputs, so every reducer would be suspected and shunned.
             raise ConfigError(
@@ -484,10 +486,12 @@ class Averager:
         ``find_group``.
         """
         async with self._lock:
+            started = time.monotonic()
             if alone:
                 group = self.solo_group(weight, extra)
             else:
                 group = await self.find_group(weight, extra, expected_size, fits)
+            self.last_form_s = time.monotonic() - started  # what matchmaking took (round journal)
             if group is None:
                 return None
             runner = self.runner_type(

@@ -31,6 +31,7 @@ import torch
 
 from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
+from swarm import journal
 from swarm.averaging.factory import build_averager
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
@@ -378,19 +379,23 @@ class TrainingPeer:
         self._stats["averaging_s"] += self._stats["last_round_s"]
         if outcome is None:
             self._stats["rounds_failed"] += 1
+            self._journal("no_group")
             logger.info(f"step {self.step}: no averaging group formed; accumulating further")
             return
         group, result = outcome
         if len(group.peer_ids) < needed:
             self._stats["rounds_failed"] += 1
+            self._journal("too_small", group)
             logger.info(f"step {self.step}: a group of {len(group.peer_ids)} formed; the run needs {needed}")
             return
         strangers = [str(p) for p, e in zip(group.peer_ids, group.extras, strict=True) if e != extra]
         if not self._group_usable(group):
             self._stats["rounds_failed"] += 1
+            self._journal("other_step", group)
             return
         if not result.complete:
             self._stats["rounds_failed"] += 1
+            self._journal("incomplete", group)
             logger.warning(
                 f"step {self.step}: round incomplete ({len(result.dropped)} peers failed); retrying"
             )
@@ -404,6 +409,7 @@ class TrainingPeer:
             with self.computing():
                 await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
+        self._journal("applied", group, step=self.step - 1, state_hash=self.state_hash)
         self.contributed_samples += contributed
         self.groupmates.record([str(p) for p in group.peer_ids if str(p) != self.peer_id], self.step)
         self.witness.record(group)
@@ -417,6 +423,16 @@ class TrainingPeer:
         )
         if self.step % self.config.training.validation_every_steps == 0 or self.reached_max():
             await self.evaluate()
+
+    def _journal(self, outcome: str, group=None, *, step: int | None = None, **fields: object) -> None:
+        """The round journal's line for the round just tried at ``step`` (default: this peer's step)."""
+        journal.record(
+            "round", self.step if step is None else step, outcome=outcome,
+            group=group.group_id.hex()[:16] if group is not None else "",
+            size=len(group.peer_ids) if group is not None else 0,
+            form_s=round(self.averager.last_form_s, 3), round_s=round(self._stats["last_round_s"], 3),
+            sent=self.averager.traffic.sent, received=self.averager.traffic.received, **fields,
+        )  # fmt: skip
 
     def _round_extra(self) -> dict:
         """What this peer signs into its group entry for the round at its step."""

@@ -28,6 +28,7 @@ import hivemind
 from hivemind.p2p import PeerID
 
 from protocols.keys import PublicKey
+from swarm import journal
 from swarm.averaging.averager import Averager
 from swarm.config import RunConfig
 from swarm.standing import Standing
@@ -142,6 +143,7 @@ class CatchUp:
             return False
         holder, fetched_s, mib = loaded
         self.resyncs += 1
+        journal.record("download", synced.step, state_hash=synced.state_hash, mib=round(mib, 3))
         logger.info(
             f"loaded the state of step {synced.step} from {holder.to_base58()} (hash {synced.state_hash[:12]}; "
             f"{mib:.1f} MiB of tensors in {fetched_s:.1f}s)"
