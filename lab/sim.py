@@ -31,7 +31,7 @@ from lab.roundfigures import steady_downloads, step_figures
 from lab.simconfig import SimConfig, build_run, samples_per_step
 from lab.wanlab import LinkSpec, WanLab, peak_mbit
 from peer.control import RESUME_SIGNAL
-from protocols.errors import SwarmError
+from protocols.errors import NetworkError, SwarmError
 from swarm import runtime
 from swarm.cliargs import add_config_arguments, config_from_args
 from swarm.config import RunConfig
@@ -261,7 +261,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
                     peers[name] = launch(name, paused=False)
             if len(peers) == len(names):
                 mount_protocol_attacks()
-        snapshot = status_to_dict(status(control))
+        snapshot = status_to_dict(_status(control, rehearsal))
         _record_validation(snapshot, byzantine, val_history)
         if lab is not None:
             link_samples.append((time.monotonic(), [lab.link_bytes(i + 2)[0] for i in range(len(names))]))
@@ -275,6 +275,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             config.churn
             and not churned
             and config.peers > 1
+            and names[-1] in steps  # the victim (the last peer) is online: with --join-over it starts last
             and max(steps.values(), default=0) >= config.steps // 3
         ):
             victim = names[-1]
@@ -304,7 +305,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
     print(f"swarm-sim: reached step {config.steps}; evaluating the final checkpoint", flush=True)
     final_loss, final_hash = evaluate(run, final)
     print("swarm-sim: stopping the peers", flush=True)
-    snapshot = status_to_dict(status(control))
+    snapshot = status_to_dict(_status(control, rehearsal))
     wan = _wan_report(lab, names, link_samples) if lab is not None else None
     for name in names:
         if peers[name].process.poll() is None:
@@ -429,7 +430,7 @@ def _start_together(
     and all are resumed at once. A peer that took longer to start (seconds on a loaded machine) used to
     meet the others' rounds at another step, and the run's outcome depended on when it came."""
     while True:
-        waiting = {p.name for p in status(control).peers if is_paused(p)}
+        waiting = {p.name for p in _status(control, rehearsal).peers if is_paused(p)}
         missing = sorted(set(peers) - waiting)
         if not missing:
             break
@@ -441,6 +442,17 @@ def _start_together(
     before_resume()
     for child in peers.values():
         child.signal(RESUME_SIGNAL)
+
+
+def _status(control: str, rehearsal: Rehearsal):
+    """The coordinator's status; a call that times out (a coordinator slow to answer on a loaded machine,
+    among dozens of peers) is made again until the rehearsal's deadline."""
+    while True:
+        try:
+            return status(control)
+        except NetworkError as e:
+            rehearsal.check_deadline(f"the coordinator did not answer: {e}")
+            time.sleep(1.0)
 
 
 def _state(address: str, name: str) -> str:

@@ -62,6 +62,22 @@ class CheckedProtocol(DHTProtocol):
         return super()._validate_dictionary(key_bytes, dictionary)
 
 
+class DroppedCoroutineNoise(logging.Filter):
+    """Drops what hivemind's DHT process logs when a request's coroutine is dropped before it ends (its
+    task garbage-collected while it waited): an ERROR with a ``GeneratorExit`` traceback from
+    ``DHT._run_coroutine`` and asyncio's "Task was destroyed but it is pending!" for that task. Nothing
+    failed there: the peer's own wait for the request has a timeout, which says so where it matters.
+    Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is GeneratorExit:
+            return False
+        message = record.getMessage()
+        return not (
+            message.startswith("Task was destroyed but it is pending") and "_run_coroutine" in message
+        )
+
+
 class SpawnedDHT(hivemind.DHT):
     """hivemind's DHT in a spawned (not forked) child that exits when its parent dies, even by SIGKILL,
     keeps no more for others than its ``storage_limits`` (``swarm.dhtstorage``) and refuses empty
@@ -77,6 +93,8 @@ class SpawnedDHT(hivemind.DHT):
         # hivemind builds its protocol, storage and cache from these module-level names and takes no
         # argument for them; this runs in the DHT's own child process, so nothing else sees the change.
         BoundedStorage.limits = self.storage_limits
+        for name in ("hivemind.dht.dht", "asyncio"):
+            logging.getLogger(name).addFilter(DroppedCoroutineNoise())
         hivemind.dht.protocol.DHTLocalStorage = BoundedStorage
         hivemind.dht.node.DHTProtocol = CheckedProtocol
         parent = os.getppid()

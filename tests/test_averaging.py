@@ -368,3 +368,37 @@ def test_a_slow_uplink_with_a_large_part_is_not_dropped_as_a_straggler(dhts, key
         f"measured {limited.link.mbit:.1f} Mbit/s through a 10 Mbit/s limit"
     )
     assert limited.transfer_deadline_s(50_000_000) > 2.0 + 50_000_000 * 8 / 11e6, "state downloads wait too"
+
+
+def test_a_search_that_failed_before_waits_long_enough_for_a_peer_that_comes_late(dhts, keys):
+    # On a loaded machine a groupmate's search starts seconds after this one's: after failed searches at
+    # the step, the window widens (0.5 s doubled three times: 4 s, a 14 s search), so a peer that comes
+    # 5 s later still finds this one, where a first search (3.5 s in all) would have given up.
+    early, late = make(dhts[0], keys, matchmaking_time_s=0.5), make(dhts[1], keys, matchmaking_time_s=0.5)
+    assert [early.matchmaking_window_s(n) for n in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    inputs = vectors(2)
+
+    async def scenario():
+        await early.start()
+        await late.start()
+        waiting = asyncio.create_task(early.average(inputs[0], 1.0, failed_tries=3))
+        await asyncio.sleep(5.0)
+        assert not waiting.done(), "the widened search is still on"
+        return await asyncio.gather(waiting, late.average(inputs[1], 1.0))
+
+    outcomes = asyncio.run(scenario())
+    assert all(o is not None and len(o[0].peer_ids) == 2 and o[1].complete for o in outcomes)
+    assert torch.equal(outcomes[0][1].vector, outcomes[1][1].vector)
+
+
+def test_failed_searches_count_per_step_and_start_again_after_a_group():
+    from swarm.averaging.matchmaking import FailedSearches
+
+    searches = FailedSearches()
+    searches.record(4, formed=False)
+    searches.record(4, formed=False)
+    assert searches.failed(4) == 2 and searches.failed(5) == 0, "a new step starts from the run's window"
+    searches.record(4, formed=True)
+    assert searches.failed(4) == 0
+    searches.record(5, formed=False)
+    assert searches.failed(5) == 1 and searches.failed(4) == 0

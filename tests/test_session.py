@@ -171,3 +171,36 @@ def test_a_daemon_that_cannot_bind_is_not_retried_as_a_slow_start(tmp_path):
     with pytest.raises(NetworkError, match="cannot assign requested address") as failed:
         asyncio.run(_session(tmp_path, dht_start_attempts=3)._start_dht(asyncio.Event(), start))
     assert not isinstance(failed.value, DHTStartFailed) and len(tries) == 1
+
+
+def test_the_dht_process_drops_the_noise_of_a_dropped_request_but_keeps_real_errors():
+    import logging
+    import sys
+
+    from swarm.dht import DroppedCoroutineNoise
+
+    def record(name: str, message: str, error: BaseException | None = None) -> logging.LogRecord:
+        exc_info = None
+        if error is not None:
+            try:
+                raise error
+            except BaseException:
+                exc_info = sys.exc_info()
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, message, None, exc_info)
+
+    noise = DroppedCoroutineNoise()
+    # What a peer's log showed on a loaded machine: a traceback ending in GeneratorExit, then asyncio's line.
+    assert not noise.filter(
+        record("hivemind.dht.dht", "Caught an exception when running a coroutine:", GeneratorExit())
+    )
+    pending = (
+        "Task was destroyed but it is pending!\ntask: <Task pending coro=<DHT._run_coroutine() running>>"
+    )
+    assert not noise.filter(record("asyncio", pending))
+    # A coroutine that failed, and another task destroyed while pending, still reach the log.
+    assert noise.filter(
+        record("hivemind.dht.dht", "Caught an exception when running a coroutine:", ValueError("x"))
+    )
+    assert noise.filter(
+        record("asyncio", "Task was destroyed but it is pending!\ntask: <Task coro=<serve()>>")
+    )

@@ -75,6 +75,10 @@ from swarm.records import RecordSigner
 
 logger = logging.getLogger(__name__)
 
+#: The widest matchmaking window, in the run's ``matchmaking_time_s`` (see ``Averager.matchmaking_window_s``).
+MAX_PATIENCE = 8.0
+MAX_WINDOW_S = 300.0
+
 
 @dataclass
 class GroupRound:
@@ -318,7 +322,7 @@ class Averager:
             target_group_size=self.max_group_size,
             min_group_size=2,
             min_matchmaking_time=self.matchmaking_time_s,
-            request_timeout=max(0.5, self.matchmaking_time_s / 2),
+            request_timeout=max(0.5, self.matchmaking_time_s / 2),  # widened per search: _widen_matchmaking
             client_mode=self.client_mode,
             policy=self.policy,
             signer=self.record_signer,
@@ -367,6 +371,7 @@ class Averager:
         extra: dict | None = None,
         expected_size: int | None = None,
         fits: EntryFit | None = None,
+        failed_tries: int = 0,
     ) -> GroupRound | None:
         """Gather with the peers looking for a group now; None when no group formed in time.
 
@@ -374,7 +379,8 @@ class Averager:
         so the minimum is 2: a peer that trains alone uses ``solo_group`` instead of matchmaking. With
         ``expected_size`` (the peers the caller knows to be ready for this round) a leader assembles the
         moment that many have joined, rather than waiting out the window. A member whose signed entry
-        ``fits`` refuses is excluded and suspected (``groups.check_group``).
+        ``fits`` refuses is excluded and suspected (``groups.check_group``). ``failed_tries``: searches
+        at the caller's step that formed no group, which widen the window (``matchmaking_window_s``).
         """
         self._nonce = os.urandom(NONCE_BYTES)
         body = GroupEntryBody(
@@ -390,12 +396,18 @@ class Averager:
         self._entry = make_entry(self.signing_key, self.prefix, body)
         target = self.max_group_size if expected_size is None else expected_size
         self.matchmaking.target_group_size = max(2, min(self.max_group_size, target))
+        window_s = self.matchmaking_window_s(failed_tries)
+        if failed_tries and window_s > self.matchmaking_window_s(failed_tries - 1):
+            logger.info(
+                f"{failed_tries} searches at this step formed no group; waiting {window_s:.1f}s for a group now"
+            )
+        self._widen_matchmaking(window_s)
         now = get_dht_time()
         # A group that has not formed within a few windows will not: give up and let the caller re-check
         # whether the run moved on without this peer.
-        search_s = min(self.averaging_timeout_s, 3 * self.matchmaking_time_s + 2.0)
+        search_s = min(self.averaging_timeout_s, 3 * window_s + 2.0)
         step = StepControl(
-            scheduled_time=now + self.matchmaking_time_s,
+            scheduled_time=now + window_s,
             deadline=now + search_s,
             allow_retries=False,
             weight=weight,
@@ -461,6 +473,23 @@ class Averager:
             group.signed,
         )
 
+    def matchmaking_window_s(self, failed_tries: int) -> float:
+        """How long a leader waits for followers after ``failed_tries`` searches at one step formed no
+        group: the run's ``matchmaking_time_s``, doubled for each, up to ``MAX_PATIENCE`` times it. On a
+        loaded machine declarations, lookups and join requests take longer than a window meant for a
+        quiet one, and every peer giving up at the same moment formed no group for minutes; a peer
+        that is truly gone costs a wider window only at the step where it is missed."""
+        widened = self.matchmaking_time_s * min(MAX_PATIENCE, 2.0 ** min(max(failed_tries, 0), 16))
+        # Within the search's deadline (``averaging_timeout_s`` at most), so a gathered entry stays fresh, and
+        # within the longest window a declaration may announce (``matchmaking_time_s``'s bound, 300 s).
+        return min(widened, max(self.matchmaking_time_s, min(self.averaging_timeout_s / 2, MAX_WINDOW_S)))
+
+    def _widen_matchmaking(self, window_s: float) -> None:
+        """hivemind keeps the window and the join request's timeout as attributes it reads per search."""
+        self.matchmaking.min_matchmaking_time = window_s
+        self.matchmaking.potential_leaders.min_matchmaking_time = window_s
+        self.matchmaking.request_timeout = max(0.5, window_s / 2)
+
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
         """A group of this peer alone, for a run with no one else at this step."""
         return GroupRound(
@@ -477,20 +506,21 @@ class Averager:
         expected_size: int | None = None,
         out: torch.Tensor | None = None,
         fits: EntryFit | None = None,
+        failed_tries: int = 0,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 
         Alone, the vector still goes through the wire encoding, so a solo step applies exactly what a
         group of one would. ``out`` (float32, ``numel`` values) receives the result instead of a new
-        tensor; it holds garbage where parts of an incomplete round are missing. ``fits``: see
-        ``find_group``.
+        tensor; it holds garbage where parts of an incomplete round are missing. ``fits`` and
+        ``failed_tries``: see ``find_group``.
         """
         async with self._lock:
             started = time.monotonic()
             if alone:
                 group = self.solo_group(weight, extra)
             else:
-                group = await self.find_group(weight, extra, expected_size, fits)
+                group = await self.find_group(weight, extra, expected_size, fits, failed_tries)
             self.last_form_s = time.monotonic() - started  # what matchmaking took (round journal)
             if group is None:
                 return None

@@ -1,5 +1,7 @@
 """``RunMatchmaking``: hivemind's matchmaking held to the peer's ``PeerPolicy``, declaring with signed,
-certified declarations (``declarations``) under one fixed key per averaging prefix.
+certified declarations (``declarations``) under one fixed key per averaging prefix; ``FailedSearches``:
+how many searches at a step formed no group, which widens the next one's window
+(``Averager.matchmaking_window_s``).
 
 ``Averager`` builds it. As leader it tells its followers the group that ``RoundHooks.announce_group``
 returns: the group it assembled, but in a rehearsed attack on the group (``swarm.byzantine.group_attacks``).
@@ -78,3 +80,26 @@ class RunMatchmaking(Matchmaking):
 
 
 __all__ = ["RunMatchmaking"]
+
+
+class FailedSearches:
+    """Consecutive searches that formed no group at one step (or stage round): a search that formed a
+    group, or a new step, starts the count again.
+
+    Example::
+
+        searches = FailedSearches()
+        outcome = await averager.average(..., failed_tries=searches.failed(step))
+        searches.record(step, formed=outcome is not None)
+    """
+
+    def __init__(self) -> None:
+        self._step: int | None = None
+        self._failed = 0
+
+    def failed(self, step: int) -> int:
+        return self._failed if step == self._step else 0
+
+    def record(self, step: int, *, formed: bool) -> None:
+        self._failed = 0 if formed else self.failed(step) + 1
+        self._step = step

@@ -33,6 +33,7 @@ from protocols.errors import ConfigError
 from protocols.keys import PublicKey, SigningKey
 from swarm import journal
 from swarm.averaging.factory import build_averager
+from swarm.averaging.matchmaking import FailedSearches
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
@@ -157,6 +158,7 @@ class TrainingPeer:
         self.contributed_samples = 0
         # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
         self.groupmates = Groupmates()
+        self._searches = FailedSearches()  # matchmaking at this step that formed no group (widens the window)
         # Serving the synced state, and moving to the state the run holds (swarm.training.resync).
         self.catchup = CatchUp(
             self.synced, run, progress_view=self.progress_view, averager=self.averager, dht=dht,
@@ -373,10 +375,12 @@ class TrainingPeer:
             expected_size=expected,
             out=self._averaged,
             fits=lambda entry: step_misfit(entry.extra, extra, held_steps),
+            failed_tries=self._searches.failed(self.step),
         )
         # Matchmaking plus all-reduce: what a slow link costs this peer (docs/wan.md reads it).
         self._stats["last_round_s"] = time.monotonic() - started
         self._stats["averaging_s"] += self._stats["last_round_s"]
+        self._searches.record(self.step, formed=outcome is not None)
         if outcome is None:
             self._stats["rounds_failed"] += 1
             self._journal("no_group")
