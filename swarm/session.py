@@ -334,10 +334,14 @@ class Session:
         from swarm.membership import fetch_members, publish_certificate
 
         run = self.run_config
+        # The record must outlive the slowest heartbeat loop: its DHT work and its coordinator call (up to
+        # rpc_timeout_s) come on top of the interval. With offline_after_s alone, one slow loop on a loaded
+        # machine let the record expire, and groupmates refused this peer's parts as "not a certified
+        # member" until the next loop.
+        membership = run.membership
+        ttl_s = membership.offline_after_s + membership.heartbeat_interval_s + self.config.rpc_timeout_s
         try:
-            await publish_certificate(
-                self.dht, self.key, self.certificate, ttl_s=run.membership.offline_after_s
-            )
+            await publish_certificate(self.dht, self.key, self.certificate, ttl_s=ttl_s)
             return len(await fetch_members(self.dht, run.run_id, self.coordinator_key))
         except Exception as e:
             logger.warning(f"DHT announce failed: {e}")
