@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 #: The widest matchmaking window, in the run's ``matchmaking_time_s`` (see ``Averager.matchmaking_window_s``).
 MAX_PATIENCE = 8.0
+#: The widest window in seconds: the longest a signed declaration may announce (``declarations``).
 MAX_WINDOW_S = 300.0
 
 

@@ -79,9 +79,6 @@ class RunMatchmaking(Matchmaking):
         return await super().follower_assemble_group(leader, msg)
 
 
-__all__ = ["RunMatchmaking"]
-
-
 class FailedSearches:
     """Consecutive searches that formed no group at one step (or stage round): a search that formed a
     group, or a new step, starts the count again.
@@ -103,3 +100,6 @@ class FailedSearches:
     def record(self, step: int, *, formed: bool) -> None:
         self._failed = 0 if formed else self.failed(step) + 1
         self._step = step
+
+
+__all__ = ["FailedSearches", "RunMatchmaking"]
