@@ -489,7 +489,9 @@ class Averager:
         """hivemind keeps the window and the join request's timeout as attributes it reads per search."""
         self.matchmaking.min_matchmaking_time = window_s
         self.matchmaking.potential_leaders.min_matchmaking_time = window_s
-        self.matchmaking.request_timeout = max(0.5, window_s / 2)
+        # A leader's first answer does not wait for its window, and a silent one holds this peer's join lock
+        # (nobody can join it meanwhile) for this long: at most the run's own window, however wide this is.
+        self.matchmaking.request_timeout = max(0.5, min(window_s, 2 * self.matchmaking_time_s) / 2)
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
         """A group of this peer alone, for a run with no one else at this step."""

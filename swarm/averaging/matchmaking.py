@@ -15,6 +15,7 @@ import logging
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 
 from swarm.averaging.declarations import SignedGroupKeyManager
 from swarm.averaging.hooks import RoundHooks
@@ -24,9 +25,29 @@ from swarm.records import RecordSigner
 logger = logging.getLogger(__name__)
 
 
+class _Accepted(asyncio.Event):
+    """hivemind's ``was_accepted_to_group``, remembering which leader accepted this peer (hivemind sets
+    ``current_leader`` just before it sets the event, and clears both when the request ends)."""
+
+    def __init__(self, matchmaking: Matchmaking):
+        super().__init__()
+        self.matchmaking, self.by = matchmaking, None
+
+    def set(self) -> None:
+        self.by = self.matchmaking.current_leader
+        super().set()
+
+
 class RunMatchmaking(Matchmaking):
     """hivemind's matchmaking that neither leads nor follows a peer its ``PeerPolicy`` refuses
-    (uncertified, banned or suspect), and remembers who led the last group it was in."""
+    (uncertified, banned or suspect), and remembers who led the last group it was in.
+
+    A leader that accepted this peer and then neither began the round nor disbanded its group by this
+    peer's own expiration (plus the request timeout) is avoided as a leader (``leader_only``): an honest
+    leader begins or disbands by its own expiration, which comes before its followers'. One certified
+    peer that accepted everyone and never began held every search of every peer, at any window, and
+    nobody suspected it (``tests/test_window_redteam.py``).
+    """
 
     def __init__(
         self, p2p, schema_hash, dht, *, policy: PeerPolicy, signer: RecordSigner | None,
@@ -36,6 +57,7 @@ class RunMatchmaking(Matchmaking):
         self.policy = policy
         self.hooks = hooks if hooks is not None else RoundHooks()
         self.leader: PeerID | None = None
+        self.was_accepted_to_group = _Accepted(self)
         if signer is not None:  # the run's DHT nodes refuse hivemind's unsigned, uncertified declarations
             self.group_key_manager = SignedGroupKeyManager(
                 dht, self._prefix, self.target_group_size, signer, run_id=policy.run_id,
@@ -61,7 +83,19 @@ class RunMatchmaking(Matchmaking):
         if reason is not None:
             logger.debug(f"not following {leader}: {reason}")
             return None
-        return await super()._request_join_group(leader)
+        self.was_accepted_to_group.by = None
+        expires = self.get_request_expiration_time()
+        group = await super()._request_join_group(leader)
+        if (
+            group is None
+            and self.was_accepted_to_group.by == leader
+            and get_dht_time() >= expires + self.request_timeout / 2
+        ):
+            self.policy.suspect(
+                leader.to_base58(), "accepted this peer into its group, then never began the round",
+                leader_only=True,
+            )  # fmt: skip
+        return group
 
     async def leader_assemble_group(self):
         self.leader = self.peer_id
@@ -80,8 +114,9 @@ class RunMatchmaking(Matchmaking):
 
 
 class FailedSearches:
-    """Consecutive searches that formed no group at one step (or stage round): a search that formed a
-    group, or a new step, starts the count again.
+    """Consecutive searches that formed no group the run could use at one data-parallel step: one that did,
+    or a new step, starts the count again. (Pipeline stage rounds do not count yet: their window stays the
+    run's.)
 
     Example::
 

@@ -380,7 +380,9 @@ class TrainingPeer:
         # Matchmaking plus all-reduce: what a slow link costs this peer (docs/wan.md reads it).
         self._stats["last_round_s"] = time.monotonic() - started
         self._stats["averaging_s"] += self._stats["last_round_s"]
-        self._searches.record(self.step, formed=outcome is not None)
+        # A group too small for the run counts as none: under load a leader assembles whoever joined by the
+        # end of its window, and resetting the count there kept the window from ever widening past double.
+        self._searches.record(self.step, formed=outcome is not None and len(outcome[0].peer_ids) >= needed)
         if outcome is None:
             self._stats["rounds_failed"] += 1
             self._journal("no_group")
