@@ -252,8 +252,10 @@ class TrainingConfig(_Section):
 
     @property
     def round_s(self) -> float:
-        """The longest one round takes: a matchmaking window plus the all-reduce's deadline. A peer whose
-        rounds failed for longer is stalled."""
+        """The longest one round takes at the run's window: a matchmaking window plus the all-reduce's
+        deadline. A peer whose rounds failed for longer is stalled. (A search whose window widened after
+        failed searches, ``Averager.matchmaking_window_s``, may take up to ``averaging_timeout_s`` itself:
+        a peer waiting that long counts as stalled the sooner, which only lets it look for a catch-up.)"""
         return self.matchmaking_time_s + self.averaging_timeout_s
 
 
