@@ -174,7 +174,7 @@ def simulate(config: SimConfig) -> int:
         except (SwarmError, TimeoutError) as e:
             progress.close()
             if config.json_path:  # what the rounds did up to the failure is what explains it
-                report = {"failed": str(e), **_round_report(rehearsal.root, config)}
+                report = {"failed": str(e), **_round_report(rehearsal.root, config, run)}
                 config.json_path.write_text(json.dumps(report, indent=2))
             return rehearsal.failed(e)
 
@@ -202,7 +202,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
     # In the lab no route leads from here to the coordinator's namespace: ask through its socket.
     control = coordinator.extra["socket"] if lab is not None else address
     checkpoints = coordinator.extra["data_dir"] / "checkpoints"
-    names = [f"peer{i}" for i in range(config.peers)]
+    names = _peer_names(config)
     devices = {name: "gpu" if i < config.gpu_peers else "cpu" for i, name in enumerate(names)}
     # Attackers are peer1.. (the churn victim is the last peer, always honest).
     byzantine = set(names[1 : 1 + config.byzantine])
@@ -221,7 +221,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
 
     # With --join-over, peer i starts at i / (N - 1) of that span (and trains as soon as it is in).
     due = {name: i * config.join_over / max(1, len(names) - 1) for i, name in enumerate(names)}
-    peers = {name: launch(name, paused=not config.join_over) for name in names if not config.join_over}
+    peers = {} if config.join_over else {name: launch(name, paused=True) for name in names}
 
     def mount_protocol_attacks() -> None:
         """Start the stranger once every honest peer has joined (its flood of challenges would refuse their
@@ -351,7 +351,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             "banned": sum(p["state"] == "banned" or bool(p["ban_reason"]) for p in strangers),
         },
         "churn_events": churn_events,
-        **_round_report(local.root, config),
+        **_round_report(local.root, config, run),
         "val_history": val_history,
         "wan": wan,
         "attack": config.attack,
@@ -368,12 +368,11 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
     return rehearsal.finish(result, final_loss < initial_loss and agree, line)
 
 
-def _round_report(root: Path, config: SimConfig) -> dict:
+def _round_report(root: Path, config: SimConfig, run: RunConfig) -> dict:
     """The per-step figures of the peers' round journals (``lab.roundfigures``), with their sums."""
-    names = [f"peer{i}" for i in range(config.peers)]
+    names = _peer_names(config)
     journals = {name: read_journal(path) for name in names if (path := _journal_path(root, name)).exists()}
     figures = step_figures(journals, config.steps)
-    run = build_run(config)
     return {
         # Per step: groups, the largest, state downloads (a joiner's among them), bytes, matchmaking time.
         "per_step": figures,
@@ -384,6 +383,10 @@ def _round_report(root: Path, config: SimConfig) -> dict:
         "max_group_size": run.training.max_group_size,
         "min_group_size": run.training.min_group_size,
     }
+
+
+def _peer_names(config: SimConfig) -> list[str]:
+    return [f"peer{i}" for i in range(config.peers)]
 
 
 def _journal_path(root: Path, name: str) -> Path:

@@ -1,6 +1,6 @@
 """Regression tests from an attacker's read of the widening matchmaking window (``FailedSearches`` in
 ``TrainingPeer._round`` -> ``Averager.find_group(failed_tries)`` -> ``matchmaking_window_s`` /
-``_widen_matchmaking``) and of the matchmaking around it. Each failed on the code before its fix.
+``RunMatchmaking.widen``) and of the matchmaking around it. Each failed on the code before its fix.
 
 Everything runs in one process: the real ``Averager.find_group``, ``RunMatchmaking`` (hivemind's
 ``Matchmaking`` and ``PotentialLeaders``) and ``SignedGroupKeyManager`` (signed declarations, opened by
@@ -239,7 +239,7 @@ def test_one_certified_peer_that_accepts_and_never_begins_is_avoided_as_a_leader
 
 
 def test_a_silent_certified_leader_holds_a_follower_no_longer_than_the_runs_window_once_it_widened():
-    """``_widen_matchmaking`` set ``request_timeout = max(0.5, window / 2)``, so what docs/protocol.md
+    """``RunMatchmaking.widen`` set ``request_timeout = max(0.5, window / 2)``, so what docs/protocol.md
     bounds a false or unanswered declaration to (one request timeout, the ``DeclarationBody.looking`` row)
     grew with failed searches to max(0.5, 4m), 1 s -> 7.5 s at the defaults, all of it holding hivemind's
     ``lock_request_join_group`` (a join request sent to the follower meanwhile is not looked at). A
@@ -255,7 +255,7 @@ def test_a_silent_certified_leader_holds_a_follower_no_longer_than_the_runs_wind
         other = honest_averager(board, keys[1], allowed, matchmaking_time_s=m, averaging_timeout_s=30.0)
         rogue = RogueLeader(board, keys[2], "silent")
         window = me.matchmaking_window_s(failed_tries)
-        me._widen_matchmaking(window)  # what find_group does before every search
+        me.matchmaking.widen(window, m)  # what find_group does before every search
         mm = me.matchmaking
         now = get_dht_time()
         step = StepControl(

@@ -323,7 +323,7 @@ class Averager:
             target_group_size=self.max_group_size,
             min_group_size=2,
             min_matchmaking_time=self.matchmaking_time_s,
-            request_timeout=max(0.5, self.matchmaking_time_s / 2),  # widened per search: _widen_matchmaking
+            request_timeout=max(0.5, self.matchmaking_time_s / 2),  # set per search: RunMatchmaking.widen
             client_mode=self.client_mode,
             policy=self.policy,
             signer=self.record_signer,
@@ -402,7 +402,7 @@ class Averager:
             logger.info(
                 f"{failed_tries} searches at this step formed no group; waiting {window_s:.1f}s for a group now"
             )
-        self._widen_matchmaking(window_s)
+        self.matchmaking.widen(window_s, self.matchmaking_time_s)
         now = get_dht_time()
         # A group that has not formed within a few windows will not: give up and let the caller re-check
         # whether the run moved on without this peer.
@@ -484,14 +484,6 @@ class Averager:
         # Within the search's deadline (``averaging_timeout_s`` at most), so a gathered entry stays fresh, and
         # within the longest window a declaration may announce (``matchmaking_time_s``'s bound, 300 s).
         return min(widened, max(self.matchmaking_time_s, min(self.averaging_timeout_s / 2, MAX_WINDOW_S)))
-
-    def _widen_matchmaking(self, window_s: float) -> None:
-        """hivemind keeps the window and the join request's timeout as attributes it reads per search."""
-        self.matchmaking.min_matchmaking_time = window_s
-        self.matchmaking.potential_leaders.min_matchmaking_time = window_s
-        # A leader's first answer does not wait for its window, and a silent one holds this peer's join lock
-        # (nobody can join it meanwhile) for this long: at most the run's own window, however wide this is.
-        self.matchmaking.request_timeout = max(0.5, min(window_s, 2 * self.matchmaking_time_s) / 2)
 
     def solo_group(self, weight: float, extra: dict | None = None) -> GroupRound:
         """A group of this peer alone, for a run with no one else at this step."""

@@ -97,6 +97,15 @@ class RunMatchmaking(Matchmaking):
             )  # fmt: skip
         return group
 
+    def widen(self, window_s: float, base_s: float) -> None:
+        """Make the next search's window ``window_s`` (the run's is ``base_s``): hivemind keeps the window
+        and the join request's timeout as attributes it reads per search."""
+        self.min_matchmaking_time = window_s
+        self.potential_leaders.min_matchmaking_time = window_s
+        # A leader's first answer does not wait for its window, and a silent one holds this peer's join lock
+        # (nobody can join it meanwhile) for this long: at most the run's own window, however wide this is.
+        self.request_timeout = max(0.5, min(window_s, 2 * base_s) / 2)
+
     async def leader_assemble_group(self):
         self.leader = self.peer_id
         group = await super().leader_assemble_group()
@@ -122,7 +131,7 @@ class FailedSearches:
 
         searches = FailedSearches()
         outcome = await averager.average(..., failed_tries=searches.failed(step))
-        searches.record(step, formed=outcome is not None)
+        searches.record(step, formed=outcome is not None and len(outcome[0].peer_ids) >= needed)
     """
 
     def __init__(self) -> None:
