@@ -29,8 +29,8 @@ from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
 from protocols.messages import AccuseBody
 from swarm.averaging.aggregators import get_aggregator
-from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, UnshownInputEvidence, parse_evidence
+from swarm.averaging.tiers import round_codec
 from swarm.config import RunConfig
 from swarm.pipeline.evidence import ANSWER_KIND, judge_answer, judge_recomputed, read_stage_evidence
 from swarm.pipeline.evidence import KIND as STAGE_KIND
@@ -247,7 +247,7 @@ def judge(
         if evidence.accused != accused or accuser not in evidence.members:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
         aggregator = get_aggregator(training.aggregator, training.aggregator_options)
-        codec = get_codec(training.compression, topk_density=training.topk_density)
+        codec = round_codec(run, evidence.prefix)
         verdict = evidence.judge(aggregator, codec, vector_numel=vector_numel)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
@@ -270,7 +270,9 @@ def _kind(data: bytes) -> object:
 
 def run_layouts(run: RunConfig) -> dict[str, int]:
     """Each averaging prefix of the run and the length of the vector averaged under it: the run's
-    trainable parameters under the run's prefix, and each pipeline stage's under that stage's."""
+    trainable parameters under the run's prefix and its second tier's, and each pipeline stage's under
+    that stage's."""
+    from swarm.averaging.tiers import tier_prefix
     from swarm.models import build_model
     from swarm.pipeline.layout import build_stage
     from swarm.records import stage_prefix
@@ -279,7 +281,8 @@ def run_layouts(run: RunConfig) -> dict[str, int]:
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
     # Averagers name their prefix with "." replaced by "_" (swarm.averaging.averager).
-    layouts = {run.run_id.replace(".", "_"): trainable(build_model(run.model.name, run.model.config))}
+    numel = trainable(build_model(run.model.name, run.model.config))
+    layouts = {run.run_id.replace(".", "_"): numel, tier_prefix(run.run_id).replace(".", "_"): numel}
     if run.pipeline.stages > 1:
         for index in range(run.pipeline.stages):
             prefix = stage_prefix(run.run_id, index).replace(".", "_")

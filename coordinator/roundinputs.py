@@ -35,7 +35,6 @@ from hivemind.p2p import P2P, PeerID
 from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.aggregators import get_aggregator
-from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import (
     INPUT_DEMAND_WINDOW_S,
     Entry,
@@ -43,6 +42,7 @@ from swarm.averaging.evidence import (
     UnshownInputEvidence,
     parse_evidence,
 )
+from swarm.averaging.tiers import round_codec
 from swarm.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -132,11 +132,11 @@ async def judge_unshown(
     ``joined_at(peer)`` is when the peer's current session joined, by the peer's own clock, or None if it
     is not online: it is read when the evidence arrives, so leaving once asked saves nobody."""
     training = run.training
-    codec = get_codec(training.compression, topk_density=training.topk_density)
     try:
         evidence = parse_evidence(data)
         if not isinstance(evidence, UnshownInputEvidence):
             raise ProtocolError("the evidence is not of an unshown input")
+        codec = round_codec(run, evidence.prefix)
         if evidence.accused != accused or accuser not in evidence.members:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
         async with judging:  # the first call builds the model: never on the event loop

@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -101,3 +103,29 @@ class StateChunk(_message.Message):
     data: bytes
     error: str
     def __init__(self, step: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TierRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    def __init__(self, group_id: _Optional[bytes] = ...) -> None: ...
+
+class TierAnswer(_message.Message):
+    __slots__ = ("code", "error", "alone", "tier_group_id", "entries", "representative", "signers", "chunk")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
+    TIER_GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REPRESENTATIVE_FIELD_NUMBER: _ClassVar[int]
+    SIGNERS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    code: Code
+    error: str
+    alone: bool
+    tier_group_id: bytes
+    entries: _containers.RepeatedScalarFieldContainer[bytes]
+    representative: int
+    signers: _containers.RepeatedScalarFieldContainer[int]
+    chunk: PartChunk
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., error: _Optional[str] = ..., alone: _Optional[bool] = ..., tier_group_id: _Optional[bytes] = ..., entries: _Optional[_Iterable[bytes]] = ..., representative: _Optional[int] = ..., signers: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ...) -> None: ...

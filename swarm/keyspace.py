@@ -7,8 +7,8 @@ their names; it can tell them by their hashes. ``run_keys`` lists every key of a
 - pages 1 and on of the ban list (``<run>.bans.<k>``, ``swarm.bans``);
 - each pipeline stage's checkpoint record (``<run>.stage<k>.checkpoint``, signed for the stage prefix),
   for every stage a run may have (``MAX_STAGES``);
-- the matchmaking key of the run's averagers and of each stage's (``<prefix>.0b``, signed declarations:
-  ``swarm.averaging.declarations``).
+- the matchmaking key of the run's averagers, of its second tier's (``<run>.tier2``, ``swarm.averaging.tiers``)
+  and of each stage's (``<prefix>.0b``, signed declarations: ``swarm.averaging.declarations``).
 
 ``RunValidator`` routes each of these keys to its check and refuses every other key, so a stranger can
 store nothing that is not a valid record of the run. Every DHT a peer or the coordinator starts runs it.
@@ -33,6 +33,7 @@ from hivemind.utils import MSGPackSerializer
 from protocols.keys import PublicKey
 from protocols.messages import MAX_BAN_PAGES
 from swarm.averaging.declarations import MAX_DECLARATION_BYTES, matchmaking_key, open_declaration
+from swarm.averaging.tiers import tier_prefix
 from swarm.bans import BanPageValidator, ban_list_key, open_ban_page
 from swarm.dhtstorage import NODE_BANS
 from swarm.records import VALIDATED_KINDS, TrustValidator, record_key, stage_prefix
@@ -66,7 +67,7 @@ def run_keys(run_id: str, stages: int = MAX_STAGES) -> dict[str, KeyRule]:
     prefixes = [run_id] + ([stage_prefix(run_id, stage) for stage in range(stages)] if stages > 1 else [])
     for prefix in prefixes[1:]:
         keys[record_key(prefix, "checkpoint")] = KeyRule("record", prefix, "checkpoint")
-    for prefix in prefixes:
+    for prefix in [*prefixes, tier_prefix(run_id)]:
         keys[matchmaking_key(prefix)] = KeyRule("declaration", matchmaking_key(prefix))
     return keys
 

@@ -74,10 +74,14 @@ def project_servicers() -> set[type[ServicerBase]]:
 def test_every_servicer_the_project_registers_is_a_surface_of_the_harness():
     assert project_servicers() == surface_classes(), "a servicer without harness namespaces, or a stale one"
     data = {ns for _, ns in surfaces("a.run")}
-    assert data == {"a_run", "a_run_state"}, data
+    assert data == {"a_run", "a_run_state", "a_run_tier2"}, data
     staged = surfaces("a.run", stages=2)
-    assert {type_.__name__ for type_, _ in staged} == {"AveragingServicer", "StateServicer", "StageServicer"}
-    assert len(staged) == 3 + 3 + 2, "the run's prefix and each stage's, and each stage's pipeline handlers"
+    assert {type_.__name__ for type_, _ in staged} == {
+        "AveragingServicer", "StateServicer", "StageServicer", "TierServicer"
+    }  # fmt: skip
+    assert len(staged) == 4 + 3 + 2 + 1, (
+        "the run's, its second tier's and each stage's; each stage's pipeline"
+    )
     for cls in surface_classes():
         assert _handlers(cls), f"{cls.__name__} has no rpc_ handler to send to"
 

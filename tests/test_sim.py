@@ -73,3 +73,24 @@ def test_demo_run_learns_without_a_spike(tmp_path: Path):
     assert len(history) >= 4, history
     assert all(later < 1.15 * earlier for earlier, later in zip(history, history[1:], strict=False)), history
     assert history[-1] <= 1.02 * min(history) and history[-1] < 0.75 * history[0], history
+
+
+def test_two_groups_of_a_step_apply_one_update_through_the_second_tier(tmp_path: Path):
+    """4 peers in groups of at most 2: every step has two groups, and from the third step on (the first two
+    may start apart while the peers' views fill) every peer applies one update, with no state download."""
+    out = tmp_path / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "lab.sim", "--peers", "4", "--steps", "5", "--model-size", "tiny",
+         "--target-batch-size", "1024", "--max-group-size", "2", "--min-group-size", "2",
+         "--json", str(out), "--timeout-s", "300"],
+        capture_output=True, text=True, timeout=360,
+    )  # fmt: skip
+    assert result.returncode == 0, sim_failure(result)
+    report = json.loads(out.read_text())
+    assert report["final_val_loss"] < report["initial_val_loss"], "validation loss fell"
+    assert {peer["param_hash"] for peer in report["peers"]} == {report["final_param_hash"]}
+    steady = report["per_step"][2:]
+    assert [f["step"] for f in steady] == [2, 3, 4]
+    assert all(f["groups"] == 2 and f["largest_group"] == 2 for f in steady), steady
+    assert all(f["peers_applied"] == 4 and f["same_update"] for f in steady), steady
+    assert report["steady_state_downloads"] == 0

@@ -20,4 +20,5 @@
 - ``hooks``: ``RoundHooks``, what a member does as reducer, validator and leader (honest; attacks override)
 - ``averager``: ``Averager``: hivemind's matchmaking plus our all-reduce and state-download handlers
 - ``factory``: ``build_averager``, the one way every role builds its ``Averager`` from the run config
+- ``tiers``: the second tier beyond one group: representatives, their signed hand-off and its check
 """

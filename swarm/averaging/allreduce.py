@@ -80,6 +80,7 @@ __all__ = [
     "ButterflyAllReduce",
     "RoundResult",
     "RoundSettings",
+    "SignedOutput",
     "Traffic",
     "chunk_bounds",
     "split_bounds",
@@ -112,6 +113,18 @@ class RoundResult:
     # What the wire carried of this peer's own vector (decoded; zero where a chunk never went out):
     # with a sparse codec, ``vector - sent`` is what error feedback keeps for the next round.
     sent: torch.Tensor | None = None
+    # With ``keep_signed``: each part's signer and its aggregate chunks as signed, for a complete round.
+    signed: SignedOutput | None = None
+
+
+@dataclass
+class SignedOutput:
+    """A complete round's output as its signers signed it: per part, the member that signed the aggregate
+    (its reducer, or the substitute that repaired it) and its chunks in order (none for a part nobody
+    reduces). Whoever holds the round's signed entries can check it (``tiers.TierCheck``)."""
+
+    signers: list[int]
+    chunks: list[list[apb.PartChunk]]
 
 
 @dataclass
@@ -162,6 +175,7 @@ class ButterflyAllReduce:
         reducers: Sequence[bool] | None = None,
         mbit: float | None = None,
         out: torch.Tensor | None = None,
+        keep_signed: bool = False,
     ):
         p2p, key, hooks, codec = settings.p2p, settings.key, settings.hooks, settings.codec
         chunk_values, sender_timeout_s = settings.chunk_values, settings.sender_timeout_s
@@ -237,6 +251,7 @@ class ButterflyAllReduce:
         self.kept_inputs: dict[tuple[int, int], SignedInput] = {}  # own inputs kept after trimming
         self.signers: dict[int, int] = {}  # parts that came from a substitute's re-reduction: its index
         self.closed = False
+        self.keep_signed = keep_signed
         self.sender = self.sender_type(self)
         self.reducer = self.reducer_type(self)
         self.repairs = self.repairs_type(self)
@@ -324,7 +339,20 @@ class ButterflyAllReduce:
         return RoundResult(
             self.output, complete, dict(self.dropped), self.bytes_sent, self.bytes_received,
             list(self.failed_reducers), list(self.denied_by), self.sent,
+            self._signed_output() if complete and self.keep_signed else None,
         )  # fmt: skip
+
+    def _signed_output(self) -> SignedOutput:
+        """Every part's aggregate chunks as signed (taken before the reveal phase trims them)."""
+        chunks = []
+        for part in range(len(self.members)):
+            if not self.reduces(part):
+                chunks.append([])
+            elif part == self.index and part not in self.signers:
+                chunks.append(list(self.reducer.results))
+            else:
+                chunks.append([self.answers[part][c] for c in range(self.chunk_count(part))])
+        return SignedOutput([self.signers.get(p, p) for p in range(len(self.members))], chunks)
 
     async def run(self) -> RoundResult:
         """Phase one: every part arrives (or fails). The reveals go on in ``revealed`` afterwards."""

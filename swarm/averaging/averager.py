@@ -502,13 +502,15 @@ class Averager:
         out: torch.Tensor | None = None,
         fits: EntryFit | None = None,
         failed_tries: int = 0,
+        keep_signed: bool = False,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 
         Alone, the vector still goes through the wire encoding, so a solo step applies exactly what a
         group of one would. ``out`` (float32, ``numel`` values) receives the result instead of a new
         tensor; it holds garbage where parts of an incomplete round are missing. ``fits`` and
-        ``failed_tries``: see ``find_group``.
+        ``failed_tries``: see ``find_group``. ``keep_signed``: a complete round's result carries its
+        signed output (``RoundResult.signed``), which a second-tier representative hands its group.
         """
         async with self._lock:
             started = time.monotonic()
@@ -531,6 +533,7 @@ class Averager:
                 reducers=group.reducers,
                 mbit=round_mbit(group.uplinks_mbit) if group.uplinks_mbit else None,
                 out=out,
+                keep_signed=keep_signed,
             )
             self.rounds.add(group.group_id, runner)
             if not runner.reduces(runner.index):

@@ -41,13 +41,18 @@ def build_averager(
     data_announce_host: str | None = None,
     client_mode: bool = False,
     record_signer: RecordSigner | None = None,
+    compression: str | None = None,
+    min_reducers: int | None = None,
+    data_plane: bool = True,
 ) -> Averager:
     """The averager of one role of ``run`` (the data-parallel trainer, or one pipeline stage's replicas).
 
     ``max_weight`` (default: the run's target batch) caps what one member may claim. ``client_mode``:
     this peer cannot be dialed (it is behind NAT), so it joins groups but never leads one.
     ``record_signer`` attaches the peer's certificate to its matchmaking declarations. ``hooks``: what
-    the peer does where a member could lie (``swarm.averaging.hooks``; None: honest).
+    the peer does where a member could lie (``swarm.averaging.hooks``; None: honest). ``compression`` and
+    ``min_reducers`` replace the run's for a role that needs its own (the second tier, ``tiers``), and
+    ``data_plane=False`` sends every part stream over libp2p.
     """
     training = run.training
     return Averager(
@@ -57,7 +62,7 @@ def build_averager(
         aggregator=training.aggregator,
         aggregator_options=training.aggregator_options,
         verify_probability=training.verify_probability,
-        compression=training.compression,
+        compression=training.compression if compression is None else compression,
         topk_density=training.topk_density,
         max_group_size=training.max_group_size,
         matchmaking_time_s=training.matchmaking_time_s,
@@ -74,7 +79,8 @@ def build_averager(
         data_announce_host=data_announce_host,
         client_mode=client_mode,
         record_signer=record_signer,
+        data_plane=data_plane,
         # Enough members that can be dialed to reduce, so that in a group of the run's minimum size with
         # an honest majority, at least one reducer is honest.
-        min_reducers=(training.min_group_size + 1) // 2,
+        min_reducers=(training.min_group_size + 1) // 2 if min_reducers is None else min_reducers,
     )

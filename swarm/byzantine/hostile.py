@@ -74,6 +74,7 @@ OVERSIZED_REQUEST_BYTES = 4 * MAX_GRPC_MESSAGE_BYTES
 
 def _namespaces() -> dict[type[ServicerBase], Callable[[str, int], list[str]]]:
     from swarm.averaging.averager import AveragingServicer
+    from swarm.averaging.tiers import TierServicer, tier_prefix
     from swarm.pipeline.server import StageServicer, pipeline_namespace
     from swarm.records import stage_prefix
     from swarm.training.sync import StateServicer, state_namespace
@@ -82,7 +83,10 @@ def _namespaces() -> dict[type[ServicerBase], Callable[[str, int], list[str]]]:
         return [run_id] + ([stage_prefix(run_id, k) for k in range(stages)] if stages > 1 else [])
 
     return {
-        AveragingServicer: lambda run_id, stages: [p.replace(".", "_") for p in prefixes(run_id, stages)],
+        AveragingServicer: lambda run_id, stages: [
+            p.replace(".", "_") for p in [*prefixes(run_id, stages), tier_prefix(run_id)]
+        ],
+        TierServicer: lambda run_id, stages: [tier_prefix(run_id).replace(".", "_")],
         StateServicer: lambda run_id, stages: [state_namespace(p) for p in prefixes(run_id, stages)],
         StageServicer: lambda run_id, stages: (
             [pipeline_namespace(run_id, k) for k in range(stages)] if stages > 1 else []

@@ -15,6 +15,7 @@
   gradients, averages them with a group, steps, catches up; every loop drives one
 - trainer.py: the built-in loop (``Trainer``): the run's own data through a ``TrainingPeer``
 - strategies.py: what a sync mode decides for the peer (``EveryStepSync``; diloco's in diloco.py)
+- tiered.py: ``SecondTier``, what every group of a step applies when a step has more peers than a group
 - witness.py: the applied rounds a peer's heartbeats show the coordinator, whose members it credits
 - collaboration.py: ``Collaboration``: a ``TrainingPeer`` driven by the researcher's own loop
   (``collab.step`` after each backward), with the ``EveryStep`` and ``DiLoCo`` strategies

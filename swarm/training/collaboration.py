@@ -322,7 +322,7 @@ class Collaboration:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._publisher
         await self.peer.strategy.drop_pending()
-        await self.peer.averager.shutdown()
+        await self.peer.shutdown()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -50,6 +50,7 @@ from swarm.training.state import build_optimizer, ensure_optimizer_state
 from swarm.training.strategies import build_strategy, check_hooks
 from swarm.training.sync import StateServicer, state_namespace
 from swarm.training.synced import SyncedState
+from swarm.training.tiered import SecondTier
 from swarm.training.witness import WitnessedRounds
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,11 @@ class TrainingPeer:
             data_port=data_port, data_announce_host=data_announce_host, client_mode=client_mode,
             record_signer=self.records,
         )  # fmt: skip
+        # Beyond one group: what every group of a step applies (swarm.training.tiered).
+        self.tiers = SecondTier(
+            run, dht, numel=self.numel, policy=self.policy, signing_key=signing_key, record_signer=self.records,
+            upload_limiter=upload_limiter, accuse=accuse, hooks=self.hooks.round_hooks, client_mode=client_mode,
+        )  # fmt: skip
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
         self.samples = self.micro = 0
         self.progress_view = ProgressView(
@@ -215,8 +221,8 @@ class TrainingPeer:
             **self._stats,
             **self.strategy.stats,
             "resyncs": float(self.catchup.resyncs),
-            "bytes_sent": float(self.averager.traffic.sent),
-            "bytes_received": float(self.averager.traffic.received),
+            "bytes_sent": float(self.averager.traffic.sent + self.tiers.averager.traffic.sent),
+            "bytes_received": float(self.averager.traffic.received + self.tiers.averager.traffic.received),
             "step": float(self.step),
             "samples": float(self.samples),
             "samples_per_s": self._sps,
@@ -367,6 +373,7 @@ class TrainingPeer:
         held_steps = {p.step for p in others}  # a groupmate claiming one of these is ahead, not lying
         expected = max(needed, 1 + len(at_step))
         started = time.monotonic()
+        fits = lambda entry: step_misfit(entry.extra, extra, held_steps)  # noqa: E731 - both tiers check it
         outcome = await self.averager.average(
             vector,
             weight,
@@ -374,7 +381,7 @@ class TrainingPeer:
             alone=not others and needed == 1,
             expected_size=expected,
             out=self._averaged,
-            fits=lambda entry: step_misfit(entry.extra, extra, held_steps),
+            fits=fits,
             failed_tries=self._searches.failed(self.step),
         )
         # Matchmaking plus all-reduce: what a slow link costs this peer (docs/wan.md reads it).
@@ -405,6 +412,15 @@ class TrainingPeer:
             logger.warning(
                 f"step {self.step}: round incomplete ({len(result.dropped)} peers failed); retrying"
             )
+            return
+        # Peers whose records show this step or one behind it: a record lags its peer by up to an interval.
+        coming = 1 + sum(1 for p in others if p.step <= self.step)
+        result = await self.tiers.combine(
+            group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming
+        )
+        if result is None:  # its group's representative gave nothing to apply (see tiered)
+            self._stats["rounds_failed"] += 1
+            self._journal("no_tier", group)
             return
         if strangers:
             logger.warning(
@@ -437,7 +453,8 @@ class TrainingPeer:
             group=group.group_id.hex()[:16] if group is not None else "",
             size=len(group.peer_ids) if group is not None else 0,
             form_s=round(self.averager.last_form_s, 3), round_s=round(self._stats["last_round_s"], 3),
-            sent=self.averager.traffic.sent, received=self.averager.traffic.received, **fields,
+            sent=self.averager.traffic.sent + self.tiers.averager.traffic.sent,
+            received=self.averager.traffic.received + self.tiers.averager.traffic.received, **fields,
         )  # fmt: skip
 
     def _round_extra(self) -> dict:
@@ -461,6 +478,7 @@ class TrainingPeer:
     async def start(self) -> None:
         """Join the run's averaging and start serving this peer's state."""
         await self.averager.start()
+        await self.tiers.start()
         servicer = StateServicer(
             self.config.run_id,
             self.synced.encoded,
@@ -488,6 +506,11 @@ class TrainingPeer:
         self.finished = True
         self._finished_at = self._finished_at or time.monotonic()
         await self.synced.encoded()
+
+    async def shutdown(self) -> None:
+        """Leave the run's averaging (both tiers)."""
+        await self.tiers.shutdown()
+        await self.averager.shutdown()
 
     async def drop_accumulation(self) -> None:
         """Drop the gradients not yet averaged (they earned no credit), so that peers do not count them

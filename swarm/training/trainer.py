@@ -147,7 +147,7 @@ class Trainer:
                 peer.finished = False
         finally:
             publisher.cancel()
-            await peer.averager.shutdown()
+            await peer.shutdown()
 
     async def _settle(self, stop: asyncio.Event) -> None:
         """After ``max_steps``: serve state, and still move to the state most peers hold. A last step that
