@@ -92,7 +92,7 @@ def test_every_member_at_the_step_excludes_the_same_misfit_and_keeps_the_rest(id
             group = check_group(
                 [k.peer_id for k in ids], gathered, me=ids[me].peer_id, my_entry=gathered[me],
                 leader=ids[0].peer_id, prefix=PREFIX, schema_hash=SCHEMA, signed=True, refusal=lambda p: None,
-                max_age_s=60.0, fits=lambda e: step_misfit(e.extra, {"step": 4}),
+                max_age_s=60.0, fits=lambda e, _signer: step_misfit(e.extra, {"step": 4}),
             )  # fmt: skip
             assert group.peer_ids == [ids[0].peer_id, ids[2].peer_id], claim
             assert f"claims step {claim}, not this round's 4" in group.misfits[ids[1].peer_id]
@@ -115,7 +115,7 @@ def test_members_claiming_another_step_are_excluded_and_only_a_minority_claiming
         return check_group(
             names, gathered, me=names[me], my_entry=gathered[me], leader=names[0], prefix=PREFIX,
             schema_hash=SCHEMA, signed=True, refusal=lambda p: None, max_age_s=60.0,
-            fits=lambda e: step_misfit(e.extra, {"step": steps[me]}),
+            fits=lambda e, _signer: step_misfit(e.extra, {"step": steps[me]}),
         )  # fmt: skip
 
     for me in (0, 1, 2):

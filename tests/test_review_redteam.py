@@ -199,7 +199,7 @@ def test_phantom_members_cannot_flush_a_real_withholder_out_of_a_followers_suspe
             )
         policy.blame_round([w.peer_id], [])
     assert policy.suspects.get(w.peer_id).strikes == 3 and policy.refusal(w.peer_id) is not None
-    fits = lambda e: step_misfit(e.extra, {"step": 11})  # noqa: E731
+    fits = lambda e, _signer: step_misfit(e.extra, {"step": 11})  # noqa: E731
     leader_entry = _entry(leader, 11)
 
     async def flood():
@@ -386,7 +386,7 @@ def test_a_member_banned_moments_ago_breaks_the_group_blaming_nobody_and_an_old_
     averager = _averager_of(b, leader, members, my_entry)
     gathered = {leader.peer_id: _entry(leader, 11), b.peer_id: my_entry, banned.peer_id: _entry(banned, 11)}
     averager.policy.set_bans({banned.peer_id}, issued_at=1.0)
-    fits = lambda e: step_misfit(e.extra, {"step": 11})  # noqa: E731
+    fits = lambda e, _signer: step_misfit(e.extra, {"step": 11})  # noqa: E731
     assert asyncio.run(averager._checked(_info(members, gathered), fits)) is None
     assert len(averager.policy.suspects) == 0, "a fresh ban blames nobody"
     averager.policy._banned_since[banned.peer_id] -= policy_module.BAN_GRACE_S + 1

@@ -95,7 +95,7 @@ def test_a_leader_replaying_an_honest_peers_earlier_entry_gets_it_excluded_but_n
     )
     for me in (b, c):
         averager = _averager_of(me, leader, members, gathered[me.peer_id])
-        fits = lambda e: step_misfit(e.extra, {"step": 11, "state_hash": H_OLD})  # noqa: E731
+        fits = lambda e, _signer: step_misfit(e.extra, {"step": 11, "state_hash": H_OLD})  # noqa: E731
         group = asyncio.run(averager._checked(info, fits))
         assert group is not None, "the round goes on without X"
         assert x.peer_id not in {str(p) for p in group.peer_ids}

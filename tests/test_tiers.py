@@ -26,14 +26,9 @@ from swarm.averaging.evidence import (
     split_bounds,
 )
 from swarm.averaging.groups import GroupEntryBody, make_entry
-from swarm.averaging.tiers import (
-    TIER_COMPRESSION,
-    TierBoard,
-    TierCheck,
-    TierOutcome,
-    representative,
-    tier_prefix,
-)
+from swarm.averaging.tiercert import certificate, certificate_misfit, result_digest, sign_attestation
+from swarm.averaging.tiers import TIER_COMPRESSION, TierCheck, TierOutcome, representative, tier_prefix
+from swarm.averaging.tierserve import TierBoard
 
 PREFIX = tier_prefix("run").replace(".", "_")
 SCHEMA = hashlib.sha256(b"schema").digest()
@@ -41,17 +36,45 @@ NUMEL = 300
 CODEC = get_codec(TIER_COMPRESSION)
 
 
+MINE = {"step": 3, "state_hash": "ab" * 32}
+
+
+def certified(key: SigningKey, weight: float, result: torch.Tensor, *, signers: int = 2, mine=MINE) -> dict:
+    """The certificate a representative ``key`` carries for a first-tier group of 3 (itself and two others)
+    whose result is ``result``: signed by ``signers`` of them (the representative first)."""
+    others = [SigningKey.generate() for _ in range(2)]
+    group = [key, *others]
+    group_id, digest = os.urandom(20), result_digest(result)
+    signed = {
+        i: sign_attestation(k, group_id, mine["step"], mine["state_hash"], key.peer_id, weight, digest)
+        for i, k in enumerate(group[:signers])
+    }
+    return certificate(group_id, [k.peer_id for k in group], weight, digest, signed)
+
+
 def second_tier(
-    members: int = 3, *, rep: int = 0, group_input: torch.Tensor, weight: float = 64.0, rep_sends=None
-) -> tuple[apb.TierAnswer, list[apb.PartChunk]]:
-    """A second-tier round's hand-off as a representative sends it: every member signs its entry, every
-    reducer signs its chunks over the inputs it took, the representative's being ``rep_sends`` (default:
-    its group's result ``group_input``) at ``weight``."""
+    members: int = 3, *, rep: int = 0, group_input: torch.Tensor, weight: float = 64.0, rep_sends=None,
+    mine=MINE, included=None,
+) -> tuple[apb.TierAnswer, list[apb.PartChunk], list[SigningKey]]:  # fmt: skip
+    """A second-tier round's hand-off as a representative sends it: every member signs its entry (certified
+    by its group, at ``mine``'s step and state), every reducer signs its chunks over the inputs it took, the
+    representative's being ``rep_sends`` (default: its group's result ``group_input``) at ``weight``;
+    ``included``: the members whose inputs every chunk lists (default: all)."""
     keys = [SigningKey.generate() for _ in range(members)]
     names = [k.peer_id for k in keys]
+    inputs = [torch.randn(NUMEL) for _ in range(members)]
+    inputs[rep] = group_input if rep_sends is None else rep_sends
     bodies = [
-        GroupEntryBody(schema_hash=SCHEMA, weight=weight, commit=os.urandom(32), extra={"step": 3})
-        for _ in range(members)
+        GroupEntryBody(
+            schema_hash=SCHEMA,
+            weight=weight,
+            commit=os.urandom(32),
+            extra={
+                **mine,
+                "group": certified(keys[i], weight, group_input if i == rep else inputs[i], mine=mine),
+            },
+        )  # fmt: skip
+        for i in range(members)
     ]
     entries = [make_entry(k, PREFIX, b) for k, b in zip(keys, bodies, strict=True)]
     group_id = os.urandom(20)
@@ -59,20 +82,19 @@ def second_tier(
     digest = round_digest(PREFIX, group_id, names, [b.commit for b in bodies], mask)
     bounds = split_bounds(NUMEL, members, mask)
     values = layout_chunk_values(members, CODEC.bytes_per_value)
-    inputs = [torch.randn(NUMEL) for _ in range(members)]
-    inputs[rep] = group_input if rep_sends is None else rep_sends
+    listed = list(range(members)) if included is None else included
     chunks = []
     for part in range(members):
         lo_part, hi_part = bounds[part], bounds[part + 1]
         cuts = chunk_bounds(hi_part - lo_part, values)
         for chunk in range(len(cuts) - 1):
             lo, hi = lo_part + cuts[chunk], lo_part + cuts[chunk + 1]
-            sent = [CODEC.encode_contribution(v[lo:hi]) for v in inputs]
-            included = input_entries([(i, weight, data) for i, data in enumerate(sent)])
-            data = CODEC.encode(torch.stack([v[lo:hi] for v in inputs]).mean(0))
+            sent = {i: CODEC.encode_contribution(inputs[i][lo:hi]) for i in listed}
+            entries_in = input_entries([(i, weight, sent[i]) for i in listed])
+            data = CODEC.encode(torch.stack([inputs[i][lo:hi] for i in listed]).mean(0))
             at_ms = int(time.time() * 1000)
             signature = keys[part].sign(
-                aggregate_message(digest, part, chunk, names[part], included, data, at_ms)
+                aggregate_message(digest, part, chunk, names[part], entries_in, data, at_ms)
             )
             chunks.append(
                 apb.PartChunk(
@@ -80,21 +102,27 @@ def second_tier(
                     chunk_index=chunk,
                     data=data,
                     signature=signature,
-                    included=included,
+                    included=entries_in,
                     signed_at_ms=at_ms,
                 )  # fmt: skip
             )
     header = apb.TierAnswer(
         tier_group_id=group_id, entries=entries, representative=rep, signers=list(range(members))
     )
-    return header, chunks
+    return header, chunks, keys
 
 
-def check_all(header: apb.TierAnswer, chunks: list[apb.PartChunk], group_input: torch.Tensor, weight=64.0):
-    check = TierCheck(
-        header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, contribution=group_input, weight=weight,
-        max_age_s=60.0, certify=None,
+def tier_check(header, group_input, *, representative_id, weight=64.0, mine=MINE, refusal=None) -> TierCheck:
+    return TierCheck(
+        header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=mine, representative=representative_id,
+        contribution=group_input, weight=weight, max_age_s=60.0, certify=None, refusal=refusal,
     )  # fmt: skip
+
+
+def check_all(header, chunks, group_input, keys, *, weight=64.0, mine=MINE):
+    check = tier_check(
+        header, group_input, representative_id=keys[header.representative].peer_id, weight=weight, mine=mine
+    )
     expected = list(check.expected())
     assert len(expected) == len(chunks)
     for (part, chunk), message in zip(expected, chunks, strict=True):
@@ -104,58 +132,110 @@ def check_all(header: apb.TierAnswer, chunks: list[apb.PartChunk], group_input: 
 
 def test_a_member_decodes_exactly_the_bytes_the_second_tier_signed():
     group_input = torch.randn(NUMEL)
-    header, chunks = second_tier(group_input=group_input)
-    output = check_all(header, chunks, group_input)
+    header, chunks, keys = second_tier(group_input=group_input)
+    output = check_all(header, chunks, group_input, keys)
     decoded = torch.cat([CODEC.decode(c.data, len(c.data) // 2, sender="reducer") for c in chunks])  # fp16
     assert torch.equal(output, decoded), "what every representative decoded, bit for bit"
 
 
 def test_a_representative_that_passed_off_another_input_for_its_group_is_caught():
     group_input = torch.randn(NUMEL)
-    header, chunks = second_tier(group_input=group_input, rep_sends=group_input * 10)
+    header, chunks, keys = second_tier(group_input=group_input, rep_sends=group_input * 10)
     with pytest.raises(ProtocolError, match="never sent"):
-        check_all(header, chunks, group_input)
+        check_all(header, chunks, group_input, keys)
 
 
 def test_a_representative_that_claimed_another_weight_for_its_group_is_caught():
     group_input = torch.randn(NUMEL)
-    header, chunks = second_tier(group_input=group_input, weight=640.0)
+    header, chunks, keys = second_tier(group_input=group_input, weight=640.0)
     with pytest.raises(ProtocolError, match="never sent"):
-        check_all(header, chunks, group_input, weight=64.0)
+        check_all(header, chunks, group_input, keys, weight=64.0)
 
 
 def test_a_result_altered_on_its_way_is_caught_naming_the_chunk():
     group_input = torch.randn(NUMEL)
-    header, chunks = second_tier(group_input=group_input)
+    header, chunks, keys = second_tier(group_input=group_input)
     chunks[1].data = CODEC.encode(torch.zeros(len(chunks[1].data) // 2))
     with pytest.raises(ProtocolError, match=r"part \d+ chunk \d+"):
-        check_all(header, chunks, group_input)
+        check_all(header, chunks, group_input, keys)
+
+
+def test_a_result_that_leaves_the_members_group_out_is_refused():
+    group_input = torch.randn(NUMEL)
+    header, chunks, keys = second_tier(group_input=group_input, included=[1, 2])
+    with pytest.raises(ProtocolError, match="leaves out the input of this peer's group"):
+        check_all(header, chunks, group_input, keys)
+
+
+def test_a_round_of_another_step_or_state_is_refused():
+    group_input = torch.randn(NUMEL)
+    header, chunks, keys = second_tier(
+        group_input=group_input, mine={"step": 2, "state_hash": MINE["state_hash"]}
+    )
+    with pytest.raises(ProtocolError, match="another step or state"):
+        check_all(header, chunks, group_input, keys)
+
+
+def test_a_hand_off_naming_a_substitute_or_another_representative_is_refused():
+    group_input = torch.randn(NUMEL)
+    header, chunks, keys = second_tier(group_input=group_input)
+    substituted = apb.TierAnswer()
+    substituted.CopyFrom(header)
+    substituted.signers[1] = 0
+    with pytest.raises(ProtocolError, match="other than a part's own reducer"):
+        tier_check(substituted, group_input, representative_id=keys[0].peer_id)
+    with pytest.raises(ProtocolError, match="names member 0"):
+        tier_check(header, group_input, representative_id=keys[1].peer_id)
 
 
 def test_entries_signed_for_another_prefix_or_listed_twice_are_refused():
     group_input = torch.randn(NUMEL)
-    header, _ = second_tier(group_input=group_input)
+    header, _, keys = second_tier(group_input=group_input)
     with pytest.raises(ProtocolError, match="is for run .run_tier2., expected .other_tier2."):
-        TierCheck(header, prefix="other_tier2", schema_hash=SCHEMA, numel=NUMEL, contribution=group_input,
-                  weight=64.0, max_age_s=60.0, certify=None)  # fmt: skip
+        TierCheck(header, prefix="other_tier2", schema_hash=SCHEMA, numel=NUMEL, mine=MINE,
+                  representative=keys[0].peer_id, contribution=group_input, weight=64.0, max_age_s=60.0,
+                  certify=None, refusal=None)  # fmt: skip
     twice = apb.TierAnswer()
     twice.CopyFrom(header)
     twice.entries[1] = header.entries[0]
     with pytest.raises(ProtocolError, match="twice"):
-        TierCheck(twice, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, contribution=group_input,
-                  weight=64.0, max_age_s=60.0, certify=None)  # fmt: skip
+        tier_check(twice, group_input, representative_id=keys[0].peer_id)
     with pytest.raises(ProtocolError, match="proves no admission"):
-        TierCheck(header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, contribution=group_input,
-                  weight=64.0, max_age_s=60.0, certify=lambda peer, cert: "no certificate")  # fmt: skip
+        TierCheck(header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=MINE,
+                  representative=keys[0].peer_id, contribution=group_input, weight=64.0, max_age_s=60.0,
+                  certify=lambda peer, cert: "no certificate", refusal=None)  # fmt: skip
+
+
+def test_a_group_certificate_needs_a_majority_of_admitted_members_and_names_its_representative():
+    key, result = SigningKey.generate(), torch.randn(NUMEL)
+
+    def misfit(extra, signer=key.peer_id, refusal=None):
+        return certificate_misfit(
+            extra, signer=signer, step=MINE["step"], state_hash=MINE["state_hash"], refusal=refusal
+        )
+
+    good = {**MINE, "group": certified(key, 64.0, result)}
+    assert misfit(good) is None
+    assert "not a majority" in misfit({**MINE, "group": certified(key, 64.0, result, signers=1)})
+    assert "not in" in misfit(good, signer=SigningKey.generate().peer_id), "a Sybil cannot carry another's"
+    other_member = good["group"]["members"][1]
+    refused = misfit(good, refusal=lambda peer: "banned" if peer == other_member else None)
+    assert "not a majority" in refused, "a banned member's signature does not count"
+    assert "does not hold" in misfit({**MINE, "group": {**good["group"], "weight": 640.0}})
+    assert "no group certificate" in misfit(dict(MINE))
+    at_other_step = certificate_misfit(
+        good, signer=key.peer_id, step=4, state_hash=MINE["state_hash"], refusal=None
+    )
+    assert "does not hold" in at_other_step
 
 
 def test_every_member_names_the_same_dialable_representative():
     names = [SigningKey.generate().peer_id for _ in range(6)]
-    group_id = os.urandom(20)
-    chosen = names[representative(group_id, names, None)]
-    assert list(reversed(names))[representative(group_id, list(reversed(names)), None)] == chosen
+    commitments = [os.urandom(32) for _ in names]
+    chosen = names[representative(commitments, names, None)]
     dialable = [name != chosen for name in names]
-    assert names[representative(group_id, names, dialable)] != chosen, "one behind NAT never represents"
+    assert names[representative(commitments, names, dialable)] != chosen, "one behind NAT never represents"
+    assert names[representative(commitments, names, None)] == chosen, "the same inputs, the same choice"
 
 
 def test_only_a_groups_members_get_its_outcome_and_only_once_it_is_posted():
@@ -163,14 +243,18 @@ def test_only_a_groups_members_get_its_outcome_and_only_once_it_is_posted():
         board = TierBoard()
         group_id = os.urandom(20)
         with pytest.raises(ProtocolError, match="represents no such group"):
-            await board.wait(group_id, "a", timeout_s=0.2)
-        board.open(group_id, ["a", "b"])
+            await board.wait(group_id, "a", b"", open_s=0.1, timeout_s=1.0)
+        board.open(group_id, ["a", "b"], holds=lambda member, signature: signature == b"ok")
         with pytest.raises(ProtocolError, match="not a member"):
-            await board.wait(group_id, "stranger", timeout_s=0.2)
+            await board.wait(group_id, "stranger", b"ok", open_s=0.1, timeout_s=0.2)
         with pytest.raises(asyncio.TimeoutError):
-            await board.wait(group_id, "b", timeout_s=0.2)
-        waiting = asyncio.create_task(board.wait(group_id, "b", timeout_s=5.0))
-        await asyncio.sleep(0.05)
+            await board.wait(group_id, "b", b"bad", open_s=0.1, timeout_s=0.2)
+        assert await board.majority(group_id, timeout_s=0.1) is None, (
+            "a signature that does not hold counts not"
+        )
+        waiting = asyncio.create_task(board.wait(group_id, "b", b"ok", open_s=0.1, timeout_s=5.0))
+        board.attest(group_id, "a", b"ok")
+        assert await board.majority(group_id, timeout_s=2.0) == {0: b"ok", 1: b"ok"}
         board.post(group_id, TierOutcome(alone=True))
         assert (await waiting).alone
 

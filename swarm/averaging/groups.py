@@ -85,8 +85,9 @@ class Misfit:
     blamed: bool = True
 
 
-# Why a member's signed entry does not fit the round (None: it does); see ``check_group``.
-EntryFit = Callable[[GroupEntryBody], "Misfit | None"]
+# Why a member's signed entry (and the member, its signer) does not fit the round (None: it does); see
+# ``check_group``.
+EntryFit = Callable[[GroupEntryBody, str], "Misfit | None"]
 
 
 class GroupRefused(SwarmError):
@@ -230,7 +231,7 @@ def check_group(
         if unproven is not None:
             group.excluded[peer] = f"its entry proves no admission: {unproven}"
             continue
-        misfit = None if fits is None or peer == me else fits(entry)
+        misfit = None if fits is None or peer == me else fits(entry, peer)
         if misfit is not None:
             group.misfits[peer] = group.excluded[peer] = f"its signed entry {misfit.reason}"
             if misfit.blamed:

@@ -44,10 +44,12 @@ def check_answer(
     sent: bytes,
     *,
     signer: int | None = None,
+    skew_s: float = MAX_CLOCK_SKEW_S,
 ) -> None:
-    """A reducer's aggregate must be signed by it (or by ``signer``, the part's substitute), cover more
-    than half of the group, and list this peer's input (if at all) as the one it sent, whose SHA-256 is
-    ``sent``. Reads ``round``'s members, key, digest, index and weight."""
+    """A reducer's aggregate must be signed by it (or by ``signer``, the part's substitute), dated within
+    ``skew_s`` of this peer's clock, cover more than half of the group, and list this peer's input (if at
+    all) as the one it sent, whose SHA-256 is ``sent``. Reads ``round``'s members, key, digest, index and
+    weight."""
     if round.key is None:
         return
     reducer = round.members[part if signer is None else signer]
@@ -59,9 +61,9 @@ def check_answer(
     )
     # Dated far off, it would leave the window in which the coordinator demands its inputs.
     off_s = message.signed_at_ms / 1000 - time.time()
-    if abs(off_s) > MAX_CLOCK_SKEW_S:
+    if abs(off_s) > skew_s:
         raise ProtocolError(
-            f"dated its aggregate {off_s:+.0f}s from this peer's clock (the bound is {MAX_CLOCK_SKEW_S:.0f}s)"
+            f"dated its aggregate {off_s:+.0f}s from this peer's clock (the bound is {skew_s:.0f}s)"
         )
     entries = parse_entries(message.included, len(round.members))
     if 2 * len(entries) <= len(round.members):

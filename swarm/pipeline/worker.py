@@ -387,7 +387,7 @@ class StageWorker(StageMoves):
         held = {x.step for x in self.view.members(r.index)}
         outcome = await self.averager.average(
             vector, float(r.samples), extra, alone=not others,
-            fits=lambda entry: step_misfit(entry.extra, extra, held),
+            fits=lambda entry, _signer: step_misfit(entry.extra, extra, held),
         )  # fmt: skip
         self._stats["averaging_s"] += time.monotonic() - started
         if outcome is None or not outcome[1].complete:

@@ -140,7 +140,8 @@ class TrainingPeer:
         )  # fmt: skip
         # Beyond one group: what every group of a step applies (swarm.training.tiered).
         self.tiers = SecondTier(
-            run, dht, numel=self.numel, policy=self.policy, signing_key=signing_key, record_signer=self.records,
+            run, dht, first=self.averager, numel=self.numel, policy=self.policy,
+            signing_key=signing_key or self.records.key, record_signer=self.records,
             upload_limiter=upload_limiter, accuse=accuse, hooks=self.hooks.round_hooks, client_mode=client_mode,
         )  # fmt: skip
         self.trust = RecordTrust(run.run_id, coordinator_key, is_banned=lambda p: p in self.averager.banned)
@@ -373,7 +374,7 @@ class TrainingPeer:
         held_steps = {p.step for p in others}  # a groupmate claiming one of these is ahead, not lying
         expected = max(needed, 1 + len(at_step))
         started = time.monotonic()
-        fits = lambda entry: step_misfit(entry.extra, extra, held_steps)  # noqa: E731 - both tiers check it
+        fits = lambda entry, _signer: step_misfit(entry.extra, extra, held_steps)  # noqa: E731 - both tiers check it
         outcome = await self.averager.average(
             vector,
             weight,
@@ -413,8 +414,13 @@ class TrainingPeer:
                 f"step {self.step}: round incomplete ({len(result.dropped)} peers failed); retrying"
             )
             return
-        # Peers whose records show this step or one behind it: a record lags its peer by up to an interval.
-        coming = 1 + sum(1 for p in others if p.step <= self.step)
+        # Peers whose records show this step or the one before (a record lags its peer by up to an interval),
+        # suspects and banned peers left out: what the step's groups may hold.
+        coming = 1 + sum(
+            1
+            for p in others
+            if self.step - 1 <= p.step <= self.step and self.policy.refusal(p.peer_id) is None
+        )
         result = await self.tiers.combine(
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming
         )

@@ -2,16 +2,18 @@
 
 ``SecondTier.combine`` takes a complete first-tier round and returns what the peer applies. The group's
 representative (``tiers.representative``) decides: when the peers at its step (by its signed progress
-view, counting those a step or more behind: a record lags its peer) fit in its group, the group is the step's only one and applies its own result (``alone``);
-otherwise it averages the group's result, at the group's total signed weight, with the other groups'
-representatives in a second-tier round under ``tiers.tier_prefix`` and hands the signed output to its
-members, who check it (``tiers.TierCheck``). When no second-tier round forms, a group that holds a strict
-majority of the step's peers applies its own result (the others then catch up to it, as the majority
-rule always moved them); a smaller one applies nothing and tries again.
+view) fit in its group, the group is the step's only one and applies its own result (``alone``).
+Otherwise it collects its members' attestations (``tiercert``: each member sends its own when it asks for
+the outcome), and once a strict majority of the group has attested it averages the group's result, at the
+group's total signed weight, with the other certified representatives in a second-tier round under
+``tiers.tier_prefix``, and hands the signed output to its members, who check it (``tiers.TierCheck``).
+When no second-tier round forms, the group applies nothing and tries again, and only after
+``ALONE_AFTER_TRIES`` such searches at one step does it apply its own result: a claim nobody can check
+(records of peers said to be at this step) costs a few windows, never the step.
 
 Example::
 
-    tiers = SecondTier(run, dht, numel=n, policy=policy, signing_key=key)
+    tiers = SecondTier(run, dht, first=averager, numel=n, policy=policy, signing_key=key)
     await tiers.start()
     applied = await tiers.combine(group, result, me=peer_id, extra=extra, fits=fits, peers_at_step=12)
     if applied is not None:
@@ -27,26 +29,32 @@ import math
 import hivemind
 from hivemind.p2p import PeerID
 
+from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
 from protocols.keys import SigningKey
 from swarm.averaging.allreduce import RoundResult
-from swarm.averaging.averager import GroupRound
+from swarm.averaging.averager import Averager, GroupRound
 from swarm.averaging.factory import build_averager
-from swarm.averaging.groups import EntryFit
+from swarm.averaging.groups import EntryFit, GroupEntryBody, Misfit
 from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.matchmaking import FailedSearches
 from swarm.averaging.policy import PeerPolicy
+from swarm.averaging.tiercert import (
+    attestation_holds,
+    certificate,
+    certificate_misfit,
+    result_digest,
+    sign_attestation,
+)
 from swarm.averaging.tiers import (
     TIER_COMPRESSION,
-    TierBoard,
     TierCheck,
     TierOutcome,
-    TierServicer,
-    fetch_tier_result,
     representative,
     signed_outcome,
     tier_prefix,
 )
+from swarm.averaging.tierserve import TierBoard, TierServicer, fetch_tier_result
 from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
 from swarm.ratelimit import RateLimiter
@@ -54,16 +62,34 @@ from swarm.records import RecordSigner
 
 logger = logging.getLogger(__name__)
 
+#: Second-tier searches at one step that formed no round before a group applies its own result.
+ALONE_AFTER_TRIES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Facts:
+    """What a group's members attest: its round, their step and state, its representative, its weight and
+    the digest of its result."""
+
+    group_id: bytes
+    step: int
+    state_hash: str
+    representative: str
+    weight: float
+    digest: bytes
+
 
 class SecondTier:
     """The second tier of one data-parallel peer: its averager, and what it hands its groups as their
-    representative. The arguments are the first tier's (``TrainingPeer``)."""
+    representative. ``first`` is the peer's first-tier averager (its recent rounds say who may ask); the
+    other arguments are the first tier's (``TrainingPeer``)."""
 
     def __init__(
         self,
         run: RunConfig,
         dht: hivemind.DHT,
         *,
+        first: Averager,
         numel: int,
         policy: PeerPolicy,
         signing_key: SigningKey | None,
@@ -73,7 +99,7 @@ class SecondTier:
         hooks: RoundHooks | None = None,
         client_mode: bool = False,
     ):
-        self.numel = numel
+        self.first, self.numel, self.signing_key = first, numel, signing_key
         # Part streams ride libp2p: a volunteer's forwarded data port is the first tier's. Every member is
         # a representative, which can be dialed; one reducer suffices.
         self.averager = build_averager(
@@ -86,8 +112,8 @@ class SecondTier:
 
     @property
     def wait_s(self) -> float:
-        """How long a member waits for its representative's outcome: the second tier's search (at most
-        ``averaging_timeout_s``) and its round (the same floor, grown for slow links), with a margin."""
+        """How long a member waits for its representative's outcome: the attestations, the second tier's
+        search (at most ``averaging_timeout_s``) and its round (the same floor, grown for slow links)."""
         return 3 * self.averager.averaging_timeout_s
 
     async def start(self) -> None:
@@ -95,6 +121,7 @@ class SecondTier:
         policy, window_s = self.averager.policy, self.averager.matchmaking_time_s
         servicer = TierServicer(
             self.board,
+            known=self._known,
             wait_s=lambda: self.wait_s,
             admission=lambda peer: policy.admission(peer, timeout_s=window_s / 4),
             traffic=self.averager.traffic,
@@ -103,6 +130,10 @@ class SecondTier:
 
     async def shutdown(self) -> None:
         await self.averager.shutdown()
+
+    def _known(self, group_id: bytes, asker: str) -> bool:
+        runner = self.first.rounds.lookup(group_id)
+        return runner is not None and asker in runner.members
 
     async def combine(
         self,
@@ -119,33 +150,79 @@ class SecondTier:
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
-        rep = members[representative(group.group_id, members, group.reducers)]
-        weight = math.fsum(group.weights)
+        commitments = [c or b"" for c in group.commitments] or [b""] * len(members)
+        rep = members[representative(commitments, members, group.reducers)]
+        facts = _Facts(
+            group.group_id, int(extra["step"]), str(extra["state_hash"]), rep, math.fsum(group.weights),
+            result_digest(result.vector),
+        )  # fmt: skip
         if rep == me:
-            return await self._represent(group, result, members, weight, extra, fits, peers_at_step)
-        return await self._follow(group, result, rep, weight)
+            return await self._represent(group, result, members, facts, extra, fits, peers_at_step)
+        return await self._follow(group, result, facts, extra)
+
+    def _tier_fits(self, first_fits: EntryFit | None, facts: _Facts) -> EntryFit:
+        """A second-tier entry fits when it fits the first tier's rule (its step), holds this peer's state,
+        and carries a certificate of a group that holds for its signer, at the weight that group signed."""
+        policy = self.averager.policy
+
+        def fits(entry: GroupEntryBody, signer: str) -> Misfit | None:
+            misfit = first_fits(entry, signer) if first_fits is not None else None
+            if misfit is not None:
+                return misfit
+            if entry.extra.get("state_hash") != facts.state_hash:
+                return Misfit("holds another state than this round's", blamed=False)
+            unfit = certificate_misfit(
+                entry.extra,
+                signer=signer,
+                step=facts.step,
+                state_hash=facts.state_hash,
+                refusal=policy.listed_refusal,
+            )
+            if unfit is not None:
+                return Misfit(unfit)
+            if entry.weight != entry.extra["group"]["weight"]:
+                return Misfit("declares another weight than its group signed")
+            return None
+
+        return fits
 
     async def _represent(
-        self, group: GroupRound, result: RoundResult, members: list[str], weight: float, extra: dict,
+        self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
         fits: EntryFit | None, peers_at_step: int,
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
-        self.board.open(group.group_id, members)
+
+        def holds(member: str, signature: bytes) -> bool:
+            return attestation_holds(member, signature, *dataclasses.astuple(facts))
+
+        self.board.open(group.group_id, members, holds)
         outcome: TierOutcome | None = None
         applied: RoundResult | None = None
         try:
-            groups = math.ceil(peers_at_step / len(members))
-            if groups <= 1:
+            if peers_at_step <= len(members):
                 logger.debug(f"group {short}: the step's {peers_at_step} peers fit in it; no second tier")
                 outcome, applied = TierOutcome(alone=True), result
                 return applied
-            step = extra.get("step")
-            tried = await self.averager.average(
-                result.vector, weight, extra, expected_size=groups, fits=fits,
-                failed_tries=self._searches.failed(step), keep_signed=True,
-            )  # fmt: skip
-            self._searches.record(step, formed=tried is not None)
-            if tried is not None and tried[1].complete and tried[1].signed is not None:
+            tried = None
+            own = sign_attestation(self.signing_key, *dataclasses.astuple(facts))
+            self.board.attest(group.group_id, facts.representative, own)
+            signed = await self.board.majority(group.group_id, timeout_s=2 * self.first.sender_timeout_s)
+            if signed is not None:
+                cert = certificate(facts.group_id, members, facts.weight, facts.digest, signed)
+                # Every group of the step belongs in one second-tier round: wait for as many as could exist
+                # (each other group of at least 2), over a window twice the run's to start with, since groups
+                # finish their first tier at different moments; the leader takes whoever came by its end.
+                most = 1 + (peers_at_step - len(members)) // 2
+                tried = await self.averager.average(
+                    result.vector, facts.weight, {**extra, "group": cert}, expected_size=most,
+                    fits=self._tier_fits(fits, facts), failed_tries=self._searches.failed(facts.step) + 1,
+                    keep_signed=True,
+                )  # fmt: skip
+            else:
+                logger.info(f"group {short}: fewer than half of its members attested its round")
+            complete = tried is not None and tried[1].complete and tried[1].signed is not None
+            self._searches.record(facts.step, formed=complete)
+            if complete and all(s == p for p, s in enumerate(tried[1].signed.signers)):
                 tier_group, tier_result = tried
                 index = [str(p) for p in tier_group.peer_ids].index(str(self.averager.peer_id))
                 outcome = signed_outcome(
@@ -156,35 +233,41 @@ class SecondTier:
                     f"group {short}: second tier with {len(tier_group.peer_ids)} groups, "
                     f"{math.fsum(tier_group.weights):.0f} samples"
                 )
-            elif 2 * len(members) > peers_at_step:
+            elif complete:  # a substitute's part cannot be handed over (``TierCheck``): nobody applies it
+                logger.info(f"group {short}: a second-tier part came from a substitute; trying again")
+            elif self._searches.failed(facts.step) >= ALONE_AFTER_TRIES:
                 logger.info(
-                    f"group {short}: no second tier formed; it holds most of the step's peers, applying its own"
+                    f"group {short}: {ALONE_AFTER_TRIES} second-tier searches at this step formed no round; "
+                    "applying its own result"
                 )
                 outcome, applied = TierOutcome(alone=True), result
             else:
                 logger.info(
-                    f"group {short}: no second tier formed; {len(members)} of {peers_at_step} peers apply nothing"
+                    f"group {short}: no second tier formed; its {len(members)} members apply nothing yet"
                 )
             return applied
         finally:
             self.board.post(group.group_id, outcome)
 
     async def _follow(
-        self, group: GroupRound, result: RoundResult, rep: str, weight: float
+        self, group: GroupRound, result: RoundResult, facts: _Facts, extra: dict
     ) -> RoundResult | None:
-        averager = self.averager
+        averager, rep = self.averager, facts.representative
 
-        def check(first) -> TierCheck:
+        def check(first: apb.TierAnswer) -> TierCheck:
             return TierCheck(
-                first, prefix=averager.prefix, schema_hash=averager.schema_hash, numel=self.numel,
-                contribution=result.vector, weight=weight, max_age_s=averager.entry_max_age_s,
-                certify=averager.policy.certificate_refusal,
+                first, prefix=averager.prefix, schema_hash=averager.schema_hash, numel=self.numel, mine=extra,
+                representative=rep, contribution=result.vector, weight=facts.weight,
+                max_age_s=averager.entry_max_age_s, certify=averager.policy.certificate_refusal,
+                refusal=averager.policy.listed_refusal,
             )  # fmt: skip
 
         short = group.group_id.hex()[:8]
+        attestation = sign_attestation(self.signing_key, *dataclasses.astuple(facts))
         try:
             checked = await fetch_tier_result(
-                averager.p2p, PeerID.from_base58(rep), averager.prefix, group.group_id, timeout_s=self.wait_s,
+                averager.p2p, PeerID.from_base58(rep), averager.prefix,
+                apb.TierRequest(group_id=group.group_id, attestation=attestation), timeout_s=self.wait_s,
                 check=check, chunk_timeout_s=2 * averager.sender_timeout_s, traffic=averager.traffic,
             )  # fmt: skip
         except ProtocolError as e:  # it signed or forwarded what does not hold
@@ -201,4 +284,4 @@ class SecondTier:
         return dataclasses.replace(result, vector=checked.output, signed=None)
 
 
-__all__ = ["SecondTier"]
+__all__ = ["ALONE_AFTER_TRIES", "SecondTier"]

@@ -1,0 +1,153 @@
+"""A first-tier group's certificate: what lets a representative into the second tier (``tiers``).
+
+After its first-tier round each member of a group signs an attestation for its representative: the
+group's ID, the step and state hash it was at, the representative's peer ID, the group's total signed
+weight and the SHA-256 of the group's result (float32; every member holds it bit for bit). The
+representative puts those of a strict majority of its group in its second-tier entry
+(``extra["group"]``, ``certificate``). Every second-tier member checks each other member's certificate
+before the round (``certificate_misfit``, through the round's entry check) and every member of every
+group checks them all in the hand-off (``tiers.TierCheck``). So an identity that represents no group its
+admitted members signed for cannot join the second tier, a group counts once, with the weight its
+members signed, and a certificate names the one representative it was given to.
+
+Example::
+
+    signature = sign_attestation(key, group_id, step, state_hash, rep, weight, result_digest(r_g))
+    extra["group"] = certificate(group_id, members, weight, result_digest(r_g), {0: signature, 2: other})
+    reason = certificate_misfit(extra, signer=rep, step=step, state_hash=state_hash, refusal=policy.listed_refusal)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from protocols.keys import PublicKey, SigningKey
+
+ATTESTATION = b"swarm-tier-attestation/1"
+#: Members a certificate may list (a first-tier group: at most the run's ``max_group_size``).
+MAX_CERTIFIED_MEMBERS = 1024
+MAX_PEER_ID_CHARS = 128
+MAX_GROUP_ID_BYTES = 64
+SIGNATURE_BYTES = 64
+
+
+def result_digest(vector: torch.Tensor) -> bytes:
+    """SHA-256 of a group's result as float32 bytes (what every member of the group holds)."""
+    return hashlib.sha256(vector.detach().to(torch.float32).contiguous().numpy().tobytes()).digest()
+
+
+def attestation_message(
+    group_id: bytes, step: int, state_hash: str, representative: str, weight: float, digest: bytes
+) -> bytes:
+    """What a member signs for its group's representative."""
+    return b"|".join(
+        [
+            ATTESTATION,
+            group_id,
+            struct.pack(">Qd", step, weight),
+            state_hash.encode(),
+            representative.encode(),
+            digest,
+        ]
+    )
+
+
+def sign_attestation(
+    key: SigningKey,
+    group_id: bytes,
+    step: int,
+    state_hash: str,
+    representative: str,
+    weight: float,
+    digest: bytes,
+) -> bytes:
+    return key.sign(attestation_message(group_id, step, state_hash, representative, weight, digest))
+
+
+def attestation_holds(
+    member: str, signature: bytes, group_id: bytes, step: int, state_hash: str, representative: str,
+    weight: float, digest: bytes,
+) -> bool:  # fmt: skip
+    """Whether ``signature`` is ``member``'s attestation of exactly these facts."""
+    try:
+        PublicKey.from_peer_id(member).verify(
+            signature, attestation_message(group_id, step, state_hash, representative, weight, digest)
+        )
+    except Exception:  # a malformed key or signature: it does not hold
+        return False
+    return True
+
+
+def certificate(
+    group_id: bytes, members: Sequence[str], weight: float, digest: bytes, signed: Mapping[int, bytes]
+) -> dict:
+    """The certificate a representative puts in its second-tier entry's ``extra["group"]``."""
+    return {
+        "id": group_id,
+        "members": list(members),
+        "weight": float(weight),
+        "digest": digest,
+        "signed": [[index, signed[index]] for index in sorted(signed)],
+    }
+
+
+def certificate_misfit(
+    extra: object, *, signer: str, step: int, state_hash: str, refusal: Callable[[str], str | None] | None
+) -> str | None:
+    """Why the second-tier entry ``extra`` of ``signer`` carries no valid certificate of a group at ``step``
+    and ``state_hash``; None if it does. ``refusal(peer)``: why a member may not be in a round at all in
+    this peer's view (banned, not admitted); such a member's signature does not count."""
+    group = extra.get("group") if isinstance(extra, dict) else None
+    if not isinstance(group, dict) or set(group) != {"id", "members", "weight", "digest", "signed"}:
+        return "carries no group certificate"
+    group_id, members, weight = group["id"], group["members"], group["weight"]
+    digest, signed = group["digest"], group["signed"]
+    if not (isinstance(group_id, bytes) and 0 < len(group_id) <= MAX_GROUP_ID_BYTES):
+        return "certifies a group ID that is not 1 to 64 bytes"
+    if not (isinstance(digest, bytes) and len(digest) == 32):
+        return "certifies a result digest that is not 32 bytes"
+    if not (isinstance(weight, float) and math.isfinite(weight) and weight >= 0):
+        return "certifies a weight that is not a finite number >= 0"
+    if not (
+        isinstance(members, list)
+        and 2 <= len(members) <= MAX_CERTIFIED_MEMBERS
+        and all(isinstance(m, str) and 0 < len(m) <= MAX_PEER_ID_CHARS for m in members)
+        and len(set(members)) == len(members)
+    ):
+        return "certifies a member list that is not 2 to 1,024 distinct peer IDs"
+    if signer not in members:
+        return "carries the certificate of a group it is not in"
+    if not isinstance(signed, list) or len(signed) > len(members):
+        return "certifies more signatures than members"
+    counted: set[int] = set()
+    for item in signed:
+        if not (
+            isinstance(item, list) and len(item) == 2 and type(item[0]) is int and 0 <= item[0] < len(members)
+            and isinstance(item[1], bytes) and len(item[1]) == SIGNATURE_BYTES and item[0] not in counted
+        ):  # fmt: skip
+            return "certifies a signature that is not one per listed member"
+        member = members[item[0]]
+        if refusal is not None and refusal(member) is not None:
+            continue  # a banned or unadmitted member's word does not count
+        if not attestation_holds(member, item[1], group_id, step, state_hash, signer, weight, digest):
+            return f"carries a signature of {member[:64]} that does not hold"
+        counted.add(item[0])
+    if members.index(signer) not in counted:
+        return "carries a certificate its representative did not sign"
+    if 2 * len(counted) <= len(members):
+        return f"is certified by {len(counted)} of its group's {len(members)} members, not a majority"
+    return None
+
+
+__all__ = [
+    "attestation_holds",
+    "certificate",
+    "certificate_misfit",
+    "result_digest",
+    "sign_attestation",
+]

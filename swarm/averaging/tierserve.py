@@ -1,0 +1,217 @@
+"""The hand-off of the second tier (``tiers``): a representative's board, its handler, and a member's fetch.
+
+A member of a first-tier group opens one stream to its representative (``rpc_tier_result``) with its
+signed attestation of the group's round (``tiercert``) and waits on it for the outcome. The representative
+answers at once, refusing, a caller that is not a member of one of its recent first-tier rounds
+(``TierServicer.known``), so a stranger holds no stream for long; it keeps the attestations that hold
+(``TierBoard.attest``) until a strict majority lets it join the second tier (``TierBoard.majority``), and
+streams the outcome (``TierOutcome.answers``) to every member that waits.
+
+Example::
+
+    board.open(group_id, members, holds=lambda member, signature: attestation_holds(member, signature, ...))
+    signed = await board.majority(group_id, timeout_s=10.0)
+    board.post(group_id, outcome)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
+
+from hivemind.p2p import P2P, P2PContext, PeerID
+
+from protocols import averaging_pb2 as apb
+from protocols.errors import ProtocolError, SwarmError
+from swarm.averaging.allreduce import Traffic
+from swarm.averaging.tiers import MAX_TIER_ANSWER_BYTES, TierCheck, TierOutcome
+from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
+
+#: First-tier groups whose second-tier outcome a representative keeps for its members.
+KEPT_OUTCOMES = 8
+#: How long a member's request waits for its representative to open the group (it may finish first).
+OPEN_WAIT_S = 5.0
+
+# Whether ``signature`` is ``member``'s attestation of the group's round as this representative saw it.
+Holds = Callable[[str, bytes], bool]
+
+
+@dataclass
+class _Posted:
+    members: list[str]
+    holds: Holds
+    outcome: asyncio.Future
+    signed: dict[int, bytes] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class TierBoard:
+    """The groups a representative holds, by first-tier group ID (the last ``KEPT_OUTCOMES``)."""
+
+    def __init__(self, kept: int = KEPT_OUTCOMES):
+        self.kept = kept
+        self._posted: OrderedDict[bytes, _Posted] = OrderedDict()
+        self._opened = asyncio.Event()
+
+    def open(self, group_id: bytes, members: Sequence[str], holds: Holds) -> None:
+        """This peer represents ``group_id`` now: its members may attest and wait for the outcome."""
+        self._posted[group_id] = _Posted(list(members), holds, asyncio.get_running_loop().create_future())
+        while len(self._posted) > self.kept:
+            _, old = self._posted.popitem(last=False)
+            old.outcome.cancel()
+        self._opened.set()
+        self._opened = asyncio.Event()
+
+    def attest(self, group_id: bytes, member: str, signature: bytes) -> None:
+        """Keep ``member``'s attestation of ``group_id`` if it holds (a signature that does not is ignored:
+        the member waits for an outcome all the same)."""
+        posted = self._posted.get(group_id)
+        if posted is None or member not in posted.members or not posted.holds(member, signature):
+            return
+        posted.signed[posted.members.index(member)] = signature
+        posted.changed.set()
+
+    async def majority(self, group_id: bytes, timeout_s: float) -> dict[int, bytes] | None:
+        """The attestations that hold, once a strict majority of the group's members has given one; None
+        when none came within ``timeout_s``."""
+        posted = self._posted[group_id]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while 2 * len(posted.signed) <= len(posted.members):
+            posted.changed.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(posted.changed.wait(), left)
+        return dict(posted.signed)
+
+    def post(self, group_id: bytes, outcome: TierOutcome | None) -> None:
+        """The outcome of ``group_id`` (None: nothing to apply this time)."""
+        posted = self._posted.get(group_id)
+        if posted is not None and not posted.outcome.done():
+            posted.outcome.set_result(outcome)
+
+    async def wait(
+        self, group_id: bytes, asker: str, attestation: bytes, *, open_s: float, timeout_s: float
+    ) -> TierOutcome | None:
+        """The outcome for ``asker`` (whose ``attestation`` is kept if it holds); raises ``ProtocolError`` when
+        this peer does not represent the group within ``open_s``, or ``TimeoutError``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        open_by = loop.time() + min(open_s, timeout_s)
+        while group_id not in self._posted:  # a member may finish the first tier before its representative
+            left = open_by - loop.time()
+            if left <= 0:
+                raise ProtocolError("this peer represents no such group")
+            opened = self._opened
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(opened.wait(), left)
+        posted = self._posted[group_id]
+        if asker not in posted.members:
+            raise ProtocolError("not a member of this group")
+        self.attest(group_id, asker, attestation)
+        return await asyncio.wait_for(asyncio.shield(posted.outcome), max(0.0, deadline - loop.time()))
+
+
+class TierServicer(BoundedServicer):
+    """A representative's answers to its groups' members (hivemind finds ``rpc_*`` by annotations).
+
+    ``known(group_id, asker)``: whether ``asker`` is a member of a recent first-tier round of this peer
+    with that ID; any other caller is refused at once."""
+
+    bounds = {"rpc_tier_result": lambda self: HandlerBound(SMALL_REQUEST_BYTES, 2)}
+    reply_bytes = {"rpc_tier_result": MAX_TIER_ANSWER_BYTES}
+
+    def __init__(
+        self,
+        board: TierBoard,
+        *,
+        known: Callable[[bytes, str], bool],
+        wait_s: Callable[[], float],
+        admission: Callable,
+        traffic: Traffic,
+    ):
+        self.board, self.known, self.wait_s, self._admission, self.traffic = (
+            board,
+            known,
+            wait_s,
+            admission,
+            traffic,
+        )
+
+    async def admission(self, peer_id: str) -> str | None:
+        return await self._admission(peer_id)
+
+    async def rpc_tier_result(
+        self, request: apb.TierRequest, context: P2PContext
+    ) -> TypingAsyncIterator[apb.TierAnswer]:
+        asker, group_id = context.remote_id.to_base58(), bytes(request.group_id)
+        if not self.known(group_id, asker):
+            yield apb.TierAnswer(
+                code=apb.NOT_IN_GROUP, error="no recent round of this peer has that ID and caller"
+            )
+            return
+        try:
+            outcome = await self.board.wait(
+                group_id, asker, bytes(request.attestation), open_s=OPEN_WAIT_S, timeout_s=self.wait_s()
+            )
+        except ProtocolError as e:
+            yield apb.TierAnswer(code=apb.NOT_IN_GROUP, error=str(e))
+            return
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            yield apb.TierAnswer(code=apb.CANCELLED, error="the second tier has not finished here in time")
+            return
+        if outcome is None:
+            yield apb.TierAnswer(code=apb.CANCELLED, error="nothing to apply for this group this time")
+            return
+        for answer in outcome.answers():
+            self.traffic.sent += len(answer.chunk.data)
+            yield answer
+
+
+async def fetch_tier_result(
+    p2p: P2P,
+    representative: PeerID,
+    namespace: str,
+    request: apb.TierRequest,
+    *,
+    timeout_s: float,
+    check: Callable[[apb.TierAnswer], TierCheck],
+    chunk_timeout_s: float,
+    traffic: Traffic,
+) -> TierCheck | None:
+    """Ask ``representative`` for the second tier's outcome of the group ``request`` names (with this peer's
+    attestation): None when the group was the step's only one (``alone``), else the checked result
+    (``TierCheck.output``; ``check`` builds the check from the header). Raises ``ProtocolError`` when what it
+    sent does not hold (a proof against it), another ``SwarmError`` or ``TimeoutError`` when it sent nothing
+    usable (which an honest one may do)."""
+    stub = TierServicer.get_stub(p2p, representative, namespace=namespace)
+    stream: AsyncIterator[apb.TierAnswer] = await asyncio.wait_for(
+        stub.rpc_tier_result(request), chunk_timeout_s
+    )
+    try:
+        first = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        if first.code != apb.OK:  # honest when its second tier failed: not a proof of anything
+            raise SwarmError(f"representative answered {apb.Code.Name(first.code)}: {first.error[:200]}")
+        if first.alone:
+            return None
+        checked = check(first)
+        for part, chunk in checked.expected():
+            answer = await asyncio.wait_for(stream.__anext__(), chunk_timeout_s)
+            traffic.received += len(answer.chunk.data)
+            checked.take(part, chunk, answer.chunk)
+        return checked
+    except StopAsyncIteration:
+        raise SwarmError("representative ended its answer early") from None
+    finally:
+        if hasattr(stream, "aclose"):
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+
+__all__ = ["KEPT_OUTCOMES", "TierBoard", "TierServicer", "fetch_tier_result"]
