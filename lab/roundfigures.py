@@ -1,8 +1,8 @@
 """Per-step figures of a rehearsal, from its peers' round journals (``swarm.journal``).
 
 For each step ``s`` (the round that moves the run from ``s`` to ``s + 1``): how many groups applied a
-round there and how large the largest was, how many peers applied one and whether they all moved to the
-same state, how many full-state downloads loaded a state of step ``s + 1`` instead (and how many of those
+round there and how large the largest was, how many peers applied one (those that adopted the step's
+combined result from a peer ahead, ``adopted``, included) and whether they all moved to the same state, how many full-state downloads loaded a state of step ``s + 1`` instead (and how many of those
 were by a joiner or a restarted peer that had applied no round since it started), the averaging bytes each
 applying peer sent for it (its failed tries at that step included), and how long matchmaking took.
 
@@ -31,6 +31,7 @@ def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dic
     tries: dict[int, int] = defaultdict(int)
     downloads: dict[int, int] = defaultdict(int)
     joiner_downloads: dict[int, int] = defaultdict(int)
+    adopted: dict[int, int] = defaultdict(int)
     for name, rows in journals.items():
         sent_before = 0.0  # averaging bytes this life had sent when its last applied round ended
         in_line = False  # this life applied a round since it (re)started
@@ -42,11 +43,15 @@ def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dic
                 downloads[step - 1] += 1
                 joiner_downloads[step - 1] += not in_line
             elif event == "round" and isinstance(step, int):
-                tries[step] += 1
-                if row.get("outcome") != "applied":
+                outcome = row.get("outcome")
+                tries[step] += outcome != "adopted"
+                if outcome not in ("applied", "adopted"):
                     continue
                 in_line = True
-                groups[step][str(row.get("group", ""))] = int(row.get("size", 0))
+                if outcome == "adopted":  # the step's combined result, taken from a peer ahead
+                    adopted[step] += 1
+                else:
+                    groups[step][str(row.get("group", ""))] = int(row.get("size", 0))
                 applied[step][name] = str(row.get("state_hash", ""))
                 now_sent = float(row.get("sent", 0.0))
                 sent[step].append(max(0.0, now_sent - sent_before))
@@ -63,6 +68,7 @@ def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dic
             "round_tries": tries[step],
             "distinct_results": len(results),
             "same_update": len(results) == 1,
+            "adopted": adopted[step],
             "state_downloads": downloads[step],
             "joiner_downloads": joiner_downloads[step],
             "bytes_sent_per_peer": statistics.fmean(sent[step]) if sent[step] else 0.0,

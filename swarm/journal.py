@@ -8,7 +8,8 @@ see what a peer's rounds did. Without a handler on the logger a record costs one
 Each line is an object with ``event`` (``joined``, ``round`` or ``download``), ``t`` (wall-clock
 seconds) and ``step``; ``joined`` starts each life of the process (a restart appends to the same file);
 a ``round`` adds ``outcome`` (``applied``, or why not: ``no_group``, ``too_small``,
-``other_step``, ``incomplete``, ``no_tier``: the group's second tier gave nothing to apply), the group's ID (16 hex digits) and size, the seconds matchmaking took
+``other_step``, ``incomplete``, ``no_tier``: the group's second tier gave nothing to apply; or
+``adopted``: the step's combined result, taken from a peer ahead), the group's ID (16 hex digits) and size, the seconds matchmaking took
 (``form_s``) and the whole round took (``round_s``), this peer's averaging bytes so far (``sent``,
 ``received``) and, once applied, the state hash it moved to; a ``download`` adds the step and hash it
 loaded and the MiB of tensors.

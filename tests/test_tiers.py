@@ -259,3 +259,29 @@ def test_only_a_groups_members_get_its_outcome_and_only_once_it_is_posted():
         assert (await waiting).alone
 
     asyncio.run(scenario())
+
+
+def test_a_peer_that_fell_behind_adopts_exactly_what_the_round_applied_and_nothing_of_another_state():
+    group_input = torch.randn(NUMEL)
+    header, chunks, keys = second_tier(group_input=group_input)
+    members_got = check_all(header, chunks, group_input, keys)
+
+    def adopter(mine):
+        return TierCheck(
+            header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=mine, representative=None,
+            contribution=None, weight=0.0, max_age_s=60.0, certify=None, refusal=None,
+        )  # fmt: skip
+
+    check = adopter(MINE)
+    for (part, chunk), message in zip(check.expected(), chunks, strict=True):
+        check.take(part, chunk, message)
+    assert torch.equal(check.output, members_got), "the adopter moves to exactly what the members applied"
+    handed_on = list(check.outcome().answers())
+    assert handed_on[0].entries == header.entries and [a.chunk for a in handed_on[1:]] == chunks
+    with pytest.raises(ProtocolError, match="another step or state"):
+        adopter({"step": MINE["step"], "state_hash": "cd" * 32})
+    forged = apb.PartChunk()
+    forged.CopyFrom(chunks[0])
+    forged.data = CODEC.encode(torch.zeros(len(forged.data) // 2))
+    with pytest.raises(ProtocolError, match="part 0 chunk 0"):
+        adopter(MINE).take(0, 0, forged)

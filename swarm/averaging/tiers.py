@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -169,8 +169,8 @@ class TierCheck:
         schema_hash: bytes,
         numel: int,
         mine: dict,
-        representative: str,
-        contribution: torch.Tensor,
+        representative: str | None,
+        contribution: torch.Tensor | None,
         weight: float,
         max_age_s: float,
         certify: Callable[[str, bytes], str | None] | None,
@@ -217,7 +217,7 @@ class TierCheck:
         if len(set(members)) != len(members):
             raise ProtocolError("the second tier lists a member twice")
         n = len(members)
-        if first.representative >= n or members[first.representative] != representative:
+        if first.representative >= n or representative not in (None, members[first.representative]):
             raise ProtocolError(f"the hand-off names member {first.representative}, not {representative}")
         mask = reducer_mask([b.dialable for b in bodies])
         # Every part as its own reducer signed it: a part repaired by a substitute cannot be handed over,
@@ -237,10 +237,23 @@ class TierCheck:
             chunk_bounds(hi - lo, values) if not mask or mask[p] else [0]
             for p, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:], strict=True))
         ]
-        self.contribution = contribution.detach().to(torch.float32).flatten()
-        if self.contribution.numel() != numel:
+        self.contribution = (
+            None if contribution is None else contribution.detach().to(torch.float32).flatten()
+        )
+        if self.contribution is not None and self.contribution.numel() != numel:
             raise ValueError(f"the group's result has {self.contribution.numel()} values, not {numel}")
+        # An adopter (no ``representative``) was in no group of the round: it checks who signed what, not
+        # its own input, and gets exactly what the round's members applied.
+        self.header, self.taken = first, []
         self.output = torch.empty(numel)
+
+    def outcome(self) -> TierOutcome:
+        """The checked round as its members hand it on (to a peer that adopts it), once every chunk is taken."""
+        first, taken = self.header, iter(self.taken)
+        chunks = [[next(taken) for _ in range(len(bounds) - 1)] for bounds in self.chunks]
+        return TierOutcome(
+            False, first.tier_group_id, list(first.entries), first.representative, list(first.signers), chunks
+        )
 
     def expected(self) -> Iterator[tuple[int, int]]:
         """(part, chunk) of every aggregate chunk the answer must carry, in order."""
@@ -256,13 +269,17 @@ class TierCheck:
             )
         base = self.bounds[part]
         lo, hi = base + self.chunks[part][chunk], base + self.chunks[part][chunk + 1]
-        sent = hashlib.sha256(self.codec.encode_contribution(self.contribution[lo:hi])).digest()
         r = self.round
         try:
-            check_answer(r, part, chunk, message, sent, skew_s=self.skew_s)
-            if all(e.sender_index != r.index for e in parse_entries(message.included, len(r.members))):
-                raise ProtocolError("leaves out the input of this peer's group")
+            if self.contribution is None:
+                check_answer(replace(r, index=-1), part, chunk, message, b"", skew_s=self.skew_s)
+            else:
+                sent = hashlib.sha256(self.codec.encode_contribution(self.contribution[lo:hi])).digest()
+                check_answer(r, part, chunk, message, sent, skew_s=self.skew_s)
+                if all(e.sender_index != r.index for e in parse_entries(message.included, len(r.members))):
+                    raise ProtocolError("leaves out the input of this peer's group")
             self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=r.members[part])
+            self.taken.append(message)
         except SwarmError as e:
             raise ProtocolError(f"part {part} chunk {chunk}: {e}") from None
         except Exception as e:  # a signature that does not verify

@@ -33,6 +33,8 @@ from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
 
 #: First-tier groups whose second-tier outcome a representative keeps for its members.
 KEPT_OUTCOMES = 8
+#: Steps whose combined result a peer keeps for peers that fell behind (``TierBoard.keep``).
+KEPT_STEPS = 2
 #: How long a member's request waits for its representative to open the group (it may finish first).
 OPEN_WAIT_S = 5.0
 
@@ -56,6 +58,16 @@ class TierBoard:
         self.kept = kept
         self._posted: OrderedDict[bytes, _Posted] = OrderedDict()
         self._opened = asyncio.Event()
+        self._applied: OrderedDict[int, TierOutcome] = OrderedDict()
+
+    def keep(self, step: int, outcome: TierOutcome) -> None:
+        """The combined result this peer applied at ``step``, for a peer that fell behind to adopt."""
+        self._applied[step] = outcome
+        while len(self._applied) > KEPT_STEPS:
+            self._applied.popitem(last=False)
+
+    def applied(self, step: int) -> TierOutcome | None:
+        return self._applied.get(step)
 
     def open(self, group_id: bytes, members: Sequence[str], holds: Holds) -> None:
         """This peer represents ``group_id`` now: its members may attest and wait for the outcome."""
@@ -151,6 +163,17 @@ class TierServicer(BoundedServicer):
         self, request: apb.TierRequest, context: P2PContext
     ) -> TypingAsyncIterator[apb.TierAnswer]:
         asker, group_id = context.remote_id.to_base58(), bytes(request.group_id)
+        if not group_id:  # a peer that fell behind: the combined result of that step, if this peer kept one
+            kept = self.board.applied(request.step)
+            if kept is None:
+                yield apb.TierAnswer(
+                    code=apb.NOT_IN_GROUP, error=f"no combined result of step {request.step} kept here"
+                )
+                return
+            for answer in kept.answers():
+                self.traffic.sent += len(answer.chunk.data)
+                yield answer
+            return
         if not self.known(group_id, asker):
             yield apb.TierAnswer(
                 code=apb.NOT_IN_GROUP, error="no recent round of this peer has that ID and caller"
@@ -214,4 +237,4 @@ async def fetch_tier_result(
                 await stream.aclose()
 
 
-__all__ = ["KEPT_OUTCOMES", "TierBoard", "TierServicer", "fetch_tier_result"]
+__all__ = ["KEPT_OUTCOMES", "KEPT_STEPS", "TierBoard", "TierServicer", "fetch_tier_result"]

@@ -392,6 +392,8 @@ class TrainingPeer:
         # end of its window, and resetting the count there kept the window from ever widening past double.
         self._searches.record(self.step, formed=outcome is not None and len(outcome[0].peer_ids) >= needed)
         if outcome is None:
+            if await self._adopt(extra):
+                return
             self._stats["rounds_failed"] += 1
             self._journal("no_group")
             logger.info(f"step {self.step}: no averaging group formed; accumulating further")
@@ -425,6 +427,8 @@ class TrainingPeer:
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming
         )
         if result is None:  # its group's representative gave nothing to apply (see tiered)
+            if await self._adopt(extra):
+                return
             self._stats["rounds_failed"] += 1
             self._journal("no_tier", group)
             return
@@ -451,6 +455,30 @@ class TrainingPeer:
         )
         if self.step % self.config.training.validation_every_steps == 0 or self.reached_max():
             await self.evaluate()
+
+    async def _adopt(self, extra: dict) -> bool:
+        """Apply the combined result that peers a step ahead applied at this step, when the others moved on
+        without this peer (``SecondTier.adopt``): one checked vector instead of a state download. Its own
+        gradient was in no round, so it earns no credit and is dropped."""
+        if getattr(self.strategy, "overlap", False):  # a background round owns the window: catch-up's
+            return False
+        ahead = [
+            p.peer_id
+            for p in self.view.values()
+            if p.step == self.step + 1 and self.policy.refusal(p.peer_id) is None
+        ]
+        adopted = await self.tiers.adopt(extra, ahead) if ahead else None
+        if adopted is None:
+            return False
+        async with self.synced.lock:
+            with self.computing():
+                await asyncio.to_thread(self._apply_round, adopted)
+            self._reset_accumulation()
+            await self._commit(self.step + 1)
+        self._journal("adopted", step=self.step - 1, state_hash=self.state_hash)
+        self._step_view = self.progress_view.count
+        logger.info(f"step {self.step}: adopted the combined result the peers ahead applied")
+        return True
 
     def _journal(self, outcome: str, group=None, *, step: int | None = None, **fields: object) -> None:
         """The round journal's line for the round just tried at ``step`` (default: this peer's step)."""

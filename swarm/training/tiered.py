@@ -9,7 +9,9 @@ group's total signed weight, with the other certified representatives in a secon
 ``tiers.tier_prefix``, and hands the signed output to its members, who check it (``tiers.TierCheck``).
 When no second-tier round forms, the group applies nothing and tries again, and only after
 ``ALONE_AFTER_TRIES`` such searches at one step does it apply its own result: a claim nobody can check
-(records of peers said to be at this step) costs a few windows, never the step.
+(records of peers said to be at this step) costs a few windows, never the step. Every peer keeps the
+combined result it applied (``tierserve.TierBoard.keep``), and a peer that finds the others a step ahead
+``adopt``s it, checked, instead of downloading the whole state.
 
 Example::
 
@@ -64,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 #: Second-tier searches at one step that formed no round before a group applies its own result.
 ALONE_AFTER_TRIES = 3
+#: Peers ahead a peer that fell behind asks for the step's combined result before it downloads the state.
+ADOPT_ASKS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +285,36 @@ class SecondTier:
             return None
         if checked is None:
             return result
+        self.board.keep(facts.step, checked.outcome())
         return dataclasses.replace(result, vector=checked.output, signed=None)
 
+    async def adopt(self, extra: dict, holders: list[str]) -> RoundResult | None:
+        """The combined result that ``holders`` (peers a step ahead) applied at this peer's step and state, checked
+        as a member checks a hand-off but for its own input (it was in no group of that round); None when
+        none of the first ``ADOPT_ASKS`` holds one that checks. Cheaper than the whole state: one fp16 vector."""
+        averager = self.averager
 
-__all__ = ["ALONE_AFTER_TRIES", "SecondTier"]
+        def check(first: apb.TierAnswer) -> TierCheck:
+            return TierCheck(
+                first, prefix=averager.prefix, schema_hash=averager.schema_hash, numel=self.numel, mine=extra,
+                representative=None, contribution=None, weight=0.0, max_age_s=averager.entry_max_age_s,
+                certify=averager.policy.certificate_refusal, refusal=averager.policy.listed_refusal,
+            )  # fmt: skip
+
+        for holder in holders[:ADOPT_ASKS]:
+            try:
+                checked = await fetch_tier_result(
+                    averager.p2p, PeerID.from_base58(holder), averager.prefix, apb.TierRequest(step=extra["step"]),
+                    timeout_s=2 * averager.sender_timeout_s, check=check, chunk_timeout_s=2 * averager.sender_timeout_s,
+                    traffic=averager.traffic,
+                )  # fmt: skip
+            except Exception as e:  # none kept, another state's, or its stream broke: ask the next
+                logger.info(f"no combined result of step {extra['step']} to adopt from {holder}: {e!r}")
+                continue
+            if checked is not None:
+                self.board.keep(int(extra["step"]), checked.outcome())
+                return RoundResult(checked.output, True)
+        return None
+
+
+__all__ = ["ADOPT_ASKS", "ALONE_AFTER_TRIES", "SecondTier"]
