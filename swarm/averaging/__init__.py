@@ -21,4 +21,6 @@
 - ``averager``: ``Averager``: hivemind's matchmaking plus our all-reduce and state-download handlers
 - ``factory``: ``build_averager``, the one way every role builds its ``Averager`` from the run config
 - ``tiers``: the second tier beyond one group: representatives, their signed hand-off and its check
+- ``tiercert``: a first-tier group's certificate, its members' attestations that let its representative in
+- ``tierserve``: the hand-off's board and handler, and a member's fetch of it
 """
