@@ -218,6 +218,11 @@ class PeerPolicy:
             return True
         return self.also_certified is not None and peer_id in self.also_certified()
 
+    def member_count(self) -> int:
+        """The certified members in this peer's last read of the run's member records, banned ones left out
+        (online peers, whatever their step; a record outlives its peer by up to its expiry)."""
+        return len(self._members - self.banned)
+
     async def refresh_members(self) -> None:
         """Read the certified members from the DHT (at most once per ``refresh_s``); trouble keeps the old."""
         if self.coordinator_key is None or self.dht is None:

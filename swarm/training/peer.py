@@ -423,9 +423,11 @@ class TrainingPeer:
             for p in others
             if self.step - 1 <= p.step <= self.step and self.policy.refusal(p.peer_id) is None
         )
+        await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
-            group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming
-        )
+            group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming,
+            run_peers=max(coming, self.policy.member_count()),
+        )  # fmt: skip
         if result is None:  # its group's representative gave nothing to apply (see tiered)
             if await self._adopt(extra):
                 return

@@ -2,7 +2,8 @@
 
 ``SecondTier.combine`` takes a complete first-tier round and returns what the peer applies. The group's
 representative (``tiers.representative``) decides: when the peers at its step (by its signed progress
-view) fit in its group, the group is the step's only one and applies its own result (``alone``).
+view) fit in its group and the group holds most of the run's online members (by their member records), the
+group is the step's only one and applies its own result (``alone``).
 Otherwise it collects its members' attestations (``tiercert``: each member sends its own when it asks for
 the outcome), and once a strict majority of the group has attested it averages the group's result, at the
 group's total signed weight, with the other certified representatives in a second-tier round under
@@ -17,7 +18,7 @@ Example::
 
     tiers = SecondTier(run, dht, first=averager, numel=n, policy=policy, signing_key=key)
     await tiers.start()
-    applied = await tiers.combine(group, result, me=peer_id, extra=extra, fits=fits, peers_at_step=12)
+    applied = await tiers.combine(group, result, me=peer_id, extra=extra, fits=fits, peers_at_step=12, run_peers=12)
     if applied is not None:
         strategy.apply(applied, step)
 """
@@ -148,9 +149,12 @@ class SecondTier:
         extra: dict,
         fits: EntryFit | None,
         peers_at_step: int,
+        run_peers: int,
     ) -> RoundResult | None:
         """What this peer applies of the complete first-tier round ``result`` of ``group``: the step's
-        combined result, its group's own (``alone``), or None (nothing this time; keep the gradient)."""
+        combined result, its group's own (``alone``), or None (nothing this time; keep the gradient).
+        ``peers_at_step``: the peers whose records show this step or the one before; ``run_peers``: the run's
+        online members whatever their step (at least ``peers_at_step``)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
@@ -161,7 +165,7 @@ class SecondTier:
             result_digest(result.vector),
         )  # fmt: skip
         if rep == me:
-            return await self._represent(group, result, members, facts, extra, fits, peers_at_step)
+            return await self._represent(group, result, members, facts, extra, fits, peers_at_step, run_peers)
         return await self._follow(group, result, facts, extra)
 
     def _tier_fits(self, first_fits: EntryFit | None, facts: _Facts) -> EntryFit:
@@ -192,7 +196,7 @@ class SecondTier:
 
     async def _represent(
         self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
-        fits: EntryFit | None, peers_at_step: int,
+        fits: EntryFit | None, peers_at_step: int, run_peers: int,
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
 
@@ -203,7 +207,10 @@ class SecondTier:
         outcome: TierOutcome | None = None
         applied: RoundResult | None = None
         try:
-            if peers_at_step <= len(members):
+            # Alone only when the step's peers fit in the group and it holds most of the run's members: a view
+            # filled by records alone is thin while peers start, and groups that each thought themselves alone
+            # left states that no majority could ever join again.
+            if peers_at_step <= len(members) and 2 * len(members) > run_peers:
                 logger.debug(f"group {short}: the step's {peers_at_step} peers fit in it; no second tier")
                 outcome, applied = TierOutcome(alone=True), result
                 return applied
