@@ -223,6 +223,15 @@ def test_a_group_certificate_needs_a_majority_of_admitted_members_and_names_its_
     assert "not a majority" in refused, "a banned member's signature does not count"
     assert "does not hold" in misfit({**MINE, "group": {**good["group"], "weight": 640.0}})
     assert "no group certificate" in misfit(dict(MINE))
+    small = certificate_misfit(
+        good,
+        signer=key.peer_id,
+        step=MINE["step"],
+        state_hash=MINE["state_hash"],
+        refusal=None,
+        min_members=4,
+    )
+    assert "not 4 to 1,024" in small, "a group smaller than the run's minimum is no group"
     at_other_step = certificate_misfit(
         good, signer=key.peer_id, step=4, state_hash=MINE["state_hash"], refusal=None
     )

@@ -97,11 +97,17 @@ def certificate(
 
 
 def certificate_misfit(
-    extra: object, *, signer: str, step: int, state_hash: str, refusal: Callable[[str], str | None] | None
-) -> str | None:
+    extra: object, *, signer: str, step: int, state_hash: str, refusal: Callable[[str], str | None] | None,
+    min_members: int = 2,
+) -> str | None:  # fmt: skip
     """Why the second-tier entry ``extra`` of ``signer`` carries no valid certificate of a group at ``step``
     and ``state_hash``; None if it does. ``refusal(peer)``: why a member may not be in a round at all in
-    this peer's view (banned, not admitted); such a member's signature does not count."""
+    this peer's view (banned, not admitted); such a member's signature does not count. ``min_members``: the
+    run's smallest group (``min_group_size``, at least 2), which a certified group must list.
+
+    What it cannot show is that the group's round took place: admitted identities that are a majority of a
+    made-up group can certify it, exactly as they could run a real round of their own; such a group is one
+    input of the second tier, its weight capped like any input's (``validation.fair_weights``)."""
     group = extra.get("group") if isinstance(extra, dict) else None
     if not isinstance(group, dict) or set(group) != {"id", "members", "weight", "digest", "signed"}:
         return "carries no group certificate"
@@ -115,11 +121,11 @@ def certificate_misfit(
         return "certifies a weight that is not a finite number >= 0"
     if not (
         isinstance(members, list)
-        and 2 <= len(members) <= MAX_CERTIFIED_MEMBERS
+        and max(2, min_members) <= len(members) <= MAX_CERTIFIED_MEMBERS
         and all(isinstance(m, str) and 0 < len(m) <= MAX_PEER_ID_CHARS for m in members)
         and len(set(members)) == len(members)
     ):
-        return "certifies a member list that is not 2 to 1,024 distinct peer IDs"
+        return f"certifies a member list that is not {max(2, min_members)} to 1,024 distinct peer IDs"
     if signer not in members:
         return "carries the certificate of a group it is not in"
     if not isinstance(signed, list) or len(signed) > len(members):

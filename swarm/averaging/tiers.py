@@ -96,9 +96,10 @@ def representative(
     """The index of a group's representative: the member whose SHA-256 of (every member's nonce commitment,
     its peer ID) is smallest among those that can be dialed (all of them when none can). Every member
     computes the same, and no member can steer it: each commitment is fixed in its member's signed entry
-    before the group forms (a leader choosing the group ID after seeing the entries could steer a draw on
-    the ID), so a leader could only choose whom to admit."""
-    seed = hashlib.sha256(b"|".join([b"swarm-representative", *commitments])).digest()
+    before the group forms, and they are hashed sorted, so neither the group ID nor the order the leader
+    lists members in moves it (a leader could steer a draw on either); a leader can only choose whom to
+    admit."""
+    seed = hashlib.sha256(b"|".join([b"swarm-representative", *sorted(commitments)])).digest()
     dialable = [i for i in range(len(members)) if reducers is None or reducers[i]]
     return min(
         dialable or range(len(members)), key=lambda i: hashlib.sha256(seed + members[i].encode()).digest()

@@ -105,6 +105,7 @@ class SecondTier:
         client_mode: bool = False,
     ):
         self.first, self.numel, self.signing_key = first, numel, signing_key
+        self.min_group_size = run.training.min_group_size
         # Part streams ride libp2p: a volunteer's forwarded data port is the first tier's. Every member is
         # a representative, which can be dialed; one reducer suffices.
         self.averager = build_averager(
@@ -185,6 +186,7 @@ class SecondTier:
                 step=facts.step,
                 state_hash=facts.state_hash,
                 refusal=policy.listed_refusal,
+                min_members=self.min_group_size,
             )
             if unfit is not None:
                 return Misfit(unfit)
