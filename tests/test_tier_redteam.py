@@ -141,7 +141,7 @@ def make_tier(keys, group, rep: int, vector, average) -> SecondTier:
     tier = SecondTier.__new__(SecondTier)
     tier.numel, tier.signing_key, tier.board, tier._searches = NUMEL, keys[rep], Attested(), FailedSearches()
     tier.min_group_size = 2
-    tier.first = SimpleNamespace(sender_timeout_s=0.2)
+    tier.first = SimpleNamespace(sender_timeout_s=0.2, averaging_timeout_s=0.2)
     tier.averager = SimpleNamespace(
         prefix=PREFIX, schema_hash=SCHEMA, entry_max_age_s=600.0, sender_timeout_s=0.2,
         averaging_timeout_s=0.2,
@@ -429,3 +429,26 @@ def test_11_a_stranger_is_refused_at_once_instead_of_holding_a_stream():
     assert [code for code, _ in answers] == [apb.NOT_IN_GROUP] * 3
     assert all(took < 1.0 for _, took in answers), "refused at once, not after the 30 s wait"
     assert waited < 1.0
+
+
+def test_a_representative_keeps_the_combined_result_it_applied_for_peers_that_fell_behind():
+    """Adoption asks peers a step ahead for the step's combined result; a representative is one of them as
+    often as any member, so it must keep what its second tier gave (a scale simulation found it did not)."""
+
+    async def scenario():
+        keys, group, rep = first_tier(4)
+        vector, combined = torch.randn(NUMEL), torch.randn(NUMEL)
+
+        async def complete(vector, weight, extra, **kwargs):
+            tier_group = SimpleNamespace(group_id=os.urandom(20), peer_ids=[keys[rep].peer_id, "other"],
+                                         weights=[64.0, 64.0], signed_entries=[b"e0", b"e1"])  # fmt: skip
+            return tier_group, RoundResult(combined, True, signed=SignedOutput([0, 1], [[], []]))
+
+        tier = make_tier(keys, group, rep, vector, complete)
+        applied = await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE,
+                                     fits=None, peers_at_step=8, run_peers=8)  # fmt: skip
+        return applied, combined, tier.board.applied(MINE["step"])
+
+    applied, combined, kept = asyncio.run(scenario())
+    assert applied is not None and torch.equal(applied.vector, combined), "the representative applies it"
+    assert kept is not None and kept.entries == [b"e0", b"e1"], "kept for a peer that fell behind"

@@ -242,6 +242,7 @@ class SecondTier:
                 outcome = signed_outcome(
                     tier_group.group_id, tier_group.signed_entries, index, tier_result.signed
                 )
+                self.board.keep(facts.step, outcome)  # for a peer that fell behind (``adopt``)
                 applied = dataclasses.replace(result, vector=tier_result.vector, signed=None)
                 logger.info(
                     f"group {short}: second tier with {len(tier_group.peer_ids)} groups, "
