@@ -8,4 +8,5 @@ processes, so it sits above ``peer`` and ``coordinator`` and neither of them imp
 - ``sim``: the ``swarm-sim`` entry point: rehearse a data-parallel run, then check it
 - ``pipeline_sim``: ``swarm-sim --stages S``: rehearse a pipeline run, then check it
 - ``roundfigures``: the per-step figures of a rehearsal (groups, downloads, bytes) from its peers' round journals
+- ``scalesim``: ``ScaleSim``, a discrete-event model of a run at 8 to 1,000+ peers over the real round decisions
 """
