@@ -53,7 +53,8 @@ def test_the_coordinator_knows_an_external_models_state_without_its_code() -> No
     held = state_tensors(model, build_optimizer(model, run.optimizer))
     layout = state_layout(run)  # what bounds a checkpoint download and checks a resume
     assert layout == {name: (tuple(t.shape), t.numel() * t.element_size()) for name, t in held.items()}
-    assert run_layouts(run) == {"mine": sum(p.numel() for p in model.parameters())}  # the averaged vector
+    numel = sum(p.numel() for p in model.parameters())
+    assert run_layouts(run) == {"mine": numel, "mine_tier2": numel}  # the averaged vector, in both tiers
 
 
 def test_a_model_that_differs_from_the_run_is_refused_naming_the_tensor() -> None:

@@ -28,6 +28,7 @@ from protocols.keys import SigningKey
 from protocols.messages import CHECKPOINT_RECORD, MAX_BAN_PAGES
 from swarm.averaging.averager import Averager
 from swarm.averaging.declarations import matchmaking_key, open_declaration, seal_declaration
+from swarm.averaging.tiers import tier_prefix
 from swarm.bans import ban_list_key, fetch_ban_list, publish_ban_list
 from swarm.config import PipelineConfig
 from swarm.dht import start_local_dhts, visible_maddrs
@@ -142,14 +143,15 @@ def test_every_key_the_run_uses_has_a_check_and_every_other_key_is_refused():
     keys = run_keys(RUN)
     now, far = get_dht_time(), get_dht_time() + THIRTY_YEARS_S
     # Every key the code builds is listed: record kinds, ban pages, each stage's checkpoint and
-    # matchmaking key (under the pipeline's own prefix function), and the run's matchmaking key.
+    # matchmaking key (under the pipeline's own prefix function), and the run's and its second tier's
+    # matchmaking keys.
     built = [record_key(RUN, kind) for kind in VALIDATED_KINDS]
     built += [ban_list_key(RUN, page) for page in range(1, MAX_BAN_PAGES)]
     for stage in range(MAX_STAGES):
         assert pipeline_stage_prefix(RUN, stage) == stage_prefix(RUN, stage)
         built += [record_key(pipeline_stage_prefix(RUN, stage), "checkpoint")]
         built += [matchmaking_key(pipeline_stage_prefix(RUN, stage))]
-    built.append(matchmaking_key(RUN))
+    built += [matchmaking_key(RUN), matchmaking_key(tier_prefix(RUN))]
     assert set(built) == set(keys), "a key the run uses is not listed in swarm.keyspace.run_keys"
     assert PipelineConfig.model_fields["stages"].metadata[-1].le == MAX_STAGES
 
@@ -203,9 +205,10 @@ def test_a_run_lists_only_its_own_stages_keys_so_an_identity_holds_few_entries_p
     assert declaration_passes(data_parallel, RUN) and declaration_passes(pipeline, RUN)
     assert not any(declaration_passes(data_parallel, stage_prefix(RUN, s)) for s in range(MAX_STAGES))
     assert [s for s in range(MAX_STAGES) if declaration_passes(pipeline, stage_prefix(RUN, s))] == [0, 1, 2]
-    # What one identity may write on a node: its per-peer records and one declaration per matchmaking key.
+    # What one identity may write on a node: its per-peer records and one declaration per matchmaking key
+    # (the run's and its second tier's).
     per_identity = [k for k, rule in run_keys(RUN, 1).items() if rule.check == "declaration"]
-    assert len(per_identity) + len(PEER_KINDS) == 4
+    assert len(per_identity) + len(PEER_KINDS) == 5
     with pytest.raises(ValueError, match="1 to 64 stages"):
         run_keys(RUN, 65)
 

@@ -95,6 +95,7 @@ class GroupRound:
     reducers: list[bool] | None = None  # which members reduce a part (None: all); see groups.py
     uplinks_mbit: list[float | None] | None = None  # each member's declared upload rate; see deadlines.py
     signed_entries: list[bytes] = field(default_factory=list)  # the kept members' signed entries
+    excluded: list[str] = field(default_factory=list)  # listed members left out (their entries did not hold)
 
 
 class AveragingServicer(BoundedServicer):
@@ -472,6 +473,7 @@ class Averager:
             group.reducers,
             group.uplinks_mbit,
             group.signed,
+            list(group.excluded),
         )
 
     def matchmaking_window_s(self, failed_tries: int) -> float:

@@ -74,7 +74,8 @@ OVERSIZED_REQUEST_BYTES = 4 * MAX_GRPC_MESSAGE_BYTES
 
 def _namespaces() -> dict[type[ServicerBase], Callable[[str, int], list[str]]]:
     from swarm.averaging.averager import AveragingServicer
-    from swarm.averaging.tiers import TierServicer, tier_prefix
+    from swarm.averaging.tiers import tier_prefix
+    from swarm.averaging.tierserve import TierServicer
     from swarm.pipeline.server import StageServicer, pipeline_namespace
     from swarm.records import stage_prefix
     from swarm.training.sync import StateServicer, state_namespace

@@ -417,11 +417,14 @@ class TrainingPeer:
             )
             return
         # Peers whose records show this step or the one before (a record lags its peer by up to an interval),
-        # suspects and banned peers left out: what the step's groups may hold.
+        # suspects, banned peers and those this group excluded (their signed entries claimed otherwise) left
+        # out: what the step's groups may hold.
         coming = 1 + sum(
             1
             for p in others
-            if self.step - 1 <= p.step <= self.step and self.policy.refusal(p.peer_id) is None
+            if self.step - 1 <= p.step <= self.step
+            and self.policy.refusal(p.peer_id) is None
+            and p.peer_id not in group.excluded
         )
         await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
