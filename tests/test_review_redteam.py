@@ -61,7 +61,9 @@ def test_a_leader_listing_a_phantom_member_is_blamed_for_it_and_the_phantom_is_n
         gathered.update({p: e for p, (_, e) in followers.items()})
         for averager in averagers.values():
             group = asyncio.run(
-                averager._checked(_info(members, gathered), lambda e: step_misfit(e.extra, {"step": 11}))
+                averager._checked(
+                    _info(members, gathered), lambda e, _signer: step_misfit(e.extra, {"step": 11})
+                )
             )
             assert group is None, "a group with a member that is not admitted is still left"
             assert averager.policy.suspects.get(phantom.peer_id) is None, "the phantom takes no blame"
@@ -87,7 +89,9 @@ def test_two_sybils_at_a_laggards_step_cannot_make_it_suspect_the_honest_peers_a
     averager = _averager_of(v, s1, members, gathered[v.peer_id])
     held = {11}  # V's view: B and C published signed progress records at step 11
     group = asyncio.run(
-        averager._checked(_info(members, gathered), lambda e: step_misfit(e.extra, {"step": 10}, held))
+        averager._checked(
+            _info(members, gathered), lambda e, _signer: step_misfit(e.extra, {"step": 10}, held)
+        )
     )
     assert group is not None and {str(p) for p in group.peer_ids} == {s1.peer_id, s2.peer_id, v.peer_id}
     assert averager.policy.refusal(b.peer_id) is None and averager.policy.refusal(c.peer_id) is None
@@ -358,12 +362,14 @@ def test_a_member_gone_from_a_followers_view_neither_breaks_an_honest_leaders_gr
             follower.peer_id: my_entry,
             m.peer_id: certified_entry(m),
         }
-        kept = await averager._checked(_info(members, gathered), lambda e: step_misfit(e.extra, {"step": 11}))
+        kept = await averager._checked(
+            _info(members, gathered), lambda e, _signer: step_misfit(e.extra, {"step": 11})
+        )
         phantom = SigningKey.generate()
         members.append(phantom.peer_id)
         gathered[phantom.peer_id] = _entry(phantom, 11)  # signed by its key, but no certificate
         without = await averager._checked(
-            _info(members, gathered), lambda e: step_misfit(e.extra, {"step": 11})
+            _info(members, gathered), lambda e, _signer: step_misfit(e.extra, {"step": 11})
         )
         return kept, without, phantom
 

@@ -116,7 +116,7 @@ def test_an_honest_peer_one_step_behind_is_not_refused_after_it_caught_up():
         group_id=os.urandom(16),
     )  # fmt: skip
     averager = _averager_of(b, b, members, gathered[b.peer_id])
-    asyncio.run(averager._checked(info, lambda e: step_misfit(e.extra, {"step": 11})))
+    asyncio.run(averager._checked(info, lambda e, _signer: step_misfit(e.extra, {"step": 11})))
     # X has caught up to step 11 by download; B's trainer builds its next round's expected group:
     at_step = [p for p in (c.peer_id, x.peer_id) if averager.policy.refusal(p) is None]
     assert at_step == [c.peer_id, x.peer_id], "the honest peer that caught up is in the next rounds"
@@ -137,7 +137,7 @@ def test_one_sybil_at_a_laggards_step_cannot_turn_the_laggard_against_the_honest
         group_id=os.urandom(16),
     )  # fmt: skip
     averager = _averager_of(v, sybil, members, gathered[v.peer_id])
-    group = asyncio.run(averager._checked(info, lambda e: step_misfit(e.extra, {"step": 10})))
+    group = asyncio.run(averager._checked(info, lambda e, _signer: step_misfit(e.extra, {"step": 10})))
     assert group is not None and {str(p) for p in group.peer_ids} == {v.peer_id, sybil.peer_id}
     assert averager.policy.refusal(b.peer_id) is None and averager.policy.refusal(c.peer_id) is None
 
@@ -278,10 +278,10 @@ def test_a_member_that_suspects_a_groupmate_stays_in_the_round_and_leaves_it_onl
     )  # fmt: skip
     averager = _averager_of(b, b, members, gathered[b.peer_id])
     averager.policy.suspect(x.peer_id, "said it knows no such round")
-    group = asyncio.run(averager._checked(info, lambda e: step_misfit(e.extra, {"step": 11})))
+    group = asyncio.run(averager._checked(info, lambda e, _signer: step_misfit(e.extra, {"step": 11})))
     assert group is not None and [str(p) for p in group.peer_ids] == members
     averager.policy.set_bans([x.peer_id], issued_at=time.time())
-    assert asyncio.run(averager._checked(info, lambda e: step_misfit(e.extra, {"step": 11}))) is None
+    assert asyncio.run(averager._checked(info, lambda e, _signer: step_misfit(e.extra, {"step": 11}))) is None
 
 
 def test_a_groupmates_oversized_entry_is_left_out_of_the_witnessed_rounds_never_sent_to_be_refused():
