@@ -301,7 +301,7 @@ def test_7a_progress_records_far_behind_the_step_or_of_suspects_are_not_counted(
     seen = {}
 
     async def average(vector, weight, extra, **kwargs):
-        group = SimpleNamespace(peer_ids=["me", "h0", "h1", "h2"], extras=[extra] * 4)
+        group = SimpleNamespace(peer_ids=["me", "h0", "h1", "h2"], extras=[extra] * 4, excluded=[])
         return group, RoundResult(vector, True)
 
     async def combine(group, result, *, peers_at_step, **kwargs):
