@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from protocols.keys import PublicKey, SigningKey
+from swarm.averaging.groups import GroupEntryBody, Misfit
 
 ATTESTATION = b"swarm-tier-attestation/1"
 #: Members a certificate may list (a first-tier group: at most the run's ``max_group_size``).
@@ -150,10 +151,31 @@ def certificate_misfit(
     return None
 
 
+def entry_misfit(
+    entry: GroupEntryBody, signer: str, *, step: int, state_hash: str,
+    refusal: Callable[[str], str | None] | None, min_members: int = 2,
+) -> Misfit | None:  # fmt: skip
+    """Why ``signer``'s second-tier ``entry`` does not fit a round at ``step`` and ``state_hash``: another
+    state (not blamed: its group may be the one apart), no certificate that holds, or a declared weight other
+    than the one its group signed. The second tier's members check it before the round, every group member
+    in the hand-off (``tiers.TierCheck``)."""
+    if entry.extra.get("state_hash") != state_hash:
+        return Misfit("holds another state than this round's", blamed=False)
+    unfit = certificate_misfit(
+        entry.extra, signer=signer, step=step, state_hash=state_hash, refusal=refusal, min_members=min_members
+    )
+    if unfit is not None:
+        return Misfit(unfit)
+    if entry.weight != entry.extra["group"]["weight"]:
+        return Misfit("declares another weight than its group signed")
+    return None
+
+
 __all__ = [
     "attestation_holds",
     "certificate",
     "certificate_misfit",
+    "entry_misfit",
     "result_digest",
     "sign_attestation",
 ]

@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -59,11 +58,9 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.groups import GROUP_ENTRY, open_entry
 from swarm.averaging.sender import check_answer
-from swarm.averaging.tiercert import certificate_misfit
+from swarm.averaging.tiercert import entry_misfit
 from swarm.config import RunConfig
 from swarm.inbound import SMALL_REQUEST_BYTES
-
-logger = logging.getLogger(__name__)
 
 #: The second tier's wire encoding: its inputs are first-tier results, which top-k or int8 would cut again.
 TIER_COMPRESSION = "fp16"
@@ -204,15 +201,11 @@ class TierCheck:
                 raise ProtocolError(
                     f"second-tier member {sender} signed another step or state than this round's"
                 )
-            unfit = certificate_misfit(
-                body.extra, signer=sender, step=mine["step"], state_hash=mine["state_hash"], refusal=refusal
+            misfit = entry_misfit(
+                body, sender, step=mine["step"], state_hash=mine["state_hash"], refusal=refusal
             )
-            if unfit is not None:
-                raise ProtocolError(f"second-tier member {sender} {unfit}")
-            if body.weight != body.extra["group"]["weight"]:
-                raise ProtocolError(
-                    f"second-tier member {sender} declares another weight than its group signed"
-                )
+            if misfit is not None:
+                raise ProtocolError(f"second-tier member {sender} {misfit.reason}")
             members.append(sender)
             bodies.append(body)
         if len(set(members)) != len(members):

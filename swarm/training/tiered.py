@@ -45,7 +45,7 @@ from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.tiercert import (
     attestation_holds,
     certificate,
-    certificate_misfit,
+    entry_misfit,
     result_digest,
     sign_attestation,
 )
@@ -178,21 +178,10 @@ class SecondTier:
             misfit = first_fits(entry, signer) if first_fits is not None else None
             if misfit is not None:
                 return misfit
-            if entry.extra.get("state_hash") != facts.state_hash:
-                return Misfit("holds another state than this round's", blamed=False)
-            unfit = certificate_misfit(
-                entry.extra,
-                signer=signer,
-                step=facts.step,
-                state_hash=facts.state_hash,
-                refusal=policy.listed_refusal,
+            return entry_misfit(
+                entry, signer, step=facts.step, state_hash=facts.state_hash, refusal=policy.listed_refusal,
                 min_members=self.min_group_size,
-            )
-            if unfit is not None:
-                return Misfit(unfit)
-            if entry.weight != entry.extra["group"]["weight"]:
-                return Misfit("declares another weight than its group signed")
-            return None
+            )  # fmt: skip
 
         return fits
 
