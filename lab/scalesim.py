@@ -8,8 +8,8 @@ is an uplink rate and a latency. Wherever the code of a real peer decides someth
 - how long a round may take: ``deadlines.round_deadlines`` at ``deadlines.round_mbit`` of the members'
   ``Throughput`` (each peer measures its own from its rounds, as a real one does);
 - how long a search waits: ``Averager.matchmaking_window_s`` with ``matchmaking.FailedSearches``;
-- who represents a group: ``tiers.representative``; the second tier's rules as ``tiered.SecondTier``
-  applies them (``alone`` when the step's peers fit in the group and it holds most of the run's peers; a
+- who represents a group: ``tiers.representative``; whether it is its step's only one:
+  ``tiers.only_group``; the rest of the second tier's rules as ``tiered.SecondTier`` applies them (a
   strict majority of attestations;
   ``ALONE_AFTER_TRIES``; members wait ``3 * averaging_timeout_s`` for the outcome, ``2 * sender_timeout_s``
   between chunks), and ``ADOPT_ASKS`` for a peer that fell a step behind when the code has it;
@@ -53,7 +53,7 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.deadlines import Throughput, round_deadlines, round_mbit
 from swarm.averaging.evidence import chunk_bounds, layout_chunk_values, split_bounds
 from swarm.averaging.matchmaking import FailedSearches
-from swarm.averaging.tiers import TIER_COMPRESSION, representative
+from swarm.averaging.tiers import TIER_COMPRESSION, only_group, representative
 from swarm.config import TrainingConfig
 from swarm.training import tiered
 from swarm.training.catchup import Groupmates, Position, catch_up_move
@@ -439,7 +439,10 @@ class ScaleSim:
             return
         coming = self._steps[step] + self._steps[step - 1]  # SecondTier's peers_at_step, by rep's view
         run_peers = max(coming, sum(self._steps.values()))  # TrainingPeer: the run's members in view
-        if coming <= len(group.members) and 2 * len(group.members) > run_peers:
+        if only_group(
+            len(group.members), peers_at_step=coming, run_peers=run_peers,
+            min_group_size=self.training.min_group_size,
+        ):  # fmt: skip
             self._hand_alone(group, alive)
             return
         attested = sum(1 for p, _ in alive if p.pos == rep.pos)

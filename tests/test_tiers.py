@@ -27,7 +27,14 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.averaging.tiercert import certificate, certificate_misfit, result_digest, sign_attestation
-from swarm.averaging.tiers import TIER_COMPRESSION, TierCheck, TierOutcome, representative, tier_prefix
+from swarm.averaging.tiers import (
+    TIER_COMPRESSION,
+    TierCheck,
+    TierOutcome,
+    only_group,
+    representative,
+    tier_prefix,
+)
 from swarm.averaging.tierserve import TierBoard
 
 PREFIX = tier_prefix("run").replace(".", "_")
@@ -245,6 +252,21 @@ def test_every_member_names_the_same_dialable_representative():
     dialable = [name != chosen for name in names]
     assert names[representative(commitments, names, dialable)] != chosen, "one behind NAT never represents"
     assert names[representative(commitments, names, None)] == chosen, "the same inputs, the same choice"
+
+
+def test_a_group_skips_the_second_tier_only_when_no_other_group_can_exist():
+    # 3 of 4 peers, the fourth alone at the step (a straggler, or an attacker that every group avoids): it
+    # can form no group, so the group applies its own result instead of three second-tier searches a step.
+    assert only_group(3, peers_at_step=4, run_peers=4, min_group_size=1)
+    assert only_group(3, peers_at_step=4, run_peers=4, min_group_size=3)
+    # Two more peers could form a group of 2, not of the run's minimum of 3.
+    assert not only_group(3, peers_at_step=5, run_peers=5, min_group_size=2)
+    assert only_group(4, peers_at_step=6, run_peers=6, min_group_size=3)
+    # However few the others at its step, a group that holds no majority of the run's members is not alone:
+    # another group may hold peers whose records this one has not seen.
+    assert not only_group(2, peers_at_step=2, run_peers=4, min_group_size=1)
+    assert not only_group(3, peers_at_step=3, run_peers=6, min_group_size=1)
+    assert only_group(64, peers_at_step=64, run_peers=64, min_group_size=1)
 
 
 def test_only_a_groups_members_get_its_outcome_and_only_once_it_is_posted():

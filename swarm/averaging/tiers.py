@@ -103,6 +103,19 @@ def representative(
     )
 
 
+def only_group(members: int, *, peers_at_step: int, run_peers: int, min_group_size: int) -> bool:
+    """Whether a group of ``members`` peers is its step's only one, so that it applies its own result
+    (``alone``) with no second tier. Both must hold, by its representative's view:
+
+    - the step's other peers (``peers_at_step`` less the group: records at this step or one behind) are too
+      few to form a group that could join a second tier: fewer than 2, or than the run's ``min_group_size``
+      (a lone peer applies its own round and catches up; waiting for it cost every step three searches);
+    - the group holds a strict majority of the run's online members (``run_peers``, by their member
+      records), so no other group can hold one too: while peers start, progress views are thin, and groups
+      that each thought themselves alone once split 24 peers at step 0."""
+    return peers_at_step - members < max(2, min_group_size) and 2 * members > run_peers
+
+
 @dataclass
 class TierOutcome:
     """What a representative hands its group: ``alone``, or the second tier's signed output."""
@@ -285,6 +298,7 @@ __all__ = [
     "TIER_COMPRESSION",
     "TierCheck",
     "TierOutcome",
+    "only_group",
     "representative",
     "round_codec",
     "signed_outcome",

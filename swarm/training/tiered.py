@@ -1,9 +1,10 @@
 """A data-parallel peer's second tier: every group of a step applies one update (``swarm.averaging.tiers``).
 
 ``SecondTier.combine`` takes a complete first-tier round and returns what the peer applies. The group's
-representative (``tiers.representative``) decides: when the peers at its step (by its signed progress
-view) fit in its group and the group holds most of the run's online members (by their member records), the
-group is the step's only one and applies its own result (``alone``).
+representative (``tiers.representative``) decides: when the other peers at its step (by its signed progress
+view) could form no group of their own and the group holds most of the run's online members (by their
+member records), the group is the step's only one and applies its own result (``alone``,
+``tiers.only_group``).
 Otherwise it collects its members' attestations (``tiercert``: each member sends its own when it asks for
 the outcome), and once a strict majority of the group has attested it averages the group's result, at the
 group's total signed weight, with the other certified representatives in a second-tier round under
@@ -53,6 +54,7 @@ from swarm.averaging.tiers import (
     TIER_COMPRESSION,
     TierCheck,
     TierOutcome,
+    only_group,
     representative,
     signed_outcome,
     tier_prefix,
@@ -198,11 +200,13 @@ class SecondTier:
         outcome: TierOutcome | None = None
         applied: RoundResult | None = None
         try:
-            # Alone only when the step's peers fit in the group and it holds most of the run's members: a view
-            # filled by records alone is thin while peers start, and groups that each thought themselves alone
-            # left states that no majority could ever join again.
-            if peers_at_step <= len(members) and 2 * len(members) > run_peers:
-                logger.debug(f"group {short}: the step's {peers_at_step} peers fit in it; no second tier")
+            if only_group(
+                len(members),
+                peers_at_step=peers_at_step,
+                run_peers=run_peers,
+                min_group_size=self.min_group_size,
+            ):
+                logger.debug(f"group {short}: the step's other peers could form no group; no second tier")
                 outcome, applied = TierOutcome(alone=True), result
                 return applied
             tried = None
