@@ -139,15 +139,56 @@ def test_coordinate_median_and_trimmed_mean_match_their_definitions():
 
 def test_centered_clip_with_a_huge_radius_is_the_mean_and_converges_to_a_fixed_point():
     x = _group(6)
-    wide = get_aggregator("centered_clip", {"tau": 1e9, "iterations": 1, "tolerance": 0})(x, _ones(6), seed=0)
+    clip = {"magnitude": "clipped"}  # the clipped center itself, before its length is set
+    wide = get_aggregator("centered_clip", {"tau": 1e9, "iterations": 1, "tolerance": 0, **clip})(
+        x, _ones(6), seed=0
+    )
     assert torch.allclose(wide, x.mean(dim=0), atol=1e-5)
 
-    converged = get_aggregator("centered_clip", {"iterations": 100, "tolerance": 0})(x, _ones(6), seed=0)
+    converged = get_aggregator("centered_clip", {"iterations": 100, "tolerance": 0, **clip})(
+        x, _ones(6), seed=0
+    )
     diffs = x - converged
     radius = float((x - x.median(dim=0).values).norm(dim=1).median())
     clipped = diffs * torch.clamp(radius / diffs.norm(dim=1, keepdim=True), max=1.0)
     # At the fixed point the clipped differences cancel out.
     assert float(clipped.mean(dim=0).norm()) < 1e-3 * radius
+
+
+@pytest.mark.parametrize(
+    "attack, options",
+    [("sign_flip", {"scale": 1.0}), ("sign_flip", {"scale": 0.01}), ("ipm", {"epsilon": 0.1})],
+)
+def test_centered_clip_keeps_the_honest_length_when_two_of_five_pull_toward_zero(attack: str, options: dict):
+    # Pseudo-gradients of many local steps point much the same way (pairwise cosine about 0.9 in the
+    # tiny DiLoCo run); two senders that send them reversed, scaled down to nearly nothing, or a tenth of
+    # the honest mean reversed each pull the clipped center toward zero by up to the radius.
+    g = torch.Generator().manual_seed(7)
+    honest = torch.randn(D, generator=g) + 0.3 * torch.randn(3, D, generator=g)
+    x = _with_attackers(honest, 2, attack, options)
+    mean = honest.mean(dim=0)
+    direction = mean / mean.norm()
+
+    def length(options: dict) -> float:
+        return float(get_aggregator("centered_clip", options)(x, _ones(5), seed=0) @ direction) / float(
+            mean.norm()
+        )
+
+    assert length({"magnitude": "clipped"}) < 0.9, "the clipped center alone is shrunk"
+    assert 0.95 < length({}) < 1.05, "at the median projection it keeps the honest length"
+
+
+def test_the_median_projection_stays_between_honest_projections_whatever_two_of_five_send():
+    g = torch.Generator().manual_seed(8)
+    honest = torch.randn(D, generator=g) + 0.3 * torch.randn(3, D, generator=g)
+    mean = honest.mean(dim=0)
+    for sent in (1000.0 * mean, torch.zeros(D), -1000.0 * mean):
+        x = torch.cat([torch.stack([sent, sent]), honest])
+        result = get_aggregator("centered_clip")(x, _ones(5), seed=0)
+        along = result @ (result / result.norm())
+        honest_along = honest @ (result / result.norm())
+        assert float(honest_along.min()) - 1e-3 <= float(along) <= float(honest_along.max()) + 1e-3
+        assert float(torch.nn.functional.cosine_similarity(result, mean, dim=0)) > 0.95
 
 
 def test_centered_clip_stops_early_once_a_step_is_short():
@@ -164,7 +205,9 @@ def test_centered_clip_stops_early_once_a_step_is_short():
 def test_absolute_tau_is_in_the_units_of_the_values():
     x = _group(5) * 1000
     relative = get_aggregator("centered_clip")(x, _ones(5), seed=0)
-    tiny = get_aggregator("centered_clip", {"tau_mode": "absolute", "tau": 1e-6, "iterations": 1})
+    tiny = get_aggregator(
+        "centered_clip", {"tau_mode": "absolute", "tau": 1e-6, "iterations": 1, "magnitude": "clipped"}
+    )
     median = get_aggregator("coordinate_median")(x, _ones(5), seed=0)
     # A radius of 1e-6 for values of size 1000 barely moves from the starting median.
     assert float((tiny(x, _ones(5), seed=0) - median).norm()) <= 1e-6 * 1.0001

@@ -159,6 +159,23 @@ def test_diloco_recipes_train_every_recipe_at_equal_samples_in_one_process(tmp_p
     assert every_step["loss_ratio"] == 1.0 and int8["loss_ratio"] > 0
 
 
+def test_diloco_recipes_replay_attackers_and_the_default_rule_keeps_the_honest_length(tmp_path: Path):
+    # 2 of 5 peers send their pseudo-gradient reversed: the mean shrinks to about a fifth of the honest
+    # mean; the run's centered_clip keeps its direction and, at the median projection, its length.
+    recipe = "int8 H=10 windows=2 attack=sign_flip f=2"
+    output = run_benchmark(
+        "diloco_recipes.py", "--peers", "5", "--recipes", recipe, f"{recipe} rule=mean",
+        "--json", str(tmp_path / "recipes.json"),
+    )  # fmt: skip
+    robust, mean = json.loads((tmp_path / "recipes.json").read_text())
+    assert robust["steps"] == mean["steps"] == 2, output[-3000:]
+    assert all(cosine > 0.95 and 0.9 < length < 1.1 for _, cosine, length in robust["spread"]), robust[
+        "spread"
+    ]
+    assert all(length < 0.5 for _, _, length in mean["spread"]), mean["spread"]
+    assert robust["val_loss"] < mean["val_loss"], output[-3000:]
+
+
 def test_honest_cost_benchmark_replays_the_demo_under_each_rule(tmp_path: Path):
     output = run_benchmark("bench_honest_cost.py", "--json", str(tmp_path / "cost.json"))
 

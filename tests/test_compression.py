@@ -324,10 +324,18 @@ def test_a_compressed_round_is_bit_identical_and_what_each_peer_sent_is_what_red
             seed = aggregation_seed(runner.group_id, part, 0)
             expected = rule(stacked[:, lo:hi].contiguous(), fair_weights([1.0] * 3), seed=seed)
             assert torch.equal(results[0].vector[lo:hi], roundtrip(codec, expected))
-        # Near the mean of what was sent (three randn inputs: centered_clip clips nothing here) ...
-        assert torch.allclose(results[0].vector, stacked.mean(0), atol=0.02)
+
+        # Near the mean of what was sent (three randn inputs: centered_clip clips nothing here, and its
+        # length, the median of the senders' projections, is within a few percent of the mean's) ...
+        def near(mean: torch.Tensor, atol: float, result=results[0].vector, aggregator=aggregator) -> bool:
+            if aggregator == "mean":
+                return torch.allclose(result, mean, atol=atol)
+            cosine = float(torch.nn.functional.cosine_similarity(result, mean, dim=0))
+            return cosine > 1 - atol / 10 and abs(float(result.norm() / mean.norm()) - 1) < 0.03
+
+        assert near(stacked.mean(0), 0.02)
         if compression == "int8":  # ... which for int8 is the mean of the inputs, within the quantization
-            assert torch.allclose(results[0].vector, torch.stack(list(inputs.values())).mean(0), atol=0.05)
+            assert near(torch.stack(list(inputs.values())).mean(0), 0.05)
         else:  # ... and for topk holds about 3 x 5% of the coordinates, the rest left to error feedback
             assert 0.10 < float((results[0].vector != 0).float().mean()) <= 0.16
 

@@ -97,6 +97,12 @@ class CenteredClipOptions(AggregatorOptions):
     tolerance: float = Field(
         0.01, ge=0, le=1, description="stop early once a step is shorter than tolerance * radius"
     )
+    magnitude: Literal["clipped", "median_projection"] = Field(
+        "median_projection",
+        description="clipped: the clipped center as it is; median_projection: the center's direction at the "
+        "median of the senders' projections onto it, so that senders pulling toward zero or away cannot "
+        "shrink it (see docs/robustness.md)",
+    )
 
 
 class TrimmedMeanOptions(AggregatorOptions):
@@ -188,9 +194,25 @@ def centered_clip(config: CenteredClipOptions) -> AggregatorFn:
             v = v + step
             if float(_row_norms(step[None])[0]) <= config.tolerance * radius:
                 break
+        if config.magnitude == "median_projection":
+            v = _at_median_projection(x, v, scratch)
         return v + 0.0
 
     return _robust(core, config, capped_weights=True)
+
+
+def _at_median_projection(x: torch.Tensor, v: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``v``'s direction at the length of the median of the rows' projections onto it (0 when that median
+    is not positive). Clipping bounds how far each sender pulls the center, not where: senders that send
+    zero, a scaled-down or a reversed gradient all pull it toward zero, and 2 of 5 shrank a DiLoCo outer
+    step by 16-24%. A projection is one number per sender, so with fewer than half of the senders lying
+    the median lies between two honest senders' projections, whatever the liars send."""
+    norm = float(_row_norms(v[None])[0])
+    if norm <= 0:
+        return v
+    projections = _row_sums(torch.mul(x, v, out=scratch)) / norm
+    length = max(_median_of(projections), 0.0)
+    return v * (length / norm)
 
 
 @register_aggregator("trimmed_mean", TrimmedMeanOptions)
@@ -312,17 +334,22 @@ def _row_norms(rows: torch.Tensor, scratch: torch.Tensor | None = None) -> torch
 
     ``scratch``, a tensor shaped like ``rows``, is overwritten instead of allocating one.
     """
+    squares = torch.mul(rows, rows, out=scratch) if scratch is not None else rows * rows
+    return _row_sums(squares).sqrt()
+
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of each row (float64), in the fixed pairwise tree of ``_row_norms``; ``rows`` is overwritten."""
     if rows.shape[1] == 0:
         return torch.zeros(rows.shape[0], dtype=torch.float64)
-    squares = torch.mul(rows, rows, out=scratch) if scratch is not None else rows * rows
-    width = squares.shape[1]
+    width = rows.shape[1]
     while width > 1:
         half = width // 2
-        squares[:, :half].add_(squares[:, half : 2 * half])
+        rows[:, :half].add_(rows[:, half : 2 * half])
         if width % 2:
-            squares[:, 0].add_(squares[:, 2 * half])
+            rows[:, 0].add_(rows[:, 2 * half])
         width = half
-    return squares[:, 0].to(torch.float64).sqrt()
+    return rows[:, 0].to(torch.float64)
 
 
 def _median_of(values: torch.Tensor) -> float:
