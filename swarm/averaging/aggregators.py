@@ -99,10 +99,15 @@ class CenteredClipOptions(AggregatorOptions):
     )
     magnitude: Literal["clipped", "median_projection"] = Field(
         "median_projection",
-        description="clipped: the clipped center as it is; median_projection: the center's direction at the "
-        "median of the senders' projections onto it, so that senders pulling toward zero or away cannot "
-        "shrink it (see docs/robustness.md)",
+        description="clipped: the clipped center as it is; median_projection: when the senders agree (see "
+        "agreement), the center's direction at the median of the senders' projections onto it if that is "
+        "longer, so that senders pulling toward zero cannot shrink it (see docs/robustness.md)",
     )
+    agreement: float = Field(
+        0.8, ge=0, le=1,
+        description="median_projection applies only while the median cosine of the senders to the center is "
+        "at least this: DiLoCo pseudo-gradients agree (0.9 and above), every-step gradients do not",
+    )  # fmt: skip
 
 
 class TrimmedMeanOptions(AggregatorOptions):
@@ -195,23 +200,37 @@ def centered_clip(config: CenteredClipOptions) -> AggregatorFn:
             if float(_row_norms(step[None])[0]) <= config.tolerance * radius:
                 break
         if config.magnitude == "median_projection":
-            v = _at_median_projection(x, v, scratch)
+            v = _at_median_projection(x, v, config.agreement)
         return v + 0.0
 
     return _robust(core, config, capped_weights=True)
 
 
-def _at_median_projection(x: torch.Tensor, v: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """``v``'s direction at the length of the median of the rows' projections onto it (0 when that median
-    is not positive). Clipping bounds how far each sender pulls the center, not where: senders that send
-    zero, a scaled-down or a reversed gradient all pull it toward zero, and 2 of 5 shrank a DiLoCo outer
-    step by 16-24%. A projection is one number per sender, so with fewer than half of the senders lying
-    the median lies between two honest senders' projections, whatever the liars send."""
-    norm = float(_row_norms(v[None])[0])
-    if norm <= 0:
+def _at_median_projection(x: torch.Tensor, v: torch.Tensor, agreement: float) -> torch.Tensor:
+    """``v``'s direction at the length of the median of the rows' projections onto it, when that is longer
+    than ``v`` and the median of the rows' cosines to ``v`` is at least ``agreement``; else ``v``.
+
+    Clipping bounds how far each sender pulls the center, not which way: senders that send zero, a
+    scaled-down or a reversed gradient all pull it toward zero, and 2 of 5 shrank a DiLoCo outer step
+    by 16-24%. A projection is one number per sender, so with fewer than half of the senders lying the
+    median lies between two honest senders' projections, whatever the liars send. Only when the senders
+    agree, though: among nearly orthogonal every-step gradients one sender of three could tilt ``v`` so
+    far that an honest sender's own projection was 0 (the median, so the chunk's update) or steer a
+    full-length step away from an honest sender's batch (``tests/test_projection_redteam.py``). The
+    length never falls below the clipped center's, so the rule is never shorter than ``clipped``. Sums
+    are float64 (a float32 row of +-3e38 summed to inf - inf, NaN) in the fixed pairwise tree."""
+    wide, direction = x.to(torch.float64), v.to(torch.float64)
+    norm = float(_row_sums(direction[None] * direction[None])[0]) ** 0.5
+    if not 0 < norm < math.inf:
         return v
-    projections = _row_sums(torch.mul(x, v, out=scratch)) / norm
-    length = max(_median_of(projections), 0.0)
+    projections = _row_sums(wide * direction) / norm
+    row_norms = _row_sums(wide * wide).sqrt()
+    cosines = torch.where(
+        row_norms > 0, projections / row_norms.clamp_min(1e-300), torch.zeros_like(row_norms)
+    )
+    length = _median_of(projections)
+    if _median_of(cosines) < agreement or not norm < length < math.inf:
+        return v
     return v * (length / norm)
 
 
