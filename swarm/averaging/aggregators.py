@@ -52,6 +52,8 @@ from swarm.registry import Registry
 
 # Above this many senders a sort is faster than a comparator network; both give the same values.
 _NETWORK_MAX_ROWS = 64
+# centered_clip's median projection needs this many senders (see _at_median_projection).
+PROJECTION_MIN_SENDERS = 5
 
 
 class AggregatorFn(Protocol):
@@ -99,9 +101,9 @@ class CenteredClipOptions(AggregatorOptions):
     )
     magnitude: Literal["clipped", "median_projection"] = Field(
         "median_projection",
-        description="clipped: the clipped center as it is; median_projection: when the senders agree (see "
-        "agreement), the center's direction at the median of the senders' projections onto it if that is "
-        "longer, so that senders pulling toward zero cannot shrink it (see docs/robustness.md)",
+        description="clipped: the clipped center as it is; median_projection: with 5 senders or more that "
+        "agree (see agreement), the center's direction at the median of the senders' projections onto it if "
+        "that is longer, so that senders pulling toward zero cannot shrink it (see docs/robustness.md)",
     )
     agreement: float = Field(
         0.8, ge=0, le=1,
@@ -199,7 +201,7 @@ def centered_clip(config: CenteredClipOptions) -> AggregatorFn:
             v = v + step
             if float(_row_norms(step[None])[0]) <= config.tolerance * radius:
                 break
-        if config.magnitude == "median_projection":
+        if config.magnitude == "median_projection" and x.shape[0] >= PROJECTION_MIN_SENDERS:
             v = _at_median_projection(x, v, config.agreement)
         return v + 0.0
 
@@ -218,7 +220,11 @@ def _at_median_projection(x: torch.Tensor, v: torch.Tensor, agreement: float) ->
     far that an honest sender's own projection was 0 (the median, so the chunk's update) or steer a
     full-length step away from an honest sender's batch (``tests/test_projection_redteam.py``). The
     length never falls below the clipped center's, so the rule is never shorter than ``clipped``. Sums
-    are float64 (a float32 row of +-3e38 summed to inf - inf, NaN) in the fixed pairwise tree."""
+    are float64 (a float32 row of +-3e38 summed to inf - inf, NaN) in the fixed pairwise tree. The
+    caller applies it only with ``PROJECTION_MIN_SENDERS`` or more: with 3 or 4, one attacker's own
+    cosine opened the agreement and its projection above both honest ones chose the longer honest
+    length for a direction it had tilted, 17-28% farther from the honest mean than the worst ``clipped``
+    allows (``tests/test_projection_redteam2.py``); from 5 senders a search found nothing past that."""
     wide, direction = x.to(torch.float64), v.to(torch.float64)
     norm = float(_row_sums(direction[None] * direction[None])[0]) ** 0.5
     if not 0 < norm < math.inf:
