@@ -97,19 +97,22 @@ def measure_step(peers: int, numel: int, repeats: int) -> list[StepResult]:
 
     weights = torch.ones(peers, dtype=torch.float64)
     attackers = (peers - 1) // 2
-    rules = {name: get_aggregator(name) for name in RULES}
-    cases = {rule: (rule, 0) for rule in RULES}
-    cases["centered_clip, attacked"] = ("centered_clip", attackers)
+    cases = {rule: (get_aggregator(rule), 0) for rule in RULES}
+    # The default's median projection (5 senders or more) against the clipped center alone, attacked too.
+    clipped = get_aggregator("centered_clip", {"magnitude": "clipped"})
+    cases["centered_clip, clipped"] = (clipped, 0)
+    cases["centered_clip, attacked"] = (cases["centered_clip"][0], attackers)
+    cases["centered_clip, clipped, attacked"] = (clipped, attackers)
     chunk, vector = StepResult(peers, CHUNK, "chunk"), StepResult(peers, numel, "vector")
     for label, (rule, bad) in cases.items():
         data = _contributions(peers, numel, seed=peers, attackers=bad)
         first = data[:, :CHUNK].float()
-        chunk.seconds[label] = _time(lambda r=rules[rule], c=first: r(c, weights, seed=0), repeats)
+        chunk.seconds[label] = _time(lambda r=rule, c=first: r(c, weights, seed=0), repeats)
         total = 0.0
         for lo in range(0, numel, CHUNK):
             part = data[:, lo : lo + CHUNK].float()
             started = time.perf_counter()
-            rules[rule](part, weights, seed=lo)
+            rule(part, weights, seed=lo)
             total += time.perf_counter() - started
         vector.seconds[label] = total
     return [chunk, vector]
