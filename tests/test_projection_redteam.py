@@ -65,7 +65,8 @@ def test_a_huge_finite_int8_row_cannot_turn_the_aggregate_into_nan(n: int, attac
     whole part of the round and the honest reducer is the one that appears to fail. Needs the half-chunk
     L1 norm of v above ~1, i.e. per-coordinate values above ~1e-5 on 2**18-value chunks.
 
-    Now the projections are summed in float64 (no float32 row can overflow it), and the result is the
+    Now each row is divided by its largest magnitude before its projection is summed (no sum can
+    overflow), and the result is the
     honest mean, as under the old rule.
     """
     d = 65536

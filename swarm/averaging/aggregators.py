@@ -202,13 +202,15 @@ def centered_clip(config: CenteredClipOptions) -> AggregatorFn:
             if float(_row_norms(step[None])[0]) <= config.tolerance * radius:
                 break
         if config.magnitude == "median_projection" and x.shape[0] >= PROJECTION_MIN_SENDERS:
-            v = _at_median_projection(x, v, config.agreement)
+            v = _at_median_projection(x, v, config.agreement, diff, scratch)
         return v + 0.0
 
     return _robust(core, config, capped_weights=True)
 
 
-def _at_median_projection(x: torch.Tensor, v: torch.Tensor, agreement: float) -> torch.Tensor:
+def _at_median_projection(
+    x: torch.Tensor, v: torch.Tensor, agreement: float, unit: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
     """``v``'s direction at the length of the median of the rows' projections onto it, when that is longer
     than ``v`` and the median of the rows' cosines to ``v`` is at least ``agreement``; else ``v``.
 
@@ -219,22 +221,25 @@ def _at_median_projection(x: torch.Tensor, v: torch.Tensor, agreement: float) ->
     agree, though: among nearly orthogonal every-step gradients one sender of three could tilt ``v`` so
     far that an honest sender's own projection was 0 (the median, so the chunk's update) or steer a
     full-length step away from an honest sender's batch (``tests/test_projection_redteam.py``). The
-    length never falls below the clipped center's, so the rule is never shorter than ``clipped``. Sums
-    are float64 (a float32 row of +-3e38 summed to inf - inf, NaN) in the fixed pairwise tree. The
+    length never falls below the clipped center's, so the rule is never shorter than ``clipped``. The
     caller applies it only with ``PROJECTION_MIN_SENDERS`` or more: with 3 or 4, one attacker's own
     cosine opened the agreement and its projection above both honest ones chose the longer honest
     length for a direction it had tilted, 17-28% farther from the honest mean than the worst ``clipped``
-    allows (``tests/test_projection_redteam2.py``); from 5 senders a search found nothing past that."""
-    wide, direction = x.to(torch.float64), v.to(torch.float64)
-    norm = float(_row_sums(direction[None] * direction[None])[0]) ** 0.5
+    allows (``tests/test_projection_redteam2.py``); from 5 senders a search found nothing past that.
+
+    Each row is first divided by its largest magnitude, so that no float32 sum can overflow (a row of
+    +-3e38, which int8 accepts, once summed to inf - inf: NaN); ``unit`` and ``scratch`` are buffers shaped
+    like ``x``, overwritten."""
+    norm = float(_row_norms(v[None])[0])
     if not 0 < norm < math.inf:
         return v
-    projections = _row_sums(wide * direction) / norm
-    row_norms = _row_sums(wide * wide).sqrt()
-    cosines = torch.where(
-        row_norms > 0, projections / row_norms.clamp_min(1e-300), torch.zeros_like(row_norms)
-    )
-    length = _median_of(projections)
+    scales = torch.maximum(x.amax(dim=1), -x.amin(dim=1))  # exact in any order
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    torch.div(x, scales[:, None], out=unit)
+    along = _row_sums(torch.mul(unit, v / norm, out=scratch))  # each |term| <= |v_j| / |v|: no overflow
+    lengths = _row_norms(unit, scratch)
+    cosines = torch.where(lengths > 0, along / lengths.clamp_min(1e-300), torch.zeros_like(along))
+    length = _median_of(along * scales.to(torch.float64))
     if _median_of(cosines) < agreement or not norm < length < math.inf:
         return v
     return v * (length / norm)
