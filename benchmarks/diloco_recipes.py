@@ -67,6 +67,8 @@ from swarm.training.state import (  # noqa: E402
     set_learning_rate,
 )
 
+DEFAULT_RECIPES = ["every_step", "int8 H=100", "int8 H=100 outer=1:0"]
+QUICK_RECIPES = ["every_step", "int8 H=10", "topk H=10", "int8 H=10 overlap"]
 KEYS = {
     "H": int,
     "batch": int,
@@ -158,11 +160,10 @@ class Lab:
     def run(self, recipe: dict, round_index: int) -> dict:
         started = time.perf_counter()
         tag = f"lab{round_index}"
-        self.spread = []
         if recipe["sync"] == "every_step":
-            loss, steps = self._every_step(recipe, tag)
+            (loss, steps), spread = self._every_step(recipe, tag), []
         else:
-            loss, steps = self._diloco(recipe, tag)
+            loss, steps, spread = self._diloco(recipe, tag)
         return {
             **recipe,
             "round": round_index,
@@ -172,7 +173,7 @@ class Lab:
             "s": time.perf_counter() - started,
             # per window: the honest pseudo-gradients' mean pairwise cosine, the aggregate's cosine to their
             # mean, and its norm over their mean's
-            "spread": self.spread,
+            "spread": spread,
         }
 
     def _sim(self, recipe: dict, steps: int):
@@ -210,7 +211,7 @@ class Lab:
             optimizer.zero_grad(set_to_none=True)
         return validation_loss(model, self.validation), steps
 
-    def _diloco(self, recipe: dict, tag: str) -> tuple[float, int]:
+    def _diloco(self, recipe: dict, tag: str) -> tuple[float, int, list[tuple[float, float, float]]]:
         peers, batch, inner_steps = recipe["peers"], recipe["batch"], recipe["H"]
         outer_steps = recipe.get("windows") or max(
             1, round(self.args.samples / (peers * inner_steps * batch))
@@ -246,7 +247,7 @@ class Lab:
         pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # overlap: the round in flight
         applied, spread = 0, []
         for window in range(outer_steps):
-            honest, weights = [], []
+            honest = []
             for peer, strategy in enumerate(peers_):
                 for i in range(inner_steps):
                     seed = derive_seed(tag, f"peer{peer}", window, i)
@@ -281,8 +282,7 @@ class Lab:
                 if strategy.apply(RoundResult(result, True, sent=carried), window):
                     strategy.reset()  # as the trainer does once a round ends the window
             applied += 1
-        self.spread = spread
-        return validation_loss(peers_[0].synced_model, self.validation), applied
+        return validation_loss(peers_[0].synced_model, self.validation), applied, spread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recipes",
         nargs="+",
-        help='default: "every_step" "int8 H=100" "int8 H=100 outer=1:0" (--quick: 4 others)',
+        help=f"default: {' '.join(map(repr, DEFAULT_RECIPES))} (--quick: {' '.join(map(repr, QUICK_RECIPES))})",
     )
     parser.add_argument("--samples", type=int, default=11200, help="samples every recipe processes")
     parser.add_argument("--peers", type=int, default=2)
@@ -304,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.model_size, args.samples, args.batch = "tiny", 320, 8
-        args.recipes = args.recipes or ["every_step", "int8 H=10", "topk H=10", "int8 H=10 overlap"]
-    args.recipes = args.recipes or ["every_step", "int8 H=100", "int8 H=100 outer=1:0"]
+        args.recipes = args.recipes or QUICK_RECIPES
+    args.recipes = args.recipes or DEFAULT_RECIPES
     torch.set_num_threads(args.threads)
     recipes = [parse_recipe(text, args.batch, args.peers) for text in args.recipes]
     lab = Lab(args)
