@@ -11,6 +11,7 @@
 - ``accusations``: reading an accusation's evidence as it arrives, and judging it with the run's rule
 - ``stagestates``: a pipeline stage's state at a recent step, fetched from its replicas to judge evidence
 - ``roundinputs``: the demand for the inputs behind an aggregate a validator could not collect, and its judgment
+- ``contributions``: judging a sender check: the accused's contribution recomputed from the accuser's state
 - ``banlist``: the bans in the store, and which of them the published ban list names first
 - ``datadir``: the data dir's file names and ``DataDirLock``, which gives a data dir to one live coordinator
 - ``node``: ``CoordinatorNode``, which runs the DHT bootstrap peer, the service and the liveness sweep

@@ -11,6 +11,8 @@ stage at that step, or that state downloaded from the stage's replicas by its ha
 asked of the replica that signed for it; one that cannot show it (or named none) is convicted while
 an honest replica would still hold it (``unshown_fault``). A signed stage answer that breaks the stage's
 rules (``stage_bad_answer``) is judged on its bytes alone (``swarm.pipeline.evidence.judge_answer``).
+A sender check (``wrong_contribution``) is recomputed from the state the accuser serves
+(``coordinator.contributions``), within the same ``stage_state_timeout_s``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from google.protobuf.message import DecodeError
 
+from coordinator.contributions import ContributionStates, judge_contribution
 from coordinator.limits import EvidenceBudget
 from coordinator.roundinputs import RoundInputs, judge_unshown
 from coordinator.stagestates import StageStates
@@ -35,6 +38,7 @@ from swarm.config import RunConfig
 from swarm.pipeline.evidence import ANSWER_KIND, judge_answer, judge_recomputed, read_stage_evidence
 from swarm.pipeline.evidence import KIND as STAGE_KIND
 from swarm.pipeline.records import StageRecord
+from swarm.training.sendercheck import KIND as CONTRIBUTION_KIND
 
 
 class EvidenceReader:
@@ -111,9 +115,11 @@ async def judge_accusation(
     stage_state_timeout_s: float = 60.0,
     round_inputs: RoundInputs | None = None,
     joined_at: Callable[[str], Awaitable[float | None]] | None = None,
+    contribution_states: ContributionStates | None = None,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for any evidence; the recomputation runs on a thread under
-    ``judging``. Stage evidence goes to ``judge_stage``, that of an unshown input to
+    ``judging``. Stage evidence goes to ``judge_stage``, a sender check to ``judge_contribution``
+    (``contribution_states`` downloads the state from the accuser), that of an unshown input to
     ``coordinator.roundinputs.judge_unshown`` (``round_inputs`` asks the reducer; ``joined_at`` says when
     an online peer's session joined)."""
     kind = _kind(data)
@@ -125,6 +131,11 @@ async def judge_accusation(
     if kind == ANSWER_KIND:  # a signed answer that breaks the stage's rules: its bytes are the proof
         async with judging:
             return await asyncio.to_thread(judge_answer, run, data, accused, accuser)
+    if kind == CONTRIBUTION_KIND:  # a sender check: recomputed from the state the accuser serves
+        return await judge_contribution(
+            run, layouts, data, accused, accuser, states=contribution_states or ContributionStates(),
+            judging=judging, timeout_s=stage_state_timeout_s,
+        )  # fmt: skip
     if kind == UnshownInputEvidence.kind:
         return await judge_unshown(
             run, layouts, data, accused, accuser, inputs=round_inputs or RoundInputs(),

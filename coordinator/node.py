@@ -26,6 +26,7 @@ import grpc
 
 from coordinator.checkpoints import CheckpointKeeper
 from coordinator.config import CoordinatorConfig
+from coordinator.contributions import PeerContributionStates
 from coordinator.dashboard import Dashboard
 from coordinator.datadir import STORE_FILE, DataDirLock
 from coordinator.dialback import DialBackService
@@ -145,6 +146,7 @@ class CoordinatorNode:
                 checkpoint_step=lambda: keeper.latest.step if keeper.latest else None,
                 outside_dht=keeper.outside_dht, stage_checkpoint=lambda stage: keeper.stages.get(stage),
                 stage_states=keeper.recent, round_inputs=PeerRoundInputs(keeper.p2p), standing=standing,
+                contribution_states=PeerContributionStates(run, keeper.p2p),
             )  # fmt: skip
             # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
             # would split the clients between the two.

@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from coordinator.accusations import EvidenceReader, StageStates, judge_accusation, next_part, run_layouts
+from coordinator.contributions import ContributionStates
 from coordinator.limits import EvidenceBudget, KeyedBuckets, RefusalLog, ServiceLimits, caller_key
 from coordinator.roundinputs import RoundInputs
 from coordinator.standing import Standing
@@ -102,6 +103,7 @@ class CoordinatorService:
         stage_checkpoint: Callable[[int], object | None] = lambda stage: None,
         stage_states: StageStates | None = None,
         round_inputs: RoundInputs | None = None,
+        contribution_states: ContributionStates | None = None,
         standing: Standing | None = None,
     ):
         self.config = config
@@ -110,6 +112,7 @@ class CoordinatorService:
         self.outside_dht, self.stage_checkpoint = outside_dht, stage_checkpoint
         self.stage_states = stage_states  # a stage's states at recent steps, for stage evidence
         self.round_inputs = round_inputs  # asks a reducer for the inputs behind its aggregate
+        self.contribution_states = contribution_states  # the state a sender check was recomputed on
         self.standing = standing or Standing(store)  # credit by peer, signed into heartbeat answers
         # Each peer's clock minus ours, from its last signed heartbeat or join (within the skew bound), and
         # when its current session joined (the store keeps a peer's first join); a peer not seen joining
@@ -479,6 +482,7 @@ class CoordinatorService:
                 self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
                 stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
                 stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
+                contribution_states=self.contribution_states,
                 joined_at=self._joined_at,
             )  # fmt: skip
         finally:

@@ -61,7 +61,9 @@ def main() -> None:
     if args.write_run:
         run = swarm.RunConfig(run_id="hf-trainer", model=swarm.describe_model(make_model()),
                               optimizer={"lr": 3e-3, "warmup_steps": 0},
-                              training={"target_batch_size": 32, "matchmaking_time_s": 2.0})  # fmt: skip
+                              # Its own data, which nobody can replay: no sender checks.
+                              training={"target_batch_size": 32, "matchmaking_time_s": 2.0,
+                                        "sender_check_probability": 0.0})  # fmt: skip
         return run.to_toml(args.write_run)
 
     logging.getLogger("transformers").setLevel(logging.ERROR)

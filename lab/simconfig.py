@@ -117,6 +117,11 @@ class SimConfig(BaseModel):
     verify_probability: float = Field(
         0.5, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
     )
+    sender_check_probability: float = Field(
+        0.5, ge=0, le=1,
+        description="chance that a validator also recomputes a drawn sender's contribution from its public "
+        "batch seeds (every_step)",
+    )  # fmt: skip
     min_group_size: int | None = Field(
         None, ge=1, le=4096,
         description="training.min_group_size (default: max(2f + 1, peers - f) with --byzantine f: every "
@@ -266,6 +271,7 @@ def build_run(config: SimConfig) -> RunConfig:
             "min_group_size": min_group_size(config),
             **({"max_group_size": config.max_group_size} if config.max_group_size else {}),
             "verify_probability": config.verify_probability,
+            "sender_check_probability": config.sender_check_probability,
             **({"aggregator": config.aggregator} if config.aggregator else {}),
             "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),
         },

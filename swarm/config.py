@@ -209,6 +209,21 @@ class TrainingConfig(_Section):
     verify_probability: float = Field(
         0.25, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
     )
+    sender_check_probability: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="every_step: chance that a validator also recomputes one drawn sender's contribution to "
+        "the chunk it checked from the public batch seeds (swarm.training.sendercheck); 0 for a run whose "
+        "peers train on their own data",
+    )
+    sender_check_tolerance: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="largest relative L2 distance between a sender's chunk and its recomputation that is "
+        "not a lie: rounding of other device kinds (the same kind recomputes it bit for bit)",
+    )
     max_group_size: int = Field(64, ge=1, le=1024, description="peers in one averaging group")
     min_group_size: int = Field(1, ge=1, le=1024, description="a round needs this many peers; fewer wait")
     matchmaking_time_s: float = Field(

@@ -122,13 +122,14 @@ def sim_failure(result: subprocess.CompletedProcess) -> str:
 
 
 def run_tiny_sim(out_dir: Path, *flags: str, peers: int = 3, steps: int = 6) -> dict:
-    """``swarm-sim`` with the tiny model and every part checked (``--verify-probability 1.0``), as a
+    """``swarm-sim`` with the tiny model, every part checked and a sender recomputed at each check
+    (``--verify-probability 1.0 --sender-check-probability 1.0``), as a
     subprocess; its JSON report. ``flags`` (an attack, a precision...) go after these settings. The sim
     gives up on its own before the subprocess is killed, so that it keeps its logs and names the stall."""
     out = out_dir / "sim.json"
     result = subprocess.run(
         [sys.executable, "-m", "lab.sim", "--peers", str(peers), "--steps", str(steps), "--model-size",
-         "tiny", "--verify-probability", "1.0", "--json", str(out), "--timeout-s", "330", *flags],
+         "tiny", "--verify-probability", "1.0", "--sender-check-probability", "1.0", "--json", str(out), "--timeout-s", "330", *flags],
         capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert result.returncode == 0, sim_failure(result)

@@ -189,7 +189,14 @@ def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, ke
 # (huge_weight) and the reduce step (bad_reducer). Each run starts a coordinator and 3-4 peer processes:
 # about 25 s on 2 cores.
 ATTACKS = ["label_flip", "nan", "huge_weight", "bad_reducer"]
-PROVABLE = {"bad_reducer"}  # an attack whose evidence a validator can take to the coordinator
+# An attack whose evidence a validator can take to the coordinator, with what its ban says: a reducer's
+# aggregate recomputed from the signed inputs, a sender's contribution recomputed from its public batch
+# seeds (swarm.training.sendercheck): trained on other labels, or signed for more samples than a peer holds.
+PROVABLE = {
+    "bad_reducer": "differs from the rule's result",
+    "label_flip": "recomputed from its public batch seeds",
+    "huge_weight": "a peer stops computing at the target batch",
+}
 SIM_STEPS = 6  # as many as the shared clean run (conftest.clean_tiny_sim)
 
 
@@ -202,7 +209,7 @@ def test_honest_peers_train_through_each_attack(tmp_path, clean_tiny_sim, attack
     # attacker from every round, so its own checks get no inputs and it avoids the honest reducers for a
     # minute at a time, which with 3 peers and a group minimum of 3 stalled the swarm each time (one CI
     # run hung past 400 s); the honest peers must be able to train without it.
-    peers = 4 if attack in PROVABLE | {"nan"} else 3
+    peers = 4 if attack in {*PROVABLE, "nan"} else 3
     report = run_tiny_sim(tmp_path, "--byzantine", "1", "--attack", attack, peers=peers, steps=SIM_STEPS)
     honest = [p for p in report["peers"] if not p["byzantine"]]
     attacker = next(p for p in report["peers"] if p["byzantine"])
@@ -215,6 +222,5 @@ def test_honest_peers_train_through_each_attack(tmp_path, clean_tiny_sim, attack
         clean_tiny_sim,
     )
     if attack in PROVABLE:
-        assert attacker["banned"] and "differs from the rule's result" in attacker["ban_reason"]
-    else:
-        assert not any(p["banned"] for p in honest), "no honest peer is ever banned"
+        assert attacker["banned"] and PROVABLE[attack] in attacker["ban_reason"], attacker
+    assert not any(p["banned"] for p in honest), "no honest peer is ever banned"

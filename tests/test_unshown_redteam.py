@@ -585,7 +585,7 @@ def test_an_integer_where_bytes_belong_convicts_the_accuser_without_allocating_i
     raised OverflowError out of the judge (the accuser never judged), and a moderate int made the
     coordinator allocate and copy that many bytes on the judging thread for a 200-byte accusation.
 
-    Evidence parsing now type-checks every bytes field (``evidence.py:_bytes``, with a size bound) and
+    Evidence parsing now type-checks every bytes field (``evidence.py:bytes_field``, with a size bound) and
     every input's index, and ``judge_unshown`` catches whatever the evidence raises: each forgery finds
     the accuser guilty ("the evidence does not hold"), and no large allocation happens.
     """

@@ -239,6 +239,9 @@ class Averager:
                 f"verify_probability {verify_probability} needs signed round inputs: pass signing_key"
             )
         self.verify_probability, self.accuse = verify_probability, accuse
+        # The trainer's sender checks (``swarm.training.sendercheck.SenderChecks``), set after building:
+        # ``keep(runner, signed_entries)`` at a complete round, ``check(runner, outcomes)`` after its checks.
+        self.sender_checks = None
         self.hooks = hooks if hooks is not None else RoundHooks()
         # Without a policy the averager admits anyone: only local benchmarks and tests build it so.
         self.policy = policy if policy is not None else PeerPolicy(None, prefix)
@@ -559,6 +562,8 @@ class Averager:
             # The retry forms without a reducer that did not deliver or denied the round.
             self.policy.blame_round(result.failed_reducers, result.denied_by)
             if result.complete and len(group.peer_ids) > 1:
+                if self.sender_checks is not None:  # the state the senders computed at, before its update
+                    self.sender_checks.keep(runner, group.signed_entries)
                 self._verify_later(runner)
             return group, result
 
@@ -569,11 +574,15 @@ class Averager:
         runner.revealed.add_done_callback(lambda _: self.archive.keep(runner))
 
     def _verify_later(self, runner: ButterflyAllReduce) -> None:
-        checks = validate_round(
-            runner, probability=self.verify_probability, servicer_type=AveragingServicer, p2p=self.p2p,
-            aggregator=self.aggregator, codec=self.codec, timeout_s=runner.round_timeout_s,
-            accuse=self.accuse, suspect=self.policy.suspect,
-        )  # fmt: skip
-        task = asyncio.create_task(checks)
+        async def checks() -> None:
+            outcomes = await validate_round(
+                runner, probability=self.verify_probability, servicer_type=AveragingServicer, p2p=self.p2p,
+                aggregator=self.aggregator, codec=self.codec, timeout_s=runner.round_timeout_s,
+                accuse=self.accuse, suspect=self.policy.suspect,
+            )  # fmt: skip
+            if self.sender_checks is not None:
+                await self.sender_checks.check(runner, outcomes)
+
+        task = asyncio.create_task(checks())
         self._verifications.add(task)
         task.add_done_callback(self._verifications.discard)

@@ -223,11 +223,11 @@ class SignedInput:
     weight: float
 
 
-def _round_fields(body: dict) -> dict:
+def round_fields(body: dict) -> dict:
     members = tuple(body["members"])
     if not 2 <= len(members) <= MAX_MEMBERS or not all(isinstance(m, str) and len(m) < 128 for m in members):
         raise ProtocolError(f"evidence names {len(members)} members; a group has 2 to {MAX_MEMBERS}")
-    commitments = tuple(_bytes(c, "a nonce commitment", 32) for c in body.get("commitments", ()))
+    commitments = tuple(bytes_field(c, "a nonce commitment", 32) for c in body.get("commitments", ()))
     if commitments and len(commitments) != len(members):
         raise ProtocolError("evidence names a nonce commitment count other than its member count")
     part, chunk = int(body["part"]), int(body["chunk"])
@@ -242,13 +242,13 @@ def _round_fields(body: dict) -> dict:
     if signer is not None and (type(signer) is not int or not 0 <= signer < len(members) or signer == part):
         raise ProtocolError("evidence names as the part's substitute signer no other member of the group")
     return {
-        "prefix": str(body["prefix"]), "group_id": _bytes(body["group_id"], "the group ID", 64), "members": members,
+        "prefix": str(body["prefix"]), "group_id": bytes_field(body["group_id"], "the group ID", 64), "members": members,
         "commitments": commitments, "part": part, "chunk": chunk, "reducers": tuple(reducers),
         "signer": signer,
     }  # fmt: skip
 
 
-def _bytes(value: object, what: str, max_bytes: int) -> bytes:
+def bytes_field(value: object, what: str, max_bytes: int) -> bytes:
     """``value`` if it is bytes of at most ``max_bytes`` (``bytes(n)`` of a number would allocate n)."""
     if not isinstance(value, bytes) or len(value) > max_bytes:
         raise ProtocolError(f"evidence holds {what} that is not bytes of at most {max_bytes}")
@@ -262,12 +262,12 @@ def _signed_at(body: dict) -> int:
     return signed_at
 
 
-def _signed(item: list) -> SignedInput:
+def signed_input(item: list) -> SignedInput:
     index, data, signature, weight = item
     if type(index) is not int or not 0 <= index < MAX_MEMBERS:
         raise ProtocolError("evidence holds an input of no member index")
-    data = _bytes(data, "an input", MAX_EVIDENCE_BYTES)
-    return SignedInput(index, data, _bytes(signature, "a signature", SIGNATURE_BYTES), float(weight))
+    data = bytes_field(data, "an input", MAX_EVIDENCE_BYTES)
+    return SignedInput(index, data, bytes_field(signature, "a signature", SIGNATURE_BYTES), float(weight))
 
 
 @dataclass(frozen=True)
@@ -355,10 +355,10 @@ class BadAggregateEvidence(RoundEvidence):
     @classmethod
     def from_body(cls, body: dict) -> BadAggregateEvidence:
         return cls(
-            **_round_fields(body), numel=int(body["numel"]), inputs=tuple(_signed(i) for i in body["inputs"]),
-            output=_bytes(body["output"], "the output", MAX_EVIDENCE_BYTES),
-            output_signature=_bytes(body["output_signature"], "the output's signature", SIGNATURE_BYTES),
-            entries=_bytes(body["entries"], "the entries", MAX_MEMBERS * ENTRY.size),
+            **round_fields(body), numel=int(body["numel"]), inputs=tuple(signed_input(i) for i in body["inputs"]),
+            output=bytes_field(body["output"], "the output", MAX_EVIDENCE_BYTES),
+            output_signature=bytes_field(body["output_signature"], "the output's signature", SIGNATURE_BYTES),
+            entries=bytes_field(body["entries"], "the entries", MAX_MEMBERS * ENTRY.size),
             signed_at_ms=_signed_at(body),
         )  # fmt: skip
 
@@ -461,14 +461,14 @@ class EquivocationEvidence(RoundEvidence):
 
     @classmethod
     def from_body(cls, body: dict) -> EquivocationEvidence:
-        inputs = [_signed(i) for i in body["inputs"]]
+        inputs = [signed_input(i) for i in body["inputs"]]
         if not 1 <= len(inputs) <= 2:
             raise ProtocolError("equivocation evidence holds one or two inputs")
         return cls(
-            **_round_fields(body), first=inputs[0], second=inputs[1] if len(inputs) == 2 else None,
-            entries=_bytes(body.get("entries", b""), "the entries", MAX_MEMBERS * ENTRY.size),
-            output=_bytes(body.get("output", b""), "the output", MAX_EVIDENCE_BYTES),
-            output_signature=_bytes(body.get("output_signature", b""), "the output's signature", SIGNATURE_BYTES),
+            **round_fields(body), first=inputs[0], second=inputs[1] if len(inputs) == 2 else None,
+            entries=bytes_field(body.get("entries", b""), "the entries", MAX_MEMBERS * ENTRY.size),
+            output=bytes_field(body.get("output", b""), "the output", MAX_EVIDENCE_BYTES),
+            output_signature=bytes_field(body.get("output_signature", b""), "the output's signature", SIGNATURE_BYTES),
             signed_at_ms=_signed_at(body),
         )  # fmt: skip
 

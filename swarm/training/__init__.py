@@ -28,6 +28,9 @@
 - diloco.py: DiLoCo (``DilocoSync``): inner steps on the local copy, averaged pseudo-gradients, the
   outer optimizer
 - hooks.py: ``TrainingHooks``, what the peer trains on, sends and claims (honest; rehearsed attacks override)
+- replay.py: a peer's gradient replayed from public facts (the state at a step, the dataset, its batch seeds)
+- sendercheck.py: ``SenderChecks``: a drawn validator recomputes a groupmate's contribution, and the
+  ``wrong_contribution`` evidence of a lie
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).
 

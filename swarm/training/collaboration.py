@@ -22,7 +22,9 @@ one input can move, and each reducer's output is checked by its groupmates from 
 (evidence to the coordinator bans a reducer that lied); states are compared by hash and a peer apart from
 the majority is moved back. What no longer applies is recomputing a peer's gradient from its public seed:
 data only the peer holds cannot be replayed, so a peer that sends a well-formed but wrong gradient is
-bounded by the robust rule, not caught.
+bounded by the robust rule, not caught. Such a run sets ``training.sender_check_probability = 0``; an
+``EveryStep`` collaboration refuses a run that recomputes senders (``swarm.training.sendercheck``), whose
+validators would replay the run's public batches and accuse this loop.
 
 Example::
 
@@ -74,6 +76,13 @@ class EveryStep:
             raise ConfigError(
                 f"collaborate: strategy EveryStep(), but run {run.run_id!r} trains with "
                 f"training.sync = {run.training.sync!r}; pass strategy=None to follow the run"
+            )
+        if run.training.sender_check_probability > 0 and run.training.verify_probability > 0:
+            # Its groupmates would replay the run's public batches, not this loop's data, and accuse it.
+            raise ConfigError(
+                f"collaborate: run {run.run_id!r} recomputes every sender's gradient from the run's public "
+                f"batches (training.sender_check_probability = {run.training.sender_check_probability:g}); "
+                "a loop on its own data needs a run with sender_check_probability = 0"
             )
 
 

@@ -46,9 +46,10 @@ from swarm.training.hooks import TrainingHooks
 from swarm.training.memory import peak_memory_bytes
 from swarm.training.progress import PeerProgress, ProgressView, step_misfit
 from swarm.training.resync import CatchUp
-from swarm.training.state import build_optimizer, ensure_optimizer_state
+from swarm.training.sendercheck import SenderChecks
+from swarm.training.state import build_optimizer, ensure_optimizer_state, state_tensors
 from swarm.training.strategies import build_strategy, check_hooks
-from swarm.training.sync import StateServicer, state_namespace
+from swarm.training.sync import EncodedState, StateServicer, state_namespace
 from swarm.training.synced import SyncedState
 from swarm.training.tiered import SecondTier
 from swarm.training.witness import WitnessedRounds
@@ -138,6 +139,10 @@ class TrainingPeer:
             data_port=data_port, data_announce_host=data_announce_host, client_mode=client_mode,
             record_signer=self.records,
         )  # fmt: skip
+        # Validators recompute drawn senders' contributions from their public batch seeds (every_step).
+        self.sender_checks = SenderChecks(run, device=device, state=self._state_now, accuse=accuse)
+        if self.sender_checks.enabled:
+            self.averager.sender_checks = self.sender_checks
         # Beyond one group: what every group of a step applies (swarm.training.tiered).
         self.tiers = SecondTier(
             run, dht, first=self.averager, numel=self.numel, policy=self.policy,
@@ -186,6 +191,16 @@ class TrainingPeer:
     @property
     def state_hash(self) -> str:
         return self.synced.state_hash
+
+    def _state_now(self) -> tuple[int, str, dict[str, torch.Tensor]]:
+        return self.step, self.state_hash, state_tensors(self.synced.model, self.synced.optimizer)
+
+    async def _find_state(self, wanted: str) -> EncodedState | None:
+        """The state of hash ``wanted`` for a download: the current one, or one a sender check kept."""
+        current = await self.synced.encoded()
+        if current.state_hash == wanted:
+            return current
+        return await asyncio.to_thread(self.sender_checks.find, wanted)
 
     @property
     def param_hash(self) -> str:
@@ -523,6 +538,7 @@ class TrainingPeer:
             self.synced.encoded,
             admit=self.catchup.admit_download,
             upload_limiter=self.upload_limiter,
+            find=self._find_state,
         )
         await servicer.add_p2p_handlers(self.averager.p2p, namespace=state_namespace(self.config.run_id))
         await self._commit(self.step)

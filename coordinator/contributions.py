@@ -1,0 +1,161 @@
+"""How the coordinator judges a sender check: it recomputes the accused sender's contribution itself.
+
+``wrong_contribution`` evidence (``swarm.training.sendercheck``) holds a sender's signed input to one
+chunk of a round and its signed group entry, which names the step and the state hash it computed at.
+The coordinator checks both signatures and that the entry is the one the sender joined that round with
+(its nonce commitment is in the round's digest), then downloads that state by its hash from the accuser,
+which keeps it for ``KEEP_S`` after filing: the bytes must hash to what the accused signed, so the
+accuser cannot pass off another state. It replays the accused's micro-batches from their public seeds
+on CPU, encodes the chunk with the round's codec and compares, with the run's tolerance:
+
+- beyond the tolerance (or a claim of samples the built-in loop never signs): the accused is banned;
+- within it, or evidence that does not hold (a signature, an entry of another round, a chunk outside
+  the run's layout, a run that does not check senders): the accuser is banned, as for any false evidence;
+- the state not served in time (the accuser is gone, or it never kept it): nobody is banned.
+
+The recompute costs the coordinator one peer's step on CPU (at most the run's target batch) and one state
+download, once per accusation; the accusation budgets bound how many arrive (``coordinator.limits``).
+
+Example::
+
+    states = PeerContributionStates(run, p2p)
+    found, guilty = await judge_contribution(run, layouts, data, accused, accuser, states=states,
+                                             judging=lock, timeout_s=60)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from hivemind.p2p import P2P, PeerID
+
+from protocols.codec import unpack
+from protocols.errors import ProtocolError, SwarmError
+from swarm.averaging.evidence import MAX_EVIDENCE_BYTES
+from swarm.averaging.tiers import round_codec
+from swarm.config import RunConfig
+from swarm.training.sendercheck import WrongContributionEvidence
+from swarm.training.state import DecodedState
+from swarm.training.sync import download_limit, download_state, state_namespace
+
+logger = logging.getLogger(__name__)
+
+
+class ContributionStates:
+    """Where the coordinator gets the state a sender check was computed on: this base cannot, so such
+    evidence bans nobody."""
+
+    async def fetch(self, holder: str, step: int, state_hash: str) -> DecodedState | None:
+        """The run's state of ``state_hash`` at ``step`` from ``holder``, verified; None if not served."""
+        return None
+
+
+class PeerContributionStates(ContributionStates):
+    """States downloaded from the accuser over the run's state protocol; the last one is kept for the
+    next accusation of the same state."""
+
+    def __init__(self, run: RunConfig, p2p: P2P):
+        self.run, self.p2p = run, p2p
+        self.max_bytes: int | None = None  # the state's size bound, computed at the first download
+        self._lock = asyncio.Lock()
+        self._last: DecodedState | None = None
+
+    async def fetch(self, holder: str, step: int, state_hash: str) -> DecodedState | None:
+        async with self._lock:
+            last = self._last
+            if last is not None and (last.step, last.state_hash) == (step, state_hash):
+                return last
+            run = self.run
+            if self.max_bytes is None:
+                self.max_bytes = await asyncio.to_thread(state_limit, run)
+            try:
+                state = await download_state(
+                    self.p2p, PeerID.from_base58(holder), namespace=state_namespace(run.run_id),
+                    run_id=run.run_id, min_step=step, expected_hash=state_hash, exact=True,
+                    max_bytes=self.max_bytes, timeout_s=run.training.averaging_timeout_s,
+                )  # fmt: skip
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # refused, unreachable, or bytes that do not hash to it
+                logger.info(f"{holder} did not serve the state {state_hash[:12]} of step {step}: {e!r}"[:500])
+                return None
+            self._last = state
+            return state
+
+
+def state_limit(run: RunConfig) -> int:
+    """The most bytes a download of the run's data-parallel state may carry."""
+    from swarm.models import build_model
+    from swarm.training.state import build_optimizer, state_tensors
+
+    model = build_model(run.model.name, run.model.config)
+    tensors = state_tensors(model, build_optimizer(model, run.optimizer))
+    return download_limit(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def _parse(data: bytes) -> WrongContributionEvidence:
+    body = unpack(data, what="evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES)
+    if not isinstance(body, dict):
+        raise ProtocolError("evidence is not a map")
+    return WrongContributionEvidence.from_body(body)
+
+
+async def judge_contribution(
+    run: RunConfig,
+    layouts: Callable[[], dict[str, int]],
+    data: bytes,
+    accused: str,
+    accuser: str,
+    *,
+    states: ContributionStates,
+    judging: asyncio.Lock,
+    timeout_s: float,
+) -> tuple[str, str | None]:
+    """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring)."""
+    training = run.training
+    try:
+        evidence = _parse(data)
+        if evidence.accused != accused or accuser not in evidence.members or accuser == accused:
+            raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
+        if training.sync != "every_step" or training.sender_check_probability <= 0:
+            raise ProtocolError("this run does not recompute senders' contributions")
+        if evidence.prefix != run.run_id.replace(".", "_"):
+            raise ProtocolError(
+                f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, not the run's"
+            )
+        step, state_hash = evidence.facts()
+        evidence.slice(round_codec(run, evidence.prefix), layouts()[evidence.prefix])
+    except SwarmError as e:
+        return f"the evidence does not hold: {e}", accuser
+    try:
+        async with asyncio.timeout(timeout_s):
+            state = await states.fetch(accuser, step, state_hash)
+    except TimeoutError:
+        state = None
+    if state is None:
+        return (
+            f"the accuser did not serve the state {state_hash[:12]} of step {step} it recomputed "
+            f"{accused}'s contribution on; nobody banned",
+            None,
+        )
+    codec = round_codec(run, evidence.prefix)
+    async with judging:
+        try:
+            verdict = await asyncio.to_thread(
+                evidence.judge,
+                run,
+                state.tensors,
+                codec,
+                vector_numel=layouts()[evidence.prefix],
+                device="cpu",
+            )
+        except SwarmError as e:
+            return f"the evidence does not hold: {e}", accuser
+    if verdict is None:
+        return f"{accused}'s contribution is what its public batch seeds give at step {step}", accuser
+    return verdict, accused
+
+
+__all__ = ["ContributionStates", "PeerContributionStates", "judge_contribution", "state_limit"]

@@ -1,0 +1,75 @@
+"""A peer's gradient replayed from public facts: the state at a step, the run's dataset and the batch seeds.
+
+A data-parallel peer on the built-in loop draws its micro-batches with ``derive_seed(run_id, peer_id,
+step, micro)`` (``swarm.data.seeds``) for ``micro`` = 0, 1, ... and sends the mean gradient of the summed
+loss over the samples it holds. Anyone holding the state every peer holds at that step therefore gets
+the very vector that peer sends, down to the last bit on the same kind of device. Two users: the sender
+checks (``swarm.training.sendercheck``), where a validator and the coordinator recompute a groupmate's
+contribution to catch a lie, and the rehearsed attackers that read the code
+(``swarm.byzantine.colluders``), which aim at the honest peers' exact gradients.
+
+Example::
+
+    rows = honest_gradients(model, dataset, run_id="demo", step=7, micro_batch=8, seq_len=128,
+                            peers={"12D3KooW...": 32, "12D3KooX...": 16})
+    dataset = public_dataset(run.dataset.name, run.dataset.config)
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from collections.abc import Mapping
+
+import torch
+
+from swarm.data import build_dataset, derive_seed
+from swarm.training.microbatch import MicroBatchRunner
+from swarm.training.state import flat_mean_gradient
+
+
+def honest_gradients(
+    model: torch.nn.Module,
+    dataset,
+    *,
+    run_id: str,
+    step: int,
+    micro_batch: int,
+    seq_len: int,
+    peers: Mapping[str, int],
+    precision: str = "fp32",
+    device: str = "cpu",
+) -> torch.Tensor | None:
+    """The flat mean gradient each of ``peers`` (peer ID -> samples it holds at ``step``) computes at
+    ``step`` from ``model``'s state, one row per peer that holds a whole micro-batch, in peer-ID order;
+    None if none does. ``model`` itself is left as it is (its gradients included)."""
+    replica = copy.deepcopy(model)
+    runner = MicroBatchRunner(replica, device=device, precision=precision)
+    replica.train()
+    rows = []
+    for peer_id, samples in sorted(peers.items()):
+        micro_batches = int(samples) // micro_batch
+        if micro_batches <= 0:
+            continue
+        for p in runner.params:
+            p.grad = None
+        for micro in range(micro_batches):
+            seed = derive_seed(run_id, peer_id, step, micro)
+            inputs, targets = dataset.sample_batch(seed, micro_batch, seq_len)
+            runner.run(inputs, targets)
+        rows.append(flat_mean_gradient(runner.params, micro_batches * micro_batch))
+    return torch.stack(rows) if rows else None
+
+
+def public_dataset(name: str, config: Mapping):
+    """The run's dataset, built once per process for each (name, config)."""
+    return _dataset(name, json.dumps(dict(config), sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=4)
+def _dataset(name: str, config_json: str):
+    return build_dataset(name, json.loads(config_json))
+
+
+__all__ = ["honest_gradients", "public_dataset"]

@@ -1,0 +1,387 @@
+"""Sender checks: a drawn validator recomputes a groupmate's contribution from public facts and proves a lie.
+
+In ``every_step`` training on the built-in loop, what a peer sends to a round is a pure function of public
+facts (``swarm.training.replay``): the state every member holds at the round's step, whose step and hash
+the member signed into its group entry; the run's dataset; and the batch seeds of as many micro-batches
+as the samples it signed for. So a groupmate can recompute it:
+
+1. When a round completes, before the step's update, a member that may validate a part copies the state
+   (``SenderChecks.keep``; one copy of the model and optimizer tensors, dropped after the check).
+2. After the round's reveals each validator collects the signed inputs of the chunk it was drawn to check
+   (``swarm.averaging.verification``). The same draw names, with ``training.sender_check_probability``,
+   one of those senders other than the validator (``drawn_sender``); nobody knew who or which chunk when
+   they signed. The validator replays that sender's micro-batches on the copy, encodes the chunk with the
+   round's codec and compares (``compare``): the same bytes, or decoded values within
+   ``training.sender_check_tolerance`` (relative L2) of them.
+3. A contribution beyond the tolerance is ``WrongContributionEvidence``: the sender's signed input, its
+   signed group entry (the step and state hash it computed at, bound to the round by its nonce
+   commitment) and the round. The validator files it and keeps the state, served by its hash
+   (``StateServicer``'s ``find``), for ``KEEP_S``. The coordinator downloads that state from the accuser,
+   checks that it hashes to what the accused signed, recomputes the chunk itself and bans whoever the
+   evidence proves wrong (``coordinator.contributions``).
+
+What it covers: a sender that scales, flips, replaces, delays or computes on other labels any part of its
+gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
+is caught with probability about q per check. Rounding of other device kinds (GPU kernels, bf16, memory
+chunking) stays within the tolerance, so a peer on another device is not accused; a lie smaller than the
+tolerance is bounded by it and by the robust rule. Not covered: ``diloco`` (a window of inner steps from
+optimizer state the peer does not share; its contributions are bounded by the rule only) and runs whose
+peers train on their own data (``Collaboration`` refuses a run that checks senders).
+
+Example::
+
+    checks = SenderChecks(run, device="cpu", state=lambda: (peer.step, peer.state_hash, tensors))
+    averager.sender_checks = checks          # keep() at each complete round, check() after validation
+    servicer = StateServicer(run_id, provider, admit=admit, find=checks.find)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocols.codec import pack
+from protocols.envelope import open_envelope
+from protocols.errors import ProtocolError, SwarmError
+from swarm.averaging.archive import KEEP_INPUTS_S
+from swarm.averaging.compression import Codec
+from swarm.averaging.evidence import (
+    BadAggregateEvidence,
+    RoundEvidence,
+    SignedInput,
+    bytes_field,
+    chunk_bounds,
+    layout_chunk_values,
+    round_fields,
+    signed_input,
+    split_bounds,
+)
+from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
+from swarm.averaging.verification import draw
+from swarm.config import RunConfig
+from swarm.training.replay import honest_gradients, public_dataset
+from swarm.training.state import encode_state
+from swarm.training.sync import EncodedState, is_state_hash
+
+logger = logging.getLogger(__name__)
+
+KIND = "wrong_contribution"
+#: How long a validator serves the state a lie was recomputed on: as long as reducers keep their inputs.
+KEEP_S = KEEP_INPUTS_S
+#: States a validator holds at once for the coordinator (each one copy of the model and optimizer).
+MAX_KEPT = 2
+#: Rounds whose state awaits its check (a new round's copy pushes out the oldest).
+MAX_PENDING = 2
+MAX_ENTRY_BYTES = 16 << 10
+
+# (step, state hash, state tensors) of this peer now, read before the round's update is applied.
+StateNow = Callable[[], tuple[int, str, dict[str, torch.Tensor]]]
+
+
+def drawn_sender(
+    seed: bytes, part: int, chunk: int, senders: Sequence[int], probability: float
+) -> int | None:
+    """The sender whose contribution to ``chunk`` of ``part`` the round's draw ``seed`` names for a
+    recompute, among ``senders`` (member indices); None when the draw names nobody."""
+    if not senders or probability <= 0:
+        return None
+    draw = hashlib.sha256(b"sender-check|" + seed + struct.pack(">II", part, chunk)).digest()
+    if int.from_bytes(draw[:8], "big") / 2**64 >= probability:
+        return None
+    ordered = sorted(senders)
+    return ordered[int.from_bytes(draw[8:16], "big") % len(ordered)]
+
+
+def chunk_slice(
+    vector_numel: int, members: int, part: int, chunk: int, chunk_values: int, reducers: Sequence[bool] = ()
+) -> tuple[int, int]:
+    """Where ``chunk`` of ``part`` lies in the averaged vector, by the run's layout; (0, 0) if nowhere."""
+    bounds = split_bounds(vector_numel, members, reducers)
+    chunks = chunk_bounds(bounds[part + 1] - bounds[part], chunk_values)
+    if not 0 <= chunk < len(chunks) - 1:
+        return 0, 0
+    return bounds[part] + chunks[chunk], bounds[part] + chunks[chunk + 1]
+
+
+def whole_micro_batches(run: RunConfig, samples: float) -> int:
+    """The micro-batches behind a claim of ``samples``; ProtocolError for a claim the built-in loop never
+    signs: not a whole number of micro-batches, or more than it holds before a round is due."""
+    micro, target = run.training.micro_batch_size, run.training.target_batch_size
+    if not (samples == int(samples) and samples > 0 and int(samples) % micro == 0):
+        raise ProtocolError(
+            f"signed for {samples:g} samples, not a whole number of {micro}-sample micro-batches"
+        )
+    if samples >= target + micro:
+        raise ProtocolError(
+            f"signed for {samples:g} samples; a peer stops computing at the target batch {target}"
+        )
+    return int(samples) // micro
+
+
+def recompute(
+    run: RunConfig, tensors: dict[str, torch.Tensor], peer_id: str, step: int, samples: float, *, device: str
+) -> torch.Tensor:
+    """The flat contribution ``peer_id`` sends at ``step`` for ``samples`` from the state ``tensors``
+    (``state_tensors``' names), replayed from its public batch seeds; ProtocolError for a claim of samples
+    no peer on the built-in loop signs, or tensors that are not the run's state."""
+    from swarm.models import build_model, model_config
+    from swarm.training.state import build_optimizer, load_state_tensors
+
+    micro_batches = whole_micro_batches(run, samples)
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed).to(device)
+    load_state_tensors(model, build_optimizer(model, run.optimizer), tensors)
+    seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+    rows = honest_gradients(
+        model, public_dataset(run.dataset.name, run.dataset.config), run_id=run.run_id, step=step,
+        micro_batch=run.training.micro_batch_size, seq_len=seq_len, peers={peer_id: micro_batches * run.training.micro_batch_size},
+        precision=run.training.precision, device=device,
+    )  # fmt: skip
+    assert rows is not None  # at least one micro-batch, checked above
+    return rows[0].detach().to("cpu", torch.float32)
+
+
+def compare(
+    sent: bytes, expected: torch.Tensor, codec: Codec, tolerance: float, *, sender: str
+) -> str | None:
+    """Why ``sent`` (one chunk of ``sender``'s signed input) is not ``expected`` (the recomputed values of
+    that chunk) as ``codec`` encodes it, or None if it is: the same bytes, or decoded values within
+    ``tolerance`` of it, measured as ``|sent - expected| / max(|sent|, |expected|)`` (0 to 2)."""
+    wanted = codec.encode_contribution(expected)
+    if wanted == sent:
+        return None
+    numel = expected.numel()
+    try:
+        got = codec.decode_contribution(sent, numel, sender=sender).to(torch.float64)
+    except ProtocolError as e:
+        return f"sent a contribution that does not decode ({e})"
+    ref = codec.decode_contribution(wanted, numel, sender="the recomputation").to(torch.float64)
+    scale = max(float(torch.linalg.vector_norm(got)), float(torch.linalg.vector_norm(ref)))
+    distance = float(torch.linalg.vector_norm(got - ref)) / scale if scale > 0 else 0.0
+    if distance <= tolerance:
+        return None
+    return (
+        f"sent a contribution {distance:.3g} away (relative L2) from its gradient recomputed from its public "
+        f"batch seeds, beyond the tolerance {tolerance:g}"
+    )
+
+
+@dataclass(frozen=True)
+class WrongContributionEvidence(RoundEvidence):
+    """A sender's signed input to one chunk, and its signed group entry naming the state it computed at."""
+
+    item: SignedInput
+    entry: bytes
+
+    kind = KIND
+
+    @property
+    def accused(self) -> str:
+        return self.members[self.item.sender_index]
+
+    def to_bytes(self) -> bytes:
+        item = self.item
+        return pack(
+            {
+                "kind": self.kind,
+                **self._fields(),
+                "item": [item.sender_index, item.data, item.signature, item.weight],
+                "entry": self.entry,
+            }  # fmt: skip
+        )
+
+    @classmethod
+    def from_body(cls, body: dict) -> WrongContributionEvidence:
+        try:
+            return cls(
+                **round_fields(body), item=signed_input(body["item"]),
+                entry=bytes_field(body["entry"], "the accused's group entry", MAX_ENTRY_BYTES),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise ProtocolError(f"{KIND} evidence is malformed: {e!r}"[:300]) from None
+
+    def facts(self) -> tuple[int, str]:
+        """(step, state hash) the accused signed it computed its input at; ProtocolError (or a
+        SecurityError) when the evidence does not hold: the input's signature, the entry's signature or
+        signer, or an entry of another round (its nonce commitment is not the one the round names)."""
+        if self.signer is not None:
+            raise ProtocolError(f"{KIND} evidence names a substitute signer, which only aggregates have")
+        accused = self.verify_input(self.item)
+        envelope = open_envelope(
+            self.entry, purpose=GROUP_ENTRY, run_id=self.prefix, what=f"group entry of {accused}"
+        )
+        if envelope.sender != accused:
+            raise ProtocolError(
+                f"the group entry in the evidence is signed by {envelope.sender}, not {accused}"
+            )
+        try:
+            body = GroupEntryBody.model_validate(envelope.body)
+        except Exception as e:  # pydantic's ValidationError: the entry's fields
+            raise ProtocolError(f"the group entry of {accused} does not hold: {str(e)[:200]}") from None
+        if not self.commitments or body.commit != self.commitments[self.item.sender_index]:
+            raise ProtocolError(f"the group entry of {accused} is not the one it joined this round with")
+        step, state_hash = body.extra.get("step"), body.extra.get("state_hash")
+        if type(step) is not int or not 0 <= step < 2**62 or not isinstance(state_hash, str):
+            raise ProtocolError(f"the group entry of {accused} names no step and state hash")
+        if not is_state_hash(state_hash):
+            raise ProtocolError(f"the group entry of {accused} names a state hash that is not 64 hex digits")
+        return step, state_hash
+
+    def slice(self, codec: Codec, vector_numel: int) -> tuple[int, int]:
+        """Where the chunk lies in the run's vector; ProtocolError if the run's layout has no such chunk."""
+        values = layout_chunk_values(len(self.members), codec.bytes_per_value)
+        lo, hi = chunk_slice(vector_numel, len(self.members), self.part, self.chunk, values, self.reducers)
+        if hi <= lo:
+            raise ProtocolError(f"the run's layout has no chunk {self.chunk} of part {self.part}")
+        return lo, hi
+
+    def judge(
+        self,
+        run: RunConfig,
+        tensors: dict[str, torch.Tensor],
+        codec: Codec,
+        *,
+        vector_numel: int,
+        device: str,
+    ) -> str | None:
+        """What the accused did wrong, recomputed from ``tensors`` (the state the evidence's ``facts``
+        name, which the caller verified by its hash), or None if its input is what it computed."""
+        step, _ = self.facts()
+        lo, hi = self.slice(codec, vector_numel)
+        accused = self.accused
+        try:
+            vector = recompute(run, tensors, accused, step, self.item.weight, device=device)
+        except ProtocolError as e:
+            return str(e)
+        verdict = compare(
+            self.item.data, vector[lo:hi], codec, run.training.sender_check_tolerance, sender=accused
+        )
+        if verdict is None:
+            return None
+        return f"{verdict} ({self.item.weight:g} samples at step {step}, part {self.part} chunk {self.chunk})"
+
+
+@dataclass
+class _Copy:
+    step: int
+    state_hash: str
+    tensors: dict[str, torch.Tensor]
+    entries: dict[int, bytes]  # member index -> its signed group entry
+    kept_until: float = 0.0
+
+
+class SenderChecks:
+    """One validator's sender checks (see the module docstring). ``state`` reads this peer's step, state
+    hash and a copy of its state tensors; ``accuse`` files evidence (None: only logged)."""
+
+    def __init__(self, run: RunConfig, *, device: str, state: StateNow, accuse=None):
+        self.run, self.device, self.state, self.accuse = run, device, state, accuse
+        self.probability = run.training.sender_check_probability
+        self.pending: OrderedDict[bytes, _Copy] = OrderedDict()  # group ID -> the state at its round
+        self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
+        self.checked = self.caught = 0
+
+    @property
+    def enabled(self) -> bool:
+        training = self.run.training
+        return self.probability > 0 and training.verify_probability > 0 and training.sync == "every_step"
+
+    def keep(self, runner, signed_entries: Sequence[bytes]) -> None:
+        """Copy the state of a complete round (before its update) if this member may check one of its
+        senders; ``signed_entries`` are the members' signed group entries, in member order."""
+        if not self.enabled or len(signed_entries) != len(runner.members):
+            return
+        if runner.shared_seed is not None and not draw(runner, self.run.training.verify_probability):
+            return  # this member checks no part of the round
+        step, state_hash, tensors = self.state()
+        self.pending[runner.group_id] = _Copy(step, state_hash, tensors, dict(enumerate(signed_entries)))
+        while len(self.pending) > MAX_PENDING:
+            self.pending.popitem(last=False)
+
+    async def check(self, runner, outcomes: Sequence) -> None:
+        """Recompute the sender the round's draw names for each chunk this member validated, and accuse
+        the ones that lied."""
+        copy = self.pending.pop(runner.group_id, None)
+        seed = runner.shared_seed
+        if copy is None or seed is None:
+            return
+        for outcome in outcomes:
+            evidence = outcome.evidence
+            if not isinstance(evidence, BadAggregateEvidence):
+                continue
+            others = [i.sender_index for i in evidence.inputs if i.sender_index != runner.index]
+            sender = drawn_sender(seed, evidence.part, evidence.chunk, others, self.probability)
+            if sender is None:
+                continue
+            item = next(i for i in evidence.inputs if i.sender_index == sender)
+            lie = WrongContributionEvidence(
+                prefix=evidence.prefix, group_id=evidence.group_id, members=evidence.members,
+                commitments=evidence.commitments, part=evidence.part, chunk=evidence.chunk,
+                reducers=evidence.reducers, item=item, entry=copy.entries[sender],
+            )  # fmt: skip
+            await self._check_one(runner, lie, copy)
+
+    async def _check_one(self, runner, lie: WrongContributionEvidence, copy: _Copy) -> None:
+        accused = lie.accused
+        try:
+            step, state_hash = lie.facts()
+            if (step, state_hash) != (copy.step, copy.state_hash):
+                logger.info(
+                    f"{accused} joined round {runner.group_id.hex()[:8]} at another state; not checked"
+                )
+                return
+            self.checked += 1
+            verdict = await asyncio.to_thread(
+                lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel, device=self.device
+            )
+        except SwarmError as e:
+            logger.warning(f"could not check the contribution of {accused}: {e}")
+            return
+        if verdict is None:
+            logger.debug(f"recomputed the contribution of {accused} to part {lie.part} chunk {lie.chunk}")
+            return
+        self.caught += 1
+        logger.warning(f"{accused} {verdict} in round {runner.group_id.hex()[:8]}")
+        copy.kept_until = time.monotonic() + KEEP_S
+        self._hold(copy)
+        if self.accuse is not None:
+            try:
+                await self.accuse(accused, lie, verdict)
+            except Exception as e:
+                logger.warning(f"could not file the accusation against {accused}: {e!r}")
+
+    def _hold(self, copy: _Copy) -> None:
+        now = time.monotonic()
+        for state_hash in [h for h, c in self.kept.items() if c.kept_until < now]:
+            del self.kept[state_hash]
+        self.kept[copy.state_hash] = copy
+        self.kept.move_to_end(copy.state_hash)
+        while len(self.kept) > MAX_KEPT:
+            self.kept.popitem(last=False)
+
+    def find(self, state_hash: str) -> EncodedState | None:
+        """A state a lie was found on (for the coordinator to judge it), encoded; None if none is kept."""
+        copy = self.kept.get(state_hash)
+        if copy is None or copy.kept_until < time.monotonic():
+            return None
+        data = encode_state(copy.step, copy.tensors, {"run_id": self.run.run_id})
+        return EncodedState(copy.step, copy.state_hash, data)
+
+
+__all__ = [
+    "KIND",
+    "SenderChecks",
+    "WrongContributionEvidence",
+    "chunk_slice",
+    "compare",
+    "drawn_sender",
+    "recompute",
+    "whole_micro_batches",
+]
