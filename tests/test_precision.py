@@ -151,4 +151,8 @@ def test_a_bf16_swarm_with_checkpointing_stays_bit_identical_and_learns_like_fp3
         assert len(run["peers"]) == 3 and all(p["step"] == 6 for p in run["peers"])
         assert {p["param_hash"] for p in run["peers"]} == {run["final_param_hash"]}, "bit-identical"
         assert run["final_val_loss"] < run["initial_val_loss"]
+        # Validators replayed honest senders (a sender drawn at every check) and found every one exact,
+        # in bf16 with checkpointing too: nobody accused, nobody banned.
+        assert sum(p["senders_checked"] for p in run["peers"]) > 0, run["peers"]
+        assert not any(p["senders_caught"] or p["banned"] for p in run["peers"]), run["peers"]
     assert report["final_val_loss"] == pytest.approx(clean_tiny_sim["final_val_loss"], rel=0.02)

@@ -244,6 +244,8 @@ class TrainingPeer:
             "samples_per_s": self._sps,
             "compute_utilization": self._stats["compute_s"] / wall,
             "contributed_samples": float(self.contributed_samples),
+            "senders_checked": float(self.sender_checks.checked),  # replayed contributions (sendercheck)
+            "senders_caught": float(self.sender_checks.caught),
             "last_round_peers": float(self.last_group_size),
             "paused": float(self.paused),
             "peak_memory_bytes": float(peak_memory_bytes(self.device)),
