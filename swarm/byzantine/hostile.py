@@ -67,6 +67,10 @@ from swarm.byzantine.protocol_attacks import (
 OVERSIZED_VALUE_BYTES = 12 << 10
 MAX_REPLAYED_BYTES = 4 << 10
 CALL_TIMEOUT_S = 5.0
+# What gRPC's asyncio client says when its write fails after the server ended a client stream early
+# (grpc/grpc#36066), in place of the server's own status; such a probe is sent again, at most this often.
+CORE_ERROR = "Internal error from Core"
+CORE_ERROR_TRIES = 3
 COORDINATOR = cpb.DESCRIPTOR.services_by_name["Coordinator"]
 # Past gRPC's receive cap, which refuses it before any handler of the coordinator runs.
 OVERSIZED_REQUEST_BYTES = 4 * MAX_GRPC_MESSAGE_BYTES
@@ -312,9 +316,17 @@ class _CoordinatorCalls:
                 await asyncio.wait_for(held.wait(), self.stall_s + CALL_TIMEOUT_S)
 
         timeout_s = self.stall_s if hold else CALL_TIMEOUT_S
-        await self._answer(
-            rpc, probe, self.channel.stream_unary(self._path(rpc))(requests(), timeout=timeout_s)
-        )
+        for attempt in range(CORE_ERROR_TRIES):
+            if attempt:
+                # The server refused before this client half-closed, and gRPC's asyncio client reported
+                # its own failed write instead of the server's status (grpc/grpc#36066): ask again.
+                self.answers.pop()
+            await self._answer(
+                rpc, probe, self.channel.stream_unary(self._path(rpc))(requests(), timeout=timeout_s)
+            )
+            last = self.answers[-1]
+            if not (last.code == "INTERNAL" and CORE_ERROR in last.details):
+                return
 
     async def _answer(self, rpc: str, probe: str, call: Awaitable[bytes]) -> None:
         started = time.monotonic()
