@@ -164,7 +164,12 @@ def credit_witnessed(
     a first report padded with strangers' entries cannot hold an honest member's credit down). Sybils
     that sign entries for each other's made-up rounds earn at most that share each per step: together
     less than ``SHARE_SLACK`` batches a step, however many they are; they lower the honest peers'
-    share only once they outnumber them.
+    share only once they outnumber them. A member credited at a step counts in that step's denominator
+    after it left (or was banned), and all members of a step together earn at most ``SHARE_SLACK``
+    batches of it (the ``witnessed`` rows hold what each earned): keys that leave once credited make no
+    room for fresh ones at the same step. The budget goes to whoever is reported first, so a farm that
+    outnumbers the honest peers and reports first can take a step's whole budget; without it, the
+    same farm left them a share of 1/(keys at the step) each.
     Returns the samples credited."""
     # Every peer that could be credited as a member counts, online or not: a farm of keys gone silent
     # (offline) earned each a share of a round of five while the online peers were few.
@@ -174,6 +179,19 @@ def credit_witnessed(
         step = entries[0].step
         if not verified - WITNESS_WINDOW_STEPS <= step < verified:
             continue
+        # Members already credited at this step that no longer count as eligible (they left, or were
+        # banned) still hold their share of it: a farm whose keys leave once credited would otherwise
+        # make room for fresh keys at the same step, again and again.
+        (departed,) = db.execute(
+            "SELECT COUNT(*) FROM witnessed w WHERE w.step = ? AND NOT EXISTS "
+            f"(SELECT 1 FROM peers p WHERE p.peer_id = w.peer_id AND {CREDITABLE})",
+            (step, *DATA_ROLES),
+        ).fetchone()
+        # And the step's members together earn at most SHARE_SLACK batches, whoever stays or goes.
+        (spent,) = db.execute(
+            "SELECT COALESCE(SUM(samples), 0) FROM witnessed WHERE step = ?", (step,)
+        ).fetchone()
+        budget = SHARE_SLACK * max_per_step - spent
         members = {}
         for entry in entries:
             row = db.execute(
@@ -181,17 +199,18 @@ def credit_witnessed(
             ).fetchone()
             if row is not None:
                 members[entry.peer_id] = entry
-        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(members), eligible, 1))
+        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(members), eligible + departed, 1))
         for peer_id, entry in members.items():
             if peer_id == reporter:
                 continue
-            samples = min(entry.weight, cap)
             row = db.execute(
                 "SELECT samples FROM witnessed WHERE peer_id=? AND step=?", (peer_id, step)
             ).fetchone()
-            more = samples - (row[0] if row else 0.0)
+            more = min(min(entry.weight, cap) - (row[0] if row else 0.0), budget)
             if more <= 0:
-                continue  # credited as much already
+                continue  # credited as much already, or the step's budget is spent
+            budget -= more
+            samples = more + (row[0] if row else 0.0)
             db.execute(
                 "INSERT INTO witnessed (peer_id, step, samples) VALUES (?, ?, ?) "
                 "ON CONFLICT(peer_id, step) DO UPDATE SET samples = excluded.samples",

@@ -156,6 +156,57 @@ def test_offline_sybil_keys_share_the_two_batch_bound_and_cannot_steer_once_back
         assert target is None or target.state_hash != POISON
 
 
+# --- review 2: farm keys that leave once credited make room for fresh keys at the same step ---------------
+
+
+def test_farm_keys_that_leave_once_credited_keep_the_farm_within_two_batches_a_step(tmp_path: Path):
+    """HIGH (review 2). A member's cap was 2*target over the round's members or the run's eligible
+    data-parallel peers, whichever are more, and ``left`` peers are not eligible: ``left`` is the peer's
+    own choice. A farm credited at a step left, and a fresh batch of keys was credited at the same step
+    with the same cap, again and again: 4 batches of 12 keys earned 4 times what one batch may. Fixed: a
+    member credited at a step still counts in that step's denominator after it leaves, and the members of
+    a step together earn at most twice a batch of it; honest members of a run without a farm are
+    credited their whole weight."""
+    run_id = "leavers"
+    steps = 6
+
+    async def scenario():
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            honest = [SigningKey.generate() for _ in range(4)]
+            reporter = SigningKey.generate()
+            for k in (*honest, reporter):
+                await store.admit(record(k))
+            await b.beat(reporter, 0, "")
+            history: list = []
+            await honest_step(b, honest, 0, history)
+            await honest_step(b, honest, 1, history)
+            alone = [await b.credit(k) for k in honest]  # a step of honest rounds, no farm yet
+            farm_credit = 0.0
+            for step in range(2, steps + 1):
+                await honest_step(b, honest, step, history)
+                for _ in range(
+                    4
+                ):  # 4 batches of 12 fresh keys at each step, each batch leaving once credited
+                    batch = [SigningKey.generate() for _ in range(12)]
+                    for k in batch:
+                        await store.admit(record(k))
+                    chunks = [batch[i : i + 4] for i in range(0, 12, 4)]
+                    rounds = [
+                        a_round([reporter, *c], step - 1, TARGET, run_id=run_id, now=b.now) for c in chunks
+                    ]
+                    await b.beat(reporter, 0, "", rounds)
+                    for k in batch:
+                        farm_credit += await b.credit(k)
+                        await store.record_leave(k.peer_id, seq=10**6, seen_at=b.t)
+            return alone, farm_credit
+
+    alone, farm_credit = run(scenario())
+    assert alone == [TARGET / 4] * 4, "honest members of honest rounds earn their whole weight"
+    farm_steps = steps - 1
+    assert farm_credit <= 2 * TARGET * farm_steps + 1e-6, (farm_credit, 2 * TARGET * farm_steps)
+
+
 # --- 4. a restarted peer (or one whose answer was lost) holds no standing: counting decides -------------
 
 
