@@ -10,8 +10,10 @@ on CPU, encodes the chunk with the round's codec and compares, with the run's to
 
 - beyond the tolerance (or a claim of samples the built-in loop never signs): the accused is banned;
 - within it, or evidence that does not hold (a signature, an entry of another round, a chunk outside
-  the run's layout, a run that does not check senders): the accuser is banned, as for any false evidence;
-- the state not served in time (the accuser is gone, or it never kept it): nobody is banned.
+  the run's layout, a chunk, validator or sender other than the round's draw from its reveals, a run
+  that does not check senders): the accuser is banned, as for any false evidence;
+- the state not served in time (the accuser is gone, or it never kept it), or a replay the coordinator
+  cannot run within ``REPLAY_TIMEOUT_S``: nobody is banned.
 
 The recompute costs the coordinator one peer's step on CPU (at most the run's target batch) and one state
 download, once per accusation; the accusation budgets bound how many arrive (``coordinator.limits``).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from hivemind.p2p import P2P, PeerID
@@ -35,12 +38,15 @@ from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES
 from swarm.averaging.tiers import round_codec
-from swarm.config import RunConfig
+from swarm.config import RunConfig, sender_checks_on
 from swarm.training.sendercheck import WrongContributionEvidence
 from swarm.training.state import DecodedState
 from swarm.training.sync import download_limit, download_state, state_namespace
 
 logger = logging.getLogger(__name__)
+
+#: The longest one replay may take on the coordinator's CPU before it gives up (banning nobody).
+REPLAY_TIMEOUT_S = 300.0
 
 
 class ContributionStates:
@@ -119,14 +125,16 @@ async def judge_contribution(
         evidence = _parse(data)
         if evidence.accused != accused or accuser not in evidence.members or accuser == accused:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
-        if training.sync != "every_step" or training.sender_check_probability <= 0:
+        if not sender_checks_on(training):
             raise ProtocolError("this run does not recompute senders' contributions")
         if evidence.prefix != run.run_id.replace(".", "_"):
             raise ProtocolError(
                 f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, not the run's"
             )
         step, state_hash = evidence.facts()
-        evidence.slice(round_codec(run, evidence.prefix), layouts()[evidence.prefix])
+        codec, vector_numel = round_codec(run, evidence.prefix), layouts()[evidence.prefix]
+        evidence.slice(codec, vector_numel)
+        evidence.check_draw(run, codec, vector_numel, accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
     try:
@@ -140,19 +148,15 @@ async def judge_contribution(
             f"{accused}'s contribution on; nobody banned",
             None,
         )
-    codec = round_codec(run, evidence.prefix)
     async with judging:
         try:
             verdict = await asyncio.to_thread(
-                evidence.judge,
-                run,
-                state.tensors,
-                codec,
-                vector_numel=layouts()[evidence.prefix],
-                device="cpu",
-            )
-        except SwarmError as e:
-            return f"the evidence does not hold: {e}", accuser
+                evidence.judge, run, state.tensors, codec, vector_numel=vector_numel, device="cpu",
+                deadline=time.monotonic() + REPLAY_TIMEOUT_S,
+            )  # fmt: skip
+        except Exception as e:  # the evidence held: a replay this coordinator cannot run bans nobody
+            logger.warning(f"could not replay {accused}'s contribution at step {step}: {e!r}"[:500])
+            return f"the coordinator could not replay {accused}'s contribution: {e}"[:400], None
     if verdict is None:
         return f"{accused}'s contribution is what its public batch seeds give at step {step}", accuser
     return verdict, accused

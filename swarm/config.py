@@ -217,12 +217,13 @@ class TrainingConfig(_Section):
         "the chunk it checked from the public batch seeds (swarm.training.sendercheck); 0 for a run whose "
         "peers train on their own data",
     )
-    sender_check_tolerance: float = Field(
-        0.05,
+    sender_check_tolerance: float | None = Field(
+        None,
         ge=0,
         le=1,
         description="largest relative L2 distance between a sender's chunk and its recomputation that is "
-        "not a lie: rounding of other device kinds (the same kind recomputes it bit for bit)",
+        "not a lie: rounding of other device kinds (the same kind recomputes it bit for bit); default "
+        "0.01 in fp32, 0.05 in bf16",
     )
     max_group_size: int = Field(64, ge=1, le=1024, description="peers in one averaging group")
     min_group_size: int = Field(1, ge=1, le=1024, description="a round needs this many peers; fewer wait")
@@ -421,6 +422,28 @@ class RunConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sender_checks_can_replay(self) -> RunConfig:
+        """A run whose validators replay senders' contributions (``training.sender_check_probability``)
+        must train what anyone can replay: no dropout (it draws from each process's own random state),
+        and not fp16, whose loss scale is each peer's own and which the coordinator's CPU cannot run."""
+        training = self.training
+        if not sender_checks_on(training):
+            return self
+        why = "; or set training.sender_check_probability = 0"
+        if training.precision == "fp16":
+            raise ValueError(
+                "training.precision 'fp16' cannot be replayed by the coordinator's CPU (and its loss scale is "
+                f"each peer's own); validators replay senders' contributions: use bf16 or fp32{why}"
+            )
+        for key, value in self.model.config.items():
+            if is_dropout_key(key) and isinstance(value, int | float) and value:
+                raise ValueError(
+                    f"model.config.{key} = {value}: dropout draws from each process's own random state, so "
+                    f"validators could not replay a sender's contribution from its public seeds; set it to 0{why}"
+                )
+        return self
+
     @field_validator("coordinator_key")
     @classmethod
     def _coordinator_key(cls, value: str | None) -> str | None:
@@ -459,6 +482,28 @@ class RunConfig(_Section):
     def to_spec(self) -> dict[str, Any]:
         """The part of the config sent to every peer: everything but admission secrets."""
         return self.model_dump(mode="json", exclude={"admission"}, exclude_none=True)
+
+
+def sender_checks_on(training: TrainingConfig) -> bool:
+    """Whether validators replay drawn senders' contributions (``swarm.training.sendercheck``)."""
+    return (
+        training.sync == "every_step"
+        and training.sender_check_probability > 0
+        and training.verify_probability > 0
+    )
+
+
+def sender_tolerance(training: TrainingConfig) -> float:
+    """The largest relative distance of a sender's chunk from its replay that is not a lie: the run's
+    ``sender_check_tolerance``, else 0.01 in fp32 and 0.05 in bf16 (other device kinds round there)."""
+    if training.sender_check_tolerance is not None:
+        return training.sender_check_tolerance
+    return 0.01 if training.precision == "fp32" else 0.05
+
+
+def is_dropout_key(key: str) -> bool:
+    """Whether a model config field named ``key`` is a dropout rate (``dropout``, ``resid_pdrop``...)."""
+    return key.endswith(("dropout", "pdrop", "dropout_prob", "dropout_rate"))
 
 
 def _drop_none(value: Any) -> Any:

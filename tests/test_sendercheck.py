@@ -34,7 +34,8 @@ from swarm.training.sendercheck import (
 )
 from swarm.training.state import DecodedState, build_optimizer, state_hash, state_tensors
 
-RUN = tiny_run("sender-checks")
+# Every part validated and a sender drawn at every check, so a round's draw is easy to arrange.
+RUN = tiny_run("sender-checks", verify_probability=1.0, sender_check_probability=1.0)
 PREFIX = RUN.run_id.replace(".", "_")
 CODEC = get_codec(RUN.training.compression)
 STEP = 3
@@ -51,27 +52,45 @@ def world():
     keys = [SigningKey.generate() for _ in range(3)]
     model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
     tensors = state_tensors(model, build_optimizer(model, RUN.optimizer))
-    honest = recompute(RUN, tensors, keys[1].peer_id, STEP, 8.0, device="cpu")
+    honest = recompute(RUN, tensors, keys[1].peer_id, STEP, 2, device="cpu")  # 2 micro-batches of 4
     return keys, tensors, state_hash(STEP, tensors), honest
 
 
-def _evidence(keys, vector, *, weight=8.0, step=STEP, hash_=None, entry_key=None, commit=None, part=0):
-    """Member 1's signed input to chunk 0 of ``part`` (``vector`` encoded) and its signed group entry."""
+def drawn_group(members: tuple[str, ...], commits: tuple[bytes, ...], part: int) -> bytes:
+    """A group ID whose round (with the ``_nonce`` reveals) draws member 0 to check chunk 0 of ``part``
+    and member 1 as the sender to replay."""
+    from swarm.averaging.evidence import draw_seed, drawn_validator
+
+    for i in range(10_000):
+        group_id = b"group-%d" % i
+        seed = draw_seed(
+            round_digest(PREFIX, group_id, members, commits), [_nonce(j) for j in range(len(members))]
+        )
+        if drawn_validator(seed, part, len(members)) == 0 and drawn_sender(seed, part, 0, [1, 2], 1.0) == 1:
+            return group_id
+    raise AssertionError("no group ID draws that")
+
+
+def _evidence(keys, vector, *, weight=8.0, step=STEP, hash_=None, entry_key=None, commit=None, part=1):
+    """Member 1's signed input to chunk 0 of ``part`` (``vector`` encoded) and its signed group entry, in
+    a round that drew member 0 to check it; the round's reveals included."""
     members = tuple(k.peer_id for k in keys)
     commits = tuple(hashlib.sha256(_nonce(i)).digest() for i in range(len(keys)))
-    digest = round_digest(PREFIX, b"group-1", members, commits)
+    group_id = drawn_group(members, commits, part)
+    digest = round_digest(PREFIX, group_id, members, commits)
     numel = sum(p.numel() for p in build_model(RUN.model.name, RUN.model.config).parameters())
     lo, hi = chunk_slice(numel, len(keys), part, 0, layout_chunk_values(len(keys), CODEC.bytes_per_value))
     data = CODEC.encode_contribution(vector[lo:hi])
     signature = keys[1].sign(contribution_message(digest, part, 0, members[1], weight, data))
     body = GroupEntryBody(
-        schema_hash=bytes(32), weight=weight, commit=commit or commits[1],
+        schema_hash=bytes(32), weight=min(weight, 1e6), commit=commit or commits[1],
         extra={"step": step, "state_hash": hash_ or ""},
     )  # fmt: skip
     entry = make_entry(entry_key or keys[1], PREFIX, body)
     return WrongContributionEvidence(
-        prefix=PREFIX, group_id=b"group-1", members=members, commitments=commits, part=part, chunk=0,
+        prefix=PREFIX, group_id=group_id, members=members, commitments=commits, part=part, chunk=0,
         item=SignedInput(1, data, signature, weight), entry=entry,
+        reveals=tuple(_nonce(i) for i in range(len(keys))),
     )  # fmt: skip
 
 
@@ -95,10 +114,10 @@ def test_an_honest_contribution_is_recomputed_bit_for_bit_and_lies_are_not(world
         verdict = _judge(_evidence(keys, lie, hash_=hash_), tensors)
         assert verdict is not None and "recomputed from its public batch seeds" in verdict, name
     # The gradient of another peer's batches (or of other labels) is another vector.
-    other = recompute(RUN, tensors, keys[2].peer_id, STEP, 8.0, device="cpu")
+    other = recompute(RUN, tensors, keys[2].peer_id, STEP, 2, device="cpu")
     assert "relative L2" in _judge(_evidence(keys, other, hash_=hash_), tensors)
     # The same batches one step earlier: a stale gradient.
-    stale = recompute(RUN, tensors, keys[1].peer_id, STEP - 1, 8.0, device="cpu")
+    stale = recompute(RUN, tensors, keys[1].peer_id, STEP - 1, 2, device="cpu")
     assert _judge(_evidence(keys, stale, hash_=hash_), tensors) is not None
     # A claim of samples the built-in loop never signs.
     assert "not a whole number" in _judge(_evidence(keys, honest, hash_=hash_, weight=6.0), tensors)

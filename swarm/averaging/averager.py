@@ -563,7 +563,7 @@ class Averager:
             self.policy.blame_round(result.failed_reducers, result.denied_by)
             if result.complete and len(group.peer_ids) > 1:
                 if self.sender_checks is not None:  # the state the senders computed at, before its update
-                    self.sender_checks.keep(runner, group.signed_entries)
+                    await self.sender_checks.keep(runner, group.signed_entries)
                 self._verify_later(runner)
             return group, result
 

@@ -267,7 +267,10 @@ def signed_input(item: list) -> SignedInput:
     if type(index) is not int or not 0 <= index < MAX_MEMBERS:
         raise ProtocolError("evidence holds an input of no member index")
     data = bytes_field(data, "an input", MAX_EVIDENCE_BYTES)
-    return SignedInput(index, data, bytes_field(signature, "a signature", SIGNATURE_BYTES), float(weight))
+    weight = float(weight)
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ProtocolError("evidence holds an input whose weight is not a finite number >= 0")
+    return SignedInput(index, data, bytes_field(signature, "a signature", SIGNATURE_BYTES), weight)
 
 
 @dataclass(frozen=True)

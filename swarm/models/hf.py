@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, m
 from torch import nn
 
 from protocols.errors import ConfigError
+from swarm.config import is_dropout_key
 from swarm.hf_import import import_hf, local_path
 from swarm.models.builder import register_model
 
@@ -156,7 +157,7 @@ def transformers_config(config: HFCausalLMConfig) -> Any:
             raise ConfigError(f"{_WHAT}: field 'hf_config.{key}': {model_type}'s config has no such field")
     fields.update(config.hf_config)
     for key, value in list(fields.items()):
-        if _is_dropout(key) and isinstance(value, int | float) and value:
+        if is_dropout_key(key) and isinstance(value, int | float) and value:
             if key in config.hf_config:
                 raise ConfigError(
                     f"{_WHAT}: field 'hf_config.{key}' must be 0: a peer's batch is recomputed by others "
@@ -169,7 +170,7 @@ def transformers_config(config: HFCausalLMConfig) -> Any:
         raise ConfigError(f"{_WHAT}: the transformers config refused these fields: {exc}") from None
     for key in vars(hf_config):
         value = getattr(hf_config, key)
-        if _is_dropout(key) and isinstance(value, float) and value:
+        if is_dropout_key(key) and isinstance(value, float) and value:
             setattr(hf_config, key, 0.0)
     for key in _POSITION_LIMITS:
         limit = getattr(hf_config, key, None)
@@ -179,10 +180,6 @@ def transformers_config(config: HFCausalLMConfig) -> Any:
             )
     hf_config.use_cache = False
     return hf_config
-
-
-def _is_dropout(key: str) -> bool:
-    return key.endswith(("dropout", "pdrop", "dropout_prob", "dropout_rate"))
 
 
 def _read_config_file(value: str) -> dict[str, Any]:

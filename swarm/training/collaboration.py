@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from protocols.errors import ConfigError, SwarmError
-from swarm.config import RunConfig
+from swarm.config import RunConfig, sender_checks_on
 from swarm.training.ownmodel import check_own_model
 from swarm.training.peer import TrainingPeer
 from swarm.training.state import build_optimizer
@@ -77,7 +77,7 @@ class EveryStep:
                 f"collaborate: strategy EveryStep(), but run {run.run_id!r} trains with "
                 f"training.sync = {run.training.sync!r}; pass strategy=None to follow the run"
             )
-        if run.training.sender_check_probability > 0 and run.training.verify_probability > 0:
+        if sender_checks_on(run.training):
             # Its groupmates would replay the run's public batches, not this loop's data, and accuse it.
             raise ConfigError(
                 f"collaborate: run {run.run_id!r} recomputes every sender's gradient from the run's public "

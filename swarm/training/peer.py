@@ -140,7 +140,9 @@ class TrainingPeer:
             record_signer=self.records,
         )  # fmt: skip
         # Validators recompute drawn senders' contributions from their public batch seeds (every_step).
-        self.sender_checks = SenderChecks(run, device=device, state=self._state_now, accuse=accuse)
+        self.sender_checks = SenderChecks(
+            run, device=device, state=self._state_now, accuse=accuse, suspect=self.policy.suspect
+        )
         if self.sender_checks.enabled:
             self.averager.sender_checks = self.sender_checks
         # Beyond one group: what every group of a step applies (swarm.training.tiered).
@@ -391,7 +393,8 @@ class TrainingPeer:
         held_steps = {p.step for p in others}  # a groupmate claiming one of these is ahead, not lying
         expected = max(needed, 1 + len(at_step))
         started = time.monotonic()
-        fits = lambda entry, _signer: step_misfit(entry.extra, extra, held_steps)  # noqa: E731 - both tiers check it
+        same_state = self.sender_checks.enabled  # its validators replay senders on their own state
+        fits = lambda entry, _signer: step_misfit(entry.extra, extra, held_steps, state=same_state)  # noqa: E731 - both tiers check it
         outcome = await self.averager.average(
             vector,
             weight,

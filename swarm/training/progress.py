@@ -133,7 +133,9 @@ class ProgressView:
             await asyncio.sleep(interval_s)
 
 
-def step_misfit(theirs: dict, mine: dict, held: Collection[int] = ()) -> Misfit | None:
+def step_misfit(
+    theirs: dict, mine: dict, held: Collection[int] = (), *, state: bool = False
+) -> Misfit | None:
     """Why a groupmate's signed round ``extra`` does not fit this peer's (``mine``); None if it fits.
 
     Only contributions of this step (in DiLoCo, this outer step): a gradient applied to another step's
@@ -148,6 +150,11 @@ def step_misfit(theirs: dict, mine: dict, held: Collection[int] = ()) -> Misfit 
     """
     step = theirs.get("step")
     if type(step) is int and step == mine["step"]:  # not ``True``, which equals 1
+        if state and theirs.get("state_hash") != mine.get("state_hash"):
+            # ``state``: a run whose validators replay senders from the state of the round (sender
+            # checks) takes only members at this peer's state; one apart from it, whichever side is
+            # right, is excluded unblamed and the catch-up rule moves the minority.
+            return Misfit(f"holds another state at step {step} than this peer's", blamed=False)
         return None
     # A step behind is what an honest laggard signs, and what a leader replaying the member's entry of an
     # earlier round shows: excluded, never blamed. So is a step ahead that the run's signed progress

@@ -20,13 +20,19 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import time
 from collections.abc import Mapping
 
 import torch
 
+from protocols.errors import SwarmError
 from swarm.data import build_dataset, derive_seed
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.state import flat_mean_gradient
+
+
+class ReplayTooLong(SwarmError):
+    """A replay ran past the deadline its caller set."""
 
 
 def honest_gradients(
@@ -40,10 +46,12 @@ def honest_gradients(
     peers: Mapping[str, int],
     precision: str = "fp32",
     device: str = "cpu",
+    deadline: float | None = None,
 ) -> torch.Tensor | None:
     """The flat mean gradient each of ``peers`` (peer ID -> samples it holds at ``step``) computes at
     ``step`` from ``model``'s state, one row per peer that holds a whole micro-batch, in peer-ID order;
-    None if none does. ``model`` itself is left as it is (its gradients included)."""
+    None if none does. ``model`` itself is left as it is (its gradients included). ``deadline``
+    (``time.monotonic()``): a ``ReplayTooLong`` once it passes, checked between micro-batches."""
     replica = copy.deepcopy(model)
     runner = MicroBatchRunner(replica, device=device, precision=precision)
     replica.train()
@@ -55,6 +63,8 @@ def honest_gradients(
         for p in runner.params:
             p.grad = None
         for micro in range(micro_batches):
+            if deadline is not None and time.monotonic() > deadline:
+                raise ReplayTooLong(f"the replay of {peer_id} at step {step} ran past its deadline")
             seed = derive_seed(run_id, peer_id, step, micro)
             inputs, targets = dataset.sample_batch(seed, micro_batch, seq_len)
             runner.run(inputs, targets)
@@ -72,4 +82,4 @@ def _dataset(name: str, config_json: str):
     return build_dataset(name, json.loads(config_json))
 
 
-__all__ = ["honest_gradients", "public_dataset"]
+__all__ = ["ReplayTooLong", "honest_gradients", "public_dataset"]

@@ -40,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+import os
 import struct
 import time
 from collections import OrderedDict
@@ -50,23 +52,25 @@ import torch
 
 from protocols.codec import pack
 from protocols.envelope import open_envelope
-from protocols.errors import ProtocolError, SwarmError
+from protocols.errors import ProtocolError
 from swarm.averaging.archive import KEEP_INPUTS_S
 from swarm.averaging.compression import Codec
 from swarm.averaging.evidence import (
+    NONCE_BYTES,
     BadAggregateEvidence,
     RoundEvidence,
     SignedInput,
     bytes_field,
     chunk_bounds,
+    draw_seed,
     layout_chunk_values,
     round_fields,
     signed_input,
     split_bounds,
 )
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
-from swarm.averaging.verification import draw
-from swarm.config import RunConfig
+from swarm.averaging.verification import Assignment, assignments, draw
+from swarm.config import RunConfig, sender_checks_on, sender_tolerance
 from swarm.training.replay import honest_gradients, public_dataset
 from swarm.training.state import encode_state
 from swarm.training.sync import EncodedState, is_state_hash
@@ -80,6 +84,9 @@ KEEP_S = KEEP_INPUTS_S
 MAX_KEPT = 2
 #: Rounds whose state awaits its check (a new round's copy pushes out the oldest).
 MAX_PENDING = 2
+#: How long a complete round waits for its reveals before copying the state (it cannot tell yet whether
+#: this member validates); a member that withholds its reveal costs each round at most this.
+REVEAL_WAIT_S = 1.0
 MAX_ENTRY_BYTES = 16 << 10
 
 # (step, state hash, state tensors) of this peer now, read before the round's update is applied.
@@ -115,7 +122,7 @@ def whole_micro_batches(run: RunConfig, samples: float) -> int:
     """The micro-batches behind a claim of ``samples``; ProtocolError for a claim the built-in loop never
     signs: not a whole number of micro-batches, or more than it holds before a round is due."""
     micro, target = run.training.micro_batch_size, run.training.target_batch_size
-    if not (samples == int(samples) and samples > 0 and int(samples) % micro == 0):
+    if not (math.isfinite(samples) and samples == int(samples) and samples > 0 and int(samples) % micro == 0):
         raise ProtocolError(
             f"signed for {samples:g} samples, not a whole number of {micro}-sample micro-batches"
         )
@@ -127,24 +134,32 @@ def whole_micro_batches(run: RunConfig, samples: float) -> int:
 
 
 def recompute(
-    run: RunConfig, tensors: dict[str, torch.Tensor], peer_id: str, step: int, samples: float, *, device: str
+    run: RunConfig,
+    tensors: dict[str, torch.Tensor],
+    peer_id: str,
+    step: int,
+    micro_batches: int,
+    *,
+    device: str,
+    deadline: float | None = None,
 ) -> torch.Tensor:
-    """The flat contribution ``peer_id`` sends at ``step`` for ``samples`` from the state ``tensors``
-    (``state_tensors``' names), replayed from its public batch seeds; ProtocolError for a claim of samples
-    no peer on the built-in loop signs, or tensors that are not the run's state."""
+    """The flat contribution ``peer_id`` sends at ``step`` for ``micro_batches`` (``whole_micro_batches``)
+    from the state ``tensors`` (``state_tensors``' names), replayed from its public batch seeds; a
+    SwarmError when it cannot be (tensors that are not the run's state, ``deadline`` passed)."""
     from swarm.models import build_model, model_config
     from swarm.training.state import build_optimizer, load_state_tensors
 
-    micro_batches = whole_micro_batches(run, samples)
+    micro = run.training.micro_batch_size
     model = build_model(run.model.name, run.model.config, seed=run.training.seed).to(device)
     load_state_tensors(model, build_optimizer(model, run.optimizer), tensors)
     seq_len = int(model_config(run.model.name, run.model.config).seq_len)
     rows = honest_gradients(
         model, public_dataset(run.dataset.name, run.dataset.config), run_id=run.run_id, step=step,
-        micro_batch=run.training.micro_batch_size, seq_len=seq_len, peers={peer_id: micro_batches * run.training.micro_batch_size},
-        precision=run.training.precision, device=device,
+        micro_batch=micro, seq_len=seq_len, peers={peer_id: micro_batches * micro},
+        precision=run.training.precision, device=device, deadline=deadline,
     )  # fmt: skip
-    assert rows is not None  # at least one micro-batch, checked above
+    if rows is None:
+        raise ProtocolError(f"no micro-batch of {peer_id} to replay")
     return rows[0].detach().to("cpu", torch.float32)
 
 
@@ -179,6 +194,9 @@ class WrongContributionEvidence(RoundEvidence):
 
     item: SignedInput
     entry: bytes
+    # Every member's revealed nonce, in member order: they fix the round's draw, which must name the
+    # accuser as the part's validator, this chunk, and the accused as the sender to replay.
+    reveals: tuple[bytes, ...] = ()
 
     kind = KIND
 
@@ -194,6 +212,7 @@ class WrongContributionEvidence(RoundEvidence):
                 **self._fields(),
                 "item": [item.sender_index, item.data, item.signature, item.weight],
                 "entry": self.entry,
+                "reveals": list(self.reveals),
             }  # fmt: skip
         )
 
@@ -203,6 +222,7 @@ class WrongContributionEvidence(RoundEvidence):
             return cls(
                 **round_fields(body), item=signed_input(body["item"]),
                 entry=bytes_field(body["entry"], "the accused's group entry", MAX_ENTRY_BYTES),
+                reveals=tuple(bytes_field(r, "a reveal", NONCE_BYTES) for r in body.get("reveals", ())),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise ProtocolError(f"{KIND} evidence is malformed: {e!r}"[:300]) from None
@@ -234,6 +254,32 @@ class WrongContributionEvidence(RoundEvidence):
             raise ProtocolError(f"the group entry of {accused} names a state hash that is not 64 hex digits")
         return step, state_hash
 
+    def check_draw(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> None:
+        """That the round's draw (from ``reveals``) made ``accuser`` the validator of this chunk of this
+        part and named the accused as the sender to replay; ProtocolError otherwise. So an accuser
+        replays only the sender and chunk the round drew, never ones it picked."""
+        members = len(self.members)
+        if len(self.reveals) != members or len(self.commitments) != members:
+            raise ProtocolError(f"{KIND} evidence needs every member's commitment and reveal")
+        if any(hashlib.sha256(r).digest() != c for r, c in zip(self.reveals, self.commitments, strict=True)):
+            raise ProtocolError("evidence holds a reveal that does not match its member's commitment")
+        if accuser not in self.members:
+            raise ProtocolError("the accuser is not a member of the round")
+        values = layout_chunk_values(members, codec.bytes_per_value)
+        bounds = split_bounds(vector_numel, members, self.reducers)
+        chunks = [len(chunk_bounds(bounds[p + 1] - bounds[p], values)) - 1 for p in range(members)]
+        seed = draw_seed(self.digest, self.reveals)
+        validator = self.members.index(accuser)
+        drawn = assignments(seed, members, validator, run.training.verify_probability, chunks)
+        if Assignment(self.part, self.chunk) not in drawn:
+            raise ProtocolError(
+                f"the round did not draw the accuser to check chunk {self.chunk} of part {self.part}"
+            )
+        candidates = [i for i in range(members) if i != validator]
+        sender = drawn_sender(seed, self.part, self.chunk, candidates, run.training.sender_check_probability)
+        if sender != self.item.sender_index:
+            raise ProtocolError(f"the round did not draw {self.accused} as the sender to replay")
+
     def slice(self, codec: Codec, vector_numel: int) -> tuple[int, int]:
         """Where the chunk lies in the run's vector; ProtocolError if the run's layout has no such chunk."""
         values = layout_chunk_values(len(self.members), codec.bytes_per_value)
@@ -250,18 +296,21 @@ class WrongContributionEvidence(RoundEvidence):
         *,
         vector_numel: int,
         device: str,
+        deadline: float | None = None,
     ) -> str | None:
         """What the accused did wrong, recomputed from ``tensors`` (the state the evidence's ``facts``
-        name, which the caller verified by its hash), or None if its input is what it computed."""
+        name, which the caller verified by its hash), or None if its input is what it computed. A
+        SwarmError when the evidence does not hold, or the replay cannot be done (by ``deadline``)."""
         step, _ = self.facts()
         lo, hi = self.slice(codec, vector_numel)
         accused = self.accused
         try:
-            vector = recompute(run, tensors, accused, step, self.item.weight, device=device)
-        except ProtocolError as e:
+            micro_batches = whole_micro_batches(run, self.item.weight)
+        except ProtocolError as e:  # its own signed claim: no replay needed
             return str(e)
+        vector = recompute(run, tensors, accused, step, micro_batches, device=device, deadline=deadline)
         verdict = compare(
-            self.item.data, vector[lo:hi], codec, run.training.sender_check_tolerance, sender=accused
+            self.item.data, vector[lo:hi], codec, sender_tolerance(run.training), sender=accused
         )
         if verdict is None:
             return None
@@ -279,10 +328,11 @@ class _Copy:
 
 class SenderChecks:
     """One validator's sender checks (see the module docstring). ``state`` reads this peer's step, state
-    hash and a copy of its state tensors; ``accuse`` files evidence (None: only logged)."""
+    hash and a copy of its state tensors; ``accuse`` files evidence (None: only logged); ``suspect``
+    (peer, reason) avoids a sender caught lying in matchmaking."""
 
-    def __init__(self, run: RunConfig, *, device: str, state: StateNow, accuse=None):
-        self.run, self.device, self.state, self.accuse = run, device, state, accuse
+    def __init__(self, run: RunConfig, *, device: str, state: StateNow, accuse=None, suspect=None):
+        self.run, self.device, self.state, self.accuse, self.suspect = run, device, state, accuse, suspect
         self.probability = run.training.sender_check_probability
         self.pending: OrderedDict[bytes, _Copy] = OrderedDict()  # group ID -> the state at its round
         self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
@@ -290,41 +340,48 @@ class SenderChecks:
 
     @property
     def enabled(self) -> bool:
-        training = self.run.training
-        return self.probability > 0 and training.verify_probability > 0 and training.sync == "every_step"
+        return sender_checks_on(self.run.training)
 
-    def keep(self, runner, signed_entries: Sequence[bytes]) -> None:
+    async def keep(self, runner, signed_entries: Sequence[bytes]) -> None:
         """Copy the state of a complete round (before its update) if this member may check one of its
-        senders; ``signed_entries`` are the members' signed group entries, in member order."""
+        senders; ``signed_entries`` are the members' signed group entries, in member order. The round's
+        reveals are waited for up to ``REVEAL_WAIT_S``: once the draw is known, a member that validates
+        no part copies nothing."""
         if not self.enabled or len(signed_entries) != len(runner.members):
             return
+        if runner.revealed is not None and not runner.revealed.done():
+            await asyncio.wait({runner.revealed}, timeout=REVEAL_WAIT_S)
         if runner.shared_seed is not None and not draw(runner, self.run.training.verify_probability):
             return  # this member checks no part of the round
-        step, state_hash, tensors = self.state()
+        step, state_hash, tensors = await asyncio.to_thread(self.state)
         self.pending[runner.group_id] = _Copy(step, state_hash, tensors, dict(enumerate(signed_entries)))
         while len(self.pending) > MAX_PENDING:
             self.pending.popitem(last=False)
 
     async def check(self, runner, outcomes: Sequence) -> None:
-        """Recompute the sender the round's draw names for each chunk this member validated, and accuse
-        the ones that lied."""
+        """Replay the sender the round's draw names for each chunk this member validated; accuse the ones
+        that lied. Without every member's reveal (one withheld it) the draw is this member's own: a lie
+        found so is not provable to the coordinator, and its sender is only avoided (``suspect``)."""
         copy = self.pending.pop(runner.group_id, None)
-        seed = runner.shared_seed
-        if copy is None or seed is None:
+        if copy is None:
             return
+        seed = runner.shared_seed
+        members = len(runner.members)
+        reveals = tuple(runner.reveals[i] for i in range(members)) if seed is not None else ()
+        own_draw = os.urandom(32) if seed is None else seed
         for outcome in outcomes:
             evidence = outcome.evidence
             if not isinstance(evidence, BadAggregateEvidence):
                 continue
-            others = [i.sender_index for i in evidence.inputs if i.sender_index != runner.index]
-            sender = drawn_sender(seed, evidence.part, evidence.chunk, others, self.probability)
-            if sender is None:
-                continue
-            item = next(i for i in evidence.inputs if i.sender_index == sender)
+            candidates = [i for i in range(members) if i != runner.index]
+            sender = drawn_sender(own_draw, evidence.part, evidence.chunk, candidates, self.probability)
+            item = next((i for i in evidence.inputs if i.sender_index == sender), None)
+            if item is None:
+                continue  # nobody drawn, or the drawn member sent nothing to this chunk
             lie = WrongContributionEvidence(
                 prefix=evidence.prefix, group_id=evidence.group_id, members=evidence.members,
                 commitments=evidence.commitments, part=evidence.part, chunk=evidence.chunk,
-                reducers=evidence.reducers, item=item, entry=copy.entries[sender],
+                reducers=evidence.reducers, item=item, entry=copy.entries[sender], reveals=reveals,
             )  # fmt: skip
             await self._check_one(runner, lie, copy)
 
@@ -332,7 +389,7 @@ class SenderChecks:
         accused = lie.accused
         try:
             step, state_hash = lie.facts()
-            if (step, state_hash) != (copy.step, copy.state_hash):
+            if (step, state_hash) != (copy.step, copy.state_hash):  # excluded from rounds (step_misfit)
                 logger.info(
                     f"{accused} joined round {runner.group_id.hex()[:8]} at another state; not checked"
                 )
@@ -341,14 +398,18 @@ class SenderChecks:
             verdict = await asyncio.to_thread(
                 lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel, device=self.device
             )
-        except SwarmError as e:
-            logger.warning(f"could not check the contribution of {accused}: {e}")
+        except Exception as e:  # a replay this peer cannot run: nobody is accused
+            logger.warning(f"could not check the contribution of {accused}: {e!r}"[:500])
             return
         if verdict is None:
             logger.debug(f"recomputed the contribution of {accused} to part {lie.part} chunk {lie.chunk}")
             return
         self.caught += 1
         logger.warning(f"{accused} {verdict} in round {runner.group_id.hex()[:8]}")
+        if self.suspect is not None:
+            self.suspect(accused, "sent a contribution other than its public batch seeds give")
+        if not lie.reveals:
+            return  # found by this member's own draw: the coordinator could not tell it was drawn
         copy.kept_until = time.monotonic() + KEEP_S
         self._hold(copy)
         if self.accuse is not None:
