@@ -307,3 +307,8 @@ def test_keys_without_credit_that_copy_the_honest_position_are_no_download_holde
     target = catch_up_target(Position(0, "3" * 64), view, credit=honest)
     assert target.state_hash == "1" * 64
     assert sorted(target.holders) == sorted(honest)
+    # Review 2 (LOW-MEDIUM): keys with a sliver of farmed credit were holders again. Now a holder needs a
+    # tenth of the vote cap (the third most credit in view).
+    slivers = {**honest, **{f"s{i}": 1.0 for i in range(30)}}
+    target = catch_up_target(Position(0, "3" * 64), view, credit=slivers)
+    assert target.state_hash == "1" * 64 and sorted(target.holders) == sorted(honest)

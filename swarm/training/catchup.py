@@ -62,6 +62,10 @@ CREDIT_CAP_RANK = 3
 # Peers in view with credit that make credit, not the count of keys, decide a move: with fewer, one peer
 # credited early would decide alone.
 CREDIT_QUORUM = 3
+# When credit decides, a download holder holds at least this share of the vote cap (the third most credit
+# in view): keys with a sliver of farmed credit that copy the position are no holders, each of which the
+# downloader would try in turn.
+HOLDER_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -230,14 +234,16 @@ def catch_up_target(
             mine_side = 1 + sum(1 for p in voters.values() if p == mine)
             if mine_side > support or (mine_side == support and mine.state_hash < best.state_hash):
                 return None
-    # Downloads come from the peers that decided: groupmates, or when credit decides, credited peers (keys
-    # without credit that copy the position would be most of the holders, each tried first in turn).
+    # Downloads come from the peers that decided: groupmates, or when credit decides, peers with a share of
+    # the credit cap (keys without credit, or with a sliver of it, that copy the position would be most of
+    # the holders, each tried first in turn).
+    floor = HOLDER_SHARE * max(credit_weights(others, credit).values(), default=0.0) if weighed else 0.0
     holders = sorted(
         peer
         for peer, p in others.items()
         if Position(p.step, p.state_hash) == best
         and (not anchors or peer in trusted)
-        and (not weighed or credit.get(peer, 0.0) > 0)
+        and (not weighed or credit.get(peer, 0.0) >= max(floor, 1e-9))
     )
     return Target(best.step, best.state_hash, holders, support)
 
