@@ -97,9 +97,16 @@ def draw_seed(digest: bytes, nonces: Sequence[bytes]) -> bytes:
     return hashlib.sha256(b"shared|" + digest + hashed).digest()
 
 
-def drawn_validator(seed: bytes, part: int, members: int) -> int:
-    """The member that the group's draw ``seed`` names to check ``part`` (never the part's own reducer)."""
+def drawn_validator(seed: bytes, part: int, members: int, reducers: Sequence[bool] = ()) -> int:
+    """The member that the group's draw ``seed`` names to check ``part`` (never the part's own reducer).
+
+    With ``reducers`` (the round's ``reducer_mask``), only a member that reduces a part is drawn: one that
+    reduces none receives no part streams, so no reveals, and never learns the draw it would check by."""
     draw = hashlib.sha256(seed + part.to_bytes(4, "big")).digest()
+    if reducers:
+        eligible = [i for i in range(members) if i != part and reducers[i]]
+        if eligible:
+            return eligible[int.from_bytes(draw[:8], "big") % len(eligible)]
     return (part + 1 + int.from_bytes(draw[:8], "big") % (members - 1)) % members
 
 
@@ -559,7 +566,7 @@ class UnshownInputEvidence(BadAggregateEvidence):
             raise ProtocolError(f"chunk {self.chunk} of part {self.part} is not the one the round drew")
         # Only the drawn validator checks a part once the draw is known; no other member may demand.
         if accuser not in self.members or self.members.index(accuser) != drawn_validator(
-            seed, self.part, len(self.members)
+            seed, self.part, len(self.members), self.reducers
         ):
             raise ProtocolError(f"the accuser is not the member the round drew to check part {self.part}")
         shown = {i.sender_index for i in self.inputs}

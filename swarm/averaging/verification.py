@@ -25,7 +25,7 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hivemind.p2p import P2P, PeerID, ServicerBase
@@ -62,18 +62,26 @@ class Assignment:
 
 
 def assignments(
-    seed: bytes, members: int, me: int, probability: float, chunks: list[int], *, every_part: bool = False
+    seed: bytes,
+    members: int,
+    me: int,
+    probability: float,
+    chunks: list[int],
+    *,
+    every_part: bool = False,
+    reducers: Sequence[bool] = (),
 ) -> list[Assignment]:
     """The parts this member validates in a round, each with the chunk to check.
 
     ``every_part``: this member checks each other part with ``probability``, whoever the draw names.
+    ``reducers``: the round's reducer mask; only members that reduce a part are drawn as validators.
     """
     mine = []
     if members < 2 or probability <= 0:
         return mine
     for part in range(members):
         draw = hashlib.sha256(seed + part.to_bytes(4, "big")).digest()
-        validator = drawn_validator(seed, part, members)
+        validator = drawn_validator(seed, part, members, reducers)
         chosen = int.from_bytes(draw[8:16], "big") / 2**64 < probability
         if (validator == me or every_part) and chosen and part != me and chunks[part] > 0:
             mine.append(Assignment(part, drawn_chunk(seed, part, chunks[part])))
@@ -88,7 +96,9 @@ def draw(runner: ButterflyAllReduce, probability: float) -> list[Assignment]:
         return assignments(
             os.urandom(32), len(runner.peer_ids), runner.index, probability, chunks, every_part=True
         )
-    return assignments(seed, len(runner.peer_ids), runner.index, probability, chunks)
+    return assignments(
+        seed, len(runner.peer_ids), runner.index, probability, chunks, reducers=runner.reducers
+    )
 
 
 async def serve_inputs(

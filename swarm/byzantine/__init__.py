@@ -10,6 +10,8 @@ Attacks plug into the library through its typed hooks, each owned by the layer t
 - ``attacks``: ``Attack`` (honest at every hook) and the registry of named attacks (``sign_flip``,
   ``alie``, ``ipm``, ... ``bad_reducer``)
 - ``colluders``: what an attacker who reads the code knows: every peer's exact gradient from public seeds
+- ``coupled``: time-coupled attacks (``orthogonal_bias``): the same small push every step, which outer
+  momentum and error feedback add up; registered with the others
 - ``group_attacks``: attacks on the averaging group by a leader (``duplicate_member``,
   ``rewrite_commitments``), registered with the others
 - ``pipeline_attacks``: attacks on the SWARM pipeline (``stage_throughput_lie``, ``stuck_in_flight``,
@@ -27,6 +29,7 @@ These exist to test defenses (``swarm-sim --byzantine K --attack NAME``); an hon
 """
 
 from swarm.byzantine import coordinator_sybils as _coordinator_sybils  # noqa: F401 - registers it
+from swarm.byzantine import coupled as _coupled  # noqa: F401 - registers the time-coupled attacks
 from swarm.byzantine import group_attacks as _group_attacks  # noqa: F401 - registers the group attacks
 from swarm.byzantine import hostile as _hostile  # noqa: F401 - registers the hostile-peer harness
 from swarm.byzantine import pipeline_attacks as _pipeline_attacks  # noqa: F401 - registers the pipeline attacks

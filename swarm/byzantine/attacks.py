@@ -503,8 +503,9 @@ class DrawAwareReducer(BadReducer):
             mine = Assignment(runner.index, chunk)
             for member in range(len(runner.peer_ids)):
                 drawn = assignments(
-                    seed, len(runner.peer_ids), member, self.options.verify_probability, chunks
-                )
+                    seed, len(runner.peer_ids), member, self.options.verify_probability, chunks,
+                    reducers=runner.reducers,
+                )  # fmt: skip
                 if mine in drawn:
                     return honest
         return self.reduce(honest)

@@ -84,9 +84,6 @@ KEEP_S = KEEP_INPUTS_S
 MAX_KEPT = 2
 #: Rounds whose state awaits its check (a new round's copy pushes out the oldest).
 MAX_PENDING = 2
-#: How long a complete round waits for its reveals before copying the state (it cannot tell yet whether
-#: this member validates); a member that withholds its reveal costs each round at most this.
-REVEAL_WAIT_S = 1.0
 MAX_ENTRY_BYTES = 16 << 10
 
 # (step, state hash, state tensors) of this peer now, read before the round's update is applied.
@@ -270,7 +267,9 @@ class WrongContributionEvidence(RoundEvidence):
         chunks = [len(chunk_bounds(bounds[p + 1] - bounds[p], values)) - 1 for p in range(members)]
         seed = draw_seed(self.digest, self.reveals)
         validator = self.members.index(accuser)
-        drawn = assignments(seed, members, validator, run.training.verify_probability, chunks)
+        drawn = assignments(
+            seed, members, validator, run.training.verify_probability, chunks, reducers=self.reducers
+        )
         if Assignment(self.part, self.chunk) not in drawn:
             raise ProtocolError(
                 f"the round did not draw the accuser to check chunk {self.chunk} of part {self.part}"
@@ -343,14 +342,13 @@ class SenderChecks:
         return sender_checks_on(self.run.training)
 
     async def keep(self, runner, signed_entries: Sequence[bytes]) -> None:
-        """Copy the state of a complete round (before its update) if this member may check one of its
-        senders; ``signed_entries`` are the members' signed group entries, in member order. The round's
-        reveals are waited for up to ``REVEAL_WAIT_S``: once the draw is known, a member that validates
-        no part copies nothing."""
+        """Copy the state of a complete round (before its update), off the event loop, if this member may
+        check one of its senders; ``signed_entries`` are the members' signed group entries, in member
+        order. With the round's reveals already in, a member the draw gives no part copies nothing;
+        without them it copies (waiting for them would let a member that withholds its reveal hold every
+        round), and ``check`` drops the copy once its checks are done."""
         if not self.enabled or len(signed_entries) != len(runner.members):
             return
-        if runner.revealed is not None and not runner.revealed.done():
-            await asyncio.wait({runner.revealed}, timeout=REVEAL_WAIT_S)
         if runner.shared_seed is not None and not draw(runner, self.run.training.verify_probability):
             return  # this member checks no part of the round
         step, state_hash, tensors = await asyncio.to_thread(self.state)
