@@ -22,6 +22,11 @@ Usage::
     python benchmarks/bench_training.py                          # demo gpt, 2 peers, 4 steps
     python benchmarks/bench_training.py --quick                  # tiny model, 3 steps (smoke test)
     python benchmarks/bench_training.py --model-config '{"n_layer": 4}' --json results.json
+    python benchmarks/bench_training.py --compare-sender-checks 0,1 --verify-probability 1.0 --repeats 2
+
+``--compare-sender-checks`` prices the sender checks (``swarm.training.sendercheck``) in an honest run:
+the same training once per ``training.sender_check_probability`` given, round by round, each one's
+samples/s over the first's in the same round, and how many senders the validators replayed.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -59,6 +64,8 @@ class Settings:
     matchmaking_time_s: float
     max_bytes: int
     threads: int
+    sender_check_probability: float | None = None  # None: the run's default
+    verify_probability: float | None = None
 
     def run_config(self):
         from swarm.config import RunConfig
@@ -76,6 +83,14 @@ class Settings:
                 # Both peers take part in every round: neither steps alone, so neither falls behind and
                 # catches up by download, which would hide its compute from the measured window.
                 "min_group_size": 2,
+                **(
+                    {} if self.verify_probability is None else {"verify_probability": self.verify_probability}
+                ),
+                **(
+                    {}
+                    if self.sender_check_probability is None
+                    else {"sender_check_probability": self.sender_check_probability}
+                ),
             },
         )
 
@@ -245,6 +260,7 @@ def summarize(reports: list[dict], settings: Settings) -> dict:
                 "samples": sum(r["group_weight"] for r in done), "own_samples": sum(r["weight"] for r in done),
                 "bytes_sent": sum(r["bytes_sent"] for r in done), "rounds": len(rounds), "rounds_ok": len(done),
                 "trainer_utilization": report["metrics"]["compute_utilization"],
+                "senders_checked": report["metrics"].get("senders_checked", 0.0),
                 "group_sizes": sorted({r.get("group", 0) for r in done}),
             }
         )  # fmt: skip
@@ -265,6 +281,45 @@ def summarize(reports: list[dict], settings: Settings) -> dict:
         "bytes_per_sample": bytes_sent / max(samples, 1),
         "step_s": window_s / steps,
     }
+
+
+def compare_sender_checks(settings: Settings, probabilities: list[float], args) -> int:
+    """What sender checks cost an honest run: the same training at each sender-check probability,
+    interleaved round by round (A, B, A, B...), each one's samples/s and utilization over the first's."""
+    rows: dict[float, list[dict]] = {p: [] for p in probabilities}
+    for round_index in range(args.repeats):
+        for p in probabilities:
+            try:
+                result = summarize(train(replace(settings, sender_check_probability=p)), settings)
+            except Exception as e:
+                print(f"training benchmark failed at sender_check_probability {p}: {e}")
+                return 1
+            checked = sum(peer["senders_checked"] for peer in result["peers"])
+            rows[p].append(result)
+            print(
+                f"round {round_index + 1}, sender_check_probability {p:g}: {result['samples_per_s']:.2f} "
+                f"samples/s, utilization {result['utilization']:.1%}, {checked:.0f} senders replayed",
+                flush=True,
+            )
+    anchor = probabilities[0]
+    print(
+        f"\nagainst sender_check_probability {anchor:g} in the same round (min-max over {args.repeats} rounds):"
+    )
+    print(f"{'probability':>11} {'samples/s':>10} {'ratio':>15} {'utilization':>12} {'replayed':>9}")
+    summary = []
+    for p in probabilities:
+        ratios = [r["samples_per_s"] / a["samples_per_s"] for r, a in zip(rows[p], rows[anchor], strict=True)]
+        speed = statistics.mean(r["samples_per_s"] for r in rows[p])
+        use = statistics.mean(r["utilization"] for r in rows[p])
+        replayed = statistics.mean(sum(x["senders_checked"] for x in r["peers"]) for r in rows[p])
+        print(
+            f"{p:>11g} {speed:>10.2f} {min(ratios):>7.3f}-{max(ratios):<7.3f} {use:>11.1%} {replayed:>9.1f}"
+        )
+        summary.append({"sender_check_probability": p, "samples_per_s": speed, "ratios": ratios,
+                        "utilization": use, "replayed": replayed})  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"settings": asdict(settings), "compare": summary}, indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +350,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-bytes", type=int, default=4 << 20, help="stdlib corpus cap (bytes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument("--quick", action="store_true", help="a tiny model for 3 steps: a smoke test")
+    parser.add_argument(
+        "--compare-sender-checks",
+        metavar="P,P,...",
+        help="run once per training.sender_check_probability given, round by round (--repeats rounds), and "
+        "print each one's samples/s and utilization against the first's",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of --compare-sender-checks")
+    parser.add_argument(
+        "--verify-probability",
+        type=float,
+        default=None,
+        help="training.verify_probability (default: the run's)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -309,8 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 2 (the window runs from step 1 to the last)")
     settings = Settings(
         model_config, args.target_batch_size, args.micro_batch_size, args.steps, args.matchmaking_time_s,
-        args.max_bytes, args.threads,
+        args.max_bytes, args.threads, verify_probability=args.verify_probability,
     )  # fmt: skip
+    if args.compare_sender_checks:
+        return compare_sender_checks(
+            settings, [float(p) for p in args.compare_sender_checks.split(",")], args
+        )
     from swarm.components import check_components
 
     check_components(settings.run_config())

@@ -253,3 +253,20 @@ def test_diloco_refuses_an_omniscient_attack_and_names_it():
     attack = make_attack("omniscient_alie", group_size=5, attackers=2)
     with pytest.raises(ConfigError, match="'omniscient_alie' is rehearsed with sync 'every_step' only"):
         Trainer(run, None, peer_id="peer", hooks=attack)
+
+
+def test_orthogonal_bias_pushes_every_step_along_one_direction_orthogonal_to_the_honest_vector():
+    """The time-coupled attack: what it adds is orthogonal to the honest vector, ``scale`` times its norm,
+    and points the same way at every step and for every colluder (so outer momentum adds it up)."""
+    colluders = [
+        make_attack("orthogonal_bias", {"scale": 0.5}, group_size=5, attackers=2, seed=i) for i in range(2)
+    ]
+    generator = torch.Generator().manual_seed(3)
+    pushes = []
+    for step, attack in enumerate([*colluders, colluders[0]]):
+        honest = torch.randn(4096, generator=generator)
+        push = attack.contribution(honest, step) - honest
+        assert abs(float(torch.dot(push, honest))) < 1e-3 * float(honest.norm() * push.norm())
+        assert float(push.norm()) == pytest.approx(0.5 * float(honest.norm()), rel=1e-4)
+        pushes.append(push / push.norm())
+    assert all(float(torch.dot(pushes[0], p)) > 0.9 for p in pushes[1:]), "one shared direction"
