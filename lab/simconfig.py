@@ -118,9 +118,10 @@ class SimConfig(BaseModel):
         0.5, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
     )
     sender_check_probability: float = Field(
-        0.5, ge=0, le=1,
+        0.25, ge=0, le=1,
         description="chance that a validator also recomputes a drawn sender's contribution from its public "
-        "batch seeds (every_step)",
+        "batch seeds (every_step); with the sim's verify_probability about one replayed step in eight, "
+        "as the run's defaults",
     )  # fmt: skip
     min_group_size: int | None = Field(
         None, ge=1, le=4096,
