@@ -120,12 +120,11 @@ async def judge_contribution(
     timeout_s: float,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring)."""
-    training = run.training
     try:
         evidence = _parse(data)
         if evidence.accused != accused or accuser not in evidence.members or accuser == accused:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
-        if not sender_checks_on(training):
+        if not sender_checks_on(run):
             raise ProtocolError("this run does not recompute senders' contributions")
         if evidence.prefix != run.run_id.replace(".", "_"):
             raise ProtocolError(

@@ -428,7 +428,7 @@ class RunConfig(_Section):
         must train what anyone can replay: no dropout (it draws from each process's own random state),
         and not fp16, whose loss scale is each peer's own and which the coordinator's CPU cannot run."""
         training = self.training
-        if not sender_checks_on(training):
+        if not sender_checks_on(self):
             return self
         why = "; or set training.sender_check_probability = 0"
         if training.precision == "fp16":
@@ -484,10 +484,13 @@ class RunConfig(_Section):
         return self.model_dump(mode="json", exclude={"admission"}, exclude_none=True)
 
 
-def sender_checks_on(training: TrainingConfig) -> bool:
-    """Whether validators replay drawn senders' contributions (``swarm.training.sendercheck``)."""
+def sender_checks_on(run: RunConfig) -> bool:
+    """Whether validators replay drawn senders' contributions (``swarm.training.sendercheck``): every-step
+    data-parallel training with both probabilities above 0 (pipeline stages check replicas instead)."""
+    training = run.training
     return (
         training.sync == "every_step"
+        and run.pipeline.stages == 1
         and training.sender_check_probability > 0
         and training.verify_probability > 0
     )

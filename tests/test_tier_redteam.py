@@ -321,6 +321,7 @@ def test_7a_progress_records_far_behind_the_step_or_of_suspects_are_not_counted(
         _journal=lambda *a, **k: None,
         _adopt=lambda extra: asyncio.sleep(0, False),  # nobody a step ahead to adopt from
         _group_usable=lambda group: True, tiers=SimpleNamespace(combine=combine),
+        sender_checks=SimpleNamespace(enabled=False),
     )  # fmt: skip
     asyncio.run(TrainingPeer._round(peer))
     assert seen == {"peers_at_step": 5}, "itself, three at step 7 and one at step 6; not 10"

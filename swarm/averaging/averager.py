@@ -574,7 +574,7 @@ class Averager:
         runner.revealed.add_done_callback(lambda _: self.archive.keep(runner))
 
     def _verify_later(self, runner: ButterflyAllReduce) -> None:
-        async def checks() -> None:
+        async def checks() -> list:
             outcomes = await validate_round(
                 runner, probability=self.verify_probability, servicer_type=AveragingServicer, p2p=self.p2p,
                 aggregator=self.aggregator, codec=self.codec, timeout_s=runner.round_timeout_s,
@@ -582,6 +582,7 @@ class Averager:
             )  # fmt: skip
             if self.sender_checks is not None:
                 await self.sender_checks.check(runner, outcomes)
+            return outcomes
 
         task = asyncio.create_task(checks())
         self._verifications.add(task)

@@ -77,7 +77,7 @@ class EveryStep:
                 f"collaborate: strategy EveryStep(), but run {run.run_id!r} trains with "
                 f"training.sync = {run.training.sync!r}; pass strategy=None to follow the run"
             )
-        if sender_checks_on(run.training):
+        if sender_checks_on(run):
             # Its groupmates would replay the run's public batches, not this loop's data, and accuse it.
             raise ConfigError(
                 f"collaborate: run {run.run_id!r} recomputes every sender's gradient from the run's public "

@@ -339,7 +339,7 @@ class SenderChecks:
 
     @property
     def enabled(self) -> bool:
-        return sender_checks_on(self.run.training)
+        return sender_checks_on(self.run)
 
     async def keep(self, runner, signed_entries: Sequence[bytes]) -> None:
         """Copy the state of a complete round (before its update), off the event loop, if this member may
