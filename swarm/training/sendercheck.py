@@ -5,20 +5,23 @@ facts (``swarm.training.replay``): the state every member holds at the round's s
 the member signed into its group entry; the run's dataset; and the batch seeds of as many micro-batches
 as the samples it signed for. So a groupmate can recompute it:
 
-1. When a round completes, before the step's update, a member that may validate a part copies the state
-   (``SenderChecks.keep``; one copy of the model and optimizer tensors, dropped after the check).
+1. When a round completes, before the step's update, a member copies the state on a worker thread
+   (``SenderChecks.keep``; one copy of the model and optimizer tensors, dropped after the round's checks;
+   skipped when the draw is already known and gives this member no part to check).
 2. After the round's reveals each validator collects the signed inputs of the chunk it was drawn to check
    (``swarm.averaging.verification``). The same draw names, with ``training.sender_check_probability``,
-   one of those senders other than the validator (``drawn_sender``); nobody knew who or which chunk when
-   they signed. The validator replays that sender's micro-batches on the copy, encodes the chunk with the
-   round's codec and compares (``compare``): the same bytes, or decoded values within
-   ``training.sender_check_tolerance`` (relative L2) of them.
+   one member other than the validator (``drawn_sender``); nobody knew who or which chunk when they
+   signed. The validator replays that member's micro-batches on the copy, encodes the chunk with the
+   round's codec and compares (``compare``): the same bytes, or decoded values within the run's
+   tolerance (``swarm.config.sender_tolerance``: relative L2, 0.01 in fp32 and 0.05 in bf16).
 3. A contribution beyond the tolerance is ``WrongContributionEvidence``: the sender's signed input, its
    signed group entry (the step and state hash it computed at, bound to the round by its nonce
-   commitment) and the round. The validator files it and keeps the state, served by its hash
-   (``StateServicer``'s ``find``), for ``KEEP_S``. The coordinator downloads that state from the accuser,
-   checks that it hashes to what the accused signed, recomputes the chunk itself and bans whoever the
-   evidence proves wrong (``coordinator.contributions``).
+   commitment), the round and its reveals (which fix the draw). The validator files it and keeps the
+   state, served by its hash (``StateServicer``'s ``find``), for ``KEEP_S``. The coordinator checks the
+   draw named this accuser, chunk and sender, downloads that state from the accuser, checks that it
+   hashes to what the accused signed, recomputes the chunk itself and bans whoever the evidence proves
+   wrong (``coordinator.contributions``). Without every member's reveal the validator draws from its own
+   randomness and only avoids a liar it finds (``suspect``): the coordinator could not tell it was drawn.
 
 What it covers: a sender that scales, flips, replaces, delays or computes on other labels any part of its
 gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
@@ -26,7 +29,9 @@ is caught with probability about q per check. Rounding of other device kinds (GP
 chunking) stays within the tolerance, so a peer on another device is not accused; a lie smaller than the
 tolerance is bounded by it and by the robust rule. Not covered: ``diloco`` (a window of inner steps from
 optimizer state the peer does not share; its contributions are bounded by the rule only) and runs whose
-peers train on their own data (``Collaboration`` refuses a run that checks senders).
+peers train on their own data (``Collaboration`` refuses a run that checks senders). Open: a reducer
+holds the others' nonces before it sends its own, so a liar can withhold its nonce in just the rounds
+whose draw would replay it (docs/robustness.md).
 
 Example::
 
