@@ -203,7 +203,7 @@ def test_a_member_missing_the_draw_suspects_nobody(peers):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_the_coordinator_is_told_who_withholds_and_the_dashboard_shows_it(swarm):
     """Real processes: 3 honest peers and a withholder. Withholding proves nothing to a third party, so
     it is no ban; each honest peer names the reducer it avoids in its heartbeats, and the coordinator's
@@ -211,7 +211,9 @@ def test_the_coordinator_is_told_who_withholds_and_the_dashboard_shows_it(swarm)
     # Groups of 3 or 4: a withheld part is repaired (a group of 2 cannot), and two groups never train one
     # step apart. With groups of 2 among 4 peers the honest peers drifted hundreds of steps apart and
     # seldom met the withholder: this test timed out after 200 s in 2 runs of 2 (105 s when it passed),
-    # against 29-35 s in 3 runs of 3 now, one of them beside two busy loops.
+    # against 29-35 s in 3 runs of 3 now, one of them beside two busy loops. In 2 of 4 full-suite runs of
+    # 2026-11-28/29 it still timed out at 200 s (30-40 s alone, also beside two busy loops): the wait is
+    # longer now, and a timeout shows the last status read.
     run = tiny_run("withheld", min_group_size=3)
     endpoint = swarm.start_coordinator(run, extra_args=["--dashboard-port", "0"], ready_timeout_s=90).extra
     rehearsal = ["--rehearse-attack", "withholder", "--rehearse-attackers", "1", "--rehearse-group-size", "4"]
@@ -230,10 +232,24 @@ def test_the_coordinator_is_told_who_withholds_and_the_dashboard_shows_it(swarm)
             now.get(f"peer{i}", {}).get("suspected_by", 0) < withholder for i in range(3)
         )
 
-    peers = wait_until(
-        lambda: (now := peers_now()) and singled_out(now) and now,
-        timeout_s=200, what="two honest peers to report the withholder, and more than any honest peer",
-    )  # fmt: skip
+    seen: list[dict] = []  # the last status read, shown if the wait times out
+
+    def reported() -> dict | None:
+        now = peers_now()
+        seen[:] = [now]
+        return now if singled_out(now) else None
+
+    try:
+        peers = wait_until(
+            reported, timeout_s=320,
+            what="two honest peers to report the withholder, and more than any honest peer",
+        )  # fmt: skip
+    except TimeoutError as e:
+        last = {
+            name: (p.get("state"), p.get("step"), p.get("suspected_by"), p.get("metrics"))
+            for name, p in (seen[0] if seen else {}).items()
+        }
+        raise AssertionError(f"{e}; last status (state, step, suspected_by, metrics): {last}") from None
     assert peers["peer3"]["state"] == "online", "a withholder is avoided and shown, not banned"
     with urllib.request.urlopen(endpoint["dashboard_url"] + "metrics", timeout=10) as response:
         text = response.read().decode()
