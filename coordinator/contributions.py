@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from coordinator.checkpoints import state_layout
 from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES
@@ -92,13 +93,9 @@ class PeerContributionStates(ContributionStates):
 
 
 def state_limit(run: RunConfig) -> int:
-    """The most bytes a download of the run's data-parallel state may carry."""
-    from swarm.models import build_model
-    from swarm.training.state import build_optimizer, state_tensors
-
-    model = build_model(run.model.name, run.model.config)
-    tensors = state_tensors(model, build_optimizer(model, run.optimizer))
-    return download_limit(sum(t.numel() * t.element_size() for t in tensors.values()))
+    """The most bytes a download of the run's data-parallel state may carry (as the checkpoint keeper
+    bounds its own downloads of it)."""
+    return download_limit(sum(size for _, size in state_layout(run).values()))
 
 
 def _parse(data: bytes) -> WrongContributionEvidence:
