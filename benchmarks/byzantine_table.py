@@ -10,6 +10,7 @@ Usage::
     python benchmarks/byzantine_table.py                         # 8 peers, f = 2 and 3, every attack
     python benchmarks/byzantine_table.py --peers 5 --f 2 --attacks sign_flip,bad_reducer --json t.json
     python benchmarks/byzantine_table.py --sync diloco --inner-steps 10 --compression int8 --steps 4
+    python benchmarks/byzantine_table.py --rules centered_clip --repeats 2 --peers 5 --f 2 --attacks ipm
 """
 
 from __future__ import annotations
@@ -45,11 +46,23 @@ def run_sim(flags: list[str], timeout_s: float) -> dict:
         return report
 
 
+def _loss(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _gap(value, clean) -> str:
+    return "n/a" if value is None or clean is None else f"{100 * (value - clean) / clean:+.1f}%"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--f", default="2,3", help="attacker counts, comma-separated")
     parser.add_argument("--attacks", default=",".join(attack_names()))
+    parser.add_argument("--rules", default=",".join(RULES), help="robust rules, comma-separated")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of the whole table, each with its own clean run"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--timeout-s", type=float, default=600)
@@ -58,46 +71,74 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", default="fp16", help="codec on the wire (int8 for the diloco table)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    rules = [r for r in args.rules.split(",") if r]
+    unknown = sorted(set(rules) - set(RULES))
+    if unknown or not rules:
+        parser.error(f"--rules {args.rules!r}: known rules are {', '.join(RULES)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     base = ["--peers", str(args.peers), "--steps", str(args.steps), "--model-size", args.model_size,
             "--sync", args.sync, "--compression", args.compression]  # fmt: skip
     if args.sync == "diloco":
         base += ["--inner-steps", str(args.inner_steps)]
-    cells: dict = {"clean": run_sim(base, args.timeout_s), "runs": []}
-    clean = cells["clean"].get("final_val_loss", float("nan"))
-    print(
-        f"clean: {clean:.4f} (initial {cells['clean'].get('initial_val_loss', float('nan')):.4f})", flush=True
-    )
-    for f in [int(x) for x in args.f.split(",")]:
-        for attack in args.attacks.split(","):
-            row = {"attack": attack, "f": f}
-            for rule in RULES:
-                report = run_sim([*base, "--byzantine", str(f), "--attack", attack, "--aggregator", rule],
-                                 args.timeout_s)  # fmt: skip
-                attackers = [p for p in report.get("peers", []) if p.get("byzantine")]
-                row[rule] = {
-                    "final_val_loss": report.get("final_val_loss"),
-                    "banned": sum(1 for p in attackers if p.get("banned")),
-                    "honest_agree": report.get("peers_agree"),
-                    "error": report.get("error", ""),
-                }
-            cells["runs"].append(row)
-            print(json.dumps(row), flush=True)
-    lines = [
-        "| attack | f | mean | centered_clip | clean | centered_clip vs clean | attackers banned (mean / cclip) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for row in cells["runs"]:
-        m, c = row["mean"]["final_val_loss"], row["centered_clip"]["final_val_loss"]
-        gap = f"{100 * (c - clean) / clean:+.1f}%" if c is not None else "n/a"
-        lines.append(
-            f"| {row['attack']} | {row['f']} | {m if m is None else f'{m:.4f}'} | "
-            f"{c if c is None else f'{c:.4f}'} | {clean:.4f} | {gap} | "
-            f"{row['mean']['banned']}/{row['f']} / {row['centered_clip']['banned']}/{row['f']} |"
-        )
-    print("\n".join(lines))
+    # Repeat by repeat, the clean run first and then every cell: each repeat's cells are compared with its
+    # own clean run, and the systems interleave (clean, attacks, clean, attacks) instead of running apart.
+    cells: dict = {"clean": [], "runs": []}
+    for repeat in range(args.repeats):
+        clean = run_sim(base, args.timeout_s)
+        cells["clean"].append(clean)
+        print(f"repeat {repeat}: clean {_loss(clean.get('final_val_loss'))} "
+              f"(initial {_loss(clean.get('initial_val_loss'))})", flush=True)  # fmt: skip
+        for f in [int(x) for x in args.f.split(",")]:
+            for attack in args.attacks.split(","):
+                row = {"attack": attack, "f": f, "repeat": repeat}
+                for rule in rules:
+                    report = run_sim([*base, "--byzantine", str(f), "--attack", attack, "--aggregator", rule],
+                                     args.timeout_s)  # fmt: skip
+                    attackers = [p for p in report.get("peers", []) if p.get("byzantine")]
+                    row[rule] = {
+                        "final_val_loss": report.get("final_val_loss"),
+                        "banned": sum(1 for p in attackers if p.get("banned")),
+                        "honest_agree": report.get("peers_agree"),
+                        "honest_banned": sum(
+                            1 for p in report.get("peers", []) if p.get("banned") and not p.get("byzantine")
+                        ),
+                        "duration_s": report.get("duration_s"),
+                        "error": report.get("error", ""),
+                    }
+                cells["runs"].append(row)
+                print(json.dumps(row), flush=True)
+    print(table(cells, rules))
     if args.json:
         args.json.write_text(json.dumps(cells, indent=2))
     return 0
+
+
+def table(cells: dict, rules: list[str]) -> str:
+    """A markdown row per (attack, f): each rule's loss and its gap to the clean run of the same repeat,
+    repeats separated by ' / ', then the attackers banned, honest peers identical and honest peers banned."""
+    cleans = [c.get("final_val_loss") for c in cells["clean"]]
+    header = ["attack", "f", *(f"{r}" for r in rules), *(f"{r} vs clean" for r in rules), "clean",
+              "attackers banned", "honest identical", "honest banned"]  # fmt: skip
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "| --- | ---: |" + " ---: |" * (2 * len(rules) + 1) + " --- | --- | --- |",
+    ]
+    keys = list(dict.fromkeys((row["attack"], row["f"]) for row in cells["runs"]))
+    for attack, f in keys:
+        rows = [row for row in cells["runs"] if (row["attack"], row["f"]) == (attack, f)]
+        losses = [" / ".join(_loss(row[r]["final_val_loss"]) for row in rows) for r in rules]
+        gaps = [
+            " / ".join(_gap(row[r]["final_val_loss"], cleans[row["repeat"]]) for row in rows) for r in rules
+        ]
+        banned = " / ".join(f"{row[r]['banned']}/{f}" for row in rows for r in rules)
+        agree = "yes" if all(row[r]["honest_agree"] for row in rows for r in rules) else "NO"
+        honest_banned = sum(row[r]["honest_banned"] for row in rows for r in rules)
+        lines.append(
+            f"| `{attack}` | {f} | {' | '.join(losses)} | {' | '.join(gaps)} | "
+            f"{' / '.join(_loss(c) for c in cleans)} | {banned} | {agree} | {honest_banned} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

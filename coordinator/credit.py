@@ -7,8 +7,9 @@ run can train, and by the newest checkpoint.
 A data-parallel peer is credited only for rounds other members witnessed (``credit_witnessed``): the
 weight its signed group entry claims, reported by another member of the round
 (``coordinator.witness``), once per step, for steps the run has verified, at most twice a batch over the
-round's joined members or the data-parallel peers in the run (online or offline), whichever are more. Its own
-``contributed_samples`` is shown, never credited.
+peers that did witnessed work lately (the members of the rounds reported for the last
+``WITNESS_WINDOW_STEPS`` steps, and the round's own). Its own ``contributed_samples`` is shown, never
+credited.
 
 Pipeline roles (stage servers and trainers) hold no such rounds yet, and are credited as follows.
 What is checked, and what is not: a peer's ``contributed_samples`` is its own claim. The coordinator
@@ -152,42 +153,42 @@ def merge_credit(
 WITNESS_WINDOW_STEPS = 16
 
 
+def _recent_members(db: sqlite3.Connection, verified: int) -> set[str]:
+    """Every member of a round reported for a step within the window below ``verified``."""
+    rows = db.execute(
+        "SELECT DISTINCT peer_id FROM witnessed WHERE step >= ?", (verified - WITNESS_WINDOW_STEPS,)
+    )
+    return {peer for (peer,) in rows}
+
+
 def credit_witnessed(
     db: sqlite3.Connection, reporter: str, rounds: list, *, verified: int, max_per_step: float
 ) -> float:
     """Credit each member of ``rounds`` (``coordinator.witness.WitnessedEntry`` lists) other than their
     ``reporter``: the weight it signed, for steps below the ``verified`` step and within
     ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers that have not left, and
-    at most ``SHARE_SLACK`` times ``max_per_step`` over the round's such members or all such peers of
-    the run (online or offline), whichever are more. A (member, step) is
+    at most ``SHARE_SLACK`` times ``max_per_step`` over the peers that did witnessed work lately: the
+    members of every round reported for a step in that window (credited or not, and whether they are
+    online, offline, left or banned since) and of this round. Keys that joined and never took part in a
+    round dilute nobody's share (before, every key that ever joined counted for its certificate's
+    lifetime: 1,000 keys that joined once cut each honest share 250-fold). A (member, step) is
     credited the most any report of it allows, the difference added when a later report allows more (so
     a first report padded with strangers' entries cannot hold an honest member's credit down). Sybils
     that sign entries for each other's made-up rounds earn at most that share each per step: together
     less than ``SHARE_SLACK`` batches a step, however many they are; they lower the honest peers'
-    share only once they outnumber them. A member credited at a step counts in that step's denominator
-    after it left (or was banned), and all members of a step together earn at most ``SHARE_SLACK``
+    share only once they outnumber them in rounds. A member reported at a step counts in the
+    denominator for the window after it left (or was banned), and all members of a step together earn at most ``SHARE_SLACK``
     batches of it (the ``witnessed`` rows hold what each earned): keys that leave once credited make no
     room for fresh ones at the same step. The budget goes to whoever is reported first, so a farm that
     outnumbers the honest peers and reports first can take a step's whole budget; without it, the
     same farm left them a share of 1/(keys at the step) each.
     Returns the samples credited."""
-    # Every peer that could be credited as a member counts, online or not: a farm of keys gone silent
-    # (offline) earned each a share of a round of five while the online peers were few.
-    (eligible,) = db.execute(f"SELECT COUNT(*) FROM peers p WHERE {CREDITABLE}", DATA_ROLES).fetchone()
     credited = 0.0
     for entries in rounds:
         step = entries[0].step
         if not verified - WITNESS_WINDOW_STEPS <= step < verified:
             continue
-        # Members already credited at this step that no longer count as eligible (they left, or were
-        # banned) still hold their share of it: a farm whose keys leave once credited would otherwise
-        # make room for fresh keys at the same step, again and again.
-        (departed,) = db.execute(
-            "SELECT COUNT(*) FROM witnessed w WHERE w.step = ? AND NOT EXISTS "
-            f"(SELECT 1 FROM peers p WHERE p.peer_id = w.peer_id AND {CREDITABLE})",
-            (step, *DATA_ROLES),
-        ).fetchone()
-        # And the step's members together earn at most SHARE_SLACK batches, whoever stays or goes.
+        # The step's members together earn at most SHARE_SLACK batches, whoever stays or goes.
         (spent,) = db.execute(
             "SELECT COALESCE(SUM(samples), 0) FROM witnessed WHERE step = ?", (step,)
         ).fetchone()
@@ -199,16 +200,28 @@ def credit_witnessed(
             ).fetchone()
             if row is not None:
                 members[entry.peer_id] = entry
-        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(len(members), eligible + departed, 1))
+        # A share's denominator is the peers that did witnessed work lately: every member of a round
+        # reported within the window (credited or not, online, offline, left or banned since) and this
+        # round's. Keys that joined and never took part in a round dilute nobody; keys that leave once
+        # credited still count, so they make no room for fresh keys at the same step.
+        recent = _recent_members(db, verified)
+        sharing = len(recent | members.keys())
+        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(sharing, 1))
         for peer_id, entry in members.items():
-            if peer_id == reporter:
-                continue
             row = db.execute(
                 "SELECT samples FROM witnessed WHERE peer_id=? AND step=?", (peer_id, step)
             ).fetchone()
-            more = min(min(entry.weight, cap) - (row[0] if row else 0.0), budget)
+            more = (
+                0.0 if peer_id == reporter else min(min(entry.weight, cap) - (row[0] if row else 0.0), budget)
+            )
             if more <= 0:
-                continue  # credited as much already, or the step's budget is spent
+                # Its own report credits no member, and a spent budget credits nobody more, but a member
+                # it is all the same (``recent``).
+                db.execute(
+                    "INSERT OR IGNORE INTO witnessed (peer_id, step, samples) VALUES (?, ?, 0)",
+                    (peer_id, step),
+                )
+                continue
             budget -= more
             samples = more + (row[0] if row else 0.0)
             db.execute(

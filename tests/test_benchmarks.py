@@ -188,3 +188,29 @@ def test_honest_cost_benchmark_replays_the_demo_under_each_rule(tmp_path: Path):
     # Every rule starts from the same weights and validation batches; every rule's run learns.
     assert len({r["val_history"][0][1] for r in results.values()}) == 1
     assert all(r["val_history"][-1][1] < r["val_history"][0][1] for r in results.values())
+
+
+def test_byzantine_table_prints_each_repeat_against_its_own_clean_run_and_refuses_an_unknown_rule():
+    # The table itself runs real swarms (tens of minutes, docs/robustness.md); here its report of two
+    # repeats, each attacked cell compared with the clean run of its own repeat, and its argument check.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import byzantine_table
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cell = lambda loss, banned: {"final_val_loss": loss, "banned": banned, "honest_agree": True,  # noqa: E731
+                                 "honest_banned": 0}  # fmt: skip
+    cells = {
+        "clean": [{"final_val_loss": 4.0}, {"final_val_loss": 5.0}],
+        "runs": [
+            {"attack": "ipm", "f": 2, "repeat": 0, "centered_clip": cell(4.2, 0)},
+            {"attack": "ipm", "f": 2, "repeat": 1, "centered_clip": cell(4.5, 2)},
+        ],
+    }
+    row = byzantine_table.table(cells, ["centered_clip"]).splitlines()[-1]
+    assert row == "| `ipm` | 2 | 4.2000 / 4.5000 | +5.0% / -10.0% | 4.0000 / 5.0000 | 0/2 / 2/2 | yes | 0 |"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/byzantine_table.py", "--rules", "median,mean"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--rules 'median,mean'" in result.stderr

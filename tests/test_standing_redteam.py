@@ -207,6 +207,32 @@ def test_farm_keys_that_leave_once_credited_keep_the_farm_within_two_batches_a_s
     assert farm_credit <= 2 * TARGET * farm_steps + 1e-6, (farm_credit, 2 * TARGET * farm_steps)
 
 
+def test_a_thousand_keys_that_joined_once_do_not_dilute_the_honest_members_share(tmp_path: Path):
+    """MEDIUM (review 2). A share's denominator counted every data-parallel key of the run that had not
+    left, online or offline: 1,000 keys that join once and fall silent, never in any round, cut each
+    honest member's share of a step from its whole weight (16 samples) to 2 * 64 / 1,004 = 0.13, for
+    their certificates' lifetime and at no further cost. Fixed: the denominator is the peers that did
+    witnessed work lately, the members of the rounds reported in the window."""
+    run_id = "idle-keys"
+
+    async def scenario():
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            honest = [SigningKey.generate() for _ in range(4)]
+            idle = [SigningKey.generate() for _ in range(1000)]
+            for k in (*honest, *idle):
+                await store.admit(record(k))
+            assert len(await store.mark_offline(0.5)) == len(honest) + len(idle)
+            history: list = []
+            for step in range(4):
+                await honest_step(b, honest, step, history)
+            return [await b.credit(k) for k in honest]
+
+    credit = run(scenario())
+    # Steps 0, 1 and 2 were verified and reported; each honest member earns its whole weight of each.
+    assert credit == [3 * TARGET / 4] * 4, credit
+
+
 # --- 4. a restarted peer (or one whose answer was lost) holds no standing: counting decides -------------
 
 
