@@ -40,9 +40,10 @@ SHARE_SLACK = 2.0
 DATA_ROLES = ("data", "auto")
 # A row of ``peers p`` whose peer is not banned.
 UNBANNED = "NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
-# A row of ``peers p`` that witnessed rounds may credit: a data-parallel peer in the run (online or
-# offline, not left), not banned; two role parameters follow (``DATA_ROLES``).
-CREDITABLE = f"p.state IN ('online', 'offline') AND p.role IN (?, ?) AND {UNBANNED}"
+# A row of ``peers p`` that witnessed rounds may credit: a data-parallel peer of the run (online,
+# offline, or left and not yet pruned: an honest peer that leaves right after its last round is credited
+# for it when a groupmate reports it), not banned; two role parameters follow (``DATA_ROLES``).
+CREDITABLE = f"p.state IN ('online', 'offline', 'left') AND p.role IN (?, ?) AND {UNBANNED}"
 
 
 def meta_int(db: sqlite3.Connection, key: str) -> int:
@@ -166,7 +167,7 @@ def credit_witnessed(
 ) -> float:
     """Credit each member of ``rounds`` (``coordinator.witness.WitnessedEntry`` lists) other than their
     ``reporter``: the weight it signed, for steps below the ``verified`` step and within
-    ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers that have not left, and
+    ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers (``CREDITABLE``), and
     at most ``SHARE_SLACK`` times ``max_per_step`` over the peers that did witnessed work lately: the
     members of every round reported for a step in that window (credited or not, and whether they are
     online, offline, left or banned since) and of this round. Keys that joined and never took part in a

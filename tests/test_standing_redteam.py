@@ -233,6 +233,36 @@ def test_a_thousand_keys_that_joined_once_do_not_dilute_the_honest_members_share
     assert credit == [3 * TARGET / 4] * 4, credit
 
 
+def test_an_honest_member_that_leaves_right_after_its_round_is_credited_for_it(tmp_path: Path):
+    """LOW (review 2). Only peers that had not left could be credited, so a member that left cleanly
+    right after its last round, before a groupmate's heartbeat reported it, lost that round's credit.
+    Now a member that left is credited while the coordinator still holds its row (``PRUNE_GRACE_S``)."""
+    run_id = "leaving"
+
+    async def scenario():
+        with credit_store(tmp_path, run_id) as b:
+            store = b.store
+            honest = [SigningKey.generate() for _ in range(4)]
+            for k in honest:
+                await store.admit(record(k))
+            history: list = []
+            for step in range(3):
+                await honest_step(b, honest, step, history)
+            leaver = honest[0]
+            before = await b.credit(leaver)
+            # Its last round (step 2) is reported at step 3, after it left.
+            await store.record_leave(leaver.peer_id, seq=10**6, seen_at=b.t)
+            history.append(a_round(honest, 2, TARGET / 4, run_id=run_id, now=b.now))
+            for k in honest[1:]:
+                await b.beat(k, 3, state(3), history[-3:])
+            for k in honest[1:]:
+                await b.beat(k, 4, state(4), history[-3:])
+            return before, await b.credit(leaver)
+
+    before, after = run(scenario())
+    assert after == before + TARGET / 4, (before, after)
+
+
 # --- 4. a restarted peer (or one whose answer was lost) holds no standing: counting decides -------------
 
 
