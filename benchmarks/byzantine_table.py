@@ -11,6 +11,8 @@ Usage::
     python benchmarks/byzantine_table.py --peers 5 --f 2 --attacks sign_flip,bad_reducer --json t.json
     python benchmarks/byzantine_table.py --sync diloco --inner-steps 10 --compression int8 --steps 4
     python benchmarks/byzantine_table.py --rules centered_clip --repeats 2 --peers 5 --f 2 --attacks ipm
+    python benchmarks/byzantine_table.py --sync diloco --inner-steps 10 --compression int8 --window-stretch 1 \
+        --peers 5 --f 2 --steps 8 --rules centered_clip --repeats 2
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--sync", default="every_step", choices=["every_step", "diloco"])
     parser.add_argument("--inner-steps", type=int, default=10, help="diloco: local steps per outer step")
+    parser.add_argument(
+        "--window-stretch", type=float, default=None,
+        help="diloco: passed to swarm-sim (1: every window exactly --inner-steps, the same samples in every run)",
+    )  # fmt: skip
     parser.add_argument("--compression", default="fp16", help="codec on the wire (int8 for the diloco table)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             "--sync", args.sync, "--compression", args.compression]  # fmt: skip
     if args.sync == "diloco":
         base += ["--inner-steps", str(args.inner_steps)]
+        if args.window_stretch is not None:
+            base += ["--window-stretch", str(args.window_stretch)]
     # Repeat by repeat, the clean run first and then every cell: each repeat's cells are compared with its
     # own clean run, and the systems interleave (clean, attacks, clean, attacks) instead of running apart.
     cells: dict = {"clean": [], "runs": []}

@@ -61,6 +61,11 @@ class SimConfig(BaseModel):
     outer_overlap: bool = Field(
         False, description="diloco: average in the background and apply each outer step one step late"
     )
+    window_stretch: float = Field(
+        2.0, ge=1.0, le=100.0,
+        description="diloco: a done peer trains on while slower ones finish, up to this many times "
+        "--inner-steps; 1: every window is exactly --inner-steps (the same samples in every run)",
+    )  # fmt: skip
     compression: Literal["fp16", "none", "int8", "topk"] = Field(
         "fp16", description="wire encoding of what peers average (topk: sparse, with error feedback)"
     )
@@ -267,7 +272,8 @@ def build_run(config: SimConfig) -> RunConfig:
         training={
             "target_batch_size": config.target_batch_size, "micro_batch_size": config.micro_batch_size,
             "precision": config.precision, "sync": config.sync, "inner_steps": config.inner_steps,
-            "outer_overlap": config.outer_overlap, "compression": config.compression,
+            "outer_overlap": config.outer_overlap, "window_stretch": config.window_stretch,
+            "compression": config.compression,
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             "min_group_size": min_group_size(config),
             **({"max_group_size": config.max_group_size} if config.max_group_size else {}),

@@ -265,6 +265,14 @@ class TrainingConfig(_Section):
         description="diloco: average an outer step's pseudo-gradient in the background while the next inner "
         "steps compute, and apply it one outer step late",
     )
+    window_stretch: float = Field(
+        2.0,
+        ge=1.0,
+        le=100.0,
+        description="diloco: a peer whose window is done trains on while slower peers finish theirs, up to "
+        "this many times inner_steps; 1: every window is exactly inner_steps (the same samples in every run "
+        "of a comparison, whatever the peers' speeds)",
+    )
 
     @property
     def round_s(self) -> float:

@@ -108,6 +108,23 @@ def test_one_claim_cannot_cut_the_window_short_and_a_laggard_holds_it_at_most_tw
     assert strategy.stats["inner_steps"] == 2 * INNER_STEPS
 
 
+def test_a_window_stretch_of_one_closes_every_window_at_exactly_inner_steps():
+    """``window_stretch = 1``: a peer done with its window waits for a laggard instead of training on, so
+    every window holds exactly H micro-batches (the same samples in every run of a comparison)."""
+    run = diloco_run(window_stretch=1.0)
+    strategy = DilocoSync(*model_and_optimizer(run), run)
+    batch = run.training.micro_batch_size
+    laggard = [batch]
+    for seed in range(INNER_STEPS):
+        assert strategy.wants_compute(seed * batch, laggard)
+        backward(strategy.replica.model, seed, mean=False)
+        strategy.absorb(batch, step=0, mean=False)
+    full = INNER_STEPS * batch
+    assert not strategy.wants_compute(full, laggard) and strategy.ready(full, laggard, fresh_view=False)
+    with pytest.raises(ConfigError, match="window_stretch"):
+        RunConfig.parse({"run_id": "x", "training": {"sync": "diloco", "window_stretch": 0.5}})
+
+
 def test_topk_error_feedback_decays_what_the_wire_left_out():
     run = diloco_run(compression="topk", topk_feedback_decay=0.5)
     strategy = DilocoSync(*model_and_optimizer(run), run)

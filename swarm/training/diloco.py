@@ -8,7 +8,7 @@ with the ``[outer_optimizer]`` (Nesterov SGD). Synced parameters and outer momen
 is hashed, voted on, checkpointed and downloaded by late joiners; a step of the run is an outer step.
 
 Peers of different speeds: the window ends once every peer at the outer step has done its
-``inner_steps`` (as the progress records show), or a peer has done twice as many; faster peers train on
+``inner_steps`` (as the progress records show), or a peer has done ``window_stretch`` (2) times as many; faster peers train on
 meanwhile, and each brings what it has, weighted by its samples (signed claims, as for gradients). With
 ``outer_overlap`` each peer's window ends at its own ``inner_steps``.
 
@@ -217,10 +217,10 @@ class DilocoSync:
 
     def window_closed(self, samples: int, others: list[int]) -> bool:
         """Every peer at this outer step, this one included, has done its ``inner_steps`` (by the samples
-        its signed progress record claims), or this one has done twice as many. Peers that get there
+        its signed progress record claims), or this one has done ``window_stretch`` (2) times as many. Peers that get there
         first train on until the last one does, so no peer idles and a window holds at least
         ``inner_steps`` of every peer's samples. A claim, which nobody checks, can only hold the window
-        open, and then no longer than ``2 * inner_steps``: claiming a full window at once cannot cut the
+        open, and then no longer than ``window_stretch * inner_steps``: claiming a full window at once cannot cut the
         others' windows short (before, one such claim closed every window after one inner step, and
         the run averaged as often as with ``every_step``)."""
         training = self.config.training
@@ -228,7 +228,7 @@ class DilocoSync:
             # A round lands one window late, so the records of two consecutive windows carry the same
             # step: another peer's count says nothing about this window. Each closes at its own H.
             return self.inner >= training.inner_steps
-        if self.inner >= 2 * training.inner_steps:
+        if self.inner >= training.window_stretch * training.inner_steps:
             return True
         full = training.inner_steps * training.micro_batch_size
         return samples >= full and all(theirs >= full for theirs in others)
