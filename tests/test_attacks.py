@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 
 import pytest
@@ -10,11 +11,13 @@ from helpers import KEYS, start_dhts
 
 from lab.localswarm import tiny_run
 from protocols.errors import ConfigError
+from swarm.averaging.allreduce import RoundResult
 from swarm.averaging.hooks import RoundHooks
 from swarm.byzantine import attack_names, attack_options, make_attack
 from swarm.byzantine.attacks import alie_z
 from swarm.byzantine.colluders import exact_gradients, honest_gradients
 from swarm.pipeline.hooks import PipelineHooks
+from swarm.training.diloco import flat_params
 from swarm.training.hooks import TrainingHooks
 from swarm.training.progress import PeerProgress
 from swarm.training.state import flat_mean_gradient
@@ -218,6 +221,48 @@ def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_se
         lie = attack.contribution(rows[0], 0, peers=rows)
         expected = rows.mean(dim=0) + alie_z(5, 2) * rows.std(dim=0, correction=0)
         assert torch.allclose(lie, expected)
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_an_attacker_replays_every_honest_peers_diloco_window_bit_for_bit_across_outer_steps():
+    """In diloco a peer's pseudo-gradient also depends on its inner optimizer's state, which only its own
+    earlier windows made: the omniscient attacker keeps a shadow of each peer and replays each window from
+    the public seeds, so the second window (whose inner optimizer state the first one left) is exact too."""
+    run = tiny_run("colluders-diloco", sync="diloco", inner_steps=3)
+    dhts = start_dhts(2)
+    try:
+        torch.set_num_threads(1)
+        trainers = [
+            Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()])
+            for d in dhts
+        ]
+        attacker, honest = (t.peer for t in trainers)
+        attack = make_attack("omniscient_ipm", group_size=2, attackers=1)
+        for step, micro_batches in enumerate((3, 4)):
+            for trainer, count in zip(trainers, (3, micro_batches), strict=True):
+                for _ in range(count):
+                    trainer._micro_step()
+            sent = honest.strategy.contribution(honest.samples)
+            own = attacker.strategy.contribution(attacker.samples)
+            attacker.view = {
+                honest.peer_id: PeerProgress(honest.peer_id, step, honest.samples, 1.0, "h", 0.0)
+            }
+            lie = attack.contribute(attacker, own)
+            # The same window replayed again (a round retried at the same step) starts where it started.
+            rows = attack._shadows.pseudo_gradients(attacker, own)
+            assert torch.equal(rows[1], sent), f"the replayed window of outer step {step} is the honest one"
+            assert torch.allclose(lie, -attack.options.epsilon * (own + sent) / 2)
+            averaged = (own + sent) / 2
+            for peer in (attacker, honest):  # the outer step, as a peer takes a round's result
+                peer._apply_round(RoundResult(averaged, complete=True))
+                asyncio.run(peer.synced.commit(step + 1))
+            assert torch.equal(
+                flat_params(attacker.strategy.replica.synced_params),
+                flat_params(honest.strategy.replica.synced_params),
+            )
     finally:
         for d in dhts:
             d.shutdown()

@@ -28,7 +28,8 @@ attacker's included) when the attackers share them; without ``peers`` the attack
 attacker's own honest gradients of its last ``window`` steps. ``omniscient_alie`` and ``omniscient_ipm``
 are the attackers that read the code: every peer's batches derive from public seeds, so they recompute
 each honest peer's exact gradient of the step (``swarm.byzantine.colluders``) and aim at the true mean
-and spread (``Attack.omniscient`` asks the trainer for them). Everything random is drawn from a
+and spread (``Attack.omniscient`` asks the trainer for them); in a diloco run, each honest peer's exact
+pseudo-gradient, its whole window replayed on a shadow of its inner optimizer (``ShadowWindows``). Everything random is drawn from a
 generator seeded with the attack's seed and the step, so a rehearsal replays exactly.
 
 Example::
@@ -92,6 +93,7 @@ class Attack(TrainingHooks, RoundHooks, PipelineHooks):
 
     def __init__(self, options: AttackOptions, context: AttackContext) -> None:
         self.options, self.context = options, context
+        self._shadows = None  # an omniscient attack's ShadowWindows in a diloco run, made at first use
 
     def contribution(
         self, honest: torch.Tensor, step: int, *, peers: torch.Tensor | None = None
@@ -113,12 +115,17 @@ class Attack(TrainingHooks, RoundHooks, PipelineHooks):
 
     def contribute(self, trainer: TrainingPeer, honest: torch.Tensor) -> torch.Tensor:
         """The training hook: ``contribution`` at the trainer's step, with every peer's exact gradient of
-        the step as ``peers`` when the attack is ``omniscient``."""
+        the step (diloco: pseudo-gradient of the window) as ``peers`` when the attack is ``omniscient``."""
         peers = None
         if self.omniscient:
-            from swarm.byzantine.colluders import exact_gradients
+            from swarm.byzantine.colluders import ShadowWindows, exact_gradients
 
-            peers = exact_gradients(trainer, honest)
+            if trainer.config.training.sync == "diloco":  # pseudo-gradients: each peer's whole window
+                if self._shadows is None:
+                    self._shadows = ShadowWindows()
+                peers = self._shadows.pseudo_gradients(trainer, honest)
+            else:
+                peers = exact_gradients(trainer, honest)
         return self.contribution(honest, trainer.step, peers=peers)
 
     def aggregate(

@@ -27,6 +27,7 @@ import torch
 
 from protocols.errors import SwarmError
 from swarm.data import build_dataset, derive_seed
+from swarm.training.diloco import DilocoReplica, flat_params, write_flat_params
 from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.state import flat_mean_gradient
 
@@ -72,6 +73,37 @@ def honest_gradients(
     return torch.stack(rows) if rows else None
 
 
+def replay_window(
+    replica: DilocoReplica,
+    synced: torch.Tensor,
+    dataset,
+    *,
+    run_id: str,
+    peer_id: str,
+    step: int,
+    micro_batches: int,
+    seq_len: int,
+    precision: str = "fp32",
+    device: str = "cpu",
+) -> torch.Tensor:
+    """The pseudo-gradient ``peer_id`` sends at outer ``step`` of a diloco run after ``micro_batches``
+    inner steps from the synced parameters ``synced`` (flat), on its public batch seeds
+    ``derive_seed(run_id, peer_id, step, micro)``: ``replica`` (a ``DilocoReplica`` whose inner
+    optimizer state is the one that peer's own earlier windows left) takes those inner steps as the
+    built-in loop does. Exact, bit for bit on the same kind of device, when ``replica``'s inner optimizer
+    followed every window of that peer since its start; a sparse codec's error feedback is left out."""
+    write_flat_params(replica.synced_params, synced)
+    replica.reset()
+    runner = MicroBatchRunner(replica.model, device=device, precision=precision)
+    replica.model.train()
+    batch = replica.config.training.micro_batch_size
+    for micro in range(micro_batches):
+        inputs, targets = dataset.sample_batch(derive_seed(run_id, peer_id, step, micro), batch, seq_len)
+        runner.run(inputs, targets)  # the gradient of the summed loss, as the built-in loop takes it
+        replica.inner_step(step, batch, mean=False)
+    return synced - flat_params(replica.params)
+
+
 def public_dataset(name: str, config: Mapping):
     """The run's dataset, built once per process for each (name, config)."""
     return _dataset(name, json.dumps(dict(config), sort_keys=True, default=str))
@@ -82,4 +114,4 @@ def _dataset(name: str, config_json: str):
     return build_dataset(name, json.loads(config_json))
 
 
-__all__ = ["ReplayTooLong", "honest_gradients", "public_dataset"]
+__all__ = ["ReplayTooLong", "honest_gradients", "public_dataset", "replay_window"]
