@@ -8,7 +8,8 @@ A data-parallel peer is credited only for rounds other members witnessed (``cred
 weight its signed group entry claims, reported by another member of the round
 (``coordinator.witness``), once per step, for steps the run has verified, at most twice a batch over the
 peers that did witnessed work lately (the members of the rounds reported for the last
-``WITNESS_WINDOW_STEPS`` steps, and the round's own). Its own ``contributed_samples`` is shown, never
+``WITNESS_WINDOW_STEPS`` steps, and the round's own; never fewer than any report of the last
+``WITNESS_WINDOW_STEPS`` verified steps counted). Its own ``contributed_samples`` is shown, never
 credited.
 
 Pipeline roles (stage servers and trainers) hold no such rounds yet, and are credited as follows.
@@ -154,12 +155,34 @@ def merge_credit(
 WITNESS_WINDOW_STEPS = 16
 
 
-def _recent_members(db: sqlite3.Connection, verified: int) -> set[str]:
-    """Every member of a round reported for a step within the window below ``verified``."""
+def _sharing(db: sqlite3.Connection, step: int, members: set[str], verified: int) -> int:
+    """How many peers a share of ``step`` is divided among: the members of the rounds reported for a step
+    in the window below ``verified`` that are still in the run (online or offline), the members of
+    ``step``'s rounds whatever became of them, and ``members`` (this round's); and never fewer than the
+    most any report counted over the last ``WITNESS_WINDOW_STEPS`` verified steps (the ``sharing``
+    table). Keys that joined and never took part in a round count nowhere; keys that left count only at
+    the steps they took part in; and a count, once reached, holds for a window, so an attacker cannot
+    time its reports to be read before its own keys dilute the others and after they expire, nor take
+    whole steps after the verified step jumped past the window."""
     rows = db.execute(
-        "SELECT DISTINCT peer_id FROM witnessed WHERE step >= ?", (verified - WITNESS_WINDOW_STEPS,)
+        "SELECT w.peer_id FROM witnessed w JOIN peers p ON p.peer_id = w.peer_id WHERE w.step >= ? "
+        f"AND p.state IN ('online', 'offline') AND p.role IN (?, ?) AND {UNBANNED} "
+        "UNION SELECT peer_id FROM witnessed WHERE step = ?",
+        (verified - WITNESS_WINDOW_STEPS, *DATA_ROLES, step),
     )
-    return {peer for (peer,) in rows}
+    count = len({peer for (peer,) in rows} | members)
+    db.execute(
+        "INSERT INTO sharing (verified, members) VALUES (?, ?) "
+        "ON CONFLICT(verified) DO UPDATE SET members = MAX(members, excluded.members)",
+        (verified, count),
+    )
+    db.execute(  # the counts of the newest WITNESS_WINDOW_STEPS verified steps, across any jump
+        "DELETE FROM sharing WHERE verified NOT IN "
+        "(SELECT verified FROM sharing ORDER BY verified DESC LIMIT ?)",
+        (WITNESS_WINDOW_STEPS,),
+    )
+    (mark,) = db.execute("SELECT MAX(members) FROM sharing").fetchone()
+    return max(count, mark or 0)
 
 
 def credit_witnessed(
@@ -168,11 +191,10 @@ def credit_witnessed(
     """Credit each member of ``rounds`` (``coordinator.witness.WitnessedEntry`` lists) other than their
     ``reporter``: the weight it signed, for steps below the ``verified`` step and within
     ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers (``CREDITABLE``), and
-    at most ``SHARE_SLACK`` times ``max_per_step`` over the peers that did witnessed work lately: the
-    members of every round reported for a step in that window (credited or not, and whether they are
-    online, offline, left or banned since) and of this round. Keys that joined and never took part in a
-    round dilute nobody's share (before, every key that ever joined counted for its certificate's
-    lifetime: 1,000 keys that joined once cut each honest share 250-fold). A (member, step) is
+    at most ``SHARE_SLACK`` times ``max_per_step`` over the peers that did witnessed work lately
+    (``_sharing``). Keys that joined and never took part in a round dilute nobody's share (before, every
+    key that ever joined counted for its certificate's lifetime: 1,000 keys that joined once cut each
+    honest share 250-fold). A (member, step) is
     credited the most any report of it allows, the difference added when a later report allows more (so
     a first report padded with strangers' entries cannot hold an honest member's credit down). Sybils
     that sign entries for each other's made-up rounds earn at most that share each per step: together
@@ -201,12 +223,8 @@ def credit_witnessed(
             ).fetchone()
             if row is not None:
                 members[entry.peer_id] = entry
-        # A share's denominator is the peers that did witnessed work lately: every member of a round
-        # reported within the window (credited or not, online, offline, left or banned since) and this
-        # round's. Keys that joined and never took part in a round dilute nobody; keys that leave once
-        # credited still count, so they make no room for fresh keys at the same step.
-        recent = _recent_members(db, verified)
-        sharing = len(recent | members.keys())
+        # A share's denominator is the peers that did witnessed work lately (``_sharing``).
+        sharing = _sharing(db, step, set(members), verified)
         cap = min(max_per_step, SHARE_SLACK * max_per_step / max(sharing, 1))
         for peer_id, entry in members.items():
             row = db.execute(
@@ -217,11 +235,12 @@ def credit_witnessed(
             )
             if more <= 0:
                 # Its own report credits no member, and a spent budget credits nobody more, but a member
-                # it is all the same (``recent``).
-                db.execute(
-                    "INSERT OR IGNORE INTO witnessed (peer_id, step, samples) VALUES (?, ?, 0)",
-                    (peer_id, step),
-                )
+                # that signed for samples it is all the same (``_sharing``).
+                if entry.weight > 0:
+                    db.execute(
+                        "INSERT OR IGNORE INTO witnessed (peer_id, step, samples) VALUES (?, ?, 0)",
+                        (peer_id, step),
+                    )
                 continue
             budget -= more
             samples = more + (row[0] if row else 0.0)

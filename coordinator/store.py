@@ -81,6 +81,11 @@ CREATE TABLE IF NOT EXISTS witnessed (
     samples REAL NOT NULL,
     PRIMARY KEY (peer_id, step)
 );
+CREATE INDEX IF NOT EXISTS witnessed_by_step ON witnessed (step);
+CREATE TABLE IF NOT EXISTS sharing (
+    verified INTEGER PRIMARY KEY,
+    members INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS history (
     t REAL NOT NULL,
     step INTEGER NOT NULL,
