@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -183,18 +185,27 @@ def test_bad_options_and_contexts_are_config_errors():
         make_attack("sign_flip", group_size=2, attackers=3)
 
 
+@contextlib.contextmanager
+def two_trainers(run) -> Iterator[list[Trainer]]:
+    """Two honest trainers of ``run`` on their own DHT nodes (one thread each, so replays are exact)."""
+    dhts = start_dhts(2)
+    try:
+        torch.set_num_threads(1)
+        yield [
+            Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()])
+            for d in dhts
+        ]
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_seeds():
     """Batches derive from public seeds: the omniscient colluders' view is the honest peers' real gradients,
     bit for bit, and what omniscient_alie sends sits at their true mean + z * std."""
-    run = tiny_run("colluders")
-    dhts = start_dhts(2)
-    try:
-        torch.set_num_threads(1)
-        honest = [
-            Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()])
-            for d in dhts
-        ]
+    with two_trainers(tiny_run("colluders")) as honest:
+        run = honest[0].peer.config
         for trainer, micro_batches in zip(honest, (3, 2), strict=True):
             for _ in range(micro_batches):
                 trainer._micro_step()
@@ -221,9 +232,6 @@ def test_an_attacker_recomputes_every_honest_peers_exact_gradient_from_public_se
         lie = attack.contribution(rows[0], 0, peers=rows)
         expected = rows.mean(dim=0) + alie_z(5, 2) * rows.std(dim=0, correction=0)
         assert torch.allclose(lie, expected)
-    finally:
-        for d in dhts:
-            d.shutdown()
 
 
 @pytest.mark.timeout(120)
@@ -231,14 +239,7 @@ def test_an_attacker_replays_every_honest_peers_diloco_window_bit_for_bit_across
     """In diloco a peer's pseudo-gradient also depends on its inner optimizer's state, which only its own
     earlier windows made: the omniscient attacker keeps a shadow of each peer and replays each window from
     the public seeds, so the second window (whose inner optimizer state the first one left) is exact too."""
-    run = tiny_run("colluders-diloco", sync="diloco", inner_steps=3)
-    dhts = start_dhts(2)
-    try:
-        torch.set_num_threads(1)
-        trainers = [
-            Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()])
-            for d in dhts
-        ]
+    with two_trainers(tiny_run("colluders-diloco", sync="diloco", inner_steps=3)) as trainers:
         attacker, honest = (t.peer for t in trainers)
         attack = make_attack("omniscient_ipm", group_size=2, attackers=1)
         for step, micro_batches in enumerate((3, 4)):
@@ -263,9 +264,6 @@ def test_an_attacker_replays_every_honest_peers_diloco_window_bit_for_bit_across
                 flat_params(attacker.strategy.replica.synced_params),
                 flat_params(honest.strategy.replica.synced_params),
             )
-    finally:
-        for d in dhts:
-            d.shutdown()
 
 
 def test_every_attack_is_the_librarys_three_hooks_and_turns_on_only_its_own_flags():
