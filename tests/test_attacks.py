@@ -290,11 +290,12 @@ def test_every_attack_is_the_librarys_three_hooks_and_turns_on_only_its_own_flag
     assert not honest.omniscient and honest.round_hooks.frame(object(), None) is None
 
 
-def test_diloco_refuses_an_omniscient_attack_and_names_it():
-    """A pseudo-gradient depends on each peer's inner optimizer state, which no public seed reveals."""
-    run = tiny_run("diloco", sync="diloco", inner_steps=2)
+def test_diloco_with_outer_overlap_refuses_an_omniscient_attack_and_names_it():
+    """The omniscient attacker replays each peer's window as it closes; with outer_overlap a peer sends a
+    window frozen one round earlier, which it does not replay."""
+    run = tiny_run("diloco", sync="diloco", inner_steps=2, outer_overlap=True)
     attack = make_attack("omniscient_alie", group_size=5, attackers=2)
-    with pytest.raises(ConfigError, match="'omniscient_alie' is rehearsed with sync 'every_step' only"):
+    with pytest.raises(ConfigError, match="'omniscient_alie' is not rehearsed with outer_overlap"):
         Trainer(run, None, peer_id="peer", hooks=attack)
 
 

@@ -162,9 +162,10 @@ class EveryStepSync:
 
 def check_hooks(run: RunConfig, hooks: TrainingHooks) -> None:
     """Refuse a rehearsed attack the run's sync mode cannot carry out, naming it."""
-    if run.training.sync == "diloco" and hooks.omniscient:
-        # A pseudo-gradient depends on each peer's local inner-optimizer state, which no seed reveals.
-        raise ConfigError(f"attack {hooks.name!r} is rehearsed with sync 'every_step' only")
+    if run.training.sync == "diloco" and run.training.outer_overlap and hooks.omniscient:
+        # The attacker replays each peer's whole window (swarm.byzantine.colluders.ShadowWindows); with
+        # outer_overlap what a peer sends is a window frozen one round earlier, which it does not replay.
+        raise ConfigError(f"attack {hooks.name!r} is not rehearsed with outer_overlap")
 
 
 def build_strategy(run: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> SyncStrategy:
