@@ -35,8 +35,17 @@ ROWS = {
 
 
 def mode_flags(mode: str, steps: int, inner_steps: int) -> list[str]:
-    if mode == "diloco":
-        return ["--sync", "diloco", "--inner-steps", str(inner_steps), "--steps", str(steps)]
+    if mode == "diloco":  # every window exactly inner_steps: the same samples in every run of the table
+        return [
+            "--sync",
+            "diloco",
+            "--inner-steps",
+            str(inner_steps),
+            "--window-stretch",
+            "1",
+            "--steps",
+            str(steps),
+        ]
     return ["--steps", str(steps)]
 
 

@@ -2,7 +2,8 @@
 
 - ``config``: ``CoordinatorConfig``, the typed settings behind ``swarm-coordinator start``'s flags
 - ``store``: the run's record in SQLite (peers, certificates, metrics, bans, credit, metrics history)
-- ``credit``: how witnessed rounds (and pipeline roles' reports) become credit, up to the verified step
+- ``credit``: the verified step, and how pipeline roles' reports become credit; the rules credit shares
+- ``stepshares``: credit from witnessed rounds: each step's share divided equally among its members
 - ``witness``: the rounds a heartbeat reports its sender applied, opened and checked member by member
 - ``suspicions``: which peers others avoid for breaking their rounds, as their heartbeats report it
 - ``standing``: the credited peers the coordinator signs into heartbeat answers, for catch-up votes

@@ -4,13 +4,11 @@ All run inside the store's heartbeat transaction (``coordinator.store``), on its
 verified step bounds credit, so it is bounded itself: by a majority of the reporting peers, by how fast a
 run can train, and by the newest checkpoint.
 
-A data-parallel peer is credited only for rounds other members witnessed (``credit_witnessed``): the
-weight its signed group entry claims, reported by another member of the round
-(``coordinator.witness``), once per step, for steps the run has verified, at most twice a batch over the
-peers that did witnessed work lately (the members of the rounds reported for the last
-``WITNESS_WINDOW_STEPS`` steps, and the round's own; never fewer than any report of the last
-``WITNESS_WINDOW_STEPS`` verified steps counted). Its own ``contributed_samples`` is shown, never
-credited.
+A data-parallel peer is credited only for rounds other members witnessed (``coordinator.stepshares``):
+the weight its signed group entry claims, reported by another member of the round, for steps the run
+has verified, at most an equal share of twice a batch among every member reported at that step. Its
+own ``contributed_samples`` is shown, never credited. This module holds the rules both share:
+``SHARE_SLACK``, ``DATA_ROLES`` and which peers may be credited (``CREDITABLE``).
 
 Pipeline roles (stage servers and trainers) hold no such rounds yet, and are credited as follows.
 What is checked, and what is not: a peer's ``contributed_samples`` is its own claim. The coordinator
@@ -37,13 +35,14 @@ CHECKPOINT_MARGIN_PERIODS = 2
 # One peer's share of a round may be up to this many times the average share: members differ in
 # speed, and a faster one computes more of the batch than a slower one.
 SHARE_SLACK = 2.0
-# Roles credited from witnessed rounds (``credit_witnessed``); the others report their own, bounded.
+# Roles credited from witnessed rounds (``coordinator.stepshares``); the others report their own, bounded.
 DATA_ROLES = ("data", "auto")
 # A row of ``peers p`` whose peer is not banned.
 UNBANNED = "NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = p.peer_id)"
 # A row of ``peers p`` that witnessed rounds may credit: a data-parallel peer of the run (online,
-# offline, or left and not yet pruned: an honest peer that leaves right after its last round is credited
-# for it when a groupmate reports it), not banned; two role parameters follow (``DATA_ROLES``).
+# offline, or left: the store keeps a peer that left while it is a member of a step in the witness
+# window, so one that leaves right after its round is credited for it when a groupmate reports it), not
+# banned; two role parameters follow (``DATA_ROLES``).
 CREDITABLE = f"p.state IN ('online', 'offline', 'left') AND p.role IN (?, ?) AND {UNBANNED}"
 
 
@@ -148,112 +147,3 @@ def merge_credit(
         "UPDATE credit SET samples = samples + ?, reported = ?, refused = refused + ?, step = ? WHERE peer_id=?",
         (granted, reported, claimed - granted, max(step, credited_step), peer_id),
     )
-
-
-# Witnessed rounds are credited for steps in this window below the verified step, and forgotten after it
-# (a replayed old round then falls outside the window, so it cannot be credited twice).
-WITNESS_WINDOW_STEPS = 16
-
-
-def _sharing(db: sqlite3.Connection, step: int, members: set[str], verified: int) -> int:
-    """How many peers a share of ``step`` is divided among: the members of the rounds reported for a step
-    in the window below ``verified`` that are still in the run (online or offline), the members of
-    ``step``'s rounds whatever became of them, and ``members`` (this round's); and never fewer than the
-    most any report counted over the last ``WITNESS_WINDOW_STEPS`` verified steps (the ``sharing``
-    table). Keys that joined and never took part in a round count nowhere; keys that left count only at
-    the steps they took part in; and a count, once reached, holds for a window, so an attacker cannot
-    time its reports to be read before its own keys dilute the others and after they expire, nor take
-    whole steps after the verified step jumped past the window."""
-    rows = db.execute(
-        "SELECT w.peer_id FROM witnessed w JOIN peers p ON p.peer_id = w.peer_id WHERE w.step >= ? "
-        f"AND p.state IN ('online', 'offline') AND p.role IN (?, ?) AND {UNBANNED} "
-        "UNION SELECT peer_id FROM witnessed WHERE step = ?",
-        (verified - WITNESS_WINDOW_STEPS, *DATA_ROLES, step),
-    )
-    count = len({peer for (peer,) in rows} | members)
-    db.execute(
-        "INSERT INTO sharing (verified, members) VALUES (?, ?) "
-        "ON CONFLICT(verified) DO UPDATE SET members = MAX(members, excluded.members)",
-        (verified, count),
-    )
-    db.execute(  # the counts of the newest WITNESS_WINDOW_STEPS verified steps, across any jump
-        "DELETE FROM sharing WHERE verified NOT IN "
-        "(SELECT verified FROM sharing ORDER BY verified DESC LIMIT ?)",
-        (WITNESS_WINDOW_STEPS,),
-    )
-    (mark,) = db.execute("SELECT MAX(members) FROM sharing").fetchone()
-    return max(count, mark or 0)
-
-
-def credit_witnessed(
-    db: sqlite3.Connection, reporter: str, rounds: list, *, verified: int, max_per_step: float
-) -> float:
-    """Credit each member of ``rounds`` (``coordinator.witness.WitnessedEntry`` lists) other than their
-    ``reporter``: the weight it signed, for steps below the ``verified`` step and within
-    ``WITNESS_WINDOW_STEPS`` of it, only to joined, unbanned data-parallel peers (``CREDITABLE``), and
-    at most ``SHARE_SLACK`` times ``max_per_step`` over the peers that did witnessed work lately
-    (``_sharing``). Keys that joined and never took part in a round dilute nobody's share (before, every
-    key that ever joined counted for its certificate's lifetime: 1,000 keys that joined once cut each
-    honest share 250-fold). A (member, step) is
-    credited the most any report of it allows, the difference added when a later report allows more (so
-    a first report padded with strangers' entries cannot hold an honest member's credit down). Sybils
-    that sign entries for each other's made-up rounds earn at most that share each per step: together
-    less than ``SHARE_SLACK`` batches a step, however many they are; they lower the honest peers'
-    share only once they outnumber them in rounds. A member reported at a step counts in the
-    denominator for the window after it left (or was banned), and all members of a step together earn at most ``SHARE_SLACK``
-    batches of it (the ``witnessed`` rows hold what each earned): keys that leave once credited make no
-    room for fresh ones at the same step. The budget goes to whoever is reported first, so a farm that
-    outnumbers the honest peers and reports first can take a step's whole budget; without it, the
-    same farm left them a share of 1/(keys at the step) each.
-    Returns the samples credited."""
-    credited = 0.0
-    for entries in rounds:
-        step = entries[0].step
-        if not verified - WITNESS_WINDOW_STEPS <= step < verified:
-            continue
-        # The step's members together earn at most SHARE_SLACK batches, whoever stays or goes.
-        (spent,) = db.execute(
-            "SELECT COALESCE(SUM(samples), 0) FROM witnessed WHERE step = ?", (step,)
-        ).fetchone()
-        budget = SHARE_SLACK * max_per_step - spent
-        members = {}
-        for entry in entries:
-            row = db.execute(
-                f"SELECT 1 FROM peers p WHERE p.peer_id=? AND {CREDITABLE}", (entry.peer_id, *DATA_ROLES)
-            ).fetchone()
-            if row is not None:
-                members[entry.peer_id] = entry
-        # A share's denominator is the peers that did witnessed work lately (``_sharing``).
-        sharing = _sharing(db, step, set(members), verified)
-        cap = min(max_per_step, SHARE_SLACK * max_per_step / max(sharing, 1))
-        for peer_id, entry in members.items():
-            row = db.execute(
-                "SELECT samples FROM witnessed WHERE peer_id=? AND step=?", (peer_id, step)
-            ).fetchone()
-            more = (
-                0.0 if peer_id == reporter else min(min(entry.weight, cap) - (row[0] if row else 0.0), budget)
-            )
-            if more <= 0:
-                # Its own report credits no member, and a spent budget credits nobody more, but a member
-                # that signed for samples it is all the same (``_sharing``).
-                if entry.weight > 0:
-                    db.execute(
-                        "INSERT OR IGNORE INTO witnessed (peer_id, step, samples) VALUES (?, ?, 0)",
-                        (peer_id, step),
-                    )
-                continue
-            budget -= more
-            samples = more + (row[0] if row else 0.0)
-            db.execute(
-                "INSERT INTO witnessed (peer_id, step, samples) VALUES (?, ?, ?) "
-                "ON CONFLICT(peer_id, step) DO UPDATE SET samples = excluded.samples",
-                (peer_id, step, samples),
-            )
-            db.execute(  # a new row's baseline is this step, should its peer ever report for itself
-                "INSERT INTO credit (peer_id, samples, step) VALUES (?, ?, ?) "
-                "ON CONFLICT(peer_id) DO UPDATE SET samples = samples + excluded.samples",
-                (peer_id, more, step),
-            )
-            credited += more
-    db.execute("DELETE FROM witnessed WHERE step < ?", (verified - WITNESS_WINDOW_STEPS,))
-    return credited

@@ -30,7 +30,7 @@ STANDING_REFRESH_S = 30.0
 def credited_peers(db: sqlite3.Connection, limit: int = MAX_STANDING) -> dict[str, float]:
     """The credited samples of the online, unbanned peers with the most (ties: the smaller peer ID)."""
     rows = db.execute(
-        "SELECT c.peer_id, c.samples FROM credit c JOIN peers p ON p.peer_id = c.peer_id "
+        "SELECT c.peer_id, c.samples FROM credit_total c JOIN peers p ON p.peer_id = c.peer_id "
         f"WHERE p.state = 'online' AND c.samples > 0 AND {UNBANNED} ORDER BY c.samples DESC, c.peer_id LIMIT ?",
         (limit,),
     )

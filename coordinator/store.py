@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from coordinator import stepshares
 from coordinator.banlist import (  # noqa: F401  (the CLI and metrics import them from here)
     EVIDENCE_PREVIEW_BYTES,
     Ban,
@@ -36,7 +37,6 @@ from coordinator.credit import (
     CHECKPOINT_MARGIN_PERIODS,
     DATA_ROLES,
     UNBANNED,
-    credit_witnessed,
     merge_credit,
     meta_int,
     round_share,
@@ -74,17 +74,6 @@ CREATE TABLE IF NOT EXISTS credit (
     reported REAL NOT NULL DEFAULT 0,
     step INTEGER NOT NULL DEFAULT 0,
     refused REAL NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS witnessed (
-    peer_id TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    samples REAL NOT NULL,
-    PRIMARY KEY (peer_id, step)
-);
-CREATE INDEX IF NOT EXISTS witnessed_by_step ON witnessed (step);
-CREATE TABLE IF NOT EXISTS sharing (
-    verified INTEGER PRIMARY KEY,
-    members INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS history (
     t REAL NOT NULL,
@@ -184,8 +173,10 @@ class Store:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA busy_timeout=5000")
-            db.executescript(SCHEMA + BANS_SCHEMA + SUSPICIONS_SCHEMA)
+            db.executescript(SCHEMA + BANS_SCHEMA + SUSPICIONS_SCHEMA + stepshares.SCHEMA)
             upgrade(db)
+            stepshares.upgrade(db)
+            db.executescript(stepshares.views(self.max_samples_per_step))
         except sqlite3.Error as e:
             raise ConfigError(f"cannot open the coordinator store {self.path}: {e}") from None
         row = db.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
@@ -267,11 +258,17 @@ class Store:
         return await self._run(op)
 
     async def prune(self, now: float, *, grace_s: float) -> int:
-        """Forget peers that left or whose certificates expired over ``grace_s`` ago (banned peers are
-        kept: the ban list needs their certificates' expiry); returns how many. Their credit stays."""
+        """Forget peers that left (once they are members of no step in the witness window) or whose
+        certificates expired over ``grace_s`` ago (banned peers are kept: the ban list needs their
+        certificates' expiry); returns how many. Their credit stays."""
 
         def op(db: sqlite3.Connection) -> int:
-            gone = "(state='left' OR cert_expires_at + ? < ?) AND peer_id NOT IN (SELECT peer_id FROM bans)"
+            # A peer that left stays while it is a member of a step in the witness window (its share of it
+            # may still be reported: ``coordinator.stepshares``).
+            gone = (
+                "((state='left' AND peer_id NOT IN (SELECT peer_id FROM step_members)) OR cert_expires_at + ? < ?)"
+                " AND peer_id NOT IN (SELECT peer_id FROM bans)"
+            )
             with transaction(db):
                 db.execute(
                     f"DELETE FROM suspicions WHERE reporter IN (SELECT peer_id FROM peers WHERE {gone})"
@@ -344,13 +341,7 @@ class Store:
                     )
                     (role,) = db.execute("SELECT role FROM peers WHERE peer_id=?", (peer_id,)).fetchone()
                     if role in DATA_ROLES:
-                        credit_witnessed(
-                            db,
-                            peer_id,
-                            rounds or [],
-                            verified=verified,
-                            max_per_step=self.max_samples_per_step,
-                        )
+                        stepshares.credit_witnessed(db, peer_id, rounds or [], verified=verified)
                     else:
                         share = round_share(db, step, param_hash, self.max_samples_per_step)
                         if CONTRIBUTED in metrics and step <= verified and share is not None:
@@ -495,7 +486,7 @@ _SELECT_PEERS = (
     " CASE WHEN b.peer_id IS NULL THEN p.state ELSE 'banned' END, p.joined_at, p.last_seen, p.last_seq,"
     " p.cert_serial, p.cert_expires_at, p.metrics, p.step, p.param_hash, COALESCE(b.reason, ''),"
     " COALESCE(b.banned_at, 0), COALESCE(c.samples, 0)"
-    " FROM peers p LEFT JOIN bans b ON b.peer_id = p.peer_id LEFT JOIN credit c ON c.peer_id = p.peer_id"
+    " FROM peers p LEFT JOIN bans b ON b.peer_id = p.peer_id LEFT JOIN credit_total c ON c.peer_id = p.peer_id"
 )
 
 

@@ -47,7 +47,7 @@ def suspicion_counts(db: sqlite3.Connection) -> dict[str, int]:
     samples themselves."""
     rows = db.execute(
         "SELECT s.suspect, COUNT(DISTINCT s.reporter) FROM suspicions s JOIN peers p ON p.peer_id = s.reporter "
-        "JOIN credit c ON c.peer_id = s.reporter "
+        "JOIN credit_total c ON c.peer_id = s.reporter "
         "WHERE p.state='online' AND c.samples > 0 "
         "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = s.reporter) "
         "GROUP BY s.suspect"

@@ -5,11 +5,11 @@ its kept members signed (its own among them; ``HeartbeatBody.rounds``). A member
 claim of the weight (samples) it brought to the round at its step, in an envelope bound to the run and
 dated, which nobody else can forge. ``witnessed_rounds`` opens them and keeps the rounds that hold
 together (every entry opens, one step, distinct signers, the reporter among them); the store then
-credits each member other than the reporter (``coordinator.credit.credit_witnessed``): a peer is
+credits each member other than the reporter (``coordinator.stepshares.credit_witnessed``): a peer is
 credited for a round only when another member of it reports its entry, never for what it says of
 itself. A freeloader that copies the public step and parameter hash joins no round and earns nothing.
 What stays open: Sybils that sign entries for each other's made-up rounds are witnessed by each other
-(each earns at most the bounded share of a step, see ``credit_witnessed``), and the coordinator does not
+(each earns at most an equal share of a step, see ``coordinator.stepshares``), and the coordinator does not
 recompute any round.
 
 Example::
@@ -29,7 +29,7 @@ from protocols.errors import SwarmError
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
 
 # How old a witnessed entry may be: a peer resends its last few rounds with every heartbeat until the
-# run's verified step passes them, and the step window (``credit.WITNESS_WINDOW_STEPS``) bounds replays.
+# run's verified step passes them, and the step window (``stepshares.WITNESS_WINDOW_STEPS``) bounds replays.
 WITNESS_MAX_AGE_S = 3600.0
 
 

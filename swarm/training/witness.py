@@ -22,7 +22,7 @@ from collections import deque
 from protocols.messages import MAX_ENTRY_BYTES, MAX_ROUND_ENTRIES, MAX_WITNESSED_ROUNDS
 
 # Applied rounds a peer keeps to report: the coordinator credits rounds up to 16 steps below its
-# verified step (``coordinator.credit.WITNESS_WINDOW_STEPS``).
+# verified step (``coordinator.stepshares.WITNESS_WINDOW_STEPS``).
 KEEP_WITNESSED_ROUNDS = 16
 
 
