@@ -21,17 +21,22 @@ import time
 from collections.abc import Callable
 
 from coordinator.credit import UNBANNED
+from coordinator.stepshares import CreditOf
 from protocols.messages import MAX_STANDING
 
 # How often the standing is recomputed: each peer receives it at most once per refresh.
 STANDING_REFRESH_S = 30.0
 
 
-def credited_peers(db: sqlite3.Connection, limit: int = MAX_STANDING) -> dict[str, float]:
-    """The credited samples of the online, unbanned peers with the most (ties: the smaller peer ID)."""
+def credited_peers(
+    db: sqlite3.Connection, credit_of: CreditOf, limit: int = MAX_STANDING
+) -> dict[str, float]:
+    """The credited samples of the online, unbanned peers with the most (ties: the smaller peer ID), each
+    peer's credit read by key (``coordinator.stepshares.CreditOf``)."""
     rows = db.execute(
-        "SELECT c.peer_id, c.samples FROM credit_total c JOIN peers p ON p.peer_id = c.peer_id "
-        f"WHERE p.state = 'online' AND c.samples > 0 AND {UNBANNED} ORDER BY c.samples DESC, c.peer_id LIMIT ?",
+        f"SELECT peer_id, samples FROM (SELECT p.peer_id AS peer_id, {credit_of.total('p.peer_id')} AS samples "
+        f"FROM peers p WHERE p.state = 'online' AND {UNBANNED}) WHERE samples > 0 "
+        "ORDER BY samples DESC, peer_id LIMIT ?",
         (limit,),
     )
     return {peer: float(samples) for peer, samples in rows}

@@ -146,6 +146,8 @@ class Store:
         self.max_verified_steps_per_s = max_verified_steps_per_s
         self._newest_checkpoint_step: Callable[[], int | None] = lambda: None
         self._checkpoint_margin_steps = 0
+        self._credit_of = stepshares.CreditOf(max_samples_per_step)
+        self._select_peers = _select_peers(self._credit_of)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-store")
         self._db: sqlite3.Connection | None = None
 
@@ -176,7 +178,6 @@ class Store:
             db.executescript(SCHEMA + BANS_SCHEMA + SUSPICIONS_SCHEMA + stepshares.SCHEMA)
             upgrade(db)
             stepshares.upgrade(db)
-            db.executescript(stepshares.views(self.max_samples_per_step))
         except sqlite3.Error as e:
             raise ConfigError(f"cannot open the coordinator store {self.path}: {e}") from None
         row = db.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
@@ -219,7 +220,7 @@ class Store:
 
     async def get_peer(self, peer_id: str) -> PeerRecord | None:
         def op(db: sqlite3.Connection) -> PeerRecord | None:
-            row = db.execute(_SELECT_PEERS + " WHERE p.peer_id = ?", (peer_id,)).fetchone()
+            row = db.execute(self._select_peers + " WHERE p.peer_id = ?", (peer_id,)).fetchone()
             return _record(row) if row else None
 
         return await self._run(op)
@@ -229,7 +230,7 @@ class Store:
 
         def op(db: sqlite3.Connection) -> tuple[list[PeerRecord], int]:
             rows = db.execute(
-                _SELECT_PEERS + " WHERE p.peer_id > ? ORDER BY p.peer_id LIMIT ?", (after, limit)
+                self._select_peers + " WHERE p.peer_id > ? ORDER BY p.peer_id LIMIT ?", (after, limit)
             )
             page = [_record(r) for r in rows]
             return page, db.execute("SELECT COUNT(*) FROM peers").fetchone()[0]
@@ -281,7 +282,7 @@ class Store:
 
     async def list_peers(self) -> list[PeerRecord]:
         return await self._run(
-            lambda db: [_record(r) for r in db.execute(_SELECT_PEERS + " ORDER BY joined_at")]
+            lambda db: [_record(r) for r in db.execute(self._select_peers + " ORDER BY joined_at")]
         )
 
     async def admit(self, record: PeerRecord) -> None:
@@ -341,7 +342,9 @@ class Store:
                     )
                     (role,) = db.execute("SELECT role FROM peers WHERE peer_id=?", (peer_id,)).fetchone()
                     if role in DATA_ROLES:
-                        stepshares.credit_witnessed(db, peer_id, rounds or [], verified=verified)
+                        stepshares.credit_witnessed(
+                            db, peer_id, rounds or [], verified=verified, credit_of=self._credit_of
+                        )
                     else:
                         share = round_share(db, step, param_hash, self.max_samples_per_step)
                         if CONTRIBUTED in metrics and step <= verified and share is not None:
@@ -436,11 +439,11 @@ class Store:
 
     async def suspicion_counts(self) -> dict[str, int]:
         """Per peer, how many online, unbanned peers avoid it now (``coordinator.suspicions``)."""
-        return await self._run(suspicion_counts)
+        return await self._run(lambda db: suspicion_counts(db, self._credit_of))
 
     async def standing(self) -> dict[str, float]:
         """The credited samples of the online, unbanned peers with the most (``coordinator.standing``)."""
-        return await self._run(credited_peers)
+        return await self._run(lambda db: credited_peers(db, self._credit_of))
 
     async def credit_refused(self) -> dict[str, float]:
         """Samples each peer claimed beyond what its progress allows (only peers with such claims)."""
@@ -481,13 +484,15 @@ class Store:
         return await self._run(op)
 
 
-_SELECT_PEERS = (
-    "SELECT p.peer_id, p.public_key, p.name, p.device, p.role,"
-    " CASE WHEN b.peer_id IS NULL THEN p.state ELSE 'banned' END, p.joined_at, p.last_seen, p.last_seq,"
-    " p.cert_serial, p.cert_expires_at, p.metrics, p.step, p.param_hash, COALESCE(b.reason, ''),"
-    " COALESCE(b.banned_at, 0), COALESCE(c.samples, 0)"
-    " FROM peers p LEFT JOIN bans b ON b.peer_id = p.peer_id LEFT JOIN credit_total c ON c.peer_id = p.peer_id"
-)
+def _select_peers(credit_of: stepshares.CreditOf) -> str:
+    """The peers' rows as ``_record`` reads them, each peer's credit read by key (``CreditOf``)."""
+    return (
+        "SELECT p.peer_id, p.public_key, p.name, p.device, p.role,"
+        " CASE WHEN b.peer_id IS NULL THEN p.state ELSE 'banned' END, p.joined_at, p.last_seen, p.last_seq,"
+        " p.cert_serial, p.cert_expires_at, p.metrics, p.step, p.param_hash, COALESCE(b.reason, ''),"
+        f" COALESCE(b.banned_at, 0), {credit_of.total('p.peer_id')}"
+        " FROM peers p LEFT JOIN bans b ON b.peer_id = p.peer_id"
+    )
 
 
 def _record(row: Any) -> PeerRecord:

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from protocols.messages import MAX_SUSPECT_REPORTS
+
+if TYPE_CHECKING:
+    from coordinator.stepshares import CreditOf
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS suspicions (
@@ -42,13 +46,12 @@ def record_suspicions(db: sqlite3.Connection, reporter: str, suspects: Iterable[
         )
 
 
-def suspicion_counts(db: sqlite3.Connection) -> dict[str, int]:
+def suspicion_counts(db: sqlite3.Connection, credit_of: CreditOf) -> dict[str, int]:
     """Per suspect, the distinct reporters that avoid it now: online, not banned, and credited with
-    samples themselves."""
+    samples themselves (each reporter's credit read by key, ``coordinator.stepshares.CreditOf``)."""
     rows = db.execute(
-        "SELECT s.suspect, COUNT(DISTINCT s.reporter) FROM suspicions s JOIN peers p ON p.peer_id = s.reporter "
-        "JOIN credit_total c ON c.peer_id = s.reporter "
-        "WHERE p.state='online' AND c.samples > 0 "
+        "SELECT s.suspect, COUNT(DISTINCT s.reporter) FROM suspicions s CROSS JOIN peers p ON p.peer_id = s.reporter "
+        f"WHERE p.state='online' AND {credit_of.total('s.reporter')} > 0 "
         "AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.peer_id = s.reporter) "
         "GROUP BY s.suspect"
     )

@@ -233,11 +233,8 @@ async def leave_then_join_scenario(b: Beats, *, someone_joins: bool) -> dict:
         for k in rest:
             await b.beat(k, step, state(step), history[-3:])
     assert await store.verified_step() == 12
-    (after,) = store._executor.submit(  # read even if the peer's row were gone: its credit stays
-        lambda: store._db.execute(
-            "SELECT samples FROM credit_total WHERE peer_id=?", (leaver.peer_id,)
-        ).fetchone()
-    ).result()
+    assert await store.get_peer(leaver.peer_id) is not None, "kept while a member of a window step"
+    after = await b.credit(leaver)
     return {"last_round": after - before, "rest": [await b.credit(k) for k in rest]}
 
 
@@ -285,13 +282,14 @@ def test_a_store_written_before_step_members_opens_and_credits_no_step_twice(tmp
     # The old layout: shares credited at once into ``credit``, the window's rows in ``witnessed``.
     db = sqlite3.connect(tmp_path / "c.db")
     db.executescript(
-        "DROP TABLE step_members; DROP VIEW credit_total; DROP VIEW window_credit; DROP VIEW step_caps;"
+        "DROP TABLE step_members; DROP TABLE step_counts;"
         "CREATE TABLE witnessed (peer_id TEXT NOT NULL, step INTEGER NOT NULL, samples REAL NOT NULL,"
         " PRIMARY KEY (peer_id, step));"
     )
     for k, samples in zip(honest, credit, strict=True):
         db.execute("INSERT INTO credit (peer_id, samples, step) VALUES (?, ?, 1)", (k.peer_id, samples))
-        db.execute("INSERT INTO witnessed VALUES (?, 1, ?)", (k.peer_id, samples))
+        for step in (0, 1):  # the steps it credited: a quarter batch of each
+            db.execute("INSERT INTO witnessed VALUES (?, ?, ?)", (k.peer_id, step, samples / 2))
     db.commit()
     db.close()
     with credit_store(tmp_path, run_id) as b:

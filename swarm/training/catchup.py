@@ -120,8 +120,9 @@ def by_credit(
     """The position the voters' credit decides, with how many voters hold it; None when no position has
     a strict majority of the credit. Each vote weighs ``credit_weights`` (over every peer in view and
     the caller, ``me``). A state ahead of a caller that is not stalled needs a majority of the credit
-    of every peer in view, as counting asks of it (honest peers further behind must not leave the
-    decision to the peers ahead). At the caller's own step its own side (itself and the voters that
+    of every peer in view and of the caller's own, as counting asks of it (honest peers further behind
+    must not leave the decision to the peers ahead; without the caller's own, 3 Sybil keys with as much
+    credit each as 4 honest members moved every one of them). At the caller's own step its own side (itself and the voters that
     agree with it) must be outweighed, equal sides going to the smaller hash as when counting: two
     apart sides of equal credit never swap states."""
     weights = credit_weights([*others, *([me] if me is not None else [])], credit)
@@ -132,8 +133,11 @@ def by_credit(
     if not backing:
         return None
     best = min(backing, key=lambda p: (-backing[p], -p.step, p.state_hash))
-    pool = others if not stalled and (mine is None or best.step > mine.step) else voters
-    if best == mine or 2 * backing[best] <= sum(weights[peer] for peer in pool):
+    ahead = not stalled and (mine is None or best.step > mine.step)
+    pool = sum(weights[peer] for peer in (others if ahead else voters))
+    if ahead and mine is not None and me is not None:
+        pool += weights[me]  # the caller's own credit weighs against a state ahead, as counting counts it
+    if best == mine or 2 * backing[best] <= pool:
         return None
     if mine is not None and best.step == mine.step:
         mine_side = backing.get(mine, 0.0) + (weights[me] if me is not None else 0.0)
