@@ -101,6 +101,15 @@ def credit_weights(peers: Collection[str], credit: Mapping[str, float]) -> dict[
     return {peer: min(credit.get(peer, 0.0), cap) for peer in peers}
 
 
+def own_vote(mine: Position, others: Mapping[str, Position], best: Position) -> bool:
+    """Whether the caller's own state is a vote against ``best``, a state ahead of it: when nobody but
+    ``best``'s holders is ahead of it, and it sees at least two others (counting and credit alike; a
+    caller behind an honest majority that moved on, beside keys elsewhere ahead, must still follow it)."""
+    return len(others) >= 2 and all(
+        p.step <= mine.step for p in others.values() if Position(p.step, p.state_hash) != best
+    )
+
+
 def credited(peers: Collection[str], credit: Mapping[str, float]) -> list[str]:
     """The peers of ``peers`` the coordinator credited with witnessed work."""
     return [peer for peer in peers if credit.get(peer, 0.0) > 0]
@@ -118,7 +127,8 @@ def by_credit(
     me: str | None = None,
 ) -> tuple[Position, int] | None:
     """The position the voters' credit decides, with how many voters hold it; None when no position has
-    a strict majority of the credit. Each vote weighs ``credit_weights`` (over every peer in view and
+    a strict majority of the credit and of the credited heads (peers with at least ``HOLDER_SHARE`` of
+    the vote cap). Each vote weighs ``credit_weights`` (over every peer in view and
     the caller, ``me``). A state ahead of a caller that is not stalled needs a majority of the credit
     of every peer in view and of the caller's own, as counting asks of it (honest peers further behind
     must not leave the decision to the peers ahead; without the caller's own, 3 Sybil keys with as much
@@ -134,10 +144,18 @@ def by_credit(
         return None
     best = min(backing, key=lambda p: (-backing[p], -p.step, p.state_hash))
     ahead = not stalled and (mine is None or best.step > mine.step)
-    pool = sum(weights[peer] for peer in (others if ahead else voters))
-    if ahead and mine is not None and me is not None:
-        pool += weights[me]  # the caller's own credit weighs against a state ahead, as counting counts it
-    if best == mine or 2 * backing[best] <= pool:
+    electorate = list(others if ahead else voters)
+    if ahead and mine is not None and me is not None and own_vote(mine, others, best):
+        electorate.append(me)  # the caller's own credit weighs against a state ahead, as counting counts it
+    if best == mine or 2 * backing[best] <= sum(weights[peer] for peer in electorate):
+        return None
+    # And a strict majority of the credited heads: credit per key differs by up to twice the average
+    # share (keys that sign made-up rounds take all of it), so 3 such keys outweighed 4 honest members a
+    # key; a key with a sliver of credit (under ``HOLDER_SHARE`` of the vote cap) is no head.
+    floor = HOLDER_SHARE * max(weights.values(), default=0.0)
+    heads = [peer for peer in electorate if weights[peer] >= floor > 0]
+    held = sum(1 for peer in heads if peer != me and voters.get(peer) == best)
+    if held < quorum(len(heads)):
         return None
     if mine is not None and best.step == mine.step:
         mine_side = backing.get(mine, 0.0) + (weights[me] if me is not None else 0.0)
@@ -221,10 +239,7 @@ def catch_up_target(
             # (downloading, just joined) must not leave the window to a few keys that agree on a step
             # ahead. The caller's own state is a vote too when nobody but the candidate's holders is
             # ahead of it.
-            own = len(others) >= 2 and all(
-                p.step <= mine.step for p in others.values() if Position(p.step, p.state_hash) != best
-            )
-            electorate = len(others) + int(own)
+            electorate = len(others) + int(own_vote(mine, others, best))
         if support < quorum(electorate) or best == mine:
             return None
         if anchors and long_stalled:
@@ -335,14 +350,20 @@ class PositionHistory:
                 del self._seen[peer]
 
     def agreed(
-        self, step: int, state_hash: str, voters: Collection[str], credit: Mapping[str, float] | None = None
+        self,
+        step: int,
+        state_hash: str,
+        voters: Collection[str],
+        credit: Mapping[str, float] | None = None,
+        me: str | None = None,
     ) -> bool:
         """Whether a strict majority of ``voters`` were seen at ``step`` holding ``state_hash``: of their
-        credit once ``CREDIT_QUORUM`` of them have some (``credit``: the coordinator's standing), else of
-        their count, as ``catch_up_target`` decides."""
+        credit once ``CREDIT_QUORUM`` of them have some (``credit``: the coordinator's standing; the
+        caller ``me``'s own credit weighs against it, as in ``by_credit``), else of their count, as
+        ``catch_up_target`` decides."""
         position, voters = Position(step, state_hash), set(voters)
         seen = {peer for peer in voters if position in self._seen.get(peer, ())}
         if credit is not None and len(credited(voters, credit)) >= CREDIT_QUORUM:
-            weights = credit_weights(voters, credit)
+            weights = credit_weights([*voters, *([me] if me is not None else [])], credit)
             return 2 * sum(weights[peer] for peer in seen) > sum(weights.values())
         return bool(seen) and len(seen) >= quorum(len(voters))

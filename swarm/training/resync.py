@@ -91,6 +91,10 @@ class CatchUp:
         self.coordinator_key, self.coordinator_checkpoint = coordinator_key, coordinator_checkpoint
         self.before_load, self.after_load = before_load, after_load
         self.standing = standing
+        # The most credit of this peer's own any standing it read held: a standing lists online peers
+        # only, so the copy sent right after this peer was offline a while leaves it out, and its own
+        # credit must still weigh against a state ahead (``catchup.by_credit``).
+        self.own_credit = 0.0
         # When this peer first tried a round at its current step (None before it has): the catch-up
         # rule's stall clock, which time spent computing the batch must not start.
         self.stalled_since: float | None = None
@@ -161,7 +165,7 @@ class CatchUp:
                 while view.count < target and time.monotonic() < deadline:
                     await asyncio.sleep(interval_s / 4)
             voters = [k for k in view.peers if k != self.peer_id]
-            if view.positions.agreed(step, state_hash, voters, credit=self._credit()):
+            if view.positions.agreed(step, state_hash, voters, credit=self._credit(), me=self.peer_id):
                 return True
         return False
 
@@ -179,7 +183,14 @@ class CatchUp:
         )  # fmt: skip
 
     def _credit(self) -> dict[str, float] | None:
-        return None if self.standing is None else self.standing.credit
+        """The standing's credit, this peer's own at the most any standing it read held."""
+        if self.standing is None:
+            return None
+        credit = self.standing.credit
+        self.own_credit = max(self.own_credit, credit.get(self.peer_id, 0.0))
+        if self.own_credit <= credit.get(self.peer_id, 0.0):
+            return credit
+        return {**credit, self.peer_id: self.own_credit}
 
     async def _checkpoint_to_resume(self) -> tuple[int, str, list[str]] | None:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
