@@ -102,12 +102,34 @@ def credit_weights(peers: Collection[str], credit: Mapping[str, float]) -> dict[
 
 
 def own_vote(mine: Position, others: Mapping[str, Position], best: Position) -> bool:
-    """Whether the caller's own state is a vote against ``best``, a state ahead of it: when nobody but
-    ``best``'s holders is ahead of it, and it sees at least two others (counting and credit alike; a
-    caller behind an honest majority that moved on, beside keys elsewhere ahead, must still follow it)."""
-    return len(others) >= 2 and all(
-        p.step <= mine.step for p in others.values() if Position(p.step, p.state_hash) != best
+    """Whether the caller's own state is a vote against ``best``, a state ahead of it: when it holds
+    trained state (a peer restarted at step 0 holds none to defend), nobody but ``best``'s holders is
+    ahead of it, and it sees at least two others (counting and credit alike; a caller behind an honest
+    majority that moved on, beside keys elsewhere ahead, must still follow it). Under credit ``others``
+    are the credited heads only, so a key without credit placed ahead cannot switch the vote off."""
+    return (
+        mine.step > 0
+        and len(others) >= 2
+        and all(p.step <= mine.step for p in others.values() if Position(p.step, p.state_hash) != best)
     )
+
+
+def heads(peers: Collection[str], weights: Mapping[str, float]) -> list[str]:
+    """The credited heads among ``peers``: those whose vote weighs at least ``HOLDER_SHARE`` of the vote
+    cap (a key with a sliver of farmed credit is no head)."""
+    floor = HOLDER_SHARE * max(weights.values(), default=0.0)
+    return [peer for peer in peers if weights.get(peer, 0.0) >= floor > 0]
+
+
+def carried(holders: Collection[str], electorate: Collection[str], weights: Mapping[str, float]) -> bool:
+    """Whether ``holders`` (of ``electorate``) hold a strict majority of its credit and of its credited
+    heads: credit per key differs by up to twice a step's average share (keys that sign made-up rounds
+    take all of it), so 3 such keys outweighed 4 honest members a key."""
+    held = set(holders) & set(electorate)
+    if 2 * sum(weights[peer] for peer in held) <= sum(weights[peer] for peer in electorate):
+        return False
+    counted = heads(electorate, weights)
+    return sum(1 for peer in counted if peer in held) >= quorum(len(counted))
 
 
 def credited(peers: Collection[str], credit: Mapping[str, float]) -> list[str]:
@@ -127,8 +149,8 @@ def by_credit(
     me: str | None = None,
 ) -> tuple[Position, int] | None:
     """The position the voters' credit decides, with how many voters hold it; None when no position has
-    a strict majority of the credit and of the credited heads (peers with at least ``HOLDER_SHARE`` of
-    the vote cap). Each vote weighs ``credit_weights`` (over every peer in view and
+    a strict majority of the credit (for a state ahead, of the credit and of the credited heads:
+    ``carried``). Each vote weighs ``credit_weights`` (over every peer in view and
     the caller, ``me``). A state ahead of a caller that is not stalled needs a majority of the credit
     of every peer in view and of the caller's own, as counting asks of it (honest peers further behind
     must not leave the decision to the peers ahead; without the caller's own, 3 Sybil keys with as much
@@ -143,19 +165,18 @@ def by_credit(
     if not backing:
         return None
     best = min(backing, key=lambda p: (-backing[p], -p.step, p.state_hash))
-    ahead = not stalled and (mine is None or best.step > mine.step)
-    electorate = list(others if ahead else voters)
-    if ahead and mine is not None and me is not None and own_vote(mine, others, best):
-        electorate.append(me)  # the caller's own credit weighs against a state ahead, as counting counts it
-    if best == mine or 2 * backing[best] <= sum(weights[peer] for peer in electorate):
+    if best == mine:
         return None
-    # And a strict majority of the credited heads: credit per key differs by up to twice the average
-    # share (keys that sign made-up rounds take all of it), so 3 such keys outweighed 4 honest members a
-    # key; a key with a sliver of credit (under ``HOLDER_SHARE`` of the vote cap) is no head.
-    floor = HOLDER_SHARE * max(weights.values(), default=0.0)
-    heads = [peer for peer in electorate if weights[peer] >= floor > 0]
-    held = sum(1 for peer in heads if peer != me and voters.get(peer) == best)
-    if held < quorum(len(heads)):
+    if not stalled and (mine is None or best.step > mine.step):
+        # A state ahead: a strict majority of the credit and of the credited heads of every peer in view,
+        # and of the caller's own when counting would count it (``own_vote``, over the heads in view).
+        electorate = list(others)
+        counted = {peer: others[peer] for peer in heads(others, weights)}
+        if mine is not None and me is not None and own_vote(mine, counted, best):
+            electorate.append(me)
+        if not carried([peer for peer, p in voters.items() if p == best], electorate, weights):
+            return None
+    elif 2 * backing[best] <= sum(weights[peer] for peer in voters):
         return None
     if mine is not None and best.step == mine.step:
         mine_side = backing.get(mine, 0.0) + (weights[me] if me is not None else 0.0)
@@ -364,6 +385,6 @@ class PositionHistory:
         position, voters = Position(step, state_hash), set(voters)
         seen = {peer for peer in voters if position in self._seen.get(peer, ())}
         if credit is not None and len(credited(voters, credit)) >= CREDIT_QUORUM:
-            weights = credit_weights([*voters, *([me] if me is not None else [])], credit)
-            return 2 * sum(weights[peer] for peer in seen) > sum(weights.values())
+            electorate = [*voters, *([me] if me is not None else [])]
+            return carried(seen, electorate, credit_weights(electorate, credit))
         return bool(seen) and len(seen) >= quorum(len(voters))
