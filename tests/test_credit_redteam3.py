@@ -8,10 +8,9 @@ fixed one. Each drives the real Store in-process through the real HeartbeatBody 
 from __future__ import annotations
 
 import pytest
-from witness_helpers import POISON, TARGET, Beats, credit_store, record, run, state
+from witness_helpers import TARGET, Beats, credit_store, nobody_follows, record, run, state
 
 from protocols.keys import SigningKey
-from swarm.training.catchup import Position, catch_up_target
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,17 +88,7 @@ def test_a_farm_that_times_its_reports_on_the_window_edge_is_diluted_like_everyo
     # gains no more a step than an honest peer that signed for 16.
     assert max(after["earner_credit"]) <= min(gained_honest) + 1e-6, (after["earner_credit"], gained_honest)
     assert max(after["earner_credit"]) < min(after["honest_credit"]), after
-    standing, last = after["standing"], after["last"]
-    view = {**{k: Position(last, state(last)) for k in after["honest"]},
-            **{k: Position(last + 1, POISON) for k in after["earners"]}}  # fmt: skip
-    me = after["honest"][0]
-    for target in (
-        catch_up_target(Position(0, "3" * 64), view, credit=standing),  # a fresh peer
-        catch_up_target(None, view, credit=standing),  # the checkpoint keeper
-        catch_up_target(Position(last, state(last)), {k: p for k, p in view.items() if k != me},
-                        credit=standing, me=me),  # an honest peer in line
-    ):  # fmt: skip
-        assert target is None or target.state_hash != POISON
+    nobody_follows(after["standing"], after["honest"], after["earners"], after["last"])
 
 
 # --- 2. a verified step that jumps past the window leaves it empty: two keys take whole steps --------------

@@ -9,11 +9,10 @@ reported). Each drives the real Store in-process through the real HeartbeatBody 
 from __future__ import annotations
 
 import pytest
-from witness_helpers import POISON, TARGET, Beats, credit_store, record, run, state
+from witness_helpers import TARGET, Beats, credit_store, nobody_follows, record, run, state
 
 from coordinator.stepshares import WITNESS_WINDOW_STEPS
 from protocols.keys import SigningKey
-from swarm.training.catchup import Position, catch_up_target
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,17 +140,7 @@ def test_a_farm_that_reports_its_rounds_late_gets_no_more_a_step_than_an_honest_
     # An honest member signs 16 a step; no farm key earns more a step, however late it reports.
     assert max(after["farm_credit"]) <= TARGET / 4 * steps + 1e-6, after["farm_credit"]
     assert max(after["farm_credit"]) <= min(gained_honest) + 1e-6, (after["farm_credit"], gained_honest)
-    standing, last = after["standing"], after["last"]
-    view = {**{k: Position(last, state(last)) for k in after["honest"]},
-            **{k: Position(last + 1, POISON) for k in after["farm"]}}  # fmt: skip
-    me = after["honest"][0]
-    for target in (
-        catch_up_target(Position(0, "3" * 64), view, credit=standing),  # a fresh peer
-        catch_up_target(None, view, credit=standing),  # the checkpoint keeper
-        catch_up_target(Position(last, state(last)), {k: p for k, p in view.items() if k != me},
-                        credit=standing, me=me),  # an honest peer in line
-    ):  # fmt: skip
-        assert target is None or target.state_hash != POISON
+    nobody_follows(after["standing"], after["honest"], after["farm"], after["last"])
 
 
 # --- 2. the mark outlives the window: peers gone silent hold the survivors' share down for 31 steps ---------

@@ -10,7 +10,18 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-from witness_helpers import POISON, TARGET, Beats, credit_store, honest_step, record, run, state
+from witness_helpers import (
+    POISON,
+    TARGET,
+    Beats,
+    credit_store,
+    farm_run,
+    honest_step,
+    record,
+    run,
+    state,
+    vm_ops,
+)
 
 from coordinator.stepshares import WITNESS_WINDOW_STEPS
 from protocols.keys import SigningKey
@@ -19,23 +30,6 @@ from swarm.training.catchup import Position, catch_up_target
 pytestmark = pytest.mark.timeout(120)
 
 W = WITNESS_WINDOW_STEPS
-
-
-async def _vm_ops(store, call) -> int:
-    """SQLite virtual-machine instructions the store's connection runs for ``await call()``: the CPU a read
-    costs the store's one thread, counted deterministically (wall time on a busy machine is not)."""
-    count = [0]
-
-    def tick() -> int:
-        count[0] += 1
-        return 0
-
-    await store._run(lambda db: db.set_progress_handler(tick, 10))
-    try:
-        await call()
-    finally:
-        await store._run(lambda db: db.set_progress_handler(None, 10))
-    return count[0] * 10
 
 
 # --- 1. every peer lookup now aggregates all credit ever granted and every window member ---------------
@@ -71,12 +65,12 @@ async def lookup_cost_scenario(b: Beats) -> dict:
             await b.beat(honest[0], W + 2, state(W + 2), history[-3:])
 
         return {
-            "get_peer": await _vm_ops(store, lambda: store.get_peer(me)),  # twice per heartbeat (service)
-            "status_page": await _vm_ops(store, lambda: store.peer_page(limit=256)),  # unauthenticated
-            "standing": await _vm_ops(store, store.standing),
-            "suspicions": await _vm_ops(store, store.suspicion_counts),
-            "heartbeat": await _vm_ops(store, heartbeat),
-            "old_get_peer": await _vm_ops(store, old_lookup),
+            "get_peer": await vm_ops(store, lambda: store.get_peer(me)),  # twice per heartbeat (service)
+            "status_page": await vm_ops(store, lambda: store.peer_page(limit=256)),  # unauthenticated
+            "standing": await vm_ops(store, store.standing),
+            "suspicions": await vm_ops(store, store.suspicion_counts),
+            "heartbeat": await vm_ops(store, heartbeat),
+            "old_get_peer": await vm_ops(store, old_lookup),
         }
 
     base = await costs()
@@ -140,30 +134,6 @@ def test_a_peer_lookup_reads_its_credit_by_key_however_many_keys_were_credited(t
 # --- 2. fewer farm keys than honest members earn more per key than each of them ----------------------
 
 
-async def farm_scenario(b: Beats, n_honest: int, n_farm: int, steps: int) -> dict:
-    """``n_honest`` honest members average at every step (TARGET / n_honest each, the whole batch between
-    them); ``n_farm`` Sybil keys, present from the start, sign a made-up round of themselves at every step
-    for the whole batch each, reported by two of them (so each is vouched), with heartbeats at step 0 and
-    no hash (they never touch the verified step)."""
-    store = b.store
-    honest = [SigningKey.generate() for _ in range(n_honest)]
-    farm = [SigningKey.generate() for _ in range(n_farm)]
-    for k in (*honest, *farm):
-        await store.admit(record(k))
-    history: list = []
-    for step in range(steps + 1):
-        await honest_step(b, honest, step, history)
-        if step:
-            made_up = b.round(farm, step - 1, TARGET)
-            for i, k in enumerate(farm):
-                await b.beat(k, 0, "", [made_up] if i < 2 else [])
-    return {
-        "honest": [k.peer_id for k in honest], "farm": [k.peer_id for k in farm],
-        "honest_credit": [await b.credit(k) for k in honest], "farm_credit": [await b.credit(k) for k in farm],
-        "standing": await store.standing(), "last": steps,
-    }  # fmt: skip
-
-
 @pytest.mark.parametrize(("n_honest", "n_farm"), [(4, 2), (4, 3), (8, 2)])
 def test_a_farm_smaller_than_the_honest_group_earns_per_key_at_most_the_documented_slack(
     tmp_path, n_honest, n_farm
@@ -177,7 +147,7 @@ def test_a_farm_smaller_than_the_honest_group_earns_per_key_at_most_the_document
     members lose nothing; and catch-up no longer lets that excess decide (tests 3 and 4)."""
     steps = 6
     with credit_store(tmp_path, f"farm{n_honest}{n_farm}") as b:
-        after = run(farm_scenario(b, n_honest, n_farm, steps))
+        after = run(farm_run(b, n_honest, n_farm, steps))
     honest_rate = TARGET / n_honest
     assert after["honest_credit"] == [pytest.approx(honest_rate * steps)] * n_honest, after
     ratio = max(after["farm_credit"]) / min(after["honest_credit"])
@@ -196,9 +166,9 @@ def test_a_farm_with_fewer_keys_than_honest_members_moves_no_honest_member(tmp_p
     state ahead."""
     steps = 20
     with credit_store(tmp_path, "steer") as b:
-        after = run(farm_scenario(b, 4, 3, steps))
+        after = run(farm_run(b, 4, 3, steps))
     standing, last = after["standing"], after["last"]
-    honest, farm = after["honest"], after["farm"]
+    honest, farm = after["honest_ids"], after["farm_ids"]
     assert all(standing[k] == pytest.approx(TARGET / 4 * steps) for k in honest), standing
     me = honest[0]
     view = {**{k: Position(last, state(last)) for k in honest if k != me},
@@ -219,9 +189,9 @@ def test_a_farm_as_large_as_the_honest_group_gets_equal_credit_and_moves_no_memb
     majority. A farm that outnumbers the honest members still moves them (the documented limitation)."""
     steps = 20
     with credit_store(tmp_path, "steer4") as b:
-        after = run(farm_scenario(b, 4, 4, steps))
+        after = run(farm_run(b, 4, 4, steps))
     standing, last = after["standing"], after["last"]
-    honest, farm = after["honest"], after["farm"]
+    honest, farm = after["honest_ids"], after["farm_ids"]
     assert all(standing[k] == pytest.approx(TARGET / 4 * steps) for k in (*honest, *farm)), standing
     me = honest[0]
     view = {**{k: Position(last, state(last)) for k in honest if k != me},

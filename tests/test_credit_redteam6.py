@@ -18,7 +18,18 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from witness_helpers import POISON, TARGET, Beats, credit_store, honest_step, record, run, state
+from witness_helpers import (
+    POISON,
+    TARGET,
+    Beats,
+    credit_store,
+    farm_run,
+    honest_step,
+    record,
+    run,
+    state,
+    vm_ops,
+)
 
 from coordinator.standing import Standing
 from coordinator.stepshares import WITNESS_WINDOW_STEPS
@@ -30,25 +41,6 @@ pytestmark = pytest.mark.timeout(120)
 
 W = WITNESS_WINDOW_STEPS
 RESTARTED = Position(0, "3" * 64)  # a peer restarted from scratch (no local state)
-
-
-async def farm_run(b: Beats, n_honest: int, n_farm: int, steps: int) -> dict:
-    """Review 5's farm: ``n_honest`` honest members average at every step (TARGET / n_honest each);
-    ``n_farm`` Sybil keys sign a made-up round of themselves at every step for the whole batch each,
-    reported by two of them (so each is vouched), with heartbeats at step 0 and no hash."""
-    store = b.store
-    honest = [SigningKey.generate() for _ in range(n_honest)]
-    farm = [SigningKey.generate() for _ in range(n_farm)]
-    for k in (*honest, *farm):
-        await store.admit(record(k))
-    history: list = []
-    for step in range(steps + 1):
-        await honest_step(b, honest, step, history)
-        if step and farm:
-            made_up = b.round(farm, step - 1, TARGET)
-            for i, k in enumerate(farm):
-                await b.beat(k, 0, "", [made_up] if i < 2 else [])
-    return {"honest": honest, "farm": farm, "standing": await store.standing(), "last": steps}
 
 
 # --- 1. a member back from an offline spell holds a standing without its own credit --------------------
@@ -189,22 +181,6 @@ def test_a_lagging_member_follows_the_honest_majority_while_two_farm_keys_sit_el
 # --- 4. per-key cost: a join, a Status call and a heartbeat at a new step each scan every peer row -------
 
 
-async def _vm_ops(store, call) -> int:
-    """SQLite virtual-machine instructions the store's connection runs for ``await call()`` (as review 5)."""
-    count = [0]
-
-    def tick() -> int:
-        count[0] += 1
-        return 0
-
-    await store._run(lambda db: db.set_progress_handler(tick, 10))
-    try:
-        await call()
-    finally:
-        await store._run(lambda db: db.set_progress_handler(None, 10))
-    return count[0] * 10
-
-
 async def scan_scenario(b: Beats, sizes: tuple[int, ...]) -> list[dict]:
     store = b.store
     await store._run(lambda db: db.execute("PRAGMA synchronous=OFF"))  # test speed only
@@ -228,11 +204,11 @@ async def scan_scenario(b: Beats, sizes: tuple[int, ...]) -> list[dict]:
             await store.majority_hashes()
 
         await b.beat(probes[0], ahead, "f" * 64)
-        probe = await _vm_ops(store, lambda: b.beat(probes[1], ahead, "f" * 64))
+        probe = await vm_ops(store, lambda: b.beat(probes[1], ahead, "f" * 64))
         assert await store.verified_step() == verified  # 2 of 6 reporting a hash: it moves nothing
         return {
-            "join": await _vm_ops(store, join),
-            "status": await _vm_ops(store, status),
+            "join": await vm_ops(store, join),
+            "status": await vm_ops(store, status),
             "heartbeat": probe,
         }
 
