@@ -87,21 +87,17 @@ def upgrade(db: sqlite3.Connection) -> None:
     """A store written before ``step_members`` credited each report at once into ``credit`` and kept a
     ``witnessed`` row per (member, step) in the window: a row with samples is a member credited already
     (``SETTLED_BEFORE``), one with none a member that only reported itself, whose groupmates may still
-    report it. Their steps' counts are rebuilt, and the old tables go."""
-    for view in ("credit_total", "window_credit", "step_caps"):
-        db.execute(f"DROP VIEW IF EXISTS {view}")
+    report it. Their steps' counts are rebuilt, and the old table goes."""
     if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='witnessed'").fetchone():
         db.execute(
             "INSERT OR IGNORE INTO step_members (peer_id, step, claim, vouched) "
             f"SELECT peer_id, step, samples, CASE WHEN samples > 0 THEN {SETTLED_BEFORE} ELSE 0 END FROM witnessed"
         )
-        db.execute("DROP TABLE witnessed")
-    db.execute("DROP TABLE IF EXISTS sharing")
-    if db.execute("SELECT 1 FROM step_counts LIMIT 1").fetchone() is None:
         db.execute(
             "INSERT INTO step_counts (step, members) "
             "SELECT step, COUNT(*) FROM step_members WHERE claim > 0 GROUP BY step"
         )
+        db.execute("DROP TABLE witnessed")
 
 
 def credit_witnessed(
