@@ -9,7 +9,7 @@ reported). Each drives the real Store in-process through the real HeartbeatBody 
 from __future__ import annotations
 
 import pytest
-from witness_helpers import TARGET, Beats, credit_store, nobody_follows, record, run, state
+from witness_helpers import TARGET, Beats, credit_store, honest_step, nobody_follows, record, run, state
 
 from coordinator.stepshares import WITNESS_WINDOW_STEPS
 from protocols.keys import SigningKey
@@ -57,10 +57,7 @@ async def late_report_scenario(b: Beats) -> dict:
         await store.admit(record(k))
     history: list = []
     for step in range(LATE_WARM + 1):  # an honest run, the mover online at the honest state beside it
-        if step:
-            history.append(b.round(honest, step - 1, TARGET / 4))
-        for k in honest:
-            await b.beat(k, step, state(step), history[-3:])
+        await honest_step(b, honest, step, history)
         await b.beat(mover, step, state(step))
     warm = [await b.credit(k) for k in honest]
     first = LATE_WARM + 1
