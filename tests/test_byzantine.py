@@ -221,6 +221,10 @@ def test_honest_peers_train_through_each_attack(tmp_path, clean_tiny_sim, attack
         report,
         clean_tiny_sim,
     )
-    if attack in PROVABLE:
+    if attack in PROVABLE and (attacker["banned"] or attacker["contributed_samples"] > 0):
+        # Every round the attacker was in is checked; on a loaded machine it can be in none: a group of the
+        # 3 honest peers meets min_group_size, and an attacker that starts a step behind catches up by
+        # download only after they moved on (a tiny step takes about a second, a catch-up as long), so it
+        # never sends anything to be caught at (reproduced once in 4 runs with two busy loops per core).
         assert attacker["banned"] and PROVABLE[attack] in attacker["ban_reason"], attacker
     assert not any(p["banned"] for p in honest), "no honest peer is ever banned"
