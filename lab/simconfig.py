@@ -139,6 +139,11 @@ class SimConfig(BaseModel):
         description="training.max_group_size (default: the run's, 64); set it to rehearse more peers than "
         "one group holds",
     )  # fmt: skip
+    relay_fanout: int | None = Field(
+        None, ge=1, le=64,
+        description="training.relay_fanout (default: the run's, 4): members each member passes the step's "
+        "combined result on to; 1 relays it down a chain",
+    )  # fmt: skip
     wan: str | None = Field(
         None,
         max_length=64,
@@ -277,6 +282,7 @@ def build_run(config: SimConfig) -> RunConfig:
             "max_steps": steps, "matchmaking_time_s": 1.5, "progress_interval_s": 0.3,
             "min_group_size": min_group_size(config),
             **({"max_group_size": config.max_group_size} if config.max_group_size else {}),
+            **({"relay_fanout": config.relay_fanout} if config.relay_fanout else {}),
             "verify_probability": config.verify_probability,
             "sender_check_probability": config.sender_check_probability,
             **({"aggregator": config.aggregator} if config.aggregator else {}),

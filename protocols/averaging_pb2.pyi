@@ -105,14 +105,16 @@ class StateChunk(_message.Message):
     def __init__(self, step: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class TierRequest(_message.Message):
-    __slots__ = ("group_id", "attestation", "step")
+    __slots__ = ("group_id", "attestation", "step", "attest_only")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ATTESTATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     attestation: bytes
     step: int
-    def __init__(self, group_id: _Optional[bytes] = ..., attestation: _Optional[bytes] = ..., step: _Optional[int] = ...) -> None: ...
+    attest_only: bool
+    def __init__(self, group_id: _Optional[bytes] = ..., attestation: _Optional[bytes] = ..., step: _Optional[int] = ..., attest_only: _Optional[bool] = ...) -> None: ...
 
 class TierAnswer(_message.Message):
     __slots__ = ("code", "error", "alone", "tier_group_id", "entries", "representative", "signers", "chunk")

@@ -227,6 +227,11 @@ class TrainingConfig(_Section):
     )
     max_group_size: int = Field(64, ge=1, le=1024, description="peers in one averaging group")
     min_group_size: int = Field(1, ge=1, le=1024, description="a round needs this many peers; fewer wait")
+    relay_fanout: int = Field(
+        4, ge=1, le=64,
+        description="beyond one group: members each member passes the step's combined result on to "
+        "(a tree; docs/scale.md)",
+    )  # fmt: skip
     matchmaking_time_s: float = Field(
         2.0, ge=0.1, le=300, description="how long peers gather before averaging"
     )

@@ -8,7 +8,8 @@ members' signed weights) in a second-tier round with the other groups' represent
 robust, verified round under its own prefix (``tier_prefix``), in ``TIER_COMPRESSION``, which only a
 representative certified by a strict majority of its group may join (``tiercert``). The representative
 then hands the result to its group's members (``tierserve``): the second tier's signed entries and every
-aggregate chunk as its reducer signed it. A member checks it (``TierCheck``) before applying it:
+aggregate chunk as its reducer signed it, down a tree of the members (``relay_parent``: each passes on what
+it checked to at most ``training.relay_fanout`` others). A member checks it (``TierCheck``) before applying it:
 
 - every entry opens under the second tier's prefix, proves its member's admission, was signed at this
   member's step and state, and carries a group certificate that holds (so an old round, another state's
@@ -87,20 +88,44 @@ def round_codec(run: RunConfig, prefix: str) -> Codec:
     return get_codec(run.training.compression, topk_density=run.training.topk_density)
 
 
+def relay_order(
+    commitments: Sequence[bytes], members: Sequence[str], reducers: Sequence[bool] | None
+) -> list[int]:
+    """A group's members ranked by the SHA-256 of (every member's nonce commitment, its peer ID), those that
+    can be dialed first: the first is the group's ``representative``, and the order is the tree its
+    hand-off is relayed down (``relay_parent``). Every member computes the same, and no member can steer it:
+    each commitment is fixed in its member's signed entry before the group forms, and they are hashed
+    sorted, so neither the group ID nor the order the leader lists members in moves it (a leader could
+    steer a draw on either); a leader can only choose whom to admit."""
+    seed = hashlib.sha256(b"|".join([b"swarm-representative", *sorted(commitments)])).digest()
+
+    def rank(i: int) -> tuple[bool, bytes]:
+        dialable = reducers is None or bool(reducers[i])
+        return (not dialable, hashlib.sha256(seed + members[i].encode()).digest())
+
+    return sorted(range(len(members)), key=rank)
+
+
 def representative(
     commitments: Sequence[bytes], members: Sequence[str], reducers: Sequence[bool] | None
 ) -> int:
-    """The index of a group's representative: the member whose SHA-256 of (every member's nonce commitment,
-    its peer ID) is smallest among those that can be dialed (all of them when none can). Every member
-    computes the same, and no member can steer it: each commitment is fixed in its member's signed entry
-    before the group forms, and they are hashed sorted, so neither the group ID nor the order the leader
-    lists members in moves it (a leader could steer a draw on either); a leader can only choose whom to
-    admit."""
-    seed = hashlib.sha256(b"|".join([b"swarm-representative", *sorted(commitments)])).digest()
-    dialable = [i for i in range(len(members)) if reducers is None or reducers[i]]
-    return min(
-        dialable or range(len(members)), key=lambda i: hashlib.sha256(seed + members[i].encode()).digest()
-    )
+    """The index of a group's representative: the first of ``relay_order``, the member with the smallest
+    hash among those that can be dialed (all of them when none can)."""
+    return relay_order(commitments, members, reducers)[0]
+
+
+def relay_parent(order: Sequence[int], member: int, reducers: Sequence[bool] | None, fanout: int) -> int:
+    """The member ``member`` asks for its group's outcome: its parent in the ``fanout``-ary tree over
+    ``order`` (``relay_order``), or the representative (``order[0]``) when that parent cannot be dialed. Each
+    member then sends the outcome to at most ``fanout`` others whatever the group's size, and it reaches
+    every member in about log_fanout(size) hops."""
+    at = order.index(member)
+    if at == 0:
+        return member
+    parent = order[(at - 1) // fanout]
+    if reducers is not None and not reducers[parent]:
+        return order[0]
+    return parent
 
 
 def only_group(members: int, *, peers_at_step: int, run_peers: int, min_group_size: int) -> bool:
@@ -299,6 +324,8 @@ __all__ = [
     "TierCheck",
     "TierOutcome",
     "only_group",
+    "relay_order",
+    "relay_parent",
     "representative",
     "round_codec",
     "signed_outcome",

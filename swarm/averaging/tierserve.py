@@ -7,6 +7,12 @@ answers at once, refusing, a caller that is not a member of one of its recent fi
 (``TierBoard.attest``) until a strict majority lets it join the second tier (``TierBoard.majority``), and
 streams the outcome (``TierOutcome.answers``) to every member that waits.
 
+In a group larger than ``training.relay_fanout + 1`` the outcome goes down a tree (``tiers.relay_parent``): a member
+whose parent is another member sends the representative its attestation alone (``attest_to``, answered at
+once) and asks its parent, which opened the group on its own board (``TierBoard.relay``: it keeps no
+attestation) and posts there what it checked. Only the representative may say ``alone``: a member that a
+relayer tells so, or that its relayer fails or lies to, asks the representative itself.
+
 Example::
 
     board.open(group_id, members, holds=lambda member, signature: attestation_holds(member, signature, ...))
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +37,8 @@ from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.allreduce import Traffic
 from swarm.averaging.tiers import MAX_TIER_ANSWER_BYTES, TierCheck, TierOutcome
 from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
+
+logger = logging.getLogger(__name__)
 
 #: First-tier groups whose second-tier outcome a representative keeps for its members.
 KEPT_OUTCOMES = 8
@@ -78,6 +87,11 @@ class TierBoard:
         self._opened.set()
         self._opened = asyncio.Event()
 
+    def relay(self, group_id: bytes, members: Sequence[str]) -> None:
+        """This peer passes on ``group_id``'s outcome once it has checked it: its members may wait for it here
+        (``wait``; no attestation is kept)."""
+        self.open(group_id, members, holds=lambda member, signature: False)
+
     def attest(self, group_id: bytes, member: str, signature: bytes) -> None:
         """Keep ``member``'s attestation of ``group_id`` if it holds (a signature that does not is ignored:
         the member waits for an outcome all the same)."""
@@ -108,14 +122,11 @@ class TierBoard:
         if posted is not None and not posted.outcome.done():
             posted.outcome.set_result(outcome)
 
-    async def wait(
-        self, group_id: bytes, asker: str, attestation: bytes, *, open_s: float, timeout_s: float
-    ) -> TierOutcome | None:
-        """The outcome for ``asker`` (whose ``attestation`` is kept if it holds); raises ``ProtocolError`` when
-        this peer does not represent the group within ``open_s``, or ``TimeoutError``."""
+    async def take(self, group_id: bytes, asker: str, attestation: bytes, *, open_s: float) -> _Posted:
+        """Keep ``asker``'s ``attestation`` of ``group_id`` if it holds, once this peer has opened the group;
+        raises ``ProtocolError`` when it does not within ``open_s`` or ``asker`` is not a member."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        open_by = loop.time() + min(open_s, timeout_s)
+        open_by = loop.time() + open_s
         while group_id not in self._posted:  # a member may finish the first tier before its representative
             left = open_by - loop.time()
             if left <= 0:
@@ -127,6 +138,16 @@ class TierBoard:
         if asker not in posted.members:
             raise ProtocolError("not a member of this group")
         self.attest(group_id, asker, attestation)
+        return posted
+
+    async def wait(
+        self, group_id: bytes, asker: str, attestation: bytes, *, open_s: float, timeout_s: float
+    ) -> TierOutcome | None:
+        """The outcome for ``asker`` (whose ``attestation`` is kept if it holds); raises ``ProtocolError`` when
+        this peer does not represent the group within ``open_s``, or ``TimeoutError``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        posted = await self.take(group_id, asker, attestation, open_s=min(open_s, timeout_s))
         return await asyncio.wait_for(asyncio.shield(posted.outcome), max(0.0, deadline - loop.time()))
 
 
@@ -180,6 +201,10 @@ class TierServicer(BoundedServicer):
             )
             return
         try:
+            if request.attest_only:  # its outcome comes down the relay tree: keep the attestation only
+                await self.board.take(group_id, asker, bytes(request.attestation), open_s=OPEN_WAIT_S)
+                yield apb.TierAnswer(code=apb.OK)
+                return
             outcome = await self.board.wait(
                 group_id, asker, bytes(request.attestation), open_s=OPEN_WAIT_S, timeout_s=self.wait_s()
             )
@@ -197,6 +222,30 @@ class TierServicer(BoundedServicer):
             yield answer
 
 
+async def attest_to(
+    p2p: P2P, representative: PeerID, namespace: str, group_id: bytes, attestation: bytes, *, timeout_s: float
+) -> None:
+    """Send ``representative`` this peer's attestation of ``group_id`` alone (the outcome comes from a relayer);
+    raises ``SwarmError`` or ``TimeoutError`` when it was not taken."""
+    stub = TierServicer.get_stub(p2p, representative, namespace=namespace)
+    request = apb.TierRequest(group_id=group_id, attestation=attestation, attest_only=True)
+
+    async def ask() -> None:
+        stream = await stub.rpc_tier_result(request)
+        try:
+            answer = await stream.__anext__()
+        except StopAsyncIteration:
+            raise SwarmError("representative ended its answer early") from None
+        finally:
+            if hasattr(stream, "aclose"):
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+        if answer.code != apb.OK:
+            raise SwarmError(f"representative answered {apb.Code.Name(answer.code)}: {answer.error[:200]}")
+
+    await asyncio.wait_for(ask(), timeout_s)
+
+
 async def fetch_tier_result(
     p2p: P2P,
     representative: PeerID,
@@ -208,9 +257,10 @@ async def fetch_tier_result(
     chunk_timeout_s: float,
     traffic: Traffic,
 ) -> TierCheck | None:
-    """Ask ``representative`` for the second tier's outcome of the group ``request`` names (with this peer's
-    attestation): None when the group was the step's only one (``alone``), else the checked result
-    (``TierCheck.output``; ``check`` builds the check from the header). Raises ``ProtocolError`` when what it
+    """Ask ``representative`` (or a relayer: a member above this one in the group's relay tree) for the second
+    tier's outcome of the group ``request`` names (with this peer's attestation): None when the group was
+    the step's only one (``alone``), else the checked result (``TierCheck.output``; ``check`` builds the
+    check from the header). Raises ``ProtocolError`` when what it
     sent does not hold (a proof against it), another ``SwarmError`` or ``TimeoutError`` when it sent nothing
     usable (which an honest one may do)."""
     stub = TierServicer.get_stub(p2p, representative, namespace=namespace)
@@ -220,7 +270,7 @@ async def fetch_tier_result(
     try:
         first = await asyncio.wait_for(stream.__anext__(), timeout_s)
         if first.code != apb.OK:  # honest when its second tier failed: not a proof of anything
-            raise SwarmError(f"representative answered {apb.Code.Name(first.code)}: {first.error[:200]}")
+            raise SwarmError(f"{representative} answered {apb.Code.Name(first.code)}: {first.error[:200]}")
         if first.alone:
             return None
         checked = check(first)
@@ -230,11 +280,66 @@ async def fetch_tier_result(
             checked.take(part, chunk, answer.chunk)
         return checked
     except StopAsyncIteration:
-        raise SwarmError("representative ended its answer early") from None
+        raise SwarmError(f"{representative} ended its answer early") from None
     finally:
         if hasattr(stream, "aclose"):
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
 
-__all__ = ["KEPT_OUTCOMES", "KEPT_STEPS", "TierBoard", "TierServicer", "fetch_tier_result"]
+async def fetch_down_the_tree(
+    p2p: P2P,
+    namespace: str,
+    request: apb.TierRequest,
+    *,
+    representative: PeerID,
+    parent: PeerID,
+    check: Callable[[apb.TierAnswer], TierCheck],
+    timeout_s: float,
+    chunk_timeout_s: float,
+    traffic: Traffic,
+    suspect: Callable[[str, str], None],
+) -> TierCheck | None:
+    """A member's outcome of the group ``request`` names (``fetch_tier_result``'s answer): from ``parent``,
+    its relayer in the group's tree (``tiers.relay_parent``), with its attestation sent to ``representative``
+    alone; from the representative itself when the parent is the representative, fails, sends what does not
+    hold (``suspect``ed, with the reason), or says ``alone`` (which only the representative may say). Raises
+    as ``fetch_tier_result`` does for the representative's answer (a representative that sent what does not
+    hold is ``suspect``ed too)."""
+    if parent != representative:
+        try:
+            await attest_to(p2p, representative, namespace, request.group_id, request.attestation,
+                            timeout_s=chunk_timeout_s)  # fmt: skip
+        except Exception as e:  # it may count this member out; the outcome can still come from the parent
+            logger.info(f"representative {representative} did not take this member's attestation: {e!r}")
+        try:
+            relayed = await fetch_tier_result(
+                p2p, parent, namespace, request, timeout_s=timeout_s, check=check,
+                chunk_timeout_s=chunk_timeout_s, traffic=traffic,
+            )  # fmt: skip
+            if relayed is not None:
+                return relayed
+            logger.info(f"relayer {parent} says the group was alone; asking its representative")
+        except ProtocolError as e:
+            suspect(parent.to_base58(), f"relayed a second-tier result that does not hold: {e}")
+        except Exception as e:  # refused, timed out, or its stream broke: nothing proves a fault
+            logger.info(f"no second-tier result from relayer {parent}: {e!r}; asking the representative")
+    try:
+        return await fetch_tier_result(
+            p2p, representative, namespace, request, timeout_s=timeout_s, check=check,
+            chunk_timeout_s=chunk_timeout_s, traffic=traffic,
+        )  # fmt: skip
+    except ProtocolError as e:
+        suspect(representative.to_base58(), f"sent a second-tier result that does not hold: {e}")
+        raise
+
+
+__all__ = [
+    "KEPT_OUTCOMES",
+    "KEPT_STEPS",
+    "TierBoard",
+    "TierServicer",
+    "attest_to",
+    "fetch_down_the_tree",
+    "fetch_tier_result",
+]

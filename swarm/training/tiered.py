@@ -1,14 +1,16 @@
 """A data-parallel peer's second tier: every group of a step applies one update (``swarm.averaging.tiers``).
 
 ``SecondTier.combine`` takes a complete first-tier round and returns what the peer applies. The group's
-representative (``tiers.representative``) decides: when the other peers at its step (by its signed progress
+representative (``tiers.representative``, the first of ``tiers.relay_order``) decides: when the other peers at its step (by its signed progress
 view) could form no group of their own and the group holds most of the run's online members (by their
 member records), the group is the step's only one and applies its own result (``alone``,
 ``tiers.only_group``).
 Otherwise it collects its members' attestations (``tiercert``: each member sends its own when it asks for
 the outcome), and once a strict majority of the group has attested it averages the group's result, at the
 group's total signed weight, with the other certified representatives in a second-tier round under
-``tiers.tier_prefix``, and hands the signed output to its members, who check it (``tiers.TierCheck``).
+``tiers.tier_prefix``, and hands the signed output to its members, who check it (``tiers.TierCheck``);
+in a group larger than ``training.relay_fanout + 1`` each member passes what it checked on to at most that
+many others (``tiers.relay_parent``), so no member sends it more than ``relay_fanout`` times.
 When no second-tier round forms, the group applies nothing and tries again, and only after
 ``ALONE_AFTER_TRIES`` such searches at one step does it apply its own result: a claim nobody can check
 (records of peers said to be at this step) costs a few windows, never the step. Every peer keeps the
@@ -55,11 +57,12 @@ from swarm.averaging.tiers import (
     TierCheck,
     TierOutcome,
     only_group,
-    representative,
+    relay_order,
+    relay_parent,
     signed_outcome,
     tier_prefix,
 )
-from swarm.averaging.tierserve import TierBoard, TierServicer, fetch_tier_result
+from swarm.averaging.tierserve import TierBoard, TierServicer, fetch_down_the_tree, fetch_tier_result
 from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
 from swarm.ratelimit import RateLimiter
@@ -107,7 +110,7 @@ class SecondTier:
         client_mode: bool = False,
     ):
         self.first, self.numel, self.signing_key = first, numel, signing_key
-        self.min_group_size = run.training.min_group_size
+        self.min_group_size, self.relay_fanout = run.training.min_group_size, run.training.relay_fanout
         # Part streams ride libp2p: a volunteer's forwarded data port is the first tier's. Every member is
         # a representative, which can be dialed; one reducer suffices.
         self.averager = build_averager(
@@ -162,14 +165,16 @@ class SecondTier:
         if len(members) < 2:
             return result
         commitments = [c or b"" for c in group.commitments] or [b""] * len(members)
-        rep = members[representative(commitments, members, group.reducers)]
+        order = relay_order(commitments, members, group.reducers)  # its first is the representative
+        rep = members[order[0]]
         facts = _Facts(
             group.group_id, int(extra["step"]), str(extra["state_hash"]), rep, math.fsum(group.weights),
             result_digest(result.vector),
         )  # fmt: skip
         if rep == me:
             return await self._represent(group, result, members, facts, extra, fits, peers_at_step, run_peers)
-        return await self._follow(group, result, facts, extra)
+        parent = members[relay_parent(order, members.index(me), group.reducers, self.relay_fanout)]
+        return await self._follow(group, result, facts, extra, parent)
 
     def _tier_fits(self, first_fits: EntryFit | None, facts: _Facts) -> EntryFit:
         """A second-tier entry fits when it fits the first tier's rule (its step), holds this peer's state,
@@ -258,7 +263,7 @@ class SecondTier:
             self.board.post(group.group_id, outcome)
 
     async def _follow(
-        self, group: GroupRound, result: RoundResult, facts: _Facts, extra: dict
+        self, group: GroupRound, result: RoundResult, facts: _Facts, extra: dict, parent: str
     ) -> RoundResult | None:
         averager, rep = self.averager, facts.representative
 
@@ -271,26 +276,34 @@ class SecondTier:
             )  # fmt: skip
 
         short = group.group_id.hex()[:8]
+        members = [str(p) for p in group.peer_ids]
         attestation = sign_attestation(self.signing_key, *dataclasses.astuple(facts))
+        request = apb.TierRequest(group_id=group.group_id, attestation=attestation)
+        self.board.relay(group.group_id, members)  # the members below this one in the tree ask here
+        outcome: TierOutcome | None = None
         try:
-            checked = await fetch_tier_result(
-                averager.p2p, PeerID.from_base58(rep), averager.prefix,
-                apb.TierRequest(group_id=group.group_id, attestation=attestation), timeout_s=self.wait_s,
-                check=check, chunk_timeout_s=2 * averager.sender_timeout_s, traffic=averager.traffic,
-            )  # fmt: skip
-        except ProtocolError as e:  # it signed or forwarded what does not hold
-            logger.warning(
-                f"group {short}: representative {rep} sent a second-tier result that does not hold: {e}"
-            )
-            averager.policy.suspect(rep, f"sent a second-tier result that does not hold: {e}")
-            return None
-        except Exception as e:  # refused, timed out, or its stream broke: nothing proves a fault
-            logger.info(f"group {short}: no second-tier result from representative {rep}: {e!r}")
-            return None
-        if checked is None:
-            return result
-        self.board.keep(facts.step, checked.outcome())
-        return dataclasses.replace(result, vector=checked.output, signed=None)
+            try:
+                checked = await fetch_down_the_tree(
+                    averager.p2p, averager.prefix, request, representative=PeerID.from_base58(rep),
+                    parent=PeerID.from_base58(parent), check=check, timeout_s=self.wait_s,
+                    chunk_timeout_s=2 * averager.sender_timeout_s, traffic=averager.traffic,
+                    suspect=averager.policy.suspect,
+                )  # fmt: skip
+            except ProtocolError as e:  # it signed or forwarded what does not hold (suspected)
+                logger.warning(
+                    f"group {short}: representative {rep} sent a second-tier result that does not hold: {e}"
+                )
+                return None
+            except Exception as e:  # refused, timed out, or its stream broke: nothing proves a fault
+                logger.info(f"group {short}: no second-tier result from representative {rep}: {e!r}")
+                return None
+            outcome = TierOutcome(alone=True) if checked is None else checked.outcome()
+            if checked is None:
+                return result
+            self.board.keep(facts.step, outcome)
+            return dataclasses.replace(result, vector=checked.output, signed=None)
+        finally:
+            self.board.post(group.group_id, outcome)  # to the members below this one: None sends them upward
 
     async def adopt(self, extra: dict, holders: list[str]) -> RoundResult | None:
         """The combined result that ``holders`` (peers a step ahead) applied at this peer's step and state, checked
