@@ -8,7 +8,8 @@ is an uplink rate and a latency. Wherever the code of a real peer decides someth
 - how long a round may take: ``deadlines.round_deadlines`` at ``deadlines.round_mbit`` of the members'
   ``Throughput`` (each peer measures its own from its rounds, as a real one does);
 - how long a search waits: ``Averager.matchmaking_window_s`` with ``matchmaking.FailedSearches``;
-- who represents a group: ``tiers.representative``; whether it is its step's only one:
+- who represents a group and who relays its hand-off to whom: ``tiers.relay_order`` and ``relay_parent``
+  (at the run's ``relay_fanout``); whether a group is its step's only one:
   ``tiers.only_group``; the rest of the second tier's rules as ``tiered.SecondTier`` applies them (a
   strict majority of attestations;
   ``ALONE_AFTER_TRIES``; members wait ``3 * averaging_timeout_s`` for the outcome, ``2 * sender_timeout_s``
@@ -22,9 +23,11 @@ leader's ``expected_size``)"; a peer is ready ``compute_s`` (jittered) after it 
 round lasts as long as its busiest member needs to send its contributions, then its aggregates, at its
 uplink, plus latencies; a download lasts the state's bytes at the holder's uplink. Each peer sees every
 other's position at once (no record lag), nobody has credit (catch-up counts keys), every member can be
-dialed, and links are never shared between transfers of different rounds. An attacker is modeled only
-as a representative that withholds its group's hand-off (its members wait out their deadline and get
-nothing); its inputs are honest, and it never says ``alone`` falsely.
+dialed, and links are never shared between transfers of different rounds (nor the representative's
+answers to members whose relayer failed). An attacker is modeled only as a representative that withholds
+its group's hand-off (its members wait out their deadline and get nothing) or a relayer that withholds it
+from the members below it (they ask the representative after the wait); its inputs are honest, and it never
+says ``alone`` falsely.
 
 Example::
 
@@ -53,7 +56,7 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.deadlines import Throughput, round_deadlines, round_mbit
 from swarm.averaging.evidence import chunk_bounds, layout_chunk_values, split_bounds
 from swarm.averaging.matchmaking import FailedSearches
-from swarm.averaging.tiers import TIER_COMPRESSION, only_group, representative
+from swarm.averaging.tiers import TIER_COMPRESSION, only_group, relay_order, relay_parent
 from swarm.config import TrainingConfig
 from swarm.training import tiered
 from swarm.training.catchup import Groupmates, Position, catch_up_move
@@ -183,6 +186,7 @@ class _Group:
     epochs: list[int]
     rep: Peer | None = None
     asked_at: float = 0.0
+    order: list[int] = field(default_factory=list)  # tiers.relay_order: the hand-off's tree
 
 
 def _advance(state: str, update: str) -> str:
@@ -429,7 +433,8 @@ class ScaleSim:
         if not alive:
             return
         commitments = [p.rng.randbytes(32) for p in group.members]
-        rep = group.rep = group.members[representative(commitments, names, None)]
+        group.order = relay_order(commitments, names, None)
+        rep = group.rep = group.members[group.order[0]]
         self.represented.setdefault(step, []).append((rep.index, [p.index for p in group.members]))
         group.asked_at = self.now + max(p.latency_s for p, _ in alive)
         followers = [(p, e) for p, e in alive if p is not rep]
@@ -532,20 +537,56 @@ class ScaleSim:
                         max(0.0, g.asked_at + self.wait_s - self.now), self._nothing, p, e, step, "withheld"
                     )
                 continue
-            header_at = self.now + rep.latency_s
-            streams = [(p, e) for p, e in receivers if p.pos == Position(step, before)]
-            self._sent(rep, step, len(streams) * lay.vector_bytes)
-            every_chunk_s = rep.send_s(len(streams) * lay.chunk_bytes)
-            for p, e in receivers:
-                if header_at - g.asked_at > self.wait_s:
-                    self._at(g.asked_at + self.wait_s - self.now, self._nothing, p, e, step, "hand_off_late")
-                elif (p, e) not in streams:  # TierCheck: signed at another state than this member's
-                    self._at(rep.latency_s, self._nothing, p, e, step, "other_state")
-                elif every_chunk_s > self.chunk_timeout_s:
-                    self._at(rep.latency_s + self.chunk_timeout_s, self._nothing, p, e, step, "hand_off_slow")
-                else:
-                    took = rep.latency_s + rep.send_s(len(streams) * lay.vector_bytes)
-                    self._at(took, self._apply, p, e, step, combined, "combined", names, (step, before))
+            self._hand_down(g, receivers, combined, before, names, lay)
+
+    def _hand_down(
+        self, g: _Group, receivers: list[tuple[Peer, int]], combined: str, before: str, names: list[str],
+        lay: Layout,
+    ) -> None:  # fmt: skip
+        """The hand-off down the group's relay tree (``tiers.relay_parent``, ``tierserve.fetch_down_the_tree``):
+        each member that holds the checked result sends it to its children at once, sharing its uplink; a
+        child whose parent cannot pass it on (another state, gone, an attacker that withholds) asks the
+        representative, which answers from what it kept (after half of ``wait_s`` for a parent that stays
+        silent); a member gives up ``wait_s`` after it asked, as with the direct hand-off."""
+        rep, step = g.rep, g.step
+        by_index = {g.members.index(p): (p, e) for p, e in receivers}
+        in_line = {k for k, (p, _) in by_index.items() if p.pos == Position(step, before)}
+        held = {g.order[0]: self.now}  # member index -> when it holds the checked result
+        children: dict[int, list[int]] = {}
+        for i in g.order[1:]:
+            children.setdefault(relay_parent(g.order, i, None, self.training.relay_fanout), []).append(i)
+        for i in g.order:  # a parent comes before its children in the order
+            kids = [k for k in children.get(i, []) if k in in_line]
+            if not kids:
+                continue
+            parent, root = g.members[i], i == g.order[0]
+            header_at = held.get(i, math.inf) + parent.latency_s
+            budget = self.wait_s if root else self.wait_s / 2  # fetch_down_the_tree: a relayer gets half
+            if i in held and (root or not parent.attacker) and header_at - g.asked_at <= budget:
+                self._sent(parent, step, len(kids) * lay.vector_bytes)
+                if parent.send_s(len(kids) * lay.chunk_bytes) <= self.chunk_timeout_s:
+                    at = header_at + parent.send_s(len(kids) * lay.vector_bytes)
+                    held.update(dict.fromkeys(kids, at))
+                    continue
+            if root:
+                continue  # the representative itself was too late or too slow: nothing to fall back on
+            # fetch_down_the_tree: ask the representative, which answers from what it kept: at once when the
+            # parent failed visibly (gone, or it had nothing), after half the wait when it stayed silent
+            silent = i in held or parent.attacker
+            asked = max(self.now, g.asked_at + self.wait_s / 2) if silent else self.now
+            for k in kids:
+                self._sent(rep, step, lay.vector_bytes)
+                held[k] = asked + rep.latency_s + rep.send_s(lay.vector_bytes)
+        for k, (p, e) in by_index.items():
+            at = held.get(k)
+            if k not in in_line:
+                self._at(rep.latency_s, self._nothing, p, e, step, "other_state")
+            elif at is None:
+                self._at(rep.latency_s + self.chunk_timeout_s, self._nothing, p, e, step, "hand_off_slow")
+            elif at - g.asked_at > self.wait_s:
+                self._at(g.asked_at + self.wait_s - self.now, self._nothing, p, e, step, "hand_off_late")
+            else:
+                self._at(at - self.now, self._apply, p, e, step, combined, "combined", names, (step, before))
 
     # --- outcomes ----------------------------------------------------------------------------------------
 

@@ -40,6 +40,11 @@ class InvalidContribution(ProtocolError):
     """A groupmate's contribution to an aggregation is malformed: wrong size or dtype, non-finite, too large."""
 
 
+class StaleError(ProtocolError):
+    """A message signed by a third party is genuine but dated outside what this check accepts: whoever
+    passed it on proves nothing by it (honest delays make it too)."""
+
+
 class NetworkError(SwarmError):
     """The other side could not be reached, or did not answer in time."""
 

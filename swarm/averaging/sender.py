@@ -26,7 +26,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 
 from protocols import averaging_pb2 as apb
 from protocols.envelope import MAX_CLOCK_SKEW_S
-from protocols.errors import ProtocolError, SwarmError
+from protocols.errors import ProtocolError, StaleError, SwarmError
 from protocols.keys import PublicKey
 from swarm.averaging.evidence import SignedInput, aggregate_message, contribution_message, parse_entries
 
@@ -62,7 +62,7 @@ def check_answer(
     # Dated far off, it would leave the window in which the coordinator demands its inputs.
     off_s = message.signed_at_ms / 1000 - time.time()
     if abs(off_s) > skew_s:
-        raise ProtocolError(
+        raise StaleError(
             f"dated its aggregate {off_s:+.0f}s from this peer's clock (the bound is {skew_s:.0f}s)"
         )
     entries = parse_entries(message.included, len(round.members))

@@ -43,7 +43,7 @@ import torch
 
 from protocols import averaging_pb2 as apb
 from protocols.envelope import MAX_CLOCK_SKEW_S, open_envelope
-from protocols.errors import ProtocolError, SwarmError
+from protocols.errors import ProtocolError, ReplayError, StaleError, SwarmError
 from protocols.version import MAX_ENVELOPE_BYTES
 from swarm.averaging.allreduce import SignedOutput
 from swarm.averaging.compression import Codec, get_codec
@@ -230,6 +230,10 @@ class TierCheck:
                     signed=True,
                     max_age_s=max_age_s,
                 )
+            except (
+                ReplayError
+            ) as e:  # signed by its member, dated out of bounds: proves nothing of the sender
+                raise StaleError(str(e)) from None
             except SwarmError as e:
                 raise ProtocolError(str(e)) from None
             refused = certify(sender, body.certificate) if certify is not None else None
@@ -312,6 +316,8 @@ class TierCheck:
                     raise ProtocolError("leaves out the input of this peer's group")
             self.output[lo:hi] = self.codec.decode(message.data, hi - lo, sender=r.members[part])
             self.taken.append(message)
+        except StaleError as e:  # signed by its reducer, dated out of bounds: proves nothing of the sender
+            raise StaleError(f"part {part} chunk {chunk}: {e}") from None
         except SwarmError as e:
             raise ProtocolError(f"part {part} chunk {chunk}: {e}") from None
         except Exception as e:  # a signature that does not verify

@@ -33,7 +33,7 @@ from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemin
 from hivemind.p2p import P2P, P2PContext, PeerID
 
 from protocols import averaging_pb2 as apb
-from protocols.errors import ProtocolError, SwarmError
+from protocols.errors import ProtocolError, StaleError, SwarmError
 from swarm.averaging.allreduce import Traffic
 from swarm.averaging.tiers import MAX_TIER_ANSWER_BYTES, TierCheck, TierOutcome
 from swarm.inbound import SMALL_REQUEST_BYTES, BoundedServicer, HandlerBound
@@ -87,10 +87,10 @@ class TierBoard:
         self._opened.set()
         self._opened = asyncio.Event()
 
-    def relay(self, group_id: bytes, members: Sequence[str]) -> None:
-        """This peer passes on ``group_id``'s outcome once it has checked it: its members may wait for it here
-        (``wait``; no attestation is kept)."""
-        self.open(group_id, members, holds=lambda member, signature: False)
+    def relay(self, group_id: bytes, children: Sequence[str]) -> None:
+        """This peer passes on ``group_id``'s outcome once it has checked it: its ``children`` in the group's
+        relay tree (and nobody else) may wait for it here (``wait``; no attestation is kept)."""
+        self.open(group_id, children, holds=lambda member, signature: False)
 
     def attest(self, group_id: bytes, member: str, signature: bytes) -> None:
         """Keep ``member``'s attestation of ``group_id`` if it holds (a signature that does not is ignored:
@@ -300,38 +300,71 @@ async def fetch_down_the_tree(
     traffic: Traffic,
     suspect: Callable[[str, str], None],
 ) -> TierCheck | None:
-    """A member's outcome of the group ``request`` names (``fetch_tier_result``'s answer): from ``parent``,
-    its relayer in the group's tree (``tiers.relay_parent``), with its attestation sent to ``representative``
-    alone; from the representative itself when the parent is the representative, fails, sends what does not
-    hold (``suspect``ed, with the reason), or says ``alone`` (which only the representative may say). Raises
-    as ``fetch_tier_result`` does for the representative's answer (a representative that sent what does not
-    hold is ``suspect``ed too)."""
+    """A member's outcome of the group ``request`` names (``fetch_tier_result``'s answer), within about
+    ``timeout_s`` in all, as when it asked its representative alone: from ``parent``, its relayer in the
+    group's tree (``tiers.relay_parent``), within half of it (the header and every chunk), while its
+    attestation goes to ``representative`` alone; then from the representative itself when the parent is
+    the representative, runs out of that half, fails, sends what does not hold (``suspect``ed, with the
+    reason) or says ``alone`` (which only the representative may say). Raises as ``fetch_tier_result``
+    does for the representative's answer (a representative that sent what does not hold is ``suspect``ed
+    too). Entries or chunks dated out of bounds (``StaleError``) are signed by others and blame nobody."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     if parent != representative:
-        try:
-            await attest_to(p2p, representative, namespace, request.group_id, request.attestation,
-                            timeout_s=chunk_timeout_s)  # fmt: skip
-        except Exception as e:  # it may count this member out; the outcome can still come from the parent
-            logger.info(f"representative {representative} did not take this member's attestation: {e!r}")
-        try:
-            relayed = await fetch_tier_result(
-                p2p, parent, namespace, request, timeout_s=timeout_s, check=check,
-                chunk_timeout_s=chunk_timeout_s, traffic=traffic,
+        attesting = asyncio.create_task(
+            attest_to(
+                p2p,
+                representative,
+                namespace,
+                request.group_id,
+                request.attestation,
+                timeout_s=OPEN_WAIT_S + chunk_timeout_s,
             )  # fmt: skip
+        )
+        try:
+            relayed = await asyncio.wait_for(
+                fetch_tier_result(
+                    p2p,
+                    parent,
+                    namespace,
+                    request,
+                    timeout_s=timeout_s / 2,
+                    check=check,
+                    chunk_timeout_s=chunk_timeout_s,
+                    traffic=traffic,
+                ),  # fmt: skip
+                timeout_s / 2,
+            )
             if relayed is not None:
+                await _attested(attesting, representative)
                 return relayed
             logger.info(f"relayer {parent} says the group was alone; asking its representative")
+        except StaleError as e:
+            logger.info(f"relayer {parent} passed on a second-tier result dated out of bounds: {e}")
         except ProtocolError as e:
             suspect(parent.to_base58(), f"relayed a second-tier result that does not hold: {e}")
         except Exception as e:  # refused, timed out, or its stream broke: nothing proves a fault
             logger.info(f"no second-tier result from relayer {parent}: {e!r}; asking the representative")
+        attesting.cancel()  # the request to the representative carries the attestation again
+        with contextlib.suppress(BaseException):
+            await attesting
     try:
         return await fetch_tier_result(
-            p2p, representative, namespace, request, timeout_s=timeout_s, check=check,
-            chunk_timeout_s=chunk_timeout_s, traffic=traffic,
+            p2p, representative, namespace, request, timeout_s=max(0.1, deadline - loop.time()),
+            check=check, chunk_timeout_s=chunk_timeout_s, traffic=traffic,
         )  # fmt: skip
+    except StaleError:
+        raise
     except ProtocolError as e:
         suspect(representative.to_base58(), f"sent a second-tier result that does not hold: {e}")
         raise
+
+
+async def _attested(attesting: asyncio.Task, representative: PeerID) -> None:
+    try:
+        await attesting
+    except Exception as e:  # it may count this member out; the member has its outcome all the same
+        logger.info(f"representative {representative} did not take this member's attestation: {e!r}")
 
 
 __all__ = [

@@ -36,7 +36,7 @@ import hivemind
 from hivemind.p2p import PeerID
 
 from protocols import averaging_pb2 as apb
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, StaleError
 from protocols.keys import SigningKey
 from swarm.averaging.allreduce import RoundResult
 from swarm.averaging.averager import Averager, GroupRound
@@ -173,8 +173,10 @@ class SecondTier:
         )  # fmt: skip
         if rep == me:
             return await self._represent(group, result, members, facts, extra, fits, peers_at_step, run_peers)
-        parent = members[relay_parent(order, members.index(me), group.reducers, self.relay_fanout)]
-        return await self._follow(group, result, facts, extra, parent)
+        parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
+        mine = members.index(me)
+        children = [members[i] for i, parent in parents.items() if parent == mine]
+        return await self._follow(group, result, facts, extra, members[parents[mine]], children)
 
     def _tier_fits(self, first_fits: EntryFit | None, facts: _Facts) -> EntryFit:
         """A second-tier entry fits when it fits the first tier's rule (its step), holds this peer's state,
@@ -263,7 +265,13 @@ class SecondTier:
             self.board.post(group.group_id, outcome)
 
     async def _follow(
-        self, group: GroupRound, result: RoundResult, facts: _Facts, extra: dict, parent: str
+        self,
+        group: GroupRound,
+        result: RoundResult,
+        facts: _Facts,
+        extra: dict,
+        parent: str,
+        children: list[str],
     ) -> RoundResult | None:
         averager, rep = self.averager, facts.representative
 
@@ -276,10 +284,9 @@ class SecondTier:
             )  # fmt: skip
 
         short = group.group_id.hex()[:8]
-        members = [str(p) for p in group.peer_ids]
         attestation = sign_attestation(self.signing_key, *dataclasses.astuple(facts))
         request = apb.TierRequest(group_id=group.group_id, attestation=attestation)
-        self.board.relay(group.group_id, members)  # the members below this one in the tree ask here
+        self.board.relay(group.group_id, children)  # the members below this one in the tree ask here
         outcome: TierOutcome | None = None
         try:
             try:
@@ -289,6 +296,9 @@ class SecondTier:
                     chunk_timeout_s=2 * averager.sender_timeout_s, traffic=averager.traffic,
                     suspect=averager.policy.suspect,
                 )  # fmt: skip
+            except StaleError as e:  # dated out of bounds by its signers: nobody is suspected
+                logger.info(f"group {short}: the second-tier result came too late to check: {e}")
+                return None
             except ProtocolError as e:  # it signed or forwarded what does not hold (suspected)
                 logger.warning(
                     f"group {short}: representative {rep} sent a second-tier result that does not hold: {e}"
