@@ -83,6 +83,15 @@ async def _peers(n: int) -> list[_Node]:
     return [_Node(p) for p in (first, *rest)]
 
 
+async def _serving(n: int) -> tuple[list[_Node], list[str]]:
+    """``n`` peers, each serving the second tier to all of them; and their IDs."""
+    nodes = await _peers(n)
+    members = [node.id for node in nodes]
+    for node in nodes:
+        await node.serve(members)
+    return nodes, members
+
+
 def _handoff():
     """A second tier's signed hand-off, fresh now: (outcome, expected output, check factory by max age)."""
     group_input = torch.randn(NUMEL)
@@ -179,11 +188,9 @@ def test_a_silent_relayer_costs_half_the_wait_and_a_member_waits_no_longer_than_
     outcome, expected, check = _handoff()
 
     async def scenario():
-        rep, relayer, child = nodes = await _peers(3)
+        nodes, members = await _serving(3)
+        rep, relayer, child = nodes
         try:
-            members = [n.id for n in nodes]
-            for node in nodes:
-                await node.serve(members)
             group_id = os.urandom(20)
             rep.board.open(group_id, members, holds=lambda who, signature: True)
             rep.board.post(group_id, outcome)
@@ -307,11 +314,9 @@ def test_a_child_whose_representative_opens_late_still_gets_its_attestation_coun
     long as the representative may take to open, beside the relayed fetch."""
 
     async def scenario():
-        rep, relayer, child = nodes = await _peers(3)
+        nodes, members = await _serving(3)
+        rep, relayer, child = nodes
         try:
-            members = [n.id for n in nodes]
-            for node in nodes:
-                await node.serve(members)
             outcome, expected, check = _handoff()
             group_id = os.urandom(20)
             relayer.board.relay(group_id, [child.id])
