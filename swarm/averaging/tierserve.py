@@ -346,8 +346,6 @@ async def fetch_down_the_tree(
         except Exception as e:  # refused, timed out, or its stream broke: nothing proves a fault
             logger.info(f"no second-tier result from relayer {parent}: {e!r}; asking the representative")
         attesting.cancel()  # the request to the representative carries the attestation again
-        with contextlib.suppress(BaseException):
-            await attesting
     try:
         return await fetch_tier_result(
             p2p, representative, namespace, request, timeout_s=max(0.1, deadline - loop.time()),
