@@ -187,6 +187,8 @@ class _Group:
     rep: Peer | None = None
     asked_at: float = 0.0
     order: list[int] = field(default_factory=list)  # tiers.relay_order: the hand-off's tree
+    most: int = 0  # the second tier's expected size
+    give_up_at: float = 0.0  # the last moment another second-tier search may start
 
 
 def _advance(state: str, update: str) -> str:
@@ -452,12 +454,17 @@ class ScaleSim:
             return
         attested = sum(1 for p, _ in alive if p.pos == rep.pos)
         if 2 * attested <= len(group.members):
-            self._at(self.training.averaging_timeout_s, self._tier_failed, group, alive)
+            self._at(self.training.averaging_timeout_s, self._tier_failed, group, alive, False)
             return
-        most = 1 + (coming - len(group.members)) // 2
+        group.most = 1 + (coming - len(group.members)) // 2
+        group.give_up_at = self.now + self.wait_s - self.training.averaging_timeout_s
+        self._search_tier2(group)
+
+    def _search_tier2(self, group: _Group) -> None:
+        rep = group.rep
         self._search(
-            ("tier2", step, rep.pos.state_hash), group, expected=most,
-            failed=rep.tier_searches.failed(step) + 1,
+            ("tier2", group.step, rep.pos.state_hash), group, expected=group.most,
+            failed=rep.tier_searches.failed(group.step) + 1,
         )  # fmt: skip
 
     def _hand_alone(self, group: _Group, alive: list[tuple[Peer, int]]) -> None:
@@ -480,12 +487,21 @@ class ScaleSim:
         if rep.attacker:
             self.withheld.setdefault(step, []).append([p.index for p, _ in alive if p is not rep])
 
-    def _tier_failed(self, group: _Group, alive: list[tuple[Peer, int]]) -> None:
-        """No second-tier round: nothing this time, or the group's own after ``ALONE_AFTER_TRIES`` searches."""
+    def _tier_failed(self, group: _Group, alive: list[tuple[Peer, int]], certified: bool = True) -> None:
+        """No second-tier round: the group's own after ``ALONE_AFTER_TRIES`` searches; another search with the
+        same result while the members' wait leaves room for it (``SecondTier._represent``); else nothing."""
         rep, step = group.rep, group.step
         rep.tier_searches.record(step, formed=False)
-        if rep.tier_searches.failed(step) >= tiered.ALONE_AFTER_TRIES:
+        failed = rep.tier_searches.failed(step)
+        if failed >= tiered.ALONE_AFTER_TRIES:
             self._hand_alone(group, alive)
+            return
+        if (
+            certified
+            and rep.alive
+            and self.now + Averager.matchmaking_window_s(self._times, failed + 1) <= group.give_up_at
+        ):
+            self._search_tier2(group)
             return
         for p, e in alive:
             self._at(p.latency_s, self._nothing, p, e, step, "no_tier")

@@ -41,7 +41,7 @@ from swarm.averaging.tiercert import certificate, result_digest, sign_attestatio
 from swarm.averaging.tiers import TIER_COMPRESSION, TierCheck, representative, tier_prefix
 from swarm.averaging.tierserve import TierBoard, TierServicer
 from swarm.training.peer import TrainingPeer
-from swarm.training.tiered import ALONE_AFTER_TRIES, SecondTier
+from swarm.training.tiered import SecondTier
 
 PREFIX = tier_prefix("run").replace(".", "_")
 SCHEMA = hashlib.sha256(b"schema").digest()
@@ -146,6 +146,7 @@ def make_tier(keys, group, rep: int, vector, average) -> SecondTier:
         prefix=PREFIX, schema_hash=SCHEMA, entry_max_age_s=600.0, sender_timeout_s=0.2,
         averaging_timeout_s=0.2,
         traffic=Traffic(), p2p=None, peer_id=keys[rep].peer_id, average=average,
+        matchmaking_window_s=lambda failed_tries: 0.01,
         policy=SimpleNamespace(listed_refusal=lambda peer: None, certificate_refusal=lambda peer, cert: None),
     )  # fmt: skip
     return tier
@@ -331,35 +332,41 @@ def test_7b_a_group_whose_second_tier_never_forms_applies_its_own_result_after_a
     """Attack (finding 7, succeeded before): with Sybil records claiming peers at the step, the honest
     group's representative searched for a second tier nobody joined and its group applied nothing, every
     step, forever. Now after ``ALONE_AFTER_TRIES`` failed searches at a step it applies its own result,
-    and tells its members so; each search widens its window."""
+    and tells its members so; each search widens its window. The searches are made with the group's one
+    first-tier result, while its members wait, not each after a first-tier round redone; and only while
+    the members' wait leaves room for another (here it leaves room for two)."""
     tries = []
+    pause = {"s": 0.0}
 
     async def nobody(vector, weight, extra, *, failed_tries, **kwargs):
         tries.append(failed_tries)
+        await asyncio.sleep(pause["s"])
         return None
 
     async def scenario():
         keys, group, rep = first_tier(4)
         vector = torch.randn(NUMEL)
         tier = make_tier(keys, group, rep, vector, nobody)
-        applied = []
-        for _ in range(ALONE_AFTER_TRIES):
-            group.group_id = os.urandom(20)  # each try is a new first-tier round at the same step
-            me = keys[rep].peer_id
-            result = RoundResult(vector, True)
-            applied.append(
-                await tier.combine(
-                    group, result, me=me, extra=MINE, fits=None, peers_at_step=12, run_peers=12
-                )
-            )
-        told = await posted(tier, group, keys[(rep + 1) % 4].peer_id)
-        return applied, vector, told
+        me, asker = keys[rep].peer_id, keys[(rep + 1) % 4].peer_id
+        applied = await tier.combine(
+            group, RoundResult(vector, True), me=me, extra=MINE, fits=None, peers_at_step=12, run_peers=12
+        )
+        told = await posted(tier, group, asker)
+        assert tries == [1, 2, 3], "three searches, each wider, with the group's one first-tier result"
+        # Searches that take longer: the members' wait (0.6 s, less a round's 0.2 s) holds two.
+        pause["s"], tries[:] = 0.25, []
+        tier._searches = FailedSearches()
+        group.group_id = os.urandom(20)
+        late = await tier.combine(
+            group, RoundResult(vector, True), me=me, extra=MINE, fits=None, peers_at_step=12, run_peers=12
+        )
+        return applied, vector, told, late, await posted(tier, group, asker)
 
-    applied, vector, told = asyncio.run(scenario())
-    assert applied[:-1] == [None] * (ALONE_AFTER_TRIES - 1)
-    assert applied[-1] is not None and torch.equal(applied[-1].vector, vector), "not stalled forever"
+    applied, vector, told, late, told_late = asyncio.run(scenario())
+    assert applied is not None and torch.equal(applied.vector, vector), "not stalled forever"
     assert told.alone, "its members apply their own result too"
-    assert tries == list(range(1, ALONE_AFTER_TRIES + 1))
+    assert tries == [1, 2], "each search wider, and none after the members' wait"
+    assert late is None and told_late is None, "nothing applied yet; the next round searches on"
 
 
 def test_8_an_honest_hand_off_older_than_the_clock_bound_is_accepted():
@@ -380,9 +387,11 @@ def test_10_a_majority_group_no_longer_applies_its_own_result_when_its_search_fa
     """Attack (finding 10, succeeded before): a group holding a strict majority of the step applied its own
     result as soon as its tier-2 search failed, while the smaller groups' representatives may have formed
     a tier-2 round among themselves: two updates at one step. Now the fallback is gone: a failed search
-    applies nothing, for the representative and its members alike."""
+    applies nothing, for the representative and its members alike (it searches again while its members'
+    wait allows, and applies its own result only after ``ALONE_AFTER_TRIES`` searches at the step)."""
 
     async def nobody(*args, **kwargs):
+        await asyncio.sleep(0.3)  # the members' wait (0.6 s, less a round's 0.2 s) holds two such searches
         return None
 
     async def scenario():

@@ -11,9 +11,11 @@ group's total signed weight, with the other certified representatives in a secon
 ``tiers.tier_prefix``, and hands the signed output to its members, who check it (``tiers.TierCheck``);
 in a group larger than ``training.relay_fanout + 1`` each member passes what it checked on to at most that
 many others (``tiers.relay_parent``), so no member sends it more than ``relay_fanout`` times.
-When no second-tier round forms, the group applies nothing and tries again, and only after
-``ALONE_AFTER_TRIES`` such searches at one step does it apply its own result: a claim nobody can check
-(records of peers said to be at this step) costs a few windows, never the step. Every peer keeps the
+When no second-tier round forms, the representative searches again with the same result, each window
+wider, while its members' wait leaves room; when it does not, the group applies nothing and tries again
+with a new first-tier round. Only after ``ALONE_AFTER_TRIES`` such searches at one step does it apply its
+own result: a claim nobody can check (records of peers said to be at this step) costs a few windows, never
+the step. Every peer keeps the
 combined result it applied (``tierserve.TierBoard.keep``), and a peer that finds the others a step ahead
 ``adopt``s it, checked, instead of downloading the whole state.
 
@@ -28,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -204,6 +207,8 @@ class SecondTier:
             return attestation_holds(member, signature, *dataclasses.astuple(facts))
 
         self.board.open(group.group_id, members, holds)
+        loop = asyncio.get_running_loop()
+        opened_at = loop.time()
         outcome: TierOutcome | None = None
         applied: RoundResult | None = None
         try:
@@ -216,7 +221,7 @@ class SecondTier:
                 logger.debug(f"group {short}: the step's other peers could form no group; no second tier")
                 outcome, applied = TierOutcome(alone=True), result
                 return applied
-            tried = None
+            tried, complete = None, False
             own = sign_attestation(self.signing_key, *dataclasses.astuple(facts))
             self.board.attest(group.group_id, facts.representative, own)
             # Members attest as soon as their own round ends; on a loaded machine that can take a while.
@@ -227,15 +232,27 @@ class SecondTier:
                 # (each other group of at least 2), over a window twice the run's to start with, since groups
                 # finish their first tier at different moments; the leader takes whoever came by its end.
                 most = 1 + (peers_at_step - len(members)) // 2
-                tried = await self.averager.average(
-                    result.vector, facts.weight, {**extra, "group": cert}, expected_size=most,
-                    fits=self._tier_fits(fits, facts), failed_tries=self._searches.failed(facts.step) + 1,
-                    keep_signed=True,
-                )  # fmt: skip
+                # A search that formed no round is tried again with the same result, each window wider, while
+                # the members still wait (``wait_s``, less one round's deadline): a group that redid its
+                # first-tier round instead would cost every member a vector more and finish later still.
+                give_up_at = opened_at + self.wait_s - self.first.averaging_timeout_s
+                while True:
+                    tried = await self.averager.average(
+                        result.vector, facts.weight, {**extra, "group": cert}, expected_size=most,
+                        fits=self._tier_fits(fits, facts), failed_tries=self._searches.failed(facts.step) + 1,
+                        keep_signed=True,
+                    )  # fmt: skip
+                    complete = tried is not None and tried[1].complete and tried[1].signed is not None
+                    self._searches.record(facts.step, formed=complete)
+                    failed = self._searches.failed(facts.step)
+                    if complete or failed >= ALONE_AFTER_TRIES:
+                        break
+                    if loop.time() + self.averager.matchmaking_window_s(failed + 1) > give_up_at:
+                        break
+                    logger.info(f"group {short}: no second tier formed; searching again with its result")
             else:
                 logger.info(f"group {short}: fewer than half of its members attested its round")
-            complete = tried is not None and tried[1].complete and tried[1].signed is not None
-            self._searches.record(facts.step, formed=complete)
+                self._searches.record(facts.step, formed=False)
             if complete and all(s == p for p, s in enumerate(tried[1].signed.signers)):
                 tier_group, tier_result = tried
                 index = [str(p) for p in tier_group.peer_ids].index(str(self.averager.peer_id))
