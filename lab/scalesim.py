@@ -188,7 +188,7 @@ class _Group:
     asked_at: float = 0.0
     order: list[int] = field(default_factory=list)  # tiers.relay_order: the hand-off's tree
     most: int = 0  # the second tier's expected size
-    give_up_at: float = 0.0  # the last moment another second-tier search may start
+    give_up_at: float = 0.0  # when the members stop waiting for the outcome
 
 
 def _advance(state: str, update: str) -> str:
@@ -457,7 +457,7 @@ class ScaleSim:
             self._at(self.training.averaging_timeout_s, self._tier_failed, group, alive, False)
             return
         group.most = 1 + (coming - len(group.members)) // 2
-        group.give_up_at = self.now + self.wait_s - self.training.averaging_timeout_s
+        group.give_up_at = self.now + self.wait_s  # the members' wait, from when their first tier ended
         self._search_tier2(group)
 
     def _search_tier2(self, group: _Group) -> None:
@@ -489,18 +489,16 @@ class ScaleSim:
 
     def _tier_failed(self, group: _Group, alive: list[tuple[Peer, int]], certified: bool = True) -> None:
         """No second-tier round: the group's own after ``ALONE_AFTER_TRIES`` searches; another search with the
-        same result while the members' wait leaves room for it (``SecondTier._represent``); else nothing."""
+        same result while the members' wait leaves room for a search and a round, short of the last try
+        (``SecondTier._represent``); else nothing."""
         rep, step = group.rep, group.step
         rep.tier_searches.record(step, formed=False)
         failed = rep.tier_searches.failed(step)
         if failed >= tiered.ALONE_AFTER_TRIES:
             self._hand_alone(group, alive)
             return
-        if (
-            certified
-            and rep.alive
-            and self.now + Averager.matchmaking_window_s(self._times, failed + 1) <= group.give_up_at
-        ):
+        room = self.now + 2 * self.training.averaging_timeout_s <= group.give_up_at
+        if certified and rep.alive and failed < tiered.ALONE_AFTER_TRIES - 1 and room:
             self._search_tier2(group)
             return
         for p, e in alive:

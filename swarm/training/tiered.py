@@ -12,8 +12,8 @@ group's total signed weight, with the other certified representatives in a secon
 in a group larger than ``training.relay_fanout + 1`` each member passes what it checked on to at most that
 many others (``tiers.relay_parent``), so no member sends it more than ``relay_fanout`` times.
 When no second-tier round forms, the representative searches again with the same result, each window
-wider, while its members' wait leaves room; when it does not, the group applies nothing and tries again
-with a new first-tier round. Only after ``ALONE_AFTER_TRIES`` such searches at one step does it apply its
+wider, while its members' wait leaves room, short of the last try; otherwise the group applies nothing, and
+its peers look for the step's combined result a step ahead (``adopt``) before a new first-tier round. Only after ``ALONE_AFTER_TRIES`` such searches at one step does it apply its
 own result: a claim nobody can check (records of peers said to be at this step) costs a few windows, never
 the step. Every peer keeps the
 combined result it applied (``tierserve.TierBoard.keep``), and a peer that finds the others a step ahead
@@ -233,9 +233,11 @@ class SecondTier:
                 # finish their first tier at different moments; the leader takes whoever came by its end.
                 most = 1 + (peers_at_step - len(members)) // 2
                 # A search that formed no round is tried again with the same result, each window wider, while
-                # the members still wait (``wait_s``, less one round's deadline): a group that redid its
-                # first-tier round instead would cost every member a vector more and finish later still.
-                give_up_at = opened_at + self.wait_s - self.first.averaging_timeout_s
+                # the members' wait leaves room for a search and a round (each up to an averaging timeout): a
+                # group that redid its first-tier round instead would cost every member a vector more. Never
+                # up to the last try: the group applies its own result only after its peer has looked for
+                # peers a step ahead to adopt from (``TrainingPeer._round``), since the step's other groups
+                # may have combined without it.
                 while True:
                     tried = await self.averager.average(
                         result.vector, facts.weight, {**extra, "group": cert}, expected_size=most,
@@ -243,11 +245,12 @@ class SecondTier:
                         keep_signed=True,
                     )  # fmt: skip
                     complete = tried is not None and tried[1].complete and tried[1].signed is not None
-                    self._searches.record(facts.step, formed=complete)
-                    failed = self._searches.failed(facts.step)
-                    if complete or failed >= ALONE_AFTER_TRIES:
+                    # A round a substitute repaired is applied by nobody (``TierCheck``): not formed.
+                    formed = complete and all(s == p for p, s in enumerate(tried[1].signed.signers))
+                    self._searches.record(facts.step, formed=formed)
+                    if complete or self._searches.failed(facts.step) >= ALONE_AFTER_TRIES - 1:
                         break
-                    if loop.time() + self.averager.matchmaking_window_s(failed + 1) > give_up_at:
+                    if loop.time() + 2 * self.averager.averaging_timeout_s > opened_at + self.wait_s:
                         break
                     logger.info(f"group {short}: no second tier formed; searching again with its result")
             else:
