@@ -196,9 +196,12 @@ class CatchUp:
         """The coordinator's signed checkpoint, when no peer holds a later state (a restarted swarm)."""
         # Peers past step 0 make the checkpoint moot only when they are most of the view: one record of
         # step 1 must not make a restarted swarm train from scratch.
+        # Nor before this peer has read the run's records twice: a joiner's first view can be empty while
+        # the others train far past the checkpoint, which it would then load for nothing.
         others = [p for k, p in self.progress_view.peers.items() if k != self.peer_id]
         if (
-            sum(p.step > 0 for p in others) >= quorum(max(len(others), 1))
+            self.progress_view.count < 2
+            or sum(p.step > 0 for p in others) >= quorum(max(len(others), 1))
             or time.monotonic() < self.next_record_check
         ):
             return None
