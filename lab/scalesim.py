@@ -498,7 +498,8 @@ class ScaleSim:
             self._hand_alone(group, alive)
             return
         room = self.now + 2 * self.training.averaging_timeout_s <= group.give_up_at
-        if certified and rep.alive and failed < tiered.ALONE_AFTER_TRIES - 1 and room:
+        moved_on = self._steps[step + 1] > 0  # TrainingPeer._moved_on: adopt what they applied instead
+        if certified and rep.alive and failed < tiered.ALONE_AFTER_TRIES - 1 and room and not moved_on:
             self._search_tier2(group)
             return
         for p, e in alive:

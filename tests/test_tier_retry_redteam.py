@@ -131,7 +131,7 @@ def test_a2_the_peer_adopts_from_peers_ahead_before_its_group_could_apply_its_ow
         policy=SimpleNamespace(refusal=lambda p: None, member_count=lambda: 0, refresh_members=lambda: asyncio.sleep(0)),
         _searches=FailedSearches(),
         _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0, "rounds_ok": 0, "train_loss": 5.0},
-        _journal=lambda *a, **k: None, _adopt=adopt, _group_usable=lambda g: True, tiers=tier,
+        _journal=lambda *a, **k: None, _adopt=adopt, _group_usable=lambda g: True, tiers=tier, _moved_on=lambda: False,
         sender_checks=SimpleNamespace(enabled=False), synced=SimpleNamespace(lock=asyncio.Lock()),
         computing=contextlib.nullcontext, _apply_round=applied.append, _commit=commit, contributed_samples=0,
         groupmates=SimpleNamespace(record=lambda *a: None), witness=SimpleNamespace(record=lambda g: None),
@@ -227,3 +227,19 @@ def test_e_a_substituted_round_counts_as_a_failed_search():
     assert calls[0] == ALONE_AFTER_TRIES, "it searched with its third (widest) window"
     assert after == ALONE_AFTER_TRIES, "and it counts as the step's third failed search"
     assert later is not None and calls[1:] == [ALONE_AFTER_TRIES + 1], "the next round ends the step alone"
+
+
+def test_a3_a_group_stops_searching_once_peers_show_the_next_step():
+    """With the others' records already a step ahead (they combined without this group), the representative
+    does not search again: its peers adopt what the others applied instead."""
+
+    async def scenario():
+        keys, group, rep = first_tier(4)
+        vector, calls = torch.randn(NUMEL), []
+        tier = make_tier(keys, group, rep, vector, _nobody(calls))
+        applied = await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE,
+                                     fits=None, peers_at_step=12, run_peers=12, moved_on=lambda: True)  # fmt: skip
+        return applied, calls
+
+    applied, calls = asyncio.run(scenario())
+    assert applied is None and calls == [1], "one search, then back to the peer to adopt"

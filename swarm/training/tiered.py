@@ -12,10 +12,11 @@ group's total signed weight, with the other certified representatives in a secon
 in a group larger than ``training.relay_fanout + 1`` each member passes what it checked on to at most that
 many others (``tiers.relay_parent``), so no member sends it more than ``relay_fanout`` times.
 When no second-tier round forms, the representative searches again with the same result, each window
-wider, while its members' wait leaves room, short of the last try; otherwise the group applies nothing, and
-its peers look for the step's combined result a step ahead (``adopt``) before a new first-tier round. Only after ``ALONE_AFTER_TRIES`` such searches at one step does it apply its
-own result: a claim nobody can check (records of peers said to be at this step) costs a few windows, never
-the step. Every peer keeps the
+wider, while its members' wait leaves room and no peer has moved on to the next step, short of the last
+try; otherwise the group applies nothing, and its peers look for the step's combined result a step ahead
+(``adopt``) before a new first-tier round. Only after ``ALONE_AFTER_TRIES`` such searches at one step does
+it apply its own result: a claim nobody can check (records of peers said to be at this step) costs a few
+windows, never the step. Every peer keeps the
 combined result it applied (``tierserve.TierBoard.keep``), and a peer that finds the others a step ahead
 ``adopt``s it, checked, instead of downloading the whole state.
 
@@ -34,6 +35,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -159,11 +161,14 @@ class SecondTier:
         fits: EntryFit | None,
         peers_at_step: int,
         run_peers: int,
+        moved_on: Callable[[], bool] | None = None,
     ) -> RoundResult | None:
         """What this peer applies of the complete first-tier round ``result`` of ``group``: the step's
         combined result, its group's own (``alone``), or None (nothing this time; keep the gradient).
         ``peers_at_step``: the peers whose records show this step or the one before; ``run_peers``: the run's
-        online members whatever their step (at least ``peers_at_step``)."""
+        online members whatever their step (at least ``peers_at_step``); ``moved_on``: whether peers a step
+        ahead show by their records that the step's other groups combined without this one (then the
+        representative stops searching, and the peer adopts what they applied)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
@@ -175,7 +180,9 @@ class SecondTier:
             result_digest(result.vector),
         )  # fmt: skip
         if rep == me:
-            return await self._represent(group, result, members, facts, extra, fits, peers_at_step, run_peers)
+            return await self._represent(
+                group, result, members, facts, extra, fits, peers_at_step, run_peers, moved_on
+            )
         parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
         mine = members.index(me)
         children = [members[i] for i, parent in parents.items() if parent == mine]
@@ -199,7 +206,7 @@ class SecondTier:
 
     async def _represent(
         self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
-        fits: EntryFit | None, peers_at_step: int, run_peers: int,
+        fits: EntryFit | None, peers_at_step: int, run_peers: int, moved_on: Callable[[], bool] | None,
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
 
@@ -251,6 +258,8 @@ class SecondTier:
                     if complete or self._searches.failed(facts.step) >= ALONE_AFTER_TRIES - 1:
                         break
                     if loop.time() + 2 * self.averager.averaging_timeout_s > opened_at + self.wait_s:
+                        break
+                    if moved_on is not None and moved_on():  # the others combined: adopt, not search
                         break
                     logger.info(f"group {short}: no second tier formed; searching again with its result")
             else:
