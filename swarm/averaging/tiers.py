@@ -230,9 +230,8 @@ class TierCheck:
                     signed=True,
                     max_age_s=max_age_s,
                 )
-            except (
-                ReplayError
-            ) as e:  # signed by its member, dated out of bounds: proves nothing of the sender
+            except ReplayError as e:
+                # Signed by its member and dated out of bounds: it proves nothing of whoever passed it on.
                 raise StaleError(str(e)) from None
             except SwarmError as e:
                 raise ProtocolError(str(e)) from None

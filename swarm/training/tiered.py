@@ -1,10 +1,10 @@
 """A data-parallel peer's second tier: every group of a step applies one update (``swarm.averaging.tiers``).
 
 ``SecondTier.combine`` takes a complete first-tier round and returns what the peer applies. The group's
-representative (``tiers.representative``, the first of ``tiers.relay_order``) decides: when the other peers at its step (by its signed progress
-view) could form no group of their own and the group holds most of the run's online members (by their
-member records), the group is the step's only one and applies its own result (``alone``,
-``tiers.only_group``).
+representative (``tiers.representative``, the first of ``tiers.relay_order``) decides: when the other
+peers at its step (by its signed progress view) could form no group of their own and the group holds most
+of the run's online members (by their member records), the group is the step's only one and applies its
+own result (``alone``, ``tiers.only_group``).
 Otherwise it collects its members' attestations (``tiercert``: each member sends its own when it asks for
 the outcome), and once a strict majority of the group has attested it averages the group's result, at the
 group's total signed weight, with the other certified representatives in a second-tier round under
