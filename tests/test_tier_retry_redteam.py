@@ -131,7 +131,7 @@ def test_a2_the_peer_adopts_from_peers_ahead_before_its_group_could_apply_its_ow
         policy=SimpleNamespace(refusal=lambda p: None, member_count=lambda: 0, refresh_members=lambda: asyncio.sleep(0)),
         _searches=FailedSearches(),
         _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0, "rounds_ok": 0, "train_loss": 5.0},
-        _journal=lambda *a, **k: None, _adopt=adopt, _group_usable=lambda g: True, tiers=tier, _moved_on=lambda: False,
+        _journal=lambda *a, **k: None, _adopt=adopt, _group_usable=lambda g: True, tiers=tier, _ahead=lambda: [],
         sender_checks=SimpleNamespace(enabled=False), synced=SimpleNamespace(lock=asyncio.Lock()),
         computing=contextlib.nullcontext, _apply_round=applied.append, _commit=commit, contributed_samples=0,
         groupmates=SimpleNamespace(record=lambda *a: None), witness=SimpleNamespace(record=lambda g: None),

@@ -7,11 +7,11 @@ answers at once, refusing, a caller that is not a member of one of its recent fi
 (``TierBoard.attest``) until a strict majority lets it join the second tier (``TierBoard.majority``), and
 streams the outcome (``TierOutcome.answers``) to every member that waits.
 
-In a group larger than ``training.relay_fanout + 1`` the outcome goes down a tree (``tiers.relay_parent``): a member
-whose parent is another member sends the representative its attestation alone (``attest_to``, answered at
-once) and asks its parent, which opened the group on its own board (``TierBoard.relay``: it keeps no
-attestation) and posts there what it checked. Only the representative may say ``alone``: a member that a
-relayer tells so, or that its relayer fails or lies to, asks the representative itself.
+In a group larger than ``training.relay_fanout + 1`` the outcome goes down a tree (``tiers.relay_parent``):
+a member whose parent is another member sends the representative its attestation alone (``attest_to``,
+answered at once) and asks its parent, which opened the group on its own board (``TierBoard.relay``: it
+keeps no attestation) and posts there what it checked. Only the representative may say ``alone``: a member
+that a relayer tells so, or that its relayer fails or lies to, asks the representative itself.
 
 Example::
 
@@ -222,26 +222,39 @@ class TierServicer(BoundedServicer):
             yield answer
 
 
+@contextlib.asynccontextmanager
+async def _answers(
+    p2p: P2P, peer: PeerID, namespace: str, request: apb.TierRequest, *, open_s: float
+) -> AsyncIterator[AsyncIterator[apb.TierAnswer]]:
+    """``peer``'s stream of answers to ``request``, opened within ``open_s`` and closed on leaving."""
+    stub = TierServicer.get_stub(p2p, peer, namespace=namespace)
+    stream: AsyncIterator[apb.TierAnswer] = await asyncio.wait_for(stub.rpc_tier_result(request), open_s)
+    try:
+        yield stream
+    except StopAsyncIteration:
+        raise SwarmError(f"{peer} ended its answer early") from None
+    finally:
+        if hasattr(stream, "aclose"):
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+
+def _refused(first: apb.TierAnswer, peer: PeerID) -> None:
+    """Raise when ``peer``'s first answer is not ``OK`` (honest when its second tier failed: no proof)."""
+    if first.code != apb.OK:
+        raise SwarmError(f"{peer} answered {apb.Code.Name(first.code)}: {first.error[:200]}")
+
+
 async def attest_to(
     p2p: P2P, representative: PeerID, namespace: str, group_id: bytes, attestation: bytes, *, timeout_s: float
 ) -> None:
     """Send ``representative`` this peer's attestation of ``group_id`` alone (the outcome comes from a relayer);
     raises ``SwarmError`` or ``TimeoutError`` when it was not taken."""
-    stub = TierServicer.get_stub(p2p, representative, namespace=namespace)
     request = apb.TierRequest(group_id=group_id, attestation=attestation, attest_only=True)
 
     async def ask() -> None:
-        stream = await stub.rpc_tier_result(request)
-        try:
-            answer = await stream.__anext__()
-        except StopAsyncIteration:
-            raise SwarmError("representative ended its answer early") from None
-        finally:
-            if hasattr(stream, "aclose"):
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
-        if answer.code != apb.OK:
-            raise SwarmError(f"representative answered {apb.Code.Name(answer.code)}: {answer.error[:200]}")
+        async with _answers(p2p, representative, namespace, request, open_s=timeout_s) as stream:
+            _refused(await stream.__anext__(), representative)
 
     await asyncio.wait_for(ask(), timeout_s)
 
@@ -260,17 +273,11 @@ async def fetch_tier_result(
     """Ask ``representative`` (or a relayer: a member above this one in the group's relay tree) for the second
     tier's outcome of the group ``request`` names (with this peer's attestation): None when the group was
     the step's only one (``alone``), else the checked result (``TierCheck.output``; ``check`` builds the
-    check from the header). Raises ``ProtocolError`` when what it
-    sent does not hold (a proof against it), another ``SwarmError`` or ``TimeoutError`` when it sent nothing
-    usable (which an honest one may do)."""
-    stub = TierServicer.get_stub(p2p, representative, namespace=namespace)
-    stream: AsyncIterator[apb.TierAnswer] = await asyncio.wait_for(
-        stub.rpc_tier_result(request), chunk_timeout_s
-    )
-    try:
+    check from the header). Raises ``ProtocolError`` when what it sent does not hold (a proof against it),
+    another ``SwarmError`` or ``TimeoutError`` when it sent nothing usable (which an honest one may do)."""
+    async with _answers(p2p, representative, namespace, request, open_s=chunk_timeout_s) as stream:
         first = await asyncio.wait_for(stream.__anext__(), timeout_s)
-        if first.code != apb.OK:  # honest when its second tier failed: not a proof of anything
-            raise SwarmError(f"{representative} answered {apb.Code.Name(first.code)}: {first.error[:200]}")
+        _refused(first, representative)
         if first.alone:
             return None
         checked = check(first)
@@ -279,12 +286,6 @@ async def fetch_tier_result(
             traffic.received += len(answer.chunk.data)
             checked.take(part, chunk, answer.chunk)
         return checked
-    except StopAsyncIteration:
-        raise SwarmError(f"{representative} ended its answer early") from None
-    finally:
-        if hasattr(stream, "aclose"):
-            with contextlib.suppress(Exception):
-                await stream.aclose()
 
 
 async def fetch_down_the_tree(
@@ -319,7 +320,7 @@ async def fetch_down_the_tree(
                 request.group_id,
                 request.attestation,
                 timeout_s=OPEN_WAIT_S + chunk_timeout_s,
-            )  # fmt: skip
+            )
         )
         try:
             relayed = await asyncio.wait_for(
@@ -332,7 +333,7 @@ async def fetch_down_the_tree(
                     check=check,
                     chunk_timeout_s=chunk_timeout_s,
                     traffic=traffic,
-                ),  # fmt: skip
+                ),
                 timeout_s / 2,
             )
             if relayed is not None:

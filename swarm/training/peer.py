@@ -449,7 +449,7 @@ class TrainingPeer:
         await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming,
-            run_peers=max(coming, self.policy.member_count()), moved_on=self._moved_on,
+            run_peers=max(coming, self.policy.member_count()), moved_on=lambda: bool(self._ahead()),
         )  # fmt: skip
         if result is None:  # its group's representative gave nothing to apply (see tiered)
             if await self._adopt(extra):
@@ -481,11 +481,14 @@ class TrainingPeer:
         if self.step % self.config.training.validation_every_steps == 0 or self.reached_max():
             await self.evaluate()
 
-    def _moved_on(self) -> bool:
-        """Whether peers a step ahead (not refused) show the step's combined result was applied without it."""
-        return any(
-            p.step == self.step + 1 and self.policy.refusal(p.peer_id) is None for p in self.view.values()
-        )
+    def _ahead(self) -> list[str]:
+        """The peers (not refused) whose records show the next step: they applied this step's combined
+        result, without this peer when it is still here."""
+        return [
+            p.peer_id
+            for p in self.view.values()
+            if p.step == self.step + 1 and self.policy.refusal(p.peer_id) is None
+        ]
 
     async def _adopt(self, extra: dict) -> bool:
         """Apply the combined result that peers a step ahead applied at this step, when the others moved on
@@ -493,11 +496,7 @@ class TrainingPeer:
         gradient was in no round, so it earns no credit and is dropped."""
         if getattr(self.strategy, "overlap", False):  # a background round owns the window: catch-up's
             return False
-        ahead = [
-            p.peer_id
-            for p in self.view.values()
-            if p.step == self.step + 1 and self.policy.refusal(p.peer_id) is None
-        ]
+        ahead = self._ahead()
         adopted = await self.tiers.adopt(extra, ahead) if ahead else None
         if adopted is None:
             return False
