@@ -16,16 +16,16 @@ from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemin
 
 import pytest
 import torch
-from hivemind.p2p import P2P, P2PContext
-from test_tiers import MINE, NUMEL, PREFIX, SCHEMA, check_all, second_tier
+from hivemind.p2p import P2PContext
+from test_tiers import PREFIX
+from tier_relay_helpers import Node, handoff, peers, serving, shutdown
 
 from protocols import averaging_pb2 as apb
 from protocols.errors import StaleError, SwarmError
 from swarm.averaging import tierserve
-from swarm.averaging.allreduce import Traffic
 from swarm.averaging.averager import Averager
-from swarm.averaging.tiers import TierCheck, TierOutcome
-from swarm.averaging.tierserve import TierBoard, fetch_down_the_tree, fetch_tier_result
+from swarm.averaging.tiers import TierOutcome
+from swarm.averaging.tierserve import fetch_down_the_tree, fetch_tier_result
 from swarm.inbound import BoundedServicer
 from swarm.training.tiered import SecondTier
 
@@ -46,89 +46,27 @@ class TierServicer(tierserve.TierServicer):
 BoundedServicer.registered.remove(TierServicer)  # a test double, not a servicer of the project
 
 
-class _Node:
-    def __init__(self, p2p: P2P):
-        self.p2p, self.board, self.traffic = p2p, TierBoard(), Traffic()
-        self.id = p2p.peer_id.to_base58()
-        self.suspected: list[tuple[str, str]] = []
-
-    def suspect(self, peer: str, why: str) -> None:
-        self.suspected.append((peer, why))
-
-    async def _admit(self, peer: str) -> str | None:
-        return None
-
-    async def serve(self, members: list[str], *, wait_s: float = 20.0) -> None:
-        servicer = tierserve.TierServicer(
-            self.board, known=lambda group_id, asker: asker in members, wait_s=lambda: wait_s,
-            admission=self._admit, traffic=self.traffic,
-        )  # fmt: skip
-        await servicer.add_p2p_handlers(self.p2p, namespace=PREFIX)
-
-    async def serve_hostile(self, script) -> None:
-        servicer = TierServicer(
-            self.board, known=lambda group_id, asker: True, wait_s=lambda: 20.0, admission=self._admit,
-            traffic=self.traffic,
-        )  # fmt: skip
-        servicer.script = script
-        await servicer.add_p2p_handlers(self.p2p, namespace=PREFIX)
-
-
-async def _peers(n: int) -> list[_Node]:
-    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    maddrs = await first.get_visible_maddrs()
-    rest = [
-        await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(n - 1)
-    ]
-    return [_Node(p) for p in (first, *rest)]
-
-
-async def _serving(n: int) -> tuple[list[_Node], list[str]]:
-    """``n`` peers, each serving the second tier to all of them; and their IDs."""
-    nodes = await _peers(n)
-    members = [node.id for node in nodes]
-    for node in nodes:
-        await node.serve(members)
-    return nodes, members
-
-
-def _handoff():
-    """A second tier's signed hand-off, fresh now: (outcome, expected output, check factory by max age)."""
-    group_input = torch.randn(NUMEL)
-    header, chunks, keys = second_tier(group_input=group_input)
-    expected = check_all(header, chunks, group_input, keys)
-    tier_rep = keys[header.representative].peer_id
-    outcome = TierOutcome(
-        alone=False, group_id=header.tier_group_id, entries=list(header.entries),
-        representative=header.representative, signers=list(header.signers),
-        chunks=[[c for c in chunks if c.part_index == part] for part in range(len(keys))],
+async def serve_hostile(node: Node, script) -> None:
+    """``node`` answers every caller whatever ``script(request)`` yields, when it likes."""
+    servicer = TierServicer(
+        node.board, known=lambda group_id, asker: True, wait_s=lambda: 20.0, admission=_admit_all,
+        traffic=node.traffic,
     )  # fmt: skip
-
-    def check(max_age_s: float):
-        def build(first: apb.TierAnswer) -> TierCheck:
-            return TierCheck(
-                first, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=MINE, representative=tier_rep,
-                contribution=group_input, weight=64.0, max_age_s=max_age_s, certify=None, refusal=None,
-            )  # fmt: skip
-
-        return build
-
-    return outcome, expected, check
+    servicer.script = script
+    await servicer.add_p2p_handlers(node.p2p, namespace=PREFIX)
 
 
-async def _fetch(node: _Node, group_id: bytes, *, rep: _Node, parent: _Node, check, timeout_s: float,
+async def _admit_all(peer: str) -> str | None:
+    return None
+
+
+async def _fetch(node: Node, group_id: bytes, *, rep: Node, parent: Node, check, timeout_s: float,
                  chunk_timeout_s: float):  # fmt: skip
     return await fetch_down_the_tree(
         node.p2p, PREFIX, apb.TierRequest(group_id=group_id, attestation=b""),
         representative=rep.p2p.peer_id, parent=parent.p2p.peer_id, check=check, timeout_s=timeout_s,
         chunk_timeout_s=chunk_timeout_s, traffic=node.traffic, suspect=node.suspect,
     )  # fmt: skip
-
-
-async def _shutdown(nodes: list[_Node]) -> None:
-    for node in nodes:
-        with contextlib.suppress(Exception):
-            await node.p2p.shutdown()
 
 
 @pytest.mark.timeout(120)
@@ -138,23 +76,23 @@ def test_a_dripping_relayer_is_cut_off_at_half_the_wait_and_the_honest_represent
     ``SecondTier.wait_s``, until the representative's own hand-off was too old to check, and the child
     suspected the honest representative for the stale entry. Now the relayer gets half the wait in all, and
     an entry dated out of bounds (``StaleError``) blames nobody."""
-    handoff: dict = {}
+    dripped: dict = {}
 
     async def drip(request: apb.TierRequest):
-        answers = list(handoff["outcome"].answers())
+        answers = list(dripped["outcome"].answers())
         yield answers[0]
         for answer in answers[1:-1]:
             await asyncio.sleep(1.4)
             yield answer
 
     async def scenario():
-        rep, relayer, child = nodes = await _peers(3)
+        rep, relayer, child = nodes = await peers(3)
         try:
             members = [n.id for n in nodes]
             await rep.serve(members)
-            await relayer.serve_hostile(drip)
-            outcome, expected, check = _handoff()
-            handoff["outcome"] = outcome
+            await serve_hostile(relayer, drip)
+            outcome, expected, check = handoff()
+            dripped["outcome"] = outcome
             group_id = os.urandom(20)
             rep.board.open(group_id, members, holds=lambda who, signature: True)
             rep.board.post(group_id, outcome)
@@ -175,7 +113,7 @@ def test_a_dripping_relayer_is_cut_off_at_half_the_wait_and_the_honest_represent
                              chunk_timeout_s=2.0)  # fmt: skip
             assert not child.suspected, child.suspected
         finally:
-            await _shutdown(nodes)
+            await shutdown(nodes)
 
     asyncio.run(scenario())
 
@@ -185,10 +123,10 @@ def test_a_silent_relayer_costs_half_the_wait_and_a_member_waits_no_longer_than_
     """MEDIUM on 9b10f41. A child waited the whole wait on a silent relayer, then a fresh wait on the
     representative: an outcome ready at once arrived after ``wait_s``, and a member could wait twice as
     long as the direct hand-off allowed. Now the relayer gets half of one wait, the representative the rest."""
-    outcome, expected, check = _handoff()
+    outcome, expected, check = handoff()
 
     async def scenario():
-        nodes, members = await _serving(3)
+        nodes, members = await serving(3)
         rep, relayer, child = nodes
         try:
             group_id = os.urandom(20)
@@ -213,7 +151,7 @@ def test_a_silent_relayer_costs_half_the_wait_and_a_member_waits_no_longer_than_
             assert time.monotonic() - started < 2.6
             assert not child.suspected
         finally:
-            await _shutdown(nodes)
+            await shutdown(nodes)
 
     asyncio.run(scenario())
 
@@ -229,12 +167,12 @@ def test_a_relayer_that_forwards_just_in_time_gets_nobody_honest_suspected():
     assert SecondTier.wait_s.fget(SimpleNamespace(averager=slow)) > Averager.entry_max_age_s.fget(slow)
 
     async def scenario():
-        rep, hostile, relayer, child = nodes = await _peers(4)
+        rep, hostile, relayer, child = nodes = await peers(4)
         try:
             members = [n.id for n in nodes]
             await rep.serve(members)
             await relayer.serve(members)
-            outcome, _, check = _handoff()
+            outcome, _, check = handoff()
             signed_at = time.monotonic()
 
             async def just_in_time(request: apb.TierRequest):
@@ -245,7 +183,7 @@ def test_a_relayer_that_forwards_just_in_time_gets_nobody_honest_suspected():
                     await asyncio.sleep(1.0)
                     yield answer
 
-            await hostile.serve_hostile(just_in_time)
+            await serve_hostile(hostile, just_in_time)
             group_id = os.urandom(20)
             rep.board.open(group_id, members, holds=lambda who, signature: True)
             rep.board.post(group_id, outcome)
@@ -269,7 +207,7 @@ def test_a_relayer_that_forwards_just_in_time_gets_nobody_honest_suspected():
                 await task
             assert not child.suspected and not relayer.suspected, (child.suspected, relayer.suspected)
         finally:
-            await _shutdown(nodes)
+            await shutdown(nodes)
 
     asyncio.run(scenario())
 
@@ -279,10 +217,10 @@ def test_a_relayer_serves_only_its_children_in_the_tree():
     """LOW on 9b10f41. A relayer served any member of the group, so one member could make it upload the
     outcome far more than fanout times. It now serves only the members below it (``TierBoard.relay``); each
     of those may still ask again while its streams last, as any member may ask its representative."""
-    outcome, expected, check = _handoff()
+    outcome, expected, check = handoff()
 
     async def scenario():
-        relayer, child, other = nodes = await _peers(3)
+        relayer, child, other = nodes = await peers(3)
         try:
             await relayer.serve([n.id for n in nodes])
             group_id = os.urandom(20)
@@ -301,7 +239,7 @@ def test_a_relayer_serves_only_its_children_in_the_tree():
             one = sum(len(c.data) for part in outcome.chunks for c in part)
             assert relayer.traffic.sent == one, "one upload, to its child"
         finally:
-            await _shutdown(nodes)
+            await shutdown(nodes)
 
     asyncio.run(scenario())
 
@@ -314,10 +252,10 @@ def test_a_child_whose_representative_opens_late_still_gets_its_attestation_coun
     long as the representative may take to open, beside the relayed fetch."""
 
     async def scenario():
-        nodes, members = await _serving(3)
+        nodes, members = await serving(3)
         rep, relayer, child = nodes
         try:
-            outcome, expected, check = _handoff()
+            outcome, expected, check = handoff()
             group_id = os.urandom(20)
             relayer.board.relay(group_id, [child.id])
             asyncio.get_running_loop().call_later(2.0, relayer.board.post, group_id, outcome)
@@ -332,6 +270,6 @@ def test_a_child_whose_representative_opens_late_still_gets_its_attestation_coun
             assert torch.equal(got.output, expected), "the child applies the outcome"
             assert 2 in rep.board._posted[group_id].signed, "the child's attestation counted"
         finally:
-            await _shutdown(nodes)
+            await shutdown(nodes)
 
     asyncio.run(scenario())

@@ -10,14 +10,13 @@ import os
 
 import pytest
 import torch
-from hivemind.p2p import P2P
-from test_tiers import MINE, NUMEL, PREFIX, SCHEMA, check_all, second_tier
+from test_tiers import PREFIX
+from tier_relay_helpers import handoff, peers, shutdown
 
 from protocols import averaging_pb2 as apb
 from protocols.keys import SigningKey
-from swarm.averaging.allreduce import Traffic
 from swarm.averaging.tiers import TierCheck, TierOutcome, relay_order, relay_parent, representative
-from swarm.averaging.tierserve import TierBoard, TierServicer, fetch_down_the_tree
+from swarm.averaging.tierserve import fetch_down_the_tree
 
 
 def test_the_relay_tree_bounds_what_each_member_sends_and_reaches_everyone_in_few_hops():
@@ -51,62 +50,22 @@ def test_the_relay_tree_bounds_what_each_member_sends_and_reaches_everyone_in_fe
     )
 
 
-class _Node:
-    """A real libp2p peer with a second-tier board and handler, admitting the group's members."""
-
-    def __init__(self, p2p: P2P):
-        self.p2p, self.board, self.traffic = p2p, TierBoard(), Traffic()
-        self.id = p2p.peer_id.to_base58()
-
-    async def serve(self, members: list[str]) -> None:
-        async def admit(peer: str) -> str | None:
-            return None if peer in members else f"{peer} is not a member"
-
-        servicer = TierServicer(
-            self.board, known=lambda group_id, asker: asker in members, wait_s=lambda: 20.0, admission=admit,
-            traffic=self.traffic,
-        )  # fmt: skip
-        await servicer.add_p2p_handlers(self.p2p, namespace=PREFIX)
-
-
-async def _three_peers() -> list[_Node]:
-    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    maddrs = await first.get_visible_maddrs()
-    rest = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(2)]
-    return [_Node(p) for p in (first, *rest)]
-
-
 @pytest.mark.timeout(120)
 def test_a_member_gets_the_representatives_outcome_through_its_relayer_and_around_one_that_lies():
-    group_input = torch.randn(NUMEL)
-    header, chunks, keys = second_tier(group_input=group_input)
-    expected = check_all(header, chunks, group_input, keys)
-    tier_rep = keys[header.representative].peer_id
-
-    def check(first: apb.TierAnswer) -> TierCheck:
-        return TierCheck(
-            first, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=MINE, representative=tier_rep,
-            contribution=group_input, weight=64.0, max_age_s=60.0, certify=None, refusal=None,
-        )  # fmt: skip
+    outcome, expected, checks = handoff()
+    check = checks(60.0)
 
     async def scenario():
-        rep, relayer, member = nodes = await _three_peers()
+        rep, relayer, member = nodes = await peers(3)
         try:
             members = [n.id for n in nodes]
-            suspected: list[tuple[str, str]] = []
 
             async def fetch(group_id: bytes, attestation: bytes) -> TierCheck | None:
                 return await fetch_down_the_tree(
                     member.p2p, PREFIX, apb.TierRequest(group_id=group_id, attestation=attestation),
                     representative=rep.p2p.peer_id, parent=relayer.p2p.peer_id, check=check, timeout_s=20.0,
-                    chunk_timeout_s=5.0, traffic=member.traffic, suspect=lambda p, why: suspected.append((p, why)),
+                    chunk_timeout_s=5.0, traffic=member.traffic, suspect=member.suspect,
                 )  # fmt: skip
-
-            outcome = TierOutcome(
-                alone=False, group_id=header.tier_group_id, entries=list(header.entries),
-                representative=header.representative, signers=list(header.signers),
-                chunks=[[c for c in chunks if c.part_index == part] for part in range(len(keys))],
-            )  # fmt: skip
 
             # An honest relayer: it checked the outcome itself and passes it on; the representative still
             # gets the member's attestation, sent alone.
@@ -128,7 +87,7 @@ def test_a_member_gets_the_representatives_outcome_through_its_relayer_and_aroun
                 2: member.id.encode(),
             }
             assert relayer.traffic.sent > 0 and rep.traffic.sent == 0, "the representative sent it to nobody"
-            assert not suspected
+            assert not member.suspected
 
             # A relayer that alters a chunk: suspected, and the member gets the outcome from the representative.
             forged_chunks = [list(part) for part in outcome.chunks]
@@ -143,9 +102,9 @@ def test_a_member_gets_the_representatives_outcome_through_its_relayer_and_aroun
             relayer.board.post(group_id, TierOutcome(**{**outcome.__dict__, "chunks": forged_chunks}))
             got = await fetch(group_id, b"")
             assert torch.equal(got.output, expected)
-            assert [p for p, _ in suspected] == [relayer.id] and "part 0 chunk 0" in suspected[0][1], (
-                suspected
-            )
+            assert [p for p, _ in member.suspected] == [relayer.id] and "part 0 chunk 0" in member.suspected[
+                0
+            ][1], member.suspected
 
             # A relayer that says alone, or has nothing: only the representative may say so; it is asked.
             for relayed_outcome in (TierOutcome(alone=True), None):
@@ -156,9 +115,8 @@ def test_a_member_gets_the_representatives_outcome_through_its_relayer_and_aroun
                 relayer.board.post(group_id, relayed_outcome)
                 got = await fetch(group_id, b"")
                 assert got is not None and torch.equal(got.output, expected), relayed_outcome
-            assert len(suspected) == 1, "a relayer that failed honestly is not suspected"
+            assert len(member.suspected) == 1, "a relayer that failed honestly is not suspected"
         finally:
-            for node in nodes:
-                await node.p2p.shutdown()
+            await shutdown(nodes)
 
     asyncio.run(scenario())
