@@ -14,7 +14,7 @@ stragglers, attackers, bytes. The swarm's own figures come from ``bench_diloco.p
 where a recipe is chosen before such a run.
 
 Recipes are written as ``every_step`` or ``CODEC H=100 [batch=28] [outer=LR:MOMENTUM] [decay=0.95]
-[density=0.01] [overlap] [peers=N] [windows=W] [rule=NAME] [attack=NAME f=K]`` (outer and decay default to
+[density=0.01] [overlap] [peers=N] [windows=W] [rule=NAME] [attack=NAME f=K] [inner=keep|reset]`` (outer and decay default to
 the run's, which depend on the codec; see docs/diloco.md; ``peers`` overrides ``--peers``; ``windows`` fixes
 the outer steps instead of ``--samples``, so that a run of only the honest peers is an anchor at the same
 outer steps; ``rule`` is a registered aggregator, the run's by default). ``attack=NAME f=K``: the last K peers train honestly and send what
@@ -79,6 +79,7 @@ KEYS = {
     "f": int,
     "rule": str,
     "attack": str,
+    "inner": str,
 }
 
 
@@ -104,8 +105,10 @@ def parse_recipe(text: str, default_batch: int, default_peers: int) -> dict:
         except ValueError:
             raise SystemExit(
                 f"recipe {text!r}: cannot read {word!r} "
-                "(keys: H, batch, outer, decay, density, peers, windows, rule, attack, f; or overlap)"
+                "(keys: H, batch, outer, decay, density, peers, windows, rule, attack, f, inner; or overlap)"
             ) from None
+    if recipe.get("inner", "keep") not in ("keep", "reset"):
+        raise SystemExit(f"recipe {text!r}: inner is keep or reset, not {recipe['inner']!r}")
     if recipe.get("rule") is not None and recipe["rule"] not in AGGREGATORS.names():
         raise SystemExit(f"recipe {text!r}: unknown rule {recipe['rule']!r}; known: {AGGREGATORS.names()}")
     if recipe.get("attack") is not None and recipe["attack"] not in attack_names():
@@ -221,6 +224,7 @@ class Lab:
         training.topk_feedback_decay = recipe.get("decay", training.topk_feedback_decay)
         training.topk_density = recipe.get("density", training.topk_density)
         training.outer_overlap = recipe.get("overlap", False)
+        training.inner_optimizer_state = recipe.get("inner", training.inner_optimizer_state)
         codec = get_codec(recipe["codec"], topk_density=training.topk_density)
         rule = recipe.get("rule", training.aggregator)
         options = training.aggregator_options if rule == training.aggregator else None

@@ -213,9 +213,10 @@ class TrainingConfig(_Section):
         0.5,
         ge=0,
         le=1,
-        description="every_step: chance that a validator also recomputes one drawn sender's contribution to "
-        "the chunk it checked from the public batch seeds (swarm.training.sendercheck); 0 for a run whose "
-        "peers train on their own data",
+        description="chance that a validator also recomputes one drawn sender's contribution to the chunk it "
+        "checked from the public batch seeds (swarm.training.sendercheck): every_step, and diloco windows "
+        "with a fresh inner optimizer, a dense codec and no outer_overlap; 0 for a run whose peers train "
+        "on their own data",
     )
     sender_check_tolerance: float | None = Field(
         None,
@@ -269,6 +270,12 @@ class TrainingConfig(_Section):
         False,
         description="diloco: average an outer step's pseudo-gradient in the background while the next inner "
         "steps compute, and apply it one outer step late",
+    )
+    inner_optimizer_state: Literal["keep", "reset"] | None = Field(
+        None,
+        description="diloco: keep the inner optimizer's state from window to window, or start every window "
+        "with a fresh one, so that a window is a function of public facts that validators can replay; "
+        "default: reset where the run checks senders (a dense codec without outer_overlap), else keep",
     )
     window_stretch: float = Field(
         2.0,
@@ -498,14 +505,42 @@ class RunConfig(_Section):
 
 
 def sender_checks_on(run: RunConfig) -> bool:
-    """Whether validators replay drawn senders' contributions (``swarm.training.sendercheck``): every-step
-    data-parallel training with both probabilities above 0 (pipeline stages check replicas instead)."""
+    """Whether validators replay drawn senders' contributions (``swarm.training.sendercheck``): data-parallel
+    training with both probabilities above 0 (pipeline stages check replicas instead), every step, or
+    diloco whose windows anyone can replay (``replayable_windows``)."""
     training = run.training
+    if run.pipeline.stages != 1 or training.sender_check_probability <= 0 or training.verify_probability <= 0:
+        return False
+    return training.sync == "every_step" or replayable_windows(training)
+
+
+def replayable_windows(training: TrainingConfig) -> bool:
+    """Whether a diloco window is a function of public facts alone (the synced state at the outer step, the
+    run's dataset, the peer's batch seeds), so that validators can replay it."""
+    return training.sync == "diloco" and window_replay_obstacle(training) is None
+
+
+def window_replay_obstacle(training: TrainingConfig) -> str | None:
+    """Why a diloco window is not a function of public facts alone, or None if it is."""
+    if training.compression == "topk":
+        return "topk's error feedback is each peer's own"
+    if training.outer_overlap:
+        return "with outer_overlap a window starts from the end of the peer's own last one"
+    if not resets_inner_state(training):
+        return "inner_optimizer_state 'keep' carries each peer's own optimizer state into its windows"
+    return None
+
+
+def resets_inner_state(training: TrainingConfig) -> bool:
+    """Whether a diloco window starts with a fresh inner optimizer: the run's ``inner_optimizer_state``;
+    by default where the run checks senders and the window could be replayed (dense, no overlap)."""
+    if training.inner_optimizer_state is not None:
+        return training.inner_optimizer_state == "reset"
     return (
-        training.sync == "every_step"
-        and run.pipeline.stages == 1
-        and training.sender_check_probability > 0
+        training.sender_check_probability > 0
         and training.verify_probability > 0
+        and training.compression != "topk"
+        and not training.outer_overlap
     )
 
 

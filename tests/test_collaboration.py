@@ -86,7 +86,7 @@ def test_an_optimizer_that_would_step_peers_apart_is_refused_saying_why() -> Non
 
 def test_a_strategy_other_than_the_runs_is_refused_naming_the_setting() -> None:
     every_step = _run(_net(), sender_check_probability=0.0)  # its own data: nothing to replay
-    diloco = _run(_net(), sync="diloco", inner_steps=20)
+    diloco = _run(_net(), sync="diloco", inner_steps=20, sender_check_probability=0.0)
     EveryStep().check(every_step)
     DiLoCo(inner_steps=20).check(diloco)
     DiLoCo().check(diloco)
@@ -96,6 +96,12 @@ def test_a_strategy_other_than_the_runs_is_refused_naming_the_setting() -> None:
         DiLoCo(inner_steps=100).check(diloco)
     with pytest.raises(ConfigError, match="training.sync = 'diloco'"):
         EveryStep().check(diloco)
+    # A diloco run whose validators replay windows from the public batches refuses a loop of its own.
+    checked = _run(_net(), sync="diloco", inner_steps=20)
+    with pytest.raises(
+        ConfigError, match="sender_check_probability = 0.5.*needs a run with sender_check_probability = 0"
+    ):
+        DiLoCo().check(checked)
 
 
 def _two_copies(swarm: LocalSwarm, example: Path, *flags: str) -> tuple[list[dict], str]:
@@ -175,7 +181,7 @@ def test_diloco_from_a_plain_loop_and_an_async_loop_ends_on_one_state(swarm: Loc
     # One peer steps from a thread, the other awaits astep on an event loop of its own; DiLoCo's inner
     # steps are the callers' micro-batches and its outer steps the run's.
     run = _run(_net(), sync="diloco", inner_steps=4, micro_batch_size=16, target_batch_size=32,
-               progress_interval_s=0.3, matchmaking_time_s=1.0, min_group_size=2)  # fmt: skip
+               sender_check_probability=0.0, progress_interval_s=0.3, matchmaking_time_s=1.0, min_group_size=2)  # fmt: skip
     run = run.model_copy(update={"membership": FAST_MEMBERSHIP, "optimizer": run.optimizer.model_copy(
         update={"lr": 0.01, "warmup_steps": 0})})  # fmt: skip
     address = swarm.start_coordinator(run).extra["address"]

@@ -22,9 +22,10 @@ one input can move, and each reducer's output is checked by its groupmates from 
 (evidence to the coordinator bans a reducer that lied); states are compared by hash and a peer apart from
 the majority is moved back. What no longer applies is recomputing a peer's gradient from its public seed:
 data only the peer holds cannot be replayed, so a peer that sends a well-formed but wrong gradient is
-bounded by the robust rule, not caught. Such a run sets ``training.sender_check_probability = 0``; an
-``EveryStep`` collaboration refuses a run that recomputes senders (``swarm.training.sendercheck``), whose
-validators would replay the run's public batches and accuse this loop.
+bounded by the robust rule, not caught. Such a run sets ``training.sender_check_probability = 0``; a
+collaboration (``EveryStep`` or ``DiLoCo``) refuses a run that recomputes senders
+(``swarm.training.sendercheck``), whose validators would replay the run's public batches and accuse this
+loop.
 
 Example::
 
@@ -77,13 +78,7 @@ class EveryStep:
                 f"collaborate: strategy EveryStep(), but run {run.run_id!r} trains with "
                 f"training.sync = {run.training.sync!r}; pass strategy=None to follow the run"
             )
-        if sender_checks_on(run):
-            # Its groupmates would replay the run's public batches, not this loop's data, and accuse it.
-            raise ConfigError(
-                f"collaborate: run {run.run_id!r} recomputes every sender's gradient from the run's public "
-                f"batches (training.sender_check_probability = {run.training.sender_check_probability:g}); "
-                "a loop on its own data needs a run with sender_check_probability = 0"
-            )
+        _refuse_sender_checks(run)
 
 
 @dataclass(frozen=True)
@@ -105,6 +100,18 @@ class DiLoCo:
                 f"collaborate: strategy DiLoCo(inner_steps={self.inner_steps}), but run {run.run_id!r} has "
                 f"training.inner_steps = {training.inner_steps}: every peer's window is the run's"
             )
+        _refuse_sender_checks(run)
+
+
+def _refuse_sender_checks(run: RunConfig) -> None:
+    """A loop on its own data (or model, or optimizer) cannot join a run whose validators replay senders'
+    contributions: its groupmates would replay the run's public batches, not this loop's, and accuse it."""
+    if sender_checks_on(run):
+        raise ConfigError(
+            f"collaborate: run {run.run_id!r} recomputes every sender's contribution from the run's public "
+            f"batches (training.sender_check_probability = {run.training.sender_check_probability:g}); "
+            "a loop on its own data needs a run with sender_check_probability = 0"
+        )
 
 
 Strategy = EveryStep | DiLoCo

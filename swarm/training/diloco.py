@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.averaging.allreduce import RoundResult
-from swarm.config import RunConfig
+from swarm.config import RunConfig, resets_inner_state
 from swarm.training.state import (
     build_outer_optimizer,
     clip_gradients,
@@ -94,6 +94,7 @@ class DilocoReplica:
         sparse = run.training.compression == "topk"
         self.residual = torch.zeros(numel) if sparse else None  # error feedback, never shared
         self.feedback_decay = run.training.topk_feedback_decay
+        self.resets = resets_inner_state(run.training)
         # outer_overlap: what the round in flight sends (and for how many samples), where the local window
         # began, and whether the round's result has reached the synced copy.
         self.overlap = run.training.outer_overlap
@@ -169,11 +170,21 @@ class DilocoReplica:
         self.outbox, self.outbox_applied = delta, False
         self.window_start = flat_params(self.params)
         self.inner = 0
+        self.fresh_inner_state()
+
+    def fresh_inner_state(self) -> None:
+        """Where the run starts every window with a fresh inner optimizer (``swarm.config.resets_inner_state``),
+        drop its state (moments and step count), as a new optimizer would have none: a window is then a
+        function of the synced parameters and the peer's public batch seeds alone, which a validator can
+        replay (``swarm.training.sendercheck``)."""
+        if self.resets:
+            self.optimizer.state.clear()
 
     def reset(self) -> None:
         """Start a window from the synced parameters (after an outer step, a download, or a pause)."""
         self.inner = 0
         self.outbox, self.outbox_samples, self.window_start = None, 0, None
+        self.fresh_inner_state()
         with torch.no_grad():
             for local, synced in zip(self.params, self.synced_params, strict=True):
                 local.copy_(synced)

@@ -36,7 +36,7 @@ from swarm.averaging.factory import build_averager
 from swarm.averaging.matchmaking import FailedSearches
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.verification import Accuser
-from swarm.config import RunConfig
+from swarm.config import RunConfig, window_replay_obstacle
 from swarm.models import model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
@@ -145,6 +145,12 @@ class TrainingPeer:
         )
         if self.sender_checks.enabled:
             self.averager.sender_checks = self.sender_checks
+        elif (
+            training.sync == "diloco"
+            and training.sender_check_probability > 0
+            and (obstacle := window_replay_obstacle(training))
+        ):
+            logger.warning(f"sender checks do not cover this run's diloco windows: {obstacle}")
         # Beyond one group: what every group of a step applies (swarm.training.tiered).
         self.tiers = SecondTier(
             run, dht, first=self.averager, numel=self.numel, policy=self.policy,

@@ -85,19 +85,24 @@ def replay_window(
     seq_len: int,
     precision: str = "fp32",
     device: str = "cpu",
+    deadline: float | None = None,
 ) -> torch.Tensor:
     """The pseudo-gradient ``peer_id`` sends at outer ``step`` of a diloco run after ``micro_batches``
     inner steps from the synced parameters ``synced`` (flat), on its public batch seeds
     ``derive_seed(run_id, peer_id, step, micro)``: ``replica`` (a ``DilocoReplica`` whose inner
     optimizer state is the one that peer's own earlier windows left) takes those inner steps as the
     built-in loop does. Exact, bit for bit on the same kind of device, when ``replica``'s inner optimizer
-    followed every window of that peer since its start; a sparse codec's error feedback is left out."""
+    followed every window of that peer since its start, or when the run starts every window with a fresh
+    inner optimizer (``swarm.config.resets_inner_state``); a sparse codec's error feedback is left out.
+    ``deadline`` (``time.monotonic()``): a ``ReplayTooLong`` once it passes, checked between inner steps."""
     write_flat_params(replica.synced_params, synced)
     replica.reset()
     runner = MicroBatchRunner(replica.model, device=device, precision=precision)
     replica.model.train()
     batch = replica.config.training.micro_batch_size
     for micro in range(micro_batches):
+        if deadline is not None and time.monotonic() > deadline:
+            raise ReplayTooLong(f"the replay of {peer_id}'s window at step {step} ran past its deadline")
         inputs, targets = dataset.sample_batch(derive_seed(run_id, peer_id, step, micro), batch, seq_len)
         runner.run(inputs, targets)  # the gradient of the summed loss, as the built-in loop takes it
         replica.inner_step(step, batch, mean=False)

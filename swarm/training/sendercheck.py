@@ -75,8 +75,9 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
 from swarm.averaging.verification import Assignment, assignments, draw
-from swarm.config import RunConfig, sender_checks_on, sender_tolerance
-from swarm.training.replay import honest_gradients, public_dataset
+from swarm.config import RunConfig, replayable_windows, sender_checks_on, sender_tolerance
+from swarm.training.diloco import DilocoReplica, flat_params
+from swarm.training.replay import honest_gradients, public_dataset, replay_window
 from swarm.training.state import encode_state
 from swarm.training.sync import EncodedState, is_state_hash
 
@@ -122,13 +123,21 @@ def chunk_slice(
 
 def whole_micro_batches(run: RunConfig, samples: float) -> int:
     """The micro-batches behind a claim of ``samples``; ProtocolError for a claim the built-in loop never
-    signs: not a whole number of micro-batches, or more than it holds before a round is due."""
-    micro, target = run.training.micro_batch_size, run.training.target_batch_size
+    signs: not a whole number of micro-batches, or more than it holds before a round is due (every step:
+    the target batch, less one sample; diloco: ``window_stretch`` times ``inner_steps`` inner steps)."""
+    training = run.training
+    micro, target = training.micro_batch_size, training.target_batch_size
     if not (math.isfinite(samples) and samples == int(samples) and samples > 0 and int(samples) % micro == 0):
         raise ProtocolError(
             f"signed for {samples:g} samples, not a whole number of {micro}-sample micro-batches"
         )
-    if samples >= target + micro:
+    if training.sync == "diloco":
+        most = math.ceil(training.window_stretch * training.inner_steps)
+        if samples > most * micro:
+            raise ProtocolError(
+                f"signed for {samples:g} samples; a window ends after {most} inner steps of {micro} samples"
+            )
+    elif samples >= target + micro:
         raise ProtocolError(
             f"signed for {samples:g} samples; a peer stops computing at the target batch {target}"
         )
@@ -146,19 +155,34 @@ def recompute(
     deadline: float | None = None,
 ) -> torch.Tensor:
     """The flat contribution ``peer_id`` sends at ``step`` for ``micro_batches`` (``whole_micro_batches``)
-    from the state ``tensors`` (``state_tensors``' names), replayed from its public batch seeds; a
-    SwarmError when it cannot be (tensors that are not the run's state, ``deadline`` passed)."""
+    from the state ``tensors`` (``state_tensors``' names), replayed from its public batch seeds: the mean
+    gradient every step, the window's pseudo-gradient in diloco (``tensors`` are then the synced model and
+    outer optimizer, and the window starts with a fresh inner optimizer). A SwarmError when it cannot be
+    (tensors that are not the run's state, a window nobody can replay, ``deadline`` passed)."""
     from swarm.models import build_model, model_config
-    from swarm.training.state import build_optimizer, load_state_tensors
+    from swarm.training.state import build_optimizer, build_outer_optimizer, load_state_tensors
 
-    micro = run.training.micro_batch_size
-    model = build_model(run.model.name, run.model.config, seed=run.training.seed).to(device)
-    load_state_tensors(model, build_optimizer(model, run.optimizer), tensors)
+    training = run.training
+    micro = training.micro_batch_size
+    model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
     seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+    dataset = public_dataset(run.dataset.name, run.dataset.config)
+    if training.sync == "diloco":
+        if not replayable_windows(training):
+            raise ProtocolError("this run's diloco windows cannot be replayed from public facts")
+        load_state_tensors(model, build_outer_optimizer(model, run.outer_optimizer), tensors)
+        replica = DilocoReplica(model, build_optimizer(model, run.optimizer), run)
+        window = replay_window(
+            replica, flat_params(replica.synced_params), dataset, run_id=run.run_id, peer_id=peer_id,
+            step=step, micro_batches=micro_batches, seq_len=seq_len, precision=training.precision,
+            device=device, deadline=deadline,
+        )  # fmt: skip
+        return window.detach().to("cpu", torch.float32)
+    load_state_tensors(model, build_optimizer(model, run.optimizer), tensors)
     rows = honest_gradients(
-        model, public_dataset(run.dataset.name, run.dataset.config), run_id=run.run_id, step=step,
-        micro_batch=micro, seq_len=seq_len, peers={peer_id: micro_batches * micro},
-        precision=run.training.precision, device=device, deadline=deadline,
+        model, dataset, run_id=run.run_id, step=step, micro_batch=micro, seq_len=seq_len,
+        peers={peer_id: micro_batches * micro}, precision=training.precision, device=device,
+        deadline=deadline,
     )  # fmt: skip
     if rows is None:
         raise ProtocolError(f"no micro-batch of {peer_id} to replay")
@@ -166,7 +190,13 @@ def recompute(
 
 
 def compare(
-    sent: bytes, expected: torch.Tensor, codec: Codec, tolerance: float, *, sender: str
+    sent: bytes,
+    expected: torch.Tensor,
+    codec: Codec,
+    tolerance: float,
+    *,
+    sender: str,
+    what: str = "gradient",
 ) -> str | None:
     """Why ``sent`` (one chunk of ``sender``'s signed input) is not ``expected`` (the recomputed values of
     that chunk) as ``codec`` encodes it, or None if it is: the same bytes, or decoded values within
@@ -185,7 +215,7 @@ def compare(
     if distance <= tolerance:
         return None
     return (
-        f"sent a contribution {distance:.3g} away (relative L2) from its gradient recomputed from its public "
+        f"sent a contribution {distance:.3g} away (relative L2) from its {what} recomputed from its public "
         f"batch seeds, beyond the tolerance {tolerance:g}"
     )
 
@@ -313,8 +343,9 @@ class WrongContributionEvidence(RoundEvidence):
         except ProtocolError as e:  # its own signed claim: no replay needed
             return str(e)
         vector = recompute(run, tensors, accused, step, micro_batches, device=device, deadline=deadline)
+        what = "window's pseudo-gradient" if run.training.sync == "diloco" else "gradient"
         verdict = compare(
-            self.item.data, vector[lo:hi], codec, sender_tolerance(run.training), sender=accused
+            self.item.data, vector[lo:hi], codec, sender_tolerance(run.training), sender=accused, what=what
         )
         if verdict is None:
             return None
