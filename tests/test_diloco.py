@@ -1,5 +1,6 @@
 """DiLoCo among real peers on loopback: outer steps leave every peer bit-identical, loss falls, a late joiner
-downloads the synced state with its outer momentum, and a sign-flipping peer does not steer the run."""
+downloads the synced state with its outer momentum, and a sign-flipping peer does not steer the run and is
+caught by a replay of its window."""
 
 from __future__ import annotations
 
@@ -174,18 +175,30 @@ def test_a_late_joiner_downloads_the_synced_state_with_the_outer_momentum():
             d.shutdown()
 
 
-def test_a_sign_flipping_peer_does_not_steer_diloco_with_centered_clip():
+def test_a_sign_flipping_peer_does_not_steer_diloco_and_a_window_replay_catches_it():
     steps = 5
-    run = diloco_run(max_steps=steps, compression="int8", aggregator="centered_clip")
+    # Every part validated and a sender replayed at each check: each window starts with a fresh inner
+    # optimizer, so a groupmate replays the drawn sender's window from its public batch seeds.
+    # Once caught, the flipper is avoided: the two honest peers go on as a group of two.
+    run = diloco_run(
+        max_steps=steps, compression="int8", aggregator="centered_clip", verify_probability=1.0,
+        sender_check_probability=1.0, min_group_size=2,
+    )  # fmt: skip
     attack = make_attack("sign_flip", {"scale": 20.0}, group_size=3, attackers=1)
     dhts = start_dhts(3)
     try:
         trainers = peers_for(run, dhts, attack_at=2, attack=attack)
         asyncio.run(train(trainers))
-        honest = trainers[:2]
+        honest, attacker = trainers[:2], trainers[2].peer.peer_id
         assert len({t.state_hash for t in honest}) == 1
         first, last = honest[0].peer.first_validation[1], honest[0].metrics()["val_loss"]
         assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f} with a sign-flipping peer"
+        assert sum(t.peer.sender_checks.caught for t in honest) >= 1, "no replay drew the sign flipper"
+        catchers = [t for t in honest if t.peer.sender_checks.caught]
+        assert all("public batch seeds" in (t.peer.policy.refusal(attacker) or "") for t in catchers)
+        for t in trainers:  # an honest window replays exactly: nobody suspects an honest peer of lying
+            for other in honest:
+                assert "public batch seeds" not in (t.peer.policy.refusal(other.peer.peer_id) or "")
     finally:
         for d in dhts:
             d.shutdown()
