@@ -23,6 +23,8 @@ Usage::
     python benchmarks/bench_training.py --quick                  # tiny model, 3 steps (smoke test)
     python benchmarks/bench_training.py --model-config '{"n_layer": 4}' --json results.json
     python benchmarks/bench_training.py --compare-sender-checks 0,1 --verify-probability 1.0 --repeats 2
+    python benchmarks/bench_training.py --sync diloco --inner-steps 20 --compression int8 --steps 6 \
+        --compare-sender-checks 0,0.5 --repeats 3           # diloco window replays at the run's defaults
 
 ``--compare-sender-checks`` prices the sender checks (``swarm.training.sendercheck``) in an honest run:
 the same training once per ``training.sender_check_probability`` given, round by round, each one's
@@ -66,6 +68,9 @@ class Settings:
     threads: int
     sender_check_probability: float | None = None  # None: the run's default
     verify_probability: float | None = None
+    sync: str = "every_step"
+    inner_steps: int = 20  # diloco: inner steps per outer step (a step of the run)
+    compression: str | None = None  # None: the run's (fp16)
 
     def run_config(self):
         from swarm.config import RunConfig
@@ -83,6 +88,9 @@ class Settings:
                 # Both peers take part in every round: neither steps alone, so neither falls behind and
                 # catches up by download, which would hide its compute from the measured window.
                 "min_group_size": 2,
+                "sync": self.sync,
+                **({"inner_steps": self.inner_steps, "window_stretch": 1.0} if self.sync == "diloco" else {}),
+                **({} if self.compression is None else {"compression": self.compression}),
                 **(
                     {} if self.verify_probability is None else {"verify_probability": self.verify_probability}
                 ),
@@ -363,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="training.verify_probability (default: the run's)",
     )
+    parser.add_argument(
+        "--sync", choices=["every_step", "diloco"], default="every_step", help="training.sync; "
+        "diloco: --steps counts outer steps of --inner-steps inner steps, every window exactly that long",
+    )  # fmt: skip
+    parser.add_argument("--inner-steps", type=int, default=20, help="diloco: inner steps per outer step")
+    parser.add_argument("--compression", default=None, help="training.compression (default: the run's)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -377,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 2 (the window runs from step 1 to the last)")
     settings = Settings(
         model_config, args.target_batch_size, args.micro_batch_size, args.steps, args.matchmaking_time_s,
-        args.max_bytes, args.threads, verify_probability=args.verify_probability,
+        args.max_bytes, args.threads, verify_probability=args.verify_probability, sync=args.sync,
+        inner_steps=args.inner_steps, compression=args.compression,
     )  # fmt: skip
     if args.compare_sender_checks:
         return compare_sender_checks(

@@ -125,8 +125,8 @@ class SimConfig(BaseModel):
     sender_check_probability: float = Field(
         0.25, ge=0, le=1,
         description="chance that a validator also recomputes a drawn sender's contribution from its public "
-        "batch seeds (every_step); with the sim's verify_probability about one replayed step in eight, "
-        "as the run's defaults",
+        "batch seeds (every_step, and diloco windows with a fresh inner optimizer); with the sim's "
+        "verify_probability about one replayed step (or window) in eight, as the run's defaults",
     )  # fmt: skip
     min_group_size: int | None = Field(
         None, ge=1, le=4096,
