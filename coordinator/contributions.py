@@ -37,6 +37,7 @@ from hivemind.p2p import P2P, PeerID
 from coordinator.checkpoints import state_layout
 from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
+from protocols.messages import JUDGING_BUDGET_S
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES
 from swarm.averaging.tiers import round_codec
 from swarm.config import RunConfig, sender_checks_on
@@ -47,7 +48,7 @@ from swarm.training.sync import download_limit, download_state, state_namespace
 logger = logging.getLogger(__name__)
 
 #: The longest one replay may take on the coordinator's CPU before it gives up (banning nobody).
-REPLAY_TIMEOUT_S = 300.0
+REPLAY_TIMEOUT_S = JUDGING_BUDGET_S
 
 
 class ContributionStates:

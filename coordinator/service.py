@@ -146,6 +146,7 @@ class CoordinatorService:
             limits.evidence_budget_bytes, limits.evidence_share_per_address_bytes
         )
         self._accusing: set[str] = set()
+        self._judgments: set[asyncio.Task] = set()  # accusations being judged (outliving their calls)
         # peer -> the last step at which it was reported diverged (one log line per peer and step)
         self._flagged: OrderedDict[str, int] = OrderedDict()
         self._judging = asyncio.Lock()  # held only while recomputing from evidence and a state in memory
@@ -478,6 +479,23 @@ class CoordinatorService:
                 # Holding evidence bytes open costs the staller every accusation it had left.
                 self._accusation_buckets.empty(sender)
                 raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
+        except BaseException:
+            reader.release()
+            self._accusing.discard(sender)
+            raise
+        # The judgment and its ban outlive this call: a replay that takes longer than the accuser waits
+        # (a DiLoCo window is many steps) still bans whoever it proves wrong, and the accusation stays in
+        # flight until it ends, so asking again starts no second replay.
+        judgment = asyncio.create_task(self._judge(evidence, body, sender, peer, reader))
+        self._judgments.add(judgment)
+        judgment.add_done_callback(self._judgment_done)
+        return await asyncio.shield(judgment)
+
+    async def _judge(
+        self, evidence: bytes, body: AccuseBody, sender: str, peer: str, reader: EvidenceReader
+    ) -> pb.AccuseResponse:
+        limits = self.limits
+        try:
             verdict, guilty = await judge_accusation(
                 self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
                 stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
@@ -512,6 +530,11 @@ class CoordinatorService:
             logger.warning(f"evidence against {guilty} not kept: the store holds all the evidence it may")
         logger.warning(f"accusation by {sender} against {body.accused}: banned {guilty} ({reason})")
         return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
+
+    def _judgment_done(self, task: asyncio.Task) -> None:
+        self._judgments.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # its caller may have stopped waiting
+            logger.info(f"accusation not upheld: {task.exception()}"[:600])
 
     def _note_clock(self, peer_id: str, offset_s: float) -> None:
         _remember(self._clock_offsets, peer_id, offset_s)

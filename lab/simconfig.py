@@ -64,7 +64,8 @@ class SimConfig(BaseModel):
     window_stretch: float = Field(
         2.0, ge=1.0, le=100.0,
         description="diloco: a done peer trains on while slower ones finish, up to this many times "
-        "--inner-steps; 1: every window is exactly --inner-steps (the same samples in every run)",
+        "--inner-steps; 1: every window is exactly --inner-steps (the same samples in every run); a run "
+        "whose validators replay windows (fp32, not topk, no overlap, sender checks on) uses 1",
     )  # fmt: skip
     compression: Literal["fp16", "none", "int8", "topk"] = Field(
         "fp16", description="wire encoding of what peers average (topk: sparse, with error feedback)"

@@ -52,6 +52,10 @@ MAX_STANDING = 512
 MAX_ATTEMPT = 1 << 16
 #: Retried micro-batches a stage replica announces per step at most (about 140 bytes each).
 MAX_RETRIED_CLAIMS = 64
+# How long the coordinator may spend judging one accusation's recomputation (a sender's step, or a whole
+# DiLoCo window, replayed on its CPU), past which it gives up and bans nobody; an accuser waits this long
+# beyond its call's own deadline for the verdict.
+JUDGING_BUDGET_S = 300.0
 PEER_STATES = ("online", "offline", "left", "banned")
 REQUESTED_ROLES = ("auto", "data", "stage", "trainer")
 

@@ -215,8 +215,8 @@ class TrainingConfig(_Section):
         le=1,
         description="chance that a validator also recomputes one drawn sender's contribution to the chunk it "
         "checked from the public batch seeds (swarm.training.sendercheck): every_step, and diloco windows "
-        "with a fresh inner optimizer, a dense codec and no outer_overlap; 0 for a run whose peers train "
-        "on their own data",
+        "with a fresh inner optimizer in fp32, a dense codec and no outer_overlap; 0 for a run whose "
+        "peers train on their own data",
     )
     sender_check_tolerance: float | None = Field(
         None,
@@ -275,7 +275,7 @@ class TrainingConfig(_Section):
         None,
         description="diloco: keep the inner optimizer's state from window to window, or start every window "
         "with a fresh one, so that a window is a function of public facts that validators can replay; "
-        "default: reset where the run checks senders (a dense codec without outer_overlap), else keep",
+        "default: reset where the run checks senders (fp32, a dense codec, no outer_overlap), else keep",
     )
     window_stretch: float = Field(
         2.0,
@@ -283,7 +283,7 @@ class TrainingConfig(_Section):
         le=100.0,
         description="diloco: a peer whose window is done trains on while slower peers finish theirs, up to "
         "this many times inner_steps; 1: every window is exactly inner_steps (the same samples in every run "
-        "of a comparison, whatever the peers' speeds)",
+        "of a comparison, whatever the peers' speeds); a run whose validators replay windows uses 1",
     )
 
     @property
@@ -521,27 +521,45 @@ def replayable_windows(training: TrainingConfig) -> bool:
 
 
 def window_replay_obstacle(training: TrainingConfig) -> str | None:
-    """Why a diloco window is not a function of public facts alone, or None if it is."""
+    """Why a diloco window is not a function of public facts alone that a replay tells from a lie, or None."""
+    if training.sender_check_probability <= 0 or training.verify_probability <= 0:
+        return "the run draws no validators (sender_check_probability or verify_probability is 0)"
+    obstacle = _window_obstacle(training)
+    if obstacle is None and not resets_inner_state(training):
+        return "inner_optimizer_state 'keep' carries each peer's own optimizer state into its windows"
+    return obstacle
+
+
+def _window_obstacle(training: TrainingConfig) -> str | None:
     if training.compression == "topk":
         return "topk's error feedback is each peer's own"
     if training.outer_overlap:
         return "with outer_overlap a window starts from the end of the peer's own last one"
-    if not resets_inner_state(training):
-        return "inner_optimizer_state 'keep' carries each peer's own optimizer state into its windows"
+    if training.precision != "fp32":
+        # Adam's first steps from a fresh state move each weight by about lr times the sign of its
+        # gradient, so a rounding flip of a small gradient's sign grows over the window: 0.18 relative
+        # L2 after 50 bf16 steps between one split of a micro-batch and another (tolerance 0.05).
+        return f"{training.precision} rounding grows over a window's inner steps past what a replay can tell from a lie"
     return None
 
 
 def resets_inner_state(training: TrainingConfig) -> bool:
     """Whether a diloco window starts with a fresh inner optimizer: the run's ``inner_optimizer_state``;
-    by default where the run checks senders and the window could be replayed (dense, no overlap)."""
+    by default where the run checks senders and the window could be replayed (dense, fp32, no overlap)."""
     if training.inner_optimizer_state is not None:
         return training.inner_optimizer_state == "reset"
     return (
         training.sender_check_probability > 0
         and training.verify_probability > 0
-        and training.compression != "topk"
-        and not training.outer_overlap
+        and _window_obstacle(training) is None
     )
+
+
+def window_stretch(training: TrainingConfig) -> float:
+    """How far past ``inner_steps`` a diloco peer trains while slower ones finish: the run's
+    ``window_stretch``, but 1 where validators replay windows (``replayable_windows``), so that a sender
+    cannot claim a window longer than the run's and make its replay as long as it likes."""
+    return 1.0 if replayable_windows(training) else training.window_stretch
 
 
 def sender_tolerance(training: TrainingConfig) -> float:

@@ -32,6 +32,7 @@ from protocols.messages import (
     HEARTBEAT,
     JOIN,
     JOIN_ANSWER,
+    JUDGING_BUDGET_S,
     LEAVE,
     MAX_ROUND_ENTRIES,
     MAX_SUSPECT_REPORTS,
@@ -272,7 +273,8 @@ class CoordinatorClient:
             response_deserializer=pb.AccuseResponse.FromString,
         )
         try:
-            return await rpc(iter(parts), timeout=self.timeout_s + len(evidence) / 1e6)
+            # The coordinator may replay a sender's work before it answers (JUDGING_BUDGET_S at most).
+            return await rpc(iter(parts), timeout=self.timeout_s + len(evidence) / 1e6 + JUDGING_BUDGET_S)
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.address) from None
 

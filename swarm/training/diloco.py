@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.averaging.allreduce import RoundResult
-from swarm.config import RunConfig, resets_inner_state
+from swarm.config import RunConfig, resets_inner_state, window_stretch
 from swarm.training.state import (
     build_outer_optimizer,
     clip_gradients,
@@ -211,6 +211,7 @@ class DilocoSync:
         self.synced_model, self.synced_optimizer = self.replica.synced_model, self.replica.synced_optimizer
         self.stats: dict[str, float] = dict(outer_steps=0.0, inner_steps=0.0)
         self.overlap = run.training.outer_overlap
+        self.stretch = window_stretch(run.training)  # 1 where validators replay windows
         self._pending: asyncio.Task | None = None  # outer_overlap: the round in flight
 
     @property
@@ -228,7 +229,8 @@ class DilocoSync:
 
     def window_closed(self, samples: int, others: list[int]) -> bool:
         """Every peer at this outer step, this one included, has done its ``inner_steps`` (by the samples
-        its signed progress record claims), or this one has done ``window_stretch`` (2) times as many. Peers that get there
+        its signed progress record claims), or this one has done ``window_stretch`` (2; 1 where validators
+        replay windows, ``swarm.config.window_stretch``) times as many. Peers that get there
         first train on until the last one does, so no peer idles and a window holds at least
         ``inner_steps`` of every peer's samples. A claim, which nobody checks, can only hold the window
         open, and then no longer than ``window_stretch * inner_steps``: claiming a full window at once cannot cut the
@@ -239,7 +241,7 @@ class DilocoSync:
             # A round lands one window late, so the records of two consecutive windows carry the same
             # step: another peer's count says nothing about this window. Each closes at its own H.
             return self.inner >= training.inner_steps
-        if self.inner >= training.window_stretch * training.inner_steps:
+        if self.inner >= self.stretch * training.inner_steps:
             return True
         full = training.inner_steps * training.micro_batch_size
         return samples >= full and all(theirs >= full for theirs in others)

@@ -58,6 +58,7 @@ import torch
 from protocols.codec import pack
 from protocols.envelope import open_envelope
 from protocols.errors import ProtocolError
+from protocols.messages import JUDGING_BUDGET_S
 from swarm.averaging.archive import KEEP_INPUTS_S
 from swarm.averaging.compression import Codec
 from swarm.averaging.evidence import (
@@ -75,7 +76,7 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
 from swarm.averaging.verification import Assignment, assignments, draw
-from swarm.config import RunConfig, replayable_windows, sender_checks_on, sender_tolerance
+from swarm.config import RunConfig, replayable_windows, sender_checks_on, sender_tolerance, window_stretch
 from swarm.training.diloco import DilocoReplica, flat_params
 from swarm.training.replay import honest_gradients, public_dataset, replay_window
 from swarm.training.state import encode_state
@@ -124,7 +125,8 @@ def chunk_slice(
 def whole_micro_batches(run: RunConfig, samples: float) -> int:
     """The micro-batches behind a claim of ``samples``; ProtocolError for a claim the built-in loop never
     signs: not a whole number of micro-batches, or more than it holds before a round is due (every step:
-    the target batch, less one sample; diloco: ``window_stretch`` times ``inner_steps`` inner steps)."""
+    the target batch, less one sample; diloco: ``inner_steps`` inner steps, the whole window of a run
+    whose windows are replayed, ``swarm.config.window_stretch``)."""
     training = run.training
     micro, target = training.micro_batch_size, training.target_batch_size
     if not (math.isfinite(samples) and samples == int(samples) and samples > 0 and int(samples) % micro == 0):
@@ -132,7 +134,7 @@ def whole_micro_batches(run: RunConfig, samples: float) -> int:
             f"signed for {samples:g} samples, not a whole number of {micro}-sample micro-batches"
         )
     if training.sync == "diloco":
-        most = math.ceil(training.window_stretch * training.inner_steps)
+        most = math.ceil(window_stretch(training) * training.inner_steps)
         if samples > most * micro:
             raise ProtocolError(
                 f"signed for {samples:g} samples; a window ends after {most} inner steps of {micro} samples"
@@ -372,6 +374,8 @@ class SenderChecks:
         self.pending: OrderedDict[bytes, _Copy] = OrderedDict()  # group ID -> the state at its round
         self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
         self.checked = self.caught = 0
+        self.replaying = False  # one replay at a time: a check that comes due meanwhile is skipped
+        self.skipped = 0
 
     @property
     def enabled(self) -> bool:
@@ -428,10 +432,21 @@ class SenderChecks:
                     f"{accused} joined round {runner.group_id.hex()[:8]} at another state; not checked"
                 )
                 return
+            if self.replaying:  # replays slower than rounds: this one is not done, rather than piled up
+                self.skipped += 1
+                logger.info(f"skipped the check of {accused}: a replay of an earlier round is still running")
+                return
             self.checked += 1
-            verdict = await asyncio.to_thread(
-                lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel, device=self.device
-            )
+            self.replaying = True
+            try:
+                # A replay is as long as the sender's signed claim (at most a whole step or window); one
+                # that runs past the coordinator's own budget could not be judged, so it stops there.
+                verdict = await asyncio.to_thread(
+                    lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel,
+                    device=self.device, deadline=time.monotonic() + JUDGING_BUDGET_S,
+                )  # fmt: skip
+            finally:
+                self.replaying = False
         except Exception as e:  # a replay this peer cannot run: nobody is accused
             logger.warning(f"could not check the contribution of {accused}: {e!r}"[:500])
             return
