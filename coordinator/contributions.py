@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
@@ -116,8 +116,10 @@ async def judge_contribution(
     states: ContributionStates,
     judging: asyncio.Lock,
     timeout_s: float,
+    banned: Callable[[str], Awaitable[str | None]] | None = None,
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring)."""
+    """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring);
+    ``banned``: the accused's ban reason, read when this judgment's turn comes (no replay of a banned peer)."""
     try:
         evidence = _parse(data)
         if evidence.accused != accused or accuser not in evidence.members or accuser == accused:
@@ -134,18 +136,22 @@ async def judge_contribution(
         evidence.check_draw(run, codec, vector_numel, accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
-    try:
-        async with asyncio.timeout(timeout_s):
-            state = await states.fetch(accuser, step, state_hash)
-    except TimeoutError:
-        state = None
-    if state is None:
-        return (
-            f"the accuser did not serve the state {state_hash[:12]} of step {step} it recomputed "
-            f"{accused}'s contribution on; nobody banned",
-            None,
-        )
+    # The state is downloaded once this judgment's turn comes: a queue of judgments holds no states.
     async with judging:
+        reason = await banned(accused) if banned is not None else None
+        if reason is not None:
+            return f"{accused} was banned while this accusation waited ({reason}); nobody banned again", None
+        try:
+            async with asyncio.timeout(timeout_s):
+                state = await states.fetch(accuser, step, state_hash)
+        except TimeoutError:
+            state = None
+        if state is None:
+            return (
+                f"the accuser did not serve the state {state_hash[:12]} of step {step} it recomputed "
+                f"{accused}'s contribution on; nobody banned",
+                None,
+            )
         try:
             verdict = await asyncio.to_thread(
                 evidence.judge, run, state.tensors, codec, vector_numel=vector_numel, device="cpu",

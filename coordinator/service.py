@@ -496,12 +496,16 @@ class CoordinatorService:
     ) -> pb.AccuseResponse:
         limits = self.limits
         try:
+            banned = await self.store.ban_reason(body.accused)
+            if banned is not None:  # each further accusation would replay a banned peer's work again
+                logger.info(f"accusation by {sender} against {body.accused}: already banned ({banned})"[:600])
+                return pb.AccuseResponse(verdict=f"already banned: {banned}"[:512], banned_peer=body.accused)
             verdict, guilty = await judge_accusation(
                 self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
                 stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
                 stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
-                contribution_states=self.contribution_states,
-                joined_at=self._joined_at,
+                contribution_states=self.contribution_states, joined_at=self._joined_at,
+                banned=self.store.ban_reason,
             )  # fmt: skip
         finally:
             reader.release()

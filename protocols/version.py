@@ -4,7 +4,9 @@
 # 3: aggregates carry the reducer's signed time; the coordinator may demand the inputs behind one.
 # 4: a stage replica checks its own answer before signing it (pipeline reply digest v2), so a signed
 #    answer that fails the check is evidence against its signer (``stage_bad_answer``).
-PROTOCOL_VERSION = 4
+# 5: a diloco run that checks senders replays windows of a fresh inner optimizer, exactly inner_steps long:
+#    a longer window that a version-4 peer signs would be a lie.
+PROTOCOL_VERSION = 5
 
 # Domain separator mixed into every signature, so a swarm signature is never valid for anything else.
 SIGNATURE_DOMAIN = b"swarm/signed/v1"

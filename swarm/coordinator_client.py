@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "/swarm.coordinator.v1.Coordinator/"
 # Waits between attempts to file an accusation the coordinator was too busy to take.
-ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0)
+# Spans a judgment the coordinator may still be running for this accuser (JUDGING_BUDGET_S, with a queue).
+ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0, 120.0, 240.0)
 EVIDENCE_PIECE_BYTES = 512 << 10
 
 

@@ -263,8 +263,8 @@ def test_a_claim_longer_than_the_runs_window_is_a_lie_found_without_a_replay():
 def test_a_validator_replays_one_window_at_a_time_and_within_the_judging_budget(monkeypatch):
     """Was MEDIUM (resource abuse): ``SenderChecks._check_one`` replayed with no deadline, and two rounds'
     checks replayed side by side, each holding a state copy, a model, its synced twin and an inner
-    optimizer. Now a replay stops at ``JUDGING_BUDGET_S`` (what the coordinator could judge), and a check
-    that comes due while one runs is skipped and counted."""
+    optimizer. Now a replay stops at ``JUDGING_BUDGET_S`` (what the coordinator could judge), one runs
+    at a time, one more waits its turn, and a check that comes due beyond that is skipped and counted."""
     keys = [SigningKey.generate() for _ in range(3)]
     liar = keys[1].peer_id
     tensors, honest = _live_window(LONG, liar, LONG.training.inner_steps)
@@ -276,8 +276,9 @@ def test_a_validator_replays_one_window_at_a_time_and_within_the_judging_budget(
     calls = []
 
     def spy(run, tensors, peer_id, step, micro_batches, *, device, deadline=None):
-        calls.append((micro_batches, deadline - time.monotonic()))
-        time.sleep(0.5)  # the second round's check comes due meanwhile
+        started = time.monotonic()
+        time.sleep(0.5)  # the later rounds' checks come due meanwhile
+        calls.append((micro_batches, deadline - started, started, time.monotonic()))
         raise RuntimeError("stopped here")
 
     monkeypatch.setattr(sendercheck, "recompute", spy)
@@ -287,16 +288,22 @@ def test_a_validator_replays_one_window_at_a_time_and_within_the_judging_budget(
         numel=run_layouts(LONG)[evidence.prefix],
     )  # fmt: skip
 
-    async def two_rounds():  # two rounds' checks (each its own verification task), both drawing the liar
-        first = asyncio.create_task(checks._check_one(runner, evidence, _Copy(0, hash_, tensors, {})))
-        await asyncio.sleep(0.1)
-        await checks._check_one(runner, evidence, _Copy(0, hash_, tensors, {}))
-        await first
+    async def three_rounds():  # three rounds' checks (each its own verification task), all drawing the liar
+        tasks = []
+        for _ in range(3):
+            tasks.append(
+                asyncio.create_task(checks._check_one(runner, evidence, _Copy(0, hash_, tensors, {})))
+            )
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*tasks)
 
-    asyncio.run(two_rounds())
-    assert len(calls) == 1 and checks.skipped == 1, (calls, checks.skipped)
-    micro_batches, budget = calls[0]
-    assert micro_batches == LONG.training.inner_steps and 0 < budget <= JUDGING_BUDGET_S
+    asyncio.run(three_rounds())
+    assert len(calls) == 2 and checks.skipped == 1, (calls, checks.skipped)
+    (first_micro, first_budget, _, first_end), (_, second_budget, second_start, _) = calls
+    assert second_start >= first_end, "one replay at a time"
+    assert (
+        first_micro == LONG.training.inner_steps and 0 < min(first_budget, second_budget) <= JUDGING_BUDGET_S
+    )
 
 
 # --- 4. a judgment outlives the accuser's call ---------------------------------------------------------

@@ -578,12 +578,26 @@ class Averager:
             outcomes = await validate_round(
                 runner, probability=self.verify_probability, servicer_type=AveragingServicer, p2p=self.p2p,
                 aggregator=self.aggregator, codec=self.codec, timeout_s=runner.round_timeout_s,
-                accuse=self.accuse, suspect=self.policy.suspect,
+                accuse=self._file_later if self.accuse is not None else None, suspect=self.policy.suspect,
             )  # fmt: skip
             if self.sender_checks is not None:
                 await self.sender_checks.check(runner, outcomes)
             return outcomes
 
         task = asyncio.create_task(checks())
+        self._verifications.add(task)
+        task.add_done_callback(self._verifications.discard)
+
+    async def _file_later(self, accused: str, evidence, verdict: str) -> None:
+        """File an accusation without waiting for its verdict (the coordinator may replay for minutes), so
+        that the round's sender checks run while their state copy is still kept."""
+
+        async def file() -> None:
+            try:
+                await self.accuse(accused, evidence, verdict)
+            except Exception as e:
+                logger.warning(f"could not file the accusation against {accused}: {e!r}")
+
+        task = asyncio.create_task(file())
         self._verifications.add(task)
         task.add_done_callback(self._verifications.discard)

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -212,6 +213,9 @@ class DilocoSync:
         self.stats: dict[str, float] = dict(outer_steps=0.0, inner_steps=0.0)
         self.overlap = run.training.outer_overlap
         self.stretch = window_stretch(run.training)  # 1 where validators replay windows
+        # When this window's first inner step began, and when it reached its cap of inner steps.
+        self._started_at: float | None = None
+        self._capped_at: float | None = None
         self._pending: asyncio.Task | None = None  # outer_overlap: the round in flight
 
     @property
@@ -224,6 +228,8 @@ class DilocoSync:
     def absorb(self, batch: int, *, step: int, mean: bool) -> None:
         """An inner step on the local copy with the micro-batch's gradient (of the summed loss from the
         built-in loop, or with ``mean`` of the mean loss from the caller's)."""
+        if self.replica.inner == 0:
+            self._started_at, self._capped_at = time.monotonic(), None
         self.replica.inner_step(step, batch, mean=mean)
         self.stats["inner_steps"] += 1
 
@@ -251,7 +257,20 @@ class DilocoSync:
         return self.inner == 0 or not self.window_closed(samples, others)
 
     def ready(self, samples: int, others: list[int], *, fresh_view: bool) -> bool:
-        return self.inner > 0 and not self.wants_compute(samples, others)
+        if self.inner == 0 or self.wants_compute(samples, others):
+            return False
+        training = self.config.training
+        full = training.inner_steps * training.micro_batch_size
+        if self.overlap or self.stretch >= training.window_stretch or all(t >= full for t in others):
+            return True
+        # A window held at inner_steps so that it can be replayed: rather than train on, wait for the
+        # slower peers at this step as long as the run's window_stretch would have let this one train
+        # on (that share of its own window's time), so that they still make the round.
+        now = time.monotonic()
+        if self._capped_at is None:
+            self._capped_at = now
+        window_s = self._capped_at - (self._started_at if self._started_at is not None else self._capped_at)
+        return now - self._capped_at >= window_s * (training.window_stretch - 1)
 
     # --- the outer step ------------------------------------------------------------------------------
 

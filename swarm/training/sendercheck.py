@@ -91,6 +91,8 @@ KEEP_S = KEEP_INPUTS_S
 MAX_KEPT = 2
 #: Rounds whose state awaits its check (a new round's copy pushes out the oldest).
 MAX_PENDING = 2
+#: Replays running or waiting their turn at once (each holds its round's state copy).
+MAX_REPLAYS_DUE = 2
 MAX_ENTRY_BYTES = 16 << 10
 
 # (step, state hash, state tensors) of this peer now, read before the round's update is applied.
@@ -374,7 +376,10 @@ class SenderChecks:
         self.pending: OrderedDict[bytes, _Copy] = OrderedDict()  # group ID -> the state at its round
         self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
         self.checked = self.caught = 0
-        self.replaying = False  # one replay at a time: a check that comes due meanwhile is skipped
+        # One replay at a time, and one more waiting its turn: a check that comes due beyond that is
+        # skipped (a liar that reads last round's draw cannot count on its validator being busy).
+        self._replay_turn = asyncio.Lock()
+        self.replays_due = 0
         self.skipped = 0
 
     @property
@@ -432,21 +437,22 @@ class SenderChecks:
                     f"{accused} joined round {runner.group_id.hex()[:8]} at another state; not checked"
                 )
                 return
-            if self.replaying:  # replays slower than rounds: this one is not done, rather than piled up
+            if self.replays_due >= MAX_REPLAYS_DUE:  # replays slower than rounds: not piled up
                 self.skipped += 1
-                logger.info(f"skipped the check of {accused}: a replay of an earlier round is still running")
+                logger.info(f"skipped the check of {accused}: replays of earlier rounds are still due")
                 return
-            self.checked += 1
-            self.replaying = True
+            self.replays_due += 1
             try:
-                # A replay is as long as the sender's signed claim (at most a whole step or window); one
-                # that runs past the coordinator's own budget could not be judged, so it stops there.
-                verdict = await asyncio.to_thread(
-                    lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel,
-                    device=self.device, deadline=time.monotonic() + JUDGING_BUDGET_S,
-                )  # fmt: skip
+                async with self._replay_turn:
+                    self.checked += 1
+                    # A replay is as long as the sender's signed claim (at most a whole step or window);
+                    # one past the coordinator's own budget could not be judged, so it stops there.
+                    verdict = await asyncio.to_thread(
+                        lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel,
+                        device=self.device, deadline=time.monotonic() + JUDGING_BUDGET_S,
+                    )  # fmt: skip
             finally:
-                self.replaying = False
+                self.replays_due -= 1
         except Exception as e:  # a replay this peer cannot run: nobody is accused
             logger.warning(f"could not check the contribution of {accused}: {e!r}"[:500])
             return
