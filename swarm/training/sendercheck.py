@@ -27,9 +27,13 @@ What it covers: a sender that scales, flips, replaces, delays or computes on oth
 gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
 is caught with probability about q per check. Rounding of other device kinds (GPU kernels, bf16, memory
 chunking) stays within the tolerance, so a peer on another device is not accused; a lie smaller than the
-tolerance is bounded by it and by the robust rule. Not covered: ``diloco`` (a window of inner steps from
-optimizer state the peer does not share; its contributions are bounded by the rule only) and runs whose
-peers train on their own data (``Collaboration`` refuses a run that checks senders). Open: a reducer
+tolerance is bounded by it and by the robust rule. In ``diloco`` the contribution is the window's
+pseudo-gradient, replayed from the synced state at the outer step with a fresh inner optimizer
+(``swarm.config.resets_inner_state``), every checked window exactly ``inner_steps`` long. Not covered:
+diloco windows that are not public facts or that rounding could not tell from a lie (topk's error
+feedback, ``outer_overlap``, a kept inner optimizer, bf16: ``swarm.config.window_replay_obstacle``),
+bounded by the rule only, and runs whose peers train on their own data (``Collaboration`` refuses a run
+that checks senders). Open: a reducer
 holds the others' nonces before it sends its own, so a liar can withhold its nonce in just the rounds
 whose draw would replay it (docs/robustness.md).
 
