@@ -101,11 +101,11 @@ def test_an_answer_a_trainer_steered_over_the_bound_cannot_frame_a_replica_of_th
     """A replica of the previous release signed whatever it computed, and a trainer sets the honest
     ``grad_inputs`` norm through the activations it sends (near zero: the LayerNorms amplify). Before the
     fix such a replica still joined (``PROTOCOL_VERSION`` 3) and its signed over-bound answer was
-    convicting evidence. Now the protocol version is 4 (the coordinator refuses the old release) and the
+    convicting evidence. Since protocol version 4 (the coordinator refuses the old release) the
     reply digest's domain changed, so an old signature verifies for nothing: the evidence bans its filer.
     A current replica refuses the steered answer instead of signing it."""
     run = with_bound(run_config(), 5.0)
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION >= 4
     framer = trainer_key()
     current = Replica(run, 1)
     refused = asyncio.run(current.call(framer, "rpc_forward", steered_forward(run, 1, 1e-3)))

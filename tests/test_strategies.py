@@ -85,8 +85,9 @@ def test_every_step_sends_the_same_mean_gradient_from_the_built_in_loop_and_from
 
 def test_one_claim_cannot_cut_the_window_short_and_a_laggard_holds_it_at_most_twice_as_long():
     """Progress records are signed claims nobody checks. Before, one record claiming a full window closed
-    every other peer's window after its first inner step, so the run averaged as often as every_step."""
-    run = diloco_run()
+    every other peer's window after its first inner step, so the run averaged as often as every_step.
+    A run that checks no senders: one that does holds every window at H (the test below)."""
+    run = diloco_run(sender_check_probability=0.0)
     strategy = DilocoSync(*model_and_optimizer(run), run)
     batch = run.training.micro_batch_size
     full = INNER_STEPS * batch
