@@ -116,14 +116,12 @@ async def judge_accusation(
     round_inputs: RoundInputs | None = None,
     joined_at: Callable[[str], Awaitable[float | None]] | None = None,
     contribution_states: ContributionStates | None = None,
-    banned: Callable[[str], Awaitable[str | None]] | None = None,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for any evidence; the recomputation runs on a thread under
     ``judging``. Stage evidence goes to ``judge_stage``, a sender check to ``judge_contribution``
     (``contribution_states`` downloads the state from the accuser), that of an unshown input to
     ``coordinator.roundinputs.judge_unshown`` (``round_inputs`` asks the reducer; ``joined_at`` says when
-    an online peer's session joined; ``banned`` its ban reason, so that a queued sender check of a peer
-    banned meanwhile is not replayed again)."""
+    an online peer's session joined)."""
     kind = _kind(data)
     if kind == STAGE_KIND:
         return await judge_stage(
@@ -136,7 +134,7 @@ async def judge_accusation(
     if kind == CONTRIBUTION_KIND:  # a sender check: recomputed from the state the accuser serves
         return await judge_contribution(
             run, layouts, data, accused, accuser, states=contribution_states or ContributionStates(),
-            judging=judging, timeout_s=stage_state_timeout_s, banned=banned,
+            judging=judging, timeout_s=stage_state_timeout_s,
         )  # fmt: skip
     if kind == UnshownInputEvidence.kind:
         return await judge_unshown(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from hivemind.p2p import P2P, PeerID
 
@@ -116,10 +116,8 @@ async def judge_contribution(
     states: ContributionStates,
     judging: asyncio.Lock,
     timeout_s: float,
-    banned: Callable[[str], Awaitable[str | None]] | None = None,
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring);
-    ``banned``: the accused's ban reason, read when this judgment's turn comes (no replay of a banned peer)."""
+    """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring)."""
     try:
         evidence = _parse(data)
         if evidence.accused != accused or accuser not in evidence.members or accuser == accused:
@@ -138,9 +136,6 @@ async def judge_contribution(
         return f"the evidence does not hold: {e}", accuser
     # The state is downloaded once this judgment's turn comes: a queue of judgments holds no states.
     async with judging:
-        reason = await banned(accused) if banned is not None else None
-        if reason is not None:
-            return f"{accused} was banned while this accusation waited ({reason}); nobody banned again", None
         try:
             async with asyncio.timeout(timeout_s):
                 state = await states.fetch(accuser, step, state_hash)

@@ -84,6 +84,7 @@ class CoordinatorNode:
         self._store: Store | None = None
         self._lock: DataDirLock | None = None
         self._server: grpc.aio.Server | None = None
+        self._service: CoordinatorService | None = None
         self._sweeper: asyncio.Task | None = None
         self._checkpoints: asyncio.Task | None = None
         self._history: asyncio.Task | None = None
@@ -148,6 +149,7 @@ class CoordinatorNode:
                 stage_states=keeper.recent, round_inputs=PeerRoundInputs(keeper.p2p), standing=standing,
                 contribution_states=PeerContributionStates(run, keeper.p2p),
             )  # fmt: skip
+            self._service = service
             # grpc sets SO_REUSEPORT by default: a second server on a used port would bind and the kernel
             # would split the clients between the two.
             self._server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
@@ -303,6 +305,9 @@ class CoordinatorNode:
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None
+        if self._service is not None:  # judgments outlive their calls: end them before the store closes
+            await self._service.close()
+            self._service = None
         if self._dht is not None:
             await asyncio.to_thread(self._dht.shutdown)
             self._dht = None

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 
 from coordinator.accusations import EvidenceReader, StageStates, judge_accusation, next_part, run_layouts
 from coordinator.contributions import ContributionStates
+from coordinator.judging import EvidenceQueue, JudgingTurns, QueuedEvidence
 from coordinator.limits import EvidenceBudget, KeyedBuckets, RefusalLog, ServiceLimits, caller_key
 from coordinator.roundinputs import RoundInputs
 from coordinator.standing import Standing
@@ -74,6 +75,7 @@ STATUS_PAGE_BYTES = 512 << 10
 # Rows of peers whose certificates expired this long ago are pruned (the ban list's clock-skew grace).
 PRUNE_GRACE_S = 600.0
 MAX_CLOCK_OFFSETS = 1 << 16  # peers whose clock offset and session start are remembered (oldest go first)
+CLOSE_WAIT_S = 10.0  # how long stopping waits for the judgments it cancelled
 
 
 class CoordinatorService:
@@ -145,6 +147,8 @@ class CoordinatorService:
         self._evidence_budget = EvidenceBudget(
             limits.evidence_budget_bytes, limits.evidence_share_per_address_bytes
         )
+        self._queued = EvidenceQueue(limits.queued_evidence_bytes, limits.evidence_share_per_address_bytes)
+        self._turns = JudgingTurns()  # one judgment at a time, caller addresses in rotation
         self._accusing: set[str] = set()
         self._judgments: set[asyncio.Task] = set()  # accusations being judged (outliving their calls)
         # peer -> the last step at which it was reported diverged (one log line per peer and step)
@@ -451,7 +455,8 @@ class CoordinatorService:
         The whole stream must arrive within ``evidence_read_timeout_s``, from a peer with an accusation
         to spare and none in flight. Its evidence is charged to the budget as it arrives, within its
         address's share; when the budget is full it waits its turn rather than being refused, so
-        stalled streams delay a true accusation only until their own deadlines cut them off."""
+        stalled streams delay a true accusation only until their own deadlines cut them off. Read, it
+        waits for its judgment on disk (``coordinator.judging``), its address in rotation with the others."""
         limits = self.limits
         deadline = asyncio.get_running_loop().time() + limits.evidence_read_timeout_s
         late = f"did not arrive within {limits.evidence_read_timeout_s:.0f}s"
@@ -470,7 +475,8 @@ class CoordinatorService:
             # certificate would stay on the ban list forever: refuse it, banning nobody.
             raise ProtocolError(f"accusation from {sender}: {body.accused} is not a peer of this run")
         self._admit_accusation(sender)
-        reader = EvidenceReader(self._evidence_budget, caller_key(peer))
+        address = caller_key(peer)
+        reader = EvidenceReader(self._evidence_budget, address)
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -479,37 +485,45 @@ class CoordinatorService:
                 # Holding evidence bytes open costs the staller every accusation it had left.
                 self._accusation_buckets.empty(sender)
                 raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
+            queued = await self._queued.put(address, evidence)
         except BaseException:
-            reader.release()
             self._accusing.discard(sender)
             raise
+        finally:
+            reader.release()
+        del evidence
         # The judgment and its ban outlive this call: a replay that takes longer than the accuser waits
         # (a DiLoCo window is many steps) still bans whoever it proves wrong, and the accusation stays in
         # flight until it ends, so asking again starts no second replay.
-        judgment = asyncio.create_task(self._judge(evidence, body, sender, peer, reader))
+        judgment = asyncio.create_task(self._judge(queued, body, sender, address))
         self._judgments.add(judgment)
         judgment.add_done_callback(self._judgment_done)
         return await asyncio.shield(judgment)
 
     async def _judge(
-        self, evidence: bytes, body: AccuseBody, sender: str, peer: str, reader: EvidenceReader
+        self, queued: QueuedEvidence, body: AccuseBody, sender: str, address: str
     ) -> pb.AccuseResponse:
-        limits = self.limits
         try:
-            banned = await self.store.ban_reason(body.accused)
-            if banned is not None:  # each further accusation would replay a banned peer's work again
-                logger.info(f"accusation by {sender} against {body.accused}: already banned ({banned})"[:600])
-                return pb.AccuseResponse(verdict=f"already banned: {banned}"[:512], banned_peer=body.accused)
-            verdict, guilty = await judge_accusation(
-                self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
-                stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
-                stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
-                contribution_states=self.contribution_states, joined_at=self._joined_at,
-                banned=self.store.ban_reason,
-            )  # fmt: skip
+            async with self._turns.turn(address):  # the ban, too, is written before the next turn
+                return await self._rule(await queued.load(), body, sender, address)
         finally:
-            reader.release()
+            queued.close()
             self._accusing.discard(sender)
+
+    async def _rule(self, evidence: bytes, body: AccuseBody, sender: str, address: str) -> pb.AccuseResponse:
+        """Judge one accusation and ban whoever it proves wrong; run with no other judgment running."""
+        limits = self.limits
+        # Read at the turn: each further accusation against a peer banned meanwhile would replay its work.
+        banned = await self.store.ban_reason(body.accused)
+        if banned is not None:
+            logger.info(f"accusation by {sender} against {body.accused}: already banned ({banned})"[:600])
+            return pb.AccuseResponse(verdict=f"already banned: {banned}"[:512], banned_peer=body.accused)
+        verdict, guilty = await judge_accusation(
+            self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
+            stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
+            stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
+            contribution_states=self.contribution_states, joined_at=self._joined_at,
+        )  # fmt: skip
         if guilty is None:
             raise ProtocolError(
                 f"accusation from {sender} against {body.accused} refused, nobody banned: {verdict}"
@@ -528,12 +542,21 @@ class CoordinatorService:
             evidence if convicted else None,
             max_stored_evidence_bytes=limits.stored_evidence_bytes,
             false_accuser=not convicted,
-            accuser_address=caller_key(peer),
+            accuser_address=address,
         )
         if convicted and not kept:
             logger.warning(f"evidence against {guilty} not kept: the store holds all the evidence it may")
         logger.warning(f"accusation by {sender} against {body.accused}: banned {guilty} ({reason})")
         return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
+
+    async def close(self) -> None:
+        """End the judgments still running or waiting their turn (their accusers file again), for at most
+        ``CLOSE_WAIT_S``: a replay already on a thread finishes there, unawaited."""
+        judgments = list(self._judgments)
+        for judgment in judgments:
+            judgment.cancel()
+        if judgments:
+            await asyncio.wait(judgments, timeout=CLOSE_WAIT_S)
 
     def _judgment_done(self, task: asyncio.Task) -> None:
         self._judgments.discard(task)

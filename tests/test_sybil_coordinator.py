@@ -102,6 +102,68 @@ def test_stalled_accusations_neither_refuse_nor_outlast_a_true_one(tmp_path: Pat
     asyncio.run(scenario())
 
 
+def test_accusations_queued_behind_a_long_judgment_hold_no_memory_and_each_address_takes_its_turn(
+    tmp_path: Path, monkeypatch
+):
+    """Before, accusations waiting behind a long judgment (a DiLoCo window's replay) held their evidence
+    in the memory budget, first come first served: twenty Sybils from one address convicting each other
+    filled it, and a victim's true accusation from another address could not be read within its
+    deadline and was refused. Now waiting evidence is on disk and judgments take turns by address: the
+    victim is judged right after the long judgment and one Sybil one."""
+    import coordinator.service as service_module
+
+    limits = ServiceLimits(
+        evidence_budget_bytes=1 << 20, evidence_read_timeout_s=4.0, challenge_burst_per_caller=1000,
+        open_challenges_per_caller=1000,
+    )  # fmt: skip
+    real, judged = service_module.judge_accusation, []
+
+    async def judge(run, layouts, data, accused, accuser, **options):
+        judged.append(accused)
+        if len(judged) == 1:
+            await asyncio.sleep(6.0)  # a replay longer than any accusation's read deadline
+        return await real(run, layouts, data, accused, accuser, **options)
+
+    monkeypatch.setattr(service_module, "judge_accusation", judge)
+
+    async def scenario() -> None:
+        async with serving(tmp_path, limits) as (address, store, service):
+            keys = await admitted(address, 6 + 3 * 20)
+            (slow_accuser, slow_cheater, victim, cheater, third, fourth), sybils = keys[:6], keys[6:]
+            assert service._layouts
+            host, port = address.rsplit(":", 1)
+            relay = await relay_from("127.0.0.2", (host, int(port)))
+            sybil_at = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+            try:
+                slow = asyncio.create_task(
+                    true_accusation(address, service, slow_accuser, slow_cheater, third)
+                )
+                while not judged:
+                    await asyncio.sleep(0.05)
+                trios = [sybils[i : i + 3] for i in range(0, len(sybils), 3)]
+                queued = [asyncio.create_task(true_accusation(sybil_at, service, *trio)) for trio in trios]
+                deadline = time.monotonic() + 20
+                while service._turns.waiting < len(trios) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert service._turns.waiting == len(trios), "every Sybil accusation was read and waits"
+                assert (
+                    service._evidence_budget.held == 0 and service._queued.held > limits.evidence_budget_bytes
+                )
+                answer = await true_accusation(address, service, victim, cheater, fourth)
+                assert answer.banned_peer == cheater.peer_id and "differs" in answer.verdict
+                assert judged.index(cheater.peer_id) == 2, (
+                    "the victim's address took the turn after one Sybil's"
+                )
+                assert (await slow).banned_peer == slow_cheater.peer_id
+                answers = await asyncio.gather(*queued)
+                assert {a.banned_peer for a in answers} == {trio[1].peer_id for trio in trios}
+            finally:
+                relay.close()
+            assert service._queued.held == 0 and service._evidence_budget.held == 0
+
+    asyncio.run(scenario())
+
+
 def test_one_address_holds_at_most_its_share_of_the_evidence_budget(tmp_path: Path):
     limits = ServiceLimits(evidence_share_per_address_bytes=2 << 20, evidence_read_timeout_s=3.0)
 
