@@ -214,3 +214,38 @@ def test_byzantine_table_prints_each_repeat_against_its_own_clean_run_and_refuse
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and "--rules 'median,mean'" in result.stderr
+
+
+def test_rehearsals_fail_a_kill_without_a_move_or_an_attack_that_banned_an_honest_peer():
+    # The rehearsals run real swarms for minutes (docs/pipeline.md); here what each check makes of a report.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import rehearsals
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    replica = lambda name, stage: {"name": name, "stage": stage, "step": 14, "param_hash": f"h{stage}"}  # noqa: E731
+    killed = {
+        "initial_val_loss": 5.5, "final_val_loss": 5.1, "lost_microbatches": 0, "moves": {"stage0-0": 1},
+        "trainers": [{"microbatches_completed": 100, "microbatches_waiting": 4, "microbatches_issued": 104}],
+        "killed": [{"stage": 1, "name": "stage1-0"}], "replaced": [{"stage": 0, "name": "stage0-new"}],
+        "stages": [{"stage": 0, "replicas": [replica("stage0-1", 0), replica("stage0-new", 0)]},
+                   {"stage": 1, "replicas": [replica("stage1-1", 1), replica("stage0-0", 1)]}],
+    }  # fmt: skip
+    assert all(ok for ok, _ in rehearsals.check_pipeline_kill(killed, 14))
+    unmoved = {**killed, "moves": {}}
+    failed = [what for ok, what in rehearsals.check_pipeline_kill(unmoved, 14) if not ok]
+    assert failed == ["replicas moved 0 times (one must, three against one)"]
+    attacked = {
+        "initial_val_loss": 5.5, "final_val_loss": 5.2, "lost_microbatches": 0,
+        "byzantine": ["stage1-0", "trainer0"], "banned": ["stage1-0", "trainer2"],
+        "trainers": [{"name": "trainer2", "microbatches_completed": 12}],
+        "stages": [{"stage": 0, "replicas": [replica("stage0-0", 0)]}],
+    }  # fmt: skip
+    attacked["stages"][0]["replicas"][0]["step"] = 3
+    failed = [what for ok, what in rehearsals.check_pipeline_attacks(attacked, 3) if not ok]
+    assert failed == ["no honest peer banned"]
+    result = subprocess.run(
+        [sys.executable, "benchmarks/rehearsals.py", "--only", "pipeline_kill,nope"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "unknown rehearsal 'nope'" in result.stderr
