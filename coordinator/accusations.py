@@ -28,7 +28,7 @@ from coordinator.limits import EvidenceBudget
 from coordinator.roundinputs import RoundInputs, judge_unshown
 from coordinator.stagestates import StageStates
 from protocols import coordinator_pb2 as pb
-from protocols.codec import unpack
+from protocols.codec import top_level_str
 from protocols.errors import ProtocolError, SwarmError
 from protocols.messages import AccuseBody
 from swarm.averaging.aggregators import get_aggregator
@@ -116,13 +116,15 @@ async def judge_accusation(
     round_inputs: RoundInputs | None = None,
     joined_at: Callable[[str], Awaitable[float | None]] | None = None,
     contribution_states: ContributionStates | None = None,
+    banned: Callable[[str], Awaitable[str | None]] | None = None,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for any evidence; the recomputation runs on a thread under
     ``judging``. Stage evidence goes to ``judge_stage``, a sender check to ``judge_contribution``
     (``contribution_states`` downloads the state from the accuser), that of an unshown input to
     ``coordinator.roundinputs.judge_unshown`` (``round_inputs`` asks the reducer; ``joined_at`` says when
-    an online peer's session joined)."""
-    kind = _kind(data)
+    an online peer's session joined; ``banned`` its ban reason, so that a queued sender check of a peer
+    banned meanwhile is not replayed again)."""
+    kind = evidence_kind(data)
     if kind == STAGE_KIND:
         return await judge_stage(
             run, data, accused, accuser, judging=judging, checkpoint=stage_checkpoint,
@@ -134,7 +136,7 @@ async def judge_accusation(
     if kind == CONTRIBUTION_KIND:  # a sender check: recomputed from the state the accuser serves
         return await judge_contribution(
             run, layouts, data, accused, accuser, states=contribution_states or ContributionStates(),
-            judging=judging, timeout_s=stage_state_timeout_s,
+            judging=judging, timeout_s=stage_state_timeout_s, banned=banned,
         )  # fmt: skip
     if kind == UnshownInputEvidence.kind:
         return await judge_unshown(
@@ -271,12 +273,10 @@ async def _never_online(peer_id: str) -> float | None:
     return None
 
 
-def _kind(data: bytes) -> object:
-    try:
-        body = unpack(data, what="evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES)
-    except SwarmError:
-        return None
-    return body.get("kind") if isinstance(body, dict) else None
+def evidence_kind(data: bytes) -> str | None:
+    """The evidence's ``kind``, read without decoding the rest on the event loop: the judge of that kind
+    decodes the whole of it on a thread."""
+    return top_level_str(data, "kind", max_bytes=MAX_EVIDENCE_BYTES)
 
 
 def run_layouts(run: RunConfig) -> dict[str, int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
@@ -38,7 +38,7 @@ from coordinator.checkpoints import state_layout
 from protocols.codec import unpack
 from protocols.errors import ProtocolError, SwarmError
 from protocols.messages import JUDGING_BUDGET_S
-from swarm.averaging.evidence import MAX_EVIDENCE_BYTES
+from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, MAX_EVIDENCE_ITEMS
 from swarm.averaging.tiers import round_codec
 from swarm.config import RunConfig, sender_checks_on
 from swarm.training.sendercheck import WrongContributionEvidence
@@ -100,7 +100,10 @@ def state_limit(run: RunConfig) -> int:
 
 
 def _parse(data: bytes) -> WrongContributionEvidence:
-    body = unpack(data, what="evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES)
+    body = unpack(
+        data, what="evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES,
+        max_items=MAX_EVIDENCE_ITEMS,
+    )  # fmt: skip
     if not isinstance(body, dict):
         raise ProtocolError("evidence is not a map")
     return WrongContributionEvidence.from_body(body)
@@ -116,10 +119,12 @@ async def judge_contribution(
     states: ContributionStates,
     judging: asyncio.Lock,
     timeout_s: float,
+    banned: Callable[[str], Awaitable[str | None]] | None = None,
 ) -> tuple[str, str | None]:
-    """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring)."""
+    """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring);
+    ``banned``: the accused's ban reason, read when this judgment's turn comes (no replay of a banned peer)."""
     try:
-        evidence = _parse(data)
+        evidence = await asyncio.to_thread(_parse, data)
         if evidence.accused != accused or accuser not in evidence.members or accuser == accused:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
         if not sender_checks_on(run):
@@ -136,6 +141,9 @@ async def judge_contribution(
         return f"the evidence does not hold: {e}", accuser
     # The state is downloaded once this judgment's turn comes: a queue of judgments holds no states.
     async with judging:
+        reason = await banned(accused) if banned is not None else None
+        if reason is not None:
+            return f"{accused} was banned while this accusation waited ({reason}); nobody banned again", None
         try:
             async with asyncio.timeout(timeout_s):
                 state = await states.fetch(accuser, step, state_hash)

@@ -77,13 +77,6 @@ class ServiceLimits(BaseModel):
         le=64 << 30,
         description="evidence bytes the accusations from one caller address may hold at once",
     )
-    queued_evidence_bytes: int = Field(
-        2 << 30,
-        ge=1 << 20,
-        le=1 << 40,
-        description="evidence bytes of accusations waiting for their judgment, kept on disk (an address "
-        "queues at most its evidence share)",
-    )
     stored_evidence_bytes: int = Field(
         4 << 30,
         ge=0,

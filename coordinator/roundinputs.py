@@ -133,7 +133,7 @@ async def judge_unshown(
     is not online: it is read when the evidence arrives, so leaving once asked saves nobody."""
     training = run.training
     try:
-        evidence = parse_evidence(data)
+        evidence = await asyncio.to_thread(parse_evidence, data)
         if not isinstance(evidence, UnshownInputEvidence):
             raise ProtocolError("the evidence is not of an unshown input")
         codec = round_codec(run, evidence.prefix)

@@ -24,9 +24,16 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from coordinator.accusations import EvidenceReader, StageStates, judge_accusation, next_part, run_layouts
+from coordinator.accusations import (
+    EvidenceReader,
+    StageStates,
+    evidence_kind,
+    judge_accusation,
+    next_part,
+    run_layouts,
+)
 from coordinator.contributions import ContributionStates
-from coordinator.judging import EvidenceQueue, JudgingTurns, QueuedEvidence
+from coordinator.judging import JudgingTurns, judging_for
 from coordinator.limits import EvidenceBudget, KeyedBuckets, RefusalLog, ServiceLimits, caller_key
 from coordinator.roundinputs import RoundInputs
 from coordinator.standing import Standing
@@ -63,6 +70,7 @@ from protocols.messages import (
 from protocols.version import PROTOCOL_VERSION
 from swarm.config import RunConfig
 from swarm.rpc import ERROR_METADATA_KEY, status_code_for
+from swarm.training.sendercheck import KIND as CONTRIBUTION_KIND
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +155,12 @@ class CoordinatorService:
         self._evidence_budget = EvidenceBudget(
             limits.evidence_budget_bytes, limits.evidence_share_per_address_bytes
         )
-        self._queued = EvidenceQueue(limits.queued_evidence_bytes, limits.evidence_share_per_address_bytes)
-        self._turns = JudgingTurns()  # one judgment at a time, caller addresses in rotation
         self._accusing: set[str] = set()
         self._judgments: set[asyncio.Task] = set()  # accusations being judged (outliving their calls)
         # peer -> the last step at which it was reported diverged (one log line per peer and step)
         self._flagged: OrderedDict[str, int] = OrderedDict()
-        self._judging = asyncio.Lock()  # held only while recomputing from evidence and a state in memory
+        # Held only while recomputing from evidence and a state in memory; caller addresses take turns.
+        self._judging = JudgingTurns()
 
     @property
     def run_id(self) -> str:
@@ -455,8 +462,7 @@ class CoordinatorService:
         The whole stream must arrive within ``evidence_read_timeout_s``, from a peer with an accusation
         to spare and none in flight. Its evidence is charged to the budget as it arrives, within its
         address's share; when the budget is full it waits its turn rather than being refused, so
-        stalled streams delay a true accusation only until their own deadlines cut them off. Read, it
-        waits for its judgment on disk (``coordinator.judging``), its address in rotation with the others."""
+        stalled streams delay a true accusation only until their own deadlines cut them off."""
         limits = self.limits
         deadline = asyncio.get_running_loop().time() + limits.evidence_read_timeout_s
         late = f"did not arrive within {limits.evidence_read_timeout_s:.0f}s"
@@ -475,8 +481,7 @@ class CoordinatorService:
             # certificate would stay on the ban list forever: refuse it, banning nobody.
             raise ProtocolError(f"accusation from {sender}: {body.accused} is not a peer of this run")
         self._admit_accusation(sender)
-        address = caller_key(peer)
-        reader = EvidenceReader(self._evidence_budget, address)
+        reader = EvidenceReader(self._evidence_budget, caller_key(peer))
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -485,45 +490,40 @@ class CoordinatorService:
                 # Holding evidence bytes open costs the staller every accusation it had left.
                 self._accusation_buckets.empty(sender)
                 raise ProtocolError(f"the evidence of the accusation from {sender} {late}") from None
-            queued = await self._queued.put(address, evidence)
         except BaseException:
+            reader.release()
             self._accusing.discard(sender)
             raise
-        finally:
-            reader.release()
-        del evidence
         # The judgment and its ban outlive this call: a replay that takes longer than the accuser waits
         # (a DiLoCo window is many steps) still bans whoever it proves wrong, and the accusation stays in
         # flight until it ends, so asking again starts no second replay.
-        judgment = asyncio.create_task(self._judge(queued, body, sender, address))
+        judgment = asyncio.create_task(self._judge(evidence, body, sender, peer, reader))
         self._judgments.add(judgment)
         judgment.add_done_callback(self._judgment_done)
         return await asyncio.shield(judgment)
 
     async def _judge(
-        self, queued: QueuedEvidence, body: AccuseBody, sender: str, address: str
+        self, evidence: bytes, body: AccuseBody, sender: str, peer: str, reader: EvidenceReader
     ) -> pb.AccuseResponse:
-        try:
-            async with self._turns.turn(address):  # the ban, too, is written before the next turn
-                return await self._rule(await queued.load(), body, sender, address)
-        finally:
-            queued.close()
-            self._accusing.discard(sender)
-
-    async def _rule(self, evidence: bytes, body: AccuseBody, sender: str, address: str) -> pb.AccuseResponse:
-        """Judge one accusation and ban whoever it proves wrong; run with no other judgment running."""
         limits = self.limits
-        # Read at the turn: each further accusation against a peer banned meanwhile would replay its work.
-        banned = await self.store.ban_reason(body.accused)
-        if banned is not None:
-            logger.info(f"accusation by {sender} against {body.accused}: already banned ({banned})"[:600])
-            return pb.AccuseResponse(verdict=f"already banned: {banned}"[:512], banned_peer=body.accused)
-        verdict, guilty = await judge_accusation(
-            self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
-            stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
-            stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
-            contribution_states=self.contribution_states, joined_at=self._joined_at,
-        )  # fmt: skip
+        try:
+            # A sender check replays the accused's work, each further one again: once it is banned, no
+            # more. Other evidence may convict someone else (a stage-mate, a false accuser): judged.
+            banned = await self.store.ban_reason(body.accused)
+            if banned is not None and evidence_kind(evidence) == CONTRIBUTION_KIND:
+                logger.info(f"accusation by {sender} against {body.accused}: already banned ({banned})"[:600])
+                return pb.AccuseResponse(verdict=f"already banned: {banned}"[:512], banned_peer=body.accused)
+            with judging_for(caller_key(peer)):
+                verdict, guilty = await judge_accusation(
+                    self.config, lambda: self._layouts, evidence, body.accused, sender, judging=self._judging,
+                    stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
+                    stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
+                    contribution_states=self.contribution_states, joined_at=self._joined_at,
+                    banned=self.store.ban_reason,
+                )  # fmt: skip
+        finally:
+            reader.release()
+            self._accusing.discard(sender)
         if guilty is None:
             raise ProtocolError(
                 f"accusation from {sender} against {body.accused} refused, nobody banned: {verdict}"
@@ -542,7 +542,7 @@ class CoordinatorService:
             evidence if convicted else None,
             max_stored_evidence_bytes=limits.stored_evidence_bytes,
             false_accuser=not convicted,
-            accuser_address=address,
+            accuser_address=caller_key(peer),
         )
         if convicted and not kept:
             logger.warning(f"evidence against {guilty} not kept: the store holds all the evidence it may")
@@ -550,8 +550,8 @@ class CoordinatorService:
         return pb.AccuseResponse(verdict=reason, banned_peer=guilty)
 
     async def close(self) -> None:
-        """End the judgments still running or waiting their turn (their accusers file again), for at most
-        ``CLOSE_WAIT_S``: a replay already on a thread finishes there, unawaited."""
+        """End the judgments still running or waiting their turn (their accusers file again), waiting for
+        at most ``CLOSE_WAIT_S``: a replay already on a thread finishes there, unawaited."""
         judgments = list(self._judgments)
         for judgment in judgments:
             judgment.cancel()

@@ -64,19 +64,79 @@ def _check_structure(obj: Any, what: str, depth: int = 0) -> None:
         )
 
 
+def _count_items(view: bytes, limit: int, what: str) -> None:
+    """Refuse msgpack ``view`` holding more than ``limit`` items in all, counting container headers and
+    skipping scalars, so that its decode never builds millions of small objects on whatever thread runs it
+    (per-container bounds alone let 32 MiB of nested empty lists cost seconds and half a GiB)."""
+    unpacker = msgpack.Unpacker(
+        raw=False, max_buffer_size=max(len(view), 1), max_str_len=MAX_STRING_CHARS, max_bin_len=len(view),
+        max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS,
+    )  # fmt: skip
+    unpacker.feed(view)
+    pending, count = 1, 0
+    while pending:
+        pending -= 1
+        count += 1
+        if count > limit:
+            raise ProtocolError(f"{what} holds more than {limit} values in all")
+        offset = unpacker.tell()
+        if offset >= len(view):
+            return  # truncated: the decode names it
+        kind = view[offset]
+        if 0x90 <= kind <= 0x9F or kind in (0xDC, 0xDD):
+            pending += unpacker.read_array_header()
+        elif 0x80 <= kind <= 0x8F or kind in (0xDE, 0xDF):
+            pending += 2 * unpacker.read_map_header()
+        else:
+            unpacker.skip()
+
+
+def top_level_str(data: bytes, key: str, *, max_bytes: int = MAX_ENVELOPE_BYTES) -> str | None:
+    """The string at ``key`` of a msgpack map from an untrusted source, read without decoding the map's
+    other values (each is skipped, never built); None when ``data`` is not such a map or the value is not
+    a string. For choosing how to decode the rest (``unpack``) off the event loop."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or not 0 < len(data) <= max_bytes:
+        return None
+    unpacker = msgpack.Unpacker(
+        raw=False, max_buffer_size=len(data), ext_hook=_refuse_ext, max_str_len=MAX_STRING_CHARS,
+        max_bin_len=max_bytes, max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS,
+    )  # fmt: skip
+    view = bytes(data)
+
+    def next_is_str() -> bool:  # fixstr, str 8, str 16, str 32: nothing else is decoded
+        offset = unpacker.tell()
+        return offset < len(view) and (0xA0 <= view[offset] <= 0xBF or view[offset] in (0xD9, 0xDA, 0xDB))
+
+    try:
+        unpacker.feed(view)
+        for _ in range(unpacker.read_map_header()):
+            if not next_is_str():
+                unpacker.skip()  # a key that is not a string, then its value
+            elif unpacker.unpack() == key:
+                return unpacker.unpack() if next_is_str() else None
+            unpacker.skip()
+    except (ValueError, TypeError, ProtocolError, msgpack.UnpackException, RecursionError):
+        return None
+    return None
+
+
 def unpack(
     data: bytes,
     *,
     max_bytes: int = MAX_ENVELOPE_BYTES,
     what: str = "message",
     max_binary: int = MAX_BINARY_BYTES,
+    max_items: int | None = None,
 ) -> Any:
-    """Decode msgpack from an untrusted source; raises ProtocolError naming ``what`` on anything off."""
+    """Decode msgpack from an untrusted source; raises ProtocolError naming ``what`` on anything off.
+    ``max_items`` bounds the values in all (containers and scalars), checked before anything is built."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{what} must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise MessageTooLarge(f"{what} is {len(data)} bytes; the limit is {max_bytes}")
     try:
+        if max_items is not None:
+            _count_items(bytes(data), max_items, what)
         obj = msgpack.unpackb(
             bytes(data),
             raw=False,

@@ -1,5 +1,5 @@
-"""The coordinator's judging turns and evidence queue, in process: addresses take turns, a judgment that
-gives up passes its turn on, and queued evidence is bounded per address and in all."""
+"""The coordinator's judging turns, in process: caller addresses take turns, and a judgment that gives up
+while waiting, or just as its turn came, passes the turn on."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import asyncio
 
 import pytest
 
-from coordinator.judging import EvidenceQueue, JudgingTurns
-from protocols.errors import NetworkError
+from coordinator.judging import JudgingTurns, judging_for
 
 
 def test_waiting_judgments_take_turns_by_address_and_a_cancelled_one_passes_its_turn_on():
@@ -17,10 +16,11 @@ def test_waiting_judgments_take_turns_by_address_and_a_cancelled_one_passes_its_
         release = asyncio.Event()
 
         async def judgment(address: str, name: str, hold: asyncio.Event | None = None) -> None:
-            async with turns.turn(address):
-                order.append(name)
-                if hold is not None:
-                    await hold.wait()
+            with judging_for(address):
+                async with turns:
+                    order.append(name)
+                    if hold is not None:
+                        await hold.wait()
 
         first = asyncio.create_task(judgment("a", "a0", release))
         await asyncio.sleep(0)
@@ -50,13 +50,15 @@ def test_a_turn_granted_as_its_judgment_is_cancelled_goes_to_the_next():
         hold = asyncio.Event()
 
         async def judgment(address: str, name: str) -> None:
-            async with turns.turn(address):
-                order.append(name)
+            with judging_for(address):
+                async with turns:
+                    order.append(name)
 
         async def first() -> None:
-            async with turns.turn("a"):
-                order.append("a0")
-                await hold.wait()
+            with judging_for("a"):
+                async with turns:
+                    order.append("a0")
+                    await hold.wait()
             # Leaving granted b0 its turn; b0 is cancelled before it could run.
             granted_then_cancelled.cancel()
 
@@ -73,24 +75,3 @@ def test_a_turn_granted_as_its_judgment_is_cancelled_goes_to_the_next():
         return order
 
     assert asyncio.run(scenario()) == ["a0", "c0"]
-
-
-def test_queued_evidence_is_kept_off_memory_within_its_address_share_and_the_total():
-    async def scenario() -> None:
-        queue = EvidenceQueue(capacity=10_000, per_key=6_000)
-        one = await queue.put("a", b"x" * 5_000)
-        with pytest.raises(NetworkError, match="one address may queue"):
-            await queue.put("a", b"y" * 2_000)
-        two = await queue.put("b", b"z" * 5_000)
-        with pytest.raises(NetworkError, match="queue of accusations holds 10000"):
-            await queue.put("c", b"w")
-        assert await one.load() == b"x" * 5_000 and await two.load() == b"z" * 5_000
-        one.close()
-        one.close()  # once only
-        assert queue.held == 5_000 and queue.held_by("a") == 0
-        three = await queue.put("a", b"y" * 5_000)
-        two.close()
-        three.close()
-        assert queue.held == 0
-
-    asyncio.run(scenario())

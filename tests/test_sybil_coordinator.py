@@ -102,29 +102,24 @@ def test_stalled_accusations_neither_refuse_nor_outlast_a_true_one(tmp_path: Pat
     asyncio.run(scenario())
 
 
-def test_accusations_queued_behind_a_long_judgment_hold_no_memory_and_each_address_takes_its_turn(
+def test_sybils_queued_behind_a_long_recompute_cannot_put_a_victims_accusation_last(
     tmp_path: Path, monkeypatch
 ):
-    """Before, accusations waiting behind a long judgment (a DiLoCo window's replay) held their evidence
-    in the memory budget, first come first served: twenty Sybils from one address convicting each other
-    filled it, and a victim's true accusation from another address could not be read within its
-    deadline and was refused. Now waiting evidence is on disk and judgments take turns by address: the
-    victim is judged right after the long judgment and one Sybil one."""
-    import coordinator.service as service_module
+    """Recomputes ran first come first served behind one lock: twenty Sybils from one address convicting
+    each other behind a long one (a DiLoCo window's replay) put a victim's true accusation from another
+    address twenty-first. Now caller addresses take turns: the victim's is third."""
+    import coordinator.accusations as accusations
 
-    limits = ServiceLimits(
-        evidence_budget_bytes=1 << 20, evidence_read_timeout_s=4.0, challenge_burst_per_caller=1000,
-        open_challenges_per_caller=1000,
-    )  # fmt: skip
-    real, judged = service_module.judge_accusation, []
+    limits = ServiceLimits(challenge_burst_per_caller=1000, open_challenges_per_caller=1000)
+    real, judged = accusations.judge, []
 
-    async def judge(run, layouts, data, accused, accuser, **options):
+    def judge(run, layouts, data, accused, accuser):  # the recompute, on its thread, holding the lock
         judged.append(accused)
         if len(judged) == 1:
-            await asyncio.sleep(6.0)  # a replay longer than any accusation's read deadline
-        return await real(run, layouts, data, accused, accuser, **options)
+            time.sleep(4.0)  # a replay: the others queue meanwhile
+        return real(run, layouts, data, accused, accuser)
 
-    monkeypatch.setattr(service_module, "judge_accusation", judge)
+    monkeypatch.setattr(accusations, "judge", judge)
 
     async def scenario() -> None:
         async with serving(tmp_path, limits) as (address, store, service):
@@ -138,17 +133,14 @@ def test_accusations_queued_behind_a_long_judgment_hold_no_memory_and_each_addre
                 slow = asyncio.create_task(
                     true_accusation(address, service, slow_accuser, slow_cheater, third)
                 )
-                while not judged:
-                    await asyncio.sleep(0.05)
+                deadline = time.monotonic() + 20
+                while not judged and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
                 trios = [sybils[i : i + 3] for i in range(0, len(sybils), 3)]
                 queued = [asyncio.create_task(true_accusation(sybil_at, service, *trio)) for trio in trios]
-                deadline = time.monotonic() + 20
-                while service._turns.waiting < len(trios) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                assert service._turns.waiting == len(trios), "every Sybil accusation was read and waits"
-                assert (
-                    service._evidence_budget.held == 0 and service._queued.held > limits.evidence_budget_bytes
-                )
+                while service._judging.waiting < len(trios) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                assert service._judging.waiting == len(trios), "every Sybil accusation waits its turn"
                 answer = await true_accusation(address, service, victim, cheater, fourth)
                 assert answer.banned_peer == cheater.peer_id and "differs" in answer.verdict
                 assert judged.index(cheater.peer_id) == 2, (
@@ -159,7 +151,7 @@ def test_accusations_queued_behind_a_long_judgment_hold_no_memory_and_each_addre
                 assert {a.banned_peer for a in answers} == {trio[1].peer_id for trio in trios}
             finally:
                 relay.close()
-            assert service._queued.held == 0 and service._evidence_budget.held == 0
+            assert service._evidence_budget.held == 0 and not service._judging.locked()
 
     asyncio.run(scenario())
 

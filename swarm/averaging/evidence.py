@@ -36,6 +36,9 @@ from swarm.averaging.validation import fair_weights
 # Evidence is judged for groups as large as a run allows (RunConfig.training.max_group_size).
 MAX_MEMBERS = 1024
 MAX_EVIDENCE_BYTES = 64 << 20
+# Values in all in one piece of evidence (1,024 members' inputs and entries are a few thousand): 32 MiB of
+# nested empty lists, decoded, cost the coordinator seconds and half a GiB.
+MAX_EVIDENCE_ITEMS = 1 << 16
 DEFAULT_CHUNK_VALUES = 1 << 16
 # The inputs of one chunk stay under this many bytes, so that the evidence of any group fits its limit.
 EVIDENCE_INPUT_BUDGET = 48 << 20
@@ -602,8 +605,9 @@ Evidence = BadAggregateEvidence | EquivocationEvidence | UnshownInputEvidence
 def parse_evidence(data: bytes) -> Evidence:
     """Evidence from an accusation, of either kind; ProtocolError if it is malformed."""
     body = unpack(
-        data, what="accusation evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES
-    )
+        data, what="accusation evidence", max_bytes=MAX_EVIDENCE_BYTES, max_binary=MAX_EVIDENCE_BYTES,
+        max_items=MAX_EVIDENCE_ITEMS,
+    )  # fmt: skip
     try:
         kinds = {cls.kind: cls for cls in (BadAggregateEvidence, EquivocationEvidence, UnshownInputEvidence)}
         cls = kinds.get(body.get("kind"))

@@ -24,6 +24,7 @@ from protocols import pipeline_pb2 as ppb
 from protocols.codec import pack, unpack
 from protocols.errors import ProtocolError, SwarmError
 from swarm.averaging.compression import get_codec
+from swarm.averaging.evidence import MAX_EVIDENCE_ITEMS
 from swarm.config import RunConfig
 from swarm.pipeline.verify import AnswerCheck, check_reply, replies_differ, seed_forward
 from swarm.pipeline.wire import MAX_TENSOR_BYTES
@@ -107,7 +108,7 @@ class StageMismatchEvidence:
     @classmethod
     def from_bytes(cls, data: bytes) -> StageMismatchEvidence:
         body = unpack(data, what="stage evidence", max_bytes=MAX_STAGE_EVIDENCE_BYTES,
-                      max_binary=2 * MAX_TENSOR_BYTES)  # fmt: skip
+                      max_binary=2 * MAX_TENSOR_BYTES, max_items=MAX_EVIDENCE_ITEMS)  # fmt: skip
         try:
             _of_kind(body, KIND)
             backward = body["grad_outputs"] is not None
@@ -252,7 +253,7 @@ class StageAnswerEvidence:
     @classmethod
     def from_bytes(cls, data: bytes) -> StageAnswerEvidence:
         body = unpack(data, what="stage answer evidence", max_bytes=MAX_STAGE_EVIDENCE_BYTES,
-                      max_binary=2 * MAX_TENSOR_BYTES)  # fmt: skip
+                      max_binary=2 * MAX_TENSOR_BYTES, max_items=MAX_EVIDENCE_ITEMS)  # fmt: skip
         try:
             _of_kind(body, ANSWER_KIND)
             backward = (
