@@ -19,9 +19,13 @@ from swarm.dht import SpawnedDHT, start_local_dhts
 
 
 @contextlib.asynccontextmanager
-async def serving_coordinator(tmp_path: Path, run_id: str, limits=None, *, dial_back=False, **store_options):
-    """The real coordinator service and store of a tiny run, served over gRPC on a loopback port: yields
-    (address, store, service). ``dial_back`` serves ``DialBack`` too, as the coordinator node does."""
+async def serving_coordinator(
+    tmp_path: Path, run_id, limits=None, *, dial_back=False, service_options=None, **store_options
+):
+    """The real coordinator service and store of a tiny run (``run_id``, or a whole ``RunConfig``), served
+    over gRPC on a loopback port: yields (address, store, service), stopped as the coordinator node stops
+    them (the server, then the judgments, then the store). ``dial_back`` serves ``DialBack`` too, as the
+    node does; ``service_options`` go to ``CoordinatorService``."""
     import grpc
 
     from coordinator.dialback import DialBackService
@@ -30,8 +34,10 @@ async def serving_coordinator(tmp_path: Path, run_id: str, limits=None, *, dial_
     from lab.localswarm import tiny_run
     from swarm.rpc import CHANNEL_OPTIONS
 
-    store = Store.open_sync(tmp_path / "coordinator.db", run_id, **store_options)
-    service = CoordinatorService(tiny_run(run_id), SigningKey.generate(), store, [], limits)
+    run = tiny_run(run_id) if isinstance(run_id, str) else run_id
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = Store.open_sync(tmp_path / "coordinator.db", run.run_id, **store_options)
+    service = CoordinatorService(run, SigningKey.generate(), store, [], limits, **(service_options or {}))
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers(
         (service.generic_handler(), *([DialBackService().generic_handler()] if dial_back else []))
@@ -42,6 +48,7 @@ async def serving_coordinator(tmp_path: Path, run_id: str, limits=None, *, dial_
         yield f"127.0.0.1:{port}", store, service
     finally:
         await server.stop(grace=0.5)
+        await service.close()
         store.close()
 
 

@@ -26,6 +26,7 @@ from protocols.messages import ACCUSE
 from protocols.version import PROTOCOL_VERSION
 from swarm.byzantine.abuse import challenge_flood, stalled_accusation
 from swarm.byzantine.protocol_attacks import ProtocolTarget, make_protocol_attack
+from swarm.coordinator_client import EVIDENCE_PIECE_BYTES as PIECE
 from swarm.coordinator_client import SERVICE, CoordinatorClient
 from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
 
@@ -48,28 +49,39 @@ async def admitted(address: str, count: int, run_id: str = RUN) -> list[SigningK
 
 
 async def accuse_raw(
-    address: str, key: SigningKey, accused: str, evidence: bytes, *, signed_hash: bytes
+    address: str,
+    key: SigningKey,
+    accused: str,
+    evidence: bytes,
+    *,
+    signed_hash: bytes | None = None,
+    run_id: str = RUN,
+    gzip: bool = False,
 ) -> object:
-    """An accusation whose signed hash may differ from its evidence; the answer or the refusal."""
+    """An accusation whose signed hash (default: its evidence's) may differ from its evidence, in pieces
+    as a volunteer sends them (gzip-compressed on the wire with ``gzip``); the answer or the refusal."""
     body = {
         "accused": accused,
         "reason": "test",
-        "evidence_sha256": signed_hash,
+        "evidence_sha256": hashlib.sha256(evidence).digest() if signed_hash is None else signed_hash,
         "evidence_bytes": len(evidence),
     }
-    header = pb.Header(protocol_version=PROTOCOL_VERSION, run_id=RUN)
-    parts = [
-        pb.AccusationPart(header=header, envelope=seal(key, ACCUSE, RUN, body)),
-        pb.AccusationPart(evidence=evidence),
+    header = pb.Header(protocol_version=PROTOCOL_VERSION, run_id=run_id)
+    parts = [pb.AccusationPart(header=header, envelope=seal(key, ACCUSE, run_id, body))]
+    parts += [
+        pb.AccusationPart(evidence=evidence[i : i + PIECE]) for i in range(0, max(len(evidence), 1), PIECE)
     ]
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    compression = grpc.Compression.Gzip if gzip else None
+    async with grpc.aio.insecure_channel(
+        address, options=CHANNEL_OPTIONS, compression=compression
+    ) as channel:
         rpc = channel.stream_unary(
             SERVICE + "Accuse",
             request_serializer=lambda m: m.SerializeToString(),
             response_deserializer=pb.AccuseResponse.FromString,
         )
         try:
-            return await rpc(iter(parts), timeout=10)
+            return await rpc(iter(parts), timeout=60)
         except grpc.aio.AioRpcError as e:
             return error_from_rpc(e, address)
 

@@ -8,79 +8,34 @@ Real service, store and limits over gRPC on loopback.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import time
 from pathlib import Path
 
-import grpc
 import msgpack
 import pytest
-from test_accuse_abuse import admitted
+from helpers import serving_coordinator
+from test_accuse_abuse import accuse_raw, admitted
 
 from coordinator.limits import ServiceLimits
-from coordinator.service import CoordinatorService
-from coordinator.store import Store
 from lab.localswarm import tiny_run
-from protocols import coordinator_pb2 as pb
 from protocols.codec import unpack
-from protocols.envelope import seal
 from protocols.errors import ProtocolError
 from protocols.keys import SigningKey
-from protocols.messages import ACCUSE
-from protocols.version import PROTOCOL_VERSION
-from swarm.coordinator_client import EVIDENCE_PIECE_BYTES as PIECE
-from swarm.coordinator_client import SERVICE, CoordinatorClient
-from swarm.rpc import CHANNEL_OPTIONS, error_from_rpc
+from swarm.coordinator_client import CoordinatorClient
 
 pytestmark = pytest.mark.timeout(120)
 
 RUN = "judging-redteam"
 
 
-@contextlib.asynccontextmanager
-async def serving(tmp_path: Path, run, limits: ServiceLimits | None = None, **options):
-    """The real service and store of ``run`` on a loopback port: (address, store, service); stopped as
-    ``CoordinatorNode.stop`` stops it (server, then the judgments, then the store)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    store = Store.open_sync(tmp_path / "coordinator.db", run.run_id)
-    service = CoordinatorService(run, SigningKey.generate(), store, [], limits, **options)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}", store, service
-    finally:
-        await server.stop(grace=0.5)
-        await service.close()
-        store.close()
+def serving(tmp_path: Path, run, limits: ServiceLimits | None = None, **options):
+    return serving_coordinator(tmp_path, run, limits, service_options=options)
 
 
 async def accuse(
     address: str, key: SigningKey, accused: str, evidence: bytes, run_id: str = RUN, *, gzip: bool = False
 ) -> object:
-    """One accusation: the coordinator's answer, or its refusal as our error."""
-    body = {
-        "accused": accused, "reason": "redteam", "evidence_sha256": hashlib.sha256(evidence).digest(),
-        "evidence_bytes": len(evidence),
-    }  # fmt: skip
-    header = pb.Header(protocol_version=PROTOCOL_VERSION, run_id=run_id)
-    parts = [pb.AccusationPart(header=header, envelope=seal(key, ACCUSE, run_id, body))]
-    parts += [pb.AccusationPart(evidence=evidence[i : i + PIECE]) for i in range(0, len(evidence), PIECE)]
-    compression = grpc.Compression.Gzip if gzip else None
-    async with grpc.aio.insecure_channel(
-        address, options=CHANNEL_OPTIONS, compression=compression
-    ) as channel:
-        rpc = channel.stream_unary(
-            SERVICE + "Accuse",
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=pb.AccuseResponse.FromString,
-        )
-        try:
-            return await rpc(iter(parts), timeout=60)
-        except grpc.aio.AioRpcError as e:
-            return error_from_rpc(e, "coordinator")
+    return await accuse_raw(address, key, accused, evidence, run_id=run_id, gzip=gzip)
 
 
 async def admitted_keys(address: str, run_id: str, keys: list[SigningKey]) -> None:
