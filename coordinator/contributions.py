@@ -122,7 +122,8 @@ async def judge_contribution(
     banned: Callable[[str], Awaitable[str | None]] | None = None,
 ) -> tuple[str, str | None]:
     """(what was found, who is guilty) for ``wrong_contribution`` evidence (see the module docstring);
-    ``banned``: the accused's ban reason, read when this judgment's turn comes (no replay of a banned peer)."""
+    ``banned``: why the accused is convicted, read when this judgment's turn comes (no replay of a peer
+    convicted meanwhile)."""
     try:
         evidence = await asyncio.to_thread(_parse, data)
         if evidence.accused != accused or accuser not in evidence.members or accuser == accused:
@@ -143,7 +144,10 @@ async def judge_contribution(
     async with judging:
         reason = await banned(accused) if banned is not None else None
         if reason is not None:
-            return f"{accused} was banned while this accusation waited ({reason}); nobody banned again", None
+            return (
+                f"{accused} was convicted while this accusation waited ({reason}); nobody banned again",
+                None,
+            )
         try:
             async with asyncio.timeout(timeout_s):
                 state = await states.fetch(accuser, step, state_hash)

@@ -132,6 +132,10 @@ async def judge_unshown(
     ``joined_at(peer)`` is when the peer's current session joined, by the peer's own clock, or None if it
     is not online: it is read when the evidence arrives, so leaving once asked saves nobody."""
     training = run.training
+    arrived = now()
+    joined = await joined_at(accused)  # before anything waits: leaving once accused saves nobody
+    # Everything up to the demand runs as the evidence arrives, off the judging lock (recomputes may queue
+    # there for long): only the recompute of the aggregate from what the reducer showed takes a turn.
     try:
         evidence = await asyncio.to_thread(parse_evidence, data)
         if not isinstance(evidence, UnshownInputEvidence):
@@ -139,28 +143,25 @@ async def judge_unshown(
         codec = round_codec(run, evidence.prefix)
         if evidence.accused != accused or accuser not in evidence.members:
             raise ProtocolError("the evidence names another culprit, or a round the accuser was not in")
-        async with judging:  # the first call builds the model: never on the event loop
-            vector_numel = (await asyncio.to_thread(layouts)).get(evidence.prefix)
-            if vector_numel is None:
-                return (
-                    f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, which this run does not use",
-                    None,
-                )
-            missing = await asyncio.to_thread(
-                evidence.check, codec, vector_numel=vector_numel, accuser=accuser
+        # The first call builds the model, so never on the event loop.
+        vector_numel = (await asyncio.to_thread(layouts)).get(evidence.prefix)
+        if vector_numel is None:
+            return (
+                f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, which this run does not use",
+                None,
             )
+        missing = await asyncio.to_thread(evidence.check, codec, vector_numel=vector_numel, accuser=accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
     except Exception as e:  # whatever the accuser sent, it never escapes the judge
         return f"the evidence does not hold: {e!r}"[:300], accuser
     signed_s = evidence.signed_at_ms / 1000
-    age_s = now() - signed_s
+    age_s = arrived - signed_s
     if not inputs.can_ask:
         return "this coordinator cannot ask peers for the inputs behind an aggregate", None
     if age_s > INPUT_DEMAND_WINDOW_S:
         return (f"the aggregate was signed {age_s:.0f}s ago, past the {INPUT_DEMAND_WINDOW_S:.0f}s in which its "
                 "inputs may be demanded"), None  # fmt: skip
-    joined = await joined_at(accused)
     if joined is None:
         return f"{accused} is not online to be asked for the inputs it signed for", None
     if joined > signed_s - JOIN_MARGIN_S:  # a peer that restarted since lost what it held in memory

@@ -43,6 +43,7 @@ from protocols import coordinator_pb2 as pb
 from protocols.certificates import issue_certificate
 from protocols.envelope import MAX_CLOCK_SKEW_S, Envelope, open_envelope, seal
 from protocols.errors import (
+    AccusationInFlight,
     AdmissionDenied,
     Banned,
     NetworkError,
@@ -507,9 +508,10 @@ class CoordinatorService:
     ) -> pb.AccuseResponse:
         limits = self.limits
         try:
-            # A sender check replays the accused's work, each further one again: once it is banned, no
-            # more. Other evidence may convict someone else (a stage-mate, a false accuser): judged.
-            banned = await self.store.ban_reason(body.accused)
+            # A sender check replays the accused's work, each further one again: once it is convicted, no
+            # more (a ban for a false accusation alone is no conviction: its sender check still convicts).
+            # Other evidence may convict someone else (a stage-mate, a false accuser): judged.
+            banned = await self.store.conviction(body.accused)
             if banned is not None and evidence_kind(evidence) == CONTRIBUTION_KIND:
                 logger.info(f"accusation by {sender} against {body.accused}: already banned ({banned})"[:600])
                 return pb.AccuseResponse(verdict=f"already banned: {banned}"[:512], banned_peer=body.accused)
@@ -519,7 +521,7 @@ class CoordinatorService:
                     stage_checkpoint=self.stage_checkpoint, stage_states=self.stage_states,
                     stage_state_timeout_s=limits.stage_state_timeout_s, round_inputs=self.round_inputs,
                     contribution_states=self.contribution_states, joined_at=self._joined_at,
-                    banned=self.store.ban_reason,
+                    banned=self.store.conviction,
                 )  # fmt: skip
         finally:
             reader.release()
@@ -578,7 +580,7 @@ class CoordinatorService:
     def _admit_accusation(self, sender: str) -> None:
         """Let one more accusation of ``sender`` in, or refuse it."""
         if sender in self._accusing:
-            raise NetworkError(f"{sender} already has an accusation in flight; wait for its verdict")
+            raise AccusationInFlight(f"{sender} already has an accusation in flight; wait for its verdict")
         if not self._accusation_buckets.take(sender):
             retry_s = self._accusation_buckets.retry_after_s(sender)
             raise NetworkError(f"too many accusations from {sender}; retry in {retry_s:.0f}s")

@@ -407,6 +407,18 @@ class Store:
 
         return await self._run(op)
 
+    async def conviction(self, peer_id: str) -> str | None:
+        """The reason ``peer_id`` is banned for its own fault (convicted, or by the operator), or None:
+        a ban for a false accusation alone leaves its work to be judged, and convicted over it."""
+
+        def op(db: sqlite3.Connection) -> str | None:
+            row = db.execute(
+                "SELECT reason FROM bans WHERE peer_id=? AND false_accuser=0", (peer_id,)
+            ).fetchone()
+            return row[0] if row else None
+
+        return await self._run(op)
+
     async def ban(
         self,
         peer_id: str,

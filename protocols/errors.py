@@ -49,6 +49,11 @@ class NetworkError(SwarmError):
     """The other side could not be reached, or did not answer in time."""
 
 
+class AccusationInFlight(NetworkError):
+    """The coordinator is still judging this peer's earlier accusation (it may wait its turn for long):
+    ask again after that one's verdict."""
+
+
 class DHTStartFailed(NetworkError):
     """This machine's DHT node did not come up in time (its process may still be importing on a busy
     machine); trying again later may work, unlike a port already in use."""
@@ -100,6 +105,7 @@ ERROR_CLASSES: dict[str, type[SwarmError]] = {
         UnknownRun,
         InvalidContribution,
         NetworkError,
+        AccusationInFlight,
         SecurityError,
         SignatureError,
         CertificateError,

@@ -25,7 +25,14 @@ import grpc
 from protocols import coordinator_pb2 as pb
 from protocols.certificates import PeerCertificate, verify_certificate
 from protocols.envelope import open_envelope, seal
-from protocols.errors import CoordinatorKeyMismatch, NetworkError, ProtocolError, SecurityError, SwarmError
+from protocols.errors import (
+    AccusationInFlight,
+    CoordinatorKeyMismatch,
+    NetworkError,
+    ProtocolError,
+    SecurityError,
+    SwarmError,
+)
 from protocols.keys import PublicKey, SigningKey
 from protocols.messages import (
     ACCUSE,
@@ -50,8 +57,11 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "/swarm.coordinator.v1.Coordinator/"
 # Waits between attempts to file an accusation the coordinator was too busy to take.
-# Spans a judgment the coordinator may still be running for this accuser (JUDGING_BUDGET_S, with a queue).
 ACCUSE_RETRY_DELAYS_S = (15.0, 30.0, 60.0, 120.0, 240.0)
+# While the coordinator still judges this accuser's earlier accusation (its recompute may wait behind
+# others'), asked again this often, for at most this long: the accuser serves what it needs meanwhile.
+ACCUSE_IN_FLIGHT_RETRY_S = 120.0
+ACCUSE_IN_FLIGHT_WAIT_S = 7200.0
 EVIDENCE_PIECE_BYTES = 512 << 10
 
 
@@ -283,14 +293,29 @@ class CoordinatorClient:
         self, key: SigningKey, run_id: str, *, accused: str, reason: str, evidence: bytes
     ) -> pb.AccuseResponse:
         """``accuse``, tried again after each of ``ACCUSE_RETRY_DELAYS_S`` while the coordinator is too busy
-        to take it (its evidence budget or this peer's accusations spent)."""
-        for delay_s in ACCUSE_RETRY_DELAYS_S:
+        to take it (its evidence budget or this peer's accusations spent), and every
+        ``ACCUSE_IN_FLIGHT_RETRY_S`` for up to ``ACCUSE_IN_FLIGHT_WAIT_S`` while it still judges this peer's
+        earlier one (``AccusationInFlight``: recomputes wait their turn, and the caller may hold what that
+        one needs until it is over)."""
+        delays = iter(ACCUSE_RETRY_DELAYS_S)
+        waited_s = 0.0
+        while True:
             try:
                 return await self.accuse(key, run_id, accused=accused, reason=reason, evidence=evidence)
+            except AccusationInFlight as e:
+                if waited_s >= ACCUSE_IN_FLIGHT_WAIT_S:
+                    raise
+                delay_s = ACCUSE_IN_FLIGHT_RETRY_S
+                logger.info(
+                    f"accusation against {accused} waits for an earlier one ({e}); retrying in {delay_s:.0f}s"
+                )
             except NetworkError as e:
+                delay_s = next(delays, None)
+                if delay_s is None:
+                    raise
                 logger.info(f"accusation against {accused} not taken yet ({e}); retrying in {delay_s:.0f}s")
-                await asyncio.sleep(delay_s)
-        return await self.accuse(key, run_id, accused=accused, reason=reason, evidence=evidence)
+            await asyncio.sleep(delay_s)
+            waited_s += delay_s
 
     async def dial_back(self, ports: list[int]) -> pb.DialBackResponse:
         """Ask the coordinator to open TCP connections back to this machine on ``ports``."""

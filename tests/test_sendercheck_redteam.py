@@ -33,6 +33,7 @@ from swarm.config import RunConfig
 from swarm.models import build_model
 from swarm.training.progress import step_misfit
 from swarm.training.sendercheck import (
+    KEEP_S,
     SenderChecks,
     WrongContributionEvidence,
     chunk_slice,
@@ -221,6 +222,48 @@ def test_a_liar_that_withholds_its_reveal_is_still_replayed_and_avoided(monkeypa
     assert accused == [MEMBERS[1]] and suspected == [MEMBERS[1]]
     served = checks.find(hash_)
     assert served is not None and (served.step, served.state_hash) == (STEP, hash_)
+
+
+def test_a_validator_serves_the_state_of_its_accusation_while_the_accusation_is_in_flight(monkeypatch):
+    """Before: the state a lie was found on was served for ``KEEP_S`` (900 s) after filing, while the
+    coordinator downloads it only when the accusation's recompute gets its turn, which Sybils of three
+    addresses holding 420 s recomputes put past that: "did not serve the state; nobody banned". Now it is
+    served for as long as the accusation is in flight, and ``KEEP_S`` after."""
+    run = _run("in-flight")
+    tensors, hash_ = _state(run)
+    honest = recompute(run, tensors, MEMBERS[1], STEP, 2, device="cpu")
+    lie = _evidence(run, -honest, hash_=hash_)
+    clock = {"now": 1000.0}
+    monkeypatch.setattr("swarm.training.sendercheck.time.monotonic", lambda: clock["now"])
+    served_while_waiting = []
+
+    async def accuse(peer, evidence, verdict):  # the coordinator's queue: an hour before its turn
+        clock["now"] += 3600.0
+        served_while_waiting.append(checks.find(hash_))
+
+    checks = SenderChecks(run, device="cpu", state=lambda: (STEP, hash_, tensors), accuse=accuse)
+    runner = SimpleNamespace(
+        group_id=lie.group_id, members=list(MEMBERS), peer_ids=list(MEMBERS), index=0,
+        shared_seed=draw_seed(lie.digest, REVEALS), revealed=None, reveals=dict(enumerate(REVEALS)),
+        codec=get_codec(run.training.compression), numel=_numel(run), part_chunks=[[0, 1]] * 3, reducers=(),
+    )  # fmt: skip
+    evidence = BadAggregateEvidence(
+        prefix=run.run_id.replace(".", "_"), group_id=lie.group_id, members=MEMBERS, commitments=COMMITS,
+        part=1, chunk=0, numel=1, inputs=(lie.item,), output=b"", output_signature=b"", entries=b"",
+        signed_at_ms=0,
+    )  # fmt: skip
+
+    async def scenario():
+        await checks.keep(runner, [b"", lie.entry, b""])
+        await checks.check(runner, [SimpleNamespace(evidence=evidence)])
+
+    asyncio.run(scenario())
+    assert checks.caught == 1 and served_while_waiting and served_while_waiting[0] is not None
+    assert served_while_waiting[0].state_hash == hash_
+    clock["now"] += KEEP_S - 1
+    assert checks.find(hash_) is not None, "kept KEEP_S after the verdict"
+    clock["now"] += 2
+    assert checks.find(hash_) is None
 
 
 @pytest.mark.parametrize("weight", [float("nan"), float("inf"), -8.0])

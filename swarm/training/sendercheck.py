@@ -17,7 +17,8 @@ as the samples it signed for. So a groupmate can recompute it:
 3. A contribution beyond the tolerance is ``WrongContributionEvidence``: the sender's signed input, its
    signed group entry (the step and state hash it computed at, bound to the round by its nonce
    commitment), the round and its reveals (which fix the draw). The validator files it and keeps the
-   state, served by its hash (``StateServicer``'s ``find``), for ``KEEP_S``. The coordinator checks the
+   state, served by its hash (``StateServicer``'s ``find``), while the accusation is in flight and for
+   ``KEEP_S`` after (the coordinator downloads it at its recompute's turn). The coordinator checks the
    draw named this accuser, chunk and sender, downloads that state from the accuser, checks that it
    hashes to what the accused signed, recomputes the chunk itself and bans whoever the evidence proves
    wrong (``coordinator.contributions``). Without every member's reveal the validator draws from its own
@@ -89,7 +90,8 @@ from swarm.training.sync import EncodedState, is_state_hash
 logger = logging.getLogger(__name__)
 
 KIND = "wrong_contribution"
-#: How long a validator serves the state a lie was recomputed on: as long as reducers keep their inputs.
+#: How long a validator serves the state a lie was recomputed on once its accusation is answered (or given
+#: up): as long as reducers keep their inputs.
 KEEP_S = KEEP_INPUTS_S
 #: States a validator holds at once for the coordinator (each one copy of the model and optimizer).
 MAX_KEPT = 2
@@ -469,13 +471,17 @@ class SenderChecks:
             self.suspect(accused, "sent a contribution other than its public batch seeds give")
         if not lie.reveals:
             return  # found by this member's own draw: the coordinator could not tell it was drawn
-        copy.kept_until = time.monotonic() + KEEP_S
+        # Served while the accusation is in flight, however long the coordinator's recomputes queue (it
+        # downloads the state when this one's turn comes), and ``KEEP_S`` after; at most ``MAX_KEPT``.
+        copy.kept_until = math.inf if self.accuse is not None else time.monotonic() + KEEP_S
         self._hold(copy)
         if self.accuse is not None:
             try:
                 await self.accuse(accused, lie, verdict)
             except Exception as e:
                 logger.warning(f"could not file the accusation against {accused}: {e!r}")
+            finally:
+                copy.kept_until = time.monotonic() + KEEP_S
 
     def _hold(self, copy: _Copy) -> None:
         now = time.monotonic()
