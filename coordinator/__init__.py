@@ -10,6 +10,7 @@
 - ``service``: the gRPC service: challenge-response admission, heartbeats, leave, status, accusations
 - ``limits``: ``ServiceLimits``, per-caller and global limits on challenges, accusations and evidence
 - ``accusations``: reading an accusation's evidence as it arrives, and judging it with the run's rule
+- ``judging``: the one recompute at a time, whose turn caller addresses take in rotation
 - ``stagestates``: a pipeline stage's state at a recent step, fetched from its replicas to judge evidence
 - ``roundinputs``: the demand for the inputs behind an aggregate a validator could not collect, and its judgment
 - ``contributions``: judging a sender check: the accused's contribution recomputed from the accuser's state

@@ -122,8 +122,8 @@ async def judge_accusation(
     ``judging``. Stage evidence goes to ``judge_stage``, a sender check to ``judge_contribution``
     (``contribution_states`` downloads the state from the accuser), that of an unshown input to
     ``coordinator.roundinputs.judge_unshown`` (``round_inputs`` asks the reducer; ``joined_at`` says when
-    an online peer's session joined; ``banned`` its ban reason, so that a queued sender check of a peer
-    banned meanwhile is not replayed again)."""
+    an online peer's session joined; ``banned`` why the accused is convicted, so that a queued sender
+    check of a peer convicted meanwhile is not replayed again)."""
     kind = evidence_kind(data)
     if kind == STAGE_KIND:
         return await judge_stage(
