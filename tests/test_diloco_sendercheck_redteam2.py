@@ -438,6 +438,7 @@ def test_a_rounds_sender_check_runs_while_its_reducer_accusation_waits(monkeypat
                 await checks.keep(runner(b"later-%d" % r, None), entries)
             verdict.set()
             await asyncio.gather(*averager._verifications)
+            await checks.filed()
 
         asyncio.run(rounds())
         return checks, accused
@@ -632,6 +633,7 @@ def test_a_check_due_while_the_validator_replays_waits_its_turn(monkeypatch):
             await checks._check_one(runner(round_b), round_b, _Copy(0, hash_, tensors, {}))
             if first is not None:
                 await first
+            await checks.filed()
 
         asyncio.run(rounds())
         return checks, accused

@@ -170,6 +170,22 @@ def test_a_member_that_signs_another_state_at_the_step_is_left_out_of_a_checked_
     assert step_misfit({"step": STEP, "state_hash": "f" * 64}, mine) is None
 
 
+def _round(run, lie: WrongContributionEvidence, seed):
+    """Member 0's view of the round of ``lie`` (its runner, and the bad-aggregate outcome of the part it
+    validated, holding member 1's input), with the shared draw ``seed`` (None: a reveal was withheld)."""
+    runner = SimpleNamespace(
+        group_id=lie.group_id, members=list(MEMBERS), peer_ids=list(MEMBERS), index=0, shared_seed=seed,
+        revealed=None, reveals=dict(enumerate(REVEALS)), codec=get_codec(run.training.compression),
+        numel=_numel(run), part_chunks=[[0, 1]] * 3, reducers=(),
+    )  # fmt: skip
+    evidence = BadAggregateEvidence(
+        prefix=run.run_id.replace(".", "_"), group_id=lie.group_id, members=MEMBERS, commitments=COMMITS,
+        part=1, chunk=0, numel=1, inputs=(lie.item,), output=b"", output_signature=b"", entries=b"",
+        signed_at_ms=0,
+    )  # fmt: skip
+    return runner, SimpleNamespace(evidence=evidence)
+
+
 def _validator(run, tensors, hash_, lie: WrongContributionEvidence, *, seed):
     """Member 0 as a validator of a round holding member 1's ``item``: what it accuses and suspects."""
     accused, suspected = [], []
@@ -181,21 +197,12 @@ def _validator(run, tensors, hash_, lie: WrongContributionEvidence, *, seed):
         run, device="cpu", state=lambda: (STEP, hash_, tensors), accuse=accuse,
         suspect=lambda peer, reason: suspected.append(peer),
     )  # fmt: skip
-    prefix = run.run_id.replace(".", "_")
-    runner = SimpleNamespace(
-        group_id=lie.group_id, members=list(MEMBERS), peer_ids=list(MEMBERS), index=0, shared_seed=seed,
-        revealed=None,
-        reveals=dict(enumerate(REVEALS)), codec=get_codec(run.training.compression),
-        numel=_numel(run), part_chunks=[[0, 1]] * 3, reducers=(),
-    )  # fmt: skip
-    evidence = BadAggregateEvidence(
-        prefix=prefix, group_id=lie.group_id, members=MEMBERS, commitments=COMMITS, part=1, chunk=0, numel=1,
-        inputs=(lie.item,), output=b"", output_signature=b"", entries=b"", signed_at_ms=0,
-    )  # fmt: skip
+    runner, outcome = _round(run, lie, seed)
 
     async def scenario():
         await checks.keep(runner, [b"", lie.entry, b""])
-        await checks.check(runner, [SimpleNamespace(evidence=evidence)])
+        await checks.check(runner, [outcome])
+        await checks.filed()
 
     asyncio.run(scenario())
     return accused, suspected, checks
@@ -242,20 +249,12 @@ def test_a_validator_serves_the_state_of_its_accusation_while_the_accusation_is_
         served_while_waiting.append(checks.find(hash_))
 
     checks = SenderChecks(run, device="cpu", state=lambda: (STEP, hash_, tensors), accuse=accuse)
-    runner = SimpleNamespace(
-        group_id=lie.group_id, members=list(MEMBERS), peer_ids=list(MEMBERS), index=0,
-        shared_seed=draw_seed(lie.digest, REVEALS), revealed=None, reveals=dict(enumerate(REVEALS)),
-        codec=get_codec(run.training.compression), numel=_numel(run), part_chunks=[[0, 1]] * 3, reducers=(),
-    )  # fmt: skip
-    evidence = BadAggregateEvidence(
-        prefix=run.run_id.replace(".", "_"), group_id=lie.group_id, members=MEMBERS, commitments=COMMITS,
-        part=1, chunk=0, numel=1, inputs=(lie.item,), output=b"", output_signature=b"", entries=b"",
-        signed_at_ms=0,
-    )  # fmt: skip
+    runner, outcome = _round(run, lie, draw_seed(lie.digest, REVEALS))
 
     async def scenario():
         await checks.keep(runner, [b"", lie.entry, b""])
-        await checks.check(runner, [SimpleNamespace(evidence=evidence)])
+        await checks.check(runner, [outcome])
+        await checks.filed()
 
     asyncio.run(scenario())
     assert checks.caught == 1 and served_while_waiting and served_while_waiting[0] is not None
@@ -264,6 +263,40 @@ def test_a_validator_serves_the_state_of_its_accusation_while_the_accusation_is_
     assert checks.find(hash_) is not None, "kept KEEP_S after the verdict"
     clock["now"] += 2
     assert checks.find(hash_) is None
+
+
+def test_a_lie_caught_while_the_validators_accusation_waits_is_avoided_and_holds_no_state():
+    """Before: each lie a validator caught was filed from its round's check, which waited for the answer
+    holding that round's state copy; the coordinator takes one accusation of a peer at a time, so a liar
+    caught every round while the first accusation queued held a state copy a round (a model and its
+    optimizer each) for as long as the accusation waited. Now one accusation is filed at a time, in a task
+    of its own; a lie caught meanwhile is avoided, and its copy dropped with its round."""
+    run = _run("one-at-a-time")
+    tensors, hash_ = _state(run)
+    honest = recompute(run, tensors, MEMBERS[1], STEP, 2, device="cpu")
+    lie = _evidence(run, -honest, hash_=hash_)
+    accused, suspected, answered = [], [], asyncio.Event()
+
+    async def accuse(peer, evidence, verdict):  # the coordinator's queue: answered only at the end
+        accused.append(peer)
+        await answered.wait()
+
+    checks = SenderChecks(
+        run, device="cpu", state=lambda: (STEP, hash_, tensors), accuse=accuse,
+        suspect=lambda peer, reason: suspected.append(peer),
+    )  # fmt: skip
+    runner, outcome = _round(run, lie, draw_seed(lie.digest, REVEALS))
+
+    async def scenario():
+        for _ in range(3):  # the same liar, caught in three rounds while the first accusation waits
+            await checks.keep(runner, [b"", lie.entry, b""])
+            await asyncio.wait_for(checks.check(runner, [outcome]), 60)
+        assert accused == [MEMBERS[1]] and len(checks.kept) == 1 and not checks.pending
+        answered.set()
+        await checks.filed()
+
+    asyncio.run(scenario())
+    assert checks.caught == 3 and suspected == [MEMBERS[1]] * 3
 
 
 @pytest.mark.parametrize("weight", [float("nan"), float("inf"), -8.0])

@@ -580,6 +580,7 @@ class TrainingPeer:
 
     async def shutdown(self) -> None:
         """Leave the run's averaging (both tiers)."""
+        self.sender_checks.close()
         await self.tiers.shutdown()
         await self.averager.shutdown()
 

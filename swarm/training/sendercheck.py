@@ -387,6 +387,8 @@ class SenderChecks:
         self._replay_turn = asyncio.Lock()
         self.replays_due = 0
         self.skipped = 0
+        # The accusation being filed, in a task of its own: one at a time, as the coordinator takes them.
+        self._filing: asyncio.Task | None = None
 
     @property
     def enabled(self) -> bool:
@@ -471,17 +473,40 @@ class SenderChecks:
             self.suspect(accused, "sent a contribution other than its public batch seeds give")
         if not lie.reveals:
             return  # found by this member's own draw: the coordinator could not tell it was drawn
+        if self.accuse is None:
+            copy.kept_until = time.monotonic() + KEEP_S
+            self._hold(copy)
+            return
+        if self._filing is not None and not self._filing.done():
+            # The coordinator takes one accusation of a peer at a time, and each waits with its state:
+            # one lie a round, filed as it came, once held a state copy a round for as long as they waited.
+            logger.info(
+                f"{accused} is avoided, not accused: this validator's last accusation is still judged"
+            )
+            return
         # Served while the accusation is in flight, however long the coordinator's recomputes queue (it
         # downloads the state when this one's turn comes), and ``KEEP_S`` after; at most ``MAX_KEPT``.
-        copy.kept_until = math.inf if self.accuse is not None else time.monotonic() + KEEP_S
+        copy.kept_until = math.inf
         self._hold(copy)
-        if self.accuse is not None:
-            try:
-                await self.accuse(accused, lie, verdict)
-            except Exception as e:
-                logger.warning(f"could not file the accusation against {accused}: {e!r}")
-            finally:
-                copy.kept_until = time.monotonic() + KEEP_S
+        self._filing = asyncio.create_task(self._file(accused, lie, verdict, copy))
+
+    async def _file(self, accused: str, lie: WrongContributionEvidence, verdict: str, copy: _Copy) -> None:
+        try:
+            await self.accuse(accused, lie, verdict)
+        except Exception as e:
+            logger.warning(f"could not file the accusation against {accused}: {e!r}")
+        finally:
+            copy.kept_until = time.monotonic() + KEEP_S
+
+    async def filed(self) -> None:
+        """Wait until the accusation being filed, if any, is answered or given up."""
+        if self._filing is not None:
+            await asyncio.gather(self._filing, return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop filing (the peer leaves the run)."""
+        if self._filing is not None:
+            self._filing.cancel()
 
     def _hold(self, copy: _Copy) -> None:
         now = time.monotonic()
