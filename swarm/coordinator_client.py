@@ -290,29 +290,26 @@ class CoordinatorClient:
             raise error_from_rpc(e, self.address) from None
 
     async def accuse_until_taken(
-        self, key: SigningKey, run_id: str, *, accused: str, reason: str, evidence: bytes
-    ) -> pb.AccuseResponse:
+        self, key: SigningKey, run_id: str, *, accused: str, reason: str, evidence: bytes,
+        in_flight_wait_s: float = 0.0,
+    ) -> pb.AccuseResponse:  # fmt: skip
         """``accuse``, tried again after each of ``ACCUSE_RETRY_DELAYS_S`` while the coordinator is too busy
-        to take it (its evidence budget or this peer's accusations spent), and every
-        ``ACCUSE_IN_FLIGHT_RETRY_S`` for up to ``ACCUSE_IN_FLIGHT_WAIT_S`` while it still judges this peer's
-        earlier one (``AccusationInFlight``: recomputes wait their turn, and the caller may hold what that
-        one needs until it is over)."""
+        to take it (its evidence budget or this peer's accusations spent). With ``in_flight_wait_s``, a
+        refusal because the coordinator still judges this peer's earlier accusation (``AccusationInFlight``:
+        recomputes wait their turn) is asked again every ``ACCUSE_IN_FLIGHT_RETRY_S`` for that long instead:
+        for a caller that serves what that judgment needs meanwhile (``ACCUSE_IN_FLIGHT_WAIT_S``)."""
         delays = iter(ACCUSE_RETRY_DELAYS_S)
         waited_s = 0.0
         while True:
             try:
                 return await self.accuse(key, run_id, accused=accused, reason=reason, evidence=evidence)
-            except AccusationInFlight as e:
-                if waited_s >= ACCUSE_IN_FLIGHT_WAIT_S:
-                    raise
-                delay_s = ACCUSE_IN_FLIGHT_RETRY_S
-                logger.info(
-                    f"accusation against {accused} waits for an earlier one ({e}); retrying in {delay_s:.0f}s"
-                )
             except NetworkError as e:
-                delay_s = next(delays, None)
-                if delay_s is None:
-                    raise
+                if isinstance(e, AccusationInFlight) and waited_s < in_flight_wait_s:
+                    delay_s = ACCUSE_IN_FLIGHT_RETRY_S
+                else:
+                    delay_s = next(delays, None)
+                    if delay_s is None:
+                        raise
                 logger.info(f"accusation against {accused} not taken yet ({e}); retrying in {delay_s:.0f}s")
             await asyncio.sleep(delay_s)
             waited_s += delay_s

@@ -473,13 +473,20 @@ class Session:
     def accuser(self):
         """Files a validator's evidence against a reducer with the coordinator, which judges it."""
 
+        from swarm.coordinator_client import ACCUSE_IN_FLIGHT_WAIT_S
+        from swarm.training.sendercheck import KIND as SENDER_CHECK
+
         async def accuse(accused: str, evidence, verdict: str) -> None:
+            # A sender check's accuser serves the state its judgment downloads at its turn, one at a time
+            # (``SenderChecks``): it waits out an earlier accusation. Others give up as before, never piling up.
+            patient = getattr(evidence, "kind", None) == SENDER_CHECK
             answer = await self.client.accuse_until_taken(
                 self.key,
                 self.run_config.run_id,
                 accused=accused,
                 reason=verdict,
                 evidence=evidence.to_bytes(),
+                in_flight_wait_s=ACCUSE_IN_FLIGHT_WAIT_S if patient else 0.0,
             )
             logger.warning(
                 f"accused {accused}; the coordinator banned {answer.banned_peer}: {answer.verdict}"

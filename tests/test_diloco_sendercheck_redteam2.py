@@ -54,7 +54,7 @@ from swarm.averaging.evidence import (
 from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.averaging.verification import assignments
 from swarm.config import RunConfig, sender_checks_on, window_stretch
-from swarm.coordinator_client import ACCUSE_IN_FLIGHT_RETRY_S, ACCUSE_RETRY_DELAYS_S, CoordinatorClient
+from swarm.coordinator_client import ACCUSE_RETRY_DELAYS_S, CoordinatorClient
 from swarm.models import build_model
 from swarm.rpc import CHANNEL_OPTIONS
 from swarm.training.diloco import DilocoSync
@@ -310,9 +310,8 @@ def test_a_queued_judgment_holds_no_downloaded_state(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_an_honest_validators_next_accusation_is_taken_once_its_first_is_judged(tmp_path, monkeypatch):
-    """Now: an "in flight" refusal is asked again every ``ACCUSE_IN_FLIGHT_RETRY_S`` for up to 2 h (and
-    ``ACCUSE_RETRY_DELAYS_S`` spans more than a judgment), so the second accusation is filed once the
-    first is judged. Was MEDIUM (a proven liar unfiled; way in: any second lie a validator catches within one judgment).
+    """Now: ``ACCUSE_RETRY_DELAYS_S`` spans more than a judgment (465 s against 300 s), so the second
+    accusation is filed once the first is judged. Was MEDIUM (a proven liar unfiled; way in: any second lie a validator catches within one judgment).
     ``CoordinatorService.accuse`` keeps an accuser in ``_accusing`` until its judgment ends, which is now
     up to ``JUDGING_BUDGET_S`` (300 s) of replay plus the time queued behind other judgments, while
     ``swarm/coordinator_client.py:CoordinatorClient.accuse_until_taken`` retries an "in flight" refusal
@@ -328,8 +327,6 @@ def test_an_honest_validators_next_accusation_is_taken_once_its_first_is_judged(
     monkeypatch.setattr(
         coordinator_client, "ACCUSE_RETRY_DELAYS_S", tuple(d * SCALE for d in ACCUSE_RETRY_DELAYS_S)
     )
-    # An "in flight" refusal is asked again every 120 s for up to 2 h (scaled alike).
-    monkeypatch.setattr(coordinator_client, "ACCUSE_IN_FLIGHT_RETRY_S", ACCUSE_IN_FLIGHT_RETRY_S * SCALE)
     validator = SigningKey.generate()
     first_round = [validator, SigningKey.generate(), SigningKey.generate()]
     second_round = [validator, SigningKey.generate(), SigningKey.generate()]

@@ -389,6 +389,7 @@ class SenderChecks:
         self.skipped = 0
         # The accusation being filed, in a task of its own: one at a time, as the coordinator takes them.
         self._filing: asyncio.Task | None = None
+        self._closed = False
 
     @property
     def enabled(self) -> bool:
@@ -477,6 +478,8 @@ class SenderChecks:
             copy.kept_until = time.monotonic() + KEEP_S
             self._hold(copy)
             return
+        if self._closed:  # the peer left: a replay that ended since files nothing and keeps nothing
+            return
         if self._filing is not None and not self._filing.done():
             # The coordinator takes one accusation of a peer at a time, and each waits with its state:
             # one lie a round, filed as it came, once held a state copy a round for as long as they waited.
@@ -504,7 +507,8 @@ class SenderChecks:
             await asyncio.gather(self._filing, return_exceptions=True)
 
     def close(self) -> None:
-        """Stop filing (the peer leaves the run)."""
+        """Stop filing, now and for checks that end later (the peer leaves the run)."""
+        self._closed = True
         if self._filing is not None:
             self._filing.cancel()
 
