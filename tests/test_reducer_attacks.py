@@ -115,7 +115,7 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
             # (coordinator.roundinputs.JOIN_MARGIN_S): a restarted peer lost what it held.
             await asyncio.sleep(JOIN_MARGIN_S + 1)
             states, full = {}, 0
-            for _ in range(2 * MAX_ROUNDS):
+            for _ in range(4 * MAX_ROUNDS):  # rounds a loaded machine forms short do not count
                 outcomes = await asyncio.gather(
                     *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
                 )
