@@ -123,7 +123,7 @@ REHEARSALS: dict[str, tuple[list[str], int, Callable[[dict, int], list[Check]]]]
         ],
         14,
         check_pipeline_kill,
-    ),  # fmt: skip
+    ),
     "pipeline_attacks": (
         [
             "--stages",
@@ -136,14 +136,13 @@ REHEARSALS: dict[str, tuple[list[str], int, Callable[[dict, int], list[Check]]]]
             "tiny",
             "--byzantine",
             "1",
-            "--attack",
-            ",".join(PIPELINE_ATTACKS),
             "--stage-verify-probability",
             "1.0",
-        ],
+        ]
+        + ["--attack", ",".join(PIPELINE_ATTACKS)],
         3,
         check_pipeline_attacks,
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -511,8 +511,12 @@ class CoordinatorService:
             # A sender check replays the accused's work, each further one again: once it is convicted, no
             # more (a ban for a false accusation alone is no conviction: its sender check still convicts).
             # Other evidence may convict someone else (a stage-mate, a false accuser): judged.
-            banned = await self.store.conviction(body.accused)
-            if banned is not None and evidence_kind(evidence) == CONTRIBUTION_KIND:
+            banned = (
+                await self.store.conviction(body.accused)
+                if evidence_kind(evidence) == CONTRIBUTION_KIND
+                else None
+            )
+            if banned is not None:
                 logger.info(f"accusation by {sender} against {body.accused}: already banned ({banned})"[:600])
                 return pb.AccuseResponse(verdict=f"already banned: {banned}"[:512], banned_peer=body.accused)
             with judging_for(caller_key(peer)):

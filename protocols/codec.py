@@ -64,15 +64,22 @@ def _check_structure(obj: Any, what: str, depth: int = 0) -> None:
         )
 
 
+def _streaming(view: bytes) -> msgpack.Unpacker:
+    """An unpacker over untrusted ``view`` with ``unpack``'s per-value bounds, for reading it a value (or a
+    container header) at a time; ``tell()`` is the offset of the next one."""
+    unpacker = msgpack.Unpacker(
+        raw=False, max_buffer_size=max(len(view), 1), ext_hook=_refuse_ext, max_str_len=MAX_STRING_CHARS,
+        max_bin_len=len(view), max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS,
+    )  # fmt: skip
+    unpacker.feed(view)
+    return unpacker
+
+
 def _count_items(view: bytes, limit: int, what: str) -> None:
     """Refuse msgpack ``view`` holding more than ``limit`` items in all, counting container headers and
     skipping scalars, so that its decode never builds millions of small objects on whatever thread runs it
     (per-container bounds alone let 32 MiB of nested empty lists cost seconds and half a GiB)."""
-    unpacker = msgpack.Unpacker(
-        raw=False, max_buffer_size=max(len(view), 1), max_str_len=MAX_STRING_CHARS, max_bin_len=len(view),
-        max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS,
-    )  # fmt: skip
-    unpacker.feed(view)
+    unpacker = _streaming(view)
     pending, count = 1, 0
     while pending:
         pending -= 1
@@ -97,18 +104,14 @@ def top_level_str(data: bytes, key: str, *, max_bytes: int = MAX_ENVELOPE_BYTES)
     a string. For choosing how to decode the rest (``unpack``) off the event loop."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or not 0 < len(data) <= max_bytes:
         return None
-    unpacker = msgpack.Unpacker(
-        raw=False, max_buffer_size=len(data), ext_hook=_refuse_ext, max_str_len=MAX_STRING_CHARS,
-        max_bin_len=max_bytes, max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS,
-    )  # fmt: skip
     view = bytes(data)
+    unpacker = _streaming(view)
 
     def next_is_str() -> bool:  # fixstr, str 8, str 16, str 32: nothing else is decoded
         offset = unpacker.tell()
         return offset < len(view) and (0xA0 <= view[offset] <= 0xBF or view[offset] in (0xD9, 0xDA, 0xDB))
 
     try:
-        unpacker.feed(view)
         for _ in range(unpacker.read_map_header()):
             if not next_is_str():
                 unpacker.skip()  # a key that is not a string, then its value
