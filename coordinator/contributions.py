@@ -109,6 +109,16 @@ def _parse(data: bytes) -> WrongContributionEvidence:
     return WrongContributionEvidence.from_body(body)
 
 
+def _holds(
+    evidence: WrongContributionEvidence, run: RunConfig, codec, vector_numel: int, accuser: str
+) -> tuple[int, str]:
+    """(step, state hash) of the evidence once its signatures, layout and draw (or scores) hold."""
+    facts = evidence.facts()
+    evidence.slice(codec, vector_numel)
+    evidence.check_draw(run, codec, vector_numel, accuser)
+    return facts
+
+
 async def judge_contribution(
     run: RunConfig,
     layouts: Callable[[], dict[str, int]],
@@ -134,10 +144,10 @@ async def judge_contribution(
             raise ProtocolError(
                 f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, not the run's"
             )
-        step, state_hash = evidence.facts()
         codec, vector_numel = round_codec(run, evidence.prefix), layouts()[evidence.prefix]
-        evidence.slice(codec, vector_numel)
-        evidence.check_draw(run, codec, vector_numel, accuser)
+        # Signatures, and for a sender replayed for standing out every input of its chunk decoded and
+        # scored: off the event loop.
+        step, state_hash = await asyncio.to_thread(_holds, evidence, run, codec, vector_numel, accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
     # The state is downloaded once this judgment's turn comes: a queue of judgments holds no states.

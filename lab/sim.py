@@ -319,6 +319,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
          "contributed_samples": p["metrics"].get("contributed_samples", 0.0),
          "senders_checked": p["metrics"].get("senders_checked", 0.0),
          "senders_caught": p["metrics"].get("senders_caught", 0.0),
+         "senders_outliers": p["metrics"].get("senders_outliers", 0.0),
          "averaging_s": p["metrics"].get("averaging_s", 0.0),
          "compute_utilization": p["metrics"].get("compute_utilization", 0.0),
          "byzantine": p["name"] in byzantine, "banned": p["state"] == "banned" or bool(p["ban_reason"]),

@@ -129,6 +129,11 @@ class SimConfig(BaseModel):
         "batch seeds (every_step, and diloco windows with a fresh inner optimizer); with the sim's "
         "verify_probability about one replayed step (or window) in eight, twice the run's defaults",
     )  # fmt: skip
+    replay_outliers: bool = Field(
+        True,
+        description="validators also replay a sender whose input to a checked chunk stands out from the "
+        "others' (training.replay_outliers)",
+    )
     min_group_size: int | None = Field(
         None, ge=1, le=4096,
         description="training.min_group_size (default: max(2f + 1, peers - f) with --byzantine f: every "
@@ -286,6 +291,7 @@ def build_run(config: SimConfig) -> RunConfig:
             **({"relay_fanout": config.relay_fanout} if config.relay_fanout else {}),
             "verify_probability": config.verify_probability,
             "sender_check_probability": config.sender_check_probability,
+            "replay_outliers": config.replay_outliers,
             **({"aggregator": config.aggregator} if config.aggregator else {}),
             "validation_every_steps": max(1, steps // 4), "checkpoint_every_steps": max(1, steps // 2),
         },

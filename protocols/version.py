@@ -6,7 +6,9 @@
 #    answer that fails the check is evidence against its signer (``stage_bad_answer``).
 # 5: a diloco run that checks senders replays windows of a fresh inner optimizer, exactly inner_steps long:
 #    a longer window that a version-4 peer signs would be a lie.
-PROTOCOL_VERSION = 5
+# 6: a validator also replays a sender whose input stands out among its chunk's (``swarm.averaging.scores``)
+#    and files that evidence with the chunk's inputs: a version-5 coordinator would ban it as undrawn.
+PROTOCOL_VERSION = 6
 
 # Domain separator mixed into every signature, so a swarm signature is never valid for anything else.
 SIGNATURE_DOMAIN = b"swarm/signed/v1"

@@ -218,6 +218,12 @@ class TrainingConfig(_Section):
         "with a fresh inner optimizer in fp32, a dense codec and no outer_overlap; 0 for a run whose "
         "peers train on their own data",
     )
+    replay_outliers: bool = Field(
+        True,
+        description="with sender checks on, a validator also replays (at most once a round) a sender whose "
+        "input to the chunk it checked stands out from the others' by its cosine with their coordinate "
+        "median, its norm or its signed weight (swarm.averaging.scores), drawn or not",
+    )
     sender_check_tolerance: float | None = Field(
         None,
         ge=0,

@@ -13,6 +13,7 @@
 - ``reducer``: ``PartReducer``, the round's reducer side: check, aggregate, sign and return this peer's part
 - ``repair``: ``PartRepairs``, a withheld part relayed or re-reduced by its substitute in the same round
 - ``verification``: validators drawn after delivery, who collect signed inputs and recompute a chunk
+- ``scores``: each input of a checked chunk scored against the others, to pick senders to replay
 - ``transport``: ``DataPlane``, a direct TCP path for the bulk part streams beside libp2p
 - ``deadlines``: the data path's deadlines from measured upload throughput and the bytes moved
 - ``rounds``: ``RoundRegistry``, where an inbound part stream finds its round (live or just finished)

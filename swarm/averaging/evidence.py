@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protocols.codec import pack, unpack
-from protocols.errors import ProtocolError, SwarmError
+from protocols.errors import InvalidContribution, ProtocolError, SwarmError
 from protocols.keys import SIGNATURE_BYTES, PublicKey
 from protocols.version import SIGNATURE_DOMAIN
 from swarm.averaging.aggregators import AggregatorFn
@@ -398,6 +398,31 @@ class BadAggregateEvidence(RoundEvidence):
                 f"the run's layout gives {expected}"
             )
 
+    def checked_inputs(
+        self, codec: Codec, vector_numel: int, chunk_values: int | None = None
+    ) -> list[torch.Tensor]:
+        """The inputs' decoded values, in order, once the evidence holds: the chunk's size is the run's
+        layout's, the reducer signed the output over exactly these inputs, and each sender signed its
+        own. ProtocolError (or a SecurityError) when it does not; ``InvalidContribution``
+        when a validly signed input does not decode."""
+        self.check_layout(codec, vector_numel, chunk_values)
+        entries = self.verify_output()
+        if [i.sender_index for i in self.inputs] != [e.sender_index for e in entries]:
+            raise ProtocolError(
+                f"evidence holds inputs of members {[i.sender_index for i in self.inputs]}, "
+                f"but the reducer aggregated {[e.sender_index for e in entries]}"
+            )
+        decoded = []
+        for item, entry in zip(self.inputs, entries, strict=True):
+            sender = self.verify_input(item)
+            if not entry.matches(item):
+                raise ProtocolError(f"the input of {sender} is not the one the reducer aggregated")
+            try:
+                decoded.append(codec.decode_contribution(item.data, self.numel, sender=sender))
+            except ProtocolError as e:
+                raise InvalidContribution(str(e)) from None
+        return decoded
+
     def judge(
         self, aggregator: AggregatorFn, codec: Codec, *, vector_numel: int, chunk_values: int | None = None
     ) -> str | None:
@@ -409,24 +434,12 @@ class BadAggregateEvidence(RoundEvidence):
         signature that fails, inputs other than those the reducer signed that it aggregated. Then the
         accusation is false and it is the accuser who misbehaved.
         """
-        self.check_layout(codec, vector_numel, chunk_values)
-        entries = self.verify_output()
-        if [i.sender_index for i in self.inputs] != [e.sender_index for e in entries]:
-            raise ProtocolError(
-                f"evidence holds inputs of members {[i.sender_index for i in self.inputs]}, "
-                f"but the reducer aggregated {[e.sender_index for e in entries]}"
-            )
-        decoded, weights = [], []
-        for item, entry in zip(self.inputs, entries, strict=True):
-            sender = self.verify_input(item)
-            if not entry.matches(item):
-                raise ProtocolError(f"the input of {sender} is not the one the reducer aggregated")
-            try:
-                decoded.append(codec.decode_contribution(item.data, self.numel, sender=sender))
-            except ProtocolError as e:
-                # A valid signature on an invalid input: the reducer aggregated what it should have dropped.
-                return f"aggregated an invalid contribution ({e})"
-            weights.append(item.weight)
+        try:
+            decoded = self.checked_inputs(codec, vector_numel, chunk_values)
+        except InvalidContribution as e:
+            # A valid signature on an invalid input: the reducer aggregated what it should have dropped.
+            return f"aggregated an invalid contribution ({e})"
+        weights = [item.weight for item in self.inputs]
         if not decoded:
             return "returned an aggregate of no contributions"
         try:

@@ -254,6 +254,7 @@ class TrainingPeer:
             "contributed_samples": float(self.contributed_samples),
             "senders_checked": float(self.sender_checks.checked),  # replayed contributions (sendercheck)
             "senders_caught": float(self.sender_checks.caught),
+            "senders_outliers": float(self.sender_checks.outliers),  # of those, replayed for standing out
             "last_round_peers": float(self.last_group_size),
             "paused": float(self.paused),
             "peak_memory_bytes": float(peak_memory_bytes(self.device)),

@@ -62,7 +62,7 @@ import torch
 
 from protocols.codec import pack
 from protocols.envelope import open_envelope
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, SwarmError
 from protocols.messages import JUDGING_BUDGET_S
 from swarm.averaging.archive import KEEP_INPUTS_S
 from swarm.averaging.compression import Codec
@@ -80,6 +80,7 @@ from swarm.averaging.evidence import (
     split_bounds,
 )
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
+from swarm.averaging.scores import flagged
 from swarm.averaging.verification import Assignment, assignments, draw
 from swarm.config import RunConfig, replayable_windows, sender_checks_on, sender_tolerance, window_stretch
 from swarm.training.diloco import DilocoReplica, flat_params
@@ -90,6 +91,10 @@ from swarm.training.sync import EncodedState, is_state_hash
 logger = logging.getLogger(__name__)
 
 KIND = "wrong_contribution"
+#: The fields of a scored chunk in ``wrong_contribution`` evidence (``BadAggregateEvidence``'s, less the
+#: round fields it shares with the evidence) and the round fields it takes from the evidence.
+SCORED_KEYS = ("signer", "numel", "inputs", "output", "output_signature", "entries", "signed_at_ms")
+ROUND_KEYS = ("prefix", "group_id", "members", "commitments", "part", "chunk", "reducers")
 #: How long a validator serves the state a lie was recomputed on once its accusation is answered (or given
 #: up): as long as reducers keep their inputs.
 KEEP_S = KEEP_INPUTS_S
@@ -152,6 +157,48 @@ def whole_micro_batches(run: RunConfig, samples: float) -> int:
             f"signed for {samples:g} samples; a peer stops computing at the target batch {target}"
         )
     return int(samples) // micro
+
+
+def flagged_senders(
+    run: RunConfig,
+    inputs: Sequence[SignedInput],
+    decoded: Sequence[torch.Tensor],
+    *,
+    validator: int,
+    lenient: bool = False,
+) -> list[int]:
+    """The member indices of the senders among ``inputs`` (one chunk's, ``decoded`` their values) that
+    stand out enough to be replayed (``swarm.averaging.scores.flagged``), the most suspect first: never
+    the ``validator`` itself; empty when the run does not replay outliers."""
+    if not run.training.replay_outliers:
+        return []
+
+    def claim_ok(weight: float) -> bool:
+        try:
+            whole_micro_batches(run, weight)
+        except ProtocolError:
+            return False
+        return True
+
+    positions = flagged(
+        decoded, [item.weight for item in inputs],
+        candidates=[k for k, item in enumerate(inputs) if item.sender_index != validator],
+        claim_ok=claim_ok, lenient=lenient,
+    )  # fmt: skip
+    return [inputs[k].sender_index for k in positions]
+
+
+def _scored(body: dict) -> BadAggregateEvidence | None:
+    """The chunk evidence of a ``wrong_contribution`` body's ``scored`` map (None without one), with the
+    round fields of the body itself."""
+    scored = body.get("scored")
+    if scored is None:
+        return None
+    if not isinstance(scored, dict) or not set(scored) <= set(SCORED_KEYS):
+        raise ProtocolError(
+            f"{KIND} evidence holds a scored chunk that is not a map of {', '.join(SCORED_KEYS)}"
+        )
+    return BadAggregateEvidence.from_body({**{k: v for k, v in body.items() if k in ROUND_KEYS}, **scored})
 
 
 def recompute(
@@ -239,6 +286,10 @@ class WrongContributionEvidence(RoundEvidence):
     # Every member's revealed nonce, in member order: they fix the round's draw, which must name the
     # accuser as the part's validator, this chunk, and the accused as the sender to replay.
     reveals: tuple[bytes, ...] = ()
+    # For a sender replayed because its input stood out, not because the draw named it: the chunk's
+    # signed aggregate and every input it aggregated, from which the coordinator scores the inputs again
+    # (``swarm.averaging.scores``). Its round fields are this evidence's own.
+    scored: BadAggregateEvidence | None = None
 
     kind = KIND
 
@@ -255,8 +306,13 @@ class WrongContributionEvidence(RoundEvidence):
                 "item": [item.sender_index, item.data, item.signature, item.weight],
                 "entry": self.entry,
                 "reveals": list(self.reveals),
+                **({"scored": self._scored_body()} if self.scored is not None else {}),
             }  # fmt: skip
         )
+
+    def _scored_body(self) -> dict:
+        body = self.scored._body()
+        return {key: body[key] for key in SCORED_KEYS if key in body}
 
     @classmethod
     def from_body(cls, body: dict) -> WrongContributionEvidence:
@@ -265,6 +321,7 @@ class WrongContributionEvidence(RoundEvidence):
                 **round_fields(body), item=signed_input(body["item"]),
                 entry=bytes_field(body["entry"], "the accused's group entry", MAX_ENTRY_BYTES),
                 reveals=tuple(bytes_field(r, "a reveal", NONCE_BYTES) for r in body.get("reveals", ())),
+                scored=_scored(body),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise ProtocolError(f"{KIND} evidence is malformed: {e!r}"[:300]) from None
@@ -321,8 +378,21 @@ class WrongContributionEvidence(RoundEvidence):
             )
         candidates = [i for i in range(members) if i != validator]
         sender = drawn_sender(seed, self.part, self.chunk, candidates, run.training.sender_check_probability)
-        if sender != self.item.sender_index:
+        if sender == self.item.sender_index:
+            return
+        if self.scored is None:
             raise ProtocolError(f"the round did not draw {self.accused} as the sender to replay")
+        # Not drawn: replayed because its input stood out among the chunk's, which the coordinator scores
+        # again from the reducer's signed aggregate and every input it aggregated.
+        chunk = self.scored
+        decoded = chunk.checked_inputs(codec, vector_numel)
+        if self.item not in chunk.inputs:
+            raise ProtocolError(f"the input of {self.accused} is not one the chunk's reducer aggregated")
+        flags = flagged_senders(run, chunk.inputs, decoded, validator=validator, lenient=True)
+        if self.item.sender_index not in flags:
+            raise ProtocolError(
+                f"the input of {self.accused} does not stand out among the chunk's (swarm.averaging.scores)"
+            )
 
     def slice(self, codec: Codec, vector_numel: int) -> tuple[int, int]:
         """Where the chunk lies in the run's vector; ProtocolError if the run's layout has no such chunk."""
@@ -382,6 +452,7 @@ class SenderChecks:
         self.pending: OrderedDict[bytes, _Copy] = OrderedDict()  # group ID -> the state at its round
         self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
         self.checked = self.caught = 0
+        self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
         # One replay at a time, and one more waiting its turn: a check that comes due beyond that is
         # skipped (a liar that reads last round's draw cannot count on its validator being busy).
         self._replay_turn = asyncio.Lock()
@@ -421,6 +492,7 @@ class SenderChecks:
         members = len(runner.members)
         reveals = tuple(runner.reveals[i] for i in range(members)) if seed is not None else ()
         own_draw = os.urandom(32) if seed is None else seed
+        outlier_replayed = False
         for outcome in outcomes:
             evidence = outcome.evidence
             if not isinstance(evidence, BadAggregateEvidence):
@@ -428,14 +500,49 @@ class SenderChecks:
             candidates = [i for i in range(members) if i != runner.index]
             sender = drawn_sender(own_draw, evidence.part, evidence.chunk, candidates, self.probability)
             item = next((i for i in evidence.inputs if i.sender_index == sender), None)
-            if item is None:
-                continue  # nobody drawn, or the drawn member sent nothing to this chunk
-            lie = WrongContributionEvidence(
-                prefix=evidence.prefix, group_id=evidence.group_id, members=evidence.members,
-                commitments=evidence.commitments, part=evidence.part, chunk=evidence.chunk,
-                reducers=evidence.reducers, item=item, entry=copy.entries[sender], reveals=reveals,
-            )  # fmt: skip
-            await self._check_one(runner, lie, copy)
+            if item is not None:  # else nobody drawn, or the drawn member sent nothing to this chunk
+                await self._check_one(runner, self._lie(evidence, item, copy, reveals), copy)
+            # At most one sender a round replayed for standing out, beside the drawn ones: a score costs
+            # nothing, a replay a step (or a window).
+            if outlier_replayed or type(evidence) is not BadAggregateEvidence:
+                continue
+            odd = await self._outlier(runner, evidence, drawn=sender)
+            if odd is not None:
+                outlier_replayed = True
+                self.outliers += 1
+                lie = self._lie(evidence, odd, copy, reveals, scored=evidence)
+                await self._check_one(runner, lie, copy)
+
+    def _lie(
+        self, evidence: BadAggregateEvidence, item: SignedInput, copy: _Copy, reveals: tuple[bytes, ...],
+        scored: BadAggregateEvidence | None = None,
+    ) -> WrongContributionEvidence:  # fmt: skip
+        return WrongContributionEvidence(
+            prefix=evidence.prefix, group_id=evidence.group_id, members=evidence.members,
+            commitments=evidence.commitments, part=evidence.part, chunk=evidence.chunk,
+            reducers=evidence.reducers, item=item, entry=copy.entries[item.sender_index], reveals=reveals,
+            scored=scored,
+        )  # fmt: skip
+
+    async def _outlier(
+        self, runner, evidence: BadAggregateEvidence, *, drawn: int | None
+    ) -> SignedInput | None:
+        """The input of the chunk's most suspect sender by its score (``flagged_senders``), other than the
+        drawn one and this member; None if none stands out."""
+        try:
+            # The run's layout, as the coordinator reads it (``check_draw``).
+            decoded = await asyncio.to_thread(evidence.checked_inputs, runner.codec, runner.numel)
+        except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
+            return None
+        flags = flagged_senders(self.run, evidence.inputs, decoded, validator=runner.index)
+        odd = next((i for i in flags if i != drawn), None)
+        if odd is None:
+            return None
+        logger.info(
+            f"{runner.members[odd]}'s input to part {evidence.part} chunk {evidence.chunk} of round "
+            f"{runner.group_id.hex()[:8]} stands out among the chunk's; replaying it"
+        )
+        return next(i for i in evidence.inputs if i.sender_index == odd)
 
     async def _check_one(self, runner, lie: WrongContributionEvidence, copy: _Copy) -> None:
         accused = lie.accused

@@ -1,0 +1,112 @@
+"""Rounds to a ban: how soon sender checks ban a peer whose contribution is provably wrong, at the sim's rates.
+
+Every cell is one real `swarm-sim` run (a coordinator and N peer processes on loopback, the tiny model) with
+one attacker, at the sim's default validation and sender-check rates. Prints a markdown table with, per mode
+and attack: whether the attacker was banned, the step its ban names (the round of the lie that was proven),
+the samples it put into rounds, the honest peers' replays (drawn and for standing out, with how many caught
+it), the final validation loss and whether the honest peers ended identical. Pass `--replay-outliers off`
+to measure the draw alone (the run's `training.replay_outliers = false`).
+
+Usage::
+
+    python benchmarks/ban_table.py                                   # every_step and diloco, 6 attacks
+    python benchmarks/ban_table.py --modes diloco --attacks sign_flip,label_flip --repeats 2 --json b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from byzantine_table import run_sim  # noqa: E402
+
+PROVABLE = ("sign_flip", "label_flip", "huge_weight", "random_direction", "delayed_gradient", "nan")
+
+
+def mode_flags(mode: str, steps: int, inner_steps: int) -> list[str]:
+    if mode == "every_step":
+        return ["--steps", str(steps)]
+    return ["--sync", "diloco", "--inner-steps", str(inner_steps), "--compression", "int8",
+            "--window-stretch", "1", "--steps", str(steps)]  # fmt: skip
+
+
+def summary(report: dict) -> dict:
+    """The row of one run's report."""
+    if "error" in report:
+        return {"error": report["error"][-200:]}
+    peers = report.get("peers", [])
+    attackers = [p for p in peers if p.get("byzantine")]
+    honest = [p for p in peers if not p.get("byzantine")]
+    reason = attackers[0].get("ban_reason", "") if attackers else ""
+    step = re.search(r"at step (\d+)", reason)
+    return {
+        "banned": bool(attackers) and all(p.get("banned") for p in attackers),
+        "ban_step": int(step.group(1)) if step else None,
+        "ban_reason": reason[:200],
+        "attacker_samples": sum(p.get("contributed_samples", 0.0) for p in attackers),
+        "replays": sum(p.get("senders_checked", 0.0) for p in honest),
+        "outlier_replays": sum(p.get("senders_outliers", 0.0) for p in honest),
+        "caught": sum(p.get("senders_caught", 0.0) for p in honest),
+        "honest_banned": sum(1 for p in honest if p.get("banned")),
+        "final_val_loss": report.get("final_val_loss"),
+        "honest_identical": len({p.get("param_hash") for p in honest}) == 1,
+        "duration_s": report.get("duration_s"),
+        "exit_code": report.get("exit_code"),
+    }
+
+
+def line(mode: str, attack: str, row: dict) -> str:
+    if "error" in row:
+        return f"| {mode} | `{attack}` | error: {row['error']!r} |||||||"
+    step = "n/a" if row["ban_step"] is None else str(row["ban_step"])
+    loss = "n/a" if row["final_val_loss"] is None else f"{row['final_val_loss']:.4f}"
+    return (
+        f"| {mode} | `{attack}` | {'yes' if row['banned'] else 'no'} | {step} | {row['attacker_samples']:.0f} | "
+        f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['caught']:.0f} | {row['honest_banned']} | "
+        f"{loss} | {'yes' if row['honest_identical'] else 'NO'} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", default="every_step,diloco")
+    parser.add_argument("--attacks", default=",".join(PROVABLE))
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="steps (diloco: outer steps)")
+    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--replay-outliers", choices=("on", "off"), default="on")
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.peers < 4 or args.repeats < 1 or args.steps < 1:
+        parser.error("--peers must be at least 4 (3 honest), --repeats and --steps at least 1")
+    rows = []
+    print(
+        "| mode | attack | banned | step of the lie | attacker's samples in rounds | honest replays (of them for "
+        "standing out) | caught | honest banned | final validation loss | honest identical |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for _ in range(args.repeats):
+        for mode in args.modes.split(","):
+            for attack in args.attacks.split(","):
+                flags = [
+                    "--peers", str(args.peers), "--model-size", "tiny", "--byzantine", "1", "--attack", attack,
+                    "--timeout-s", str(int(args.timeout_s)), *mode_flags(mode, args.steps, args.inner_steps),
+                    *(["--no-replay-outliers"] if args.replay_outliers == "off" else []),
+                ]  # fmt: skip
+                row = {"mode": mode, "attack": attack, **summary(run_sim(flags, args.timeout_s + 120))}
+                rows.append(row)
+                print(line(mode, attack, row), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

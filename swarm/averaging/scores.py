@@ -1,0 +1,117 @@
+"""Contribution scores: which sender of a checked chunk stands out from the others enough to replay it.
+
+A validator that checks a chunk of a round holds every sender's signed input to it (``BadAggregateEvidence``).
+Each input is scored against the chunk's coordinate-wise median of all inputs, a centre that a minority of
+senders cannot move outside the honest senders' range:
+
+- ``cosine``: the cosine between the input and that centre. Honest gradients (or pseudo-gradients) of one
+  state on different public batches point the same way as the centre; a reversed, random or made-up one
+  does not.
+- ``norm_ratio``: the input's L2 norm over the median norm of the inputs.
+
+A sender is *flagged* when its cosine is below ``COSINE_RATIO`` of the group's median cosine (and below 0
+whatever that median), or its norm is more than ``NORM_RATIO`` times the median norm, or its signed weight is
+a claim the run's loop never signs (the caller's ``claim_ok``). At least ``MIN_SCORED`` inputs must decode to
+finite values for any cosine or norm flag. A flag is not a verdict: it only picks a sender for a replay
+(``swarm.training.sendercheck``), which convicts only a sender whose contribution is not what its public
+batch seeds give. So an honest sender that stands out costs its validator one replay and nobody a ban.
+
+Scores are pure functions of the signed bytes: the coordinator computes them again from the evidence and
+accepts the replay of a flagged sender as it accepts a drawn one. It flags with ``lenient=True``, widening
+each threshold by ``LENIENCY`` (relative), so an input that a validator flagged is flagged there too
+despite the last bits of float64 sums on another machine.
+
+Example::
+
+    flags = flagged(decoded, weights, candidates=[0, 2, 3], claim_ok=lambda w: w <= 32)
+    worst = flags[0] if flags else None
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: A sender whose cosine with the chunk's median is below this share of the group's median cosine is flagged.
+COSINE_RATIO = 0.5
+#: A sender whose norm is above this multiple of the median norm is flagged.
+NORM_RATIO = 4.0
+#: Inputs that must decode to finite values for the cosine and norm flags (a median of 2 tells nobody apart).
+MIN_SCORED = 3
+#: How much wider the coordinator's thresholds are than a validator's (relative), for float64 rounding.
+LENIENCY = 1e-6
+
+
+@dataclass(frozen=True)
+class Score:
+    """One input's standing in its chunk: its cosine with the chunk's median and its norm over the median
+    norm; ``finite`` is False for an input with a non-finite value (not scored)."""
+
+    cosine: float
+    norm_ratio: float
+    finite: bool = True
+
+
+def scores(values: Sequence[torch.Tensor]) -> list[Score]:
+    """The score of each of ``values`` (decoded inputs of one chunk, all of one length), in order."""
+    rows = [v.detach().to("cpu").reshape(-1) for v in values]
+    finite = [bool(torch.isfinite(r).all()) for r in rows]
+    kept = [r for r, ok in zip(rows, finite, strict=True) if ok]
+    if not kept:
+        return [Score(math.nan, math.nan, False) for _ in rows]
+    # The median selects one of the values (the lower middle for an even count), so the decoded dtype
+    # loses nothing; products and norms are taken in float64, one row at a time.
+    centre = torch.stack(kept).median(dim=0).values.to(torch.float64)
+    centre_norm = float(torch.linalg.vector_norm(centre))
+    norms = [float(torch.linalg.vector_norm(r.to(torch.float64))) for r in kept]
+    median_norm = sorted(norms)[(len(norms) - 1) // 2]
+    out = []
+    for row, ok in zip(rows, finite, strict=True):
+        if not ok:
+            out.append(Score(math.nan, math.nan, False))
+            continue
+        row = row.to(torch.float64)
+        norm = float(torch.linalg.vector_norm(row))
+        cosine = float(row @ centre) / (norm * centre_norm) if norm > 0 and centre_norm > 0 else 0.0
+        out.append(Score(cosine, norm / median_norm if median_norm > 0 else 0.0))
+    return out
+
+
+def flagged(
+    values: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    *,
+    candidates: Sequence[int],
+    claim_ok: Callable[[float], bool] = lambda weight: True,
+    lenient: bool = False,
+) -> list[int]:
+    """The indices among ``candidates`` (into ``values``/``weights``) that stand out, the most suspect first:
+    signed weights the loop never signs, then by cosine (lowest first), then by norm (highest first)."""
+    if len(values) != len(weights):
+        raise ValueError("one weight per input")
+    found = scores(values)
+    widen = 1.0 + LENIENCY if lenient else 1.0
+    usable = [s for s in found if s.finite]
+    cosine_below = norm_above = None
+    if len(usable) >= MIN_SCORED:
+        median_cosine = sorted(s.cosine for s in usable)[(len(usable) - 1) // 2]
+        cosine_below = COSINE_RATIO * max(median_cosine, 0.0) * widen + (LENIENCY if lenient else 0.0)
+        norm_above = NORM_RATIO / widen
+    bad_claims, odd = [], []
+    for i in candidates:
+        if not 0 <= i < len(values):
+            continue
+        if not claim_ok(weights[i]):
+            bad_claims.append(i)
+        elif cosine_below is not None and found[i].finite:
+            score = found[i]
+            if score.cosine < cosine_below or score.norm_ratio > norm_above:
+                odd.append(i)
+    odd.sort(key=lambda i: (found[i].cosine, -found[i].norm_ratio, i))
+    return bad_claims + odd
+
+
+__all__ = ["COSINE_RATIO", "LENIENCY", "MIN_SCORED", "NORM_RATIO", "Score", "flagged", "scores"]
