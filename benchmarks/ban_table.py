@@ -4,13 +4,14 @@ Every cell is one real `swarm-sim` run (a coordinator and N peer processes on lo
 one attacker, at the sim's default validation and sender-check rates. Prints a markdown table with, per mode
 and attack: whether the attacker was banned, the step its ban names (the round of the lie that was proven),
 the samples it put into rounds, the honest peers' replays (drawn and for standing out, with how many caught
-it), the final validation loss and whether the honest peers ended identical. Pass `--replay-outliers off`
-to measure the draw alone (the run's `training.replay_outliers = false`).
+it), the final validation loss and whether the honest peers ended identical. The attack `none` is a clean
+run: its replays for standing out are what flags cost honest peers. Pass `--replay-outliers off` to
+measure the draw alone (the run's `training.replay_outliers = false`).
 
 Usage::
 
     python benchmarks/ban_table.py                                   # every_step and diloco, 6 attacks
-    python benchmarks/ban_table.py --modes diloco --attacks sign_flip,label_flip --repeats 2 --json b.json
+    python benchmarks/ban_table.py --modes diloco --attacks none,sign_flip,label_flip --repeats 2 --json b.json
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def summary(report: dict) -> dict:
         "replays": sum(p.get("senders_checked", 0.0) for p in honest),
         "outlier_replays": sum(p.get("senders_outliers", 0.0) for p in honest),
         "caught": sum(p.get("senders_caught", 0.0) for p in honest),
+        # A replay costs about one sender's step (or window): replays per honest peer and step is the share
+        # of an honest peer's compute that checks took.
+        "replays_per_peer_step": sum(p.get("senders_checked", 0.0) for p in honest)
+        / max(1, len(honest) * int(report.get("steps") or 1)),
         "honest_banned": sum(1 for p in honest if p.get("banned")),
         "final_val_loss": report.get("final_val_loss"),
         "honest_identical": len({p.get("param_hash") for p in honest}) == 1,
@@ -62,12 +67,12 @@ def summary(report: dict) -> dict:
 
 def line(mode: str, attack: str, row: dict) -> str:
     if "error" in row:
-        return f"| {mode} | `{attack}` | error: {row['error']!r} |||||||"
+        return f"| {mode} | `{attack}` | error: {row['error']!r} ||||||||"
     step = "n/a" if row["ban_step"] is None else str(row["ban_step"])
     loss = "n/a" if row["final_val_loss"] is None else f"{row['final_val_loss']:.4f}"
     return (
         f"| {mode} | `{attack}` | {'yes' if row['banned'] else 'no'} | {step} | {row['attacker_samples']:.0f} | "
-        f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['caught']:.0f} | {row['honest_banned']} | "
+        f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['replays_per_peer_step']:.2f} | {row['caught']:.0f} | {row['honest_banned']} | "
         f"{loss} | {'yes' if row['honest_identical'] else 'NO'} |"
     )
 
@@ -95,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
             for attack in args.attacks.split(","):
+                attacker = [] if attack == "none" else ["--byzantine", "1", "--attack", attack]
                 flags = [
-                    "--peers", str(args.peers), "--model-size", "tiny", "--byzantine", "1", "--attack", attack,
+                    "--peers", str(args.peers), "--model-size", "tiny", *attacker,
                     "--timeout-s", str(int(args.timeout_s)), *mode_flags(mode, args.steps, args.inner_steps),
                     *(["--no-replay-outliers"] if args.replay_outliers == "off" else []),
                 ]  # fmt: skip

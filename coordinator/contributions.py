@@ -111,12 +111,12 @@ def _parse(data: bytes) -> WrongContributionEvidence:
 
 def _holds(
     evidence: WrongContributionEvidence, run: RunConfig, codec, vector_numel: int, accuser: str
-) -> tuple[int, str]:
-    """(step, state hash) of the evidence once its signatures, layout and draw (or scores) hold."""
-    facts = evidence.facts()
+) -> tuple[int, str, bool]:
+    """(step, state hash, whether the draw named the accused) once the evidence's signatures, layout and
+    draw hold; a sender the draw did not name must still be shown to stand out (``check_stands_out``)."""
+    step, state_hash = evidence.facts()
     evidence.slice(codec, vector_numel)
-    evidence.check_draw(run, codec, vector_numel, accuser)
-    return facts
+    return step, state_hash, evidence.check_draw(run, codec, vector_numel, accuser)
 
 
 async def judge_contribution(
@@ -145,9 +145,7 @@ async def judge_contribution(
                 f"the evidence is of averaging prefix {evidence.prefix[:80]!r}, not the run's"
             )
         codec, vector_numel = round_codec(run, evidence.prefix), layouts()[evidence.prefix]
-        # Signatures, and for a sender replayed for standing out every input of its chunk decoded and
-        # scored: off the event loop.
-        step, state_hash = await asyncio.to_thread(_holds, evidence, run, codec, vector_numel, accuser)
+        step, state_hash, drawn = await asyncio.to_thread(_holds, evidence, run, codec, vector_numel, accuser)
     except SwarmError as e:
         return f"the evidence does not hold: {e}", accuser
     # The state is downloaded once this judgment's turn comes: a queue of judgments holds no states.
@@ -158,6 +156,11 @@ async def judge_contribution(
                 f"{accused} was convicted while this accusation waited ({reason}); nobody banned again",
                 None,
             )
+        if not drawn:  # decoding and scoring every input of the chunk: one judgment at a time, as any
+            try:
+                await asyncio.to_thread(evidence.check_stands_out, run, codec, vector_numel, accuser)
+            except SwarmError as e:
+                return f"the evidence does not hold: {e}", accuser
         try:
             async with asyncio.timeout(timeout_s):
                 state = await states.fetch(accuser, step, state_hash)

@@ -188,7 +188,10 @@ def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, ke
 # (n - 1) / 2 attackers, and benchmarks/byzantine_table.py rehearses each in whole runs), the weight
 # (huge_weight) and the reduce step (bad_reducer). Each run starts a coordinator and 3-4 peer processes:
 # about 25 s on 2 cores.
-ATTACKS = ["label_flip", "nan", "huge_weight", "bad_reducer"]
+# sign_flip runs with senders almost never drawn (a draw names one in 100 checks): a liar that stands out
+# among its chunk's inputs is replayed anyway (swarm.averaging.scores), and that is what must ban it.
+ATTACKS = ["label_flip", "nan", "huge_weight", "bad_reducer", "sign_flip"]
+FLAGS = {"sign_flip": ("--sender-check-probability", "0.01")}
 # An attack whose evidence a validator can take to the coordinator, with what its ban says: a reducer's
 # aggregate recomputed from the signed inputs, a sender's contribution recomputed from its public batch
 # seeds (swarm.training.sendercheck): trained on other labels, or signed for more samples than a peer holds.
@@ -196,6 +199,7 @@ PROVABLE = {
     "bad_reducer": "differs from the rule's result",
     "label_flip": "recomputed from its public batch seeds",
     "huge_weight": "a peer stops computing at the target batch",
+    "sign_flip": "recomputed from its public batch seeds",
 }
 SIM_STEPS = 6  # as many as the shared clean run (conftest.clean_tiny_sim)
 
@@ -210,7 +214,9 @@ def test_honest_peers_train_through_each_attack(tmp_path, clean_tiny_sim, attack
     # minute at a time, which with 3 peers and a group minimum of 3 stalled the swarm each time (one CI
     # run hung past 400 s); the honest peers must be able to train without it.
     peers = 4 if attack in {*PROVABLE, "nan"} else 3
-    report = run_tiny_sim(tmp_path, "--byzantine", "1", "--attack", attack, peers=peers, steps=SIM_STEPS)
+    report = run_tiny_sim(
+        tmp_path, "--byzantine", "1", "--attack", attack, *FLAGS.get(attack, ()), peers=peers, steps=SIM_STEPS
+    )
     honest = [p for p in report["peers"] if not p["byzantine"]]
     attacker = next(p for p in report["peers"] if p["byzantine"])
     assert len(honest) == peers - 1 and all(p["param_hash"] == report["final_param_hash"] for p in honest)
@@ -227,4 +233,6 @@ def test_honest_peers_train_through_each_attack(tmp_path, clean_tiny_sim, attack
         # download only after they moved on (a tiny step takes about a second, a catch-up as long), so it
         # never sends anything to be caught at (reproduced once in 4 runs with two busy loops per core).
         assert attacker["banned"] and PROVABLE[attack] in attacker["ban_reason"], attacker
+        if attack == "sign_flip":
+            assert sum(p["senders_outliers"] for p in honest) >= 1, "replayed for standing out, not drawn"
     assert not any(p["banned"] for p in honest), "no honest peer is ever banned"

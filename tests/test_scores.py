@@ -15,6 +15,7 @@ import hashlib
 import msgpack
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.accusations import run_layouts
 from coordinator.contributions import ContributionStates, judge_contribution
@@ -61,7 +62,11 @@ def _nonce(i: int) -> bytes:
 def world():
     """Four members' keys, the state at ``STEP`` and each member's honest gradient from it."""
     torch.manual_seed(0)
-    keys = [SigningKey.generate() for _ in range(MEMBERS)]
+    # Fixed identities: their public batch seeds, so their gradients, are the same in every run.
+    keys = [
+        SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"scored-member-%d" % i).digest()))
+        for i in range(MEMBERS)
+    ]
     model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
     tensors = state_tensors(model, build_optimizer(model, RUN.optimizer))
     honest = [recompute(RUN, tensors, k.peer_id, STEP, 2, device="cpu") for k in keys]  # 8 samples each
@@ -75,24 +80,26 @@ def test_honest_inputs_stand_out_nowhere_and_lies_do(world):
     weights = [8.0] * MEMBERS
     for p in range(MEMBERS):  # every part of the vector, as the chunks of a round of four
         part = [h[bounds[p] : bounds[p + 1]] for h in honest]
-        assert flagged(part, weights, candidates=range(MEMBERS)) == [], f"an honest input flagged in part {p}"
+        assert flagged(part, weights, candidates=range(MEMBERS)) == ([], []), (
+            f"an honest input flagged in part {p}"
+        )
         assert min(s.cosine for s in scores(part)) > 0.3
         noise = torch.randn(part[1].shape, generator=torch.Generator().manual_seed(p))
         lies = {
             "reversed": -part[1],
             "random, 10x the norm": noise * 10 * part[1].norm() / noise.norm(),
             "random, the same norm": noise * part[1].norm() / noise.norm(),
-            "scaled 5x": 5 * part[1],
+            "scaled 10x": 10 * part[1],
         }
         for name, lie in lies.items():
             values = [part[0], lie, part[2], part[3]]
-            assert flagged(values, weights, candidates=range(MEMBERS)) == [1], (name, p)
+            assert flagged(values, weights, candidates=range(MEMBERS)) == ([], [1]), (name, p)
         # A weight no loop signs is flagged first, whatever the values; the validator itself never is.
         claim = flagged(part, [8.0, 6.0, 8.0, 8.0], candidates=[1, 2, 3], claim_ok=lambda w: w % 4 == 0)
-        assert claim == [1]
-        assert flagged([part[0], -part[1], part[2], part[3]], weights, candidates=[0, 2, 3]) == []
+        assert claim == ([1], [])
+        assert flagged([part[0], -part[1], part[2], part[3]], weights, candidates=[0, 2, 3]) == ([], [])
     # Two inputs tell nobody apart, and non-finite ones are not scored.
-    assert flagged([honest[0], -honest[1]], [8.0, 8.0], candidates=[0, 1]) == []
+    assert flagged([honest[0], -honest[1]], [8.0, 8.0], candidates=[0, 1]) == ([], [])
     nan = torch.full_like(honest[1], float("nan"))
     assert not scores([honest[0], nan, honest[2]])[1].finite
 
@@ -102,8 +109,8 @@ def test_the_coordinators_lenient_flag_covers_a_validators_strict_one():
     would, so float64 rounding on another machine never makes a validator's flag a false accusation."""
     base = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     values = [base, base, base, torch.tensor([4.0, 0.0, 0.0, 0.0], dtype=torch.float64)]
-    assert flagged(values, [1.0] * 4, candidates=range(4)) == []  # a norm ratio of exactly 4
-    assert flagged(values, [1.0] * 4, candidates=range(4), lenient=True) == [3]
+    assert flagged(values, [1.0] * 4, candidates=range(4)) == ([], [])  # a norm ratio of exactly 4
+    assert flagged(values, [1.0] * 4, candidates=range(4), lenient=True) == ([], [3])
     assert LENIENCY < 1e-3
 
 
@@ -204,7 +211,7 @@ def test_a_liar_the_draw_did_not_name_is_replayed_for_standing_out_and_banned(wo
     scored, inputs, entry = _chunk(world, {LIAR: -honest[LIAR]})
     numel = honest[0].numel()
     decoded = scored.checked_inputs(CODEC, numel)
-    assert flagged_senders(RUN, scored.inputs, decoded, validator=0) == [LIAR]
+    assert flagged_senders(RUN, scored.inputs, decoded, validator=0) == ([], [LIAR])
     # The draw named member 2, so without the chunk's scores the accusation is refused (the accuser banned).
     found, guilty = _judge(world, _accusation(scored, inputs, entry, LIAR, with_scores=False))
     assert guilty == keys[0].peer_id and "did not draw" in found
@@ -230,11 +237,14 @@ def test_an_undrawn_sender_that_does_not_stand_out_cannot_be_put_to_the_coordina
     other = SignedInput(LIAR, inputs[HONEST].data, inputs[HONEST].signature, 8.0)
     found, guilty = _judge(world, WrongContributionEvidence(**{**swapped.__dict__, "item": other}))
     assert guilty == keys[0].peer_id
+    # The sender the draw named is judged without scores: a scored chunk beside it is refused, not stored.
+    found, guilty = _judge(world, _accusation(scored, inputs, entry, 2))
+    assert guilty == keys[0].peer_id and "against the drawn sender holds a scored chunk" in found
     # A run that does not replay outliers accepts only drawn senders.
     off = RUN.model_copy(deep=True)
     off.training.replay_outliers = False
     found, guilty = _judge(world, _accusation(scored, inputs, entry, LIAR), run=off)
-    assert guilty == keys[0].peer_id and "does not stand out" in found
+    assert guilty == keys[0].peer_id and "replays only the senders its rounds draw" in found
 
 
 def test_a_scored_chunk_with_extra_fields_names_what_is_wrong(world):

@@ -23,8 +23,7 @@ despite the last bits of float64 sums on another machine.
 
 Example::
 
-    flags = flagged(decoded, weights, candidates=[0, 2, 3], claim_ok=lambda w: w <= 32)
-    worst = flags[0] if flags else None
+    claims, odd = flagged(decoded, weights, candidates=[0, 2, 3], claim_ok=lambda w: w <= 32)
 """
 
 from __future__ import annotations
@@ -87,9 +86,11 @@ def flagged(
     candidates: Sequence[int],
     claim_ok: Callable[[float], bool] = lambda weight: True,
     lenient: bool = False,
-) -> list[int]:
-    """The indices among ``candidates`` (into ``values``/``weights``) that stand out, the most suspect first:
-    signed weights the loop never signs, then by cosine (lowest first), then by norm (highest first)."""
+) -> tuple[list[int], list[int]]:
+    """The indices among ``candidates`` (into ``values``/``weights``) that stand out, in index order: those
+    whose signed weight the loop never signs (a lie that needs no replay), and those whose values stand
+    out by cosine or norm. Which of the latter to replay is for the round's draw to say, not a rank that
+    the senders' own values set (a decoy that stands out more would shield a liar)."""
     if len(values) != len(weights):
         raise ValueError("one weight per input")
     found = scores(values)
@@ -110,8 +111,7 @@ def flagged(
             score = found[i]
             if score.cosine < cosine_below or score.norm_ratio > norm_above:
                 odd.append(i)
-    odd.sort(key=lambda i: (found[i].cosine, -found[i].norm_ratio, i))
-    return bad_claims + odd
+    return sorted(bad_claims), sorted(odd)
 
 
 __all__ = ["COSINE_RATIO", "LENIENCY", "MIN_SCORED", "NORM_RATIO", "Score", "flagged", "scores"]

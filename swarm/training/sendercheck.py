@@ -102,6 +102,12 @@ KEEP_S = KEEP_INPUTS_S
 MAX_KEPT = 2
 #: Rounds whose state awaits its check (a new round's copy pushes out the oldest).
 MAX_PENDING = 2
+#: Checked chunks a validator scores in a round, looking for a sender that stands out (``_outlier``).
+MAX_SCORED_CHUNKS = 4
+#: How far beyond the tolerance a validator's own replay must find a contribution before it files (as a share
+#: of the tolerance): the coordinator convicts beyond the tolerance itself, so a lie placed at the edge, on
+#: the side where the validator's replay rounds differently from the coordinator's, is only avoided.
+ACCUSE_MARGIN = 0.1
 #: Replays running or waiting their turn at once (each holds its round's state copy).
 MAX_REPLAYS_DUE = 2
 MAX_ENTRY_BYTES = 16 << 10
@@ -166,12 +172,13 @@ def flagged_senders(
     *,
     validator: int,
     lenient: bool = False,
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     """The member indices of the senders among ``inputs`` (one chunk's, ``decoded`` their values) that
-    stand out enough to be replayed (``swarm.averaging.scores.flagged``), the most suspect first: never
-    the ``validator`` itself; empty when the run does not replay outliers."""
+    stand out enough to be replayed (``swarm.averaging.scores.flagged``): those that signed a weight the
+    loop never signs, and those whose values stand out; never the ``validator`` itself, and nobody when
+    the run does not replay outliers."""
     if not run.training.replay_outliers:
-        return []
+        return [], []
 
     def claim_ok(weight: float) -> bool:
         try:
@@ -180,12 +187,28 @@ def flagged_senders(
             return False
         return True
 
-    positions = flagged(
+    claims, odd = flagged(
         decoded, [item.weight for item in inputs],
         candidates=[k for k, item in enumerate(inputs) if item.sender_index != validator],
         claim_ok=claim_ok, lenient=lenient,
     )  # fmt: skip
-    return [inputs[k].sender_index for k in positions]
+    return [inputs[k].sender_index for k in claims], [inputs[k].sender_index for k in odd]
+
+
+def outlier_to_replay(
+    claims: Sequence[int], odd: Sequence[int], *, seed: bytes, part: int, chunk: int, drawn: int | None
+) -> int | None:
+    """Which flagged sender (``flagged_senders``) a validator replays, other than the ``drawn`` one: a false
+    weight first (judged without a replay), else one of those whose values stand out, by the round's draw
+    ``seed``, so that an honest decoy that stands out more cannot shield a liar; None if none."""
+    claims = [i for i in claims if i != drawn]
+    if claims:
+        return claims[0]
+    odd = sorted(i for i in odd if i != drawn)
+    if not odd:
+        return None
+    pick = hashlib.sha256(b"outlier-replay|" + seed + struct.pack(">II", part, chunk)).digest()
+    return odd[int.from_bytes(pick[:8], "big") % len(odd)]
 
 
 def _scored(body: dict) -> BadAggregateEvidence | None:
@@ -353,10 +376,12 @@ class WrongContributionEvidence(RoundEvidence):
             raise ProtocolError(f"the group entry of {accused} names a state hash that is not 64 hex digits")
         return step, state_hash
 
-    def check_draw(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> None:
+    def check_draw(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> bool:
         """That the round's draw (from ``reveals``) made ``accuser`` the validator of this chunk of this
-        part and named the accused as the sender to replay; ProtocolError otherwise. So an accuser
-        replays only the sender and chunk the round drew, never ones it picked."""
+        part and named the accused as the sender to replay (True); or, for evidence with a ``scored``
+        chunk, that the draw named someone else and the chunk is one a group of the run can hold (False:
+        the caller then runs ``check_stands_out``). ProtocolError otherwise. So an accuser replays only
+        the chunk the round drew, and only the sender it drew or one whose input stands out there."""
         members = len(self.members)
         if len(self.reveals) != members or len(self.commitments) != members:
             raise ProtocolError(f"{KIND} evidence needs every member's commitment and reveal")
@@ -379,17 +404,33 @@ class WrongContributionEvidence(RoundEvidence):
         candidates = [i for i in range(members) if i != validator]
         sender = drawn_sender(seed, self.part, self.chunk, candidates, run.training.sender_check_probability)
         if sender == self.item.sender_index:
-            return
+            if self.scored is not None:  # a validator scores only for senders the draw did not name
+                raise ProtocolError(f"{KIND} evidence against the drawn sender holds a scored chunk")
+            return True
         if self.scored is None:
             raise ProtocolError(f"the round did not draw {self.accused} as the sender to replay")
-        # Not drawn: replayed because its input stood out among the chunk's, which the coordinator scores
-        # again from the reducer's signed aggregate and every input it aggregated.
+        if not run.training.replay_outliers:
+            raise ProtocolError("this run replays only the senders its rounds draw")
+        if members > run.training.max_group_size:
+            raise ProtocolError(
+                f"a scored chunk of {members} members; the run's groups hold at most {run.training.max_group_size}"
+            )
+        return False
+
+    def check_stands_out(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> None:
+        """That the accused's input stands out among the ``scored`` chunk's (``flagged_senders``, with the
+        lenient thresholds): the chunk's reducer signed exactly these inputs, each sender signed its own,
+        and the accused's ``item`` is one of them. ProtocolError otherwise. It decodes every input of the
+        chunk (one group's at most: ``check_draw``), so the coordinator runs it at its judging turn."""
         chunk = self.scored
+        if chunk is None:
+            raise ProtocolError(f"{KIND} evidence holds no scored chunk")
         decoded = chunk.checked_inputs(codec, vector_numel)
         if self.item not in chunk.inputs:
             raise ProtocolError(f"the input of {self.accused} is not one the chunk's reducer aggregated")
-        flags = flagged_senders(run, chunk.inputs, decoded, validator=validator, lenient=True)
-        if self.item.sender_index not in flags:
+        validator = self.members.index(accuser)
+        claims, odd = flagged_senders(run, chunk.inputs, decoded, validator=validator, lenient=True)
+        if self.item.sender_index not in claims + odd:
             raise ProtocolError(
                 f"the input of {self.accused} does not stand out among the chunk's (swarm.averaging.scores)"
             )
@@ -411,10 +452,12 @@ class WrongContributionEvidence(RoundEvidence):
         vector_numel: int,
         device: str,
         deadline: float | None = None,
+        margin: float = 0.0,
     ) -> str | None:
         """What the accused did wrong, recomputed from ``tensors`` (the state the evidence's ``facts``
-        name, which the caller verified by its hash), or None if its input is what it computed. A
-        SwarmError when the evidence does not hold, or the replay cannot be done (by ``deadline``)."""
+        name, which the caller verified by its hash), or None if its input is what it computed, within
+        the run's tolerance widened by ``margin`` of it (a validator's ``ACCUSE_MARGIN``). A SwarmError
+        when the evidence does not hold, or the replay cannot be done (by ``deadline``)."""
         step, _ = self.facts()
         lo, hi = self.slice(codec, vector_numel)
         accused = self.accused
@@ -424,9 +467,8 @@ class WrongContributionEvidence(RoundEvidence):
             return str(e)
         vector = recompute(run, tensors, accused, step, micro_batches, device=device, deadline=deadline)
         what = "window's pseudo-gradient" if run.training.sync == "diloco" else "gradient"
-        verdict = compare(
-            self.item.data, vector[lo:hi], codec, sender_tolerance(run.training), sender=accused, what=what
-        )
+        tolerance = sender_tolerance(run.training) * (1.0 + margin)
+        verdict = compare(self.item.data, vector[lo:hi], codec, tolerance, sender=accused, what=what)
         if verdict is None:
             return None
         return f"{verdict} ({self.item.weight:g} samples at step {step}, part {self.part} chunk {self.chunk})"
@@ -492,7 +534,7 @@ class SenderChecks:
         members = len(runner.members)
         reveals = tuple(runner.reveals[i] for i in range(members)) if seed is not None else ()
         own_draw = os.urandom(32) if seed is None else seed
-        outlier_replayed = False
+        outlier_replayed, scored = False, 0
         for outcome in outcomes:
             evidence = outcome.evidence
             if not isinstance(evidence, BadAggregateEvidence):
@@ -502,11 +544,13 @@ class SenderChecks:
             item = next((i for i in evidence.inputs if i.sender_index == sender), None)
             if item is not None:  # else nobody drawn, or the drawn member sent nothing to this chunk
                 await self._check_one(runner, self._lie(evidence, item, copy, reveals), copy)
-            # At most one sender a round replayed for standing out, beside the drawn ones: a score costs
-            # nothing, a replay a step (or a window).
-            if outlier_replayed or type(evidence) is not BadAggregateEvidence:
+            # At most one sender a round replayed for standing out, beside the drawn ones (a replay costs
+            # a step, or a window), found in at most ``MAX_SCORED_CHUNKS`` chunks (scoring one decodes
+            # every input of it: a member that withholds its reveal makes each member check many parts).
+            if outlier_replayed or scored >= MAX_SCORED_CHUNKS or type(evidence) is not BadAggregateEvidence:
                 continue
-            odd = await self._outlier(runner, evidence, drawn=sender)
+            scored += 1
+            odd = await self._outlier(runner, evidence, seed=own_draw, drawn=sender)
             if odd is not None:
                 outlier_replayed = True
                 self.outliers += 1
@@ -525,17 +569,21 @@ class SenderChecks:
         )  # fmt: skip
 
     async def _outlier(
-        self, runner, evidence: BadAggregateEvidence, *, drawn: int | None
+        self, runner, evidence: BadAggregateEvidence, *, seed: bytes, drawn: int | None
     ) -> SignedInput | None:
-        """The input of the chunk's most suspect sender by its score (``flagged_senders``), other than the
-        drawn one and this member; None if none stands out."""
+        """The input of a sender of the chunk that stands out (``flagged_senders``), other than the drawn
+        one and this member, picked by the round's draw (``outlier_to_replay``); None if none does."""
+
+        def flags() -> tuple[list[int], list[int]]:  # decoding and scoring: off the event loop
+            # The run's layout, as the coordinator reads it (``check_stands_out``).
+            decoded = evidence.checked_inputs(runner.codec, runner.numel)
+            return flagged_senders(self.run, evidence.inputs, decoded, validator=runner.index)
+
         try:
-            # The run's layout, as the coordinator reads it (``check_draw``).
-            decoded = await asyncio.to_thread(evidence.checked_inputs, runner.codec, runner.numel)
+            claims, odd = await asyncio.to_thread(flags)
         except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
             return None
-        flags = flagged_senders(self.run, evidence.inputs, decoded, validator=runner.index)
-        odd = next((i for i in flags if i != drawn), None)
+        odd = outlier_to_replay(claims, odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn)
         if odd is None:
             return None
         logger.info(
@@ -565,7 +613,7 @@ class SenderChecks:
                     # one past the coordinator's own budget could not be judged, so it stops there.
                     verdict = await asyncio.to_thread(
                         lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel,
-                        device=self.device, deadline=time.monotonic() + JUDGING_BUDGET_S,
+                        device=self.device, deadline=time.monotonic() + JUDGING_BUDGET_S, margin=ACCUSE_MARGIN,
                     )  # fmt: skip
             finally:
                 self.replays_due -= 1
