@@ -12,11 +12,13 @@ Usage::
 
     python benchmarks/ban_table.py                                   # every_step and diloco, 6 attacks
     python benchmarks/ban_table.py --modes diloco --attacks none,sign_flip,label_flip --repeats 2 --json b.json
+    python benchmarks/ban_table.py --replay-outliers both --repeats 2   # with and without, interleaved
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -67,11 +69,11 @@ def summary(report: dict) -> dict:
 
 def line(mode: str, attack: str, row: dict) -> str:
     if "error" in row:
-        return f"| {mode} | `{attack}` | error: {row['error']!r} ||||||||"
+        return f"| {mode} | `{attack}` | {row['replay_outliers']} | error: {row['error']!r} |||||||||"
     step = "n/a" if row["ban_step"] is None else str(row["ban_step"])
     loss = "n/a" if row["final_val_loss"] is None else f"{row['final_val_loss']:.4f}"
     return (
-        f"| {mode} | `{attack}` | {'yes' if row['banned'] else 'no'} | {step} | {row['attacker_samples']:.0f} | "
+        f"| {mode} | `{attack}` | {row['replay_outliers']} | {'yes' if row['banned'] else 'no'} | {step} | {row['attacker_samples']:.0f} | "
         f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['replays_per_peer_step']:.2f} | {row['caught']:.0f} | {row['honest_banned']} | "
         f"{loss} | {'yes' if row['honest_identical'] else 'NO'} |"
     )
@@ -85,28 +87,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="steps (diloco: outer steps)")
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--replay-outliers", choices=("on", "off"), default="on")
+    parser.add_argument(
+        "--replay-outliers", choices=("on", "off", "both"), default="on",
+        help="both: each cell with the outlier replays and then without, interleaved",
+    )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.peers < 4 or args.repeats < 1 or args.steps < 1:
         parser.error("--peers must be at least 4 (3 honest), --repeats and --steps at least 1")
     rows = []
+    settings = ("on", "off") if args.replay_outliers == "both" else (args.replay_outliers,)
     print(
-        "| mode | attack | banned | step of the lie | attacker's samples in rounds | honest replays (of them for "
-        "standing out) | caught | honest banned | final validation loss | honest identical |"
+        "| mode | attack | outlier replays | banned | step of the lie | attacker's samples in rounds | honest "
+        "replays (of them for standing out) | replays per honest peer and step | caught | honest banned | "
+        "final validation loss | honest identical |"
     )
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
-            for attack in args.attacks.split(","):
+            for attack, setting in itertools.product(args.attacks.split(","), settings):
                 attacker = [] if attack == "none" else ["--byzantine", "1", "--attack", attack]
                 flags = [
                     "--peers", str(args.peers), "--model-size", "tiny", *attacker,
                     "--timeout-s", str(int(args.timeout_s)), *mode_flags(mode, args.steps, args.inner_steps),
-                    *(["--no-replay-outliers"] if args.replay_outliers == "off" else []),
+                    *(["--no-replay-outliers"] if setting == "off" else []),
                 ]  # fmt: skip
-                row = {"mode": mode, "attack": attack, **summary(run_sim(flags, args.timeout_s + 120))}
+                row = {"mode": mode, "attack": attack, "replay_outliers": setting}
+                row.update(summary(run_sim(flags, args.timeout_s + 120)))
                 rows.append(row)
                 print(line(mode, attack, row), flush=True)
     if args.json is not None:
