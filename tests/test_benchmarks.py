@@ -216,6 +216,35 @@ def test_byzantine_table_prints_each_repeat_against_its_own_clean_run_and_refuse
     assert result.returncode == 2 and "--rules 'median,mean'" in result.stderr
 
 
+def test_ban_table_reads_the_step_of_the_proven_lie_and_the_honest_replays_and_refuses_too_few_peers():
+    # The table runs real swarms (40-60 s a cell, docs/robustness.md); here what it makes of a report.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ban_table
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    honest = {"byzantine": False, "banned": False, "param_hash": "h", "senders_checked": 3.0,
+              "senders_outliers": 1.0, "senders_caught": 1.0}  # fmt: skip
+    attacker = {"byzantine": True, "banned": True, "contributed_samples": 40.0,
+                "ban_reason": "sent a contribution 2 away ... (40 samples at step 3, part 1 chunk 0)"}  # fmt: skip
+    report = {"peers": [attacker, honest, honest, honest], "steps": 8, "final_val_loss": 3.1}
+    row = {"replay_outliers": "on", **ban_table.summary(report)}
+    assert (row["ban_step"], row["replays"], row["outlier_replays"], row["honest_identical"]) == (
+        3,
+        9,
+        3,
+        True,
+    )
+    assert ban_table.line("diloco", "sign_flip", row) == (
+        "| diloco | `sign_flip` | on | yes | 3 | 40 | 9 (3) | 0.38 | 3 | 0 | 3.1000 | yes |"
+    )
+    result = subprocess.run(
+        [sys.executable, "benchmarks/ban_table.py", "--peers", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--peers" in result.stderr
+
+
 def test_rehearsals_fail_a_kill_without_a_move_or_an_attack_that_banned_an_honest_peer():
     # The rehearsals run real swarms for minutes (docs/pipeline.md); here what each check makes of a report.
     sys.path.insert(0, str(ROOT / "benchmarks"))
