@@ -41,7 +41,7 @@ from protocols.messages import JUDGING_BUDGET_S
 from swarm.averaging.evidence import MAX_EVIDENCE_BYTES, MAX_EVIDENCE_ITEMS
 from swarm.averaging.tiers import round_codec
 from swarm.config import RunConfig, sender_checks_on
-from swarm.training.sendercheck import WrongContributionEvidence
+from swarm.training.contribution import WrongContributionEvidence
 from swarm.training.state import DecodedState
 from swarm.training.sync import download_limit, download_state, state_namespace
 

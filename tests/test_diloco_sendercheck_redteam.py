@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import swarm.training.sendercheck as sendercheck
+import swarm.training.contribution as contribution
 from coordinator.accusations import run_layouts
 from coordinator.contributions import ContributionStates, judge_contribution
 from lab.localswarm import tiny_run
@@ -281,7 +281,7 @@ def test_a_validator_replays_one_window_at_a_time_and_within_the_judging_budget(
         calls.append((micro_batches, deadline - started, started, time.monotonic()))
         raise RuntimeError("stopped here")
 
-    monkeypatch.setattr(sendercheck, "recompute", spy)
+    monkeypatch.setattr(contribution, "recompute", spy)
     checks = SenderChecks(LONG, device="cpu", state=lambda: (0, hash_, tensors))
     runner = SimpleNamespace(
         group_id=evidence.group_id, codec=get_codec(LONG.training.compression),

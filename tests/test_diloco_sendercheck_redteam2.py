@@ -27,7 +27,7 @@ import pytest
 from test_diloco_sendercheck_redteam import _live_window, _nonce
 
 import swarm.coordinator_client as coordinator_client
-import swarm.training.sendercheck as sendercheck
+import swarm.training.contribution as contribution
 from coordinator.accusations import run_layouts
 from coordinator.contributions import ContributionStates
 from coordinator.limits import ServiceLimits
@@ -601,13 +601,13 @@ def test_a_check_due_while_the_validator_replays_waits_its_turn(monkeypatch):
         for a in assignments(seed_a, 3, 0, RUN.training.verify_probability, chunks)
     ]
     assert 1 in drawn_for_v  # V replays S's window after round A: L knows V is busy
-    real = sendercheck.recompute
+    real = contribution.recompute
 
     def slow(*args, **kwargs):  # a window replay beside the validator's own training
         time.sleep(1.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sendercheck, "recompute", slow)
+    monkeypatch.setattr(contribution, "recompute", slow)
 
     def validator(busy: bool) -> tuple[SenderChecks, list[str]]:
         accused: list[str] = []

@@ -29,8 +29,10 @@
   outer optimizer
 - hooks.py: ``TrainingHooks``, what the peer trains on, sends and claims (honest; rehearsed attacks override)
 - replay.py: a peer's gradient replayed from public facts (the state at a step, the dataset, its batch seeds)
-- sendercheck.py: ``SenderChecks``: a drawn validator recomputes a groupmate's contribution, and the
+- contribution.py: a sender's contribution recomputed and compared, who the round replays, and the
   ``wrong_contribution`` evidence of a lie
+- sendercheck.py: ``SenderChecks``: a drawn validator (or one that saw a sender stand out) replays a
+  groupmate's contribution and files the lie
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).
 

@@ -1,0 +1,414 @@
+"""What a sender's contribution is, recomputed from public facts, and the evidence that it lied.
+
+``recompute`` replays a sender's contribution to a round from its public batch seeds and the state it
+signed it computed at; ``compare`` measures a signed input against it within the run's tolerance;
+``drawn_sender`` is the sender the round's draw names for a replay and ``flagged_senders`` the ones whose
+input stands out among a checked chunk's (``swarm.averaging.scores``); ``WrongContributionEvidence`` is
+what a validator files and the coordinator judges (``coordinator.contributions``). The validator's side,
+which keeps states and replays, is ``swarm.training.sendercheck``.
+
+Example::
+
+    vector = recompute(run, tensors, peer_id, step, micro_batches, device="cpu")
+    verdict = compare(signed_data, vector[lo:hi], codec, sender_tolerance(run.training), sender=peer_id)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocols.codec import pack
+from protocols.envelope import open_envelope
+from protocols.errors import ProtocolError
+from swarm.averaging.compression import Codec
+from swarm.averaging.evidence import (
+    NONCE_BYTES,
+    BadAggregateEvidence,
+    RoundEvidence,
+    SignedInput,
+    bytes_field,
+    chunk_bounds,
+    draw_seed,
+    layout_chunk_values,
+    round_fields,
+    signed_input,
+    split_bounds,
+)
+from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
+from swarm.averaging.scores import flagged
+from swarm.averaging.verification import Assignment, assignments
+from swarm.config import RunConfig, replayable_windows, sender_tolerance, window_stretch
+from swarm.training.diloco import DilocoReplica, flat_params
+from swarm.training.replay import honest_gradients, public_dataset, replay_window
+from swarm.training.sync import is_state_hash
+
+KIND = "wrong_contribution"
+#: The fields of a scored chunk in ``wrong_contribution`` evidence (``BadAggregateEvidence``'s, less the
+#: round fields it shares with the evidence) and the round fields it takes from the evidence.
+SCORED_KEYS = ("signer", "numel", "inputs", "output", "output_signature", "entries", "signed_at_ms")
+ROUND_KEYS = ("prefix", "group_id", "members", "commitments", "part", "chunk", "reducers")
+MAX_ENTRY_BYTES = 16 << 10
+
+
+def drawn_sender(
+    seed: bytes, part: int, chunk: int, senders: Sequence[int], probability: float
+) -> int | None:
+    """The sender whose contribution to ``chunk`` of ``part`` the round's draw ``seed`` names for a
+    recompute, among ``senders`` (member indices); None when the draw names nobody."""
+    if not senders or probability <= 0:
+        return None
+    draw = hashlib.sha256(b"sender-check|" + seed + struct.pack(">II", part, chunk)).digest()
+    if int.from_bytes(draw[:8], "big") / 2**64 >= probability:
+        return None
+    ordered = sorted(senders)
+    return ordered[int.from_bytes(draw[8:16], "big") % len(ordered)]
+
+
+def chunk_slice(
+    vector_numel: int, members: int, part: int, chunk: int, chunk_values: int, reducers: Sequence[bool] = ()
+) -> tuple[int, int]:
+    """Where ``chunk`` of ``part`` lies in the averaged vector, by the run's layout; (0, 0) if nowhere."""
+    bounds = split_bounds(vector_numel, members, reducers)
+    chunks = chunk_bounds(bounds[part + 1] - bounds[part], chunk_values)
+    if not 0 <= chunk < len(chunks) - 1:
+        return 0, 0
+    return bounds[part] + chunks[chunk], bounds[part] + chunks[chunk + 1]
+
+
+def whole_micro_batches(run: RunConfig, samples: float) -> int:
+    """The micro-batches behind a claim of ``samples``; ProtocolError for a claim the built-in loop never
+    signs: not a whole number of micro-batches, or more than it holds before a round is due (every step:
+    the target batch, less one sample; diloco: ``inner_steps`` inner steps, the whole window of a run
+    whose windows are replayed, ``swarm.config.window_stretch``)."""
+    training = run.training
+    micro, target = training.micro_batch_size, training.target_batch_size
+    if not (math.isfinite(samples) and samples == int(samples) and samples > 0 and int(samples) % micro == 0):
+        raise ProtocolError(
+            f"signed for {samples:g} samples, not a whole number of {micro}-sample micro-batches"
+        )
+    if training.sync == "diloco":
+        most = math.ceil(window_stretch(training) * training.inner_steps)
+        if samples > most * micro:
+            raise ProtocolError(
+                f"signed for {samples:g} samples; a window ends after {most} inner steps of {micro} samples"
+            )
+    elif samples >= target + micro:
+        raise ProtocolError(
+            f"signed for {samples:g} samples; a peer stops computing at the target batch {target}"
+        )
+    return int(samples) // micro
+
+
+def flagged_senders(
+    run: RunConfig,
+    inputs: Sequence[SignedInput],
+    decoded: Sequence[torch.Tensor],
+    *,
+    validator: int,
+    lenient: bool = False,
+) -> tuple[list[int], list[int]]:
+    """The member indices of the senders among ``inputs`` (one chunk's, ``decoded`` their values) that
+    stand out enough to be replayed (``swarm.averaging.scores.flagged``): those that signed a weight the
+    loop never signs, and those whose values stand out; never the ``validator`` itself, and nobody when
+    the run does not replay outliers."""
+    if not run.training.replay_outliers:
+        return [], []
+
+    def claim_ok(weight: float) -> bool:
+        try:
+            whole_micro_batches(run, weight)
+        except ProtocolError:
+            return False
+        return True
+
+    claims, odd = flagged(
+        decoded, [item.weight for item in inputs],
+        candidates=[k for k, item in enumerate(inputs) if item.sender_index != validator],
+        claim_ok=claim_ok, lenient=lenient,
+    )  # fmt: skip
+    return [inputs[k].sender_index for k in claims], [inputs[k].sender_index for k in odd]
+
+
+def outlier_to_replay(
+    claims: Sequence[int], odd: Sequence[int], *, seed: bytes, part: int, chunk: int, drawn: int | None
+) -> int | None:
+    """Which flagged sender (``flagged_senders``) a validator replays, other than the ``drawn`` one: a false
+    weight first (judged without a replay), else one of those whose values stand out, by the round's draw
+    ``seed``, so that an honest decoy that stands out more cannot shield a liar; None if none."""
+    claims = [i for i in claims if i != drawn]
+    if claims:
+        return claims[0]
+    odd = sorted(i for i in odd if i != drawn)
+    if not odd:
+        return None
+    pick = hashlib.sha256(b"outlier-replay|" + seed + struct.pack(">II", part, chunk)).digest()
+    return odd[int.from_bytes(pick[:8], "big") % len(odd)]
+
+
+def _scored(body: dict) -> BadAggregateEvidence | None:
+    """The chunk evidence of a ``wrong_contribution`` body's ``scored`` map (None without one), with the
+    round fields of the body itself."""
+    scored = body.get("scored")
+    if scored is None:
+        return None
+    if not isinstance(scored, dict) or not set(scored) <= set(SCORED_KEYS):
+        raise ProtocolError(
+            f"{KIND} evidence holds a scored chunk that is not a map of {', '.join(SCORED_KEYS)}"
+        )
+    return BadAggregateEvidence.from_body({**{k: v for k, v in body.items() if k in ROUND_KEYS}, **scored})
+
+
+def recompute(
+    run: RunConfig,
+    tensors: dict[str, torch.Tensor],
+    peer_id: str,
+    step: int,
+    micro_batches: int,
+    *,
+    device: str,
+    deadline: float | None = None,
+) -> torch.Tensor:
+    """The flat contribution ``peer_id`` sends at ``step`` for ``micro_batches`` (``whole_micro_batches``)
+    from the state ``tensors`` (``state_tensors``' names), replayed from its public batch seeds: the mean
+    gradient every step, the window's pseudo-gradient in diloco (``tensors`` are then the synced model and
+    outer optimizer, and the window starts with a fresh inner optimizer). A SwarmError when it cannot be
+    (tensors that are not the run's state, a window nobody can replay, ``deadline`` passed)."""
+    from swarm.models import build_model, model_config
+    from swarm.training.state import build_optimizer, build_outer_optimizer, load_state_tensors
+
+    training = run.training
+    micro = training.micro_batch_size
+    model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
+    seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+    dataset = public_dataset(run.dataset.name, run.dataset.config)
+    if training.sync == "diloco":
+        if not replayable_windows(training):
+            raise ProtocolError("this run's diloco windows cannot be replayed from public facts")
+        load_state_tensors(model, build_outer_optimizer(model, run.outer_optimizer), tensors)
+        replica = DilocoReplica(model, build_optimizer(model, run.optimizer), run)
+        window = replay_window(
+            replica, flat_params(replica.synced_params), dataset, run_id=run.run_id, peer_id=peer_id,
+            step=step, micro_batches=micro_batches, seq_len=seq_len, precision=training.precision,
+            device=device, deadline=deadline,
+        )  # fmt: skip
+        return window.detach().to("cpu", torch.float32)
+    load_state_tensors(model, build_optimizer(model, run.optimizer), tensors)
+    rows = honest_gradients(
+        model, dataset, run_id=run.run_id, step=step, micro_batch=micro, seq_len=seq_len,
+        peers={peer_id: micro_batches * micro}, precision=training.precision, device=device,
+        deadline=deadline,
+    )  # fmt: skip
+    if rows is None:
+        raise ProtocolError(f"no micro-batch of {peer_id} to replay")
+    return rows[0].detach().to("cpu", torch.float32)
+
+
+def compare(
+    sent: bytes,
+    expected: torch.Tensor,
+    codec: Codec,
+    tolerance: float,
+    *,
+    sender: str,
+    what: str = "gradient",
+) -> str | None:
+    """Why ``sent`` (one chunk of ``sender``'s signed input) is not ``expected`` (the recomputed values of
+    that chunk) as ``codec`` encodes it, or None if it is: the same bytes, or decoded values within
+    ``tolerance`` of it, measured as ``|sent - expected| / max(|sent|, |expected|)`` (0 to 2)."""
+    wanted = codec.encode_contribution(expected)
+    if wanted == sent:
+        return None
+    numel = expected.numel()
+    try:
+        got = codec.decode_contribution(sent, numel, sender=sender).to(torch.float64)
+    except ProtocolError as e:
+        return f"sent a contribution that does not decode ({e})"
+    ref = codec.decode_contribution(wanted, numel, sender="the recomputation").to(torch.float64)
+    scale = max(float(torch.linalg.vector_norm(got)), float(torch.linalg.vector_norm(ref)))
+    distance = float(torch.linalg.vector_norm(got - ref)) / scale if scale > 0 else 0.0
+    if distance <= tolerance:
+        return None
+    return (
+        f"sent a contribution {distance:.3g} away (relative L2) from its {what} recomputed from its public "
+        f"batch seeds, beyond the tolerance {tolerance:g}"
+    )
+
+
+@dataclass(frozen=True)
+class WrongContributionEvidence(RoundEvidence):
+    """A sender's signed input to one chunk, and its signed group entry naming the state it computed at."""
+
+    item: SignedInput
+    entry: bytes
+    # Every member's revealed nonce, in member order: they fix the round's draw, which must name the
+    # accuser as the part's validator, this chunk, and the accused as the sender to replay.
+    reveals: tuple[bytes, ...] = ()
+    # For a sender replayed because its input stood out, not because the draw named it: the chunk's
+    # signed aggregate and every input it aggregated, from which the coordinator scores the inputs again
+    # (``swarm.averaging.scores``). Its round fields are this evidence's own.
+    scored: BadAggregateEvidence | None = None
+
+    kind = KIND
+
+    @property
+    def accused(self) -> str:
+        return self.members[self.item.sender_index]
+
+    def to_bytes(self) -> bytes:
+        item = self.item
+        return pack(
+            {
+                "kind": self.kind,
+                **self._fields(),
+                "item": [item.sender_index, item.data, item.signature, item.weight],
+                "entry": self.entry,
+                "reveals": list(self.reveals),
+                **({"scored": self._scored_body()} if self.scored is not None else {}),
+            }  # fmt: skip
+        )
+
+    def _scored_body(self) -> dict:
+        body = self.scored._body()
+        return {key: body[key] for key in SCORED_KEYS if key in body}
+
+    @classmethod
+    def from_body(cls, body: dict) -> WrongContributionEvidence:
+        try:
+            return cls(
+                **round_fields(body), item=signed_input(body["item"]),
+                entry=bytes_field(body["entry"], "the accused's group entry", MAX_ENTRY_BYTES),
+                reveals=tuple(bytes_field(r, "a reveal", NONCE_BYTES) for r in body.get("reveals", ())),
+                scored=_scored(body),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise ProtocolError(f"{KIND} evidence is malformed: {e!r}"[:300]) from None
+
+    def facts(self) -> tuple[int, str]:
+        """(step, state hash) the accused signed it computed its input at; ProtocolError (or a
+        SecurityError) when the evidence does not hold: the input's signature, the entry's signature or
+        signer, or an entry of another round (its nonce commitment is not the one the round names)."""
+        if self.signer is not None:
+            raise ProtocolError(f"{KIND} evidence names a substitute signer, which only aggregates have")
+        accused = self.verify_input(self.item)
+        envelope = open_envelope(
+            self.entry, purpose=GROUP_ENTRY, run_id=self.prefix, what=f"group entry of {accused}"
+        )
+        if envelope.sender != accused:
+            raise ProtocolError(
+                f"the group entry in the evidence is signed by {envelope.sender}, not {accused}"
+            )
+        try:
+            body = GroupEntryBody.model_validate(envelope.body)
+        except Exception as e:  # pydantic's ValidationError: the entry's fields
+            raise ProtocolError(f"the group entry of {accused} does not hold: {str(e)[:200]}") from None
+        if not self.commitments or body.commit != self.commitments[self.item.sender_index]:
+            raise ProtocolError(f"the group entry of {accused} is not the one it joined this round with")
+        step, state_hash = body.extra.get("step"), body.extra.get("state_hash")
+        if type(step) is not int or not 0 <= step < 2**62 or not isinstance(state_hash, str):
+            raise ProtocolError(f"the group entry of {accused} names no step and state hash")
+        if not is_state_hash(state_hash):
+            raise ProtocolError(f"the group entry of {accused} names a state hash that is not 64 hex digits")
+        return step, state_hash
+
+    def check_draw(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> bool:
+        """That the round's draw (from ``reveals``) made ``accuser`` the validator of this chunk of this
+        part and named the accused as the sender to replay (True); or, for evidence with a ``scored``
+        chunk, that the draw named someone else and the chunk is one a group of the run can hold (False:
+        the caller then runs ``check_stands_out``). ProtocolError otherwise. So an accuser replays only
+        the chunk the round drew, and only the sender it drew or one whose input stands out there."""
+        members = len(self.members)
+        if len(self.reveals) != members or len(self.commitments) != members:
+            raise ProtocolError(f"{KIND} evidence needs every member's commitment and reveal")
+        if any(hashlib.sha256(r).digest() != c for r, c in zip(self.reveals, self.commitments, strict=True)):
+            raise ProtocolError("evidence holds a reveal that does not match its member's commitment")
+        if accuser not in self.members:
+            raise ProtocolError("the accuser is not a member of the round")
+        values = layout_chunk_values(members, codec.bytes_per_value)
+        bounds = split_bounds(vector_numel, members, self.reducers)
+        chunks = [len(chunk_bounds(bounds[p + 1] - bounds[p], values)) - 1 for p in range(members)]
+        seed = draw_seed(self.digest, self.reveals)
+        validator = self.members.index(accuser)
+        drawn = assignments(
+            seed, members, validator, run.training.verify_probability, chunks, reducers=self.reducers
+        )
+        if Assignment(self.part, self.chunk) not in drawn:
+            raise ProtocolError(
+                f"the round did not draw the accuser to check chunk {self.chunk} of part {self.part}"
+            )
+        candidates = [i for i in range(members) if i != validator]
+        sender = drawn_sender(seed, self.part, self.chunk, candidates, run.training.sender_check_probability)
+        if sender == self.item.sender_index:
+            if self.scored is not None:  # a validator scores only for senders the draw did not name
+                raise ProtocolError(f"{KIND} evidence against the drawn sender holds a scored chunk")
+            return True
+        if self.scored is None:
+            raise ProtocolError(f"the round did not draw {self.accused} as the sender to replay")
+        if not run.training.replay_outliers:
+            raise ProtocolError("this run replays only the senders its rounds draw")
+        if members > run.training.max_group_size:
+            raise ProtocolError(
+                f"a scored chunk of {members} members; the run's groups hold at most {run.training.max_group_size}"
+            )
+        return False
+
+    def check_stands_out(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> None:
+        """That the accused's input stands out among the ``scored`` chunk's (``flagged_senders``, with the
+        lenient thresholds): the chunk's reducer signed exactly these inputs, each sender signed its own,
+        and the accused's ``item`` is one of them. ProtocolError otherwise. It decodes every input of the
+        chunk (one group's at most: ``check_draw``), so the coordinator runs it at its judging turn."""
+        chunk = self.scored
+        if chunk is None:
+            raise ProtocolError(f"{KIND} evidence holds no scored chunk")
+        decoded = chunk.checked_inputs(codec, vector_numel)
+        if self.item not in chunk.inputs:
+            raise ProtocolError(f"the input of {self.accused} is not one the chunk's reducer aggregated")
+        validator = self.members.index(accuser)
+        claims, odd = flagged_senders(run, chunk.inputs, decoded, validator=validator, lenient=True)
+        if self.item.sender_index not in claims + odd:
+            raise ProtocolError(
+                f"the input of {self.accused} does not stand out among the chunk's (swarm.averaging.scores)"
+            )
+
+    def slice(self, codec: Codec, vector_numel: int) -> tuple[int, int]:
+        """Where the chunk lies in the run's vector; ProtocolError if the run's layout has no such chunk."""
+        values = layout_chunk_values(len(self.members), codec.bytes_per_value)
+        lo, hi = chunk_slice(vector_numel, len(self.members), self.part, self.chunk, values, self.reducers)
+        if hi <= lo:
+            raise ProtocolError(f"the run's layout has no chunk {self.chunk} of part {self.part}")
+        return lo, hi
+
+    def judge(
+        self,
+        run: RunConfig,
+        tensors: dict[str, torch.Tensor],
+        codec: Codec,
+        *,
+        vector_numel: int,
+        device: str,
+        deadline: float | None = None,
+        margin: float = 0.0,
+    ) -> str | None:
+        """What the accused did wrong, recomputed from ``tensors`` (the state the evidence's ``facts``
+        name, which the caller verified by its hash), or None if its input is what it computed, within
+        the run's tolerance widened by ``margin`` of it (a validator's ``ACCUSE_MARGIN``). A SwarmError
+        when the evidence does not hold, or the replay cannot be done (by ``deadline``)."""
+        step, _ = self.facts()
+        lo, hi = self.slice(codec, vector_numel)
+        accused = self.accused
+        try:
+            micro_batches = whole_micro_batches(run, self.item.weight)
+        except ProtocolError as e:  # its own signed claim: no replay needed
+            return str(e)
+        vector = recompute(run, tensors, accused, step, micro_batches, device=device, deadline=deadline)
+        what = "window's pseudo-gradient" if run.training.sync == "diloco" else "gradient"
+        tolerance = sender_tolerance(run.training) * (1.0 + margin)
+        verdict = compare(self.item.data, vector[lo:hi], codec, tolerance, sender=accused, what=what)
+        if verdict is None:
+            return None
+        return f"{verdict} ({self.item.weight:g} samples at step {step}, part {self.part} chunk {self.chunk})"
