@@ -141,3 +141,17 @@ def run_tiny_sim(out_dir: Path, *flags: str, peers: int = 3, steps: int = 6) -> 
     )  # fmt: skip
     assert result.returncode == 0, sim_failure(result)
     return json.loads(out.read_text())
+
+
+class ServedStates:
+    """What a sender check's accuser serves the coordinator (``coordinator.contributions.ContributionStates``):
+    the states it kept, by their hash, as an honest validator (or a Sybil) does; ``asked`` records each
+    request (holder, step, state hash)."""
+
+    def __init__(self, *states):
+        self.states = {s.state_hash: s for s in states if s is not None}
+        self.asked: list[tuple[str, int, str]] = []
+
+    async def fetch(self, holder, step, state_hash):
+        self.asked.append((holder, step, state_hash))
+        return self.states.get(state_hash)

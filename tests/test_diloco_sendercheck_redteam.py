@@ -15,10 +15,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import ServedStates
 
 import swarm.training.contribution as contribution
 from coordinator.accusations import run_layouts
-from coordinator.contributions import ContributionStates, judge_contribution
+from coordinator.contributions import judge_contribution
 from lab.localswarm import tiny_run
 from protocols.errors import ProtocolError
 from protocols.keys import SigningKey
@@ -149,16 +150,6 @@ def _evidence(
     return evidence, validator
 
 
-class _Served(ContributionStates):
-    """The accuser serves the state by its hash (as an honest validator that kept it does)."""
-
-    def __init__(self, state: DecodedState):
-        self.state = state
-
-    async def fetch(self, holder, step, state_hash):
-        return self.state if self.state.state_hash == state_hash else None
-
-
 def _coordinator(run: RunConfig, evidence: WrongContributionEvidence, accuser: str, state: DecodedState):
     """The coordinator's verdict on ``evidence`` filed by ``accuser``: (what it found, whom it bans)."""
     return asyncio.run(
@@ -168,7 +159,7 @@ def _coordinator(run: RunConfig, evidence: WrongContributionEvidence, accuser: s
             evidence.to_bytes(),
             evidence.accused,
             accuser,
-            states=_Served(state),
+            states=ServedStates(state),
             judging=asyncio.Lock(),
             timeout_s=30,
         )  # fmt: skip
@@ -354,7 +345,7 @@ def test_a_window_replay_longer_than_the_accusers_call_still_bans_the_liar(tmp_p
         store = Store.open_sync(tmp_path / "coordinator.db", RPC.run_id)
         service = CoordinatorService(
             RPC, SigningKey.generate(), store, [], None,
-            contribution_states=_Served(DecodedState(0, tensors, {}, hash_)),
+            contribution_states=ServedStates(DecodedState(0, tensors, {}, hash_)),
         )  # fmt: skip
         server = grpc.aio.server(options=CHANNEL_OPTIONS)
         server.add_generic_rpc_handlers((service.generic_handler(),))

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from helpers import ServedStates
 from test_diloco_sendercheck_redteam import _live_window, _nonce
 
 import swarm.coordinator_client as coordinator_client
@@ -132,16 +133,6 @@ def _drawn(
     )  # fmt: skip
 
 
-class _Served(ContributionStates):
-    """Every accuser serves the state it kept, by its hash (as an honest validator, or a Sybil, does)."""
-
-    def __init__(self, *states: DecodedState):
-        self.states = {s.state_hash: s for s in states}
-
-    async def fetch(self, holder, step, state_hash):
-        return self.states.get(state_hash)
-
-
 @contextlib.asynccontextmanager
 async def _serving(tmp_path, run: RunConfig, states: ContributionStates, limits: ServiceLimits | None = None):
     """The real coordinator service and store, over gRPC on loopback: (address, store, service)."""
@@ -218,7 +209,7 @@ def test_a_liar_already_banned_is_not_replayed_again_for_further_accusations(tmp
     replays = _replays(monkeypatch, sleep_s=0.5)
 
     async def scenario():
-        async with _serving(tmp_path, RUN, _Served(DecodedState(0, tensors, {}, hash_))) as (
+        async with _serving(tmp_path, RUN, ServedStates(DecodedState(0, tensors, {}, hash_))) as (
             address,
             store,
             _,
@@ -270,7 +261,7 @@ def test_a_queued_judgment_holds_no_downloaded_state(tmp_path, monkeypatch):
         lies.append(_drawn(RUN, keys, window, sender=1, validator=0, hash_=hash_, tag=b"pair-%d" % i))
     held_states: list[weakref.ref] = []
 
-    class _Downloaded(_Served):  # each download is a copy of its own, as bytes off the network are
+    class _Downloaded(ServedStates):  # each download is a copy of its own, as bytes off the network are
         async def fetch(self, holder, step, state_hash):
             state = self.states.get(state_hash)
             tensors = {k: v.clone() for k, v in state.tensors.items()}
@@ -338,7 +329,7 @@ def test_an_honest_validators_next_accusation_is_taken_once_its_first_is_judged(
     _replays(monkeypatch, sleep_s=REPLAY_S)
 
     async def scenario():
-        async with _serving(tmp_path, RUN, _Served(DecodedState(0, tensors, {}, hash_))) as (
+        async with _serving(tmp_path, RUN, ServedStates(DecodedState(0, tensors, {}, hash_))) as (
             address,
             store,
             service,

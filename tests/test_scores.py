@@ -16,9 +16,10 @@ import msgpack
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers import ServedStates
 
 from coordinator.accusations import run_layouts
-from coordinator.contributions import ContributionStates, judge_contribution
+from coordinator.contributions import judge_contribution
 from lab.localswarm import tiny_run
 from protocols.errors import ProtocolError
 from protocols.keys import SigningKey
@@ -182,14 +183,6 @@ def _accusation(
     )  # fmt: skip
 
 
-class _Served(ContributionStates):
-    def __init__(self, state: DecodedState):
-        self.state = state
-
-    async def fetch(self, holder, step, state_hash):
-        return self.state if self.state.state_hash == state_hash else None
-
-
 def _judge(world, evidence: WrongContributionEvidence, run=RUN):
     keys, tensors, hash_, _ = world
     return asyncio.run(
@@ -199,7 +192,7 @@ def _judge(world, evidence: WrongContributionEvidence, run=RUN):
             evidence.to_bytes(),
             evidence.accused,
             keys[0].peer_id,
-            states=_Served(DecodedState(STEP, tensors, {}, hash_)),
+            states=ServedStates(DecodedState(STEP, tensors, {}, hash_)),
             judging=asyncio.Lock(),
             timeout_s=30,
         )  # fmt: skip

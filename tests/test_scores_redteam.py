@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers import ServedStates
 
 import swarm.training.contribution as contribution
 import swarm.training.sendercheck as sendercheck
@@ -223,16 +224,8 @@ def _validate(w, evidences, *, run=RUN, seed="shared", threads=1):
     return accused, checks
 
 
-class _Served(ContributionStates):
-    def __init__(self, state: DecodedState):
-        self.state = state
-
-    async def fetch(self, holder, step, state_hash):
-        return self.state if self.state.state_hash == state_hash else None
-
-
 def _judge(w, lie, *, threads=2, served=True, judging=None):
-    states = _Served(DecodedState(STEP, w.tensors, {}, w.hash)) if served else ContributionStates()
+    states = ServedStates(DecodedState(STEP, w.tensors, {}, w.hash)) if served else ContributionStates()
     with _threads(threads):
         return asyncio.run(
             judge_contribution(

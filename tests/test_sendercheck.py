@@ -14,9 +14,10 @@ import hashlib
 
 import pytest
 import torch
+from helpers import ServedStates
 
 from coordinator.accusations import run_layouts
-from coordinator.contributions import ContributionStates, judge_contribution
+from coordinator.contributions import judge_contribution
 from lab.localswarm import tiny_run
 from protocols.errors import ConfigError, ProtocolError, SwarmError
 from protocols.keys import SigningKey
@@ -155,19 +156,10 @@ def test_evidence_whose_signatures_or_round_binding_fail_does_not_hold(world):
         WrongContributionEvidence.from_body({"kind": "wrong_contribution", "members": ["a", "b"], "part": 0})
 
 
-class _Served(ContributionStates):
-    def __init__(self, state: DecodedState | None):
-        self.state, self.asked = state, []
-
-    async def fetch(self, holder, step, state_hash):
-        self.asked.append((holder, step, state_hash))
-        return self.state if self.state is not None and self.state.state_hash == state_hash else None
-
-
 def test_the_coordinator_bans_the_liar_or_the_false_accuser_and_nobody_without_the_state(world):
     keys, tensors, hash_, honest = world
     accuser, accused = keys[0].peer_id, keys[1].peer_id
-    served = _Served(DecodedState(STEP, tensors, {}, hash_))
+    served = ServedStates(DecodedState(STEP, tensors, {}, hash_))
 
     def judge(evidence, states, run=RUN):
         return asyncio.run(
@@ -188,7 +180,7 @@ def test_the_coordinator_bans_the_liar_or_the_false_accuser_and_nobody_without_t
     assert served.asked == [(accuser, STEP, hash_)], "the state is downloaded from the accuser, by its hash"
     found, guilty = judge(_evidence(keys, honest, hash_=hash_), served)
     assert guilty == accuser and "what its public batch seeds give" in found
-    found, guilty = judge(_evidence(keys, -honest, hash_=hash_), _Served(None))
+    found, guilty = judge(_evidence(keys, -honest, hash_=hash_), ServedStates(None))
     assert guilty is None and "did not serve the state" in found
     found, guilty = judge(_evidence(keys, -honest, hash_=hash_, entry_key=keys[2]), served)
     assert guilty == accuser and "does not hold" in found

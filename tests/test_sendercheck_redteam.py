@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import ServedStates
 
 import coordinator.contributions as contributions
 from coordinator.accusations import run_layouts
-from coordinator.contributions import ContributionStates, judge_contribution
+from coordinator.contributions import judge_contribution
 from lab.localswarm import tiny_run
 from protocols.errors import ConfigError, ProtocolError
 from protocols.keys import SigningKey
@@ -104,16 +105,6 @@ def _evidence(run, vector, *, weight=8.0, hash_="", part=1, group_id=None) -> Wr
     )  # fmt: skip
 
 
-class _Served(ContributionStates):
-    """The accuser serves the state by its hash (as an honest validator that kept it does)."""
-
-    def __init__(self, state: DecodedState):
-        self.state = state
-
-    async def fetch(self, holder, step, state_hash):
-        return self.state if self.state.state_hash == state_hash else None
-
-
 def _judge(run, evidence, state: DecodedState, accuser: str = MEMBERS[0]):
     return asyncio.run(
         judge_contribution(
@@ -122,7 +113,7 @@ def _judge(run, evidence, state: DecodedState, accuser: str = MEMBERS[0]):
             evidence.to_bytes(),
             MEMBERS[1],
             accuser,
-            states=_Served(state),
+            states=ServedStates(state),
             judging=asyncio.Lock(),
             timeout_s=30,
         )  # fmt: skip
