@@ -273,6 +273,16 @@ def test_rehearsals_fail_a_kill_without_a_move_or_an_attack_that_banned_an_hones
     attacked["stages"][0]["replicas"][0]["step"] = 3
     failed = [what for ok, what in rehearsals.check_pipeline_attacks(attacked, 3) if not ok]
     assert failed == ["no honest peer banned"]
+    # The demo's learning curve: the run measured (a rise of 11% after warmup passes), one that spiked.
+    assert all(
+        ok for ok, _ in rehearsals.check_demo_spike({"val_history": [5.34, 4.35, 4.62, 4.18, 3.67, 3.60]}, 9)
+    )
+    spiked = [
+        what
+        for ok, what in rehearsals.check_demo_spike({"val_history": [5.34, 4.35, 8.7, 4.1, 3.6]}, 9)
+        if not ok
+    ]
+    assert len(spiked) == 1 and "25% above" in spiked[0]
     result = subprocess.run(
         [sys.executable, "benchmarks/rehearsals.py", "--only", "pipeline_kill,nope"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -54,34 +54,6 @@ def test_swarm_sim_rejects_bad_flags():
     )
 
 
-def test_demo_run_learns_without_a_spike(tmp_path: Path):
-    # The README's demo (default model, learning-rate schedule and centered_clip) at 9 steps, evaluated
-    # every 2 (5.34, 4.35, 4.62, 4.18, 3.67, 3.60 in one run, 91 s on 2 cores). With three honest peers
-    # centered_clip discounts the one whose gradient is largest, so an evaluation right after warmup may
-    # sit above the one before (4.19 then 4.42 in a single-process replay with fixed batches; in real runs,
-    # whose batches depend on timing, up to +11%, and once +18%: 4.36 then 5.14, back to 3.59 two steps on,
-    # in one CI run of 2026-11-29; six runs here that day rose by at most +5%).
-    # A peak learning rate of 2e-3 instead doubled the loss right after warmup. No evaluation may rise by
-    # more than 25% over the one before, and the last one is within 2% of the lowest (the last evaluation
-    # comes one step after the one before it: 3.553 then 3.569 in one CI run).
-    out = tmp_path / "sim.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "lab.sim", "--peers", "3", "--steps", "9", "--json", str(out), "--timeout-s", "480"],
-        capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    assert result.returncode == 0, sim_failure(result)
-    report = json.loads(out.read_text())
-    history = report["val_history"]
-    # What each step's rounds did goes with a failure: a spike after a step with two results is another fault.
-    shown = (
-        history,
-        [(s["step"], s["groups"], s["distinct_results"], s["state_downloads"]) for s in report["per_step"]],
-    )
-    assert len(history) >= 4, shown
-    assert all(later < 1.25 * earlier for earlier, later in zip(history, history[1:], strict=False)), shown
-    assert history[-1] <= 1.02 * min(history) and history[-1] < 0.75 * history[0], shown
-
-
 def test_two_groups_of_a_step_apply_one_update_through_the_second_tier(tmp_path: Path):
     """4 peers in groups of at most 2: every step has two groups, and from the third step on (the first two
     may start apart while the peers' views fill) every peer applies one update, with no state download."""
