@@ -215,6 +215,24 @@ def test_a_liar_the_draw_did_not_name_is_replayed_for_standing_out_and_banned(wo
     assert guilty == keys[LIAR].peer_id and "public batch seeds" in found
 
 
+def test_a_liar_that_withholds_its_nonce_is_still_banned_when_it_stands_out(world):
+    """A liar that withholds its nonce in the rounds whose draw would replay it leaves every validator to
+    draw from its own randomness, which the coordinator cannot check: a drawn-sender accusation without
+    the reveals is refused. Scores need no draw, so the same lie with the chunk's scores bans the liar."""
+    keys, _, _, honest = world
+    scored, inputs, entry = _chunk(world, {LIAR: -honest[LIAR]})
+    unrevealed = _accusation(scored, inputs, entry, LIAR)
+    unrevealed = WrongContributionEvidence(**{**unrevealed.__dict__, "reveals": ()})
+    found, guilty = _judge(world, unrevealed)
+    assert guilty == keys[LIAR].peer_id and "public batch seeds" in found
+    found, guilty = _judge(world, WrongContributionEvidence(**{**unrevealed.__dict__, "scored": None}))
+    assert guilty == keys[0].peer_id and "needs every member's reveal" in found
+    # Reveals that are there must be every member's, each matching its commitment.
+    partial = WrongContributionEvidence(**{**unrevealed.__dict__, "reveals": (_nonce(0), _nonce(1))})
+    found, guilty = _judge(world, partial)
+    assert guilty == keys[0].peer_id and "reveals for 4 members" in found
+
+
 def test_an_undrawn_sender_that_does_not_stand_out_cannot_be_put_to_the_coordinator(world):
     keys, _, _, honest = world
     # An honest member the draw did not name, with every input shown: it stands out nowhere.
@@ -230,9 +248,9 @@ def test_an_undrawn_sender_that_does_not_stand_out_cannot_be_put_to_the_coordina
     other = SignedInput(LIAR, inputs[HONEST].data, inputs[HONEST].signature, 8.0)
     found, guilty = _judge(world, WrongContributionEvidence(**{**swapped.__dict__, "item": other}))
     assert guilty == keys[0].peer_id
-    # The sender the draw named is judged without scores: a scored chunk beside it is refused, not stored.
+    # The sender the draw named, accused with the chunk's scores, is judged by them: it stands out nowhere.
     found, guilty = _judge(world, _accusation(scored, inputs, entry, 2))
-    assert guilty == keys[0].peer_id and "against the drawn sender holds a scored chunk" in found
+    assert guilty == keys[0].peer_id and "does not stand out" in found
     # A run that does not replay outliers accepts only drawn senders.
     off = RUN.model_copy(deep=True)
     off.training.replay_outliers = False

@@ -429,3 +429,21 @@ def test_the_coordinator_scores_one_chunk_at_a_time_at_its_judging_turn_and_only
         )  # fmt: skip
     )
     assert guilty == w.members[VALIDATOR] and "at most" in found and len(events) == calls
+
+
+def test_a_validator_files_a_liar_that_stands_out_even_in_a_round_whose_nonces_were_withheld(world):
+    """A liar that withholds its nonce in the rounds whose draw would replay it leaves each validator to
+    check from its own randomness: a lie found by that draw is only avoided. One that stands out is filed
+    all the same, with the chunk's scores and no reveals, and the coordinator bans the liar."""
+    w = world
+    part = w.part
+    liar = _chunk(-w.full[OTHER], w.numel, part)
+    evidence = _evidence(
+        w, part, _honest(w, part, m2=(w.full[DECOY], FULL), m3=(CODEC.encode_contribution(liar), FULL))
+    )
+    accused, checks = _validate(w, [evidence], run=RUN_RARE, seed=None)
+    assert checks.outliers == 1 and [a[0] for a in accused] == [w.members[OTHER]], accused
+    lie = accused[0][1]
+    assert lie.reveals == () and lie.scored is not None
+    found, guilty = _judge(w, lie)
+    assert guilty == w.members[OTHER], (found, guilty)

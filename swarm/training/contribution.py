@@ -319,16 +319,31 @@ class WrongContributionEvidence(RoundEvidence):
     def check_draw(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> bool:
         """That the round's draw (from ``reveals``) made ``accuser`` the validator of this chunk of this
         part and named the accused as the sender to replay (True); or, for evidence with a ``scored``
-        chunk, that the draw named someone else and the chunk is one a group of the run can hold (False:
-        the caller then runs ``check_stands_out``). ProtocolError otherwise. So an accuser replays only
-        the chunk the round drew, and only the sender it drew or one whose input stands out there."""
+        chunk, that the run replays senders that stand out and the chunk is one a group of the run can
+        hold (False: the caller then runs ``check_stands_out``, which alone decides). ProtocolError
+        otherwise. So an accuser replays only the sender and chunk the round drew, or a sender whose input
+        stands out: a scored accusation needs no draw, so a liar that withholds its nonce in the rounds
+        whose draw would replay it is still filed against when it stands out."""
         members = len(self.members)
-        if len(self.reveals) != members or len(self.commitments) != members:
-            raise ProtocolError(f"{KIND} evidence needs every member's commitment and reveal")
-        if any(hashlib.sha256(r).digest() != c for r, c in zip(self.reveals, self.commitments, strict=True)):
-            raise ProtocolError("evidence holds a reveal that does not match its member's commitment")
+        if len(self.commitments) != members:
+            raise ProtocolError(f"{KIND} evidence needs every member's commitment")
         if accuser not in self.members:
             raise ProtocolError("the accuser is not a member of the round")
+        if self.reveals and len(self.reveals) != members:
+            raise ProtocolError(f"{KIND} evidence holds {len(self.reveals)} reveals for {members} members")
+        if any(hashlib.sha256(r).digest() != c for r, c in zip(self.reveals, self.commitments, strict=False)):
+            raise ProtocolError("evidence holds a reveal that does not match its member's commitment")
+        if self.scored is not None:
+            if not run.training.replay_outliers:
+                raise ProtocolError("this run replays only the senders its rounds draw")
+            if members > run.training.max_group_size:
+                raise ProtocolError(
+                    f"a scored chunk of {members} members; the run's groups hold at most "
+                    f"{run.training.max_group_size}"
+                )
+            return False
+        if not self.reveals:
+            raise ProtocolError(f"{KIND} evidence needs every member's reveal, or the chunk's scores")
         values = layout_chunk_values(members, codec.bytes_per_value)
         bounds = split_bounds(vector_numel, members, self.reducers)
         chunks = [len(chunk_bounds(bounds[p + 1] - bounds[p], values)) - 1 for p in range(members)]
@@ -343,19 +358,9 @@ class WrongContributionEvidence(RoundEvidence):
             )
         candidates = [i for i in range(members) if i != validator]
         sender = drawn_sender(seed, self.part, self.chunk, candidates, run.training.sender_check_probability)
-        if sender == self.item.sender_index:
-            if self.scored is not None:  # a validator scores only for senders the draw did not name
-                raise ProtocolError(f"{KIND} evidence against the drawn sender holds a scored chunk")
-            return True
-        if self.scored is None:
+        if sender != self.item.sender_index:
             raise ProtocolError(f"the round did not draw {self.accused} as the sender to replay")
-        if not run.training.replay_outliers:
-            raise ProtocolError("this run replays only the senders its rounds draw")
-        if members > run.training.max_group_size:
-            raise ProtocolError(
-                f"a scored chunk of {members} members; the run's groups hold at most {run.training.max_group_size}"
-            )
-        return False
+        return True
 
     def check_stands_out(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> None:
         """That the accused's input stands out among the ``scored`` chunk's (``flagged_senders``, with the

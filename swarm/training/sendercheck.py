@@ -23,6 +23,9 @@ as the samples it signed for. So a groupmate can recompute it:
    hashes to what the accused signed, recomputes the chunk itself and bans whoever the evidence proves
    wrong (``coordinator.contributions``). Without every member's reveal the validator draws from its own
    randomness and only avoids a liar it finds (``suspect``): the coordinator could not tell it was drawn.
+4. Beside the drawn sender, the validator scores every input of a chunk it checked
+   (``swarm.averaging.scores``) and replays one sender that stands out, at most once a round; that
+   evidence carries the chunk's scores and needs no draw, so it is filed with or without the reveals.
 
 What it covers: a sender that scales, flips, replaces, delays or computes on other labels any part of its
 gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
@@ -36,7 +39,7 @@ feedback, ``outer_overlap``, a kept inner optimizer, bf16: ``swarm.config.window
 bounded by the rule only, and runs whose peers train on their own data (``Collaboration`` refuses a run
 that checks senders). Open: a reducer
 holds the others' nonces before it sends its own, so a liar can withhold its nonce in just the rounds
-whose draw would replay it (docs/robustness.md).
+whose draw would replay it; only a lie that stands out is filed then (docs/robustness.md).
 
 Example::
 
@@ -256,8 +259,10 @@ class SenderChecks:
         logger.warning(f"{accused} {verdict} in round {runner.group_id.hex()[:8]}")
         if self.suspect is not None:
             self.suspect(accused, "sent a contribution other than its public batch seeds give")
-        if not lie.reveals:
-            return  # found by this member's own draw: the coordinator could not tell it was drawn
+        if not lie.reveals and lie.scored is None:
+            # Found by this member's own draw (a member withheld its nonce): the coordinator could not
+            # tell it was drawn. A sender that stands out is filed all the same: its scores need no draw.
+            return
         if self.accuse is None:
             copy.kept_until = time.monotonic() + KEEP_S
             self._hold(copy)
