@@ -609,7 +609,10 @@ def test_a_check_due_while_the_validator_replays_waits_its_turn(monkeypatch):
         checks = SenderChecks(RUN, device="cpu", state=lambda: (0, hash_, tensors), accuse=accuse)
 
         def runner(lie):
-            return SimpleNamespace(group_id=lie.group_id, codec=codec, numel=numel)
+            # Member 0 is the validator the round drew (``_evidence``).
+            return SimpleNamespace(
+                group_id=lie.group_id, codec=codec, numel=numel, members=list(lie.members), index=0
+            )
 
         async def rounds():
             first = None

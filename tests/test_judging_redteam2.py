@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import relay_from
+from helpers import ServedStates, relay_from
 from test_evidence import PREFIX, VECTOR, signed_round, unshown
 from test_evidence import RUN as EVIDENCE_RUN
 from test_judging_redteam import accuse, admitted_keys, serving
 from test_sendercheck import RUN as SENDER_RUN
-from test_sendercheck import STEP, _evidence, _Served
+from test_sendercheck import STEP, _evidence
 
 from coordinator.judging import JudgingTurns, judging_for
 from coordinator.roundinputs import RoundInputs, judge_unshown
@@ -168,7 +168,7 @@ def test_a_sender_check_liar_pre_banned_as_a_false_accuser_is_still_convicted(tm
     sybils = [SigningKey.generate() for _ in range(5)]
 
     async def scenario(pre_banned: bool, where: Path):
-        served = _Served(DecodedState(STEP, tensors, {}, hash_))
+        served = ServedStates(DecodedState(STEP, tensors, {}, hash_))
         async with serving(where, SENDER_RUN, contribution_states=served) as (address, store, _service):
             await admitted_keys(address, SENDER_RUN.run_id, [*keys, *sybils])
             if pre_banned:  # one junk accusation: the liar bans itself as a false accuser

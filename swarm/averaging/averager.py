@@ -444,6 +444,7 @@ class Averager:
                 prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
                 refusal=self.policy.listed_refusal, max_age_s=self.entry_max_age_s, fits=fits,
                 certify=self.policy.certificate_refusal, leader_at_fault=self.policy.leader_at_fault,
+                max_members=max(2, self.max_group_size),  # the floor of matchmaking's target size
             )  # fmt: skip
         except GroupRefused as e:
             blame = f"retrying without {e.culprit}" if e.culprit else "blaming nobody"

@@ -190,16 +190,25 @@ def check_group(
     fits: EntryFit | None = None,
     certify: Callable[[str, bytes], str | None] | None = None,
     leader_at_fault: Callable[[str], bool] = lambda peer: True,
+    max_members: int | None = None,
 ) -> VerifiedGroup:
     """Check a group as its leader announced it (see the module docstring); raises ``GroupRefused``.
 
     ``refusal``: why a listed member may not be in the round at all in this peer's view (banned); the
     group is then left, blaming the leader when ``leader_at_fault(member)``. ``certify``: why a member's
     entry does not prove it is admitted (its certificate); such a member is excluded like any bad entry,
-    by every member alike, since all see the same bytes."""
+    by every member alike, since all see the same bytes. ``max_members``: the most a group of the run holds;
+    a larger one is left, blaming the leader."""
     if len(peer_ids) != len(gathered):
         raise GroupRefused(
             leader, f"leader {leader} sent {len(gathered)} entries for {len(peer_ids)} members"
+        )
+    if max_members is not None and len(peer_ids) > max_members:
+        # No honest leader gathers more than the run's groups hold, and evidence of a larger round is
+        # refused by the coordinator: a validator that filed it would be the one banned.
+        raise GroupRefused(
+            leader,
+            f"leader {leader} listed {len(peer_ids)} members; the run's groups hold at most {max_members}",
         )
     seen: set[str] = set()
     for peer in peer_ids:

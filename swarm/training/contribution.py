@@ -336,10 +336,10 @@ class WrongContributionEvidence(RoundEvidence):
         if self.scored is not None:
             if not run.training.replay_outliers:
                 raise ProtocolError("this run replays only the senders its rounds draw")
-            if members > run.training.max_group_size:
+            most = max(2, run.training.max_group_size)  # as members check it (``groups.check_group``)
+            if members > most:
                 raise ProtocolError(
-                    f"a scored chunk of {members} members; the run's groups hold at most "
-                    f"{run.training.max_group_size}"
+                    f"a scored chunk of {members} members; the run's groups hold at most {most}"
                 )
             return False
         if not self.reveals:

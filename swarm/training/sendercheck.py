@@ -106,6 +106,14 @@ MAX_REPLAYS_DUE = 2
 StateNow = Callable[[], tuple[int, str, dict[str, torch.Tensor]]]
 
 
+def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner) -> None:
+    """The coordinator's checks of ``lie`` before it recomputes (``coordinator.contributions``), as this
+    member (the accuser) would pass them; a SwarmError if it would not."""
+    me = runner.members[runner.index]
+    if not lie.check_draw(run, runner.codec, runner.numel, me):
+        lie.check_stands_out(run, runner.codec, runner.numel, me)
+
+
 @dataclass
 class _Copy:
     step: int
@@ -262,6 +270,11 @@ class SenderChecks:
         if not lie.reveals and lie.scored is None:
             # Found by this member's own draw (a member withheld its nonce): the coordinator could not
             # tell it was drawn. A sender that stands out is filed all the same: its scores need no draw.
+            return
+        try:  # what the coordinator checks first: evidence that does not hold would ban this member
+            await asyncio.to_thread(_would_hold, lie, self.run, runner)
+        except SwarmError as e:
+            logger.warning(f"not filing against {accused}: the evidence would not hold ({e})"[:500])
             return
         if self.accuse is None:
             copy.kept_until = time.monotonic() + KEEP_S
