@@ -164,9 +164,11 @@ class SenderChecks:
             self.pending.popitem(last=False)
 
     async def check(self, runner, outcomes: Sequence) -> None:
-        """Replay the sender the round's draw names for each chunk this member validated; accuse the ones
-        that lied. Without every member's reveal (one withheld it) the draw is this member's own: a lie
-        found so is not provable to the coordinator, and its sender is only avoided (``suspect``)."""
+        """Replay the sender the round's draw names for each chunk this member validated, and one sender a
+        round whose input stands out (``_outlier``); accuse the ones that lied. Without every member's
+        reveal (one withheld it) the draw is this member's own: a drawn sender's lie found so is not
+        provable to the coordinator and its sender is only avoided (``suspect``); one that stands out is
+        filed all the same, since its scores need no draw."""
         copy = self.pending.pop(runner.group_id, None)
         if copy is None:
             return
