@@ -155,3 +155,23 @@ class ServedStates:
     async def fetch(self, holder, step, state_hash):
         self.asked.append((holder, step, state_hash))
         return self.states.get(state_hash)
+
+
+def signed_entries(keys, prefix: str, commits, *, step: int, state_hash: str, weights) -> list[bytes]:
+    """Each member's signed group entry (as ``Averager.find_group`` signs one: its weight, its nonce
+    commitment, and the step and state hash in ``extra``), in member order."""
+    from swarm.averaging.groups import GroupEntryBody, make_entry
+
+    return [
+        make_entry(
+            key,
+            prefix,
+            GroupEntryBody(
+                schema_hash=bytes(32),
+                weight=weight,
+                commit=commit,
+                extra={"step": step, "state_hash": state_hash},
+            ),
+        )  # fmt: skip
+        for key, commit, weight in zip(keys, commits, weights, strict=True)
+    ]

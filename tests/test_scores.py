@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers import ServedStates
+from helpers import ServedStates, signed_entries
 
 from coordinator.accusations import run_layouts
 from coordinator.contributions import judge_contribution
@@ -35,7 +35,6 @@ from swarm.averaging.evidence import (
     layout_chunk_values,
     round_digest,
 )
-from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.averaging.scores import LENIENCY, flagged, scores
 from swarm.models import build_model
 from swarm.training.sendercheck import (
@@ -157,19 +156,9 @@ def _chunk(world, sent: dict[int, torch.Tensor], *, drop: int | None = None):
         numel=hi - lo, inputs=tuple(aggregated), output=output, output_signature=signature, entries=entries,
         signed_at_ms=1,
     )  # fmt: skip
-    entry = {
-        i: make_entry(
-            keys[i],
-            PREFIX,
-            GroupEntryBody(
-                schema_hash=bytes(32),
-                weight=8.0,
-                commit=commits[i],
-                extra={"step": STEP, "state_hash": hash_},
-            ),
-        )  # fmt: skip
-        for i in range(MEMBERS)
-    }
+    entry = dict(
+        enumerate(signed_entries(keys, PREFIX, commits, step=STEP, state_hash=hash_, weights=[8.0] * MEMBERS))
+    )
     return scored, inputs, entry
 
 

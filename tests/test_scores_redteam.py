@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers import ServedStates
+from helpers import ServedStates, signed_entries
 
 import swarm.training.contribution as contribution
 import swarm.training.sendercheck as sendercheck
@@ -41,7 +41,6 @@ from swarm.averaging.evidence import (
     layout_chunk_values,
     round_digest,
 )
-from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.averaging.scores import flagged, scores
 from swarm.models import build_model
 from swarm.training.sendercheck import (
@@ -145,19 +144,14 @@ def world():
         drawn = drawn_sender(seed, part, 0, [1, 2, 3, 4], 1.0)
         if drawn_validator(seed, part, MEMBERS) == VALIDATOR and drawn in (1, 4):
             break
-    entries = [
-        make_entry(
-            keys[i],
-            PREFIX,
-            GroupEntryBody(
-                schema_hash=bytes(32),
-                weight=ONE if i == DECOY else FULL,
-                commit=commits[i],
-                extra={"step": STEP, "state_hash": hash_},
-            ),
-        )  # fmt: skip
-        for i in range(MEMBERS)
-    ]
+    entries = signed_entries(
+        keys,
+        PREFIX,
+        commits,
+        step=STEP,
+        state_hash=hash_,
+        weights=[ONE if i == DECOY else FULL for i in range(MEMBERS)],
+    )
     return SimpleNamespace(
         tensors=tensors, hash=hash_, numel=numel, keys=keys, members=members, commits=commits, nonces=nonces,
         full=full, one=one, part=part, group_id=group_id, seed=seed, drawn=drawn, entries=entries,

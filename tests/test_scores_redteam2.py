@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers import ServedStates
+from helpers import ServedStates, signed_entries
 
 from coordinator.accusations import run_layouts
 from coordinator.contributions import judge_contribution
@@ -34,7 +34,7 @@ from swarm.averaging.evidence import (
     layout_chunk_values,
     round_digest,
 )
-from swarm.averaging.groups import GroupEntryBody, GroupRefused, check_group, make_entry
+from swarm.averaging.groups import GroupRefused, check_group
 from swarm.models import build_model
 from swarm.training.sendercheck import SenderChecks, chunk_slice, flagged_senders, recompute
 from swarm.training.state import DecodedState, build_optimizer, state_hash, state_tensors
@@ -71,19 +71,7 @@ def world():
     honest = [recompute(RUN, tensors, k.peer_id, STEP, 2, device="cpu") for k in keys]  # 8 samples each
     members = tuple(k.peer_id for k in keys)
     commits = tuple(hashlib.sha256(_nonce(i)).digest() for i in range(MEMBERS))
-    entries = [
-        make_entry(
-            keys[i],
-            PREFIX,
-            GroupEntryBody(
-                schema_hash=bytes(32),
-                weight=8.0,
-                commit=commits[i],
-                extra={"step": STEP, "state_hash": hash_},
-            ),
-        )  # fmt: skip
-        for i in range(MEMBERS)
-    ]
+    entries = signed_entries(keys, PREFIX, commits, step=STEP, state_hash=hash_, weights=[8.0] * MEMBERS)
     return SimpleNamespace(
         keys=keys, tensors=tensors, hash=hash_, honest=honest, numel=run_layouts(RUN)[PREFIX],
         members=members, commits=commits, entries=entries, group_id=b"redteam2-oversized",
