@@ -560,8 +560,12 @@ class Averager:
                 self.link.observe(*runner.send_sample())
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
-            # The retry forms without a reducer that did not deliver or denied the round.
-            self.policy.blame_round(result.failed_reducers, result.denied_by)
+            # The retry forms without a reducer that did not deliver or denied the round; for one round
+            # (this search and round) at a first offence, since it may only be slow.
+            self.policy.blame_round(
+                result.failed_reducers, result.denied_by,
+                round_s=max(time.monotonic() - started, self.matchmaking_time_s),
+            )  # fmt: skip
             if result.complete and len(group.peer_ids) > 1:
                 if self.sender_checks is not None:  # the state the senders computed at, before its update
                     await self.sender_checks.keep(runner, group.signed_entries)

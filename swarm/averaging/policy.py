@@ -9,7 +9,11 @@ announced a group, its members are checked by what they signed instead (``listed
 which an honest leader's may not match, nor by suspicion, which the other members may not share.
 
 A suspect is avoided for ``suspect_s`` (60 s), doubled for each repeat offence that comes within
-``REPEAT_WINDOW_S`` of its last avoid period ending, up to ``MAX_SUSPECT_S``; an offence reported while
+``REPEAT_WINDOW_S`` of its last avoid period ending, up to ``MAX_SUSPECT_S``. A round's reducer that did
+not deliver or denied it may only be slow (a loaded machine misses deadlines an idle one meets), so a first
+such offence is avoided for as long as the round took (``blame_round``'s ``round_s``: the search and the
+round, at most ``suspect_s``), enough for the retry to form without it, and repeats double that; an
+offence reported while
 the peer is still avoided is the same offence seen again and escalates nothing. At most ``MAX_SUSPECTS``
 peers are remembered (the one whose last offence is oldest is forgotten first), so Sybils that take turns
 cannot grow the map without bound, and each one of them that comes back to offend again waits longer. A policy with neither a coordinator key nor an allowed set admits everyone: that is a local
@@ -49,6 +53,8 @@ MEMBERS_REFRESH_TIMEOUT_S = 2.0
 BAN_GRACE_S = 60.0
 #: How long a first offender is avoided.
 SUSPECT_S = 60.0
+#: The shortest a first offender is avoided (a round that took less is still over by then).
+MIN_SUSPECT_S = 1.0
 #: The longest a repeat offender is avoided at a time.
 MAX_SUSPECT_S = 960.0
 #: An offence within this long after the last avoid period ended counts as a repeat.
@@ -91,8 +97,11 @@ class Suspects:
         """What is held against ``peer_id``, expired or not; None if nothing."""
         return self._held.get(peer_id)
 
-    def add(self, peer_id: str, reason: str, *, leader_only: bool = False) -> Suspicion:
-        """Avoid ``peer_id`` (``leader_only``: only as a leader); returns what is now held against it."""
+    def add(
+        self, peer_id: str, reason: str, *, leader_only: bool = False, for_s: float | None = None
+    ) -> Suspicion:
+        """Avoid ``peer_id`` (``leader_only``: only as a leader) for ``for_s`` (at most ``suspect_s``; None:
+        ``suspect_s``), doubled for each repeat; returns what is now held against it."""
         now = self.clock()
         old = self._held.get(peer_id)
         if old is not None and old.until > now:
@@ -101,7 +110,8 @@ class Suspects:
                 self._held[peer_id] = old
             return old
         strikes = old.strikes + 1 if old is not None and now - old.until <= self.repeat_window_s else 1
-        avoid_s = min(self.suspect_s * 2 ** min(strikes - 1, 32), self.max_suspect_s)
+        first_s = self.suspect_s if for_s is None else min(max(for_s, MIN_SUSPECT_S), self.suspect_s)
+        avoid_s = min(first_s * 2 ** min(strikes - 1, 32), self.max_suspect_s)
         held = Suspicion(now + avoid_s, reason, leader_only, strikes)
         self._held[peer_id] = held
         self._held.move_to_end(peer_id)
@@ -240,27 +250,47 @@ class PeerPolicy:
 
     # --- suspects ------------------------------------------------------------------------------------
 
-    def suspect(self, peer_id: str, reason: str, *, leader_only: bool = False) -> None:
+    def suspect(
+        self, peer_id: str, reason: str, *, leader_only: bool = False, for_s: float | None = None
+    ) -> None:
         """Avoid ``peer_id`` in matchmaking for a while: it broke a group in a way nobody can prove.
 
         ``leader_only``: what it did only a leader can do (list a member twice, alter an entry, list a
         peer that knows no such round), so it is not followed but may still join a group as a member,
-        where the run may need it to reach its minimum.
+        where the run may need it to reach its minimum. ``for_s``: a first offence's span, when shorter
+        than ``SUSPECT_S`` (``Suspects.add``).
         """
-        self.suspects.add(peer_id, reason, leader_only=leader_only)
+        before = self.suspects.get(peer_id)
+        held = self.suspects.add(peer_id, reason, leader_only=leader_only, for_s=for_s)
+        if held is not before:
+            logger.info(
+                f"avoiding {peer_id}{' as a leader' if held.leader_only else ''} for "
+                f"{held.until - self.suspects.clock():.1f}s (offence {held.strikes}): {reason}"
+            )
 
-    def blame_round(self, failed: Iterable[str], denied: Iterable[str]) -> None:
+    def blame_round(
+        self, failed: Iterable[str], denied: Iterable[str], *, round_s: float | None = None
+    ) -> None:
         """Suspect whoever broke a round of this peer: a reducer that took it and did not deliver (``failed``)
         and a reducer that said it knows no such round (``denied``).
 
         A denier was listed with its own signed, fresh entry in a group every member checked
         (``groups.check_group``), so it joined and then walked away (or left a group the others kept): the
         fault is its own, not the leader's, and its part is repaired like a withheld one (``repair``).
+        Either may be an honest peer on a loaded machine that missed the round's deadline or gave up on
+        it, so a first offence is avoided for one round (``round_s``, what this peer's search and round
+        took), not ``SUSPECT_S``: the retry forms without it and an honest swarm does not lock its slow
+        peers out; each repeat doubles the span, so a peer that keeps breaking rounds is soon avoided
+        as long as any other suspect.
         """
         for peer in failed:
-            self.suspect(peer, "did not deliver its part of a round")
+            self.suspect(peer, "did not deliver its part of a round", for_s=round_s)
         for peer in denied:
-            self.suspect(peer, "was in the group with its signed entry, then said it knows no such round")
+            self.suspect(
+                peer,
+                "was in the group with its signed entry, then said it knows no such round",
+                for_s=round_s,
+            )
 
     # --- the rule ------------------------------------------------------------------------------------
 
