@@ -16,14 +16,8 @@ import pytest
 import torch
 
 from swarm.averaging.averager import Averager, RunMatchmaking
-from swarm.averaging.policy import (
-    MAX_SUSPECT_S,
-    MAX_SUSPECTS,
-    MIN_SUSPECT_S,
-    SUSPECT_S,
-    PeerPolicy,
-    Suspects,
-)
+from swarm.averaging.missed import FORGIVE_AFTER, MAX_AVOID_SEARCHES
+from swarm.averaging.policy import MAX_SUSPECT_S, MAX_SUSPECTS, SUSPECT_S, PeerPolicy, Suspects
 from swarm.byzantine.attacks import make_attack
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,31 +90,39 @@ def test_the_suspects_stay_bounded_and_the_oldest_offence_goes_first():
     assert policy.refusal("sybil0") is None and policy.refusal(f"sybil{MAX_SUSPECTS + 49}") is not None
 
 
-def test_a_reducer_that_missed_one_round_is_avoided_for_that_round_and_a_repeat_offender_ever_longer():
-    # A slow honest peer on a loaded machine misses a round's deadline once: it is left out of the retry
-    # (the round's own span, 7 s here), not locked out for a minute. A withholder that keeps doing it
-    # doubles its span at each repeat, from the round's span up to the cap, as any other suspect does.
-    clock = Clock()
-    policy = PeerPolicy(None, "run", suspects=Suspects(clock=clock))
-    policy.blame_round(["slow"], ["gave-up"], round_s=7.0)
-    assert avoided_for(policy.suspects, "slow", clock) == 7.0
-    assert avoided_for(policy.suspects, "gave-up", clock) == 7.0
+def test_a_reducer_that_missed_a_round_sits_out_searches_and_works_its_misses_off_by_delivering():
+    # A slow honest peer on a loaded machine misses one round: it is left out of the retry (the next
+    # search), not locked out for a minute, and however long the gap between rounds is.
+    policy = PeerPolicy(None, "run")
+    policy.search_started()
+    policy.blame_round(["slow"], ["gave-up"], delivered=["fine"])
     assert "did not deliver" in policy.refusal("slow") and "no such round" in policy.refusal("gave-up")
-    clock.now += 7.5
-    assert policy.refusal("slow") is None, "back in the next round"
-    spans = []
-    for _ in range(9):
-        policy.blame_round(["slow"], [], round_s=7.0)
-        spans.append(avoided_for(policy.suspects, "slow", clock))
-        clock.now += spans[-1] + 1.0
-    assert spans == [7.0 * 2**i for i in range(1, 8)] + [MAX_SUSPECT_S, MAX_SUSPECT_S]
-    # A round's span never stretches a first offence past SUSPECT_S, nor shrinks it under a second.
-    policy.blame_round(["long"], [], round_s=10 * SUSPECT_S)
-    policy.blame_round(["short"], [], round_s=0.01)
-    assert avoided_for(policy.suspects, "long", clock) == SUSPECT_S
-    assert avoided_for(policy.suspects, "short", clock) == MIN_SUSPECT_S
-    policy.suspect("liar", "sent a contribution other than its public batch seeds give")
-    assert avoided_for(policy.suspects, "liar", clock) == SUSPECT_S, "other offences keep their minute"
+    assert policy.refusal("fine") is None
+    policy.search_started()
+    assert "in this search" in policy.refusal("slow"), "the retry forms without it"
+    policy.search_started()
+    assert policy.refusal("slow") is None, "back in the search after"
+    # Each miss while let in doubles the searches it sits out, up to the cap; a miss seen again while it
+    # is still avoided (a leader listed it anyway) escalates nothing.
+    missed, spans = policy.missed, []
+    for _ in range(11):
+        policy.blame_round(["slow"], [])
+        policy.blame_round(["slow"], [])
+        spans.append(missed._book["slow"].until - missed.searches)
+        for _ in range(spans[-1] + 1):
+            policy.search_started()
+        assert policy.refusal("slow") is None
+    assert spans == [2**i for i in range(1, 9)] + [MAX_AVOID_SEARCHES] * 3
+    # Only delivered rounds forgive: FORGIVE_AFTER of them per strike, never the time that passed.
+    strikes = missed.strikes("slow")
+    for _ in range(FORGIVE_AFTER * 3):
+        policy.search_started()
+        policy.blame_round([], [], delivered=["slow"])
+    assert missed.strikes("slow") == strikes - 3
+    policy.suspect("liar", "accepted this peer into its group, then never began the round")
+    assert policy.suspects.get("liar").until - time.monotonic() > SUSPECT_S - 5, (
+        "other offences keep their minute"
+    )
 
 
 def test_a_peer_that_knows_no_such_round_counts_against_itself_not_the_leader():
@@ -195,11 +197,11 @@ def test_a_member_that_denies_the_round_is_blamed_and_its_part_repaired(keyed_dh
     assert torch.equal(first.vector, second.vector), "the honest peers hold the same bits"
     assert torch.allclose(first.vector, mean, atol=2e-3)
     for averager in averagers[:2]:
-        held = averager.policy.suspects.get(denier)
-        assert held is not None and "said it knows no such round" in held.reason
-        # Avoided for this round (its search and round took seconds), not a minute: the denial alone does
-        # not tell a denier from an honest peer that gave up on the round.
-        assert held.strikes == 1 and held.until - time.monotonic() < SUSPECT_S / 2
+        # Avoided in the next search (a denial alone does not tell a denier from an honest peer that gave up
+        # on the round); the other members delivered.
+        assert "said it knows no such round" in averager.policy.refusal(denier)
+        assert averager.policy.missed.strikes(denier) == 1
+        assert all(averager.policy.missed.strikes(str(p)) == 0 for p in group.peer_ids if str(p) != denier)
         assert averager.policy.refusal(group.leader, as_leader=True) is None, (
             "the honest leader is not blamed"
         )

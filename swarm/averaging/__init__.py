@@ -7,6 +7,7 @@
 - ``declarations``: signed, certified matchmaking declarations under one fixed DHT key per averaging prefix
 - ``matchmaking``: ``RunMatchmaking``, hivemind's matchmaking held to the peer policy
 - ``policy``: ``PeerPolicy``, who a peer may average with (certified, not banned, not a suspect)
+- ``missed``: ``MissedRounds``, reducers that missed rounds, avoided for searches and forgiven by rounds delivered
 - ``evidence``: what round members sign, the run's chunk layout, and evidence a third party can judge
 - ``allreduce``: ``ButterflyAllReduce``, one round in which every peer ends with the same bits
 - ``sender``: ``PartSender``, the round's sender side: stream this peer's chunks, check the aggregates back

@@ -388,6 +388,7 @@ class Averager:
         at the caller's step that formed no group, which widen the window (``matchmaking_window_s``).
         """
         self._nonce = os.urandom(NONCE_BYTES)
+        self.policy.search_started()
         body = GroupEntryBody(
             schema_hash=self.schema_hash,
             weight=float(weight),
@@ -560,12 +561,14 @@ class Averager:
                 self.link.observe(*runner.send_sample())
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
-            # The retry forms without a reducer that did not deliver or denied the round; for one round
-            # (this search and round) at a first offence, since it may only be slow.
-            self.policy.blame_round(
-                result.failed_reducers, result.denied_by,
-                round_s=max(time.monotonic() - started, self.matchmaking_time_s),
-            )  # fmt: skip
+            # The retry forms without a reducer that did not deliver or denied the round; one that delivered
+            # a complete round's part works off its misses (``missed``).
+            delivered = [
+                member for i, member in enumerate(runner.members)
+                if result.complete and i != runner.index and runner.reduces(i)
+                and member not in result.failed_reducers and member not in result.denied_by
+            ]  # fmt: skip
+            self.policy.blame_round(result.failed_reducers, result.denied_by, delivered=delivered)
             if result.complete and len(group.peer_ids) > 1:
                 if self.sender_checks is not None:  # the state the senders computed at, before its update
                     await self.sender_checks.keep(runner, group.signed_entries)

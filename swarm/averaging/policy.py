@@ -9,15 +9,14 @@ announced a group, its members are checked by what they signed instead (``listed
 which an honest leader's may not match, nor by suspicion, which the other members may not share.
 
 A suspect is avoided for ``suspect_s`` (60 s), doubled for each repeat offence that comes within
-``REPEAT_WINDOW_S`` of its last avoid period ending, up to ``MAX_SUSPECT_S``. A round's reducer that did
-not deliver or denied it may only be slow (a loaded machine misses deadlines an idle one meets), so a first
-such offence is avoided for as long as the round took (``blame_round``'s ``round_s``: the search and the
-round, at most ``suspect_s``), enough for the retry to form without it, and repeats double that; an
-offence reported while
+``REPEAT_WINDOW_S`` of its last avoid period ending, up to ``MAX_SUSPECT_S``; an offence reported while
 the peer is still avoided is the same offence seen again and escalates nothing. At most ``MAX_SUSPECTS``
 peers are remembered (the one whose last offence is oldest is forgotten first), so Sybils that take turns
-cannot grow the map without bound, and each one of them that comes back to offend again waits longer. A policy with neither a coordinator key nor an allowed set admits everyone: that is a local
-benchmark with no admission at all, never a volunteer.
+cannot grow the map without bound, and each one of them that comes back to offend again waits longer.
+A reducer that did not deliver its part or denied a round may only be slow, so it is kept in another book
+that counts searches and rounds, not seconds (``missed.MissedRounds``, through ``blame_round``). A policy
+with neither a coordinator key nor an allowed set admits everyone: that is a local benchmark with no
+admission at all, never a volunteer.
 
 Example::
 
@@ -40,6 +39,7 @@ import hivemind
 
 from protocols.errors import SwarmError
 from protocols.keys import PublicKey
+from swarm.averaging.missed import MissedRounds
 from swarm.bans import fetch_ban_list
 from swarm.membership import fetch_members
 from swarm.records import check_record_certificate
@@ -53,8 +53,6 @@ MEMBERS_REFRESH_TIMEOUT_S = 2.0
 BAN_GRACE_S = 60.0
 #: How long a first offender is avoided.
 SUSPECT_S = 60.0
-#: The shortest a first offender is avoided (a round that took less is still over by then).
-MIN_SUSPECT_S = 1.0
 #: The longest a repeat offender is avoided at a time.
 MAX_SUSPECT_S = 960.0
 #: An offence within this long after the last avoid period ended counts as a repeat.
@@ -97,11 +95,8 @@ class Suspects:
         """What is held against ``peer_id``, expired or not; None if nothing."""
         return self._held.get(peer_id)
 
-    def add(
-        self, peer_id: str, reason: str, *, leader_only: bool = False, for_s: float | None = None
-    ) -> Suspicion:
-        """Avoid ``peer_id`` (``leader_only``: only as a leader) for ``for_s`` (at most ``suspect_s``; None:
-        ``suspect_s``), doubled for each repeat; returns what is now held against it."""
+    def add(self, peer_id: str, reason: str, *, leader_only: bool = False) -> Suspicion:
+        """Avoid ``peer_id`` (``leader_only``: only as a leader); returns what is now held against it."""
         now = self.clock()
         old = self._held.get(peer_id)
         if old is not None and old.until > now:
@@ -110,8 +105,7 @@ class Suspects:
                 self._held[peer_id] = old
             return old
         strikes = old.strikes + 1 if old is not None and now - old.until <= self.repeat_window_s else 1
-        first_s = self.suspect_s if for_s is None else min(max(for_s, MIN_SUSPECT_S), self.suspect_s)
-        avoid_s = min(first_s * 2 ** min(strikes - 1, 32), self.max_suspect_s)
+        avoid_s = min(self.suspect_s * 2 ** min(strikes - 1, 32), self.max_suspect_s)
         held = Suspicion(now + avoid_s, reason, leader_only, strikes)
         self._held[peer_id] = held
         self._held.move_to_end(peer_id)
@@ -155,6 +149,7 @@ class PeerPolicy:
         also_certified: peers another verified source vouches for (see ``__init__``).
         refresh_s: how often, at most, members and bans are read again.
         suspects: the suspect book to use (default: a fresh one with the module's spans).
+        missed: the book of reducers that missed rounds (default: a fresh one).
     """
 
     def __init__(
@@ -167,6 +162,7 @@ class PeerPolicy:
         also_certified: Callable[[], Collection[str]] | None = None,
         refresh_s: float = 1.0,
         suspects: Suspects | None = None,
+        missed: MissedRounds | None = None,
     ):
         """``also_certified`` names peers another verified source vouches for: the trainer's view of
         signed progress records, each of which carries its signer's certificate."""
@@ -178,6 +174,7 @@ class PeerPolicy:
         self._banned_since: dict[str, float] = {}  # when this peer first saw each ban it holds
         self._bans_at = -float("inf")  # when the coordinator signed the list we hold
         self.suspects = suspects if suspects is not None else Suspects()
+        self.missed = missed if missed is not None else MissedRounds()
         self._members_at = self._bans_checked_at = -float("inf")
         self._members_lock = asyncio.Lock()
         self._bans_lock = asyncio.Lock()
@@ -250,47 +247,49 @@ class PeerPolicy:
 
     # --- suspects ------------------------------------------------------------------------------------
 
-    def suspect(
-        self, peer_id: str, reason: str, *, leader_only: bool = False, for_s: float | None = None
-    ) -> None:
+    def suspect(self, peer_id: str, reason: str, *, leader_only: bool = False) -> None:
         """Avoid ``peer_id`` in matchmaking for a while: it broke a group in a way nobody can prove.
 
         ``leader_only``: what it did only a leader can do (list a member twice, alter an entry, list a
         peer that knows no such round), so it is not followed but may still join a group as a member,
-        where the run may need it to reach its minimum. ``for_s``: a first offence's span, when shorter
-        than ``SUSPECT_S`` (``Suspects.add``).
+        where the run may need it to reach its minimum.
         """
         before = self.suspects.get(peer_id)
-        held = self.suspects.add(peer_id, reason, leader_only=leader_only, for_s=for_s)
+        held = self.suspects.add(peer_id, reason, leader_only=leader_only)
         if held is not before:
             logger.info(
                 f"avoiding {peer_id}{' as a leader' if held.leader_only else ''} for "
-                f"{held.until - self.suspects.clock():.1f}s (offence {held.strikes}): {reason}"
+                f"{held.until - self.suspects.clock():.0f}s (offence {held.strikes}): {reason}"
             )
 
+    def search_started(self) -> None:
+        """This peer starts a search for a group: the unit ``missed`` counts avoidance in."""
+        self.missed.search()
+
     def blame_round(
-        self, failed: Iterable[str], denied: Iterable[str], *, round_s: float | None = None
+        self, failed: Iterable[str], denied: Iterable[str], *, delivered: Iterable[str] = ()
     ) -> None:
-        """Suspect whoever broke a round of this peer: a reducer that took it and did not deliver (``failed``)
-        and a reducer that said it knows no such round (``denied``).
+        """Keep account of the reducers of a round of this peer: one that took it and did not deliver
+        (``failed``) or said it knows no such round (``denied``) missed it, one that ``delivered`` its part
+        did not (``missed.MissedRounds``: a miss avoids it for searches, delivered rounds forgive it).
 
         A denier was listed with its own signed, fresh entry in a group every member checked
         (``groups.check_group``), so it joined and then walked away (or left a group the others kept): the
-        fault is its own, not the leader's, and its part is repaired like a withheld one (``repair``).
-        Either may be an honest peer on a loaded machine that missed the round's deadline or gave up on
-        it, so a first offence is avoided for one round (``round_s``, what this peer's search and round
-        took), not ``SUSPECT_S``: the retry forms without it and an honest swarm does not lock its slow
-        peers out; each repeat doubles the span, so a peer that keeps breaking rounds is soon avoided
-        as long as any other suspect.
+        fault is its own, not the leader's, and its part is repaired like a withheld one (``repair``). Either
+        may also be an honest peer on a loaded machine that missed the deadline or gave up on the round,
+        which only the rate of its misses tells apart.
         """
-        for peer in failed:
-            self.suspect(peer, "did not deliver its part of a round", for_s=round_s)
+        missed = {p: "did not deliver its part of a round" for p in failed}
         for peer in denied:
-            self.suspect(
-                peer,
-                "was in the group with its signed entry, then said it knows no such round",
-                for_s=round_s,
+            missed[peer] = "was in the group with its signed entry, then said it knows no such round"
+        for peer, strikes, span in self.missed.round(delivered=delivered, missed=missed):
+            logger.info(
+                f"avoiding {peer} for {span} search{'es' if span > 1 else ''} (miss {strikes}): {missed[peer]}"
             )
+
+    def avoided(self, limit: int) -> list[str]:
+        """Up to ``limit`` peers this peer avoids now (suspects first), for its heartbeat."""
+        return list(dict.fromkeys(self.suspects.avoided(limit) + self.missed.avoided(limit)))[:limit]
 
     # --- the rule ------------------------------------------------------------------------------------
 
@@ -299,7 +298,7 @@ class PeerPolicy:
         known now; None if it may."""
         if peer_id in self._banned:
             return "banned by the coordinator"
-        reason = self.suspects.refusal(peer_id, as_leader=as_leader)
+        reason = self.suspects.refusal(peer_id, as_leader=as_leader) or self.missed.refusal(peer_id)
         if reason is not None:
             return reason
         if not self.certified(peer_id):

@@ -204,7 +204,7 @@ class StageWorker(StageMoves):
 
     def suspected(self, limit: int) -> list[str]:
         """The peers this one avoids now for breaking its rounds, for the coordinator (at most ``limit``)."""
-        return self.policy.suspects.avoided(limit)
+        return self.policy.avoided(limit)
 
     def metrics(self) -> dict[str, float]:
         r = self.replica

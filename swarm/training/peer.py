@@ -232,7 +232,7 @@ class TrainingPeer:
 
     def suspected(self, limit: int) -> list[str]:
         """The peers this one avoids now for breaking its rounds, for the coordinator (at most ``limit``)."""
-        return self.policy.suspects.avoided(limit)
+        return self.policy.avoided(limit)
 
     def witnessed(self) -> list[list[bytes]]:
         """The applied rounds the next heartbeat shows the coordinator (``swarm.training.witness``)."""
