@@ -119,6 +119,12 @@ def test_a_reducer_that_missed_a_round_sits_out_searches_and_works_its_misses_of
         policy.search_started()
         policy.blame_round([], [], delivered=["slow"])
     assert missed.strikes("slow") == strikes - 3
+    for _ in range(FORGIVE_AFTER * 20):  # more than enough: a clean slate, and a miss is a first one again
+        policy.search_started()
+        policy.blame_round([], [], delivered=["slow"])
+    assert missed.strikes("slow") == 0 and len(missed) == 1, "only the one that said no such round is left"
+    policy.blame_round(["slow"], [])
+    assert missed._book["slow"].until - missed.searches == 1
     policy.suspect("liar", "accepted this peer into its group, then never began the round")
     assert policy.suspects.get("liar").until - time.monotonic() > SUSPECT_S - 5, (
         "other offences keep their minute"

@@ -89,13 +89,13 @@ class MissedRounds:
                 continue
             record.delivered += 1
             if record.delivered >= self.forgive_after:
-                record.strikes, record.delivered = record.strikes - 1, 0
-                if record.strikes <= 0 and record.until <= self.searches:
+                record.strikes, record.delivered = max(0, record.strikes - 1), 0
+                if record.strikes == 0 and record.until < self.searches:
                     del self._book[peer]
         added = []
         for peer, reason in missed.items():
             record = self._book.get(peer)
-            if record is not None and record.until > self.searches:  # still avoided: seen again
+            if record is not None and record.until >= self.searches:  # still avoided: seen again
                 record.delivered = 0
                 continue
             strikes = (record.strikes if record is not None else 0) + 1
