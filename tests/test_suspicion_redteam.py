@@ -22,20 +22,21 @@ SEARCHES = 20_000  # rounds simulated per strategy
 
 
 def rounds_of(policy: PeerPolicy, peer: str, misses) -> tuple[int, int, int]:
-    """Drive ``SEARCHES`` searches of an honest peer with ``peer`` in each round it is let into;
-    ``misses(i)`` says whether ``peer`` misses the i-th round it is in. Returns (let in, missed, refused)."""
+    """Drive ``SEARCHES`` counted searches of an honest peer, each running a round with ``peer`` in it when
+    it is let in; ``misses(i)`` says whether ``peer`` misses the i-th round it is in (does not deliver).
+    Returns (let in, missed, refused)."""
     let_in = missed = refused = 0
     for _ in range(SEARCHES):
-        policy.search_started()
         if policy.refusal(peer) is not None:
             refused += 1
-            continue
-        if misses(let_in):
+        elif misses(let_in):
             missed += 1
-            policy.blame_round([], [peer])
+            let_in += 1
+            policy.blame_round([peer], [])
         else:
+            let_in += 1
             policy.blame_round([], [], delivered=[peer])
-        let_in += 1
+        policy.search_counted()
     return let_in, missed, refused
 
 
@@ -66,10 +67,10 @@ def test_a_miss_keeps_the_peer_out_of_the_next_search_however_long_the_gap_betwe
     policy = PeerPolicy(None, "run")
     broken = []
     for i in range(8):
-        policy.search_started()
         if policy.refusal("w") is None:
             policy.blame_round(["w"], [])
             broken.append(i)
+        policy.search_counted()
     assert broken == [0, 2, 5], "out of the next 1, then 2 searches"
 
 

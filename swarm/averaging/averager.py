@@ -233,6 +233,9 @@ class Averager:
         self.link = Throughput()  # this peer's measured upload rate, declared in its group entries
         self.round_mbit: float | None = None  # the rate the last round counted on (its slowest member's)
         self.last_form_s = 0.0  # how long the last round's matchmaking took
+        # Whether this averager's searches count toward the policy's spans of missed rounds (``missed``):
+        # a second tier's do not, so that a representative's tier search spends nobody's span.
+        self.counts_searches = True
         if verify_probability > 0 and signing_key is None:
             # Validators refuse unsigned inputs, so every reducer would be suspected and shunned.
             raise ConfigError(
@@ -388,7 +391,6 @@ class Averager:
         at the caller's step that formed no group, which widen the window (``matchmaking_window_s``).
         """
         self._nonce = os.urandom(NONCE_BYTES)
-        self.policy.search_started()
         body = GroupEntryBody(
             schema_hash=self.schema_hash,
             weight=float(weight),
@@ -527,6 +529,10 @@ class Averager:
                 group = await self.find_group(weight, extra, expected_size, fits, failed_tries)
             self.last_form_s = time.monotonic() - started  # what matchmaking took (round journal)
             if group is None:
+                # A search broken at once (a leader whose entry does not open) does not move the count that
+                # spans of missed rounds pass in; one that waited out the window does (``missed``).
+                if self.counts_searches and self.last_form_s >= self.matchmaking_time_s:
+                    self.policy.search_counted()
                 return None
             runner = self.runner_type(
                 self.round_settings(),
@@ -569,6 +575,8 @@ class Averager:
                 and member not in result.failed_reducers and member not in result.denied_by
             ]  # fmt: skip
             self.policy.blame_round(result.failed_reducers, result.denied_by, delivered=delivered)
+            if self.counts_searches:
+                self.policy.search_counted()
             if result.complete and len(group.peer_ids) > 1:
                 if self.sender_checks is not None:  # the state the senders computed at, before its update
                     await self.sender_checks.keep(runner, group.signed_entries)

@@ -262,8 +262,9 @@ class PeerPolicy:
                 f"{held.until - self.suspects.clock():.0f}s (offence {held.strikes}): {reason}"
             )
 
-    def search_started(self) -> None:
-        """This peer starts a search for a group: the unit ``missed`` counts avoidance in."""
+    def search_counted(self) -> None:
+        """A search of this peer ended that counts toward ``missed``'s spans (it ran a round or waited
+        out the run's window: ``Averager.average``)."""
         self.missed.search()
 
     def blame_round(
@@ -271,7 +272,8 @@ class PeerPolicy:
     ) -> None:
         """Keep account of the reducers of a round of this peer: one that took it and did not deliver
         (``failed``) or said it knows no such round (``denied``) missed it, one that ``delivered`` its part
-        did not (``missed.MissedRounds``: a miss avoids it for searches, delivered rounds forgive it).
+        did not (``missed.MissedRounds``: a miss avoids it for searches, delivered rounds forgive it; a
+        denial, which a leader can provoke, only for the next search).
 
         A denier was listed with its own signed, fresh entry in a group every member checked
         (``groups.check_group``), so it joined and then walked away (or left a group the others kept): the
@@ -280,11 +282,11 @@ class PeerPolicy:
         which only the rate of its misses tells apart.
         """
         missed = {p: "did not deliver its part of a round" for p in failed}
-        for peer in denied:
-            missed[peer] = "was in the group with its signed entry, then said it knows no such round"
-        for peer, strikes, span in self.missed.round(delivered=delivered, missed=missed):
+        said = {p: "was in the group with its signed entry, then said it knows no such round" for p in denied}
+        for peer, strikes, span in self.missed.round(delivered=delivered, missed=missed, denied=said):
             logger.info(
-                f"avoiding {peer} for {span} search{'es' if span > 1 else ''} (miss {strikes}): {missed[peer]}"
+                f"avoiding {peer} for {span} search{'es' if span > 1 else ''} (strikes {strikes}): "
+                f"{missed.get(peer) or said[peer]}"
             )
 
     def avoided(self, limit: int) -> list[str]:

@@ -123,6 +123,7 @@ class SecondTier:
             upload_limiter=upload_limiter, accuse=accuse, hooks=hooks, client_mode=client_mode,
             record_signer=record_signer, compression=TIER_COMPRESSION, min_reducers=1, data_plane=False,
         )  # fmt: skip
+        self.averager.counts_searches = False  # the first tier's searches count (``missed``)
         self.board = TierBoard()
         self._searches = FailedSearches()
 
