@@ -568,13 +568,21 @@ class Averager:
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
             # The retry forms without a reducer that did not deliver or denied the round; one that delivered
-            # a complete round's part works off its misses (``missed``).
+            # a complete round's part works off its misses (``missed``). A denier whose signed contribution
+            # to this peer's part arrived knew the round: it withheld, whatever it answered.
+            knew = {
+                m for m in result.denied_by
+                if m in runner.members and runner.reduces(runner.index)
+                and runner.reducer.contributed(runner.members.index(m))
+            }  # fmt: skip
+            failed = [*result.failed_reducers, *sorted(knew)]
+            denied = [m for m in result.denied_by if m not in knew]
             delivered = [
                 member for i, member in enumerate(runner.members)
                 if result.complete and i != runner.index and runner.reduces(i)
-                and member not in result.failed_reducers and member not in result.denied_by
+                and member not in failed and member not in denied
             ]  # fmt: skip
-            self.policy.blame_round(result.failed_reducers, result.denied_by, delivered=delivered)
+            self.policy.blame_round(failed, denied, delivered=delivered)
             if self.counts_searches:
                 self.policy.search_counted()
             if result.complete and len(group.peer_ids) > 1:

@@ -76,6 +76,10 @@ class PartReducer:
         # Members still in the round for this peer's part; a repair waits for the same ones.
         self.active = set(range(len(round.peer_ids)))
 
+    def contributed(self, sender: int) -> bool:
+        """Whether ``sender``'s signed contribution to this peer's part arrived in this round."""
+        return sender in self._weights
+
     def drop(self, sender: int, reason: str) -> None:
         """Leave ``sender`` out of this peer's part (and of the parts it stands in for), naming why."""
         r = self.round

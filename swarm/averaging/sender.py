@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: How long past the router's wait for a round (``sender_timeout_s``) a denial may come and still count
+#: as one: latency and a loaded machine's delay. A later one counts as a reducer that did not deliver.
+DENIAL_SLACK_S = 1.0
+
 
 def check_answer(
     round: ButterflyAllReduce,
@@ -170,12 +174,19 @@ class PartSender:
                 yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=r.nonce)
 
         stream, expected, denied = None, 0, False
+        opened_at = asyncio.get_running_loop().time()
         try:
             stream = await self.open(part, outgoing())
             while expected < chunks:
                 message = await r.next(stream, 2 * r.sender_timeout_s)
                 if message.code != apb.OK:
-                    denied = expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
+                    # A denial is what a peer that knows no such round answers: at once, or once its router
+                    # has waited ``sender_timeout_s`` for the round. One that comes later is a reducer that
+                    # held the stream first, as a withholder does: a miss like a timeout (``missed``).
+                    prompt = (
+                        asyncio.get_running_loop().time() - opened_at <= r.sender_timeout_s + DENIAL_SLACK_S
+                    )
+                    denied = prompt and expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
                 if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
