@@ -8,19 +8,25 @@ and checks what an organizer cares about, one line per check, exiting 1 when any
   outright at step 3 and a replacement joins stage 0, so a stage-0 replica must move to stage 1. Checks:
   loss fell, no micro-batch lost, every micro-batch completed or still waiting, the killed replica gone
   and the replacement serving, at least one move, the replicas of each stage identical at step 14.
+- ``label_flip``, ``huge_weight``: 4 peers of the tiny model, one attacker, 6 steps, every part checked and
+  a sender recomputed at each check. Checks: loss fell, the honest peers identical, none of them banned,
+  and the attacker, if it contributed, banned for what its evidence proves (a contribution other than its
+  public batch seeds give; a weight over the target batch).
 - ``pipeline_attacks``: all five pipeline attacks at once (a poisoning and a throughput-lying replica of
   stage 1, a replica of stage 0 forging retries, a trainer holding a micro-batch in flight forever, one
   front-running an honest trainer), every micro-batch checked at a second replica. Checks: loss fell,
   nothing lost, the poisoner banned and no honest peer, the honest replicas of each stage identical.
 
 The test suite proves each point more cheaply: the demo's command at a tiny size in CI (``.ci/run``) and
-a tiny swarm whose loss falls through churn (``tests/test_sim.py``), a kill under load with nothing lost
+a tiny swarm whose loss falls through churn (``tests/test_sim.py``), the other contribution attacks in whole
+runs and the evidence of each of these two in-process (``tests/test_byzantine.py``,
+``tests/test_sendercheck.py``), a kill under load with nothing lost
 (``tests/test_benchmarks.py``, ``bench_pipeline.py``), moves back and forth while trainers train
 (``tests/test_pipeline_moves.py``), each pipeline attack alone (``tests/test_pipeline_attacks.py``).
 
 Usage::
 
-    python benchmarks/rehearsals.py                          # every rehearsal, about 5 minutes on 2 cores
+    python benchmarks/rehearsals.py                          # every rehearsal, about 6 minutes on 2 cores
     python benchmarks/rehearsals.py --only pipeline_attacks --json r.json
 """
 
@@ -118,6 +124,34 @@ def check_demo_spike(report: dict, steps: int) -> list[Check]:
     ]
 
 
+def check_provable(reason: str) -> Callable[[dict, int], list[Check]]:
+    """An every-step run with one attacker whose lie is provable: its ban names ``reason``."""
+
+    def check(report: dict, steps: int) -> list[Check]:
+        peers = report.get("peers", [])
+        honest = [p for p in peers if not p.get("byzantine")]
+        attacker = next((p for p in peers if p.get("byzantine")), {})
+        hashes = {p.get("param_hash") for p in honest}
+        contributed = attacker.get("banned") or attacker.get("contributed_samples", 0) > 0
+        return [
+            _fell(report),
+            (len(honest) >= 2 and hashes == {report.get("final_param_hash")}, "the honest peers identical"),
+            (not any(p.get("banned") for p in honest), "no honest peer banned"),
+            (
+                not contributed or (attacker.get("banned") and reason in attacker.get("ban_reason", "")),
+                f"the attacker banned for {reason!r} (banned: {attacker.get('banned')}, "
+                f"{attacker.get('ban_reason', '')!r})",
+            ),
+        ]
+
+    return check
+
+
+def _byzantine(attack: str) -> list[str]:
+    return ["--peers", "4", "--model-size", "tiny", "--byzantine", "1", "--attack", attack,
+            "--verify-probability", "1.0", "--sender-check-probability", "1.0"]  # fmt: skip
+
+
 def check_pipeline_attacks(report: dict, steps: int) -> list[Check]:
     byzantine, banned = report.get("byzantine", []), report.get("banned", [])
     honest_trainer = next((t for t in report.get("trainers", []) if t["name"] == "trainer2"), {})
@@ -134,6 +168,12 @@ def check_pipeline_attacks(report: dict, steps: int) -> list[Check]:
 REHEARSALS: dict[str, tuple[list[str], int, Callable[[dict, int], list[Check]]]] = {
     # The demo model at 9 steps, evaluated every 2 (5.34, 4.35, 4.62, 4.18, 3.67, 3.60 in one run, 91 s).
     "demo_spike": (["--peers", "3"], 9, check_demo_spike),
+    "label_flip": (_byzantine("label_flip"), 6, check_provable("recomputed from its public batch seeds")),
+    "huge_weight": (
+        _byzantine("huge_weight"),
+        6,
+        check_provable("a peer stops computing at the target batch"),
+    ),
     "pipeline_kill": (
         [
             "--stages",

@@ -283,6 +283,14 @@ def test_rehearsals_fail_a_kill_without_a_move_or_an_attack_that_banned_an_hones
         if not ok
     ]
     assert len(spiked) == 1 and "25% above" in spiked[0]
+    # A provable attacker: banned for its lie, and never an honest peer.
+    peer = lambda name, **more: {"name": name, "param_hash": "h", "byzantine": False, "banned": False, **more}  # noqa: E731
+    run = {"initial_val_loss": 5.4, "final_val_loss": 5.2, "final_param_hash": "h",
+           "peers": [peer("peer0"), peer("peer2"), peer("peer1", byzantine=True, banned=True, ban_reason="x y z")]}  # fmt: skip
+    assert all(ok for ok, _ in rehearsals.check_provable("y z")(run, 6))
+    run["peers"][0]["banned"] = True
+    failed = [what for ok, what in rehearsals.check_provable("y z")(run, 6) if not ok]
+    assert failed == ["no honest peer banned"]
     result = subprocess.run(
         [sys.executable, "benchmarks/rehearsals.py", "--only", "pipeline_kill,nope"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
