@@ -232,7 +232,7 @@ def test_a_frame_each_time_the_span_ends_costs_the_framed_peer_one_search_and_no
 
 class BrokenGroupLeader:
     """A certified Sybil leader that begins at once with a group of itself and the follower, its own entry
-    unopenable: the follower leaves "with fewer than 2 members with valid entries", blaming nobody."""
+    unopenable: the follower leaves the group (once blaming nobody, now the leader)."""
 
     def __init__(self, key: SigningKey):
         self.key, self.searches = key, 0
@@ -261,7 +261,8 @@ def test_a_sybil_leader_that_begins_at_once_with_a_broken_group_does_not_run_out
     nobody is free to repeat: S is never refused, as a leader or a member. Cost: 256 such searches, about
     one join round trip plus 0.125 s each (~50 s), bring W back with no round run and no strike
     forgiven; the attacker spends nothing and is never avoided. Now a search counts only once it ran a
-    round or waited out the run's window, so a span of 256 searches lasts at least 256 windows."""
+    round or waited out the run's window, so a span of 256 searches lasts at least 256 windows, and a
+    leader whose own entry does not open is blamed (avoided as a leader)."""
     network = Network()
     v, s = SigningKey.generate(), SigningKey.generate()
     averager = daemonless(network, v)
@@ -290,6 +291,7 @@ def test_a_sybil_leader_that_begins_at_once_with_a_broken_group_does_not_run_out
     assert sybil.searches == MAX_AVOID_SEARCHES and all(o is None for o in outcomes), "no round ran"
     assert averager.policy.missed.searches == before, "searches broken at once do not count"
     assert "next 255" in averager.policy.refusal("w"), "W is still out for 256 of V's counted searches"
+    assert "does not open" in averager.policy.refusal(s.peer_id, as_leader=True), "S is not followed again"
 
 
 def test_the_second_tiers_searches_do_not_spend_a_withholders_span():

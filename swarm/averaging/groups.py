@@ -234,6 +234,10 @@ def check_group(
                 data, peer_id=peer, prefix=prefix, schema_hash=schema_hash, signed=signed, max_age_s=max_age_s
             )
         except SwarmError as e:
+            if peer == leader and peer != me:  # the leader signs its own entry: nobody else can spoil it
+                raise GroupRefused(
+                    leader, f"leader {leader} sent its own entry, which does not open: {e}"
+                ) from None
             group.excluded[peer] = str(e)
             continue
         unproven = None if certify is None or peer == me else certify(peer, entry.certificate)
