@@ -142,7 +142,7 @@ async def _train(run: RunConfig, steps: int) -> dict:
         victim_stop.set()
         t2 = await reach(1 + 2 * steps)
         s2 = completed()
-        lost = sum(len(t.issued - t.completed) - len(t.in_flight) - len(t.pending) for t in trainers)
+        lost = sum(len(t.issued - t.completed - t.waiting()) for t in trainers)
         return {
             "all_alive_samples_per_s": (s1 - s0) / (t1 - t0),
             "one_killed_samples_per_s": (s2 - s1) / (t2 - t1),

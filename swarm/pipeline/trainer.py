@@ -129,6 +129,7 @@ class PipelineTrainer:
         self.samples = 0  # completed at this step
         self.micro = 0
         self.in_flight: set[int] = set()
+        self._starting: set[int] = set()  # handed to a task that has not run yet
         self.pending: deque[MicroBatch] = deque()
         self.issued: set[int] = set()
         self.completed: set[int] = set()
@@ -171,7 +172,7 @@ class PipelineTrainer:
 
     def metrics(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._started, 1e-9)
-        waiting = {mb.id for mb in self.pending} | self.in_flight
+        waiting = self.waiting()
         lost = len(self.issued - self.completed - waiting)
         return {
             **self._stats, "step": float(self.step), "samples": float(self.samples),
@@ -313,8 +314,14 @@ class PipelineTrainer:
             with contextlib.suppress(StageFailure):
                 await self._call(stage, peer, "rpc_forward", stolen)
 
+    def waiting(self) -> set[int]:
+        """IDs of the micro-batches issued and not completed that are still to be run: in flight, about to
+        be, or waiting to be issued again at the next step."""
+        return {mb.id for mb in self.pending} | self.in_flight | self._starting
+
     async def _process(self, mb: MicroBatch) -> None:
         """Run ``mb`` until it completes, the run moves past its step (it is then issued again), or stop."""
+        self._starting.discard(mb.id)
         self.in_flight.add(mb.id)
         try:
             while mb.step == self.step and self.view.run_step(self.num_stages) <= mb.step:
@@ -476,6 +483,9 @@ class PipelineTrainer:
                 ):
                     mb = self.pending.popleft() if self.pending else self._new_microbatch()
                     mb.step = self.step
+                    # Until its task first runs it is in neither ``pending`` nor ``in_flight``: a count of
+                    # lost micro-batches taken then (``waiting``) must not see it lost.
+                    self._starting.add(mb.id)
                     tasks.add(asyncio.create_task(self._process(mb)))
                     continue
                 if tasks:
