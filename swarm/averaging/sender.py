@@ -152,6 +152,7 @@ class PartSender:
         peer = r.peer_ids[part]
         chunks = r.chunk_count(part)
         sent: list[bytes] = []
+        first_at: list[float] = []  # when the first chunk went to the stream (after any upload limit)
 
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for chunk in range(chunks):
@@ -166,6 +167,8 @@ class PartSender:
                 self.contributed_bytes += len(message.data)
                 self._handed[part] = chunk + 1
                 self._handed_more.set()
+                if not first_at:
+                    first_at.append(asyncio.get_running_loop().time())
                 yield message
             self._handed.pop(part, None)
             self._handed_more.set()
@@ -174,18 +177,18 @@ class PartSender:
                 yield apb.PartChunk(part_index=part, chunk_index=chunks, reveal=r.nonce)
 
         stream, expected, denied = None, 0, False
-        opened_at = asyncio.get_running_loop().time()
         try:
             stream = await self.open(part, outgoing())
             while expected < chunks:
                 message = await r.next(stream, 2 * r.sender_timeout_s)
                 if message.code != apb.OK:
-                    # A denial is what a peer that knows no such round answers: at once, or once its router
-                    # has waited ``sender_timeout_s`` for the round. One that comes later is a reducer that
-                    # held the stream first, as a withholder does: a miss like a timeout (``missed``).
-                    prompt = (
-                        asyncio.get_running_loop().time() - opened_at <= r.sender_timeout_s + DENIAL_SLACK_S
-                    )
+                    # A denial is what a peer that knows no such round answers once our first chunk reached
+                    # it: at once, or after its router's wait for the round (the run's ``sender_timeout_s``,
+                    # within the round's silence deadline, which also allows a chunk's transfer). One that
+                    # comes later is a reducer that held the stream first, as a withholder does: a miss
+                    # like a timeout (``missed``).
+                    now = asyncio.get_running_loop().time()
+                    prompt = now - (first_at[0] if first_at else now) <= r.sender_timeout_s + DENIAL_SLACK_S
                     denied = prompt and expected == 0 and message.code in (apb.BAD_GROUP, apb.NOT_IN_GROUP)
                     raise ProtocolError(f"reducer answered {apb.Code.Name(message.code)}: {message.error}")
                 if message.part_index != part or message.chunk_index != expected:
