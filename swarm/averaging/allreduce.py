@@ -279,6 +279,20 @@ class ButterflyAllReduce:
         """Whether member ``part`` reduces a part of the vector (one nobody can dial does not)."""
         return not self.reducers or self.reducers[part]
 
+    def reducer_outcomes(self, result: RoundResult) -> tuple[list[str], list[str], list[str]]:
+        """The other reducers of this round by what they did for this peer: (did not deliver, denied the
+        round, delivered). A denier whose signed contribution to this peer's part arrived knew the round: it
+        withheld, whatever it answered. Only a complete round shows who delivered."""
+        knew = {m for m in result.denied_by if self.reducer.contributed(self.members.index(m))}
+        failed = [*result.failed_reducers, *sorted(knew)]
+        denied = [m for m in result.denied_by if m not in knew]
+        delivered = [
+            member for i, member in enumerate(self.members)
+            if result.complete and i != self.index and self.reduces(i)
+            and member not in failed and member not in denied
+        ]  # fmt: skip
+        return failed, denied, delivered
+
     def chunk_range(self, part: int, chunk: int) -> tuple[int, int]:
         """Where ``chunk`` of ``part`` lies in the vector: (first index, one past the last)."""
         base, bounds = self.part_bounds[part], self.part_chunks[part]

@@ -568,20 +568,8 @@ class Averager:
                 if len(group.peer_ids) > 1:
                     self.round_mbit = runner.deadlines.mbit
             # The retry forms without a reducer that did not deliver or denied the round; one that delivered
-            # a complete round's part works off its misses (``missed``). A denier whose signed contribution
-            # to this peer's part arrived knew the round: it withheld, whatever it answered.
-            knew = {
-                m for m in result.denied_by
-                if m in runner.members and runner.reduces(runner.index)
-                and runner.reducer.contributed(runner.members.index(m))
-            }  # fmt: skip
-            failed = [*result.failed_reducers, *sorted(knew)]
-            denied = [m for m in result.denied_by if m not in knew]
-            delivered = [
-                member for i, member in enumerate(runner.members)
-                if result.complete and i != runner.index and runner.reduces(i)
-                and member not in failed and member not in denied
-            ]  # fmt: skip
+            # a complete round's part works off its misses (``missed``).
+            failed, denied, delivered = runner.reducer_outcomes(result)
             self.policy.blame_round(failed, denied, delivered=delivered)
             if self.counts_searches:
                 self.policy.search_counted()

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How long past the router's wait for a round (``sender_timeout_s``) a denial may come and still count
-#: as one: latency and a loaded machine's delay. A later one counts as a reducer that did not deliver.
+#: How long past the round's silence deadline, counted from this peer's first chunk, a denial may come and
+#: still count as one: latency and a loaded machine's delay. A later one counts as a reducer that did not
+#: deliver.
 DENIAL_SLACK_S = 1.0
 
 
