@@ -26,44 +26,49 @@ def _newest_checkpoint(data_dir: Path) -> int:
     return int(found[-1].stem.split("-")[1]) if found else 0
 
 
+def _training(address: str) -> set[str]:
+    return {p.name for p in status(address).peers if p.state == "online" and p.step >= 1}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_extended_by_a_restart_finishes_and_its_peers_exit_0(swarm: LocalSwarm):
     port = free_port()
-    # 60 steps: the first run must not finish before the organizer stops it. Peers take 0.1 to 0.5 s a
-    # step here, and the first checkpoint can land late: at 10 and at 30 steps, CI rehearsals saw the
-    # peers finish the first run before the coordinator was stopped.
-    first = tiny_run(checkpoint_every_steps=2, max_steps=60)
+    # The organizer stops the coordinator once both peers train (step 1 in its status), long before they
+    # can reach max_steps: the first run can finish only through this coordinator (its checkpoint at
+    # max_steps), so the peers cannot leave before the restart. Waiting for a first checkpoint instead
+    # raced the peers: CI rehearsals saw it land only after the peers had reached max_steps.
+    first = tiny_run(checkpoint_every_steps=2, max_steps=30)
     coordinator = swarm.start_coordinator(first, port=port)
     address, data_dir = coordinator.extra["address"], coordinator.extra["data_dir"]
     peers = [
         swarm.start_peer(address, name, "--max-retry-interval-s", "1", leave_when_finished=True)
         for name in ("a", "b")
     ]
-    wait_until(lambda: _newest_checkpoint(data_dir) >= 2, timeout_s=120, what="a first checkpoint")
-
-    # The organizer stops the coordinator and raises max_steps; the running peers take the new limit.
+    wait_until(lambda: _training(address) == {"a", "b"}, timeout_s=120, what="both peers training")
     coordinator.signal(signal.SIGINT)
     assert coordinator.wait(timeout_s=30) == 0
+
+    # The organizer raises max_steps; the running peers take the new limit from the restarted coordinator.
     longer = first.model_copy(deep=True)
-    longer.training.max_steps = 64
+    longer.training.max_steps = 34
     coordinator = swarm.start_coordinator(
         longer, port=port, data_dir=data_dir, extra_args=["--dashboard-port", "0"]
     )
     for peer in peers:
         assert peer.wait(timeout_s=180) == 0, peer.output()[-3000:]
         out = peer.output()
-        assert "the run's max_steps is now 64" in out
-        assert "finished at step 64" in out and "leaving" in out
+        assert "the run's max_steps is now 34" in out
+        assert "finished at step 34" in out and "leaving" in out
 
-    assert _newest_checkpoint(data_dir) == 64, "the final checkpoint is at the new max_steps"
+    assert _newest_checkpoint(data_dir) == 34, "the final checkpoint is at the new max_steps"
     snapshot = status(address)
-    assert snapshot.finished_step == 64 and snapshot.max_steps == 64
+    assert snapshot.finished_step == 34 and snapshot.max_steps == 34
     assert {p.name: p.state for p in snapshot.peers} == {"a": "left", "b": "left"}
     dashboard = coordinator.extra["dashboard_url"].rstrip("/")
     with urllib.request.urlopen(dashboard + "/api/status", timeout=10) as page:
         served = json.load(page)
-    assert served["finished"] is True and served["finished_step"] == 64
+    assert served["finished"] is True and served["finished_step"] == 34
     with urllib.request.urlopen(dashboard + "/metrics", timeout=10) as page:
         assert "swarm_run_finished 1.0" in page.read().decode()
 
