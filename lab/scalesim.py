@@ -96,6 +96,12 @@ class ScaleConfig(BaseModel):
     )
     attackers: float = Field(0.0, ge=0, lt=0.5, description="share of peers that withhold as representative")
     adopt: bool = Field(True, description="a peer a step behind adopts the combined result (if the code can)")
+    second_window: Literal["run", "until_wait"] = Field(
+        "run",
+        description="the second tier's window: 'run' as the code has it (Averager.matchmaking_window_s); "
+        "'until_wait', a proposal the code does not have: open until the members' wait leaves one "
+        "averaging timeout, closed early once its groups hold every peer at the step",
+    )
     seed: int = Field(0, ge=0, lt=2**63, description="seed of links, attackers, compute times and churn")
     max_sim_s: float = Field(0.0, ge=0, le=10**8, description="simulated-time bound (0: steps * 3600 s)")
     max_events: int = Field(0, ge=0, le=10**9, description="event bound (0: 400 * peers * steps)")
@@ -356,17 +362,24 @@ class ScaleSim:
         window = peer.searches.failed(step)
         self._search(("tier1", step), peer, expected=self._steps[step], failed=window)
 
-    def _search(self, key: tuple, member, *, expected: int, failed: int) -> None:
-        """Join the open window at ``key``, or open one as its leader (``member``: a peer or a group)."""
+    def _search(self, key: tuple, member, *, expected: int, failed: int, until: float = 0.0) -> None:
+        """Join the open window at ``key``, or open one as its leader (``member``: a peer or a group), which
+        lasts its window or ``until``, whichever ends later; a second-tier window under ``second_window =
+        "until_wait"`` also closes once its groups hold every peer at the step."""
         lead = member if isinstance(member, Peer) else member.rep
         window = self._windows.get(key)
         if window is None or window.closed:
             cap = max(2, min(self.config.max_group_size, expected))
             window = self._windows[key] = _Window(key, self._id("g"), cap)
-            wait_s = Averager.matchmaking_window_s(self._times, failed)
+            wait_s = max(Averager.matchmaking_window_s(self._times, failed), until - self.now)
             self._at(wait_s + 2 * lead.latency_s, self._close, window)
         window.members.append(member)
-        if len(window.members) >= window.cap:
+        covered = (
+            until > 0
+            and key[0] == "tier2"
+            and sum(len(g.members) for g in window.members) >= self._steps[key[1]]
+        )
+        if len(window.members) >= window.cap or covered:
             window.closed = True
             del self._windows[key]
             self._at(2 * lead.latency_s, self._close, window, True)
@@ -462,9 +475,12 @@ class ScaleSim:
 
     def _search_tier2(self, group: _Group) -> None:
         rep = group.rep
+        until = 0.0
+        if self.config.second_window == "until_wait":  # a proposal: room for the round and the hand-off
+            until = group.give_up_at - self.training.averaging_timeout_s
         self._search(
             ("tier2", group.step, rep.pos.state_hash), group, expected=group.most,
-            failed=rep.tier_searches.failed(group.step) + 1,
+            failed=rep.tier_searches.failed(group.step) + 1, until=until,
         )  # fmt: skip
 
     def _hand_alone(self, group: _Group, alive: list[tuple[Peer, int]]) -> None:

@@ -48,6 +48,27 @@ def test_groups_of_16_on_even_links_without_churn_apply_one_update_at_every_step
     assert result["downloads"] == 0 and result["steady_downloads"] == 0
 
 
+def test_a_second_tier_window_open_until_the_members_wait_holds_256_peers_where_the_runs_window_splits():
+    """The proposal ``second_window = "until_wait"`` models (the code does not have it yet): on 10-100 Mbit/s
+    links with churn, a step's groups end their first tier up to about 45 s apart, longer than the run's
+    second-tier window, and the step splits; a window open until the members' wait leaves one averaging
+    timeout, closed once its groups hold every peer at the step, keeps one update per step."""
+    scenario = {
+        "peers": 256,
+        "max_group_size": 64,
+        "steps": 6,
+        "join_over_s": 60.0,
+        "churn": 0.02,
+        "attackers": 0.1,
+    }
+    runs_window = ScaleSim(ScaleConfig(**scenario)).run()
+    proposal = ScaleSim(ScaleConfig(**scenario, second_window="until_wait")).run()
+    assert runs_window["same_update_fraction"] < 0.5 and runs_window["steady_downloads"] > 100
+    assert proposal["finished"] and proposal["same_update_fraction"] == 1.0
+    assert proposal["steady_downloads"] == 0
+    assert proposal["mean_bytes"] < 1.5 * runs_window["mean_bytes"]
+
+
 def test_one_tier_with_several_groups_splits_the_run():
     result = ScaleSim(ScaleConfig(peers=48, max_group_size=16, steps=6, two_tier=False)).run()
     assert max(r["groups"] for r in result["per_step"]) >= 3
