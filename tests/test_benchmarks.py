@@ -123,11 +123,12 @@ def test_peer_benchmark_measures_each_setting_and_checkpointing_cuts_activations
     assert all(0 < q["val_loss"] < 10 for q in result["quality"])
 
 
-def test_wan_benchmark_measures_rounds_on_capped_links_and_behind_nat(tmp_path: Path):
+def test_wan_benchmark_measures_rounds_on_capped_links(tmp_path: Path):
     output = run_benchmark("bench_wan.py", "--json", str(tmp_path / "wan.json"))
 
     rows = json.loads((tmp_path / "wan.json").read_text())
-    assert [(r["up_mbit"], r["nat"]) for r in rows] == [(20.0, 0), (20.0, 1)], output[-4000:]
+    # One row: a peer behind NAT on capped links is tests/test_wanlab.py's.
+    assert [(r["up_mbit"], r["nat"]) for r in rows] == [(20.0, 0)], output[-4000:]
     for row in rows:
         assert row["identical"] and row["sent_mb_per_step"] > 0 and row["averaging_s"] > 0
         # The kernel held the cap: no 2-second window of any peer's uplink ran much above it.
