@@ -7,12 +7,13 @@ is an uplink rate and a latency. Wherever the code of a real peer decides someth
   codec's ``max_bytes`` (the run's codec in tier 1, ``tiers.TIER_COMPRESSION`` in tier 2 and the hand-off);
 - how long a round may take: ``deadlines.round_deadlines`` at ``deadlines.round_mbit`` of the members'
   ``Throughput`` (each peer measures its own from its rounds, as a real one does);
-- how long a search waits: ``Averager.matchmaking_window_s`` with ``matchmaking.FailedSearches``;
+- how long a search waits: ``Averager.matchmaking_window_s`` with ``matchmaking.FailedSearches``; a
+  second-tier search, ``tiers.second_window_s``, closed once its groups hold the step's peers (``tiers.covers``);
 - who represents a group and who relays its hand-off to whom: ``tiers.relay_order`` and ``relay_parent``
   (at the run's ``relay_fanout``); whether a group is its step's only one:
   ``tiers.only_group``; the rest of the second tier's rules as ``tiered.SecondTier`` applies them (a
   strict majority of attestations;
-  ``ALONE_AFTER_TRIES``; members wait ``3 * averaging_timeout_s`` for the outcome, ``2 * sender_timeout_s``
+  ``ALONE_AFTER_TRIES``; members wait ``MEMBER_WAIT_TIMEOUTS`` averaging timeouts for the outcome, ``2 * sender_timeout_s``
   between chunks), and ``ADOPT_ASKS`` for a peer that fell a step behind when the code has it;
 - whether and where a peer moves: ``catchup.catch_up_move`` with the positions the model holds, its time
   stuck and its ``Groupmates``.
@@ -56,7 +57,15 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.deadlines import Throughput, round_deadlines, round_mbit
 from swarm.averaging.evidence import chunk_bounds, layout_chunk_values, split_bounds
 from swarm.averaging.matchmaking import FailedSearches
-from swarm.averaging.tiers import TIER_COMPRESSION, only_group, relay_order, relay_parent
+from swarm.averaging.tiers import (
+    MEMBER_WAIT_TIMEOUTS,
+    TIER_COMPRESSION,
+    covers,
+    only_group,
+    relay_order,
+    relay_parent,
+    second_window_s,
+)
 from swarm.config import TrainingConfig
 from swarm.training import tiered
 from swarm.training.catchup import Groupmates, Position, catch_up_move
@@ -96,11 +105,11 @@ class ScaleConfig(BaseModel):
     )
     attackers: float = Field(0.0, ge=0, lt=0.5, description="share of peers that withhold as representative")
     adopt: bool = Field(True, description="a peer a step behind adopts the combined result (if the code can)")
-    second_window: Literal["run", "until_wait"] = Field(
-        "run",
-        description="the second tier's window: 'run' as the code has it (Averager.matchmaking_window_s); "
-        "'until_wait', a proposal the code does not have: open until the members' wait leaves one "
-        "averaging timeout, closed early once its groups hold every peer at the step",
+    second_window: Literal["code", "run"] = Field(
+        "code",
+        description="the second tier's window: 'code' as the code has it (tiers.second_window_s, closed "
+        "once its groups hold the step's peers, tiers.covers); 'run', the run's matchmaking window "
+        "alone, as the code had it before 2026-11-30",
     )
     seed: int = Field(0, ge=0, lt=2**63, description="seed of links, attackers, compute times and churn")
     max_sim_s: float = Field(0.0, ge=0, le=10**8, description="simulated-time bound (0: steps * 3600 s)")
@@ -180,6 +189,7 @@ class _Window:
     key: tuple
     gid: str
     cap: int
+    closes: Callable[[list], bool] | None = None  # its leader's rule (``Averager.find_group``'s closes_when)
     members: list = field(default_factory=list)  # peers (tier 1) or groups (tier 2)
     closed: bool = False
 
@@ -209,7 +219,10 @@ class ScaleSim:
         self.config = c = config
         self.training = TrainingConfig(max_group_size=c.max_group_size, max_steps=c.steps)
         self._times = _Times(self.training.matchmaking_time_s, self.training.averaging_timeout_s)
-        self.wait_s = 3 * self.training.averaging_timeout_s  # SecondTier.wait_s
+        # SecondTier.wait_s (3 timeouts before the second tier's window waited for later groups)
+        self.wait_s = (
+            3 if c.second_window == "run" else MEMBER_WAIT_TIMEOUTS
+        ) * self.training.averaging_timeout_s
         self.chunk_timeout_s = 2 * self.training.sender_timeout_s
         self.adopt_asks = getattr(tiered, "ADOPT_ASKS", 0) if c.adopt and c.two_tier else 0
         rng = random.Random(c.seed)
@@ -359,27 +372,28 @@ class ScaleSim:
         if sum(self._steps.values()) == 1:  # nobody else in the run: a solo round
             self._apply(peer, epoch, step, _advance(peer.pos.state_hash, self._id("solo")), "solo", [])
             return
-        window = peer.searches.failed(step)
-        self._search(("tier1", step), peer, expected=self._steps[step], failed=window)
+        window_s = Averager.matchmaking_window_s(self._times, peer.searches.failed(step))
+        self._search(("tier1", step), peer, expected=self._steps[step], window_s=window_s)
 
-    def _search(self, key: tuple, member, *, expected: int, failed: int, until: float = 0.0) -> None:
-        """Join the open window at ``key``, or open one as its leader (``member``: a peer or a group), which
-        lasts its window or ``until``, whichever ends later; a second-tier window under ``second_window =
-        "until_wait"`` also closes once its groups hold every peer at the step."""
+    def _search(
+        self,
+        key: tuple,
+        member,
+        *,
+        expected: int,
+        window_s: float,
+        closes: Callable[[list], bool] | None = None,
+    ) -> None:
+        """Join the open window at ``key``, or open one as its leader (``member``: a peer or a group) for
+        ``window_s``; it closes early at ``expected`` members, or once its leader's ``closes`` holds for them."""
         lead = member if isinstance(member, Peer) else member.rep
         window = self._windows.get(key)
         if window is None or window.closed:
             cap = max(2, min(self.config.max_group_size, expected))
-            window = self._windows[key] = _Window(key, self._id("g"), cap)
-            wait_s = max(Averager.matchmaking_window_s(self._times, failed), until - self.now)
-            self._at(wait_s + 2 * lead.latency_s, self._close, window)
+            window = self._windows[key] = _Window(key, self._id("g"), cap, closes)
+            self._at(window_s + 2 * lead.latency_s, self._close, window)
         window.members.append(member)
-        covered = (
-            until > 0
-            and key[0] == "tier2"
-            and sum(len(g.members) for g in window.members) >= self._steps[key[1]]
-        )
-        if len(window.members) >= window.cap or covered:
+        if len(window.members) >= window.cap or (window.closes is not None and window.closes(window.members)):
             window.closed = True
             del self._windows[key]
             self._at(2 * lead.latency_s, self._close, window, True)
@@ -474,14 +488,22 @@ class ScaleSim:
         self._search_tier2(group)
 
     def _search_tier2(self, group: _Group) -> None:
-        rep = group.rep
-        until = 0.0
-        if self.config.second_window == "until_wait":  # a proposal: room for the round and the hand-off
-            until = group.give_up_at - self.training.averaging_timeout_s
+        rep, step = group.rep, group.step
+        window_s = Averager.matchmaking_window_s(self._times, rep.tier_searches.failed(step) + 1)
+        closes = None
+        if self.config.second_window == "code":  # SecondTier._represent
+            window_s = second_window_s(
+                run_window_s=window_s, waited_s=self.now - (group.give_up_at - self.wait_s),
+                averaging_timeout_s=self.training.averaging_timeout_s,
+            )  # fmt: skip
+            here = {self.peers[i].name for i in self._by_step.get(step, ())} | {p.name for p in group.members}
+
+            def closes(groups: list[_Group]) -> bool:
+                return covers(here, ([p.name for p in g.members] for g in groups))
+
         self._search(
-            ("tier2", group.step, rep.pos.state_hash), group, expected=group.most,
-            failed=rep.tier_searches.failed(group.step) + 1, until=until,
-        )  # fmt: skip
+            ("tier2", step, rep.pos.state_hash), group, expected=group.most, window_s=window_s, closes=closes
+        )
 
     def _hand_alone(self, group: _Group, alive: list[tuple[Peer, int]]) -> None:
         """The group applies its own result (``alone``), unless its representative withholds that too."""

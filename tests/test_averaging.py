@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 import torch
@@ -402,3 +403,35 @@ def test_failed_searches_count_per_step_and_start_again_after_a_group():
     assert searches.failed(4) == 0
     searches.record(5, formed=False)
     assert searches.failed(5) == 1 and searches.failed(4) == 0
+
+
+def test_a_leader_assembles_once_its_closing_rule_holds_instead_of_waiting_out_a_long_window(dhts, keys):
+    # A second tier's window may last until its members' wait leaves room for the round (``second_window_s``,
+    # up to a minute at the run's defaults): a leader whose gathered entries already hold every peer it
+    # waits for (``closes_when``) begins at once, as at ``expected_size``.
+    window_s = 20.0
+    averagers = [make(d, keys, matchmaking_time_s=0.5, averaging_timeout_s=60.0) for d in dhts]
+    inputs = vectors(3)
+    seen: list[int] = []
+
+    def all_three(entries) -> bool:
+        seen.append(len(entries))
+        return len(entries) == 3
+
+    async def scenario():
+        for averager in averagers:
+            averager.longest_search_s = 60.0
+            await averager.start()
+        started = time.monotonic()
+        outcomes = await asyncio.gather(
+            *[
+                a.average(v, 1.0, window_s=window_s, closes_when=all_three)
+                for a, v in zip(averagers, inputs, strict=True)
+            ]
+        )
+        return outcomes, time.monotonic() - started
+
+    outcomes, took_s = asyncio.run(scenario())
+    assert all(o is not None and len(o[0].peer_ids) == 3 and o[1].complete for o in outcomes)
+    assert torch.equal(outcomes[0][1].vector, outcomes[2][1].vector)
+    assert 3 in seen and took_s < window_s / 2, f"assembled after {took_s:.1f}s of a {window_s:.0f}s window"

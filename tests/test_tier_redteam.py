@@ -361,9 +361,9 @@ def test_7b_a_group_whose_second_tier_never_forms_applies_its_own_result_after_a
         assert (first, first_told) == (None, None) and tries == [1, 2], "two searches, then nothing yet"
         last, last_told = await combine()
         assert tries == [1, 2, 3], "each search wider"
-        # Searches that take longer: the members' wait (0.6 s) leaves no room for another search and round
-        # (0.4 s) after one of 0.25 s.
-        pause["s"], tries[:] = 0.25, []
+        # Searches that take longer: the members' wait (4T = 0.8 s) leaves no room for another search and
+        # round (0.4 s) after one of 0.45 s.
+        pause["s"], tries[:] = 0.45, []
         tier._searches = FailedSearches()
         late, late_told = await combine()
         assert (late, late_told) == (None, None) and tries == [1], "no search the members cannot wait for"

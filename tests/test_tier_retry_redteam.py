@@ -5,7 +5,7 @@ members' wait leaves room (``SecondTier._represent``), and applies its own resul
 
 All run in-process with the real ``SecondTier``; the network around it is the stand-in of
 ``tests/test_tier_redteam.py`` (``make_tier``: T = ``averaging_timeout_s`` = 0.2 s, members wait
-``wait_s`` = 3T = 0.6 s, a window of 0.01 s). One ``average()`` of the real averager may take up to
+``wait_s`` = 4T = 0.8 s, a window of 0.01 s). One ``average()`` of the real averager may take up to
 ``find_group``'s deadline, ``min(T, 3 * window + 2 s)``, plus its round's deadline (at least T): 0.4 s
 here. With the run's defaults (T = 30 s, ``matchmaking_time_s`` = 2 s) the figures in the docstrings
 follow from the same formulas.
@@ -152,14 +152,15 @@ def test_b_no_retry_starts_that_could_end_after_the_members_gave_up():
     loop searched again when ``now + matchmaking_window_s(failed + 1) <= give_up_at`` (``opened_at +
     wait_s - T``), but one ``average()`` may run its search up to ``min(T, 3 * window + 2 s)`` and then a
     round of at least T: the room reserved is one T, the retry may need 2T. Defaults: a retry may start at
-    60 - 8 = 52 s, search to 78 s, round to 108 s; members stop waiting at 90 s. A tier-2 leader that
-    assembles late and a reducer that drips its part (or plain load) get there. Here search 1 ends with an
-    incomplete round at 0.3 s (<= 0.4 - window: room), search 2 forms late and completes at ~0.68 s > 0.6 s:
+    60 - 8 = 52 s, search to 78 s, round to 108 s; members stopped waiting at 90 s (3T then; 4T = 120 s now,
+    with the same rule). A tier-2 leader that assembles late and a reducer that drips its part (or plain
+    load) get there. Here search 1 ends with an incomplete round at 0.45 s (room by the old rule: 0.45 <=
+    0.8 - T - window), search 2 would form late and complete at ~0.83 s > 0.8 s:
     the member's wait (``board.wait`` / ``fetch_down_the_tree``, ``wait_s``) has run out and it applies
     nothing, while the representative applies the combined result. Before e13f2ce the one search started
     after at most T of attestations and took at most 2T: inside the 3T wait. Now a retry needs room for a
     search and a round, 2T, before the members' wait ends."""
-    pauses = iter([0.3, 0.38])
+    pauses = iter([0.45, 0.38])
 
     async def scenario():
         keys, group, rep = first_tier(4)
@@ -186,7 +187,7 @@ def test_b_no_retry_starts_that_could_end_after_the_members_gave_up():
         return applied, combined, got, tier.wait_s
 
     applied, combined, got, wait_s = asyncio.run(scenario())
-    assert wait_s == pytest.approx(0.6)
+    assert wait_s == pytest.approx(0.8)
     assert applied is None and got is None, "no retry: the representative and its members apply nothing alike"
 
 

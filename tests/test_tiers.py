@@ -28,11 +28,15 @@ from swarm.averaging.evidence import (
 from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.averaging.tiercert import certificate, certificate_misfit, result_digest, sign_attestation
 from swarm.averaging.tiers import (
+    MEMBER_WAIT_TIMEOUTS,
+    ROUND_ROOM_TIMEOUTS,
     TIER_COMPRESSION,
     TierCheck,
     TierOutcome,
+    covers,
     only_group,
     representative,
+    second_window_s,
     tier_prefix,
 )
 from swarm.averaging.tierserve import TierBoard
@@ -267,6 +271,75 @@ def test_a_group_skips_the_second_tier_only_when_no_other_group_can_exist():
     assert not only_group(2, peers_at_step=2, run_peers=4, min_group_size=1)
     assert not only_group(3, peers_at_step=3, run_peers=6, min_group_size=1)
     assert only_group(64, peers_at_step=64, run_peers=64, min_group_size=1)
+
+
+def test_the_second_tiers_window_waits_for_later_groups_and_leaves_room_for_the_round_and_hand_off():
+    # The run's defaults: T = 30 s. Members wait 4T from the end of their first tier; the window lasts
+    # until 2T of that wait is left, so a representative that starts at once waits up to 60 s for groups
+    # that end their first tier later, one that attested for 50 s waits 10 s, and none less than the run's.
+    assert (MEMBER_WAIT_TIMEOUTS, ROUND_ROOM_TIMEOUTS) == (4, 2)
+    assert second_window_s(run_window_s=4.0, waited_s=0.0, averaging_timeout_s=30.0) == 60.0
+    assert second_window_s(run_window_s=4.0, waited_s=50.0, averaging_timeout_s=30.0) == 10.0
+    assert second_window_s(run_window_s=4.0, waited_s=59.0, averaging_timeout_s=30.0) == 4.0
+
+
+def test_a_second_tier_search_closes_only_once_its_groups_hold_every_peer_at_the_step():
+    here = {"a", "b", "c", "d", "e"}
+    assert covers(here, [["a", "b"], ["c", "d", "e"]])
+    assert not covers(here, [["a", "b"], ["c", "d"]]), "e's group has not joined"
+    # Peers no record shows at the step (a lagging record) may be in a group: more members never hurt.
+    assert covers({"a", "b"}, [["a", "b", "x"]])
+    # Records of peers that never join a group (Sybils, or peers gone) hold the window only beyond 5%: one
+    # of 40 does not, three of 40 do.
+    forty = [f"p{i}" for i in range(40)]
+    assert covers(forty, [forty[:20], forty[20:39]])
+    assert not covers(forty, [forty[:20], forty[20:37]])
+
+
+def test_a_follower_counts_toward_closing_the_window_only_with_an_entry_that_opens_and_fits():
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from swarm.averaging.groups import Misfit
+    from swarm.averaging.matchmaking import closing_rule
+
+    keys = [SigningKey.generate() for _ in range(4)]
+
+    def entry(key: SigningKey, step: int) -> bytes:
+        body = GroupEntryBody(schema_hash=bytes(32), weight=1.0, commit=bytes(32), extra={"step": step})
+        return make_entry(key, PREFIX, body)
+
+    def fits(body: GroupEntryBody, signer: str) -> Misfit | None:
+        checked.append(signer)
+        return None if body.extra["step"] == 7 else Misfit("another step")
+
+    checked: list[str] = []
+    counted: list[int] = []
+    mine = GroupEntryBody(schema_hash=bytes(32), weight=1.0, commit=bytes(32), extra={"step": 7})
+    full = closing_rule(
+        mine, lambda bodies: counted.append(len(bodies)) or len(bodies) >= 3, fits=fits, prefix=PREFIX,
+        schema_hash=bytes(32), signed=True, max_age_s=60.0, limit=64,
+    )  # fmt: skip
+    followers = {
+        PeerID.from_base58(keys[1].peer_id): SimpleNamespace(gather=entry(keys[1], 7)),
+        PeerID.from_base58(keys[2].peer_id): SimpleNamespace(gather=entry(keys[3], 7)),  # signed by another
+        PeerID.from_base58(keys[3].peer_id): SimpleNamespace(gather=entry(keys[3], 8)),  # does not fit
+    }
+    assert not full(followers) and counted == [2], "only the follower whose own entry opens and fits counts"
+    assert not full(followers) and checked == [keys[1].peer_id, keys[3].peer_id], "each checked once"
+    followers[PeerID.from_base58(keys[0].peer_id)] = SimpleNamespace(gather=b"not an entry")
+    assert not full(followers), "an entry that does not open counts for nothing"
+    assert (
+        full({**followers, PeerID.from_base58(keys[0].peer_id): SimpleNamespace(gather=entry(keys[0], 7))})
+        is False
+    ), "a follower is judged by the entry it first joined with in this search"
+    fresh = closing_rule(
+        mine, lambda bodies: len(bodies) >= 3, fits=fits, prefix=PREFIX, schema_hash=bytes(32), signed=True,
+        max_age_s=60.0, limit=64,
+    )  # fmt: skip
+    followers[PeerID.from_base58(keys[0].peer_id)] = SimpleNamespace(gather=entry(keys[0], 7))
+    assert fresh(followers), "two followers that fit and this peer: the rule holds"
 
 
 def test_only_a_groups_members_get_its_outcome_and_only_once_it_is_posted():

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import AsyncIterator as TypingAsyncIterator  # noqa: UP035 - hivemind reads typing hints
 
@@ -64,7 +65,7 @@ from swarm.averaging.groups import (
     make_entry,
 )
 from swarm.averaging.hooks import RoundHooks
-from swarm.averaging.matchmaking import RunMatchmaking
+from swarm.averaging.matchmaking import RunMatchmaking, closing_rule
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.rounds import PartRouter, RoundRegistry
 from swarm.averaging.transport import MAX_CONNECTIONS_PER_PEER, DataPlane, announce_host
@@ -236,6 +237,9 @@ class Averager:
         # Whether this averager's searches count toward the policy's spans of missed rounds (``missed``):
         # a second tier's do not, so that a representative's tier search spends nobody's span.
         self.counts_searches = True
+        # The longest a search of this averager may run and its round's entries be checked after (None: the
+        # run's search): a second tier's waits for groups that end their first tier later (``tiers``).
+        self.longest_search_s: float | None = None
         if verify_probability > 0 and signing_key is None:
             # Validators refuse unsigned inputs, so every reducer would be suspected and shunned.
             raise ConfigError(
@@ -280,7 +284,8 @@ class Averager:
     @property
     def entry_max_age_s(self) -> float:
         """A gathered entry older than this is stale: the longest search, plus the clock skew allowed."""
-        return self.averaging_timeout_s + 3 * self.matchmaking_time_s + MAX_CLOCK_SKEW_S
+        longest_s = max(self.averaging_timeout_s + 3 * self.matchmaking_time_s, self.longest_search_s or 0.0)
+        return longest_s + MAX_CLOCK_SKEW_S
 
     @property
     def network_mbit(self) -> float | None:
@@ -380,6 +385,8 @@ class Averager:
         expected_size: int | None = None,
         fits: EntryFit | None = None,
         failed_tries: int = 0,
+        window_s: float | None = None,
+        closes_when: Callable[[list[GroupEntryBody]], bool] | None = None,
     ) -> GroupRound | None:
         """Gather with the peers looking for a group now; None when no group formed in time.
 
@@ -389,6 +396,9 @@ class Averager:
         moment that many have joined, rather than waiting out the window. A member whose signed entry
         ``fits`` refuses is excluded and suspected (``groups.check_group``). ``failed_tries``: searches
         at the caller's step that formed no group, which widen the window (``matchmaking_window_s``).
+        ``window_s``: a window of the caller's instead, within ``longest_search_s``. ``closes_when``: as
+        leader, assemble as soon as it holds for the entries gathered so far (this peer's first, then each
+        follower's that opens and ``fits``), as it does at ``expected_size``.
         """
         self._nonce = os.urandom(NONCE_BYTES)
         body = GroupEntryBody(
@@ -404,16 +414,27 @@ class Averager:
         self._entry = make_entry(self.signing_key, self.prefix, body)
         target = self.max_group_size if expected_size is None else expected_size
         self.matchmaking.target_group_size = max(2, min(self.max_group_size, target))
-        window_s = self.matchmaking_window_s(failed_tries)
-        if failed_tries and window_s > self.matchmaking_window_s(failed_tries - 1):
-            logger.info(
-                f"{failed_tries} searches at this step formed no group; waiting {window_s:.1f}s for a group now"
-            )
+        if window_s is None:
+            window_s = self.matchmaking_window_s(failed_tries)
+            if failed_tries and window_s > self.matchmaking_window_s(failed_tries - 1):
+                logger.info(
+                    f"{failed_tries} searches at this step formed no group; waiting {window_s:.1f}s for a group now"
+                )
+            # A group that has not formed within a few windows will not: give up and let the caller re-check
+            # whether the run moved on without this peer.
+            search_s = min(self.averaging_timeout_s, 3 * window_s + 2.0)
+        else:
+            longest_s = self.longest_search_s or self.averaging_timeout_s
+            window_s = min(max(window_s, self.matchmaking_time_s), longest_s / 2, MAX_WINDOW_S)
+            search_s = window_s + self.matchmaking_time_s + 2.0
         self.matchmaking.widen(window_s, self.matchmaking_time_s)
+        self.matchmaking.full = None
+        if closes_when is not None:
+            self.matchmaking.full = closing_rule(
+                body, closes_when, fits=fits, prefix=self.prefix, schema_hash=self.schema_hash,
+                signed=self.signing_key is not None, max_age_s=self.entry_max_age_s, limit=self.max_group_size,
+            )  # fmt: skip
         now = get_dht_time()
-        # A group that has not formed within a few windows will not: give up and let the caller re-check
-        # whether the run moved on without this peer.
-        search_s = min(self.averaging_timeout_s, 3 * window_s + 2.0)
         step = StepControl(
             scheduled_time=now + window_s,
             deadline=now + search_s,
@@ -431,6 +452,8 @@ class Averager:
         except Exception as e:  # a leader that vanished mid-request breaks its stream with no common base
             logger.warning(f"matchmaking failed: {e!r}; will try again")
             return None
+        finally:
+            self.matchmaking.full = None
         if info is None:
             return None
         return await self._checked(info, fits)
@@ -512,13 +535,15 @@ class Averager:
         fits: EntryFit | None = None,
         failed_tries: int = 0,
         keep_signed: bool = False,
+        window_s: float | None = None,
+        closes_when: Callable[[list[GroupEntryBody]], bool] | None = None,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 
         Alone, the vector still goes through the wire encoding, so a solo step applies exactly what a
         group of one would. ``out`` (float32, ``numel`` values) receives the result instead of a new
-        tensor; it holds garbage where parts of an incomplete round are missing. ``fits`` and
-        ``failed_tries``: see ``find_group``. ``keep_signed``: a complete round's result carries its
+        tensor; it holds garbage where parts of an incomplete round are missing. ``fits``, ``failed_tries``,
+        ``window_s`` and ``closes_when``: see ``find_group``. ``keep_signed``: a complete round's result carries its
         signed output (``RoundResult.signed``), which a second-tier representative hands its group.
         """
         async with self._lock:
@@ -526,7 +551,15 @@ class Averager:
             if alone:
                 group = self.solo_group(weight, extra)
             else:
-                group = await self.find_group(weight, extra, expected_size, fits, failed_tries)
+                group = await self.find_group(
+                    weight,
+                    extra,
+                    expected_size,
+                    fits,
+                    failed_tries,
+                    window_s=window_s,
+                    closes_when=closes_when,
+                )
             self.last_form_s = time.monotonic() - started  # what matchmaking took (round journal)
             if group is None:
                 # A search broken at once (a leader whose entry does not open) does not move the count that

@@ -1,5 +1,6 @@
 """``RunMatchmaking``: hivemind's matchmaking held to the peer's ``PeerPolicy``, declaring with signed,
-certified declarations (``declarations``) under one fixed key per averaging prefix; ``FailedSearches``:
+certified declarations (``declarations``) under one fixed key per averaging prefix, assembling early when
+the caller's rule holds for the entries gathered (``closing_rule``); ``FailedSearches``:
 how many searches at a step formed no group, which widens the next one's window
 (``Averager.matchmaking_window_s``).
 
@@ -11,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
+from protocols.errors import SwarmError
 from swarm.averaging.declarations import SignedGroupKeyManager
+from swarm.averaging.groups import EntryFit, GroupEntryBody, open_entry
 from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.policy import PeerPolicy
 from swarm.records import RecordSigner
@@ -58,6 +62,9 @@ class RunMatchmaking(Matchmaking):
         self.hooks = hooks if hooks is not None else RoundHooks()
         self.leader: PeerID | None = None
         self.was_accepted_to_group = _Accepted(self)
+        # Set per search by its averager (``Averager.find_group``'s ``closes_when``): whether the followers so
+        # far (``current_followers``) complete the group, so that it assembles now rather than at the window's end.
+        self.full: Callable[[dict], bool] | None = None
         if signer is not None:  # the run's DHT nodes refuse hivemind's unsigned, uncertified declarations
             self.group_key_manager = SignedGroupKeyManager(
                 dht, self._prefix, self.target_group_size, signer, run_id=policy.run_id,
@@ -69,6 +76,10 @@ class RunMatchmaking(Matchmaking):
         await self.policy.admit([context.remote_id.to_base58()], timeout_s=self.request_timeout / 2)
         async for message in super().rpc_join_group(request, context):
             yield message
+            if message.code == averaging_pb2.ACCEPTED:
+                # hivemind yields ACCEPTED holding its join lock, which assembling needs, and checks its target
+                # size only after: a group assembled here is begun as a full one.
+                await self._assemble_if_full()
 
     def _check_reasons_to_reject(self, request, context):
         reason = self.policy.refusal(context.remote_id.to_base58())
@@ -97,6 +108,14 @@ class RunMatchmaking(Matchmaking):
             )  # fmt: skip
         return group
 
+    async def _assemble_if_full(self) -> None:
+        full = self.full
+        if full is None or self.assembled_group.done() or not self.is_looking_for_group:
+            return
+        enough = self.current_leader is None and len(self.current_followers) + 1 >= self.min_group_size
+        if enough and full(self.current_followers):
+            await self.leader_assemble_group()
+
     def widen(self, window_s: float, base_s: float) -> None:
         """Make the next search's window ``window_s`` (the run's is ``base_s``): hivemind keeps the window
         and the join request's timeout as attributes it reads per search."""
@@ -120,6 +139,44 @@ class RunMatchmaking(Matchmaking):
     async def follower_assemble_group(self, leader: PeerID, msg):
         self.leader = leader
         return await super().follower_assemble_group(leader, msg)
+
+
+def closing_rule(
+    mine: GroupEntryBody, closes_when: Callable[[list[GroupEntryBody]], bool], *, fits: EntryFit | None,
+    prefix: str, schema_hash: bytes, signed: bool, max_age_s: float, limit: int,
+) -> Callable[[dict], bool]:  # fmt: skip
+    """``RunMatchmaking.full`` for one search: ``closes_when`` over this peer's entry ``mine`` and the entry of
+    each of the first ``limit`` followers that opens and ``fits``, each opened and checked once per search (a
+    follower that leaves and joins again sends the same signed entry). An entry that does not hold counts
+    for nothing here; the round's own check (``check_group``) excludes or blames as always."""
+    opened: dict[str, GroupEntryBody | None] = {}
+
+    def fitting(peer_id: str, data: bytes) -> GroupEntryBody | None:
+        try:
+            body = open_entry(
+                data,
+                peer_id=peer_id,
+                prefix=prefix,
+                schema_hash=schema_hash,
+                signed=signed,
+                max_age_s=max_age_s,
+            )
+        except SwarmError as e:
+            logger.debug(f"not counting {peer_id}'s entry toward closing the window: {e}")
+            return None
+        return body if fits is None or fits(body, peer_id) is None else None
+
+    def full(followers: dict) -> bool:
+        bodies = [mine]
+        for peer, request in list(followers.items())[:limit]:
+            name = peer.to_base58()
+            if name not in opened:
+                opened[name] = fitting(name, request.gather)
+            if opened[name] is not None:
+                bodies.append(opened[name])
+        return closes_when(bodies)
+
+    return full
 
 
 class FailedSearches:
@@ -146,4 +203,4 @@ class FailedSearches:
         self._step = step
 
 
-__all__ = ["FailedSearches", "RunMatchmaking"]
+__all__ = ["FailedSearches", "RunMatchmaking", "closing_rule"]

@@ -36,7 +36,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -139,6 +139,45 @@ def only_group(members: int, *, peers_at_step: int, run_peers: int, min_group_si
       records), so no other group can hold one too: while peers start, progress views are thin, and groups
       that each thought themselves alone once split 24 peers at step 0."""
     return peers_at_step - members < max(2, min_group_size) and 2 * members > run_peers
+
+
+#: A member waits this many averaging timeouts, from the end of its first tier, for its representative's
+#: outcome (``SecondTier.wait_s``).
+MEMBER_WAIT_TIMEOUTS = 4
+#: Of the members' wait, the representative keeps this many averaging timeouts for the second-tier round
+#: (whose deadline grows beyond one timeout on slow links) and the hand-off down its group's tree.
+ROUND_ROOM_TIMEOUTS = 2
+
+
+def second_window_s(*, run_window_s: float, waited_s: float, averaging_timeout_s: float) -> float:
+    """How long a representative's second-tier search waits for the step's other groups, ``waited_s`` after
+    its own first tier ended: until the members' wait leaves ``ROUND_ROOM_TIMEOUTS`` for the round and the
+    hand-off, and never less than the run's window (``run_window_s``). A step's groups end their first tier
+    up to about a round's deadline apart (a group slowed by a member that left waits out its silence
+    deadline); a window of the run's few seconds split such a step into several updates beyond about
+    128 peers (docs/scale.md). The search closes early once its groups hold the peers at the step, all but
+    ``COVER_SLACK`` of them (``covers``), so the wait is paid only while some peer at the step is in no group yet."""
+    room_s = (MEMBER_WAIT_TIMEOUTS - ROUND_ROOM_TIMEOUTS) * averaging_timeout_s - waited_s
+    return max(run_window_s, room_s)
+
+
+#: The share of the peers whose records show a step that a second-tier search may close without: admitted
+#: peers that show the step and never join a group (Sybils, or peers gone before their records expire) would
+#: otherwise hold every multi-group step for the whole window.
+COVER_SLACK = 0.05
+
+
+def covers(here: Collection[str], groups: Iterable[Collection[str]]) -> bool:
+    """Whether the certified member lists of ``groups`` (each second-tier entry's group, checked) hold the
+    peers of ``here`` (the peers whose records show the step, and the representative's own group), all but
+    ``COVER_SLACK`` of them."""
+    missing = set(here)
+    allowed = int(COVER_SLACK * len(missing))
+    for members in groups:
+        missing.difference_update(members)
+        if len(missing) <= allowed:
+            return True
+    return len(missing) <= allowed
 
 
 @dataclass
@@ -324,15 +363,20 @@ class TierCheck:
 
 
 __all__ = [
+    "COVER_SLACK",
     "MAX_TIER_ANSWER_BYTES",
+    "MEMBER_WAIT_TIMEOUTS",
+    "ROUND_ROOM_TIMEOUTS",
     "TIER_COMPRESSION",
     "TierCheck",
     "TierOutcome",
+    "covers",
     "only_group",
     "relay_order",
     "relay_parent",
     "representative",
     "round_codec",
+    "second_window_s",
     "signed_outcome",
     "tier_prefix",
 ]

@@ -446,17 +446,18 @@ class TrainingPeer:
         # Peers whose records show this step or the one before (a record lags its peer by up to an interval),
         # suspects, banned peers and those this group excluded (their signed entries claimed otherwise) left
         # out: what the step's groups may hold.
-        coming = 1 + sum(
-            1
+        counted = [
+            p
             for p in others
             if self.step - 1 <= p.step <= self.step
             and self.policy.refusal(p.peer_id) is None
             and p.peer_id not in group.excluded
-        )
+        ]
+        coming, here = 1 + len(counted), {p.peer_id for p in counted if p.step == self.step}
         await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming,
-            run_peers=max(coming, self.policy.member_count()), moved_on=lambda: bool(self._ahead()),
+            run_peers=max(coming, self.policy.member_count()), moved_on=lambda: bool(self._ahead()), here=here,
         )  # fmt: skip
         if result is None:  # its group's representative gave nothing to apply (see tiered)
             if await self._adopt(extra):

@@ -35,7 +35,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -58,12 +58,15 @@ from swarm.averaging.tiercert import (
     sign_attestation,
 )
 from swarm.averaging.tiers import (
+    MEMBER_WAIT_TIMEOUTS,
     TIER_COMPRESSION,
     TierCheck,
     TierOutcome,
+    covers,
     only_group,
     relay_order,
     relay_parent,
+    second_window_s,
     signed_outcome,
     tier_prefix,
 )
@@ -124,14 +127,18 @@ class SecondTier:
             record_signer=record_signer, compression=TIER_COMPRESSION, min_reducers=1, data_plane=False,
         )  # fmt: skip
         self.averager.counts_searches = False  # the first tier's searches count (``missed``)
+        self.averager.longest_search_s = (
+            self.wait_s
+        )  # its window waits for later groups (``second_window_s``)
         self.board = TierBoard()
         self._searches = FailedSearches()
 
     @property
     def wait_s(self) -> float:
-        """How long a member waits for its representative's outcome: the attestations, the second tier's
-        search (at most ``averaging_timeout_s``) and its round (the same floor, grown for slow links)."""
-        return 3 * self.averager.averaging_timeout_s
+        """How long a member waits for its representative's outcome (``MEMBER_WAIT_TIMEOUTS`` averaging
+        timeouts): the attestations and the second tier's search (``second_window_s``), then its round (at
+        least one timeout, more on slow links) and the hand-off (``ROUND_ROOM_TIMEOUTS`` for both)."""
+        return MEMBER_WAIT_TIMEOUTS * self.averager.averaging_timeout_s
 
     async def start(self) -> None:
         await self.averager.start()
@@ -163,13 +170,16 @@ class SecondTier:
         peers_at_step: int,
         run_peers: int,
         moved_on: Callable[[], bool] | None = None,
+        here: Collection[str] = (),
     ) -> RoundResult | None:
         """What this peer applies of the complete first-tier round ``result`` of ``group``: the step's
         combined result, its group's own (``alone``), or None (nothing this time; keep the gradient).
         ``peers_at_step``: the peers whose records show this step or the one before; ``run_peers``: the run's
         online members whatever their step (at least ``peers_at_step``); ``moved_on``: whether peers a step
         ahead show by their records that the step's other groups combined without this one (then the
-        representative stops searching, and the peer adopts what they applied)."""
+        representative stops searching, and the peer adopts what they applied); ``here``: the peers whose
+        records show this step (the representative's search closes once the groups in it hold all but a few,
+        ``tiers.covers``)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
@@ -182,7 +192,16 @@ class SecondTier:
         )  # fmt: skip
         if rep == me:
             return await self._represent(
-                group, result, members, facts, extra, fits, peers_at_step, run_peers, moved_on
+                group,
+                result,
+                members,
+                facts,
+                extra,
+                fits,
+                peers_at_step,
+                run_peers,
+                moved_on,
+                {*here, *members},
             )
         parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
         mine = members.index(me)
@@ -208,6 +227,7 @@ class SecondTier:
     async def _represent(
         self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
         fits: EntryFit | None, peers_at_step: int, run_peers: int, moved_on: Callable[[], bool] | None,
+        here: set[str],
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
 
@@ -237,9 +257,14 @@ class SecondTier:
             if signed is not None:
                 cert = certificate(facts.group_id, members, facts.weight, facts.digest, signed)
                 # Every group of the step belongs in one second-tier round: wait for as many as could exist
-                # (each other group of at least 2), over a window twice the run's to start with, since groups
-                # finish their first tier at different moments; the leader takes whoever came by its end.
+                # (each other group of at least 2), or until the groups gathered hold the step's peers (``covers``),
+                # over a window that waits for groups that end their first tier later (``second_window_s``);
+                # the leader takes whoever came by its end.
                 most = 1 + (peers_at_step - len(members)) // 2
+
+                def complete_step(entries: list[GroupEntryBody]) -> bool:
+                    return covers(here, (e.extra["group"]["members"] for e in entries))
+
                 # A search that formed no round is tried again with the same result, each window wider, while
                 # the members' wait leaves room for a search and a round (each up to an averaging timeout): a
                 # group that redid its first-tier round instead would cost every member a vector more. Never
@@ -247,10 +272,15 @@ class SecondTier:
                 # peers a step ahead to adopt from (``TrainingPeer._round``), since the step's other groups
                 # may have combined without it.
                 while True:
+                    failed = self._searches.failed(facts.step) + 1
+                    window_s = second_window_s(
+                        run_window_s=self.averager.matchmaking_window_s(failed), waited_s=loop.time() - opened_at,
+                        averaging_timeout_s=self.averager.averaging_timeout_s,
+                    )  # fmt: skip
                     tried = await self.averager.average(
                         result.vector, facts.weight, {**extra, "group": cert}, expected_size=most,
-                        fits=self._tier_fits(fits, facts), failed_tries=self._searches.failed(facts.step) + 1,
-                        keep_signed=True,
+                        fits=self._tier_fits(fits, facts), failed_tries=failed, keep_signed=True,
+                        window_s=window_s, closes_when=complete_step,
                     )  # fmt: skip
                     complete = tried is not None and tried[1].complete and tried[1].signed is not None
                     # A round a substitute repaired is applied by nobody (``TierCheck``): not formed.
