@@ -18,6 +18,9 @@ is an uplink rate and a latency. Wherever the code of a real peer decides someth
 - whether and where a peer moves: ``catchup.catch_up_move`` with the positions the model holds, its time
   stuck and its ``Groupmates``.
 
+Not modeled: ``SecondTier.absent`` (peers whose records showed a step combined without them are not waited
+for again for a while): every modeled peer that shows a step is waited for.
+
 What is only modeled: matchmaking is "the first peer ready at a step opens a window; peers that become ready
 in it join in arrival order until the group holds ``max_group_size`` or every peer at the step (the
 leader's ``expected_size``)"; a peer is ready ``compute_s`` (jittered) after it applied its last round; a
@@ -496,10 +499,11 @@ class ScaleSim:
                 run_window_s=window_s, waited_s=self.now - (group.give_up_at - self.wait_s),
                 averaging_timeout_s=self.training.averaging_timeout_s,
             )  # fmt: skip
-            here = {self.peers[i].name for i in self._by_step.get(step, ())} | {p.name for p in group.members}
+            own = {p.name for p in group.members}
 
-            def closes(groups: list[_Group]) -> bool:
-                return covers(here, ([p.name for p in g.members] for g in groups))
+            def closes(groups: list[_Group]) -> bool:  # read at each join, as the code reads its records
+                here = {self.peers[i].name for i in self._by_step.get(step, ())} - own
+                return covers(here, {p.name for g in groups for p in g.members})
 
         self._search(
             ("tier2", step, rep.pos.state_hash), group, expected=group.most, window_s=window_s, closes=closes

@@ -37,6 +37,7 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.averaging.matchmaking import FailedSearches
+from swarm.averaging.missed import MissedRounds
 from swarm.averaging.tiercert import certificate, result_digest, sign_attestation
 from swarm.averaging.tiers import TIER_COMPRESSION, TierCheck, representative, tier_prefix
 from swarm.averaging.tierserve import TierBoard, TierServicer
@@ -140,6 +141,7 @@ def make_tier(keys, group, rep: int, vector, average) -> SecondTier:
 
     tier = SecondTier.__new__(SecondTier)
     tier.numel, tier.signing_key, tier.board, tier._searches = NUMEL, keys[rep], Attested(), FailedSearches()
+    tier.absent = MissedRounds()
     tier.min_group_size = 2
     tier.first = SimpleNamespace(sender_timeout_s=0.2, averaging_timeout_s=0.2)
     tier.averager = SimpleNamespace(
@@ -180,7 +182,7 @@ def test_1_a_representative_naming_itself_every_parts_substitute_is_refused():
 
         async def substituted(vector, weight, extra, **kwargs):
             tier_group = SimpleNamespace(group_id=os.urandom(20), peer_ids=[keys[rep].peer_id, "other"],
-                                         weights=[64.0, 64.0], signed_entries=[b"", b""])  # fmt: skip
+                                         weights=[64.0, 64.0], signed_entries=[b"", b""], extras=[])  # fmt: skip
             return tier_group, RoundResult(poison, True, signed=SignedOutput([0, 0], [[], []]))
 
         tier = make_tier(keys, group, rep, vector, substituted)
@@ -456,7 +458,7 @@ def test_a_representative_keeps_the_combined_result_it_applied_for_peers_that_fe
 
         async def complete(vector, weight, extra, **kwargs):
             tier_group = SimpleNamespace(group_id=os.urandom(20), peer_ids=[keys[rep].peer_id, "other"],
-                                         weights=[64.0, 64.0], signed_entries=[b"e0", b"e1"])  # fmt: skip
+                                         weights=[64.0, 64.0], signed_entries=[b"e0", b"e1"], extras=[])  # fmt: skip
             return tier_group, RoundResult(combined, True, signed=SignedOutput([0, 1], [[], []]))
 
         tier = make_tier(keys, group, rep, vector, complete)

@@ -39,7 +39,7 @@ def _formed(keys, rep, combined, *, pause_s=0.0, signers=(0, 1), calls=None):
             calls.append(kwargs["failed_tries"])
         await asyncio.sleep(pause_s)
         tier_group = SimpleNamespace(group_id=os.urandom(20), peer_ids=[keys[rep].peer_id, "other"],
-                                     weights=[64.0, 64.0], signed_entries=[b"e0", b"e1"])  # fmt: skip
+                                     weights=[64.0, 64.0], signed_entries=[b"e0", b"e1"], extras=[])  # fmt: skip
         return tier_group, RoundResult(combined, True, signed=SignedOutput(list(signers), [[], []]))
 
     return average

@@ -33,6 +33,7 @@ from swarm.averaging.tiers import (
     TIER_COMPRESSION,
     TierCheck,
     TierOutcome,
+    covered_peers,
     covers,
     only_group,
     representative,
@@ -285,15 +286,35 @@ def test_the_second_tiers_window_waits_for_later_groups_and_leaves_room_for_the_
 
 def test_a_second_tier_search_closes_only_once_its_groups_hold_every_peer_at_the_step():
     here = {"a", "b", "c", "d", "e"}
-    assert covers(here, [["a", "b"], ["c", "d", "e"]])
-    assert not covers(here, [["a", "b"], ["c", "d"]]), "e's group has not joined"
+    assert covers(here, {"a", "b", "c", "d", "e"})
+    assert not covers(here, {"a", "b", "c", "d"}), "e's group has not joined"
     # Peers no record shows at the step (a lagging record) may be in a group: more members never hurt.
-    assert covers({"a", "b"}, [["a", "b", "x"]])
+    assert covers({"a", "b"}, {"a", "b", "x"})
     # Records of peers that never join a group (Sybils, or peers gone) hold the window only beyond 5%: one
     # of 40 does not, three of 40 do.
     forty = [f"p{i}" for i in range(40)]
-    assert covers(forty, [forty[:20], forty[20:39]])
-    assert not covers(forty, [forty[:20], forty[20:37]])
+    assert covers(forty, set(forty[:39]))
+    assert not covers(forty, set(forty[:37]))
+
+
+def test_a_certificate_covers_its_listed_members_only_with_a_majority_of_fresh_admitted_signers():
+    def group(members: list[str], signed: list[int]) -> dict:
+        return {"members": members, "signed": [[i, b"s" * 64] for i in signed]}
+
+    admitted = {"s1", "s2", "s3", "h1", "h2", "h3", "h4"}
+    counts = admitted.__contains__
+    honest = group(["h1", "h2", "h3", "h4"], [0, 1, 2])
+    assert covered_peers([honest], counts) == {"h1", "h2", "h3", "h4"}, "a majority signed: all of it counts"
+    # One admitted identity and two throwaway keys nobody admitted list two honest peers of another group.
+    throwaway = group(["s1", "t1", "t2", "h5", "h6"], [0, 1, 2])
+    assert covered_peers([throwaway], counts) == set()
+    # Signers count once a step: three Sybils cannot vouch for different honest peers in two certificates.
+    first, second = (
+        group(["s1", "s2", "s3", "h5", "h6"], [0, 1, 2]),
+        group(["s1", "s2", "s3", "h7"], [0, 1, 2]),
+    )
+    assert covered_peers([first, second], counts) == {"s1", "s2", "s3", "h5", "h6"}
+    assert covered_peers([group(["s1", "h5", "h6"], [0])], counts) == set(), "one of three is no majority"
 
 
 def test_a_follower_counts_toward_closing_the_window_only_with_an_entry_that_opens_and_fits():
@@ -326,7 +347,11 @@ def test_a_follower_counts_toward_closing_the_window_only_with_an_entry_that_ope
         PeerID.from_base58(keys[2].peer_id): SimpleNamespace(gather=entry(keys[3], 7)),  # signed by another
         PeerID.from_base58(keys[3].peer_id): SimpleNamespace(gather=entry(keys[3], 8)),  # does not fit
     }
-    assert not full(followers) and counted == [2], "only the follower whose own entry opens and fits counts"
+    # Asked first of the claims (this peer and the two entries that open under their own keys: 3, enough),
+    # then of those that fit (2).
+    assert not full(followers) and counted == [3, 2], (
+        "only the follower whose own entry opens and fits counts"
+    )
     assert not full(followers) and checked == [keys[1].peer_id, keys[3].peer_id], "each checked once"
     followers[PeerID.from_base58(keys[0].peer_id)] = SimpleNamespace(gather=b"not an entry")
     assert not full(followers), "an entry that does not open counts for nothing"

@@ -112,8 +112,14 @@ class RunMatchmaking(Matchmaking):
         full = self.full
         if full is None or self.assembled_group.done() or not self.is_looking_for_group:
             return
-        enough = self.current_leader is None and len(self.current_followers) + 1 >= self.min_group_size
-        if enough and full(self.current_followers):
+        if self.current_leader is not None or len(self.current_followers) + 1 < self.min_group_size:
+            return
+        try:
+            complete = full(self.current_followers)
+        except Exception as e:  # never with the entries' checks as they are: the window then runs its course
+            logger.warning(f"could not tell whether the group is complete: {e!r}")
+            return
+        if complete:
             await self.leader_assemble_group()
 
     def widen(self, window_s: float, base_s: float) -> None:
@@ -146,14 +152,18 @@ def closing_rule(
     prefix: str, schema_hash: bytes, signed: bool, max_age_s: float, limit: int,
 ) -> Callable[[dict], bool]:  # fmt: skip
     """``RunMatchmaking.full`` for one search: ``closes_when`` over this peer's entry ``mine`` and the entry of
-    each of the first ``limit`` followers that opens and ``fits``, each opened and checked once per search (a
-    follower that leaves and joins again sends the same signed entry). An entry that does not hold counts
-    for nothing here; the round's own check (``check_group``) excludes or blames as always."""
+    each of the first ``limit`` followers that opens under its own key and ``fits``. The rule is first asked
+    of the entries as they claim, which costs one signature each; only when it would then hold are the
+    claims checked (``fits``, a certificate's signatures included), each once per search (a follower that
+    leaves and joins again sends the same signed entry), and the rule asked again of those that fit. An
+    entry that does not hold counts for nothing here; the round's own check (``check_group``) excludes or
+    blames as always."""
     opened: dict[str, GroupEntryBody | None] = {}
+    fit: dict[str, bool] = {}
 
-    def fitting(peer_id: str, data: bytes) -> GroupEntryBody | None:
+    def claim(peer_id: str, data: bytes) -> GroupEntryBody | None:
         try:
-            body = open_entry(
+            return open_entry(
                 data,
                 peer_id=peer_id,
                 prefix=prefix,
@@ -164,17 +174,21 @@ def closing_rule(
         except SwarmError as e:
             logger.debug(f"not counting {peer_id}'s entry toward closing the window: {e}")
             return None
-        return body if fits is None or fits(body, peer_id) is None else None
 
     def full(followers: dict) -> bool:
-        bodies = [mine]
+        claims = {}
         for peer, request in list(followers.items())[:limit]:
             name = peer.to_base58()
             if name not in opened:
-                opened[name] = fitting(name, request.gather)
+                opened[name] = claim(name, request.gather)
             if opened[name] is not None:
-                bodies.append(opened[name])
-        return closes_when(bodies)
+                claims[name] = opened[name]
+        if not closes_when([mine, *claims.values()]):
+            return False
+        for name, body in claims.items():
+            if name not in fit:
+                fit[name] = fits is None or fits(body, name) is None
+        return closes_when([mine, *(body for name, body in claims.items() if fit[name])])
 
     return full
 

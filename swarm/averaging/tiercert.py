@@ -151,6 +151,14 @@ def certificate_misfit(
     return None
 
 
+def certified_signers(group: dict) -> list[str]:
+    """The members of a group certificate that signed it, as listed. Their signatures hold only once
+    ``certificate_misfit`` found none to refuse; listed members that signed nothing are left out: a
+    majority's signatures do not vouch for anyone else the certificate lists."""
+    members = group["members"]
+    return [members[index] for index, _ in group["signed"]]
+
+
 def entry_misfit(
     entry: GroupEntryBody, signer: str, *, step: int, state_hash: str,
     refusal: Callable[[str], str | None] | None, min_members: int = 2,
@@ -175,6 +183,7 @@ __all__ = [
     "attestation_holds",
     "certificate",
     "certificate_misfit",
+    "certified_signers",
     "entry_misfit",
     "result_digest",
     "sign_attestation",

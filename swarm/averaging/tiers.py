@@ -59,7 +59,7 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.groups import GROUP_ENTRY, open_entry
 from swarm.averaging.sender import check_answer
-from swarm.averaging.tiercert import entry_misfit
+from swarm.averaging.tiercert import certified_signers, entry_misfit
 from swarm.config import RunConfig
 from swarm.inbound import SMALL_REQUEST_BYTES
 
@@ -167,17 +167,30 @@ def second_window_s(*, run_window_s: float, waited_s: float, averaging_timeout_s
 COVER_SLACK = 0.05
 
 
-def covers(here: Collection[str], groups: Iterable[Collection[str]]) -> bool:
-    """Whether the certified member lists of ``groups`` (each second-tier entry's group, checked) hold the
-    peers of ``here`` (the peers whose records show the step, and the representative's own group), all but
-    ``COVER_SLACK`` of them."""
-    missing = set(here)
-    allowed = int(COVER_SLACK * len(missing))
-    for members in groups:
-        missing.difference_update(members)
-        if len(missing) <= allowed:
-            return True
-    return len(missing) <= allowed
+def covers(here: Collection[str], covered: Collection[str]) -> bool:
+    """Whether ``covered`` (the peers in the groups gathered, ``covered_peers``) holds the peers of ``here``
+    (those whose records show the step, less the representative's own group), all but ``COVER_SLACK`` of
+    them."""
+    missing = set(here).difference(covered)
+    return len(missing) <= int(COVER_SLACK * len(set(here)))
+
+
+def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[str]:
+    """The peers that the group certificates ``groups`` (checked: ``tiercert.certificate_misfit``) hold, for
+    closing a search: a certificate's listed members count only while a strict majority of them signed it
+    with identities that ``counts`` (admitted, not banned) and that signed no certificate counted before it.
+    A peer is in one group of a step, so Sybils that list honest peers they do not speak for can make a
+    leader believe fewer honest peers missing than they hold admitted identities, however they split them
+    between certificates."""
+    covered: set[str] = set()
+    used: set[str] = set()
+    for group in groups:
+        signers = [m for m in dict.fromkeys(certified_signers(group)) if m not in used and counts(m)]
+        if 2 * len(signers) <= len(group["members"]):
+            continue
+        used.update(signers)
+        covered.update(group["members"])
+    return covered
 
 
 @dataclass
@@ -290,6 +303,7 @@ class TierCheck:
             bodies.append(body)
         if len(set(members)) != len(members):
             raise ProtocolError("the second tier lists a member twice")
+        self.groups = [b.extra["group"] for b in bodies]  # each member's checked group certificate
         n = len(members)
         if first.representative >= n or representative not in (None, members[first.representative]):
             raise ProtocolError(f"the hand-off names member {first.representative}, not {representative}")
@@ -370,6 +384,7 @@ __all__ = [
     "TIER_COMPRESSION",
     "TierCheck",
     "TierOutcome",
+    "covered_peers",
     "covers",
     "only_group",
     "relay_order",

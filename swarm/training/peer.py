@@ -453,7 +453,16 @@ class TrainingPeer:
             and self.policy.refusal(p.peer_id) is None
             and p.peer_id not in group.excluded
         ]
-        coming, here = 1 + len(counted), {p.peer_id for p in counted if p.step == self.step}
+        coming, step = 1 + len(counted), self.step
+
+        def here() -> set[str]:  # read again at each join: records keep arriving while the tier searches
+            return {
+                p.peer_id
+                for p in self.view.values()
+                if p.step == step and p.peer_id != self.peer_id and p.peer_id not in group.excluded
+                and self.policy.refusal(p.peer_id) is None
+            }  # fmt: skip
+
         await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming,

@@ -11,7 +11,10 @@ group's total signed weight, with the other certified representatives in a secon
 ``tiers.tier_prefix``, and hands the signed output to its members, who check it (``tiers.TierCheck``);
 in a group larger than ``training.relay_fanout + 1`` each member passes what it checked on to at most that
 many others (``tiers.relay_parent``), so no member sends it more than ``relay_fanout`` times.
-When no second-tier round forms, the representative searches again with the same result, each window
+Its search waits for groups that end their first tier later (``tiers.second_window_s``) and closes once
+the groups gathered hold the peers whose records show the step (``tiers.covers``, ``covered_peers``), less
+those a recent step was combined without (``absent``). When no second-tier round forms, the representative
+searches again with the same result, each window
 wider, while its members' wait leaves room and no peer has moved on to the next step, short of the last
 try; otherwise the group applies nothing, and its peers look for the step's combined result a step ahead
 (``adopt``) before a new first-tier round. Only after ``ALONE_AFTER_TRIES`` such searches at one step does
@@ -49,6 +52,7 @@ from swarm.averaging.factory import build_averager
 from swarm.averaging.groups import EntryFit, GroupEntryBody, Misfit
 from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.matchmaking import FailedSearches
+from swarm.averaging.missed import MissedRounds
 from swarm.averaging.policy import PeerPolicy
 from swarm.averaging.tiercert import (
     attestation_holds,
@@ -62,6 +66,7 @@ from swarm.averaging.tiers import (
     TIER_COMPRESSION,
     TierCheck,
     TierOutcome,
+    covered_peers,
     covers,
     only_group,
     relay_order,
@@ -132,6 +137,9 @@ class SecondTier:
         )  # its window waits for later groups (``second_window_s``)
         self.board = TierBoard()
         self._searches = FailedSearches()
+        # Peers whose records showed a step that was combined without them: not waited for again for a span
+        # of steps that doubles with each repeat, forgiven by steps they take part in (``missed``).
+        self.absent = MissedRounds()
 
     @property
     def wait_s(self) -> float:
@@ -170,7 +178,7 @@ class SecondTier:
         peers_at_step: int,
         run_peers: int,
         moved_on: Callable[[], bool] | None = None,
-        here: Collection[str] = (),
+        here: Callable[[], Collection[str]] | None = None,
     ) -> RoundResult | None:
         """What this peer applies of the complete first-tier round ``result`` of ``group``: the step's
         combined result, its group's own (``alone``), or None (nothing this time; keep the gradient).
@@ -178,11 +186,12 @@ class SecondTier:
         online members whatever their step (at least ``peers_at_step``); ``moved_on``: whether peers a step
         ahead show by their records that the step's other groups combined without this one (then the
         representative stops searching, and the peer adopts what they applied); ``here``: the peers whose
-        records show this step (the representative's search closes once the groups in it hold all but a few,
-        ``tiers.covers``)."""
+        records show this step now (the representative's search closes once the groups in it hold all but a
+        few, ``tiers.covers``; a step combined without some of them makes them ``absent``)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
+        here = here if here is not None else tuple
         commitments = [c or b"" for c in group.commitments] or [b""] * len(members)
         order = relay_order(commitments, members, group.reducers)  # its first is the representative
         rep = members[order[0]]
@@ -192,21 +201,12 @@ class SecondTier:
         )  # fmt: skip
         if rep == me:
             return await self._represent(
-                group,
-                result,
-                members,
-                facts,
-                extra,
-                fits,
-                peers_at_step,
-                run_peers,
-                moved_on,
-                {*here, *members},
+                group, result, members, facts, extra, fits, peers_at_step, run_peers, moved_on, here
             )
         parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
         mine = members.index(me)
         children = [members[i] for i, parent in parents.items() if parent == mine]
-        return await self._follow(group, result, facts, extra, members[parents[mine]], children)
+        return await self._follow(group, result, facts, extra, members[parents[mine]], children, here)
 
     def _tier_fits(self, first_fits: EntryFit | None, facts: _Facts) -> EntryFit:
         """A second-tier entry fits when it fits the first tier's rule (its step), holds this peer's state,
@@ -227,7 +227,7 @@ class SecondTier:
     async def _represent(
         self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
         fits: EntryFit | None, peers_at_step: int, run_peers: int, moved_on: Callable[[], bool] | None,
-        here: set[str],
+        here: Callable[[], Collection[str]],
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
 
@@ -263,7 +263,8 @@ class SecondTier:
                 most = 1 + (peers_at_step - len(members)) // 2
 
                 def complete_step(entries: list[GroupEntryBody]) -> bool:
-                    return covers(here, (e.extra["group"]["members"] for e in entries))
+                    others = covered_peers((e.extra["group"] for e in entries[1:]), self._counts)
+                    return covers(self._waited_for(here) - set(members), others)
 
                 # A search that formed no round is tried again with the same result, each window wider, while
                 # the members' wait leaves room for a search and a round (each up to an averaging timeout): a
@@ -303,6 +304,7 @@ class SecondTier:
                     tier_group.group_id, tier_group.signed_entries, index, tier_result.signed
                 )
                 self.board.keep(facts.step, outcome)  # for a peer that fell behind (``adopt``)
+                self._observe(here, [e["group"] for e in tier_group.extras])
                 applied = dataclasses.replace(result, vector=tier_result.vector, signed=None)
                 logger.info(
                     f"group {short}: second tier with {len(tier_group.peer_ids)} groups, "
@@ -332,6 +334,7 @@ class SecondTier:
         extra: dict,
         parent: str,
         children: list[str],
+        here: Callable[[], Collection[str]],
     ) -> RoundResult | None:
         averager, rep = self.averager, facts.representative
 
@@ -371,9 +374,30 @@ class SecondTier:
             if checked is None:
                 return result
             self.board.keep(facts.step, outcome)
+            self._observe(here, checked.groups)
             return dataclasses.replace(result, vector=checked.output, signed=None)
         finally:
             self.board.post(group.group_id, outcome)  # to the members below this one: None sends them upward
+
+    def _counts(self, peer: str) -> bool:
+        """Whether ``peer``'s signature on a group certificate counts toward closing a search (``covered_peers``):
+        admitted, as this peer's view of the run's members and records shows, and not banned."""
+        policy = self.averager.policy
+        return policy.listed_refusal(peer) is None and policy.certified(peer)
+
+    def _waited_for(self, here: Callable[[], Collection[str]]) -> set[str]:
+        """The peers whose records show the step now, less those ``absent`` from recent steps."""
+        return {peer for peer in here() if self.absent.refusal(peer) is None}
+
+    def _observe(self, here: Callable[[], Collection[str]], groups: list[dict]) -> None:
+        """A step was combined from ``groups`` (their checked certificates): peers whose records still show the
+        step and that none of them holds missed it, the others took part (``absent``)."""
+        covered = covered_peers(groups, self._counts)
+        missed = {peer: "showed the step in its records and was in none of its groups" for peer in here()}
+        for peer in covered:
+            missed.pop(peer, None)
+        self.absent.round(delivered=covered, missed=missed, denied={})
+        self.absent.search()
 
     async def adopt(self, extra: dict, holders: list[str]) -> RoundResult | None:
         """The combined result that ``holders`` (peers a step ahead) applied at this peer's step and state, checked
