@@ -269,10 +269,15 @@ def test_a_peer_vanishing_mid_round_does_not_stall_the_survivors(dhts, keys):
         assert all(result.complete for _, result in first_round)
         assert torch.equal(first_round[0][1].vector, first_round[1][1].vector)
         assert elapsed < 10, f"the round took {elapsed:.1f}s"
-        retry = await asyncio.gather(
-            *[a.average(v, 1.0) for a, v in zip(averagers[:2], inputs[:2], strict=True)]
-        )
-        assert all(result.complete and len(group.peer_ids) == 2 for group, result in retry)
+        # The survivors average again without it. On a loaded machine one of them can give up its search as the
+        # other's group forms (then the round is incomplete and the caller tries again, as a peer does).
+        for _ in range(3):
+            retry = await asyncio.gather(
+                *[a.average(v, 1.0) for a, v in zip(averagers[:2], inputs[:2], strict=True)]
+            )
+            if all(o is not None and o[1].complete for o in retry):
+                break
+        assert all(o is not None and o[1].complete and len(o[0].peer_ids) == 2 for o in retry), retry
         assert torch.equal(retry[0][1].vector, retry[1][1].vector)
         assert torch.allclose(retry[0][1].vector, (inputs[0] + inputs[1]) / 2, atol=2e-3)
 
@@ -414,9 +419,9 @@ def test_a_leader_assembles_once_its_closing_rule_holds_instead_of_waiting_out_a
     inputs = vectors(3)
     seen: list[int] = []
 
-    def all_three(entries) -> bool:
-        seen.append(len(entries))
-        return len(entries) == 3
+    def all_three(followers) -> bool:  # the leader and both others
+        seen.append(len(followers))
+        return len(followers) == 2
 
     async def scenario():
         for averager in averagers:
@@ -434,4 +439,4 @@ def test_a_leader_assembles_once_its_closing_rule_holds_instead_of_waiting_out_a
     outcomes, took_s = asyncio.run(scenario())
     assert all(o is not None and len(o[0].peer_ids) == 3 and o[1].complete for o in outcomes)
     assert torch.equal(outcomes[0][1].vector, outcomes[2][1].vector)
-    assert 3 in seen and took_s < window_s / 2, f"assembled after {took_s:.1f}s of a {window_s:.0f}s window"
+    assert 2 in seen and took_s < window_s / 2, f"assembled after {took_s:.1f}s of a {window_s:.0f}s window"

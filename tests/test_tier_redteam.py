@@ -56,11 +56,14 @@ def certified(key, weight, result, *, cosigners=None, signers=2, mine=MINE) -> d
     keys) whose result is ``result``, signed by the first ``signers`` of them."""
     group = [key, *(cosigners or [SigningKey.generate() for _ in range(2)])]
     group_id, digest = os.urandom(20), result_digest(result)
+    listed = [k.peer_id for k in group]
     signed = {
-        i: sign_attestation(k, group_id, mine["step"], mine["state_hash"], key.peer_id, weight, digest)
+        i: sign_attestation(
+            k, group_id, mine["step"], mine["state_hash"], key.peer_id, weight, digest, listed
+        )
         for i, k in enumerate(group[:signers])
     }
-    return certificate(group_id, [k.peer_id for k in group], weight, digest, signed)
+    return certificate(group_id, listed, weight, digest, signed)
 
 
 def handoff(inputs, *, weight=64.0, keys=None, certs=None, declared=None, signers=None, included=None,
@@ -137,7 +140,7 @@ def make_tier(keys, group, rep: int, vector, average) -> SecondTier:
         def open(self, group_id, members, holds):
             super().open(group_id, members, holds)
             for key in keys:
-                self.attest(group_id, key.peer_id, sign_attestation(key, group_id, *facts))
+                self.attest(group_id, key.peer_id, sign_attestation(key, group_id, *facts, members))
 
     tier = SecondTier.__new__(SecondTier)
     tier.numel, tier.signing_key, tier.board, tier._searches = NUMEL, keys[rep], Attested(), FailedSearches()
@@ -146,7 +149,7 @@ def make_tier(keys, group, rep: int, vector, average) -> SecondTier:
     tier.first = SimpleNamespace(sender_timeout_s=0.2, averaging_timeout_s=0.2)
     tier.averager = SimpleNamespace(
         prefix=PREFIX, schema_hash=SCHEMA, entry_max_age_s=600.0, sender_timeout_s=0.2,
-        averaging_timeout_s=0.2,
+        averaging_timeout_s=0.2, led_last_group=False,
         traffic=Traffic(), p2p=None, peer_id=keys[rep].peer_id, average=average,
         matchmaking_window_s=lambda failed_tries: 0.01,
         policy=SimpleNamespace(listed_refusal=lambda peer: None, certificate_refusal=lambda peer, cert: None),

@@ -57,11 +57,14 @@ def certified(key: SigningKey, weight: float, result: torch.Tensor, *, signers: 
     others = [SigningKey.generate() for _ in range(2)]
     group = [key, *others]
     group_id, digest = os.urandom(20), result_digest(result)
+    listed = [k.peer_id for k in group]
     signed = {
-        i: sign_attestation(k, group_id, mine["step"], mine["state_hash"], key.peer_id, weight, digest)
+        i: sign_attestation(
+            k, group_id, mine["step"], mine["state_hash"], key.peer_id, weight, digest, listed
+        )
         for i, k in enumerate(group[:signers])
     }
-    return certificate(group_id, [k.peer_id for k in group], weight, digest, signed)
+    return certificate(group_id, listed, weight, digest, signed)
 
 
 def second_tier(
@@ -317,54 +320,113 @@ def test_a_certificate_covers_its_listed_members_only_with_a_majority_of_fresh_a
     assert covered_peers([group(["s1", "h5", "h6"], [0])], counts) == set(), "one of three is no majority"
 
 
-def test_a_follower_counts_toward_closing_the_window_only_with_an_entry_that_opens_and_fits():
+def test_a_followers_entry_counts_toward_closing_the_window_only_if_it_opens_under_its_own_key():
     from types import SimpleNamespace
 
     from hivemind.p2p import PeerID
 
-    from swarm.averaging.groups import Misfit
     from swarm.averaging.matchmaking import closing_rule
 
-    keys = [SigningKey.generate() for _ in range(4)]
+    keys = [SigningKey.generate() for _ in range(3)]
 
-    def entry(key: SigningKey, step: int) -> bytes:
-        body = GroupEntryBody(schema_hash=bytes(32), weight=1.0, commit=bytes(32), extra={"step": step})
-        return make_entry(key, PREFIX, body)
+    def entry(key: SigningKey) -> bytes:
+        return make_entry(key, PREFIX, GroupEntryBody(schema_hash=bytes(32), weight=1.0, commit=bytes(32)))
 
-    def fits(body: GroupEntryBody, signer: str) -> Misfit | None:
-        checked.append(signer)
-        return None if body.extra["step"] == 7 else Misfit("another step")
-
-    checked: list[str] = []
-    counted: list[int] = []
-    mine = GroupEntryBody(schema_hash=bytes(32), weight=1.0, commit=bytes(32), extra={"step": 7})
+    seen: list[set[str]] = []
     full = closing_rule(
-        mine, lambda bodies: counted.append(len(bodies)) or len(bodies) >= 3, fits=fits, prefix=PREFIX,
-        schema_hash=bytes(32), signed=True, max_age_s=60.0, limit=64,
+        lambda claims: seen.append(set(claims)) or len(claims) >= 2, prefix=PREFIX, schema_hash=bytes(32),
+        signed=True, max_age_s=60.0, limit=64,
     )  # fmt: skip
     followers = {
-        PeerID.from_base58(keys[1].peer_id): SimpleNamespace(gather=entry(keys[1], 7)),
-        PeerID.from_base58(keys[2].peer_id): SimpleNamespace(gather=entry(keys[3], 7)),  # signed by another
-        PeerID.from_base58(keys[3].peer_id): SimpleNamespace(gather=entry(keys[3], 8)),  # does not fit
+        PeerID.from_base58(keys[0].peer_id): SimpleNamespace(gather=entry(keys[0])),
+        PeerID.from_base58(keys[1].peer_id): SimpleNamespace(gather=entry(keys[2])),  # signed by another
     }
-    # Asked first of the claims (this peer and the two entries that open under their own keys: 3, enough),
-    # then of those that fit (2).
-    assert not full(followers) and counted == [3, 2], (
-        "only the follower whose own entry opens and fits counts"
-    )
-    assert not full(followers) and checked == [keys[1].peer_id, keys[3].peer_id], "each checked once"
-    followers[PeerID.from_base58(keys[0].peer_id)] = SimpleNamespace(gather=b"not an entry")
-    assert not full(followers), "an entry that does not open counts for nothing"
+    assert not full(followers) and seen[-1] == {keys[0].peer_id}
+    followers[PeerID.from_base58(keys[2].peer_id)] = SimpleNamespace(gather=b"not an entry")
+    assert not full(followers) and seen[-1] == {keys[0].peer_id}
+    followers[PeerID.from_base58(keys[2].peer_id)] = SimpleNamespace(gather=entry(keys[2]))
+    assert not full(followers), "a follower is judged by the entry it first joined with in this search"
+
+
+def _group(
+    keys: list[SigningKey], rep: int, *, signers: list[int], listed: list[str] = (), mine=MINE
+) -> dict:
+    """A certificate of ``keys``' group (plus ``listed`` peers) for ``keys[rep]``, signed by ``signers``."""
+    group_id, members = os.urandom(20), [k.peer_id for k in keys] + list(listed)
+    facts = (group_id, mine["step"], mine["state_hash"], keys[rep].peer_id, 12.0, bytes(32), members)
+    signed = {i: sign_attestation(keys[i], *facts) for i in signers}
+    return certificate(group_id, members, 12.0, bytes(32), signed)
+
+
+def test_a_search_closes_early_only_on_checked_certificates_and_checks_nothing_that_could_not_close_it():
+    from swarm.averaging import tiercert
+    from swarm.averaging.tiers import EarlyClose
+
+    a = [SigningKey.generate() for _ in range(3)]  # another honest group
+    b = [SigningKey.generate() for _ in range(3)]
+    throwaway = [SigningKey.generate() for _ in range(3)]
+    admitted = {k.peer_id for k in a + b}
+    fitted: list[str] = []
+
+    def fits(body, signer):
+        fitted.append(signer)
+        return certificate_misfit(body.extra, signer=signer, step=MINE["step"], state_hash=MINE["state_hash"],
+                                  refusal=None)  # fmt: skip
+
+    def closing(waiting):
+        return EarlyClose(waiting=lambda: waiting, fits=fits, counts=admitted.__contains__, step=MINE["step"],
+                          state_hash=MINE["state_hash"], min_members=2)  # fmt: skip
+
+    def body(group):
+        return GroupEntryBody(
+            schema_hash=bytes(32), weight=12.0, commit=bytes(32), extra={**MINE, "group": group}
+        )
+
+    waiting = {k.peer_id for k in a + b}
+    honest_a, honest_b = body(_group(a, 0, signers=[0, 1])), body(_group(b, 0, signers=[0, 1, 2]))
+    # A's group alone cannot close it: nothing is checked.
+    rule = closing(waiting)
+    assert not rule({a[0].peer_id: honest_a}) and fitted == []
+    # Both groups: checked once each, and it closes.
+    assert rule({a[0].peer_id: honest_a, b[0].peer_id: honest_b}) and rule.closed
+    assert sorted(fitted) == sorted([a[0].peer_id, b[0].peer_id])
+    rule({a[0].peer_id: honest_a, b[0].peer_id: honest_b})
+    assert len(fitted) == 2, "once per search"
+    # A made-up group of throwaway keys listing B's members: its claim could close the window, but its
+    # counted signers (none) are no majority, so it is never given the full check and counts for nothing.
+    fitted.clear()
+    made_up = body(_group(throwaway, 0, signers=[0, 1, 2], listed=[k.peer_id for k in b]))
+    rule = closing(waiting)
+    assert not rule({a[0].peer_id: honest_a, throwaway[0].peer_id: made_up}) and not rule.closed
+    assert fitted == [a[0].peer_id]
+    # Malformed claims are left out without an exception, and do not stop the others from closing it.
+    broken = {**MINE, "group": {"members": "not a list", "signed": [[0]]}}
+    rule = closing(waiting)
+    bad = GroupEntryBody(schema_hash=bytes(32), weight=1.0, commit=bytes(32), extra=broken)
+    assert rule({"x": bad, a[0].peer_id: honest_a, b[0].peer_id: honest_b})
+    # A claim naming admitted signers with bad signatures costs the signatures up to the first bad one.
+    calls = []
+    real = tiercert.attestation_holds
+
+    def counting(*args):
+        calls.append(args[0])
+        return real(*args)
+
+    forged = _group(throwaway, 0, signers=[0, 1, 2], listed=[k.peer_id for k in b])
+    forged["signed"] = [[3, bytes(64)], [4, bytes(64)], [5, bytes(64)]] + forged["signed"]
+    import swarm.averaging.tiers as tiers_module
+
+    real_tiers = tiers_module.attestation_holds
+    tiers_module.attestation_holds = counting
+    try:
+        rule = closing(waiting)
+        assert not rule({a[0].peer_id: honest_a, throwaway[0].peer_id: body(forged)})
+    finally:
+        tiers_module.attestation_holds = real_tiers
     assert (
-        full({**followers, PeerID.from_base58(keys[0].peer_id): SimpleNamespace(gather=entry(keys[0], 7))})
-        is False
-    ), "a follower is judged by the entry it first joined with in this search"
-    fresh = closing_rule(
-        mine, lambda bodies: len(bodies) >= 3, fits=fits, prefix=PREFIX, schema_hash=bytes(32), signed=True,
-        max_age_s=60.0, limit=64,
-    )  # fmt: skip
-    followers[PeerID.from_base58(keys[0].peer_id)] = SimpleNamespace(gather=entry(keys[0], 7))
-    assert fresh(followers), "two followers that fit and this peer: the rule holds"
+        calls.count(b[0].peer_id) == 1
+        and len([c for c in calls if c in admitted - {a[0].peer_id, a[1].peer_id}]) == 1
+    )
 
 
 def test_only_a_groups_members_get_its_outcome_and_only_once_it_is_posted():

@@ -282,6 +282,11 @@ class Averager:
         return self.codec.max_bytes(DEFAULT_CHUNK_VALUES) + ENTRY.size * MAX_MEMBERS + 4096
 
     @property
+    def led_last_group(self) -> bool:
+        """Whether this peer led the last group its matchmaking assembled."""
+        return self.matchmaking.leader == self.peer_id
+
+    @property
     def entry_max_age_s(self) -> float:
         """A gathered entry older than this is stale: the longest search, plus the clock skew allowed."""
         longest_s = max(self.averaging_timeout_s + 3 * self.matchmaking_time_s, self.longest_search_s or 0.0)
@@ -386,7 +391,7 @@ class Averager:
         fits: EntryFit | None = None,
         failed_tries: int = 0,
         window_s: float | None = None,
-        closes_when: Callable[[list[GroupEntryBody]], bool] | None = None,
+        closes_when: Callable[[dict[str, GroupEntryBody]], bool] | None = None,
     ) -> GroupRound | None:
         """Gather with the peers looking for a group now; None when no group formed in time.
 
@@ -397,8 +402,8 @@ class Averager:
         ``fits`` refuses is excluded and suspected (``groups.check_group``). ``failed_tries``: searches
         at the caller's step that formed no group, which widen the window (``matchmaking_window_s``).
         ``window_s``: a window of the caller's instead, within ``longest_search_s``. ``closes_when``: as
-        leader, assemble as soon as it holds for the entries gathered so far (this peer's first, then each
-        follower's that opens and ``fits``), as it does at ``expected_size``.
+        leader, assemble as soon as it holds for the followers' entries gathered so far (peer ID -> entry,
+        each opened under its own key; ``matchmaking.closing_rule``), as it does at ``expected_size``.
         """
         self._nonce = os.urandom(NONCE_BYTES)
         body = GroupEntryBody(
@@ -431,8 +436,8 @@ class Averager:
         self.matchmaking.full = None
         if closes_when is not None:
             self.matchmaking.full = closing_rule(
-                body, closes_when, fits=fits, prefix=self.prefix, schema_hash=self.schema_hash,
-                signed=self.signing_key is not None, max_age_s=self.entry_max_age_s, limit=self.max_group_size,
+                closes_when, prefix=self.prefix, schema_hash=self.schema_hash, signed=self.signing_key is not None,
+                max_age_s=self.entry_max_age_s, limit=self.max_group_size,
             )  # fmt: skip
         now = get_dht_time()
         step = StepControl(
@@ -536,7 +541,7 @@ class Averager:
         failed_tries: int = 0,
         keep_signed: bool = False,
         window_s: float | None = None,
-        closes_when: Callable[[list[GroupEntryBody]], bool] | None = None,
+        closes_when: Callable[[dict[str, GroupEntryBody]], bool] | None = None,
     ) -> tuple[GroupRound, RoundResult] | None:
         """Find a group (or, ``alone``, none) and all-reduce ``vector`` in it; None when no group formed.
 

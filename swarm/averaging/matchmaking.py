@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 
 from protocols.errors import SwarmError
 from swarm.averaging.declarations import SignedGroupKeyManager
-from swarm.averaging.groups import EntryFit, GroupEntryBody, open_entry
+from swarm.averaging.groups import GroupEntryBody, open_entry
 from swarm.averaging.hooks import RoundHooks
 from swarm.averaging.policy import PeerPolicy
 from swarm.records import RecordSigner
@@ -148,18 +148,15 @@ class RunMatchmaking(Matchmaking):
 
 
 def closing_rule(
-    mine: GroupEntryBody, closes_when: Callable[[list[GroupEntryBody]], bool], *, fits: EntryFit | None,
-    prefix: str, schema_hash: bytes, signed: bool, max_age_s: float, limit: int,
+    closes_when: Callable[[dict[str, GroupEntryBody]], bool], *, prefix: str, schema_hash: bytes, signed: bool,
+    max_age_s: float, limit: int,
 ) -> Callable[[dict], bool]:  # fmt: skip
-    """``RunMatchmaking.full`` for one search: ``closes_when`` over this peer's entry ``mine`` and the entry of
-    each of the first ``limit`` followers that opens under its own key and ``fits``. The rule is first asked
-    of the entries as they claim, which costs one signature each; only when it would then hold are the
-    claims checked (``fits``, a certificate's signatures included), each once per search (a follower that
-    leaves and joins again sends the same signed entry), and the rule asked again of those that fit. An
-    entry that does not hold counts for nothing here; the round's own check (``check_group``) excludes or
-    blames as always."""
+    """``RunMatchmaking.full`` for one search: ``closes_when`` over the entries of the first ``limit``
+    followers (peer ID -> entry), each opened under its follower's own key once per search (a follower that
+    leaves and joins again sends the same signed entry); one that does not open is left out. What an entry
+    claims beyond its signature is for ``closes_when`` to check before it counts it; the round's own check
+    (``check_group``) excludes or blames as always."""
     opened: dict[str, GroupEntryBody | None] = {}
-    fit: dict[str, bool] = {}
 
     def claim(peer_id: str, data: bytes) -> GroupEntryBody | None:
         try:
@@ -183,12 +180,7 @@ def closing_rule(
                 opened[name] = claim(name, request.gather)
             if opened[name] is not None:
                 claims[name] = opened[name]
-        if not closes_when([mine, *claims.values()]):
-            return False
-        for name, body in claims.items():
-            if name not in fit:
-                fit[name] = fits is None or fits(body, name) is None
-        return closes_when([mine, *(body for name, body in claims.items() if fit[name])])
+        return closes_when(claims)
 
     return full
 

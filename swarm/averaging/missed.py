@@ -25,9 +25,10 @@ rate at which it misses tells them apart, so ``MissedRounds`` counts rounds, wha
   itself out for longer). Only first-tier searches count (the second tier's averager does not,
   ``Averager.counts_searches``), so a representative's tier search spends nobody's span.
 
-A second tier keeps a book of its own (``SecondTier.absent``): a peer whose records showed a step that was
-combined without it counts as a miss there, and a step it took part in as a round delivered, so a
-representative's search stops waiting for a peer that shows steps and joins no group.
+A second tier keeps a book of its own (``SecondTier.absent``): a peer whose records showed a step and that
+joined none of the groups of a second-tier round this peer led after waiting its window out counts as a
+miss there, and a step it took part in as a round delivered, so a representative's search stops waiting
+for a peer that shows steps and joins no group.
 
 A miss seen while the peer is still avoided (a leader listed it anyway: members do not refuse listed
 members on suspicion) escalates nothing. At most ``MAX_TRACKED`` peers are remembered, the least recently

@@ -2,7 +2,8 @@
 
 After its first-tier round each member of a group signs an attestation for its representative: the
 group's ID, the step and state hash it was at, the representative's peer ID, the group's total signed
-weight and the SHA-256 of the group's result (float32; every member holds it bit for bit). The
+weight, the SHA-256 of the group's result (float32; every member holds it bit for bit) and the group's
+member list in its round's order (a certificate lists exactly the members who signed for it). The
 representative puts those of a strict majority of its group in its second-tier entry
 (``extra["group"]``, ``certificate``). Every second-tier member checks each other member's certificate
 before the round (``certificate_misfit``, through the round's entry check) and every member of every
@@ -12,7 +13,7 @@ members signed, and a certificate names the one representative it was given to.
 
 Example::
 
-    signature = sign_attestation(key, group_id, step, state_hash, rep, weight, result_digest(r_g))
+    signature = sign_attestation(key, group_id, step, state_hash, rep, weight, result_digest(r_g), members)
     extra["group"] = certificate(group_id, members, weight, result_digest(r_g), {0: signature, 2: other})
     reason = certificate_misfit(extra, signer=rep, step=step, state_hash=state_hash, refusal=policy.listed_refusal)
 """
@@ -29,7 +30,7 @@ import torch
 from protocols.keys import PublicKey, SigningKey
 from swarm.averaging.groups import GroupEntryBody, Misfit
 
-ATTESTATION = b"swarm-tier-attestation/1"
+ATTESTATION = b"swarm-tier-attestation/2"
 #: Members a certificate may list (a first-tier group: at most the run's ``max_group_size``).
 MAX_CERTIFIED_MEMBERS = 1024
 MAX_PEER_ID_CHARS = 128
@@ -43,9 +44,13 @@ def result_digest(vector: torch.Tensor) -> bytes:
 
 
 def attestation_message(
-    group_id: bytes, step: int, state_hash: str, representative: str, weight: float, digest: bytes
-) -> bytes:
-    """What a member signs for its group's representative."""
+    group_id: bytes, step: int, state_hash: str, representative: str, weight: float, digest: bytes,
+    members: Sequence[str],
+) -> bytes:  # fmt: skip
+    """What a member signs for its group's representative: the group's round, its step and state, its
+    representative, total weight and result, and its member list in the round's order (so a certificate
+    cannot list a peer its members did not see in their group)."""
+    listed = hashlib.sha256("\n".join(members).encode()).digest()
     return b"|".join(
         [
             ATTESTATION,
@@ -54,6 +59,7 @@ def attestation_message(
             state_hash.encode(),
             representative.encode(),
             digest,
+            listed,
         ]
     )
 
@@ -66,18 +72,20 @@ def sign_attestation(
     representative: str,
     weight: float,
     digest: bytes,
+    members: Sequence[str],
 ) -> bytes:
-    return key.sign(attestation_message(group_id, step, state_hash, representative, weight, digest))
+    return key.sign(attestation_message(group_id, step, state_hash, representative, weight, digest, members))
 
 
 def attestation_holds(
     member: str, signature: bytes, group_id: bytes, step: int, state_hash: str, representative: str,
-    weight: float, digest: bytes,
+    weight: float, digest: bytes, members: Sequence[str],
 ) -> bool:  # fmt: skip
     """Whether ``signature`` is ``member``'s attestation of exactly these facts."""
     try:
         PublicKey.from_peer_id(member).verify(
-            signature, attestation_message(group_id, step, state_hash, representative, weight, digest)
+            signature,
+            attestation_message(group_id, step, state_hash, representative, weight, digest, members),
         )
     except Exception:  # a malformed key or signature: it does not hold
         return False
@@ -97,18 +105,10 @@ def certificate(
     }
 
 
-def certificate_misfit(
-    extra: object, *, signer: str, step: int, state_hash: str, refusal: Callable[[str], str | None] | None,
-    min_members: int = 2,
-) -> str | None:  # fmt: skip
-    """Why the second-tier entry ``extra`` of ``signer`` carries no valid certificate of a group at ``step``
-    and ``state_hash``; None if it does. ``refusal(peer)``: why a member may not be in a round at all in
-    this peer's view (banned, not admitted); such a member's signature does not count. ``min_members``: the
-    run's smallest group (``min_group_size``, at least 2), which a certified group must list.
-
-    What it cannot show is that the group's round took place: admitted identities that are a majority of a
-    made-up group can certify it, exactly as they could run a real round of their own; such a group is one
-    input of the second tier, its weight capped like any input's (``validation.fair_weights``)."""
+def certificate_shape_misfit(extra: object, *, signer: str, min_members: int = 2) -> str | None:
+    """Why the second-tier entry ``extra`` of ``signer`` carries no well-formed group certificate, checking no
+    signature: the fields, their types and bounds, and one signature item per listed member at most. None
+    if it is well formed (its signatures still to check: ``certificate_misfit``)."""
     group = extra.get("group") if isinstance(extra, dict) else None
     if not isinstance(group, dict) or set(group) != {"id", "members", "weight", "digest", "signed"}:
         return "carries no group certificate"
@@ -131,19 +131,45 @@ def certificate_misfit(
         return "carries the certificate of a group it is not in"
     if not isinstance(signed, list) or len(signed) > len(members):
         return "certifies more signatures than members"
-    counted: set[int] = set()
+    seen: set[int] = set()
     for item in signed:
         if not (
             isinstance(item, list) and len(item) == 2 and type(item[0]) is int and 0 <= item[0] < len(members)
-            and isinstance(item[1], bytes) and len(item[1]) == SIGNATURE_BYTES and item[0] not in counted
+            and isinstance(item[1], bytes) and len(item[1]) == SIGNATURE_BYTES and item[0] not in seen
         ):  # fmt: skip
             return "certifies a signature that is not one per listed member"
-        member = members[item[0]]
+        seen.add(item[0])
+    return None
+
+
+def certificate_misfit(
+    extra: object, *, signer: str, step: int, state_hash: str, refusal: Callable[[str], str | None] | None,
+    min_members: int = 2,
+) -> str | None:  # fmt: skip
+    """Why the second-tier entry ``extra`` of ``signer`` carries no valid certificate of a group at ``step``
+    and ``state_hash``; None if it does. ``refusal(peer)``: why a member may not be in a round at all in
+    this peer's view (banned, not admitted); such a member's signature does not count. ``min_members``: the
+    run's smallest group (``min_group_size``, at least 2), which a certified group must list.
+
+    What it cannot show is that the group's round took place: admitted identities that are a majority of a
+    made-up group can certify it, exactly as they could run a real round of their own; such a group is one
+    input of the second tier, its weight capped like any input's (``validation.fair_weights``)."""
+    shape = certificate_shape_misfit(extra, signer=signer, min_members=min_members)
+    if shape is not None:
+        return shape
+    group = extra["group"]
+    group_id, members, weight = group["id"], group["members"], group["weight"]
+    digest, signed = group["digest"], group["signed"]
+    counted: set[int] = set()
+    for index, signature in signed:
+        member = members[index]
         if refusal is not None and refusal(member) is not None:
             continue  # a banned or unadmitted member's word does not count
-        if not attestation_holds(member, item[1], group_id, step, state_hash, signer, weight, digest):
+        if not attestation_holds(
+            member, signature, group_id, step, state_hash, signer, weight, digest, members
+        ):
             return f"carries a signature of {member[:64]} that does not hold"
-        counted.add(item[0])
+        counted.add(index)
     if members.index(signer) not in counted:
         return "carries a certificate its representative did not sign"
     if 2 * len(counted) <= len(members):
@@ -183,6 +209,7 @@ __all__ = [
     "attestation_holds",
     "certificate",
     "certificate_misfit",
+    "certificate_shape_misfit",
     "certified_signers",
     "entry_misfit",
     "result_digest",

@@ -59,7 +59,12 @@ from swarm.averaging.evidence import (
 )
 from swarm.averaging.groups import GROUP_ENTRY, open_entry
 from swarm.averaging.sender import check_answer
-from swarm.averaging.tiercert import certified_signers, entry_misfit
+from swarm.averaging.tiercert import (
+    attestation_holds,
+    certificate_shape_misfit,
+    certified_signers,
+    entry_misfit,
+)
 from swarm.config import RunConfig
 from swarm.inbound import SMALL_REQUEST_BYTES
 
@@ -193,6 +198,74 @@ def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[
     return covered
 
 
+#: The most of the peers a search would wait for that the absence book (``SecondTier.absent``) may leave
+#: out, or that one search may add to it: beyond that a leader was cut off from the swarm, not kept waiting
+#: by a few identities, and the book is not read (nor written).
+MAX_ABSENT_SHARE = 0.25
+
+
+class EarlyClose:
+    """One second-tier search's rule for closing early (``Averager.find_group``'s ``closes_when``): the groups
+    that joined hold the peers ``waiting()`` returns (those whose records show the step, less the leader's own
+    group and the absent), all but ``COVER_SLACK`` of them (``covers``).
+
+    It is first asked of the certificates as the followers' entries claim them (well formed:
+    ``tiercert.certificate_shape_misfit``; every listed member counted, every claim once): if even that does
+    not close the window, nothing is checked, and a join costs its entry's one signature. Only then is each
+    claim checked, once per search: the signatures of its counted signers (``counts``: admitted, not banned)
+    first, stopping at the first that does not hold, and only a certificate whose counted signers are a
+    strict majority of its members gets the round's own check (``fits``, which verifies every signature).
+    So a claim's checks cost at most the admitted identities that signed it, unless they are a majority of
+    its group. ``closed``: whether it closed the window (the leader then did not wait it out)."""
+
+    def __init__(
+        self, *, waiting: Callable[[], Collection[str]], fits: Callable, counts: Callable[[str], bool], step: int,
+        state_hash: str, min_members: int,
+    ):  # fmt: skip
+        self.waiting, self.fits, self.counts = waiting, fits, counts
+        self.step, self.state_hash, self.min_members = step, state_hash, min_members
+        self.closed = False
+        self._checked: dict[str, dict | None] = {}
+
+    def __call__(self, claims: dict) -> bool:
+        waiting = set(self.waiting())
+        shaped = {
+            name: body.extra["group"]
+            for name, body in claims.items()
+            if certificate_shape_misfit(body.extra, signer=name, min_members=self.min_members) is None
+        }
+        if not covers(waiting, {member for group in shaped.values() for member in group["members"]}):
+            return False
+        verified = []
+        for name, group in shaped.items():
+            if name not in self._checked:
+                self._checked[name] = group if self._holds(name, claims[name], group) else None
+            if self._checked[name] is not None:
+                verified.append(self._checked[name])
+        self.closed = covers(waiting, covered_peers(verified, self.counts))
+        return self.closed
+
+    def _holds(self, signer: str, body, group: dict) -> bool:
+        members, counted = group["members"], 0
+        for index, signature in group["signed"]:
+            member = members[index]
+            if not self.counts(member):
+                continue
+            facts = (
+                group["id"],
+                self.step,
+                self.state_hash,
+                signer,
+                group["weight"],
+                group["digest"],
+                members,
+            )
+            if not attestation_holds(member, signature, *facts):
+                return False
+            counted += 1
+        return 2 * counted > len(members) and self.fits(body, signer) is None
+
+
 @dataclass
 class TierOutcome:
     """What a representative hands its group: ``alone``, or the second tier's signed output."""
@@ -303,7 +376,6 @@ class TierCheck:
             bodies.append(body)
         if len(set(members)) != len(members):
             raise ProtocolError("the second tier lists a member twice")
-        self.groups = [b.extra["group"] for b in bodies]  # each member's checked group certificate
         n = len(members)
         if first.representative >= n or representative not in (None, members[first.representative]):
             raise ProtocolError(f"the hand-off names member {first.representative}, not {representative}")
@@ -378,6 +450,8 @@ class TierCheck:
 
 __all__ = [
     "COVER_SLACK",
+    "EarlyClose",
+    "MAX_ABSENT_SHARE",
     "MAX_TIER_ANSWER_BYTES",
     "MEMBER_WAIT_TIMEOUTS",
     "ROUND_ROOM_TIMEOUTS",

@@ -13,7 +13,7 @@ in a group larger than ``training.relay_fanout + 1`` each member passes what it 
 many others (``tiers.relay_parent``), so no member sends it more than ``relay_fanout`` times.
 Its search waits for groups that end their first tier later (``tiers.second_window_s``) and closes once
 the groups gathered hold the peers whose records show the step (``tiers.covers``, ``covered_peers``), less
-those a recent step was combined without (``absent``). When no second-tier round forms, the representative
+those its own recent windows waited for in vain (``absent``). When no second-tier round forms, the representative
 searches again with the same result, each window
 wider, while its members' wait leaves room and no peer has moved on to the next step, short of the last
 try; otherwise the group applies nothing, and its peers look for the step's combined result a step ahead
@@ -62,12 +62,13 @@ from swarm.averaging.tiercert import (
     sign_attestation,
 )
 from swarm.averaging.tiers import (
+    MAX_ABSENT_SHARE,
     MEMBER_WAIT_TIMEOUTS,
     TIER_COMPRESSION,
+    EarlyClose,
     TierCheck,
     TierOutcome,
     covered_peers,
-    covers,
     only_group,
     relay_order,
     relay_parent,
@@ -91,8 +92,8 @@ ADOPT_ASKS = 3
 
 @dataclasses.dataclass(frozen=True)
 class _Facts:
-    """What a group's members attest: its round, their step and state, its representative, its weight and
-    the digest of its result."""
+    """What a group's members attest: its round, their step and state, its representative, its weight, the
+    digest of its result and its member list."""
 
     group_id: bytes
     step: int
@@ -100,6 +101,7 @@ class _Facts:
     representative: str
     weight: float
     digest: bytes
+    members: tuple[str, ...]
 
 
 class SecondTier:
@@ -137,8 +139,9 @@ class SecondTier:
         )  # its window waits for later groups (``second_window_s``)
         self.board = TierBoard()
         self._searches = FailedSearches()
-        # Peers whose records showed a step that was combined without them: not waited for again for a span
-        # of steps that doubles with each repeat, forgiven by steps they take part in (``missed``).
+        # Peers whose records showed a step and that joined none of the groups of a round this peer led after
+        # waiting its window out: not waited for again for a span of steps that doubles with each repeat,
+        # forgiven by steps they take part in (``missed``).
         self.absent = MissedRounds()
 
     @property
@@ -187,7 +190,7 @@ class SecondTier:
         ahead show by their records that the step's other groups combined without this one (then the
         representative stops searching, and the peer adopts what they applied); ``here``: the peers whose
         records show this step now (the representative's search closes once the groups in it hold all but a
-        few, ``tiers.covers``; a step combined without some of them makes them ``absent``)."""
+        few, ``tiers.covers``; its window waited out in vain for some makes them ``absent``)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
@@ -197,7 +200,7 @@ class SecondTier:
         rep = members[order[0]]
         facts = _Facts(
             group.group_id, int(extra["step"]), str(extra["state_hash"]), rep, math.fsum(group.weights),
-            result_digest(result.vector),
+            result_digest(result.vector), tuple(members),
         )  # fmt: skip
         if rep == me:
             return await self._represent(
@@ -206,7 +209,7 @@ class SecondTier:
         parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
         mine = members.index(me)
         children = [members[i] for i, parent in parents.items() if parent == mine]
-        return await self._follow(group, result, facts, extra, members[parents[mine]], children, here)
+        return await self._follow(group, result, facts, extra, members[parents[mine]], children)
 
     def _tier_fits(self, first_fits: EntryFit | None, facts: _Facts) -> EntryFit:
         """A second-tier entry fits when it fits the first tier's rule (its step), holds this peer's state,
@@ -262,10 +265,6 @@ class SecondTier:
                 # the leader takes whoever came by its end.
                 most = 1 + (peers_at_step - len(members)) // 2
 
-                def complete_step(entries: list[GroupEntryBody]) -> bool:
-                    others = covered_peers((e.extra["group"] for e in entries[1:]), self._counts)
-                    return covers(self._waited_for(here) - set(members), others)
-
                 # A search that formed no round is tried again with the same result, each window wider, while
                 # the members' wait leaves room for a search and a round (each up to an averaging timeout): a
                 # group that redid its first-tier round instead would cost every member a vector more. Never
@@ -278,10 +277,15 @@ class SecondTier:
                         run_window_s=self.averager.matchmaking_window_s(failed), waited_s=loop.time() - opened_at,
                         averaging_timeout_s=self.averager.averaging_timeout_s,
                     )  # fmt: skip
+                    closing = EarlyClose(
+                        waiting=lambda: self._waited_for(here) - set(members), fits=self._tier_fits(fits, facts),
+                        counts=self._counts, step=facts.step, state_hash=facts.state_hash,
+                        min_members=self.min_group_size,
+                    )  # fmt: skip
                     tried = await self.averager.average(
                         result.vector, facts.weight, {**extra, "group": cert}, expected_size=most,
                         fits=self._tier_fits(fits, facts), failed_tries=failed, keep_signed=True,
-                        window_s=window_s, closes_when=complete_step,
+                        window_s=window_s, closes_when=closing,
                     )  # fmt: skip
                     complete = tried is not None and tried[1].complete and tried[1].signed is not None
                     # A round a substitute repaired is applied by nobody (``TierCheck``): not formed.
@@ -304,7 +308,8 @@ class SecondTier:
                     tier_group.group_id, tier_group.signed_entries, index, tier_result.signed
                 )
                 self.board.keep(facts.step, outcome)  # for a peer that fell behind (``adopt``)
-                self._observe(here, [e["group"] for e in tier_group.extras])
+                if self.averager.led_last_group and not closing.closed:  # it waited the window out itself
+                    self._observe(here, [e["group"] for e in tier_group.extras], set(members))
                 applied = dataclasses.replace(result, vector=tier_result.vector, signed=None)
                 logger.info(
                     f"group {short}: second tier with {len(tier_group.peer_ids)} groups, "
@@ -334,7 +339,6 @@ class SecondTier:
         extra: dict,
         parent: str,
         children: list[str],
-        here: Callable[[], Collection[str]],
     ) -> RoundResult | None:
         averager, rep = self.averager, facts.representative
 
@@ -374,7 +378,6 @@ class SecondTier:
             if checked is None:
                 return result
             self.board.keep(facts.step, outcome)
-            self._observe(here, checked.groups)
             return dataclasses.replace(result, vector=checked.output, signed=None)
         finally:
             self.board.post(group.group_id, outcome)  # to the members below this one: None sends them upward
@@ -386,16 +389,24 @@ class SecondTier:
         return policy.listed_refusal(peer) is None and policy.certified(peer)
 
     def _waited_for(self, here: Callable[[], Collection[str]]) -> set[str]:
-        """The peers whose records show the step now, less those ``absent`` from recent steps."""
-        return {peer for peer in here() if self.absent.refusal(peer) is None}
+        """The peers whose records show the step now, less those ``absent`` from recent steps (unless that
+        would leave out more than ``MAX_ABSENT_SHARE`` of them)."""
+        showing = set(here())
+        waited = {peer for peer in showing if self.absent.refusal(peer) is None}
+        return waited if len(showing) - len(waited) <= MAX_ABSENT_SHARE * len(showing) else showing
 
-    def _observe(self, here: Callable[[], Collection[str]], groups: list[dict]) -> None:
-        """A step was combined from ``groups`` (their checked certificates): peers whose records still show the
-        step and that none of them holds missed it, the others took part (``absent``)."""
-        covered = covered_peers(groups, self._counts)
-        missed = {peer: "showed the step in its records and was in none of its groups" for peer in here()}
-        for peer in covered:
-            missed.pop(peer, None)
+    def _observe(self, here: Callable[[], Collection[str]], groups: list[dict], own: set[str]) -> None:
+        """This peer led a second-tier round of ``groups`` (their checked certificates) and waited its window
+        out: peers whose records still show the step and that neither its group (``own``) nor those hold
+        missed it, the others took part (``absent``). Only a leader knows it waited; a round another led (or
+        handed over) may have closed early, so members learn nothing from it."""
+        covered = covered_peers(groups, self._counts) | own
+        showing = set(here())
+        missed = {
+            peer: "showed the step in its records and joined none of its groups" for peer in showing - covered
+        }
+        if len(missed) > MAX_ABSENT_SHARE * len(showing | covered):
+            missed = {}  # cut off from the swarm, not kept waiting by a few
         self.absent.round(delivered=covered, missed=missed, denied={})
         self.absent.search()
 
