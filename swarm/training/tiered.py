@@ -134,9 +134,8 @@ class SecondTier:
             record_signer=record_signer, compression=TIER_COMPRESSION, min_reducers=1, data_plane=False,
         )  # fmt: skip
         self.averager.counts_searches = False  # the first tier's searches count (``missed``)
-        self.averager.longest_search_s = (
-            self.wait_s
-        )  # its window waits for later groups (``second_window_s``)
+        # Its window waits for groups that end their first tier later (``second_window_s``).
+        self.averager.longest_search_s = self.wait_s
         self.board = TierBoard()
         self._searches = FailedSearches()
         # Peers whose records showed a step and that joined none of the groups of a round this peer led after
@@ -194,7 +193,7 @@ class SecondTier:
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
-        here = here if here is not None else tuple
+        here = here if here is not None else lambda: ()
         commitments = [c or b"" for c in group.commitments] or [b""] * len(members)
         order = relay_order(commitments, members, group.reducers)  # its first is the representative
         rep = members[order[0]]
@@ -264,7 +263,6 @@ class SecondTier:
                 # over a window that waits for groups that end their first tier later (``second_window_s``);
                 # the leader takes whoever came by its end.
                 most = 1 + (peers_at_step - len(members)) // 2
-
                 # A search that formed no round is tried again with the same result, each window wider, while
                 # the members' wait leaves room for a search and a round (each up to an averaging timeout): a
                 # group that redid its first-tier round instead would cost every member a vector more. Never
@@ -308,7 +306,9 @@ class SecondTier:
                     tier_group.group_id, tier_group.signed_entries, index, tier_result.signed
                 )
                 self.board.keep(facts.step, outcome)  # for a peer that fell behind (``adopt``)
-                if self.averager.led_last_group and not closing.closed:  # it waited the window out itself
+                # Only a leader that waited its window out itself (neither closed early nor full) saw who never came.
+                waited_out = not closing.closed and self.averager.last_form_s >= 0.9 * window_s
+                if self.averager.led_last_group and waited_out:
                     self._observe(here, [e["group"] for e in tier_group.extras], set(members))
                 applied = dataclasses.replace(result, vector=tier_result.vector, signed=None)
                 logger.info(
