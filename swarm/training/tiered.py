@@ -307,8 +307,8 @@ class SecondTier:
                 )
                 self.board.keep(facts.step, outcome)  # for a peer that fell behind (``adopt``)
                 # Only a leader that waited its window out itself (neither closed early nor full) saw who never came.
-                waited_out = not closing.closed and self.averager.last_form_s >= 0.9 * window_s
-                if self.averager.led_last_group and waited_out:
+                led = self.averager.led_last_group
+                if led and not closing.closed and self.averager.last_form_s >= 0.9 * window_s:
                     self._observe(here, [e["group"] for e in tier_group.extras], set(members))
                 applied = dataclasses.replace(result, vector=tier_result.vector, signed=None)
                 logger.info(
