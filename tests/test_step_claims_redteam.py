@@ -54,6 +54,7 @@ def _averager_of(me: SigningKey, leader: SigningKey, members: list[str], my_entr
     averager._entry = my_entry
     averager.averaging_timeout_s, averager.matchmaking_time_s = 30.0, 2.0
     averager.min_reducers, averager.max_weight, averager.max_group_size = 1, 1e9, 64
+    averager.longest_search_s = None
     return averager
 
 
