@@ -162,8 +162,9 @@ def test_a_relayer_that_forwards_just_in_time_gets_nobody_honest_suspected():
     averaging_timeout_s = 120). A hostile grandparent sent an honest relayer the real hand-off just before
     its entries' age limit; the relayer's children then found a stale entry and suspected the honest
     relayer, then the honest representative, and nobody suspected the grandparent. Entries dated out of
-    bounds now blame nobody."""
-    slow = SimpleNamespace(averaging_timeout_s=120.0, matchmaking_time_s=2.0)
+    bounds now blame nobody. (Since the second tier's entries stay fresh for the members' wait,
+    ``Averager.longest_search_s``, its own entries no longer age out first; a first tier's bound still can.)"""
+    slow = SimpleNamespace(averaging_timeout_s=120.0, matchmaking_time_s=2.0, longest_search_s=None)
     assert SecondTier.wait_s.fget(SimpleNamespace(averager=slow)) > Averager.entry_max_age_s.fget(slow)
 
     async def scenario():
