@@ -18,8 +18,8 @@ is an uplink rate and a latency. Wherever the code of a real peer decides someth
 - whether and where a peer moves: ``catchup.catch_up_move`` with the positions the model holds, its time
   stuck and its ``Groupmates``.
 
-Not modeled: ``SecondTier.absent`` (peers whose records showed a step combined without them are not waited
-for again for a while): every modeled peer that shows a step is waited for.
+Not modeled: ``SecondTier.absent`` (peers a leader's own window waited for in vain are not waited for
+again for a while): every modeled peer that shows a step is waited for.
 
 What is only modeled: matchmaking is "the first peer ready at a step opens a window; peers that become ready
 in it join in arrival order until the group holds ``max_group_size`` or every peer at the step (the

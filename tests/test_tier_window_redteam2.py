@@ -40,7 +40,7 @@ from test_tier_window_redteam import (
 )
 
 from protocols.keys import SigningKey
-from swarm.averaging import tiers as tiers_module
+from swarm.averaging import tiercert
 from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.averaging.matchmaking import RunMatchmaking, closing_rule
 from swarm.averaging.missed import MissedRounds
@@ -276,8 +276,8 @@ def test_n4_a_claim_naming_admitted_signers_with_garbage_signatures_costs_one_ch
     signed.update({1 + len(throwaway) + j: os.urandom(64) for j in range(len(honest))})
     cert = certificate(group_id, members, weight, digest, signed)
     calls = []
-    real = tiers_module.attestation_holds
-    monkeypatch.setattr(tiers_module, "attestation_holds", lambda *a: calls.append(1) or real(*a))
+    real = tiercert.attestation_holds
+    monkeypatch.setattr(tiercert, "attestation_holds", lambda *a: calls.append(1) or real(*a))
     full = leader_rule(stub_tier(policy), own, set(honest) | set(own), own[0])
     assert not full(dict([entry_of(s, cert)])), "it does not close (its certificate does not hold)"
     assert len(calls) <= 2, f"{len(calls)} signatures verified for a certificate that does not hold"

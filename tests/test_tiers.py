@@ -414,15 +414,12 @@ def test_a_search_closes_early_only_on_checked_certificates_and_checks_nothing_t
 
     forged = _group(throwaway, 0, signers=[0, 1, 2], listed=[k.peer_id for k in b])
     forged["signed"] = [[3, bytes(64)], [4, bytes(64)], [5, bytes(64)]] + forged["signed"]
-    import swarm.averaging.tiers as tiers_module
-
-    real_tiers = tiers_module.attestation_holds
-    tiers_module.attestation_holds = counting
+    tiercert.attestation_holds = counting
     try:
         rule = closing(waiting)
         assert not rule({a[0].peer_id: honest_a, throwaway[0].peer_id: body(forged)})
     finally:
-        tiers_module.attestation_holds = real_tiers
+        tiercert.attestation_holds = real
     assert (
         calls.count(b[0].peer_id) == 1
         and len([c for c in calls if c in admitted - {a[0].peer_id, a[1].peer_id}]) == 1

@@ -60,7 +60,7 @@ from swarm.averaging.evidence import (
 from swarm.averaging.groups import GROUP_ENTRY, open_entry
 from swarm.averaging.sender import check_answer
 from swarm.averaging.tiercert import (
-    attestation_holds,
+    certificate_misfit,
     certificate_shape_misfit,
     certified_signers,
     entry_misfit,
@@ -176,8 +176,8 @@ def covers(here: Collection[str], covered: Collection[str]) -> bool:
     """Whether ``covered`` (the peers in the groups gathered, ``covered_peers``) holds the peers of ``here``
     (those whose records show the step, less the representative's own group), all but ``COVER_SLACK`` of
     them."""
-    missing = set(here).difference(covered)
-    return len(missing) <= int(COVER_SLACK * len(set(here)))
+    here = set(here)
+    return len(here.difference(covered)) <= int(COVER_SLACK * len(here))
 
 
 def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[str]:
@@ -239,31 +239,23 @@ class EarlyClose:
         verified = []
         for name, group in shaped.items():
             if name not in self._checked:
-                self._checked[name] = group if self._holds(name, claims[name], group) else None
+                self._checked[name] = group if self._holds(name, claims[name]) else None
             if self._checked[name] is not None:
                 verified.append(self._checked[name])
         self.closed = covers(waiting, covered_peers(verified, self.counts))
         return self.closed
 
-    def _holds(self, signer: str, body, group: dict) -> bool:
-        members, counted = group["members"], 0
-        for index, signature in group["signed"]:
-            member = members[index]
-            if not self.counts(member):
-                continue
-            facts = (
-                group["id"],
-                self.step,
-                self.state_hash,
-                signer,
-                group["weight"],
-                group["digest"],
-                members,
-            )
-            if not attestation_holds(member, signature, *facts):
-                return False
-            counted += 1
-        return 2 * counted > len(members) and self.fits(body, signer) is None
+    def _holds(self, signer: str, body) -> bool:
+        # The certificate's rule with only the counted signers' words: skipped unverified, the others checked
+        # up to the first that does not hold; then the round's own check of every signature.
+        def uncounted(member: str) -> str | None:
+            return None if self.counts(member) else "not counted toward closing"
+
+        misfit = certificate_misfit(
+            body.extra, signer=signer, step=self.step, state_hash=self.state_hash, refusal=uncounted,
+            min_members=self.min_members,
+        )  # fmt: skip
+        return misfit is None and self.fits(body, signer) is None
 
 
 @dataclass

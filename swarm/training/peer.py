@@ -446,22 +446,19 @@ class TrainingPeer:
         # Peers whose records show this step or the one before (a record lags its peer by up to an interval),
         # suspects, banned peers and those this group excluded (their signed entries claimed otherwise) left
         # out: what the step's groups may hold.
-        counted = [
-            p
-            for p in others
-            if self.step - 1 <= p.step <= self.step
-            and self.policy.refusal(p.peer_id) is None
-            and p.peer_id not in group.excluded
-        ]
-        coming, step = 1 + len(counted), self.step
+        step = self.step
+
+        def kept(p) -> bool:
+            return self.policy.refusal(p.peer_id) is None and p.peer_id not in group.excluded
+
+        coming = 1 + sum(1 for p in others if step - 1 <= p.step <= step and kept(p))
 
         def here() -> set[str]:  # read again at each join: records keep arriving while the tier searches
             return {
                 p.peer_id
                 for p in self.view.values()
-                if p.step == step and p.peer_id != self.peer_id and p.peer_id not in group.excluded
-                and self.policy.refusal(p.peer_id) is None
-            }  # fmt: skip
+                if p.step == step and p.peer_id != self.peer_id and kept(p)
+            }
 
         await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
