@@ -114,6 +114,12 @@ class ScaleConfig(BaseModel):
         "once its groups hold the step's peers, tiers.covers); 'run', the run's matchmaking window "
         "alone, as the code had it before 2026-11-30",
     )
+    late_adopt: bool = Field(
+        True,
+        description="a group that ends its first tier after the step's others combined adopts their round "
+        "(SecondTier._combined_without, as the code has it since 2026-11-30); false: the code before, where it "
+        "searched a second-tier round of its own and a peer adopted any checked round of the first peers ahead",
+    )
     seed: int = Field(0, ge=0, lt=2**63, description="seed of links, attackers, compute times and churn")
     max_sim_s: float = Field(0.0, ge=0, le=10**8, description="simulated-time bound (0: steps * 3600 s)")
     max_events: int = Field(0, ge=0, le=10**9, description="event bound (0: 400 * peers * steps)")
@@ -268,6 +274,8 @@ class ScaleSim:
         self.represented: dict[int, list[tuple[int, list[int]]]] = {}  # (representative, members)
         self.groups: dict[int, list[int]] = {}  # sizes of the tier-1 rounds that completed
         self.tier_groups: dict[int, list[int]] = {}
+        # (step, combined state) -> the peers of the second-tier round's groups (``TierCheck.groups``)
+        self.tier_cover: dict[tuple[int, str], set[int]] = {}
         self.tries: Counter = Counter()
         self.failed: Counter = Counter()
         self.withheld: dict[int, list[list[int]]] = {}  # members an attacker left without a result
@@ -488,7 +496,44 @@ class ScaleSim:
             return
         group.most = 1 + (coming - len(group.members)) // 2
         group.give_up_at = self.now + self.wait_s  # the members' wait, from when their first tier ended
-        self._search_tier2(group)
+        if not self._combined_without(group, alive):
+            self._search_tier2(group)
+
+    def _asked(self, peer: Peer, step: int) -> list[Peer]:
+        """The peers a step ahead that ``peer`` asks for the step's combined result (``tiered.adopt_order``)."""
+        ahead = self._by_step.get(step + 1, ())
+        if not self.config.late_adopt:  # before: the first in the view's order (by name: by index here)
+            return [self.peers[i] for i in heapq.nsmallest(self.adopt_asks, ahead)]
+        names = {self.peers[i].name: self.peers[i] for i in ahead}
+        return [names[n] for n in tiered.adopt_order(peer.name, names)[: self.adopt_asks]]
+
+    def _holds_the_step(self, step: int, combined: str) -> bool:
+        """``tiers.holds_the_step``: the round that moved peers to ``combined`` held (by its groups' members) a
+        strict majority of the peers at ``step`` or the next. A result adopted from a peer that adopted it is
+        the same round's. (Before: any round was adopted.)"""
+        if not self.config.late_adopt:
+            return True
+        showing = self._by_step.get(step, set()) | self._by_step.get(step + 1, set())
+        return 2 * len(self.tier_cover.get((step, combined), set()) & showing) > len(showing)
+
+    def _combined_without(self, group: _Group, alive: list[tuple[Peer, int]]) -> bool:
+        """``SecondTier._combined_without``: peers a step ahead hold a round of this step and state that holds
+        most of the peers at the step or the next (``tiers.holds_the_step``, here by the round's members); the
+        representative fetches it, then its members adopt it (``_nothing``) instead of searching."""
+        step, rep = group.step, group.rep
+        ahead = self._by_step.get(step + 1, ())
+        if not (self.config.late_adopt and self.adopt_asks and ahead):
+            return False
+        for asked, holder in enumerate(self._asked(rep, step)):
+            kept = holder.kept.get(step)
+            if kept is None or kept[0] != rep.pos.state_hash or not self._holds_the_step(step, kept[1]):
+                continue
+            nbytes = get_codec(TIER_COMPRESSION).max_bytes(self.config.numel)
+            took = (asked + 2) * holder.latency_s + holder.send_s(nbytes)  # the representative's fetch
+            for p, e in alive:
+                self._at(took + rep.latency_s, self._nothing, p, e, step, "combined_without")
+            return True
+        return False
 
     def _search_tier2(self, group: _Group) -> None:
         rep, step = group.rep, group.step
@@ -574,6 +619,9 @@ class ScaleSim:
                 self._at(deadlines.round_s, self._tier_failed, g, lives[id(g)])
             return
         self.tier_groups.setdefault(step, []).append(len(reps))
+        self.tier_cover[(step, _advance(groups[0].rep.pos.state_hash, window.gid))] = {
+            p.index for g in groups for p in g.members
+        }
         self._at(took, self._tier_done, window.gid, groups, lives, lay)
 
     def _tier_done(self, gid: str, groups: list[_Group], lives: dict, lay: Layout) -> None:
@@ -670,11 +718,13 @@ class ScaleSim:
             return
         self.failed[(step, why)] += 1
         if self.adopt_asks:
-            # The first peers ahead in the view's order (by name, which is by index here).
-            ahead = heapq.nsmallest(self.adopt_asks, self._by_step.get(step + 1, ()))
-            for asked, holder in enumerate(self.peers[i] for i in ahead):
+            for asked, holder in enumerate(self._asked(peer, step)):
                 kept = holder.kept.get(step)
-                if kept is not None and kept[0] == peer.pos.state_hash:
+                if (
+                    kept is not None
+                    and kept[0] == peer.pos.state_hash
+                    and self._holds_the_step(step, kept[1])
+                ):
                     nbytes = get_codec(TIER_COMPRESSION).max_bytes(self.config.numel)
                     took = (asked + 2) * holder.latency_s + holder.send_s(nbytes)
                     self._at(took, self._adopted, peer, epoch, step, kept[1], holder)

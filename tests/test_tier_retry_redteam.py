@@ -238,8 +238,13 @@ def test_a3_a_group_stops_searching_once_peers_show_the_next_step():
         keys, group, rep = first_tier(4)
         vector, calls = torch.randn(NUMEL), []
         tier = make_tier(keys, group, rep, vector, _nobody(calls))
+
+        async def nothing_that_holds(extra, holders, showing):  # the round ahead is checked only on adoption
+            return None
+
+        tier._fetch_combined = nothing_that_holds
         applied = await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE,
-                                     fits=None, peers_at_step=12, run_peers=12, moved_on=lambda: True)  # fmt: skip
+                                     fits=None, peers_at_step=12, run_peers=12, ahead=lambda: ["ahead"])  # fmt: skip
         return applied, calls
 
     applied, calls = asyncio.run(scenario())

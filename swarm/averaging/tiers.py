@@ -198,6 +198,16 @@ def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[
     return covered
 
 
+def holds_the_step(groups: Iterable[dict], counts: Callable[[str], bool], showing: Collection[str]) -> bool:
+    """Whether a second-tier round whose checked certificates are ``groups`` is the step's combined result for
+    a peer that was in none of its groups: its certificates hold (``covered_peers``) a strict majority of
+    ``showing``, the peers whose records show the step or the next one. Only listed peers that the peer
+    itself sees count, so Sybils that certify each other's groups need about a quarter of those peers'
+    identities to pass a round of their own off as the step's."""
+    showing = set(showing)
+    return 2 * len(covered_peers(groups, counts) & showing) > len(showing)
+
+
 #: The most of the peers a search would wait for that the absence book (``SecondTier.absent``) may leave
 #: out, or that one search may add to it: beyond that a leader was cut off from the swarm, not kept waiting
 #: by a few identities, and the book is not read (nor written).
@@ -366,6 +376,8 @@ class TierCheck:
                 raise ProtocolError(f"second-tier member {sender} {misfit.reason}")
             members.append(sender)
             bodies.append(body)
+        #: Each member's group certificate (checked above): what the round holds (``holds_the_step``).
+        self.groups = [body.extra["group"] for body in bodies]
         if len(set(members)) != len(members):
             raise ProtocolError("the second tier lists a member twice")
         n = len(members)
@@ -452,6 +464,7 @@ __all__ = [
     "TierOutcome",
     "covered_peers",
     "covers",
+    "holds_the_step",
     "only_group",
     "relay_order",
     "relay_parent",

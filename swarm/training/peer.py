@@ -51,7 +51,7 @@ from swarm.training.state import build_optimizer, ensure_optimizer_state, state_
 from swarm.training.strategies import build_strategy, check_hooks
 from swarm.training.sync import EncodedState, StateServicer, state_namespace
 from swarm.training.synced import SyncedState
-from swarm.training.tiered import SecondTier
+from swarm.training.tiered import SecondTier, adopt_order
 from swarm.training.witness import WitnessedRounds
 
 logger = logging.getLogger(__name__)
@@ -463,7 +463,7 @@ class TrainingPeer:
         await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming,
-            run_peers=max(coming, self.policy.member_count()), moved_on=lambda: bool(self._ahead()), here=here,
+            run_peers=max(coming, self.policy.member_count()), ahead=self._ahead, here=here,
         )  # fmt: skip
         if result is None:  # its group's representative gave nothing to apply (see tiered)
             if await self._adopt(extra):
@@ -496,13 +496,16 @@ class TrainingPeer:
             await self.evaluate()
 
     def _ahead(self) -> list[str]:
-        """The peers (not refused) whose records show the next step: they applied this step's combined
-        result, without this peer when it is still here."""
-        return [
-            p.peer_id
-            for p in self.view.values()
-            if p.step == self.step + 1 and self.policy.refusal(p.peer_id) is None
-        ]
+        """The peers (not refused) whose records show the next step, in the order this peer asks them for the
+        step's combined result (``adopt_order``): they applied it, without this peer when it is still here."""
+        return adopt_order(
+            self.peer_id,
+            (
+                p.peer_id
+                for p in self.view.values()
+                if p.step == self.step + 1 and self.policy.refusal(p.peer_id) is None
+            ),
+        )
 
     async def _adopt(self, extra: dict) -> bool:
         """Apply the combined result that peers a step ahead applied at this step, when the others moved on
@@ -511,7 +514,14 @@ class TrainingPeer:
         if getattr(self.strategy, "overlap", False):  # a background round owns the window: catch-up's
             return False
         ahead = self._ahead()
-        adopted = await self.tiers.adopt(extra, ahead) if ahead else None
+        showing = {
+            p.peer_id
+            for p in self.view.values()
+            if p.step == self.step and self.policy.refusal(p.peer_id) is None
+        }
+        adopted = (
+            await self.tiers.adopt(extra, ahead, showing={*showing, *ahead, self.peer_id}) if ahead else None
+        )
         if adopted is None:
             return False
         async with self.synced.lock:

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -69,6 +70,7 @@ from swarm.averaging.tiers import (
     TierCheck,
     TierOutcome,
     covered_peers,
+    holds_the_step,
     only_group,
     relay_order,
     relay_parent,
@@ -90,6 +92,13 @@ ALONE_AFTER_TRIES = 3
 ADOPT_ASKS = 3
 
 
+def adopt_order(me: str, holders: Iterable[str]) -> list[str]:
+    """``holders`` (peers a step ahead) in the order ``me`` asks them for the step's combined result: by the
+    SHA-256 of both names, so that the peers that missed a round spread their asks over the peers ahead
+    instead of all asking the same few, and nobody can place itself first for everyone."""
+    return sorted(holders, key=lambda holder: hashlib.sha256(f"{me}|{holder}".encode()).digest())
+
+
 @dataclasses.dataclass(frozen=True)
 class _Facts:
     """What a group's members attest: its round, their step and state, its representative, its weight, the
@@ -108,6 +117,10 @@ class SecondTier:
     """The second tier of one data-parallel peer: its averager, and what it hands its groups as their
     representative. ``first`` is the peer's first-tier averager (its recent rounds say who may ask); the
     other arguments are the first tier's (``TrainingPeer``)."""
+
+    #: The combined result a representative fetched for its group's step and state before searching
+    #: (``_combined_without``), for its own peer's ``adopt`` to take instead of fetching it again.
+    _fetched: tuple[tuple[int, str], RoundResult] | None = None
 
     def __init__(
         self,
@@ -179,15 +192,16 @@ class SecondTier:
         fits: EntryFit | None,
         peers_at_step: int,
         run_peers: int,
-        moved_on: Callable[[], bool] | None = None,
+        ahead: Callable[[], list[str]] | None = None,
         here: Callable[[], Collection[str]] | None = None,
     ) -> RoundResult | None:
         """What this peer applies of the complete first-tier round ``result`` of ``group``: the step's
         combined result, its group's own (``alone``), or None (nothing this time; keep the gradient).
         ``peers_at_step``: the peers whose records show this step or the one before; ``run_peers``: the run's
-        online members whatever their step (at least ``peers_at_step``); ``moved_on``: whether peers a step
-        ahead show by their records that the step's other groups combined without this one (then the
-        representative stops searching, and the peer adopts what they applied); ``here``: the peers whose
+        online members whatever their step (at least ``peers_at_step``); ``ahead``: the peers whose records
+        show the next step, as the step's other groups would if they combined without this one (the
+        representative then does not search, or stops searching, and the peers adopt what they applied,
+        ``adopt``); ``here``: the peers whose
         records show this step now (the representative's search closes once the groups in it hold all but a
         few, ``tiers.covers``; its window waited out in vain for some makes them ``absent``)."""
         members = [str(p) for p in group.peer_ids]
@@ -203,7 +217,7 @@ class SecondTier:
         )  # fmt: skip
         if rep == me:
             return await self._represent(
-                group, result, members, facts, extra, fits, peers_at_step, run_peers, moved_on, here
+                group, result, members, facts, extra, fits, peers_at_step, run_peers, ahead, here
             )
         parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
         mine = members.index(me)
@@ -228,7 +242,7 @@ class SecondTier:
 
     async def _represent(
         self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
-        fits: EntryFit | None, peers_at_step: int, run_peers: int, moved_on: Callable[[], bool] | None,
+        fits: EntryFit | None, peers_at_step: int, run_peers: int, ahead: Callable[[], list[str]] | None,
         here: Callable[[], Collection[str]],
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
@@ -252,6 +266,9 @@ class SecondTier:
                 outcome, applied = TierOutcome(alone=True), result
                 return applied
             tried, complete = None, False
+            ahead = ahead if ahead is not None else list
+            if await self._combined_without(facts, extra, ahead(), here, members):
+                return applied
             own = sign_attestation(self.signing_key, *dataclasses.astuple(facts))
             self.board.attest(group.group_id, facts.representative, own)
             # Members attest as soon as their own round ends; on a loaded machine that can take a while.
@@ -293,7 +310,7 @@ class SecondTier:
                         break
                     if loop.time() + 2 * self.averager.averaging_timeout_s > opened_at + self.wait_s:
                         break
-                    if moved_on is not None and moved_on():  # the others combined: adopt, not search
+                    if ahead():  # the others may have combined: adopt, not search
                         break
                     logger.info(f"group {short}: no second tier formed; searching again with its result")
             else:
@@ -410,18 +427,58 @@ class SecondTier:
         self.absent.round(delivered=covered, missed=missed, denied={})
         self.absent.search()
 
-    async def adopt(self, extra: dict, holders: list[str]) -> RoundResult | None:
+    async def _combined_without(
+        self, facts: _Facts, extra: dict, holders: list[str], here: Callable[[], Collection[str]],
+        members: list[str],
+    ) -> bool:  # fmt: skip
+        """Whether the step's other groups already combined without this one (it ended its first tier later):
+        peers a step ahead hold a second-tier round at this step and state that holds most of the peers
+        showing the step or the next (``holds_the_step``). Then the group searches for no second-tier round
+        of its own, which would apply another result at the step: its members adopt that round's instead,
+        the representative from what it fetched here. A record a step ahead with nothing behind it costs
+        this check its asks, never the search."""
+        if not holders:
+            return False
+        showing = {*here(), *holders, *members}
+        adopted = await self._fetch_combined(extra, holders, showing)
+        if adopted is None:
+            return False
+        self._fetched = ((facts.step, facts.state_hash), adopted)
+        logger.info(
+            f"group {facts.group_id.hex()[:8]}: the step's other groups combined without it; "
+            "its members adopt their result"
+        )
+        return True
+
+    async def adopt(self, extra: dict, holders: list[str], *, showing: Collection[str]) -> RoundResult | None:
         """The combined result that ``holders`` (peers a step ahead) applied at this peer's step and state, checked
-        as a member checks a hand-off but for its own input (it was in no group of that round); None when
-        none of the first ``ADOPT_ASKS`` holds one that checks. Cheaper than the whole state: one fp16 vector."""
-        averager = self.averager
+        as a member checks a hand-off but for its own input (it was in no group of that round), and holding
+        most of ``showing`` (the peers whose records show the step or the next, ``holds_the_step``: not a
+        round of a few identities' own); None when none of the first ``ADOPT_ASKS`` holds one that checks.
+        Cheaper than the whole state: one fp16 vector. A representative that fetched it before its search
+        (``_combined_without``) takes that one."""
+        fetched, self._fetched = self._fetched, None
+        if fetched is not None and fetched[0] == (int(extra["step"]), str(extra["state_hash"])):
+            return fetched[1]
+        return await self._fetch_combined(extra, holders, showing)
+
+    async def _fetch_combined(
+        self, extra: dict, holders: list[str], showing: Collection[str]
+    ) -> RoundResult | None:
+        averager, showing = self.averager, set(showing)
 
         def check(first: apb.TierAnswer) -> TierCheck:
-            return TierCheck(
+            checked = TierCheck(
                 first, prefix=averager.prefix, schema_hash=averager.schema_hash, numel=self.numel, mine=extra,
                 representative=None, contribution=None, weight=0.0, max_age_s=averager.entry_max_age_s,
                 certify=averager.policy.certificate_refusal, refusal=averager.policy.listed_refusal,
             )  # fmt: skip
+            if not holds_the_step(checked.groups, self._counts, showing):
+                raise ProtocolError(
+                    f"its round holds {len(covered_peers(checked.groups, self._counts) & showing)} of the "
+                    f"{len(showing)} peers that show the step or the next: not the step's combined result"
+                )
+            return checked
 
         for holder in holders[:ADOPT_ASKS]:
             try:
@@ -439,4 +496,4 @@ class SecondTier:
         return None
 
 
-__all__ = ["ADOPT_ASKS", "ALONE_AFTER_TRIES", "SecondTier"]
+__all__ = ["ADOPT_ASKS", "ALONE_AFTER_TRIES", "SecondTier", "adopt_order"]

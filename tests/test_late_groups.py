@@ -1,0 +1,163 @@
+"""A group that ends its first tier after the step's other groups combined adopts their round instead of
+forming a second-tier round of its own (``SecondTier._combined_without``), and a peer adopts only a round
+that holds most of the peers showing the step (``tiers.holds_the_step``): a round a few identities formed
+among themselves is nobody's step.
+
+In-process with the real ``SecondTier`` and ``TierCheck``; the network around them is the stand-in of
+``tests/test_tier_redteam.py`` (``make_tier``) and a ``fetch_tier_result`` that hands over a real signed
+second-tier round (``tests/test_tiers.py``'s ``second_tier``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_tier_redteam import MINE, NUMEL, first_tier, make_tier, posted
+from test_tiers import PREFIX, SCHEMA, second_tier
+
+from protocols.keys import SigningKey
+from swarm.averaging.allreduce import RoundResult
+from swarm.averaging.tiers import TierCheck, covered_peers, holds_the_step
+from swarm.training import tiered
+from swarm.training.tiered import adopt_order
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _searches(calls):
+    """A stand-in second-tier ``average`` that records each search and forms nothing."""
+
+    async def average(vector, weight, extra, *, failed_tries, **kwargs):
+        calls.append(failed_tries)
+        return None
+
+    return average
+
+
+def _admitting(tier, admitted=None):
+    """Every signature counts (``admitted``: only these) in the tier's view of the run."""
+    tier.averager.policy = SimpleNamespace(
+        listed_refusal=lambda peer: None,
+        certificate_refusal=lambda peer, cert: None,
+        certified=lambda peer: admitted is None or peer in admitted,
+    )
+    return tier
+
+
+def test_a_late_group_adopts_the_steps_round_instead_of_searching_and_its_peer_takes_what_was_fetched():
+    """Peers a step ahead hold the step's combined round: the representative searches no second-tier round
+    (which would apply a second update at the step), tells its members nothing (they adopt), and its own
+    peer's ``adopt`` takes the result it fetched instead of fetching it again."""
+
+    async def scenario():
+        keys, group, rep = first_tier(4)
+        vector, combined, calls, fetched = torch.randn(NUMEL), torch.randn(NUMEL), [], []
+        tier = make_tier(keys, group, rep, vector, _searches(calls))
+
+        async def fetch(extra, holders, showing):
+            fetched.append((list(holders), set(showing)))
+            return RoundResult(combined, True)
+
+        tier._fetch_combined = fetch
+        here = {f"g2-{i}" for i in range(4)}
+        applied = await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE,
+                                     fits=None, peers_at_step=12, run_peers=12, ahead=lambda: ["ahead-1", "ahead-2"],
+                                     here=lambda: here)  # fmt: skip
+        told = await posted(tier, group, keys[(rep + 1) % 4].peer_id)
+        adopted = await tier.adopt(MINE, ["ahead-1"], showing=set())
+        again = await tier.adopt(MINE, ["ahead-1"], showing=set())
+        return keys, combined, calls, fetched, applied, told, adopted, again, here
+
+    keys, combined, calls, fetched, applied, told, adopted, again, here = asyncio.run(scenario())
+    assert calls == [], "no second-tier search: a round of its own would be a second update at the step"
+    assert applied is None and told is None, "its members are told nothing, and adopt"
+    members = {k.peer_id for k in keys}
+    assert fetched[0] == (["ahead-1", "ahead-2"], here | members | {"ahead-1", "ahead-2"}), (
+        "the round must hold most of the peers at the step (its own group's included) or the next"
+    )
+    assert torch.equal(adopted.vector, combined) and len(fetched) == 2, (
+        "the fetched result once, then asked again"
+    )
+    assert torch.equal(again.vector, combined)
+
+
+def test_a_record_a_step_ahead_with_nothing_that_holds_behind_it_costs_the_check_not_the_search():
+    """Whoever shows the next step without a round that holds the step (a Sybil's record, a peer that
+    downloaded the state) does not stop a group from combining: it searches as before."""
+
+    async def searches(ahead):
+        keys, group, rep = first_tier(4)
+        vector, calls = torch.randn(NUMEL), []
+        tier = make_tier(keys, group, rep, vector, _searches(calls))
+
+        async def nothing(extra, holders, showing):
+            return None
+
+        tier._fetch_combined = nothing
+        await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE, fits=None,
+                           peers_at_step=12, run_peers=12, ahead=lambda: ahead, here=lambda: ())  # fmt: skip
+        return calls
+
+    assert asyncio.run(searches([])) == [1, 2], "nobody ahead: it searches, and again with its result"
+    assert asyncio.run(searches(["sybil"])) == [1], (
+        "a peer ahead with nothing that holds: it searches, then stops to let its peers look for the round"
+    )
+
+
+def _serving(header, chunks):
+    """A stand-in for ``tierserve.fetch_tier_result``: a holder that hands over ``header`` and ``chunks``,
+    checked with the caller's own ``check`` as over the wire."""
+
+    async def fetch(p2p, holder, namespace, request, *, timeout_s, check, chunk_timeout_s, traffic):
+        checked = check(header)
+        for (part, chunk), message in zip(checked.expected(), chunks, strict=True):
+            checked.take(part, chunk, message)
+        return checked
+
+    return fetch
+
+
+def test_a_peer_adopts_only_a_round_that_holds_most_of_the_peers_showing_the_step(monkeypatch):
+    """A signed, well-formed second-tier round of 3 groups of 3 holds 9 peers. A peer adopts it while they
+    are a strict majority of the peers showing the step or the next, not once more peers show it (the round
+    is then a minority's, such as one that a few identities formed among themselves), and a certificate
+    signed by keys the peer's view does not admit holds nobody."""
+    group_input = torch.randn(NUMEL)
+    header, chunks, keys = second_tier(group_input=group_input, mine=MINE)
+    holder = SigningKey.generate().peer_id
+    monkeypatch.setattr(tiered, "fetch_tier_result", _serving(header, chunks))
+    probe = TierCheck(header, prefix=PREFIX, schema_hash=SCHEMA,
+                      numel=NUMEL, mine=MINE, representative=None, contribution=None, weight=0.0, max_age_s=60.0,
+                      certify=None, refusal=None)  # fmt: skip
+    held = covered_peers(probe.groups, lambda peer: True)
+    assert len(held) == 9
+    others = [f"other-{i}" for i in range(9)]
+
+    def adopted(showing, admitted=None):
+        group_keys, group, rep = first_tier(4)
+        tier = _admitting(make_tier(group_keys, group, rep, group_input, _searches([])), admitted)
+        return asyncio.run(tier.adopt(MINE, [holder], showing=showing))
+
+    result = adopted(held | set(others[:8]))
+    assert result is not None and result.complete, "9 of 17: the step's round"
+    assert adopted(held | set(others)) is None, "9 of 18: a minority's round"
+    assert adopted(held | set(others[:8]), admitted=set()) is None, "signed by keys it does not admit: nobody"
+    assert holds_the_step(probe.groups, lambda peer: True, held | set(others[:8]))
+    assert not holds_the_step(probe.groups, lambda peer: True, set(others)), (
+        "listed peers it does not see count not"
+    )
+
+
+def test_peers_that_fell_behind_spread_their_asks_over_the_peers_ahead():
+    """Each peer asks the peers ahead in an order of its own, so that the hundreds that missed a round do
+    not all download the combined result from the same few."""
+    ahead = [f"ahead-{i}" for i in range(100)]
+    firsts = {adopt_order(f"behind-{i}", ahead)[0] for i in range(200)}
+    assert len(firsts) > 50
+    assert sorted(adopt_order("behind-0", ahead)) == sorted(ahead)
+    assert adopt_order("behind-0", reversed(ahead)) == adopt_order("behind-0", ahead), (
+        "no holder places itself"
+    )
