@@ -14,7 +14,10 @@ is an uplink rate and a latency. Wherever the code of a real peer decides someth
   ``tiers.only_group``; the rest of the second tier's rules as ``tiered.SecondTier`` applies them (a
   strict majority of attestations;
   ``ALONE_AFTER_TRIES``; members wait ``MEMBER_WAIT_TIMEOUTS`` averaging timeouts for the outcome, ``2 * sender_timeout_s``
-  between chunks), and ``ADOPT_ASKS`` for a peer that fell a step behind when the code has it;
+  between chunks), and ``ADOPT_ASKS`` for a peer that fell a step behind when the code has it; a group that
+  ends its first tier after the step's round adopts it (``SecondTier._combined_without``) when that round
+  holds most of the peers at the step or later (``tiers.holds_the_step``, by its groups' members), asking
+  peers ahead in ``tiered.adopt_order``;
 - whether and where a peer moves: ``catchup.catch_up_move`` with the positions the model holds, its time
   stuck and its ``Groupmates``.
 
@@ -507,29 +510,31 @@ class ScaleSim:
         names = {self.peers[i].name: self.peers[i] for i in ahead}
         return [names[n] for n in tiered.adopt_order(peer.name, names)[: self.adopt_asks]]
 
-    def _holds_the_step(self, step: int, combined: str) -> bool:
-        """``tiers.holds_the_step``: the round that moved peers to ``combined`` held (by its groups' members) a
-        strict majority of the peers at ``step`` or the next. A result adopted from a peer that adopted it is
-        the same round's. (Before: any round was adopted.)"""
+    def _holds_the_step(self, step: int, combined: str, outside: Collection[int] = ()) -> bool:
+        """``tiers.holds_the_step``: the round that moved peers to ``combined`` held (by its groups' members,
+        none of ``outside``) a strict majority of the peers at ``step`` or later. A result adopted from a peer
+        that adopted it is the same round's. (Before: any round was adopted.)"""
         if not self.config.late_adopt:
             return True
-        showing = self._by_step.get(step, set()) | self._by_step.get(step + 1, set())
-        return 2 * len(self.tier_cover.get((step, combined), set()) & showing) > len(showing)
+        showing = set().union(*(peers for at, peers in self._by_step.items() if at >= step))
+        held = self.tier_cover.get((step, combined), set()) - set(outside)
+        return 2 * len(held & showing) > len(showing)
 
     def _combined_without(self, group: _Group, alive: list[tuple[Peer, int]]) -> bool:
-        """``SecondTier._combined_without``: peers a step ahead hold a round of this step and state that holds
-        most of the peers at the step or the next (``tiers.holds_the_step``, here by the round's members); the
-        representative fetches it, then its members adopt it (``_nothing``) instead of searching."""
+        """``SecondTier._combined_without``: one of the first peers a step ahead it asks (at once) holds a round
+        of this step and state that holds most of the peers at the step or later, the group's own counted as
+        in none of its groups (``tiers.holds_the_step``, here by the round's members); the representative
+        reads its header, then its members adopt it (``_nothing``) instead of searching."""
         step, rep = group.step, group.rep
         ahead = self._by_step.get(step + 1, ())
         if not (self.config.late_adopt and self.adopt_asks and ahead):
             return False
-        for asked, holder in enumerate(self._asked(rep, step)):
+        own = [p.index for p in group.members]
+        for holder in self._asked(rep, step):
             kept = holder.kept.get(step)
-            if kept is None or kept[0] != rep.pos.state_hash or not self._holds_the_step(step, kept[1]):
+            if kept is None or kept[0] != rep.pos.state_hash or not self._holds_the_step(step, kept[1], own):
                 continue
-            nbytes = get_codec(TIER_COMPRESSION).max_bytes(self.config.numel)
-            took = (asked + 2) * holder.latency_s + holder.send_s(nbytes)  # the representative's fetch
+            took = 2 * (rep.latency_s + holder.latency_s)  # the header only
             for p, e in alive:
                 self._at(took + rep.latency_s, self._nothing, p, e, step, "combined_without")
             return True

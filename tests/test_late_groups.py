@@ -47,64 +47,69 @@ def _admitting(tier, admitted=None):
     return tier
 
 
-def test_a_late_group_adopts_the_steps_round_instead_of_searching_and_its_peer_takes_what_was_fetched():
-    """Peers a step ahead hold the step's combined round: the representative searches no second-tier round
-    (which would apply a second update at the step), tells its members nothing (they adopt), and its own
-    peer's ``adopt`` takes the result it fetched instead of fetching it again."""
+def _headers(monkeypatch, header, asked=None):
+    """A stand-in for ``tierserve.fetch_tier_header``: every holder shows ``header`` (None: nothing kept),
+    checked with the caller's own ``check`` as over the wire."""
 
-    async def scenario():
+    async def fetch(p2p, holder, namespace, request, *, timeout_s, check):
+        if asked is not None:
+            asked.append(str(holder))
+        if header is None:
+            raise ConnectionError("no combined result kept")
+        return check(header)
+
+    monkeypatch.setattr(tiered, "fetch_tier_header", fetch)
+
+
+def test_a_late_group_adopts_the_steps_round_instead_of_searching(monkeypatch):
+    """Peers a step ahead hold the step's combined round, which holds most of the peers showing the step:
+    the representative reads its header, searches no second-tier round (which would apply a second update
+    at the step) and tells its members nothing (each adopts it from the peers ahead)."""
+    group_input = torch.randn(NUMEL)
+    header, _, _ = second_tier(group_input=group_input, mine=MINE)
+    probe = TierCheck(header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=MINE, representative=None,
+                      contribution=None, weight=0.0, max_age_s=60.0, certify=None, refusal=None)  # fmt: skip
+    held = sorted(covered_peers(probe.groups, lambda peer: True))
+    holders = [SigningKey.generate().peer_id for _ in range(2)]
+    asked = []
+    _headers(monkeypatch, header, asked)
+
+    async def scenario(others):
         keys, group, rep = first_tier(4)
-        vector, combined, calls, fetched = torch.randn(NUMEL), torch.randn(NUMEL), [], []
-        tier = make_tier(keys, group, rep, vector, _searches(calls))
-
-        async def fetch(extra, holders, showing):
-            fetched.append((list(holders), set(showing)))
-            return RoundResult(combined, True)
-
-        tier._fetch_combined = fetch
-        here = {f"g2-{i}" for i in range(4)}
+        vector, calls = torch.randn(NUMEL), []
+        tier = _admitting(make_tier(keys, group, rep, vector, _searches(calls)))
         applied = await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE,
-                                     fits=None, peers_at_step=12, run_peers=12, ahead=lambda: ["ahead-1", "ahead-2"],
-                                     here=lambda: here)  # fmt: skip
+                                     fits=None, peers_at_step=12, run_peers=12, ahead=lambda: holders,
+                                     here=lambda: set(others), showing=lambda: {*others, *holders})  # fmt: skip
         told = await posted(tier, group, keys[(rep + 1) % 4].peer_id)
-        adopted = await tier.adopt(MINE, ["ahead-1"], showing=set())
-        again = await tier.adopt(MINE, ["ahead-1"], showing=set())
-        return keys, combined, calls, fetched, applied, told, adopted, again, here
+        return calls, applied, told
 
-    keys, combined, calls, fetched, applied, told, adopted, again, here = asyncio.run(scenario())
+    # 9 held of 9 + 2 holders + 4 of its own group = 15 showing the step: the step's round.
+    calls, applied, told = asyncio.run(scenario(held))
     assert calls == [], "no second-tier search: a round of its own would be a second update at the step"
     assert applied is None and told is None, "its members are told nothing, and adopt"
-    members = {k.peer_id for k in keys}
-    assert fetched[0] == (["ahead-1", "ahead-2"], here | members | {"ahead-1", "ahead-2"}), (
-        "the round must hold most of the peers at the step (its own group's included) or the next"
-    )
-    assert torch.equal(adopted.vector, combined) and len(fetched) == 2, (
-        "the fetched result once, then asked again"
-    )
-    assert torch.equal(again.vector, combined)
+    assert sorted(asked) == sorted(holders), "both peers ahead asked at once"
+    # 9 held of 9 + 2 + 4 + 4 more at the step = 19: a minority's round, so the group searches its own.
+    calls, _, _ = asyncio.run(scenario([*held, *(f"other-{i}" for i in range(4))]))
+    assert calls, "a round that does not hold the step is not the step's"
 
 
-def test_a_record_a_step_ahead_with_nothing_that_holds_behind_it_costs_the_check_not_the_search():
+def test_a_record_a_step_ahead_with_nothing_that_holds_behind_it_costs_the_check_not_the_search(monkeypatch):
     """Whoever shows the next step without a round that holds the step (a Sybil's record, a peer that
     downloaded the state) does not stop a group from combining: it searches as before."""
+    _headers(monkeypatch, None)
 
     async def searches(ahead):
         keys, group, rep = first_tier(4)
         vector, calls = torch.randn(NUMEL), []
         tier = make_tier(keys, group, rep, vector, _searches(calls))
-
-        async def nothing(extra, holders, showing):
-            return None
-
-        tier._fetch_combined = nothing
         await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE, fits=None,
                            peers_at_step=12, run_peers=12, ahead=lambda: ahead, here=lambda: ())  # fmt: skip
         return calls
 
     assert asyncio.run(searches([])) == [1, 2], "nobody ahead: it searches, and again with its result"
-    assert asyncio.run(searches(["sybil"])) == [1], (
-        "a peer ahead with nothing that holds: it searches, then stops to let its peers look for the round"
-    )
+    sybil = SigningKey.generate().peer_id
+    assert asyncio.run(searches([sybil])) == [1, 2], "a peer ahead with nothing that holds: as if nobody were"
 
 
 def _serving(header, chunks):

@@ -61,12 +61,32 @@ def test_at_256_peers_the_second_tiers_window_keeps_most_steps_whole_where_the_r
         "churn": 0.02,
         "attackers": 0.1,
     }
-    before = ScaleSim(ScaleConfig(**scenario, second_window="run")).run()
+    before = ScaleSim(ScaleConfig(**scenario, second_window="run", late_adopt=False)).run()
     now = ScaleSim(ScaleConfig(**scenario)).run()
     assert before["same_update_fraction"] < 0.5 and before["steady_downloads"] > 100
     assert now["finished"] and now["same_update_fraction"] >= 0.75
     assert now["steady_downloads"] < before["steady_downloads"] / 2
     assert now["mean_bytes"] < before["mean_bytes"]
+
+
+def test_at_512_peers_late_groups_that_adopt_keep_the_steps_whole_where_searching_split_them():
+    """A group that ends its first tier after the step's other groups combined formed a second-tier round
+    of its own, a second update at the step (``late_adopt = False``, the code before); now it adopts the
+    step's round (``SecondTier._combined_without``): fewer split steps and state downloads (over 6 seeds:
+    docs/scale.md)."""
+    scenario = {
+        "peers": 512,
+        "max_group_size": 64,
+        "steps": 6,
+        "join_over_s": 60.0,
+        "churn": 0.02,
+        "attackers": 0.1,
+    }
+    before = ScaleSim(ScaleConfig(**scenario, late_adopt=False)).run()
+    now = ScaleSim(ScaleConfig(**scenario)).run()
+    assert before["same_update_fraction"] < 0.9 and before["steady_downloads"] > 100
+    assert now["finished"] and now["same_update_fraction"] == 1.0
+    assert now["steady_downloads"] < before["steady_downloads"] / 2
 
 
 def test_one_tier_with_several_groups_splits_the_run():

@@ -326,7 +326,7 @@ def test_7a_progress_records_far_behind_the_step_or_of_suspects_are_not_counted(
         _searches=FailedSearches(), _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0},
         _journal=lambda *a, **k: None,
         _adopt=lambda extra: asyncio.sleep(0, False),  # nobody a step ahead to adopt from
-        _group_usable=lambda group: True, tiers=SimpleNamespace(combine=combine), _ahead=lambda: [],
+        _group_usable=lambda group: True, tiers=SimpleNamespace(combine=combine), _ahead=lambda: [], _showing=set,
         sender_checks=SimpleNamespace(enabled=False),
     )  # fmt: skip
     asyncio.run(TrainingPeer._round(peer))

@@ -21,9 +21,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_tier_redteam import MINE, NUMEL, first_tier, make_tier, posted
+from test_tiers import PREFIX, SCHEMA, second_tier
 
+from protocols.keys import SigningKey
 from swarm.averaging.allreduce import RoundResult, SignedOutput
 from swarm.averaging.matchmaking import FailedSearches
+from swarm.averaging.tiers import TierCheck
+from swarm.training import tiered
 from swarm.training.peer import TrainingPeer
 from swarm.training.tiered import ALONE_AFTER_TRIES
 
@@ -132,6 +136,7 @@ def test_a2_the_peer_adopts_from_peers_ahead_before_its_group_could_apply_its_ow
         _searches=FailedSearches(),
         _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0, "rounds_ok": 0, "train_loss": 5.0},
         _journal=lambda *a, **k: None, _adopt=adopt, _group_usable=lambda g: True, tiers=tier, _ahead=lambda: [],
+        _showing=set,
         sender_checks=SimpleNamespace(enabled=False), synced=SimpleNamespace(lock=asyncio.Lock()),
         computing=contextlib.nullcontext, _apply_round=applied.append, _commit=commit, contributed_samples=0,
         groupmates=SimpleNamespace(record=lambda *a: None), witness=SimpleNamespace(record=lambda g: None),
@@ -230,22 +235,42 @@ def test_e_a_substituted_round_counts_as_a_failed_search():
     assert later is not None and calls[1:] == [ALONE_AFTER_TRIES + 1], "the next round ends the step alone"
 
 
-def test_a3_a_group_stops_searching_once_peers_show_the_next_step():
-    """With the others' records already a step ahead (they combined without this group), the representative
-    does not search again: its peers adopt what the others applied instead."""
+def header_groups(header) -> list[dict]:
+    """The group certificates a second-tier round's header carries (``TierCheck.groups``)."""
+    check = TierCheck(header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=MINE, representative=None,
+                      contribution=None, weight=0.0, max_age_s=60.0, certify=None, refusal=None)  # fmt: skip
+    return check.groups
+
+
+def test_a3_a_group_stops_searching_once_the_steps_round_shows_a_step_ahead(monkeypatch):
+    """Once a peer a step ahead shows the step's combined round (the others combined without this group
+    while it searched), the representative does not search again: its peers adopt what the others applied
+    instead. Before its first search nobody ahead held one."""
+    header, _, _ = second_tier(group_input=torch.randn(NUMEL), mine=MINE)
+    held = {
+        member for entry in header_groups(header) for member in entry["members"]
+    }  # 9 peers, all at step 8
+    shown = []
+
+    async def fetch_tier_header(p2p, holder, namespace, request, *, timeout_s, check):
+        shown.append(holder)
+        if len(shown) == 1:
+            raise ConnectionError("nothing kept yet")
+        return check(header)
+
+    monkeypatch.setattr(tiered, "fetch_tier_header", fetch_tier_header)
+    holder = SigningKey.generate().peer_id
 
     async def scenario():
         keys, group, rep = first_tier(4)
         vector, calls = torch.randn(NUMEL), []
         tier = make_tier(keys, group, rep, vector, _nobody(calls))
-
-        async def nothing_that_holds(extra, holders, showing):  # the round ahead is checked only on adoption
-            return None
-
-        tier._fetch_combined = nothing_that_holds
+        tier.averager.policy.certified = lambda peer: True
         applied = await tier.combine(group, RoundResult(vector, True), me=keys[rep].peer_id, extra=MINE,
-                                     fits=None, peers_at_step=12, run_peers=12, ahead=lambda: ["ahead"])  # fmt: skip
+                                     fits=None, peers_at_step=12, run_peers=12, ahead=lambda: [holder],
+                                     showing=lambda: held)  # fmt: skip
         return applied, calls
 
     applied, calls = asyncio.run(scenario())
+    assert len(shown) == 2, "asked before the first search and after it"
     assert applied is None and calls == [1], "one search, then back to the peer to adopt"

@@ -130,7 +130,8 @@ async def represent(tier: SecondTier, keys, members, group, vector, facts, here,
     tier.averager.average = spy
     try:
         applied = await tier._represent(group, RoundResult(vector, True), members, facts, dict(MINE), None,
-                                        peers_at_step, peers_at_step, None, lambda: set(here))  # fmt: skip
+                                        peers_at_step, peers_at_step, list, lambda: set(here),
+                                        lambda: set(here))  # fmt: skip
     finally:
         del tier.averager.average
     out = formed.get("out")
@@ -391,7 +392,7 @@ def test_f4_the_peers_to_wait_for_are_read_from_the_records_again_at_each_join(m
         policy=SimpleNamespace(refusal=lambda p: None, member_count=lambda: 0, refresh_members=lambda: asyncio.sleep(0)),
         _searches=FailedSearches(), _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0},
         _journal=lambda *a, **k: None, _adopt=lambda extra: asyncio.sleep(0, False),
-        _group_usable=lambda group: True, tiers=SimpleNamespace(combine=combine), _ahead=lambda: [],
+        _group_usable=lambda group: True, tiers=SimpleNamespace(combine=combine), _ahead=lambda: [], _showing=set,
         sender_checks=SimpleNamespace(enabled=False),
     )  # fmt: skip
     asyncio.run(TrainingPeer._round(peer))

@@ -198,14 +198,21 @@ def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[
     return covered
 
 
-def holds_the_step(groups: Iterable[dict], counts: Callable[[str], bool], showing: Collection[str]) -> bool:
+def holds_the_step(
+    groups: Iterable[dict],
+    counts: Callable[[str], bool],
+    showing: Collection[str],
+    *,
+    outside: Collection[str] = (),
+) -> bool:
     """Whether a second-tier round whose checked certificates are ``groups`` is the step's combined result for
     a peer that was in none of its groups: its certificates hold (``covered_peers``) a strict majority of
-    ``showing``, the peers whose records show the step or the next one. Only listed peers that the peer
-    itself sees count, so Sybils that certify each other's groups need about a quarter of those peers'
-    identities to pass a round of their own off as the step's."""
+    ``showing``, the peers whose records show the step or a later one. Only listed peers that the peer itself
+    sees count, and none of ``outside`` (peers it knows were in none of the round's groups: a late group's
+    own), so Sybils that certify each other's groups need about a quarter of those peers' identities to pass
+    a round of their own off as the step's."""
     showing = set(showing)
-    return 2 * len(covered_peers(groups, counts) & showing) > len(showing)
+    return 2 * len((covered_peers(groups, counts) - set(outside)) & showing) > len(showing)
 
 
 #: The most of the peers a search would wait for that the absence book (``SecondTier.absent``) may leave

@@ -101,20 +101,27 @@ class TierBoard:
         posted.signed[posted.members.index(member)] = signature
         posted.changed.set()
 
-    async def majority(self, group_id: bytes, timeout_s: float) -> dict[int, bytes] | None:
-        """The attestations that hold, once a strict majority of the group's members has given one; None
-        when none came within ``timeout_s``."""
+    async def majority(
+        self, group_id: bytes, timeout_s: float, rest_s: float = 0.0
+    ) -> dict[int, bytes] | None:
+        """The attestations that hold, once a strict majority of the group's members has given one and then
+        the others have, or ``rest_s`` more has passed (a certificate with more than a bare majority still
+        holds for a peer that no longer counts a signer or two: ``tiers.covered_peers``); None when no
+        majority came within ``timeout_s``."""
         posted = self._posted[group_id]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while 2 * len(posted.signed) <= len(posted.members):
+        deadline, majority_at = loop.time() + timeout_s, None
+        while len(posted.signed) < len(posted.members):
+            if majority_at is None and 2 * len(posted.signed) > len(posted.members):
+                majority_at = loop.time()
+                deadline = min(deadline, majority_at + rest_s)
             posted.changed.clear()
             left = deadline - loop.time()
             if left <= 0:
-                return None
+                break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(posted.changed.wait(), left)
-        return dict(posted.signed)
+        return dict(posted.signed) if 2 * len(posted.signed) > len(posted.members) else None
 
     def post(self, group_id: bytes, outcome: TierOutcome | None) -> None:
         """The outcome of ``group_id`` (None: nothing to apply this time)."""
@@ -237,6 +244,24 @@ async def _answers(
         if hasattr(stream, "aclose"):
             with contextlib.suppress(Exception):
                 await stream.aclose()
+
+
+async def fetch_tier_header(
+    p2p: P2P,
+    holder: PeerID,
+    namespace: str,
+    request: apb.TierRequest,
+    *,
+    timeout_s: float,
+    check: Callable[[apb.TierAnswer], TierCheck],
+) -> TierCheck | None:
+    """The checked header (``check``) of the combined result ``holder`` (a peer a step ahead) kept for the step
+    ``request`` names, its chunks left unread; None when its group was alone. Within ``timeout_s`` in all."""
+    async with asyncio.timeout(timeout_s):
+        async with _answers(p2p, holder, namespace, request, open_s=timeout_s) as stream:
+            first = await stream.__anext__()
+            _refused(first, holder)
+            return None if first.alone else check(first)
 
 
 def _refused(first: apb.TierAnswer, peer: PeerID) -> None:
@@ -373,5 +398,6 @@ __all__ = [
     "TierServicer",
     "attest_to",
     "fetch_down_the_tree",
+    "fetch_tier_header",
     "fetch_tier_result",
 ]

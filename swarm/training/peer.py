@@ -463,7 +463,8 @@ class TrainingPeer:
         await self.policy.refresh_members()  # at most once per refresh interval
         result = await self.tiers.combine(
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming,
-            run_peers=max(coming, self.policy.member_count()), ahead=self._ahead, here=here,
+            run_peers=max(coming, self.policy.member_count()), here=here, showing=self._showing,
+            ahead=None if getattr(self.strategy, "overlap", False) else self._ahead,
         )  # fmt: skip
         if result is None:  # its group's representative gave nothing to apply (see tiered)
             if await self._adopt(extra):
@@ -507,6 +508,16 @@ class TrainingPeer:
             ),
         )
 
+    def _showing(self) -> set[str]:
+        """This peer and those (not refused) whose records show its step or a later one: a round ahead that it
+        adopts must hold most of them (``SecondTier.adopt``)."""
+        others = (
+            p.peer_id
+            for p in self.view.values()
+            if p.step >= self.step and self.policy.refusal(p.peer_id) is None
+        )
+        return {self.peer_id, *others}
+
     async def _adopt(self, extra: dict) -> bool:
         """Apply the combined result that peers a step ahead applied at this step, when the others moved on
         without this peer (``SecondTier.adopt``): one checked vector instead of a state download. Its own
@@ -514,14 +525,7 @@ class TrainingPeer:
         if getattr(self.strategy, "overlap", False):  # a background round owns the window: catch-up's
             return False
         ahead = self._ahead()
-        showing = {
-            p.peer_id
-            for p in self.view.values()
-            if p.step == self.step and self.policy.refusal(p.peer_id) is None
-        }
-        adopted = (
-            await self.tiers.adopt(extra, ahead, showing={*showing, *ahead, self.peer_id}) if ahead else None
-        )
+        adopted = await self.tiers.adopt(extra, ahead, showing=self._showing()) if ahead else None
         if adopted is None:
             return False
         async with self.synced.lock:

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -78,7 +79,13 @@ from swarm.averaging.tiers import (
     signed_outcome,
     tier_prefix,
 )
-from swarm.averaging.tierserve import TierBoard, TierServicer, fetch_down_the_tree, fetch_tier_result
+from swarm.averaging.tierserve import (
+    TierBoard,
+    TierServicer,
+    fetch_down_the_tree,
+    fetch_tier_header,
+    fetch_tier_result,
+)
 from swarm.averaging.verification import Accuser
 from swarm.config import RunConfig
 from swarm.ratelimit import RateLimiter
@@ -117,10 +124,6 @@ class SecondTier:
     """The second tier of one data-parallel peer: its averager, and what it hands its groups as their
     representative. ``first`` is the peer's first-tier averager (its recent rounds say who may ask); the
     other arguments are the first tier's (``TrainingPeer``)."""
-
-    #: The combined result a representative fetched for its group's step and state before searching
-    #: (``_combined_without``), for its own peer's ``adopt`` to take instead of fetching it again.
-    _fetched: tuple[tuple[int, str], RoundResult] | None = None
 
     def __init__(
         self,
@@ -194,6 +197,7 @@ class SecondTier:
         run_peers: int,
         ahead: Callable[[], list[str]] | None = None,
         here: Callable[[], Collection[str]] | None = None,
+        showing: Callable[[], Collection[str]] | None = None,
     ) -> RoundResult | None:
         """What this peer applies of the complete first-tier round ``result`` of ``group``: the step's
         combined result, its group's own (``alone``), or None (nothing this time; keep the gradient).
@@ -201,13 +205,17 @@ class SecondTier:
         online members whatever their step (at least ``peers_at_step``); ``ahead``: the peers whose records
         show the next step, as the step's other groups would if they combined without this one (the
         representative then does not search, or stops searching, and the peers adopt what they applied,
-        ``adopt``); ``here``: the peers whose
-        records show this step now (the representative's search closes once the groups in it hold all but a
-        few, ``tiers.covers``; its window waited out in vain for some makes them ``absent``)."""
+        ``adopt``; None: never, as in an ``outer_overlap`` run); ``here``: the peers whose records show this
+        step now (the representative's search closes once the groups in it hold all but a few,
+        ``tiers.covers``; its window waited out in vain for some makes them ``absent``); ``showing``: those
+        whose records show this step or a later one (default: ``here`` and ``ahead``), whose majority a
+        round ahead must hold to be adopted (``holds_the_step``)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
         here = here if here is not None else lambda: ()
+        ahead = ahead if ahead is not None else list
+        showing = showing if showing is not None else lambda: {*here(), *ahead()}
         commitments = [c or b"" for c in group.commitments] or [b""] * len(members)
         order = relay_order(commitments, members, group.reducers)  # its first is the representative
         rep = members[order[0]]
@@ -217,7 +225,7 @@ class SecondTier:
         )  # fmt: skip
         if rep == me:
             return await self._represent(
-                group, result, members, facts, extra, fits, peers_at_step, run_peers, ahead, here
+                group, result, members, facts, extra, fits, peers_at_step, run_peers, ahead, here, showing
             )
         parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
         mine = members.index(me)
@@ -242,8 +250,8 @@ class SecondTier:
 
     async def _represent(
         self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
-        fits: EntryFit | None, peers_at_step: int, run_peers: int, ahead: Callable[[], list[str]] | None,
-        here: Callable[[], Collection[str]],
+        fits: EntryFit | None, peers_at_step: int, run_peers: int, ahead: Callable[[], list[str]],
+        here: Callable[[], Collection[str]], showing: Callable[[], Collection[str]],
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
 
@@ -266,13 +274,16 @@ class SecondTier:
                 outcome, applied = TierOutcome(alone=True), result
                 return applied
             tried, complete = None, False
-            ahead = ahead if ahead is not None else list
-            if await self._combined_without(facts, extra, ahead(), here, members):
+            if await self._combined_without(facts, extra, ahead(), showing, members):
                 return applied
             own = sign_attestation(self.signing_key, *dataclasses.astuple(facts))
             self.board.attest(group.group_id, facts.representative, own)
-            # Members attest as soon as their own round ends; on a loaded machine that can take a while.
-            signed = await self.board.majority(group.group_id, timeout_s=self.first.averaging_timeout_s)
+            # Members attest as soon as their own round ends; on a loaded machine that can take a while. Those
+            # that come within a sender timeout of the majority sign too: a peer that later no longer counts a
+            # signer or two (it left, its records lapsed) still counts the group (``holds_the_step``).
+            signed = await self.board.majority(
+                group.group_id, timeout_s=self.first.averaging_timeout_s, rest_s=self.first.sender_timeout_s
+            )
             if signed is not None:
                 cert = certificate(facts.group_id, members, facts.weight, facts.digest, signed)
                 # Every group of the step belongs in one second-tier round: wait for as many as could exist
@@ -310,8 +321,8 @@ class SecondTier:
                         break
                     if loop.time() + 2 * self.averager.averaging_timeout_s > opened_at + self.wait_s:
                         break
-                    if ahead():  # the others may have combined: adopt, not search
-                        break
+                    if await self._combined_without(facts, extra, ahead(), showing, members):
+                        break  # the others combined meanwhile: adopt, not search
                     logger.info(f"group {short}: no second tier formed; searching again with its result")
             else:
                 logger.info(f"group {short}: fewer than half of its members attested its round")
@@ -427,45 +438,11 @@ class SecondTier:
         self.absent.round(delivered=covered, missed=missed, denied={})
         self.absent.search()
 
-    async def _combined_without(
-        self, facts: _Facts, extra: dict, holders: list[str], here: Callable[[], Collection[str]],
-        members: list[str],
-    ) -> bool:  # fmt: skip
-        """Whether the step's other groups already combined without this one (it ended its first tier later):
-        peers a step ahead hold a second-tier round at this step and state that holds most of the peers
-        showing the step or the next (``holds_the_step``). Then the group searches for no second-tier round
-        of its own, which would apply another result at the step: its members adopt that round's instead,
-        the representative from what it fetched here. A record a step ahead with nothing behind it costs
-        this check its asks, never the search."""
-        if not holders:
-            return False
-        showing = {*here(), *holders, *members}
-        adopted = await self._fetch_combined(extra, holders, showing)
-        if adopted is None:
-            return False
-        self._fetched = ((facts.step, facts.state_hash), adopted)
-        logger.info(
-            f"group {facts.group_id.hex()[:8]}: the step's other groups combined without it; "
-            "its members adopt their result"
-        )
-        return True
-
-    async def adopt(self, extra: dict, holders: list[str], *, showing: Collection[str]) -> RoundResult | None:
-        """The combined result that ``holders`` (peers a step ahead) applied at this peer's step and state, checked
-        as a member checks a hand-off but for its own input (it was in no group of that round), and holding
-        most of ``showing`` (the peers whose records show the step or the next, ``holds_the_step``: not a
-        round of a few identities' own); None when none of the first ``ADOPT_ASKS`` holds one that checks.
-        Cheaper than the whole state: one fp16 vector. A representative that fetched it before its search
-        (``_combined_without``) takes that one."""
-        fetched, self._fetched = self._fetched, None
-        if fetched is not None and fetched[0] == (int(extra["step"]), str(extra["state_hash"])):
-            return fetched[1]
-        return await self._fetch_combined(extra, holders, showing)
-
-    async def _fetch_combined(
-        self, extra: dict, holders: list[str], showing: Collection[str]
-    ) -> RoundResult | None:
-        averager, showing = self.averager, set(showing)
+    def _holding(self, extra: dict, showing: Collection[str], outside: Collection[str]) -> Callable:
+        """The check of a combined round's header that a peer which was in none of its groups adopts: as a
+        member checks a hand-off but for its own input (``TierCheck``), and holding a strict majority of
+        ``showing`` without the peers of ``outside`` (known to be in none of its groups: ``holds_the_step``)."""
+        averager, showing, outside = self.averager, set(showing), set(outside)
 
         def check(first: apb.TierAnswer) -> TierCheck:
             checked = TierCheck(
@@ -473,26 +450,80 @@ class SecondTier:
                 representative=None, contribution=None, weight=0.0, max_age_s=averager.entry_max_age_s,
                 certify=averager.policy.certificate_refusal, refusal=averager.policy.listed_refusal,
             )  # fmt: skip
-            if not holds_the_step(checked.groups, self._counts, showing):
+            if not holds_the_step(checked.groups, self._counts, showing, outside=outside):
+                held = len((covered_peers(checked.groups, self._counts) - outside) & showing)
                 raise ProtocolError(
-                    f"its round holds {len(covered_peers(checked.groups, self._counts) & showing)} of the "
-                    f"{len(showing)} peers that show the step or the next: not the step's combined result"
+                    f"its round holds {held} of the {len(showing)} peers that show the step or later: "
+                    "not the step's combined result"
                 )
             return checked
 
-        for holder in holders[:ADOPT_ASKS]:
-            try:
-                checked = await fetch_tier_result(
-                    averager.p2p, PeerID.from_base58(holder), averager.prefix, apb.TierRequest(step=extra["step"]),
-                    timeout_s=2 * averager.sender_timeout_s, check=check, chunk_timeout_s=2 * averager.sender_timeout_s,
-                    traffic=averager.traffic,
+        return check
+
+    async def _combined_without(
+        self, facts: _Facts, extra: dict, holders: list[str], showing: Callable[[], Collection[str]],
+        members: list[str],
+    ) -> bool:  # fmt: skip
+        """Whether the step's other groups already combined without this one (it ended its first tier later):
+        one of the first ``ADOPT_ASKS`` peers a step ahead, asked at once, shows within a sender timeout the
+        header of a round at this step and state that holds most of the peers showing the step or later,
+        this group's members counted as in none of its groups (``_holding``). Then the group forms no
+        second-tier round of its own, which would apply another result at the step: its representative
+        tells its members nothing, and each adopts that round's result (``adopt``). Only headers are read,
+        so a record a step ahead with nothing behind it (or a holder that answers slowly) costs each
+        representative that sees it at most a sender timeout before its search, never the search."""
+        if not holders:
+            return False
+        averager, view = self.averager, {*showing(), *members}
+        check = self._holding(extra, view, outside=members)
+
+        async def header(holder: str) -> TierCheck | None:
+            with contextlib.suppress(Exception):  # none kept, another state's, a round that does not hold
+                return await fetch_tier_header(
+                    averager.p2p, PeerID.from_base58(holder), averager.prefix, apb.TierRequest(step=facts.step),
+                    timeout_s=averager.sender_timeout_s, check=check,
                 )  # fmt: skip
-            except Exception as e:  # none kept, another state's, or its stream broke: ask the next
-                logger.info(f"no combined result of step {extra['step']} to adopt from {holder}: {e!r}")
-                continue
-            if checked is not None:
-                self.board.keep(int(extra["step"]), checked.outcome())
-                return RoundResult(checked.output, True)
+            return None
+
+        asks = [asyncio.ensure_future(header(holder)) for holder in holders[:ADOPT_ASKS]]
+        try:
+            for answer in asyncio.as_completed(asks):
+                if await answer is not None:
+                    logger.info(
+                        f"group {facts.group_id.hex()[:8]}: the step's other groups combined without it; "
+                        "its members adopt their result"
+                    )
+                    return True
+            return False
+        finally:
+            for ask in asks:
+                ask.cancel()
+
+    async def adopt(self, extra: dict, holders: list[str], *, showing: Collection[str]) -> RoundResult | None:
+        """The combined result that ``holders`` (peers a step ahead) applied at this peer's step and state, checked
+        as a member checks a hand-off but for its own input (it was in no group of that round), and holding
+        most of ``showing`` (the peers whose records show the step or a later one, itself included:
+        ``holds_the_step``; not a round of a few identities' own); None when none of the first ``ADOPT_ASKS``
+        holds one that checks within the members' wait (``wait_s``) in all. Cheaper than the whole state: one
+        fp16 vector."""
+        averager, check = self.averager, self._holding(extra, showing, outside=())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.wait_s):
+                for holder in holders[:ADOPT_ASKS]:
+                    try:
+                        checked = await fetch_tier_result(
+                            averager.p2p, PeerID.from_base58(holder), averager.prefix,
+                            apb.TierRequest(step=extra["step"]), timeout_s=2 * averager.sender_timeout_s,
+                            check=check, chunk_timeout_s=2 * averager.sender_timeout_s, traffic=averager.traffic,
+                        )  # fmt: skip
+                    except Exception as e:  # none kept, another state's, or its stream broke: ask the next
+                        logger.info(
+                            f"no combined result of step {extra['step']} to adopt from {holder}: {e!r}"
+                        )
+                        continue
+                    if checked is not None:
+                        self.board.keep(int(extra["step"]), checked.outcome())
+                        return RoundResult(checked.output, True)
         return None
 
 
