@@ -58,6 +58,15 @@ def test_allreduce_benchmark_compares_ours_with_hivemind_and_gloo(tmp_path: Path
     assert all(c["median_s"] and c["median_s"] > 0 for c in cells)
 
 
+def test_load_benchmark_prices_both_systems_slowdown_beside_busy_loops(tmp_path: Path):
+    output = run_benchmark("bench_allreduce_load.py", "--json", str(tmp_path / "load.json"))
+
+    assert re.search(r"ours' slowdown over hivemind's: \d+\.\d+x", output), output[-4000:]
+    summary = json.loads((tmp_path / "load.json").read_text())["summary"]
+    assert {"ours", "hivemind"} <= set(summary) and summary["ratio"] > 0
+    assert all(summary[s]["quiet_s"] > 0 and summary[s]["busy_s"] > 0 for s in ("ours", "hivemind"))
+
+
 def test_training_benchmark_reports_utilization_throughput_and_traffic(tmp_path: Path):
     output = run_benchmark("bench_training.py", "--json", str(tmp_path / "training.json"))
 

@@ -134,7 +134,7 @@ class PartReducer:
         r = self.round
         try:
             for chunk in range(len(self.results)):
-                own, signed = r.sender.own_decoded(r.index, chunk)
+                own, signed = await asyncio.to_thread(r.sender.own_decoded, r.index, chunk)
                 if not (math.isfinite(signed.weight) and signed.weight >= 0):
                     raise ProtocolError(f"weight {signed.weight!r} is not a finite number >= 0")
                 lo, hi = r.chunk_range(r.index, chunk)
@@ -158,7 +158,7 @@ class PartReducer:
             inputs = [self._inputs[chunk][s] for s in senders]
             result = await self.aggregate(r.index, chunk, inputs)
             lo, hi = r.chunk_range(r.index, chunk)
-            r.output[lo:hi] = r.codec.decode(result.data, hi - lo, sender="self")
+            r.output[lo:hi] = await asyncio.to_thread(r.codec.decode, result.data, hi - lo, sender="self")
             r.received[r.index][chunk] = True
             self.results[chunk] = result
             self.evidence[chunk] = [signed for _, signed in inputs]
@@ -221,6 +221,13 @@ class PartReducer:
             r.heard.add(sender)
             r.changed.set()
 
+    def _checked_values(self, sender: int, message: apb.PartChunk, chunk: int) -> torch.Tensor:
+        """``sender``'s chunk of our part checked (``check_contribution``) and decoded, on a worker thread:
+        hashing, the signature and decoding run beside the event loop."""
+        lo, hi = self.round.chunk_range(self.round.index, chunk)
+        self.check_contribution(sender, message, chunk)
+        return self.round.codec.decode_contribution(message.data, hi - lo, sender=self.round.members[sender])
+
     async def consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
         """Take member ``sender``'s chunks of our part, then its reveal; a chunk that breaks a rule, or
         silence, drops it."""
@@ -235,10 +242,8 @@ class PartReducer:
                         f"sent part {message.part_index} chunk {message.chunk_index}, "
                         f"expected part {r.index} chunk {expected}"
                     )
-                lo, hi = r.chunk_range(r.index, expected)
                 r.count(received=len(message.data))
-                self.check_contribution(sender, message, expected)
-                values = r.codec.decode_contribution(message.data, hi - lo, sender=peer)
+                values = await asyncio.to_thread(self._checked_values, sender, message, expected)
                 signed = SignedInput(sender, message.data, message.signature, message.weight)
                 self._deliver(sender, expected, values, signed)
                 expected += 1

@@ -121,6 +121,18 @@ class PartSender:
         values = self.round.codec.decode_contribution(message.data, hi - lo, sender="this peer")
         return values, SignedInput(self.round.index, message.data, message.signature, message.weight)
 
+    def _prepare(self, part: int, chunk: int) -> tuple[apb.PartChunk, bytes]:
+        """This peer's signed contribution to one chunk of ``part``, its SHA-256, and the values as they went
+        out (``sent``), on a worker thread: encoding, hashing and signing run beside the event loop, which
+        meanwhile reduces the chunks other peers send. On a busy machine a second thread in the round also
+        takes a second share of the cores (``benchmarks/bench_allreduce_load.py``)."""
+        r = self.round
+        message = self.contribution(part, chunk)
+        lo, hi = r.chunk_range(part, chunk)
+        with contextlib.suppress(ProtocolError):  # a rehearsed bad sender's bytes stay unrecorded
+            r.sent[lo:hi] = r.codec.decode_contribution(message.data, hi - lo, sender="self")
+        return message, hashlib.sha256(message.data).digest()
+
     def reveals_to(self, part: int) -> bool:
         """Whether this peer reveals its nonce to the reducer of ``part`` (an honest one always does)."""
         return True
@@ -158,11 +170,8 @@ class PartSender:
         async def outgoing() -> AsyncIterator[apb.PartChunk]:
             for chunk in range(chunks):
                 await self._pace(part, chunk)
-                message = self.contribution(part, chunk)
-                sent.append(hashlib.sha256(message.data).digest())
-                lo, hi = r.chunk_range(part, chunk)
-                with contextlib.suppress(ProtocolError):  # a rehearsed bad sender's bytes stay unrecorded
-                    r.sent[lo:hi] = r.codec.decode_contribution(message.data, hi - lo, sender="self")
+                message, digest = await asyncio.to_thread(self._prepare, part, chunk)
+                sent.append(digest)
                 await r.throttle(len(message.data))
                 r.count(sent=len(message.data))
                 self.contributed_bytes += len(message.data)
@@ -195,8 +204,7 @@ class PartSender:
                 if message.part_index != part or message.chunk_index != expected:
                     raise ProtocolError(f"reducer sent part {message.part_index} chunk {message.chunk_index}")
                 r.count(received=len(message.data))
-                check_answer(r, part, expected, message, sent[expected])
-                self.take(part, expected, message)
+                await asyncio.to_thread(self._check_and_take, part, expected, message, sent[expected])
                 expected += 1
         except Exception as e:
             self.direct_done[part].set()
@@ -227,6 +235,12 @@ class PartSender:
         with contextlib.suppress(Exception):
             async for _ in aiter_with_timeout(stream, r.reveal_timeout_s + r.sender_timeout_s):
                 pass
+
+    def _check_and_take(self, part: int, chunk: int, message: apb.PartChunk, sent: bytes) -> None:
+        """``check_answer``, then ``take``, on a worker thread (hashing, the signature and decoding run beside
+        the event loop, as ``_prepare`` does for what goes out)."""
+        check_answer(self.round, part, chunk, message, sent)
+        self.take(part, chunk, message)
 
     def take(self, part: int, chunk: int, message: apb.PartChunk) -> None:
         """A checked aggregate chunk of ``part``: its decoded bytes into the output, kept for validators."""
