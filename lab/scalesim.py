@@ -512,13 +512,13 @@ class ScaleSim:
 
     def _holds_the_step(self, step: int, combined: str, outside: Collection[int] = ()) -> bool:
         """``tiers.holds_the_step``: the round that moved peers to ``combined`` held (by its groups' members,
-        none of ``outside``) a strict majority of the peers at ``step`` or later. A result adopted from a peer
+        none of ``outside``) at least half of the peers at ``step`` or later. A result adopted from a peer
         that adopted it is the same round's. (Before: any round was adopted.)"""
         if not self.config.late_adopt:
             return True
         showing = set().union(*(peers for at, peers in self._by_step.items() if at >= step))
         held = self.tier_cover.get((step, combined), set()) - set(outside)
-        return 2 * len(held & showing) > len(showing)
+        return 2 * len(held & showing) >= len(showing)
 
     def _combined_without(self, group: _Group, alive: list[tuple[Peer, int]]) -> bool:
         """``SecondTier._combined_without``: one of the first peers a step ahead it asks (at once) holds a round
@@ -553,7 +553,9 @@ class ScaleSim:
 
             def closes(groups: list[_Group]) -> bool:  # read at each join, as the code reads its records
                 here = {self.peers[i].name for i in self._by_step.get(step, ())} - own
-                return covers(here, {p.name for g in groups for p in g.members})
+                return covers(
+                    here, {p.name for g in groups for p in g.members}, fewest=self.training.min_group_size
+                )
 
         self._search(
             ("tier2", step, rep.pos.state_hash), group, expected=group.most, window_s=window_s, closes=closes

@@ -290,7 +290,11 @@ def test_the_second_tiers_window_waits_for_later_groups_and_leaves_room_for_the_
 def test_a_second_tier_search_closes_only_once_its_groups_hold_every_peer_at_the_step():
     here = {"a", "b", "c", "d", "e"}
     assert covers(here, {"a", "b", "c", "d", "e"})
-    assert not covers(here, {"a", "b", "c", "d"}), "e's group has not joined"
+    assert not covers(here, {"a", "b", "c"}), "the group of d and e has not joined"
+    # One peer in no group cannot form one of its own (everyone else is in the second tier): not waited for.
+    assert covers(here, {"a", "b", "c", "d"}) and covers(here, {"a", "b", "c", "d"}, fewest=1)
+    # With groups of at least 3, two peers in no group cannot form one either.
+    assert not covers(here, {"a", "b"}, fewest=3) and covers(here, {"a", "b", "c"}, fewest=3)
     # Peers no record shows at the step (a lagging record) may be in a group: more members never hurt.
     assert covers({"a", "b"}, {"a", "b", "x"})
     # Records of peers that never join a group (Sybils, or peers gone) hold the window only beyond 5%: one

@@ -172,12 +172,15 @@ def second_window_s(*, run_window_s: float, waited_s: float, averaging_timeout_s
 COVER_SLACK = 0.05
 
 
-def covers(here: Collection[str], covered: Collection[str]) -> bool:
+def covers(here: Collection[str], covered: Collection[str], *, fewest: int = 2) -> bool:
     """Whether ``covered`` (the peers in the groups gathered, ``covered_peers``) holds the peers of ``here``
     (those whose records show the step, less the representative's own group), all but ``COVER_SLACK`` of
-    them."""
+    them, or all but fewer than ``fewest`` (the run's smallest group, at least 2): peers that could not
+    form a group of their own are not waited for. (A peer that missed the step's first-tier groups found
+    nobody left to form one with: waiting for it held the step for the whole window, then it adopted.)"""
     here = set(here)
-    return len(here.difference(covered)) <= int(COVER_SLACK * len(here))
+    missing = len(here.difference(covered))
+    return missing <= int(COVER_SLACK * len(here)) or missing < max(2, fewest)
 
 
 def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[str]:
@@ -206,13 +209,14 @@ def holds_the_step(
     outside: Collection[str] = (),
 ) -> bool:
     """Whether a second-tier round whose checked certificates are ``groups`` is the step's combined result for
-    a peer that was in none of its groups: its certificates hold (``covered_peers``) a strict majority of
-    ``showing``, the peers whose records show the step or a later one. Only listed peers that the peer itself
-    sees count, and none of ``outside`` (peers it knows were in none of the round's groups: a late group's
-    own), so Sybils that certify each other's groups need about a quarter of those peers' identities to pass
-    a round of their own off as the step's."""
+    a peer that was in none of its groups: its certificates hold (``covered_peers``) at least half of
+    ``showing``, the peers whose records show the step or a later one (no other round can hold more; in a
+    small run a step's round often holds exactly half, two groups of a run of eight). Only listed peers that
+    the peer itself sees count, and none of ``outside`` (peers it knows were in none of the round's groups:
+    a late group's own), so Sybils that certify each other's groups need about a quarter of those peers'
+    identities to pass a round of their own off as the step's."""
     showing = set(showing)
-    return 2 * len((covered_peers(groups, counts) - set(outside)) & showing) > len(showing)
+    return 2 * len((covered_peers(groups, counts) - set(outside)) & showing) >= len(showing)
 
 
 #: The most of the peers a search would wait for that the absence book (``SecondTier.absent``) may leave
@@ -251,7 +255,8 @@ class EarlyClose:
             for name, body in claims.items()
             if certificate_shape_misfit(body.extra, signer=name, min_members=self.min_members) is None
         }
-        if not covers(waiting, {member for group in shaped.values() for member in group["members"]}):
+        claimed = {member for group in shaped.values() for member in group["members"]}
+        if not covers(waiting, claimed, fewest=self.min_members):
             return False
         verified = []
         for name, group in shaped.items():
@@ -259,7 +264,7 @@ class EarlyClose:
                 self._checked[name] = group if self._holds(name, claims[name]) else None
             if self._checked[name] is not None:
                 verified.append(self._checked[name])
-        self.closed = covers(waiting, covered_peers(verified, self.counts))
+        self.closed = covers(waiting, covered_peers(verified, self.counts), fewest=self.min_members)
         return self.closed
 
     def _holds(self, signer: str, body) -> bool:

@@ -493,6 +493,11 @@ class TrainingPeer:
             f"step {self.step}: averaged with {len(group.peer_ids)} peers, {sum(group.weights):.0f} samples"
             + ("" if math.isnan(loss) else f", loss {loss:.4f}")
         )
+        await self._validate_if_due()
+
+    async def _validate_if_due(self) -> None:
+        """Validate at every ``validation_every_steps`` and at the run's last step, however the step came
+        (a round, or an adopted result: a run whose last step was adopted waited for its final loss)."""
         if self.step % self.config.training.validation_every_steps == 0 or self.reached_max():
             await self.evaluate()
 
@@ -536,6 +541,7 @@ class TrainingPeer:
         self._journal("adopted", step=self.step - 1, state_hash=self.state_hash)
         self._step_view = self.progress_view.count
         logger.info(f"step {self.step}: adopted the combined result the peers ahead applied")
+        await self._validate_if_due()
         return True
 
     def _journal(self, outcome: str, group=None, *, step: int | None = None, **fields: object) -> None:

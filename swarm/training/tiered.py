@@ -440,7 +440,7 @@ class SecondTier:
 
     def _holding(self, extra: dict, showing: Collection[str], outside: Collection[str]) -> Callable:
         """The check of a combined round's header that a peer which was in none of its groups adopts: as a
-        member checks a hand-off but for its own input (``TierCheck``), and holding a strict majority of
+        member checks a hand-off but for its own input (``TierCheck``), and holding at least half of
         ``showing`` without the peers of ``outside`` (known to be in none of its groups: ``holds_the_step``)."""
         averager, showing, outside = self.averager, set(showing), set(outside)
 
@@ -466,7 +466,7 @@ class SecondTier:
     ) -> bool:  # fmt: skip
         """Whether the step's other groups already combined without this one (it ended its first tier later):
         one of the first ``ADOPT_ASKS`` peers a step ahead, asked at once, shows within a sender timeout the
-        header of a round at this step and state that holds most of the peers showing the step or later,
+        header of a round at this step and state that holds at least half of the peers showing the step or later,
         this group's members counted as in none of its groups (``_holding``). Then the group forms no
         second-tier round of its own, which would apply another result at the step: its representative
         tells its members nothing, and each adopts that round's result (``adopt``). Only headers are read,
@@ -502,7 +502,7 @@ class SecondTier:
     async def adopt(self, extra: dict, holders: list[str], *, showing: Collection[str]) -> RoundResult | None:
         """The combined result that ``holders`` (peers a step ahead) applied at this peer's step and state, checked
         as a member checks a hand-off but for its own input (it was in no group of that round), and holding
-        most of ``showing`` (the peers whose records show the step or a later one, itself included:
+        at least half of ``showing`` (the peers whose records show the step or a later one, itself included:
         ``holds_the_step``; not a round of a few identities' own); None when none of the first ``ADOPT_ASKS``
         holds one that checks within the members' wait (``wait_s``) in all. Cheaper than the whole state: one
         fp16 vector."""
