@@ -511,8 +511,8 @@ class ScaleSim:
         return [names[n] for n in tiered.adopt_order(peer.name, names)[: self.adopt_asks]]
 
     def _holds_the_step(self, step: int, combined: str, outside: Collection[int] = ()) -> bool:
-        """``tiers.holds_the_step``: the round that moved peers to ``combined`` held (by its groups' members,
-        none of ``outside``) at least half of the peers at ``step`` or later. A result adopted from a peer
+        """``tiers.holds_the_step``: the round that moved peers to ``combined`` held (by its groups' members, who
+        all sign their certificates here; none of ``outside``) at least half of the peers at ``step`` or later. A result adopted from a peer
         that adopted it is the same round's. (Before: any round was adopted.)"""
         if not self.config.late_adopt:
             return True
@@ -553,9 +553,11 @@ class ScaleSim:
 
             def closes(groups: list[_Group]) -> bool:  # read at each join, as the code reads its records
                 here = {self.peers[i].name for i in self._by_step.get(step, ())} - own
+                lagging = {self.peers[i].name for i in self._by_step.get(step - 1, ())}
                 return covers(
-                    here, {p.name for g in groups for p in g.members}, fewest=self.training.min_group_size
-                )
+                    here, {p.name for g in groups for p in g.members}, fewest=self.training.min_group_size,
+                    lagging=lagging,
+                )  # fmt: skip
 
         self._search(
             ("tier2", step, rep.pos.state_hash), group, expected=group.most, window_s=window_s, closes=closes

@@ -20,7 +20,7 @@ from test_tiers import PREFIX, SCHEMA, second_tier
 
 from protocols.keys import SigningKey
 from swarm.averaging.allreduce import RoundResult
-from swarm.averaging.tiers import TierCheck, covered_peers, holds_the_step
+from swarm.averaging.tiers import TierCheck, covered_peers, holds_the_step, signed_peers
 from swarm.training import tiered
 from swarm.training.tiered import adopt_order
 
@@ -69,7 +69,7 @@ def test_a_late_group_adopts_the_steps_round_instead_of_searching(monkeypatch):
     header, _, _ = second_tier(group_input=group_input, mine=MINE)
     probe = TierCheck(header, prefix=PREFIX, schema_hash=SCHEMA, numel=NUMEL, mine=MINE, representative=None,
                       contribution=None, weight=0.0, max_age_s=60.0, certify=None, refusal=None)  # fmt: skip
-    held = sorted(covered_peers(probe.groups, lambda peer: True))
+    held = sorted(signed_peers(probe.groups, lambda peer: True))  # 6: two signers in each group of 3
     holders = [SigningKey.generate().peer_id for _ in range(2)]
     asked = []
     _headers(monkeypatch, header, asked)
@@ -84,13 +84,13 @@ def test_a_late_group_adopts_the_steps_round_instead_of_searching(monkeypatch):
         told = await posted(tier, group, keys[(rep + 1) % 4].peer_id)
         return calls, applied, told
 
-    # 9 held of 9 + 2 holders + 4 of its own group = 15 showing the step: the step's round.
+    # 6 signers + 2 holders + 4 of its own group = 12 showing the step: half, the step's round.
     calls, applied, told = asyncio.run(scenario(held))
     assert calls == [], "no second-tier search: a round of its own would be a second update at the step"
     assert applied is None and told is None, "its members are told nothing, and adopt"
     assert sorted(asked) == sorted(holders), "both peers ahead asked at once"
-    # 9 held of 9 + 2 + 4 + 4 more at the step = 19: a minority's round, so the group searches its own.
-    calls, _, _ = asyncio.run(scenario([*held, *(f"other-{i}" for i in range(4))]))
+    # One more at the step, 6 of 13: a minority's round, so the group searches its own.
+    calls, _, _ = asyncio.run(scenario([*held, "other"]))
     assert calls, "a round that does not hold the step is not the step's"
 
 
@@ -126,10 +126,11 @@ def _serving(header, chunks):
 
 
 def test_a_peer_adopts_only_a_round_that_holds_most_of_the_peers_showing_the_step(monkeypatch):
-    """A signed, well-formed second-tier round of 3 groups of 3 holds 9 peers. A peer adopts it while they
-    are at least half of the peers showing the step or a later one, not once more peers show it (the round
-    is then a minority's, such as one that a few identities formed among themselves), and a certificate
-    signed by keys the peer's view does not admit holds nobody."""
+    """A signed, well-formed second-tier round of 3 groups of 3, each certified by 2 of its members, holds
+    the 6 peers that signed (the third member of each group is listed, not signed). A peer adopts it while
+    they are at least half of the peers showing the step or a later one, not once more peers show it (the
+    round is then a minority's, such as one that a few identities formed among themselves), and a
+    certificate signed by keys the peer's view does not admit holds nobody."""
     group_input = torch.randn(NUMEL)
     header, chunks, keys = second_tier(group_input=group_input, mine=MINE)
     holder = SigningKey.generate().peer_id
@@ -137,21 +138,25 @@ def test_a_peer_adopts_only_a_round_that_holds_most_of_the_peers_showing_the_ste
     probe = TierCheck(header, prefix=PREFIX, schema_hash=SCHEMA,
                       numel=NUMEL, mine=MINE, representative=None, contribution=None, weight=0.0, max_age_s=60.0,
                       certify=None, refusal=None)  # fmt: skip
-    held = covered_peers(probe.groups, lambda peer: True)
-    assert len(held) == 9
-    others = [f"other-{i}" for i in range(10)]
+    held = signed_peers(probe.groups, lambda peer: True)
+    listed = covered_peers(probe.groups, lambda peer: True) - held
+    assert len(held) == 6 and len(listed) == 3
+    others = [f"other-{i}" for i in range(7)]
 
     def adopted(showing, admitted=None):
         group_keys, group, rep = first_tier(4)
         tier = _admitting(make_tier(group_keys, group, rep, group_input, _searches([])), admitted)
         return asyncio.run(tier.adopt(MINE, [holder], showing=showing))
 
-    result = adopted(held | set(others[:8]))
-    assert result is not None and result.complete, "9 of 17: the step's round"
-    assert adopted(held | set(others[:9])) is not None, "9 of 18: half, no other round can hold more"
-    assert adopted(held | set(others)) is None, "9 of 19: a minority's round"
-    assert adopted(held | set(others[:8]), admitted=set()) is None, "signed by keys it does not admit: nobody"
-    assert holds_the_step(probe.groups, lambda peer: True, held | set(others[:8]))
+    result = adopted(held | set(others[:5]))
+    assert result is not None and result.complete, "6 of 11: the step's round"
+    assert adopted(held | set(others[:6])) is not None, "6 of 12: half"
+    assert adopted(held | set(others)) is None, "6 of 13: a minority's round"
+    assert adopted(held | listed | set(others[:4])) is None, (
+        "6 of 13: listed members that signed nothing count not"
+    )
+    assert adopted(held | set(others[:5]), admitted=set()) is None, "signed by keys it does not admit: nobody"
+    assert holds_the_step(probe.groups, lambda peer: True, held | set(others[:5]))
     assert not holds_the_step(probe.groups, lambda peer: True, set(others)), (
         "listed peers it does not see count not"
     )

@@ -114,7 +114,7 @@ class PartReducer:
         weight = message.weight
         if not math.isfinite(weight) or weight < 0:
             raise ProtocolError(f"claims weight {weight!r}; a weight is a finite number >= 0")
-        if chunk == 0:
+        if chunk == 0 and sender not in weights:  # a second stream's chunk 0 changes nothing
             weights[sender] = weight
         elif weight != weights.get(sender):
             raise ProtocolError(f"changed its weight from {weights.get(sender)} to {weight} mid-round")

@@ -172,15 +172,20 @@ def second_window_s(*, run_window_s: float, waited_s: float, averaging_timeout_s
 COVER_SLACK = 0.05
 
 
-def covers(here: Collection[str], covered: Collection[str], *, fewest: int = 2) -> bool:
+def covers(
+    here: Collection[str], covered: Collection[str], *, fewest: int = 2, lagging: Collection[str] = ()
+) -> bool:
     """Whether ``covered`` (the peers in the groups gathered, ``covered_peers``) holds the peers of ``here``
     (those whose records show the step, less the representative's own group), all but ``COVER_SLACK`` of
-    them, or all but fewer than ``fewest`` (the run's smallest group, at least 2): peers that could not
-    form a group of their own are not waited for. (A peer that missed the step's first-tier groups found
-    nobody left to form one with: waiting for it held the step for the whole window, then it adopted.)"""
-    here = set(here)
-    missing = len(here.difference(covered))
-    return missing <= int(COVER_SLACK * len(here)) or missing < max(2, fewest)
+    them, or all but fewer than ``fewest`` (the run's smallest group, at least 2) with the ``lagging``
+    peers (records a step behind: a group may hold some whose records have not caught up) not in it:
+    peers that could not form a group of their own are not waited for. (A peer that missed the step's
+    first-tier groups found nobody left to form one with: waiting for it held the step for the whole
+    window, then it adopted.)"""
+    here, covered = set(here), set(covered)
+    missing = len(here - covered)
+    short = missing + len(set(lagging) - covered)
+    return missing <= int(COVER_SLACK * len(here)) or short < max(2, fewest)
 
 
 def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[str]:
@@ -201,6 +206,19 @@ def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[
     return covered
 
 
+def signed_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[str]:
+    """The peers that signed the group certificates ``groups`` (checked: ``tiercert.certificate_misfit``) with
+    identities ``counts`` admits, each once, in certificates that such signers are a strict majority of:
+    what a round shows of the peers in it, unlike ``covered_peers`` without the listed members that signed
+    nothing (a certificate signed by a majority of Sybils may list honest peers)."""
+    signed: set[str] = set()
+    for group in groups:
+        signers = [m for m in dict.fromkeys(certified_signers(group)) if m not in signed and counts(m)]
+        if 2 * len(signers) > len(group["members"]):
+            signed.update(signers)
+    return signed
+
+
 def holds_the_step(
     groups: Iterable[dict],
     counts: Callable[[str], bool],
@@ -209,14 +227,15 @@ def holds_the_step(
     outside: Collection[str] = (),
 ) -> bool:
     """Whether a second-tier round whose checked certificates are ``groups`` is the step's combined result for
-    a peer that was in none of its groups: its certificates hold (``covered_peers``) at least half of
-    ``showing``, the peers whose records show the step or a later one (no other round can hold more; in a
-    small run a step's round often holds exactly half, two groups of a run of eight). Only listed peers that
-    the peer itself sees count, and none of ``outside`` (peers it knows were in none of the round's groups:
-    a late group's own), so Sybils that certify each other's groups need about a quarter of those peers'
-    identities to pass a round of their own off as the step's."""
+    a peer that was in none of its groups: the peers that signed its certificates (``signed_peers``; an
+    honest certificate carries nearly every member's attestation, ``TierBoard.majority``'s ``rest_s``) are at
+    least half of ``showing``, the peers whose records show the step or a later one (in a small run a
+    step's round often holds exactly half: two groups of a run of eight). Only signers the peer itself sees
+    count, none of ``outside`` (peers it knows were in none of the round's groups: a late group's own), and
+    a peer signs one group a step, so Sybils need as many admitted identities as the honest peers in view
+    to pass a round of their own off as the step's, and two rounds hold half each only then."""
     showing = set(showing)
-    return 2 * len((covered_peers(groups, counts) - set(outside)) & showing) >= len(showing)
+    return 2 * len((signed_peers(groups, counts) - set(outside)) & showing) >= len(showing)
 
 
 #: The most of the peers a search would wait for that the absence book (``SecondTier.absent``) may leave
@@ -241,22 +260,22 @@ class EarlyClose:
 
     def __init__(
         self, *, waiting: Callable[[], Collection[str]], fits: Callable, counts: Callable[[str], bool], step: int,
-        state_hash: str, min_members: int,
+        state_hash: str, min_members: int, lagging: Callable[[], Collection[str]] = tuple,
     ):  # fmt: skip
-        self.waiting, self.fits, self.counts = waiting, fits, counts
+        self.waiting, self.fits, self.counts, self.lagging = waiting, fits, counts, lagging
         self.step, self.state_hash, self.min_members = step, state_hash, min_members
         self.closed = False
         self._checked: dict[str, dict | None] = {}
 
     def __call__(self, claims: dict) -> bool:
-        waiting = set(self.waiting())
+        waiting, lagging = set(self.waiting()), set(self.lagging())
         shaped = {
             name: body.extra["group"]
             for name, body in claims.items()
             if certificate_shape_misfit(body.extra, signer=name, min_members=self.min_members) is None
         }
         claimed = {member for group in shaped.values() for member in group["members"]}
-        if not covers(waiting, claimed, fewest=self.min_members):
+        if not covers(waiting, claimed, fewest=self.min_members, lagging=lagging):
             return False
         verified = []
         for name, group in shaped.items():
@@ -264,7 +283,9 @@ class EarlyClose:
                 self._checked[name] = group if self._holds(name, claims[name]) else None
             if self._checked[name] is not None:
                 verified.append(self._checked[name])
-        self.closed = covers(waiting, covered_peers(verified, self.counts), fewest=self.min_members)
+        self.closed = covers(
+            waiting, covered_peers(verified, self.counts), fewest=self.min_members, lagging=lagging
+        )
         return self.closed
 
     def _holds(self, signer: str, body) -> bool:
@@ -484,5 +505,6 @@ __all__ = [
     "round_codec",
     "second_window_s",
     "signed_outcome",
+    "signed_peers",
     "tier_prefix",
 ]

@@ -464,6 +464,7 @@ class TrainingPeer:
         result = await self.tiers.combine(
             group, result, me=self.peer_id, extra=extra, fits=fits, peers_at_step=coming,
             run_peers=max(coming, self.policy.member_count()), here=here, showing=self._showing,
+            behind=lambda: {p.peer_id for p in self.view.values() if p.step == step - 1 and kept(p)},
             ahead=None if getattr(self.strategy, "overlap", False) else self._ahead,
         )  # fmt: skip
         if result is None:  # its group's representative gave nothing to apply (see tiered)

@@ -77,6 +77,7 @@ from swarm.averaging.tiers import (
     relay_parent,
     second_window_s,
     signed_outcome,
+    signed_peers,
     tier_prefix,
 )
 from swarm.averaging.tierserve import (
@@ -198,6 +199,7 @@ class SecondTier:
         ahead: Callable[[], list[str]] | None = None,
         here: Callable[[], Collection[str]] | None = None,
         showing: Callable[[], Collection[str]] | None = None,
+        behind: Callable[[], Collection[str]] | None = None,
     ) -> RoundResult | None:
         """What this peer applies of the complete first-tier round ``result`` of ``group``: the step's
         combined result, its group's own (``alone``), or None (nothing this time; keep the gradient).
@@ -209,13 +211,15 @@ class SecondTier:
         step now (the representative's search closes once the groups in it hold all but a few,
         ``tiers.covers``; its window waited out in vain for some makes them ``absent``); ``showing``: those
         whose records show this step or a later one (default: ``here`` and ``ahead``), whose majority a
-        round ahead must hold to be adopted (``holds_the_step``)."""
+        round ahead must hold to be adopted (``holds_the_step``); ``behind``: those whose records show the
+        step before (a group may hold some: the search waits for them as for ``here``, ``covers``)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
             return result
         here = here if here is not None else lambda: ()
         ahead = ahead if ahead is not None else list
         showing = showing if showing is not None else lambda: {*here(), *ahead()}
+        behind = behind if behind is not None else tuple
         commitments = [c or b"" for c in group.commitments] or [b""] * len(members)
         order = relay_order(commitments, members, group.reducers)  # its first is the representative
         rep = members[order[0]]
@@ -225,7 +229,18 @@ class SecondTier:
         )  # fmt: skip
         if rep == me:
             return await self._represent(
-                group, result, members, facts, extra, fits, peers_at_step, run_peers, ahead, here, showing
+                group,
+                result,
+                members,
+                facts,
+                extra,
+                fits,
+                peers_at_step,
+                run_peers,
+                ahead,
+                here,
+                showing,
+                behind,
             )
         parents = {i: relay_parent(order, i, group.reducers, self.relay_fanout) for i in order[1:]}
         mine = members.index(me)
@@ -252,6 +267,7 @@ class SecondTier:
         self, group: GroupRound, result: RoundResult, members: list[str], facts: _Facts, extra: dict,
         fits: EntryFit | None, peers_at_step: int, run_peers: int, ahead: Callable[[], list[str]],
         here: Callable[[], Collection[str]], showing: Callable[[], Collection[str]],
+        behind: Callable[[], Collection[str]] = tuple,
     ) -> RoundResult | None:  # fmt: skip
         short = group.group_id.hex()[:8]
 
@@ -306,7 +322,7 @@ class SecondTier:
                     closing = EarlyClose(
                         waiting=lambda: self._waited_for(here) - set(members), fits=self._tier_fits(fits, facts),
                         counts=self._counts, step=facts.step, state_hash=facts.state_hash,
-                        min_members=self.min_group_size,
+                        min_members=self.min_group_size, lagging=lambda: set(behind()) - set(members),
                     )  # fmt: skip
                     tried = await self.averager.average(
                         result.vector, facts.weight, {**extra, "group": cert}, expected_size=most,
@@ -451,7 +467,7 @@ class SecondTier:
                 certify=averager.policy.certificate_refusal, refusal=averager.policy.listed_refusal,
             )  # fmt: skip
             if not holds_the_step(checked.groups, self._counts, showing, outside=outside):
-                held = len((covered_peers(checked.groups, self._counts) - outside) & showing)
+                held = len((signed_peers(checked.groups, self._counts) - outside) & showing)
                 raise ProtocolError(
                     f"its round holds {held} of the {len(showing)} peers that show the step or later: "
                     "not the step's combined result"
