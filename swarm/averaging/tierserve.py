@@ -106,7 +106,7 @@ class TierBoard:
     ) -> dict[int, bytes] | None:
         """The attestations that hold, once a strict majority of the group's members has given one and then
         the others have, or ``rest_s`` more has passed (a certificate with more than a bare majority still
-        holds for a peer that no longer counts a signer or two: ``tiers.covered_peers``); None when no
+        holds for a peer that no longer counts a signer or two: ``tiers.signed_peers``); None when no
         majority came within ``timeout_s``."""
         posted = self._posted[group_id]
         loop = asyncio.get_running_loop()

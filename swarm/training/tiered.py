@@ -210,8 +210,8 @@ class SecondTier:
         ``adopt``; None: never, as in an ``outer_overlap`` run); ``here``: the peers whose records show this
         step now (the representative's search closes once the groups in it hold all but a few,
         ``tiers.covers``; its window waited out in vain for some makes them ``absent``); ``showing``: those
-        whose records show this step or a later one (default: ``here`` and ``ahead``), whose majority a
-        round ahead must hold to be adopted (``holds_the_step``); ``behind``: those whose records show the
+        whose records show this step or a later one (default: ``here`` and ``ahead``), at least half of whom
+        a round ahead must hold to be adopted (``holds_the_step``); ``behind``: those whose records show the
         step before (a group may hold some: the search waits for them as for ``here``, ``covers``)."""
         members = [str(p) for p in group.peer_ids]
         if len(members) < 2:
