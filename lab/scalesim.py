@@ -16,7 +16,8 @@ is an uplink rate and a latency. Wherever the code of a real peer decides someth
   ``ALONE_AFTER_TRIES``; members wait ``MEMBER_WAIT_TIMEOUTS`` averaging timeouts for the outcome, ``2 * sender_timeout_s``
   between chunks), and ``ADOPT_ASKS`` for a peer that fell a step behind when the code has it; a group that
   ends its first tier after the step's round adopts it (``SecondTier._combined_without``) when that round
-  holds most of the peers at the step or later (``tiers.holds_the_step``, by its groups' members), asking
+  holds at least half of the peers at the step or later (``tiers.holds_the_step``, by its groups'
+  members), asking
   peers ahead in ``tiered.adopt_order``;
 - whether and where a peer moves: ``catchup.catch_up_move`` with the positions the model holds, its time
   stuck and its ``Groupmates``.
@@ -512,8 +513,9 @@ class ScaleSim:
 
     def _holds_the_step(self, step: int, combined: str, outside: Collection[int] = ()) -> bool:
         """``tiers.holds_the_step``: the round that moved peers to ``combined`` held (by its groups' members, who
-        all sign their certificates here; none of ``outside``) at least half of the peers at ``step`` or later. A result adopted from a peer
-        that adopted it is the same round's. (Before: any round was adopted.)"""
+        all sign their certificates here; none of ``outside``) at least half of the peers at ``step`` or
+        later. A result adopted from a peer that adopted it is the same round's. (Before: any round was
+        adopted.)"""
         if not self.config.late_adopt:
             return True
         showing = set().union(*(peers for at, peers in self._by_step.items() if at >= step))
@@ -522,7 +524,7 @@ class ScaleSim:
 
     def _combined_without(self, group: _Group, alive: list[tuple[Peer, int]]) -> bool:
         """``SecondTier._combined_without``: one of the first peers a step ahead it asks (at once) holds a round
-        of this step and state that holds most of the peers at the step or later, the group's own counted as
+        of this step and state that holds at least half of the peers at the step or later, the group's own counted as
         in none of its groups (``tiers.holds_the_step``, here by the round's members); the representative
         reads its header, then its members adopt it (``_nothing``) instead of searching."""
         step, rep = group.step, group.rep

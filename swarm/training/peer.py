@@ -516,7 +516,7 @@ class TrainingPeer:
 
     def _showing(self) -> set[str]:
         """This peer and those (not refused) whose records show its step or a later one: a round ahead that it
-        adopts must hold most of them (``SecondTier.adopt``)."""
+        adopts must hold at least half of them (``SecondTier.adopt``)."""
         others = (
             p.peer_id
             for p in self.view.values()
