@@ -349,9 +349,25 @@ class PeerGroup:
         reap(self.processes, SHUTDOWN_TIMEOUT_S)
 
 
+def round_times(replies: list[dict]) -> tuple[float, float]:
+    """A round's all-reduce seconds (first peer starting it to last peer holding the result) and its whole
+    seconds, matchmaking included, from every peer's reply."""
+    allreduce_s = max(r["end"] for r in replies) - min(r["start"] for r in replies)
+    return allreduce_s, max(r["round_end"] for r in replies) - min(r["round_start"] for r in replies)
+
+
+def round_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``Settings``: the matchmaking window and the bound on one all-reduce."""
+    parser.add_argument(
+        "--matchmaking-time-s", type=float, default=1.5, help="matchmaking window of ours and hivemind"
+    )
+    parser.add_argument("--averaging-timeout-s", type=float, default=60.0, help="bound on one all-reduce")
+
+
 def _round_cells(cell: Cell, replies: list[dict]) -> None:
-    cell.allreduce_s.append(max(r["end"] for r in replies) - min(r["start"] for r in replies))
-    cell.e2e_s.append(max(r["round_end"] for r in replies) - min(r["round_start"] for r in replies))
+    allreduce_s, e2e_s = round_times(replies)
+    cell.allreduce_s.append(allreduce_s)
+    cell.e2e_s.append(e2e_s)
     cell.bytes_sent_per_peer = int(statistics.mean(r["bytes_sent"] for r in replies))
 
 
@@ -565,10 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"which of {', '.join(SYSTEMS)} to run"
     )
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per cell, after one warmup")
-    parser.add_argument(
-        "--matchmaking-time-s", type=float, default=1.5, help="matchmaking window of ours and hivemind"
-    )
-    parser.add_argument("--averaging-timeout-s", type=float, default=60.0, help="bound on one all-reduce")
+    round_flags(parser)
     parser.add_argument(
         "--quick", action="store_true", help="2 peers, 1M values, fp16, one round: a smoke test"
     )

@@ -33,7 +33,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench_allreduce import PeerGroup, Settings, _descendants, machine, parse_size, show_size
+from bench_allreduce import (
+    PeerGroup,
+    Settings,
+    _descendants,
+    machine,
+    parse_size,
+    round_flags,
+    round_times,
+    show_size,
+)
 
 SYSTEMS = ("ours", "hivemind")
 CONDITIONS = ("quiet", "busy")
@@ -104,14 +113,8 @@ def one_round(group: PeerGroup, peers: int, timeout_s: float) -> tuple[dict | No
     cpu = cpu_seconds(pids) - cpu_before
     if not all(r["ok"] and r["group"] == peers for r in replies):
         return None, cpu, next((r["error"] for r in replies if r.get("error")), "partial group")
-    return (
-        {
-            "allreduce_s": max(r["end"] for r in replies) - min(r["start"] for r in replies),
-            "e2e_s": max(r["round_end"] for r in replies) - min(r["round_start"] for r in replies),
-        },
-        cpu,
-        "",
-    )
+    allreduce_s, e2e_s = round_times(replies)
+    return {"allreduce_s": allreduce_s, "e2e_s": e2e_s}, cpu, ""
 
 
 def order(index: int) -> list[tuple[str, str]]:
@@ -229,10 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--loops-per-core", type=int, default=2, help="busy loops per core in the busy rounds"
     )
-    parser.add_argument(
-        "--matchmaking-time-s", type=float, default=1.5, help="matchmaking window of both systems"
-    )
-    parser.add_argument("--averaging-timeout-s", type=float, default=60.0, help="bound on one all-reduce")
+    round_flags(parser)
     parser.add_argument(
         "--quick", action="store_true", help="2 peers, 256K values, 1 round index: a smoke test"
     )

@@ -195,15 +195,7 @@ def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[
     A peer is in one group of a step, so Sybils that list honest peers they do not speak for can make a
     leader believe fewer honest peers missing than they hold admitted identities, however they split them
     between certificates."""
-    covered: set[str] = set()
-    used: set[str] = set()
-    for group in groups:
-        signers = [m for m in dict.fromkeys(certified_signers(group)) if m not in used and counts(m)]
-        if 2 * len(signers) <= len(group["members"]):
-            continue
-        used.update(signers)
-        covered.update(group["members"])
-    return covered
+    return {member for group, _ in _counted(groups, counts) for member in group["members"]}
 
 
 def signed_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[str]:
@@ -211,12 +203,18 @@ def signed_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[s
     identities ``counts`` admits, each once, in certificates that such signers are a strict majority of:
     what a round shows of the peers in it, unlike ``covered_peers`` without the listed members that signed
     nothing (a certificate signed by a majority of Sybils may list honest peers)."""
-    signed: set[str] = set()
+    return {signer for _, signers in _counted(groups, counts) for signer in signers}
+
+
+def _counted(groups: Iterable[dict], counts: Callable[[str], bool]) -> Iterator[tuple[dict, list[str]]]:
+    """Each certificate of ``groups`` that counts, with its counted signers: those ``counts`` admits that
+    signed no certificate counted before it, when they are a strict majority of its listed members."""
+    used: set[str] = set()
     for group in groups:
-        signers = [m for m in dict.fromkeys(certified_signers(group)) if m not in signed and counts(m)]
+        signers = [m for m in dict.fromkeys(certified_signers(group)) if m not in used and counts(m)]
         if 2 * len(signers) > len(group["members"]):
-            signed.update(signers)
-    return signed
+            used.update(signers)
+            yield group, signers
 
 
 def holds_the_step(
