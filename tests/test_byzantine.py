@@ -190,10 +190,11 @@ def test_the_coordinator_bans_the_guilty_and_publishes_the_ban_list(tmp_path, ke
 # that sign_flip's run bans through; their evidence is judged in-process (test_sendercheck.py) and their
 # whole runs are rehearsals (benchmarks/rehearsals.py --only label_flip,huge_weight). Each run starts a
 # coordinator and 3-4 peer processes: about 25 s on 2 cores.
-# sign_flip runs with senders almost never drawn (a draw names one in 100 checks): a liar that stands out
-# among its chunk's inputs is replayed anyway (swarm.averaging.scores), and that is what must ban it.
+# sign_flip runs with practically no validator draws (no part checked, no sender named): a liar that
+# stands out among the inputs a reducer aggregated for its own part is replayed by one reducer a round
+# (swarm.averaging.scores, SenderChecks._own_part), and that is what must ban it.
 ATTACKS = ["bad_reducer", "sign_flip"]  # nan, label_flip, huge_weight: benchmarks/rehearsals.py
-FLAGS = {"sign_flip": ("--sender-check-probability", "0.01")}
+FLAGS = {"sign_flip": ("--verify-probability", "1e-9", "--sender-check-probability", "1e-9")}
 # An attack whose evidence a validator can take to the coordinator, with what its ban says: a reducer's
 # aggregate recomputed from the signed inputs, a sender's contribution recomputed from its public batch
 # seeds (swarm.training.sendercheck): trained on other labels, or signed for more samples than a peer holds.

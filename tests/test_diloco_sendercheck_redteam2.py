@@ -386,7 +386,7 @@ def test_a_rounds_sender_check_runs_while_its_reducer_accusation_waits(monkeypat
         return SimpleNamespace(
             group_id=group_id, members=list(lie.members), peer_ids=list(lie.members), index=0,
             shared_seed=seed, revealed=None, reveals=dict(enumerate(lie.reveals)), codec=codec, numel=numel,
-            part_chunks=part_chunks, reducers=(), round_timeout_s=1.0,
+            part_chunks=part_chunks, reducers=(), reduces=lambda part: False, round_timeout_s=1.0,
         )  # fmt: skip
 
     evidence = BadAggregateEvidence(

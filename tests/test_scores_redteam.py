@@ -194,7 +194,7 @@ def _runner(w, seed):
     return SimpleNamespace(
         group_id=w.group_id, members=list(w.members), peer_ids=list(w.members), index=VALIDATOR,
         shared_seed=seed, revealed=None, reveals=dict(enumerate(w.nonces)), codec=CODEC, numel=w.numel,
-        part_chunks=[[0, 1]] * MEMBERS, reducers=(),
+        part_chunks=[[0, 1]] * MEMBERS, reducers=(), reduces=lambda part: False,
     )  # fmt: skip
 
 

@@ -111,7 +111,7 @@ def _validate(w, index: int, evidence: BadAggregateEvidence, run=RUN) -> list:
     runner = SimpleNamespace(
         group_id=w.group_id, members=list(w.members), peer_ids=list(w.members), index=index,
         shared_seed=None, revealed=None, reveals={index: _nonce(index)},
-        codec=CODEC, numel=w.numel, part_chunks=[[0, 1]] * MEMBERS, reducers=(),
+        codec=CODEC, numel=w.numel, part_chunks=[[0, 1]] * MEMBERS, reducers=(), reduces=lambda part: False,
     )  # fmt: skip
 
     async def scenario():

@@ -167,7 +167,7 @@ def _round(run, lie: WrongContributionEvidence, seed):
     runner = SimpleNamespace(
         group_id=lie.group_id, members=list(MEMBERS), peer_ids=list(MEMBERS), index=0, shared_seed=seed,
         revealed=None, reveals=dict(enumerate(REVEALS)), codec=get_codec(run.training.compression),
-        numel=_numel(run), part_chunks=[[0, 1]] * 3, reducers=(),
+        numel=_numel(run), part_chunks=[[0, 1]] * 3, reducers=(), reduces=lambda part: False,
     )  # fmt: skip
     evidence = BadAggregateEvidence(
         prefix=run.run_id.replace(".", "_"), group_id=lie.group_id, members=MEMBERS, commitments=COMMITS,
@@ -336,7 +336,7 @@ def test_a_member_that_validates_no_part_copies_no_state():
         for i in range(5):
             runner = SimpleNamespace(
                 group_id=bytes([i]), members=list(MEMBERS), peer_ids=list(MEMBERS), index=0, revealed=revealed,
-                shared_seed=hashlib.sha256(bytes([i])).digest(), part_chunks=[[0, 1]] * 3, reducers=(),
+                shared_seed=hashlib.sha256(bytes([i])).digest(), part_chunks=[[0, 1]] * 3, reducers=(), reduces=lambda part: False,
             )  # fmt: skip
             await checks.keep(runner, [b"", b"", b""])
 

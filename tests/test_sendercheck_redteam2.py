@@ -94,7 +94,7 @@ def test_a_withheld_reveal_no_longer_holds_every_round():
         for i in range(2):
             runner = SimpleNamespace(
                 group_id=bytes([i]), members=list(MEMBERS), peer_ids=list(MEMBERS), index=0, revealed=never,
-                shared_seed=None, part_chunks=[[0, 1]] * 3, reducers=(),
+                shared_seed=None, part_chunks=[[0, 1]] * 3, reducers=(), reduces=lambda part: False,
             )  # fmt: skip
             await checks.keep(runner, [b"", b"", b""])
         return time.monotonic() - started

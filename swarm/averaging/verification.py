@@ -170,11 +170,7 @@ class _Check:
         self.servicer_type, self.p2p, self.timeout_s, self.codec = servicer_type, p2p, timeout_s, codec
         lo, hi = runner.chunk_range(self.part, self.chunk)
         self.numel, self.max_bytes = hi - lo, codec.max_bytes(hi - lo)
-        self.round = dict(
-            prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members),
-            commitments=tuple(c for c in runner.commitments if c), part=self.part, chunk=self.chunk,
-            reducers=runner.reducers, signer=signer,
-        )  # fmt: skip
+        self.round = _round_of(runner, self.part, self.chunk, signer)
 
     async def fetch(self, holder: int, sender: int) -> SignedInput:
         """The signed input of ``sender`` as member ``holder`` shows it; ProtocolError if it does not."""
@@ -241,6 +237,33 @@ class _Check:
         except SwarmError as e:
             logger.info(f"{self.runner.members[holder]} did not show the input of member {sender}: {e}")
             return None
+
+
+def _round_of(runner: ButterflyAllReduce, part: int, chunk: int, signer: int | None) -> dict:
+    """The round fields of evidence about one chunk of ``part`` (``signer``: a substitute that re-reduced
+    it, or None for the part's own reducer)."""
+    return dict(
+        prefix=runner.prefix, group_id=runner.group_id, members=tuple(runner.members),
+        commitments=tuple(c for c in runner.commitments if c), part=part, chunk=chunk,
+        reducers=runner.reducers, signer=signer,
+    )  # fmt: skip
+
+
+def own_part_evidence(runner: ButterflyAllReduce, chunk: int) -> BadAggregateEvidence | None:
+    """What this member signed as the reducer of ``chunk`` of its own part, with the signed inputs it
+    aggregated (as a validator of that chunk would collect them), for scoring its senders; None if it
+    holds no such aggregate (a part re-reduced by a substitute, a failed part, or a chunk trimmed away)."""
+    part = runner.index
+    if part in runner.signers or not 0 <= chunk < runner.chunk_count(part):
+        return None
+    result, inputs = runner.reducer.results[chunk], runner.reducer.evidence[chunk]
+    if result is None or not inputs:
+        return None
+    lo, hi = runner.chunk_range(part, chunk)
+    return BadAggregateEvidence(
+        **_round_of(runner, part, chunk, None), numel=hi - lo, inputs=tuple(inputs), output=result.data,
+        output_signature=result.signature, entries=result.included, signed_at_ms=result.signed_at_ms,
+    )  # fmt: skip
 
 
 async def check_reducer(

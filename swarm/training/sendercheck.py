@@ -51,9 +51,11 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -67,8 +69,9 @@ from swarm.averaging.archive import KEEP_INPUTS_S
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
     SignedInput,
+    drawn_chunk,
 )
-from swarm.averaging.verification import draw
+from swarm.averaging.verification import draw, own_part_evidence
 from swarm.config import RunConfig, sender_checks_on
 from swarm.training.contribution import (
     KIND,
@@ -101,6 +104,10 @@ MAX_SCORED_CHUNKS = 4
 ACCUSE_MARGIN = 0.1
 #: Replays running or waiting their turn at once (each holds its round's state copy).
 MAX_REPLAYS_DUE = 2
+#: Rounds for which a member does not replay again, for standing out, a sender whose replay found it honest:
+#: colluders that move a chunk's median can make an honest sender stand out, and would otherwise cost its
+#: reducers a replay (a step, or a window) in every round.
+CLEARED_ROUNDS = 8
 
 # (step, state hash, state tensors) of this peer now, read before the round's update is applied.
 StateNow = Callable[[], tuple[int, str, dict[str, torch.Tensor]]]
@@ -135,6 +142,10 @@ class SenderChecks:
         self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
         self.checked = self.caught = 0
         self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
+        # Senders that stood out and whose replay found them honest -> the last round (of ``rounds``, the
+        # complete rounds seen) in which they are not replayed for standing out again.
+        self.rounds = 0
+        self.cleared: dict[str, int] = {}
         # One replay at a time, and one more waiting its turn: a check that comes due beyond that is
         # skipped (a liar that reads last round's draw cannot count on its validator being busy).
         self._replay_turn = asyncio.Lock()
@@ -156,8 +167,14 @@ class SenderChecks:
         round), and ``check`` drops the copy once its checks are done."""
         if not self.enabled or len(signed_entries) != len(runner.members):
             return
-        if runner.shared_seed is not None and not draw(runner, self.run.training.verify_probability):
-            return  # this member checks no part of the round
+        self.rounds += 1
+        self.cleared = {peer: until for peer, until in self.cleared.items() if until >= self.rounds}
+        seed = runner.shared_seed
+        # A member the draw gives no part to check still replays a sender that stands out among the inputs
+        # of its own part's drawn chunk, which it holds as their reducer (``_own_part``).
+        checks_none = seed is not None and not draw(runner, self.run.training.verify_probability)
+        if checks_none and await self._own_part(runner, seed) is None:
+            return
         step, state_hash, tensors = await asyncio.to_thread(self.state)
         self.pending[runner.group_id] = _Copy(step, state_hash, tensors, dict(enumerate(signed_entries)))
         while len(self.pending) > MAX_PENDING:
@@ -198,6 +215,31 @@ class SenderChecks:
                 self.outliers += 1
                 lie = self._lie(evidence, odd, copy, reveals, scored=evidence)
                 await self._check_one(runner, lie, copy)
+        if not outlier_replayed:  # then one among the inputs this member aggregated as a reducer
+            found = await self._own_part(runner, own_draw)
+            if found is not None:
+                evidence, odd = found
+                self.outliers += 1
+                await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
+
+    async def _own_part(self, runner, seed: bytes) -> tuple[BadAggregateEvidence, SignedInput] | None:
+        """A sender to replay among the inputs of the drawn chunk of this member's own part (``seed``: the
+        round's draw, or this member's own randomness without every reveal), with the chunk as evidence;
+        None if none stands out, or the round's draw makes another reducer the one that replays it
+        (``replays_own_part``): each reducer holds its own part's inputs, and one replay of a liar a round
+        is enough."""
+        if not self.run.training.replay_outliers or not runner.reduces(runner.index):
+            return None
+        part = runner.index
+        chunk = drawn_chunk(seed, part, runner.chunk_count(part))
+        evidence = own_part_evidence(runner, chunk) if chunk is not None else None
+        if evidence is None:
+            return None
+        odd = await self._outlier(
+            runner, evidence, seed=seed, drawn=None,
+            eligible=lambda sender: replays_own_part(seed, runner, sender) == runner.index,
+        )  # fmt: skip
+        return None if odd is None else (evidence, odd)
 
     def _lie(
         self, evidence: BadAggregateEvidence, item: SignedInput, copy: _Copy, reveals: tuple[bytes, ...],
@@ -211,10 +253,12 @@ class SenderChecks:
         )  # fmt: skip
 
     async def _outlier(
-        self, runner, evidence: BadAggregateEvidence, *, seed: bytes, drawn: int | None
-    ) -> SignedInput | None:
+        self, runner, evidence: BadAggregateEvidence, *, seed: bytes, drawn: int | None,
+        eligible: Callable[[int], bool] = lambda sender: True,
+    ) -> SignedInput | None:  # fmt: skip
         """The input of a sender of the chunk that stands out (``flagged_senders``), other than the drawn
-        one and this member, picked by the round's draw (``outlier_to_replay``); None if none does."""
+        one, this member and a sender ``cleared`` of late, picked by the round's draw (``outlier_to_replay``)
+        among those ``eligible``; None if none does."""
 
         def flags() -> tuple[list[int], list[int]]:  # decoding and scoring: off the event loop
             # The run's layout, as the coordinator reads it (``check_stands_out``).
@@ -225,14 +269,13 @@ class SenderChecks:
             claims, odd = await asyncio.to_thread(flags)
         except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
             return None
+
+        def wanted(sender: int) -> bool:
+            return runner.members[sender] not in self.cleared and eligible(sender)
+
+        claims, odd = [i for i in claims if wanted(i)], [i for i in odd if wanted(i)]
         odd = outlier_to_replay(claims, odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn)
-        if odd is None:
-            return None
-        logger.info(
-            f"{runner.members[odd]}'s input to part {evidence.part} chunk {evidence.chunk} of round "
-            f"{runner.group_id.hex()[:8]} stands out among the chunk's; replaying it"
-        )
-        return next(i for i in evidence.inputs if i.sender_index == odd)
+        return None if odd is None else next(i for i in evidence.inputs if i.sender_index == odd)
 
     async def _check_one(self, runner, lie: WrongContributionEvidence, copy: _Copy) -> None:
         accused = lie.accused
@@ -248,6 +291,11 @@ class SenderChecks:
                 logger.info(f"skipped the check of {accused}: replays of earlier rounds are still due")
                 return
             self.replays_due += 1
+            if lie.scored is not None:
+                logger.info(
+                    f"{accused}'s input to part {lie.part} chunk {lie.chunk} of round {runner.group_id.hex()[:8]} "
+                    "stands out among the chunk's; replaying it"
+                )
             try:
                 async with self._replay_turn:
                     self.checked += 1
@@ -264,6 +312,8 @@ class SenderChecks:
             return
         if verdict is None:
             logger.debug(f"recomputed the contribution of {accused} to part {lie.part} chunk {lie.chunk}")
+            if lie.scored is not None:  # it stood out, honestly: not replayed for that again for a while
+                self.cleared[accused] = self.rounds + CLEARED_ROUNDS
             return
         self.caught += 1
         logger.warning(f"{accused} {verdict} in round {runner.group_id.hex()[:8]}")
@@ -334,6 +384,16 @@ class SenderChecks:
         return EncodedState(copy.step, copy.state_hash, data)
 
 
+def replays_own_part(seed: bytes, runner, sender: int) -> int | None:
+    """The reducer that replays ``sender`` when it stands out among a round's inputs to the reducers' own
+    parts, by the round's draw ``seed``: one of the members that reduce a part, other than the sender."""
+    reducers = [i for i in range(len(runner.members)) if i != sender and runner.reduces(i)]
+    if not reducers:
+        return None
+    pick = hashlib.sha256(b"own-part-replay|" + seed + struct.pack(">I", sender)).digest()
+    return reducers[int.from_bytes(pick[:8], "big") % len(reducers)]
+
+
 __all__ = [
     "KIND",
     "SenderChecks",
@@ -341,6 +401,7 @@ __all__ = [
     "chunk_slice",
     "compare",
     "drawn_sender",
+    "replays_own_part",
     "recompute",
     "whole_micro_batches",
 ]

@@ -1,0 +1,194 @@
+"""Reducers score the inputs of their own part: a sender whose input stands out is replayed by one reducer
+a round, with no validator draw (``SenderChecks._own_part``, ``replays_own_part``), and a sender whose
+replay found it honest is not replayed again for standing out for ``CLEARED_ROUNDS`` rounds.
+
+In process, with the real model, dataset, codec, signatures, ``SenderChecks`` and the coordinator's
+``judge_contribution``. The world: a tiny run whose validators practically never draw a part or a sender
+(so only a reducer's scores of its own part replay anyone), a group of four, each member the reducer of
+its own part, holding the signed inputs of that part's one chunk and its own signed aggregate over them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers import ServedStates, signed_entries
+
+from coordinator.accusations import run_layouts
+from coordinator.contributions import judge_contribution
+from lab.localswarm import tiny_run
+from protocols import averaging_pb2 as apb
+from protocols.keys import SigningKey
+from swarm.averaging.compression import get_codec
+from swarm.averaging.evidence import (
+    SignedInput,
+    aggregate_message,
+    contribution_message,
+    draw_seed,
+    input_entries,
+    layout_chunk_values,
+    round_digest,
+)
+from swarm.models import build_model
+from swarm.training.contribution import WrongContributionEvidence
+from swarm.training.sendercheck import CLEARED_ROUNDS, SenderChecks, chunk_slice, recompute, replays_own_part
+from swarm.training.state import DecodedState, build_optimizer, state_hash, state_tensors
+
+pytestmark = pytest.mark.timeout(300)
+
+MEMBERS, STEP, LIAR = 4, 2, 1
+RUN = tiny_run("own-part-scores", verify_probability=1e-9, sender_check_probability=1e-9)
+PREFIX = RUN.run_id.replace(".", "_")
+CODEC = get_codec(RUN.training.compression)
+GROUP_ID = b"own-part-round"
+
+
+def _nonce(i: int) -> bytes:
+    return hashlib.sha256(b"own-part-nonce" + bytes([i])).digest()
+
+
+@pytest.fixture(scope="module")
+def world():
+    keys = [
+        SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"own-part-member-%d" % i).digest()))
+        for i in range(MEMBERS)
+    ]
+    torch.manual_seed(0)
+    model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
+    tensors = state_tensors(model, build_optimizer(model, RUN.optimizer))
+    hash_ = state_hash(STEP, tensors)
+    honest = [recompute(RUN, tensors, k.peer_id, STEP, 2, device="cpu") for k in keys]  # 8 samples each
+    members = tuple(k.peer_id for k in keys)
+    commits = tuple(hashlib.sha256(_nonce(i)).digest() for i in range(MEMBERS))
+    entries = signed_entries(keys, PREFIX, commits, step=STEP, state_hash=hash_, weights=[8.0] * MEMBERS)
+    digest = round_digest(PREFIX, GROUP_ID, members, commits)
+    return SimpleNamespace(
+        keys=keys, tensors=tensors, hash=hash_, honest=honest, numel=run_layouts(RUN)[PREFIX], members=members,
+        commits=commits, entries=entries, digest=digest, seed=draw_seed(digest, [_nonce(i) for i in range(MEMBERS)]),
+    )  # fmt: skip
+
+
+def _runner(w, index: int, sent: list[torch.Tensor]):
+    """Member ``index`` after a complete round in which member ``i`` sent ``sent[i]``: the reducer of part
+    ``index`` (one chunk), holding every member's signed input to it and its own signed aggregate."""
+    values = layout_chunk_values(MEMBERS, CODEC.bytes_per_value)
+    lo, hi = chunk_slice(w.numel, MEMBERS, index, 0, values)
+    inputs = []
+    for i, key in enumerate(w.keys):
+        data = CODEC.encode_contribution(sent[i][lo:hi])
+        signature = key.sign(contribution_message(w.digest, index, 0, w.members[i], 8.0, data))
+        inputs.append(SignedInput(i, data, signature, 8.0))
+    entries = input_entries([(x.sender_index, x.weight, x.data) for x in inputs])
+    output = CODEC.encode(torch.stack([v[lo:hi] for v in sent]).mean(0))
+    signature = w.keys[index].sign(
+        aggregate_message(w.digest, index, 0, w.members[index], entries, output, 1)
+    )
+    result = apb.PartChunk(data=output, signature=signature, included=entries, signed_at_ms=1)
+    return SimpleNamespace(
+        prefix=PREFIX, group_id=GROUP_ID, members=list(w.members), peer_ids=list(w.members), index=index,
+        commitments=list(w.commits), shared_seed=w.seed, revealed=None,
+        reveals={i: _nonce(i) for i in range(MEMBERS)}, codec=CODEC, numel=w.numel,
+        part_chunks=[[0, 1]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
+        chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
+        reducer=SimpleNamespace(results=[result], evidence=[inputs]),
+    )  # fmt: skip
+
+
+def _round(w, checks: SenderChecks, runner) -> None:
+    async def scenario():
+        await checks.keep(runner, w.entries)
+        await checks.check(runner, [])  # this member validated no part
+        await checks.filed()
+
+    asyncio.run(scenario())
+
+
+def _checks(w, accused: list):
+    async def accuse(peer, lie, verdict):
+        accused.append((peer, lie, verdict))
+
+    return SenderChecks(RUN, device="cpu", state=lambda: (STEP, w.hash, w.tensors), accuse=accuse)
+
+
+def test_one_reducer_a_round_replays_a_liar_that_stands_out_in_its_own_part_and_the_coordinator_bans_it(
+    world,
+):
+    """Before, only a member drawn to validate a part scored its inputs (``verify_probability``, 0.25 by
+    default, a part each), so a liar that stands out in every chunk was replayed only in rounds whose draw
+    gave some honest member a part holding it. Now every reducer scores its own part's drawn chunk, and
+    the round's draw names one reducer (never the liar) to replay it: the liar is filed against at once."""
+    w = world
+    sent = [-w.honest[i] if i == LIAR else w.honest[i] for i in range(MEMBERS)]
+    designated = replays_own_part(w.seed, _runner(w, 0, sent), LIAR)
+    assert designated in {0, 2, 3}
+    filed = {}
+    for index in (0, 2, 3):  # every honest reducer, each holding its own part's inputs
+        accused = []
+        checks = _checks(w, accused)
+        _round(w, checks, _runner(w, index, sent))
+        filed[index] = accused
+        assert checks.checked == (1 if index == designated else 0), index
+    assert [a[0] for a in filed[designated]] == [w.members[LIAR]]
+    assert not any(filed[i] for i in (0, 2, 3) if i != designated)
+    lie = filed[designated][0][1]
+    assert lie.scored is not None and lie.scored.part == designated
+
+    states = ServedStates(DecodedState(STEP, w.tensors, {}, w.hash))
+    found, guilty = asyncio.run(
+        judge_contribution(
+            RUN,
+            lambda: run_layouts(RUN),
+            lie.to_bytes(),
+            lie.accused,
+            w.members[designated],
+            states=states,
+            judging=asyncio.Lock(),
+            timeout_s=30,
+        )  # fmt: skip
+    )
+    assert guilty == w.members[LIAR] and "public batch seeds" in found, (found, guilty)
+
+
+def test_the_designated_reducer_is_never_the_sender_nor_a_member_that_reduces_nothing(world):
+    runner = _runner(world, 0, world.honest)
+    runner.reduces = lambda part: part != 3  # member 3 cannot be dialed: it reduces no part
+    picks = {s: set() for s in range(MEMBERS)}
+    for n in range(200):
+        seed = hashlib.sha256(b"seed-%d" % n).digest()
+        for sender in range(MEMBERS):
+            picks[sender].add(replays_own_part(seed, runner, sender))
+    for sender, picked in picks.items():
+        assert picked == {0, 1, 2} - {sender}, (sender, picked)  # each one that may, over the draws
+
+
+def test_an_honest_sender_made_to_stand_out_is_replayed_once_then_left_for_a_while(world, monkeypatch):
+    """Colluders that move a chunk's median can make an honest sender stand out among a reducer's inputs.
+    Its replay clears it; without a memory of that, the same colluders would cost its designated reducer
+    a replay (a step, or a window) in every round."""
+    w = world
+    target = 2
+    # Members 1 and 3 send the target's gradient reversed: the median follows them, the target stands out.
+    sent = [w.honest[0], -w.honest[target], w.honest[target], -w.honest[target]]
+    reducer = next(i for i in (0, 1, 3) if replays_own_part(w.seed, _runner(w, i, sent), target) == i)
+    replayed = []
+    judge = WrongContributionEvidence.judge
+
+    def recording_judge(self, *args, **kwargs):
+        replayed.append(self.accused)
+        return judge(self, *args, **kwargs)
+
+    monkeypatch.setattr(WrongContributionEvidence, "judge", recording_judge)
+    accused = []
+    checks = _checks(w, accused)
+    _round(w, checks, _runner(w, reducer, sent))
+    assert replayed == [w.members[target]] and accused == []  # replayed, found honest, nobody filed
+    for _ in range(CLEARED_ROUNDS):
+        _round(w, checks, _runner(w, reducer, sent))
+    assert replayed.count(w.members[target]) == 1, replayed
+    _round(w, checks, _runner(w, reducer, sent))  # the memory has run out
+    assert replayed.count(w.members[target]) == 2, replayed
