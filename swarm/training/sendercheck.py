@@ -26,6 +26,12 @@ as the samples it signed for. So a groupmate can recompute it:
 4. Beside the drawn sender, the validator scores every input of a chunk it checked
    (``swarm.averaging.scores``) and replays one sender that stands out, at most once a round; that
    evidence carries the chunk's scores and needs no draw, so it is filed with or without the reveals.
+   Every reducer scores its own part's drawn chunk too, drawn to validate or not (``_own_part``): a
+   sender that stands out there is replayed by the two reducers the round's draw names for it
+   (``replays_own_part``; without every reveal, by any reducer it stands out at). A sender whose replay
+   for standing out found it honest is replayed for that again, for ``CLEARED_ROUNDS`` rounds, only in
+   the share of rounds the draw picks (``still_replayed``): colluders that make an honest sender stand
+   out cannot cost its reducers a replay every round, and a liar cleared once cannot count on it.
 
 What it covers: a sender that scales, flips, replaces, delays or computes on other labels any part of its
 gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
@@ -104,10 +110,16 @@ MAX_SCORED_CHUNKS = 4
 ACCUSE_MARGIN = 0.1
 #: Replays running or waiting their turn at once (each holds its round's state copy).
 MAX_REPLAYS_DUE = 2
-#: Rounds for which a member does not replay again, for standing out, a sender whose replay found it honest:
-#: colluders that move a chunk's median can make an honest sender stand out, and would otherwise cost its
-#: reducers a replay (a step, or a window) in every round.
+#: Rounds for which a sender whose replay for standing out found it honest is only sometimes replayed for
+#: standing out again by that member: colluders that move a chunk's median can make an honest sender stand
+#: out, and would otherwise cost its reducers a replay (a step, or a window) in every round.
 CLEARED_ROUNDS = 8
+#: The share of rounds in which such a cleared sender that stands out is replayed all the same, by the
+#: round's draw (``still_replayed``): a liar cleared by one honest round cannot lie unreplayed for the rest.
+CLEARED_REPLAY_SHARE = 0.25
+#: Reducers that replay a sender standing out among the inputs of their own parts (``replays_own_part``):
+#: more than one, so a colluding reducer the draw names cannot shield a liar from every honest one.
+OWN_PART_REPLAYERS = 2
 
 # (step, state hash, state tensors) of this peer now, read before the round's update is applied.
 StateNow = Callable[[], tuple[int, str, dict[str, torch.Tensor]]]
@@ -216,18 +228,21 @@ class SenderChecks:
                 lie = self._lie(evidence, odd, copy, reveals, scored=evidence)
                 await self._check_one(runner, lie, copy)
         if not outlier_replayed:  # then one among the inputs this member aggregated as a reducer
-            found = await self._own_part(runner, own_draw)
+            found = await self._own_part(runner, own_draw, shared=seed is not None)
             if found is not None:
                 evidence, odd = found
                 self.outliers += 1
                 await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
 
-    async def _own_part(self, runner, seed: bytes) -> tuple[BadAggregateEvidence, SignedInput] | None:
-        """A sender to replay among the inputs of the drawn chunk of this member's own part (``seed``: the
-        round's draw, or this member's own randomness without every reveal), with the chunk as evidence;
-        None if none stands out, or the round's draw makes another reducer the one that replays it
-        (``replays_own_part``): each reducer holds its own part's inputs, and one replay of a liar a round
-        is enough."""
+    async def _own_part(
+        self, runner, seed: bytes, *, shared: bool = True
+    ) -> tuple[BadAggregateEvidence, SignedInput] | None:
+        """A sender to replay among the inputs of the drawn chunk of this member's own part, with the chunk
+        as evidence; None if none stands out, or the round's draw ``seed`` names other reducers to replay it
+        (``replays_own_part``): each reducer holds its own part's inputs, and a couple of replays of a liar a
+        round are enough. Without the round's draw (``shared`` False: ``seed`` is this member's own
+        randomness, since a member withheld its reveal) any sender that stands out may be replayed: a liar
+        that withholds its reveal from the reducers the draw names must not escape them all."""
         if not self.run.training.replay_outliers or not runner.reduces(runner.index):
             return None
         part = runner.index
@@ -237,7 +252,7 @@ class SenderChecks:
             return None
         odd = await self._outlier(
             runner, evidence, seed=seed, drawn=None,
-            eligible=lambda sender: replays_own_part(seed, runner, sender) == runner.index,
+            eligible=lambda sender: not shared or runner.index in replays_own_part(seed, runner, sender),
         )  # fmt: skip
         return None if odd is None else (evidence, odd)
 
@@ -257,8 +272,9 @@ class SenderChecks:
         eligible: Callable[[int], bool] = lambda sender: True,
     ) -> SignedInput | None:  # fmt: skip
         """The input of a sender of the chunk that stands out (``flagged_senders``), other than the drawn
-        one, this member and a sender ``cleared`` of late, picked by the round's draw (``outlier_to_replay``)
-        among those ``eligible``; None if none does."""
+        one and this member, picked by the round's draw (``outlier_to_replay``) among those ``eligible``;
+        a sender ``cleared`` of late only in the rounds whose draw still replays it (``still_replayed``), and
+        a false weight claim always (it costs no replay); None if none does."""
 
         def flags() -> tuple[list[int], list[int]]:  # decoding and scoring: off the event loop
             # The run's layout, as the coordinator reads it (``check_stands_out``).
@@ -270,10 +286,11 @@ class SenderChecks:
         except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
             return None
 
-        def wanted(sender: int) -> bool:
-            return runner.members[sender] not in self.cleared and eligible(sender)
+        def fresh(sender: int) -> bool:
+            return runner.members[sender] not in self.cleared or still_replayed(seed, sender)
 
-        claims, odd = [i for i in claims if wanted(i)], [i for i in odd if wanted(i)]
+        claims = [i for i in claims if eligible(i)]
+        odd = [i for i in odd if eligible(i) and fresh(i)]
         odd = outlier_to_replay(claims, odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn)
         return None if odd is None else next(i for i in evidence.inputs if i.sender_index == odd)
 
@@ -384,14 +401,23 @@ class SenderChecks:
         return EncodedState(copy.step, copy.state_hash, data)
 
 
-def replays_own_part(seed: bytes, runner, sender: int) -> int | None:
-    """The reducer that replays ``sender`` when it stands out among a round's inputs to the reducers' own
-    parts, by the round's draw ``seed``: one of the members that reduce a part, other than the sender."""
+def replays_own_part(seed: bytes, runner, sender: int) -> tuple[int, ...]:
+    """The reducers that replay ``sender`` when it stands out among a round's inputs to the reducers' own
+    parts, by the round's draw ``seed``: ``OWN_PART_REPLAYERS`` of the members that reduce a part, other
+    than the sender (fewer if fewer do)."""
     reducers = [i for i in range(len(runner.members)) if i != sender and runner.reduces(i)]
-    if not reducers:
-        return None
-    pick = hashlib.sha256(b"own-part-replay|" + seed + struct.pack(">I", sender)).digest()
-    return reducers[int.from_bytes(pick[:8], "big") % len(reducers)]
+
+    def rank(member: int) -> bytes:
+        return hashlib.sha256(b"own-part-replay|" + seed + struct.pack(">II", sender, member)).digest()
+
+    return tuple(sorted(reducers, key=rank)[:OWN_PART_REPLAYERS])
+
+
+def still_replayed(seed: bytes, sender: int) -> bool:
+    """Whether the round's draw ``seed`` replays ``sender`` for standing out although a replay cleared it
+    of late (``CLEARED_REPLAY_SHARE`` of rounds; the draw is fixed only after every input is signed)."""
+    pick = hashlib.sha256(b"cleared-replay|" + seed + struct.pack(">I", sender)).digest()
+    return int.from_bytes(pick[:8], "big") < CLEARED_REPLAY_SHARE * 2**64
 
 
 __all__ = [
@@ -402,6 +428,7 @@ __all__ = [
     "compare",
     "drawn_sender",
     "replays_own_part",
+    "still_replayed",
     "recompute",
     "whole_micro_batches",
 ]
