@@ -107,7 +107,7 @@ def _runner(w, index: int, sent: list[torch.Tensor], *, heard: set[int] | None =
         revealed=None, reveals={i: _nonce(i) for i in heard}, codec=CODEC, numel=w.numel,
         part_chunks=[[0, 1]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
         chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
-        reducer=SimpleNamespace(results=[result], evidence=[inputs]),
+        reducer=SimpleNamespace(results=[result], evidence=[inputs], undecodable={}),
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ its own part, holding the signed inputs of that part's one chunk and its own sig
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from types import SimpleNamespace
 
@@ -103,7 +104,7 @@ def _runner(w, index: int, sent: list[torch.Tensor]):
         reveals={i: _nonce(i) for i in range(MEMBERS)}, codec=CODEC, numel=w.numel,
         part_chunks=[[0, 1]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
         chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
-        reducer=SimpleNamespace(results=[result], evidence=[inputs]),
+        reducer=SimpleNamespace(results=[result], evidence=[inputs], undecodable={}),
     )  # fmt: skip
 
 
@@ -216,3 +217,63 @@ def test_an_honest_sender_made_to_stand_out_is_replayed_once_then_seldom_for_a_w
     assert replayed.count(w.members[target]) == 1, replayed
     _round(w, checks, runner())  # the memory has run out
     assert replayed.count(w.members[target]) == 2, replayed
+
+
+@pytest.mark.parametrize("reveals", ["all", "withheld"])
+def test_a_sender_whose_signed_input_does_not_decode_is_banned_without_a_draw(world, reveals):
+    """A reducer refuses an input with non-finite values (the ``nan`` attack) and, before, nobody could
+    file it: the refused input was in no chunk's evidence, and only a drawn sender's could be filed. The
+    reducer now keeps each sender's first validly signed input that does not decode
+    (``PartReducer.undecodable``); one the draw names for that sender (any, without every reveal) replays
+    the sender and files, with no draw (``WrongContributionEvidence.undecodable``), and the coordinator
+    bans the sender once its own replay shows the input is not what its batch seeds give."""
+    w = world
+    heard = set(range(MEMBERS)) if reveals == "all" else set(range(MEMBERS)) - {LIAR}
+    probe = _runner(w, 0, w.honest)
+    reducer = replays_own_part(w.seed, probe, LIAR)[0] if reveals == "all" else 0
+    runner = _runner(w, reducer, w.honest)
+    if reveals == "withheld":
+        runner.shared_seed, runner.reveals = None, {i: _nonce(i) for i in heard}
+    lo, hi = runner.chunk_range(reducer, 0)
+    data = CODEC.encode_contribution(torch.full((hi - lo,), float("nan")))
+    signature = w.keys[LIAR].sign(contribution_message(w.digest, reducer, 0, w.members[LIAR], 8.0, data))
+    runner.reducer.undecodable = {LIAR: (0, SignedInput(LIAR, data, signature, 8.0))}
+    accused = []
+    checks = _checks(w, accused)
+    _round(w, checks, runner)
+    assert [a[0] for a in accused] == [w.members[LIAR]], accused
+    lie, verdict = accused[0][1], accused[0][2]
+    assert "does not decode" in verdict and lie.scored is None
+    assert bool(lie.reveals) == (reveals == "all")
+
+    states = ServedStates(DecodedState(STEP, w.tensors, {}, w.hash))
+    found, guilty = asyncio.run(
+        judge_contribution(
+            RUN,
+            lambda: run_layouts(RUN),
+            lie.to_bytes(),
+            lie.accused,
+            w.members[reducer],
+            states=states,
+            judging=asyncio.Lock(),
+            timeout_s=30,
+        )  # fmt: skip
+    )
+    assert guilty == w.members[LIAR] and "does not decode" in found, (found, guilty)
+    # An input that decodes, filed the same way with no draw behind it, does not hold: the accuser pays.
+    decodes = CODEC.encode_contribution(w.honest[LIAR][lo:hi])
+    resigned = w.keys[LIAR].sign(contribution_message(w.digest, reducer, 0, w.members[LIAR], 8.0, decodes))
+    honest = dataclasses.replace(lie, item=SignedInput(LIAR, decodes, resigned, 8.0))
+    found, guilty = asyncio.run(
+        judge_contribution(
+            RUN,
+            lambda: run_layouts(RUN),
+            honest.to_bytes(),
+            honest.accused,
+            w.members[reducer],
+            states=states,
+            judging=asyncio.Lock(),
+            timeout_s=30,
+        )  # fmt: skip
+    )
+    assert guilty == w.members[reducer] and "does not hold" in found, (found, guilty)

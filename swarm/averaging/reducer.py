@@ -72,6 +72,10 @@ class PartReducer:
         self.results: list[apb.PartChunk | None] = [None] * chunks
         # What a validator needs: the signed inputs of each chunk of our part.
         self.evidence: list[list[SignedInput]] = [[] for _ in range(chunks)]
+        # Each sender's first validly signed input to our part that did not decode (non-finite values, a
+        # malformed encoding), by sender, with its chunk: no loop sends one, so it needs no draw to be
+        # replayed and filed (``swarm.training.sendercheck``). At most one per member.
+        self.undecodable: dict[int, tuple[int, SignedInput]] = {}
         self._reduced = [asyncio.Event() for _ in range(chunks)]
         # Members still in the round for this peer's part; a repair waits for the same ones.
         self.active = set(range(len(round.peer_ids)))
@@ -226,7 +230,14 @@ class PartReducer:
         hashing, the signature and decoding run beside the event loop."""
         lo, hi = self.round.chunk_range(self.round.index, chunk)
         self.check_contribution(sender, message, chunk)
-        return self.round.codec.decode_contribution(message.data, hi - lo, sender=self.round.members[sender])
+        try:
+            return self.round.codec.decode_contribution(
+                message.data, hi - lo, sender=self.round.members[sender]
+            )
+        except ProtocolError:
+            signed = SignedInput(sender, message.data, message.signature, message.weight)
+            self.undecodable.setdefault(sender, (chunk, signed))
+            raise
 
     async def consume(self, sender: int, first: apb.PartChunk, stream: AsyncIterator[apb.PartChunk]) -> None:
         """Take member ``sender``'s chunks of our part, then its reveal; a chunk that breaks a rule, or

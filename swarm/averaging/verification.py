@@ -170,7 +170,7 @@ class _Check:
         self.servicer_type, self.p2p, self.timeout_s, self.codec = servicer_type, p2p, timeout_s, codec
         lo, hi = runner.chunk_range(self.part, self.chunk)
         self.numel, self.max_bytes = hi - lo, codec.max_bytes(hi - lo)
-        self.round = _round_of(runner, self.part, self.chunk, signer)
+        self.round = round_of(runner, self.part, self.chunk, signer)
 
     async def fetch(self, holder: int, sender: int) -> SignedInput:
         """The signed input of ``sender`` as member ``holder`` shows it; ProtocolError if it does not."""
@@ -239,7 +239,7 @@ class _Check:
             return None
 
 
-def _round_of(runner: ButterflyAllReduce, part: int, chunk: int, signer: int | None) -> dict:
+def round_of(runner: ButterflyAllReduce, part: int, chunk: int, signer: int | None = None) -> dict:
     """The round fields of evidence about one chunk of ``part`` (``signer``: a substitute that re-reduced
     it, or None for the part's own reducer)."""
     return dict(
@@ -261,7 +261,7 @@ def own_part_evidence(runner: ButterflyAllReduce, chunk: int) -> BadAggregateEvi
         return None
     lo, hi = runner.chunk_range(part, chunk)
     return BadAggregateEvidence(
-        **_round_of(runner, part, chunk, None), numel=hi - lo, inputs=tuple(inputs), output=result.data,
+        **round_of(runner, part, chunk), numel=hi - lo, inputs=tuple(inputs), output=result.data,
         output_signature=result.signature, entries=result.included, signed_at_ms=result.signed_at_ms,
     )  # fmt: skip
 

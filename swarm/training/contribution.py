@@ -320,10 +320,11 @@ class WrongContributionEvidence(RoundEvidence):
         """That the round's draw (from ``reveals``) made ``accuser`` the validator of this chunk of this
         part and named the accused as the sender to replay (True); or, for evidence with a ``scored``
         chunk, that the run replays senders that stand out and the chunk is one a group of the run can
-        hold (False: the caller then runs ``check_stands_out``, which alone decides). ProtocolError
-        otherwise. So an accuser replays only the sender and chunk the round drew, or a sender whose input
-        stands out: a scored accusation needs no draw, so a liar that withholds its nonce in the rounds
-        whose draw would replay it is still filed against when it stands out."""
+        hold (False: the caller then runs ``check_stands_out``, which alone decides); or, for an input
+        that does not decode with the run's codec (``undecodable``: no loop sends one), True with no draw.
+        ProtocolError otherwise. So an accuser replays only the sender and chunk the round drew, or a
+        sender whose input stands out or does not decode: these need no draw, so a liar that withholds its
+        nonce in the rounds whose draw would replay it is still filed against."""
         members = len(self.members)
         if len(self.commitments) != members:
             raise ProtocolError(f"{KIND} evidence needs every member's commitment")
@@ -333,6 +334,8 @@ class WrongContributionEvidence(RoundEvidence):
             raise ProtocolError(f"{KIND} evidence holds {len(self.reveals)} reveals for {members} members")
         if any(hashlib.sha256(r).digest() != c for r, c in zip(self.reveals, self.commitments, strict=False)):
             raise ProtocolError("evidence holds a reveal that does not match its member's commitment")
+        if self.scored is None and self.undecodable(codec, vector_numel):
+            return True
         if self.scored is not None:
             if not run.training.replay_outliers:
                 raise ProtocolError("this run replays only the senders its rounds draw")
@@ -379,6 +382,17 @@ class WrongContributionEvidence(RoundEvidence):
             raise ProtocolError(
                 f"the input of {self.accused} does not stand out among the chunk's (swarm.averaging.scores)"
             )
+
+    def undecodable(self, codec: Codec, vector_numel: int) -> bool:
+        """Whether the accused's input does not decode with the run's codec at its chunk's size (non-finite
+        values, a malformed encoding): an input the built-in loop never sends, whose replay still decides
+        (an honest peer whose own values were not finite sent the same bytes as its replay)."""
+        lo, hi = self.slice(codec, vector_numel)
+        try:
+            codec.decode_contribution(self.item.data, hi - lo, sender=self.accused)
+        except ProtocolError:
+            return True
+        return False
 
     def slice(self, codec: Codec, vector_numel: int) -> tuple[int, int]:
         """Where the chunk lies in the run's vector; ProtocolError if the run's layout has no such chunk."""

@@ -77,7 +77,7 @@ from swarm.averaging.evidence import (
     SignedInput,
     drawn_chunk,
 )
-from swarm.averaging.verification import draw, own_part_evidence
+from swarm.averaging.verification import draw, own_part_evidence, round_of
 from swarm.config import RunConfig, sender_checks_on
 from swarm.training.contribution import (
     KIND,
@@ -185,7 +185,7 @@ class SenderChecks:
         # A member the draw gives no part to check still replays a sender that stands out among the inputs
         # of its own part's drawn chunk, which it holds as their reducer (``_own_part``).
         checks_none = seed is not None and not draw(runner, self.run.training.verify_probability)
-        if checks_none and await self._own_part(runner, seed) is None:
+        if checks_none and self._refused(runner, seed) is None and await self._own_part(runner, seed) is None:
             return
         step, state_hash, tensors = await asyncio.to_thread(self.state)
         self.pending[runner.group_id] = _Copy(step, state_hash, tensors, dict(enumerate(signed_entries)))
@@ -206,6 +206,15 @@ class SenderChecks:
         reveals = tuple(runner.reveals[i] for i in range(members)) if seed is not None else ()
         own_draw = os.urandom(32) if seed is None else seed
         outlier_replayed, scored = False, 0
+        refused = self._refused(runner, own_draw, shared=seed is not None)
+        if refused is not None:  # a signed input to this member's own part that did not decode
+            chunk, item = refused
+            outlier_replayed = True
+            lie = WrongContributionEvidence(
+                **round_of(runner, runner.index, chunk), item=item, entry=copy.entries[item.sender_index],
+                reveals=reveals,
+            )  # fmt: skip
+            await self._check_one(runner, lie, copy)
         for outcome in outcomes:
             evidence = outcome.evidence
             if not isinstance(evidence, BadAggregateEvidence):
@@ -233,6 +242,18 @@ class SenderChecks:
                 evidence, odd = found
                 self.outliers += 1
                 await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
+
+    def _refused(self, runner, seed: bytes, *, shared: bool = True) -> tuple[int, SignedInput] | None:
+        """(chunk, input) of a sender whose validly signed input to this member's own part did not decode
+        (``PartReducer.undecodable``), for this member to replay: as a reducer the round's draw ``seed``
+        names for that sender (``replays_own_part``), or any without every reveal (``shared`` False); None
+        if none."""
+        if not runner.reduces(runner.index):
+            return None
+        for sender, found in sorted(runner.reducer.undecodable.items()):
+            if not shared or runner.index in replays_own_part(seed, runner, sender):
+                return found
+        return None
 
     async def _own_part(
         self, runner, seed: bytes, *, shared: bool = True
@@ -336,9 +357,10 @@ class SenderChecks:
         logger.warning(f"{accused} {verdict} in round {runner.group_id.hex()[:8]}")
         if self.suspect is not None:
             self.suspect(accused, "sent a contribution other than its public batch seeds give")
-        if not lie.reveals and lie.scored is None:
+        if not lie.reveals and lie.scored is None and not lie.undecodable(runner.codec, runner.numel):
             # Found by this member's own draw (a member withheld its nonce): the coordinator could not
-            # tell it was drawn. A sender that stands out is filed all the same: its scores need no draw.
+            # tell it was drawn. A sender that stands out, or whose input does not decode, is filed all
+            # the same: that needs no draw.
             return
         try:  # what the coordinator checks first: evidence that does not hold would ban this member
             await asyncio.to_thread(_would_hold, lie, self.run, runner)
