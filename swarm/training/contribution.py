@@ -386,7 +386,7 @@ class WrongContributionEvidence(RoundEvidence):
     def undecodable(self, codec: Codec, vector_numel: int) -> bool:
         """Whether the accused's input does not decode with the run's codec at its chunk's size (non-finite
         values, a malformed encoding): an input the built-in loop never sends, whose replay still decides
-        (an honest peer whose own values were not finite sent the same bytes as its replay)."""
+        (``judge``: a replay that is not finite convicts nobody)."""
         lo, hi = self.slice(codec, vector_numel)
         try:
             codec.decode_contribution(self.item.data, hi - lo, sender=self.accused)
@@ -425,6 +425,10 @@ class WrongContributionEvidence(RoundEvidence):
         except ProtocolError as e:  # its own signed claim: no replay needed
             return str(e)
         vector = recompute(run, tensors, accused, step, micro_batches, device=device, deadline=deadline)
+        if not bool(torch.isfinite(vector[lo:hi]).all()):
+            # The honest peer would have stopped instead of sending it (``TrainingPeer._own_contribution``);
+            # non-finite values may come out unlike on another device, so nothing here convicts anyone.
+            raise ProtocolError(f"the replay of {accused}'s contribution to chunk {self.chunk} is not finite")
         what = "window's pseudo-gradient" if run.training.sync == "diloco" else "gradient"
         tolerance = sender_tolerance(run.training) * (1.0 + margin)
         verdict = compare(self.item.data, vector[lo:hi], codec, tolerance, sender=accused, what=what)

@@ -388,9 +388,7 @@ class TrainingPeer:
         if needed > 1 and len(others) + 1 < needed:
             return  # not enough peers in the run yet: keep the accumulated gradient and wait
         # What this peer sends and signs for: its own gradient and samples, but in a rehearsed attack.
-        vector = await asyncio.to_thread(
-            lambda: self.hooks.contribute(self, self.strategy.contribution(self.samples))
-        )
+        vector = await asyncio.to_thread(lambda: self.hooks.contribute(self, self._own_contribution()))
         weight = self.hooks.weight(self.strategy.weight(self.samples))
         extra = self.hooks.entry(self._round_extra())
         # Everyone training at this step is about to look for a group too: assemble once all have joined
@@ -555,6 +553,17 @@ class TrainingPeer:
             sent=self.averager.traffic.sent + self.tiers.averager.traffic.sent,
             received=self.averager.traffic.received + self.tiers.averager.traffic.received, **fields,
         )  # fmt: skip
+
+    def _own_contribution(self) -> torch.Tensor:
+        """This peer's honest contribution to the step's round; FloatingPointError if it is not finite (the
+        model has diverged, as fp16's loss scaling reports): an honest peer never signs an input the run's
+        codecs refuse, so one that does is provably lying (``WrongContributionEvidence.undecodable``)."""
+        vector = self.strategy.contribution(self.samples)
+        if not bool(torch.isfinite(vector).all()):
+            raise FloatingPointError(
+                f"step {self.step}: this peer's own contribution is not finite: the model has diverged"
+            )
+        return vector
 
     def _round_extra(self) -> dict:
         """What this peer signs into its group entry for the round at its step."""

@@ -207,9 +207,8 @@ class SenderChecks:
         own_draw = os.urandom(32) if seed is None else seed
         outlier_replayed, scored = False, 0
         refused = self._refused(runner, own_draw, shared=seed is not None)
-        if refused is not None:  # a signed input to this member's own part that did not decode
-            chunk, item = refused
-            outlier_replayed = True
+        if refused is not None:  # a signed input to this member's own part that did not decode: a replay
+            chunk, item = refused  # of its own (a decoy that sends one must not spare a liar the others)
             lie = WrongContributionEvidence(
                 **round_of(runner, runner.index, chunk), item=item, entry=copy.entries[item.sender_index],
                 reveals=reveals,
