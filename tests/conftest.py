@@ -10,7 +10,7 @@ from pathlib import Path
 
 import hivemind
 import pytest
-from helpers import run_tiny_sim
+from helpers import ready_for_a_new_loop, run_tiny_sim
 
 from lab.localswarm import LocalSwarm
 from protocols.keys import SigningKey
@@ -26,14 +26,24 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
         harness.kill_all()
 
 
-@pytest.fixture
-def keyed_dhts(tmp_path: Path) -> Iterator[list[tuple[hivemind.DHT, SigningKey]]]:
-    """Three DHT peers on loopback whose libp2p identities are signing keys we hold, as a volunteer's
-    are: ``[(dht, key), ...]``, shut down after the test."""
-    nodes = start_local_dhts(3, tmp_path)
+@pytest.fixture(scope="session")
+def session_keyed_dhts(tmp_path_factory) -> Iterator[list[tuple[hivemind.DHT, SigningKey]]]:
+    """The three DHT nodes behind ``keyed_dhts``, started once for the whole session: three DHT processes
+    take seconds to start and stop on a loaded machine, and dozens of tests average among them."""
+    nodes = start_local_dhts(3, tmp_path_factory.mktemp("dhts"))
     yield nodes
     for node, _ in nodes:
         node.shutdown()
+
+
+@pytest.fixture
+def keyed_dhts(session_keyed_dhts) -> list[tuple[hivemind.DHT, SigningKey]]:
+    """Three DHT peers on loopback whose libp2p identities are signing keys we hold, as a volunteer's
+    are: ``[(dht, key), ...]``, shared by every test that asks for them (``session_keyed_dhts``) and ready
+    for this test's event loop (``ready_for_a_new_loop``). A test works under an averager ``prefix`` or a
+    run ID (DHT keys and libp2p handler names) that no other test uses, and leaves every node running."""
+    ready_for_a_new_loop([node for node, _ in session_keyed_dhts])
+    return session_keyed_dhts
 
 
 @pytest.fixture(scope="session")

@@ -74,6 +74,15 @@ def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()
     return [dht for dht, _ in nodes]
 
 
+def ready_for_a_new_loop(dhts) -> None:
+    """DHT nodes that tests share, ready for this test's event loop: hivemind caches a node's replica of
+    its libp2p daemon (``replicate_p2p``) on the loop that first asked for it, and each test's
+    ``asyncio.run`` closes its loop, so the next test's peers need a replica of their own."""
+    for dht in dhts:
+        assert dht.is_alive(), "a shared DHT node died in an earlier test"
+        dht._p2p_replica = None
+
+
 def stock_dht(initial_peers: list[str], attempts: int = 2, ready_timeout_s: float = 60.0) -> hivemind.DHT:
     """A stock ``hivemind.DHT`` with a fresh key and no record validators (what an attacker who skips
     admission runs), joined to ``initial_peers``. Its child process is spawned, not forked

@@ -189,11 +189,11 @@ def peers(keyed_dhts):
     return keyed_dhts
 
 
-def build(dht, key, allowed, hooks=None) -> Averager:
+def build(dht, key, allowed, prefix: str, hooks=None) -> Averager:
     return Averager(
-        dht, prefix=PREFIX, numel=NUMEL, signing_key=key, matchmaking_time_s=1.0, data_plane=False,
+        dht, prefix=prefix, numel=NUMEL, signing_key=key, matchmaking_time_s=1.0, data_plane=False,
         aggregator="centered_clip", sender_timeout_s=2.0, averaging_timeout_s=10.0,
-        policy=PeerPolicy(dht, PREFIX, allowed=allowed), hooks=hooks,
+        policy=PeerPolicy(dht, prefix, allowed=allowed), hooks=hooks,
     )  # fmt: skip
 
 
@@ -225,8 +225,9 @@ async def attacked_then_retried(honest: list[Averager], attacker: Averager, inpu
 def test_a_malicious_leader_is_left_and_the_honest_peers_average_without_it(peers, caplog, attack, reason):
     allowed = {k.peer_id for _, k in peers}
     (d0, k0), (d1, k1), (d2, k2) = peers
-    honest = [build(d0, k0, allowed), build(d1, k1, allowed)]
-    attacker = build(d2, k2, allowed, hooks=make_attack(attack, group_size=3, attackers=1))
+    prefix = f"{PREFIX}-{attack}"
+    honest = [build(d0, k0, allowed, prefix), build(d1, k1, allowed, prefix)]
+    attacker = build(d2, k2, allowed, prefix, hooks=make_attack(attack, group_size=3, attackers=1))
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(NUMEL, generator=generator) for _ in range(2)]
     with caplog.at_level(logging.WARNING):

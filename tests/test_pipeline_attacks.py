@@ -249,13 +249,14 @@ def test_a_replica_that_refuses_every_call_busy_or_as_past_its_listed_step_is_ro
 
 
 @pytest.mark.timeout(180)  # three DHT nodes start in the fixture: half a minute on a loaded machine
-def stage_one_workers(keyed_dhts, *, min_group_size: int) -> tuple[RunConfig, list]:
+def stage_one_workers(keyed_dhts, *, min_group_size: int, run_id: str) -> tuple[RunConfig, list]:
     """A StageWorker of stage 1 on each DHT of ``keyed_dhts``, each with its replica and averager built
     (not started), in a run with short rounds."""
     from swarm.pipeline.worker import StageWorker
 
     torch.set_num_threads(1)
     data = attack_run().model_dump(mode="json")
+    data["run_id"] = run_id
     data["training"].update(
         min_group_size=min_group_size, matchmaking_time_s=1.0, sender_timeout_s=2.0, averaging_timeout_s=10.0
     )
@@ -285,7 +286,7 @@ def test_a_stage_round_whose_counted_replicas_are_a_minority_applies_no_gradient
     """Three replicas of stage 1 average; only one counted a micro-batch (the others hold weight 0). Before
     the fix the robust rule left the weight-0 replicas out and all three applied that one's gradient,
     whatever it was; now a minority's vector is never applied and the replicas still agree and step."""
-    run, workers = stage_one_workers(keyed_dhts, min_group_size=3)
+    run, workers = stage_one_workers(keyed_dhts, min_group_size=3, run_id="pipeline-attacks-minority")
     reference = StageReplica(run, 1)  # where the stage is after a step with no gradient
     counter = workers[0]
     counter.replica.forward(last_stage_request(run, 1, seed=1), caller=SigningKey.generate().peer_id)
@@ -320,7 +321,7 @@ def test_a_replica_a_step_behind_never_averages_with_one_a_step_ahead(keyed_dhts
     the steps its members signed), both applied the average, and in a 20-step clean `swarm-sim --stages 2`
     all three replicas of stage 0 ended on three different states. Now each excludes the other: neither
     applies anything, and A catches up by download (the catch-up rule)."""
-    run, workers = stage_one_workers(keyed_dhts, min_group_size=2)
+    run, workers = stage_one_workers(keyed_dhts, min_group_size=2, run_id="pipeline-attacks-behind")
     behind, ahead, idle = workers
     for worker in workers:
         worker.replica.forward(last_stage_request(run, 1, seed=1), caller=SigningKey.generate().peer_id)

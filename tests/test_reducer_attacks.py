@@ -47,13 +47,19 @@ MODEL = {
 MAX_ROUNDS = 6  # a validator draw that misses the attacker has probability 1/4 per round at most
 
 
-@pytest.fixture(scope="module")
-def run() -> RunConfig:
-    return RunConfig(run_id=RUN, model=MODEL, membership=FAST_MEMBERSHIP)
+def attack_run(run_id: str = RUN) -> RunConfig:
+    return RunConfig(run_id=run_id, model=MODEL, membership=FAST_MEMBERSHIP)
+
+
+@pytest.fixture
+def run(request) -> RunConfig:
+    """A run of its own for each test: the shared DHT nodes (``keyed_dhts``) keep every ban list published."""
+    return attack_run(f"{RUN}-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[-40:])
 
 
 @pytest.fixture(scope="module")
-def numel(run) -> int:
+def numel() -> int:
+    run = attack_run()
     model = build_model(run.model.name, run.model.config, seed=run.training.seed)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -81,7 +87,7 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 async def accuse(accused, evidence, verdict):
                     answers.append(
                         await client.accuse(
-                            key, RUN, accused=accused, reason=verdict, evidence=evidence.to_bytes()
+                            key, run.run_id, accused=accused, reason=verdict, evidence=evidence.to_bytes()
                         )
                     )
 
@@ -89,14 +95,14 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
 
             averagers = []
             for i, (dht, key) in enumerate(peers):
-                await client.join(key, RUN, name=f"peer{i}", device="cpu")
+                await client.join(key, run.run_id, name=f"peer{i}", device="cpu")
                 # Volunteers bootstrap from the coordinator's DHT; these peers share their own, so the
                 # coordinator's node dials them to ask for inputs.
                 own = Multiaddr(f"/p2p/{key.peer_id}")
                 addresses = [m.decapsulate(own) for m in dht.get_visible_maddrs()]
                 await node.keeper.p2p._client.connect(PeerID.from_base58(key.peer_id), addresses)
                 averager = Averager(
-                    dht, prefix=RUN, numel=numel, aggregator="centered_clip", signing_key=key,
+                    dht, prefix=run.run_id, numel=numel, aggregator="centered_clip", signing_key=key,
                     matchmaking_time_s=1.0, sender_timeout_s=2.0, data_plane=False, verify_probability=1.0,
                     accuse=accuser(key), hooks=attack if i == 2 else None,
                 )  # fmt: skip
@@ -107,7 +113,9 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 while True:
                     for _, key in peers:
                         with contextlib.suppress(SwarmError):
-                            await client.heartbeat(key, RUN, PublicKey.from_peer_id(node.coordinator_peer_id))
+                            await client.heartbeat(
+                                key, run.run_id, PublicKey.from_peer_id(node.coordinator_peer_id)
+                            )
                     await asyncio.sleep(FAST_MEMBERSHIP.heartbeat_interval_s)
 
             beating = asyncio.create_task(heartbeats())
@@ -124,7 +132,7 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 if not all(o is not None and len(o[0].peer_ids) == 3 for o in outcomes):
                     continue  # on a loaded machine a leader may assemble before the third peer asks
                 full += 1
-                status = await client.status(RUN)
+                status = await client.status(run.run_id)
                 states = {p.peer_id: p.state for p in status.peers}
                 if until(states) or full == MAX_ROUNDS:
                     break

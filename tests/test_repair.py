@@ -69,7 +69,7 @@ def run_round(peers, runner_type, vectors, averaging_timeout_s: float = 8.0):
         averagers = [
             Averager(
                 dht,
-                prefix="repair",
+                prefix=f"repair-{runner_type.__name__}",
                 numel=NUMEL,
                 signing_key=key,
                 matchmaking_time_s=1.0,

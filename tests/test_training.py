@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import KEYS, VanishingAllReduce, start_dhts
+from helpers import KEYS, VanishingAllReduce, ready_for_a_new_loop, start_dhts
 
 from lab.localswarm import running_coordinator, tiny_run
 from protocols.certificates import issue_certificate
@@ -36,6 +36,22 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
+@pytest.fixture(scope="module")
+def module_nodes():
+    """Three DHT nodes for the module's tests that need no coordinator (seconds to start and stop on a
+    loaded machine). Each test trains a run of its own, so that none reads another's records."""
+    dhts = start_dhts(3)
+    yield dhts
+    for dht in dhts:
+        dht.shutdown()
+
+
+@pytest.fixture
+def nodes(module_nodes):
+    ready_for_a_new_loop(module_nodes)
+    return module_nodes
+
+
 def trainers_for(run, dhts, **kwargs) -> list[Trainer]:
     torch.set_num_threads(1)
     return [
@@ -44,10 +60,10 @@ def trainers_for(run, dhts, **kwargs) -> list[Trainer]:
     ]
 
 
-def test_late_joiner_and_a_peer_dying_mid_round():
+def test_late_joiner_and_a_peer_dying_mid_round(nodes):
     max_steps = 20  # room for the survivors to train on while the joiner loads on a busy machine
     run = tiny_run("faults", max_steps=max_steps, min_group_size=1)
-    dhts = start_dhts(3)
+    dhts = nodes[:3]
     trainers = trainers_for(run, dhts)
     stop = asyncio.Event()
 
@@ -76,11 +92,7 @@ def test_late_joiner_and_a_peer_dying_mid_round():
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    asyncio.run(scenario())
 
 
 @contextlib.asynccontextmanager
@@ -161,9 +173,9 @@ class TamperingState(SyncedState):
         return EncodedState(honest.step, honest.state_hash, tampered)
 
 
-def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
+def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(nodes, caplog):
     run = tiny_run("tamper")
-    dhts = start_dhts(3)
+    dhts = nodes[:3]
     honest, liar = (t.peer for t in trainers_for(run, dhts[:2]))
     liar.synced.__class__ = TamperingState  # before start(), which serves liar.synced.encoded
     joiner = trainers_for(run, dhts[2:])[0].peer
@@ -187,19 +199,15 @@ def test_a_state_that_fails_its_hash_is_discarded_and_fetched_elsewhere(caplog):
         assert await joiner.catchup.resync(1, honest.state_hash, [liar_id, honest_id, liar_id])
         assert joiner.step == 1 and joiner.state_hash == honest.state_hash
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    asyncio.run(scenario())
     assert f"discarding state from {dhts[1].peer_id.to_base58()}" in caplog.text
 
 
-def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(caplog):
+def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(nodes, caplog):
     """A peer that asks for state before the holder's view shows its first record is refused, as expected
     on every resume: that is a line at INFO ("will look again"), not a warning that discards the holder."""
     run = tiny_run("not-seen-yet")
-    dhts = start_dhts(2)
+    dhts = nodes[:2]
     holder, joiner = (t.peer for t in trainers_for(run, dhts))
 
     async def scenario() -> None:
@@ -218,11 +226,7 @@ def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(ca
         assert await joiner.catchup.resync(1, holder.state_hash, [holder.peer_id])
         assert joiner.state_hash == holder.state_hash
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    asyncio.run(scenario())
     refusals = [r for r in caplog.records if "signed progress record" in r.getMessage()]
     assert refusals and all(r.levelname == "INFO" for r in refusals), [
         (r.levelname, r.getMessage()) for r in refusals
@@ -231,59 +235,49 @@ def test_a_joiner_that_holders_have_not_seen_yet_asks_again_without_a_warning(ca
     assert "discarding state" not in caplog.text
 
 
-def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim():
+def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim(nodes):
     """A peer whose groupmates already claim the whole batch still computes a micro-batch before its
     round. Before, a slow peer (or one whose view held an inflated claim) joined with weight 0: it counted
     toward the group's 2f + 1 but the rule left it out, so one attacker faced one honest sender (a
     whole-run rehearsal made no progress in such a step)."""
     run = tiny_run("own-samples")
-    dhts = start_dhts(1)
-    try:
-        (trainer,) = trainers_for(run, dhts)
-        now = time.time()
-        target = run.training.target_batch_size
-        others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
-        trainer.peer.progress_view.peers = {p.peer_id: p for p in others}
-        trainer.peer.progress_view.count = trainer.peer._step_view + 1  # a view fetched after this step began
-        assert trainer.peer.samples == 0
-        assert trainer.peer.wants_compute() and not trainer.peer.ready_for_round()
-        trainer._micro_step()
-        assert trainer.peer.samples == run.training.micro_batch_size
-        assert trainer.peer.ready_for_round() and not trainer.peer.wants_compute()
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    dhts = nodes[:1]
+    (trainer,) = trainers_for(run, dhts)
+    now = time.time()
+    target = run.training.target_batch_size
+    others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
+    trainer.peer.progress_view.peers = {p.peer_id: p for p in others}
+    trainer.peer.progress_view.count = trainer.peer._step_view + 1  # a view fetched after this step began
+    assert trainer.peer.samples == 0
+    assert trainer.peer.wants_compute() and not trainer.peer.ready_for_round()
+    trainer._micro_step()
+    assert trainer.peer.samples == run.training.micro_batch_size
+    assert trainer.peer.ready_for_round() and not trainer.peer.wants_compute()
 
 
-def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not_move_it():
+def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not_move_it(nodes):
     """The catch-up rule's stall clock starts at a peer's first round attempt at its step, not at the
     step's start. Before, a peer still computing a batch that took longer than a matchmaking window plus a
     round timeout counted as stalled, let only the peers ahead vote, and followed one key's record of the
     next step."""
     run = tiny_run("stall-clock")
-    dhts = start_dhts(1)
-    try:
-        (trainer,) = trainers_for(run, dhts)
-        now = time.time()
-        honest = [PeerProgress(f"honest{i}", 0, 8, 1.0, trainer.state_hash, now) for i in range(2)]
-        evil = PeerProgress("evil", 1, 32, 1.0, "e" * 64, now)
-        trainer.peer.view = {p.peer_id: p for p in [*honest, evil]}
-        window = run.training.matchmaking_time_s + run.training.averaging_timeout_s
-        # The step began long ago and its batch is still being computed (``_step_since`` was the old clock).
-        trainer.peer._started = trainer.peer._step_since = time.monotonic() - 10 * window
-        assert trainer.peer.catchup.ahead_or_apart() is None, (
-            "one key ahead is no majority of the peers in view"
-        )
-        # Once its rounds have failed for a whole window, a stalled peer asks the peers it completed rounds
-        # with (``Groupmates``): "evil" never was one, so its record still moves nobody...
-        trainer.peer.catchup.stalled_since = time.monotonic() - 2 * window
-        assert trainer.peer.catchup.ahead_or_apart() is None
-        trainer.peer.groupmates.record(["honest0", "honest1"], 0)
-        assert trainer.peer.catchup.ahead_or_apart() is None
-        # ...while the groupmates, once they moved on, do.
-        for p in honest:
-            trainer.peer.view[p.peer_id] = PeerProgress(p.peer_id, 1, 8, 1.0, "d" * 64, now)
-        assert trainer.peer.catchup.ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
-    finally:
-        for dht in dhts:
-            dht.shutdown()
+    dhts = nodes[:1]
+    (trainer,) = trainers_for(run, dhts)
+    now = time.time()
+    honest = [PeerProgress(f"honest{i}", 0, 8, 1.0, trainer.state_hash, now) for i in range(2)]
+    evil = PeerProgress("evil", 1, 32, 1.0, "e" * 64, now)
+    trainer.peer.view = {p.peer_id: p for p in [*honest, evil]}
+    window = run.training.matchmaking_time_s + run.training.averaging_timeout_s
+    # The step began long ago and its batch is still being computed (``_step_since`` was the old clock).
+    trainer.peer._started = trainer.peer._step_since = time.monotonic() - 10 * window
+    assert trainer.peer.catchup.ahead_or_apart() is None, "one key ahead is no majority of the peers in view"
+    # Once its rounds have failed for a whole window, a stalled peer asks the peers it completed rounds
+    # with (``Groupmates``): "evil" never was one, so its record still moves nobody...
+    trainer.peer.catchup.stalled_since = time.monotonic() - 2 * window
+    assert trainer.peer.catchup.ahead_or_apart() is None
+    trainer.peer.groupmates.record(["honest0", "honest1"], 0)
+    assert trainer.peer.catchup.ahead_or_apart() is None
+    # ...while the groupmates, once they moved on, do.
+    for p in honest:
+        trainer.peer.view[p.peer_id] = PeerProgress(p.peer_id, 1, 8, 1.0, "d" * 64, now)
+    assert trainer.peer.catchup.ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
