@@ -198,6 +198,7 @@ def test_3_in_outer_overlap_a_late_group_searches_as_before():
             config=SimpleNamespace(training=SimpleNamespace(min_group_size=2)),
             hooks=SimpleNamespace(contribute=lambda peer, v: v, weight=lambda w: w, entry=lambda e: e),
             strategy=SimpleNamespace(contribution=lambda s: torch.zeros(4), weight=lambda s: float(s), overlap=overlap),
+            _own_contribution=lambda: torch.zeros(4),  # TrainingPeer._own_contribution, finite
             _round_extra=lambda: dict(MINE), averager=SimpleNamespace(average=average), _averaged=None,
             policy=SimpleNamespace(refusal=lambda p: None, member_count=lambda: 0, refresh_members=lambda: asyncio.sleep(0)),
             _searches=FailedSearches(), _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0},

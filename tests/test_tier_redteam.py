@@ -318,6 +318,7 @@ def test_7a_progress_records_far_behind_the_step_or_of_suspects_are_not_counted(
         config=SimpleNamespace(training=SimpleNamespace(min_group_size=2)),
         hooks=SimpleNamespace(contribute=lambda peer, v: v, weight=lambda w: w, entry=lambda e: e),
         strategy=SimpleNamespace(contribution=lambda s: torch.zeros(4), weight=lambda s: float(s)),
+        _own_contribution=lambda: torch.zeros(4),  # TrainingPeer._own_contribution, finite
         _round_extra=lambda: dict(MINE), averager=SimpleNamespace(average=average), _averaged=None,
         policy=SimpleNamespace(
             refusal=lambda p: "suspected" if p == "suspect" else None, member_count=lambda: 0,

@@ -131,6 +131,7 @@ def test_a2_the_peer_adopts_from_peers_ahead_before_its_group_could_apply_its_ow
         config=SimpleNamespace(training=SimpleNamespace(min_group_size=2, validation_every_steps=10**6)),
         hooks=SimpleNamespace(contribute=lambda peer, v: v, weight=lambda w: w, entry=lambda e: e),
         strategy=SimpleNamespace(contribution=lambda s: vector, weight=lambda s: float(s)),
+        _own_contribution=lambda: vector,  # TrainingPeer._own_contribution, finite
         _round_extra=lambda: dict(MINE), averager=SimpleNamespace(average=first, last_form_s=0.0), _averaged=None,
         policy=SimpleNamespace(refusal=lambda p: None, member_count=lambda: 0, refresh_members=lambda: asyncio.sleep(0)),
         _searches=FailedSearches(),
