@@ -1,7 +1,7 @@
 """An attacker's read of reducers scoring their own part (10612fb: ``SenderChecks._own_part``,
 ``replays_own_part``, the ``cleared`` book) found three ways in; each test here showed one on 10612fb
 (asserting the bad outcome) and now checks its fix. In process, with the real model, dataset, codec,
-signatures and ``SenderChecks``, in the style of ``tests/test_own_part_scores.py``.
+signatures and ``SenderChecks`` (the world of ``tests/ownpart.py``).
 
 The world: a tiny run whose validators practically never draw a part or a sender (the regime the commit
 was made for: only a reducer's scores of its own part replay anyone), a group of four, each member the
@@ -11,127 +11,34 @@ aggregate. Member ``LIAR`` sends its gradient reversed in the rounds it lies: it
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from types import SimpleNamespace
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers import signed_entries
+from ownpart import LIAR, MEMBERS, make_world, one_round, reducer_after_round, sender_checks
 
 import swarm.training.sendercheck as sendercheck
-from coordinator.accusations import run_layouts
 from lab.localswarm import tiny_run
-from protocols import averaging_pb2 as apb
-from protocols.keys import SigningKey
-from swarm.averaging.compression import get_codec
-from swarm.averaging.evidence import (
-    SignedInput,
-    aggregate_message,
-    contribution_message,
-    draw_seed,
-    input_entries,
-    layout_chunk_values,
-    round_digest,
-)
 from swarm.averaging.verification import own_part_evidence
-from swarm.models import build_model
 from swarm.training.contribution import WrongContributionEvidence, flagged_senders
-from swarm.training.sendercheck import (
-    CLEARED_REPLAY_SHARE,
-    CLEARED_ROUNDS,
-    SenderChecks,
-    chunk_slice,
-    recompute,
-    replays_own_part,
-    still_replayed,
-)
-from swarm.training.state import build_optimizer, state_hash, state_tensors
+from swarm.training.sendercheck import CLEARED_REPLAY_SHARE, CLEARED_ROUNDS, replays_own_part, still_replayed
 
 pytestmark = pytest.mark.timeout(300)
 
-MEMBERS, STEP, LIAR = 4, 2, 1
 RUN = tiny_run("own-part-redteam", verify_probability=1e-9, sender_check_probability=1e-9)
-PREFIX = RUN.run_id.replace(".", "_")
-CODEC = get_codec(RUN.training.compression)
-GROUP_ID = b"own-part-redteam-round"
-
-
-def _nonce(i: int) -> bytes:
-    return hashlib.sha256(b"own-part-redteam-nonce" + bytes([i])).digest()
 
 
 @pytest.fixture(scope="module")
 def world():
-    keys = [
-        SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"own-part-rt-%d" % i).digest()))
-        for i in range(MEMBERS)
-    ]
-    torch.manual_seed(0)
-    model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
-    tensors = state_tensors(model, build_optimizer(model, RUN.optimizer))
-    hash_ = state_hash(STEP, tensors)
-    honest = [recompute(RUN, tensors, k.peer_id, STEP, 2, device="cpu") for k in keys]  # 8 samples each
-    members = tuple(k.peer_id for k in keys)
-    commits = tuple(hashlib.sha256(_nonce(i)).digest() for i in range(MEMBERS))
-    entries = signed_entries(keys, PREFIX, commits, step=STEP, state_hash=hash_, weights=[8.0] * MEMBERS)
-    digest = round_digest(PREFIX, GROUP_ID, members, commits)
-    return SimpleNamespace(
-        keys=keys, tensors=tensors, hash=hash_, honest=honest, numel=run_layouts(RUN)[PREFIX], members=members,
-        commits=commits, entries=entries, digest=digest, seed=draw_seed(digest, [_nonce(i) for i in range(MEMBERS)]),
-    )  # fmt: skip
-
-
-def _runner(w, index: int, sent: list[torch.Tensor], *, heard: set[int] | None = None):
-    """Member ``index`` after a complete round in which member ``i`` sent ``sent[i]``: the reducer of part
-    ``index`` (one chunk), holding every member's signed input to it and its own signed aggregate.
-    ``heard``: the members whose reveal reached it (all by default); without all, it has no shared seed."""
-    heard = set(range(MEMBERS)) if heard is None else heard
-    values = layout_chunk_values(MEMBERS, CODEC.bytes_per_value)
-    lo, hi = chunk_slice(w.numel, MEMBERS, index, 0, values)
-    inputs = []
-    for i, key in enumerate(w.keys):
-        data = CODEC.encode_contribution(sent[i][lo:hi])
-        signature = key.sign(contribution_message(w.digest, index, 0, w.members[i], 8.0, data))
-        inputs.append(SignedInput(i, data, signature, 8.0))
-    entries = input_entries([(x.sender_index, x.weight, x.data) for x in inputs])
-    output = CODEC.encode(torch.stack([v[lo:hi] for v in sent]).mean(0))
-    signature = w.keys[index].sign(
-        aggregate_message(w.digest, index, 0, w.members[index], entries, output, 1)
-    )
-    result = apb.PartChunk(data=output, signature=signature, included=entries, signed_at_ms=1)
-    return SimpleNamespace(
-        prefix=PREFIX, group_id=GROUP_ID, members=list(w.members), peer_ids=list(w.members), index=index,
-        commitments=list(w.commits), shared_seed=w.seed if heard == set(range(MEMBERS)) else None,
-        revealed=None, reveals={i: _nonce(i) for i in heard}, codec=CODEC, numel=w.numel,
-        part_chunks=[[0, 1]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
-        chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
-        reducer=SimpleNamespace(results=[result], evidence=[inputs], undecodable={}),
-    )  # fmt: skip
-
-
-def _checks(w, accused: list) -> SenderChecks:
-    async def accuse(peer, lie, verdict):
-        accused.append((peer, lie, verdict))
-
-    return SenderChecks(RUN, device="cpu", state=lambda: (STEP, w.hash, w.tensors), accuse=accuse)
-
-
-def _round(w, checks: SenderChecks, runner) -> None:
-    async def scenario():
-        await checks.keep(runner, w.entries)
-        await checks.check(runner, [])  # this member validated no part (the run practically never draws)
-        await checks.filed()
-
-    asyncio.run(scenario())
+    return make_world(RUN)
 
 
 def _stands_out(w, runner, sender: int) -> bool:
     """Whether ``sender``'s input stands out among those the reducer ``runner`` aggregated (its drawn chunk)."""
     evidence = own_part_evidence(runner, 0)
     claims, odd = flagged_senders(
-        RUN, evidence.inputs, evidence.checked_inputs(CODEC, w.numel), validator=runner.index
+        RUN, evidence.inputs, evidence.checked_inputs(w.codec, w.numel), validator=runner.index
     )  # fmt: skip
     return sender in claims + odd
 
@@ -151,15 +58,15 @@ def test_a_liar_that_withholds_its_reveal_from_a_designated_reducer_is_still_rep
     does not defer to a designation it cannot compute: any sender that stands out may be replayed."""
     w = world
     sent = _lying(w)
-    for designated in replays_own_part(w.seed, _runner(w, 0, sent), LIAR):
-        blind = _runner(w, designated, sent, heard=set(range(MEMBERS)) - {LIAR})
+    for designated in replays_own_part(w.seed, reducer_after_round(w, 0, sent), LIAR):
+        blind = reducer_after_round(w, designated, sent, heard=set(range(MEMBERS)) - {LIAR})
         assert blind.shared_seed is None and _stands_out(w, blind, LIAR)
         for n in range(3):  # whatever its own randomness draws
             own_draw = hashlib.sha256(b"own-draw-%d" % n).digest()
             monkeypatch.setattr(sendercheck, "os", SimpleNamespace(urandom=lambda k, d=own_draw: d[:k]))
             accused = []
-            checks = _checks(w, accused)
-            _round(w, checks, blind)
+            checks = sender_checks(w, accused)
+            one_round(w, checks, blind)
             assert checks.checked == 1 and [a[0] for a in accused] == [w.members[LIAR]], (designated, n)
 
 
@@ -169,13 +76,13 @@ def test_one_colluding_reducer_named_by_the_draw_cannot_shield_a_liar_from_every
     two (``OWN_PART_REPLAYERS``), so one colluder among them leaves an honest one that replays and files."""
     w = world
     sent = _lying(w)
-    designated = replays_own_part(w.seed, _runner(w, 0, sent), LIAR)
+    designated = replays_own_part(w.seed, reducer_after_round(w, 0, sent), LIAR)
     assert len(set(designated)) == 2 and LIAR not in designated
     for colluder in designated:
         filed = []
         for index in [i for i in range(MEMBERS) if i not in (LIAR, colluder)]:
             accused = []
-            _round(w, _checks(w, accused), _runner(w, index, sent))
+            one_round(w, sender_checks(w, accused), reducer_after_round(w, index, sent))
             filed += [a[0] for a in accused]
         assert filed == [w.members[LIAR]], colluder  # the other designated reducer, and only it
 
@@ -191,14 +98,14 @@ def test_a_liar_cleared_by_one_honest_round_is_still_replayed_when_the_draw_says
     assert abs(sum(shares) / len(shares) - CLEARED_REPLAY_SHARE) < 0.05
 
     def runner(index, sent, seed):
-        r = _runner(w, index, sent)
+        r = reducer_after_round(w, index, sent)
         r.shared_seed = seed  # scored evidence needs no draw: any seed files as the round's would
         return r
 
-    h = replays_own_part(w.seed, _runner(w, 0, w.honest), LIAR)[0]  # an honest reducer the draw names
+    h = replays_own_part(w.seed, reducer_after_round(w, 0, w.honest), LIAR)[0]  # an honest one it names
     colluders = [i for i in range(MEMBERS) if i not in (LIAR, h)]
     seeds = [hashlib.sha256(b"round-%d" % n).digest() for n in range(400)]
-    seeds = [d for d in seeds if h in replays_own_part(d, _runner(w, h, w.honest), LIAR)]
+    seeds = [d for d in seeds if h in replays_own_part(d, reducer_after_round(w, h, w.honest), LIAR)]
     skip = [d for d in seeds if not still_replayed(d, LIAR)]
     hit = next(d for d in seeds if still_replayed(d, LIAR))
     replayed = []
@@ -212,14 +119,14 @@ def test_a_liar_cleared_by_one_honest_round_is_still_replayed_when_the_draw_says
     # Round 1: the liar is honest; its colluders move the median so that it stands out at H: cleared.
     looks = [(-w.honest[LIAR] if i in colluders else w.honest[i]) for i in range(MEMBERS)]
     accused = []
-    checks = _checks(w, accused)
-    _round(w, checks, runner(h, looks, skip[0]))
+    checks = sender_checks(w, accused)
+    one_round(w, checks, runner(h, looks, skip[0]))
     assert replayed == [w.members[LIAR]] and accused == [] and w.members[LIAR] in checks.cleared
     # Then it lies: rounds whose draw spares a cleared sender skip it (what bounds the colluders' cost)...
     lies = _lying(w)
     for seed in skip[1 : CLEARED_ROUNDS // 2]:
-        _round(w, checks, runner(h, lies, seed))
+        one_round(w, checks, runner(h, lies, seed))
     assert replayed == [w.members[LIAR]] and accused == []
     # ...and the first whose draw replays it anyway convicts it.
-    _round(w, checks, runner(h, lies, hit))
+    one_round(w, checks, runner(h, lies, hit))
     assert replayed == [w.members[LIAR]] * 2 and [a[0] for a in accused] == [w.members[LIAR]]

@@ -1,0 +1,135 @@
+"""A group of four after a complete round, as the reducers' own-part checks see it (``SenderChecks._own_part``,
+``_refused``), for in-process tests: the real model, dataset, codec and signatures, and a stand-in round that
+holds, for its member ``index``, the reducer's view of part ``index`` (one chunk): every member's signed input
+to it and its own signed aggregate over them.
+
+Example::
+
+    w = make_world(RUN)
+    accused = []
+    one_round(w, sender_checks(w, accused), reducer_after_round(w, 0, w.honest))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from types import SimpleNamespace
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers import ServedStates, signed_entries
+
+from coordinator.accusations import run_layouts
+from coordinator.contributions import judge_contribution
+from protocols import averaging_pb2 as apb
+from protocols.keys import SigningKey
+from swarm.averaging.compression import get_codec
+from swarm.averaging.evidence import (
+    SignedInput,
+    aggregate_message,
+    contribution_message,
+    draw_seed,
+    input_entries,
+    layout_chunk_values,
+    round_digest,
+)
+from swarm.config import RunConfig
+from swarm.models import build_model
+from swarm.training.sendercheck import SenderChecks, chunk_slice, recompute
+from swarm.training.state import DecodedState, build_optimizer, state_hash, state_tensors
+
+MEMBERS, STEP, LIAR = 4, 2, 1
+WEIGHT = 8.0  # two micro-batches of the tiny run
+
+
+def nonce(i: int) -> bytes:
+    return hashlib.sha256(b"own-part-nonce" + bytes([i])).digest()
+
+
+def make_world(run: RunConfig) -> SimpleNamespace:
+    """The members' keys, the state at ``STEP``, each member's honest gradient there (``honest``), their
+    signed group entries, and the round's digest and draw ``seed`` (every member's reveal in)."""
+    keys = [
+        SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"own-part-member-%d" % i).digest()))
+        for i in range(MEMBERS)
+    ]
+    prefix, group_id = run.run_id.replace(".", "_"), b"own-part-round"
+    torch.manual_seed(0)
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    tensors = state_tensors(model, build_optimizer(model, run.optimizer))
+    hash_ = state_hash(STEP, tensors)
+    members = tuple(k.peer_id for k in keys)
+    commits = tuple(hashlib.sha256(nonce(i)).digest() for i in range(MEMBERS))
+    digest = round_digest(prefix, group_id, members, commits)
+    return SimpleNamespace(
+        run=run, prefix=prefix, group_id=group_id, codec=get_codec(run.training.compression), keys=keys,
+        tensors=tensors, hash=hash_, members=members, commits=commits, digest=digest,
+        honest=[recompute(run, tensors, k.peer_id, STEP, 2, device="cpu") for k in keys],
+        entries=signed_entries(keys, prefix, commits, step=STEP, state_hash=hash_, weights=[WEIGHT] * MEMBERS),
+        numel=run_layouts(run)[prefix], seed=draw_seed(digest, [nonce(i) for i in range(MEMBERS)]),
+    )  # fmt: skip
+
+
+def signed_input(w, sender: int, part: int, data: bytes) -> SignedInput:
+    message = contribution_message(w.digest, part, 0, w.members[sender], WEIGHT, data)
+    return SignedInput(sender, data, w.keys[sender].sign(message), WEIGHT)
+
+
+def reducer_after_round(w, index: int, sent: list[torch.Tensor], *, heard: set[int] | None = None):
+    """Member ``index`` after a complete round in which member ``i`` sent ``sent[i]``, holding every input to
+    its part and its signed aggregate; ``heard``: the members whose reveal reached it (all by default;
+    without all, it holds no shared draw)."""
+    heard = set(range(MEMBERS)) if heard is None else heard
+    lo, hi = chunk_slice(w.numel, MEMBERS, index, 0, layout_chunk_values(MEMBERS, w.codec.bytes_per_value))
+    inputs = [signed_input(w, i, index, w.codec.encode_contribution(sent[i][lo:hi])) for i in range(MEMBERS)]
+    entries = input_entries([(x.sender_index, x.weight, x.data) for x in inputs])
+    output = w.codec.encode(torch.stack([v[lo:hi] for v in sent]).mean(0))
+    signature = w.keys[index].sign(
+        aggregate_message(w.digest, index, 0, w.members[index], entries, output, 1)
+    )
+    result = apb.PartChunk(data=output, signature=signature, included=entries, signed_at_ms=1)
+    return SimpleNamespace(
+        prefix=w.prefix, group_id=w.group_id, members=list(w.members), peer_ids=list(w.members), index=index,
+        commitments=list(w.commits), shared_seed=w.seed if heard == set(range(MEMBERS)) else None,
+        revealed=None, reveals={i: nonce(i) for i in heard}, codec=w.codec, numel=w.numel,
+        part_chunks=[[0, 1]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
+        chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
+        reducer=SimpleNamespace(results=[result], evidence=[inputs], undecodable={}),
+    )  # fmt: skip
+
+
+def sender_checks(w, accused: list) -> SenderChecks:
+    """A member's sender checks; each accusation it files is appended to ``accused`` as (peer, lie, verdict)."""
+
+    async def accuse(peer, lie, verdict):
+        accused.append((peer, lie, verdict))
+
+    return SenderChecks(w.run, device="cpu", state=lambda: (STEP, w.hash, w.tensors), accuse=accuse)
+
+
+def one_round(w, checks: SenderChecks, runner) -> None:
+    """One complete round's sender checks at ``runner`` (it validated no part)."""
+
+    async def scenario():
+        await checks.keep(runner, w.entries)
+        await checks.check(runner, [])
+        await checks.filed()
+
+    asyncio.run(scenario())
+
+
+def judge(w, lie, accuser: str) -> tuple[str, str | None]:
+    """The coordinator's judgment of ``lie`` filed by ``accuser``, which serves the round's state."""
+    return asyncio.run(
+        judge_contribution(
+            w.run,
+            lambda: run_layouts(w.run),
+            lie.to_bytes(),
+            lie.accused,
+            accuser,
+            states=ServedStates(DecodedState(STEP, w.tensors, {}, w.hash)),
+            judging=asyncio.Lock(),
+            timeout_s=30,
+        )  # fmt: skip
+    )
