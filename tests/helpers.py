@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import hivemind
+import pytest
 
 from protocols.keys import SigningKey
 from swarm.averaging.allreduce import ButterflyAllReduce
@@ -81,6 +82,29 @@ def ready_for_a_new_loop(dhts) -> None:
     for dht in dhts:
         assert dht.is_alive(), "a shared DHT node died in an earlier test"
         dht._p2p_replica = None
+
+
+def module_dht_fixtures(count: int):
+    """Fixtures ``(module_nodes, nodes)`` for a test module: ``count`` DHT nodes started once for the module
+    (seconds to start and stop on a loaded machine), and, for each test, those nodes ready for its event loop
+    (``ready_for_a_new_loop``). Each test trains a run of its own, so that none reads another's records::
+
+        module_nodes, nodes = module_dht_fixtures(3)
+    """
+
+    @pytest.fixture(scope="module")
+    def module_nodes():
+        dhts = start_dhts(count)
+        yield dhts
+        for dht in dhts:
+            dht.shutdown()
+
+    @pytest.fixture
+    def nodes(module_nodes):
+        ready_for_a_new_loop(module_nodes)
+        return module_nodes
+
+    return module_nodes, nodes
 
 
 def stock_dht(initial_peers: list[str], attempts: int = 2, ready_timeout_s: float = 60.0) -> hivemind.DHT:

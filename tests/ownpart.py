@@ -36,6 +36,7 @@ from swarm.averaging.evidence import (
 )
 from swarm.config import RunConfig
 from swarm.models import build_model
+from swarm.training.contribution import WrongContributionEvidence
 from swarm.training.sendercheck import SenderChecks, chunk_slice, recompute
 from swarm.training.state import DecodedState, build_optimizer, state_hash, state_tensors
 
@@ -47,23 +48,26 @@ def nonce(i: int) -> bytes:
     return hashlib.sha256(b"own-part-nonce" + bytes([i])).digest()
 
 
-def make_world(run: RunConfig) -> SimpleNamespace:
-    """The members' keys, the state at ``STEP``, each member's honest gradient there (``honest``), their
-    signed group entries, and the round's digest and draw ``seed`` (every member's reveal in)."""
+def make_world(run: RunConfig, tensors: dict[str, torch.Tensor] | None = None) -> SimpleNamespace:
+    """The members' keys, the state at ``STEP`` (``tensors``, or the run's model as built), each member's
+    honest gradient there (``honest``), their signed group entries, and the round's digest and draw ``seed``
+    (every member's reveal in)."""
     keys = [
         SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"own-part-member-%d" % i).digest()))
         for i in range(MEMBERS)
     ]
     prefix, group_id = run.run_id.replace(".", "_"), b"own-part-round"
-    torch.manual_seed(0)
-    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
-    tensors = state_tensors(model, build_optimizer(model, run.optimizer))
+    if tensors is None:
+        torch.manual_seed(0)
+        model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+        tensors = state_tensors(model, build_optimizer(model, run.optimizer))
+    codec = get_codec(run.training.compression)
     hash_ = state_hash(STEP, tensors)
     members = tuple(k.peer_id for k in keys)
     commits = tuple(hashlib.sha256(nonce(i)).digest() for i in range(MEMBERS))
     digest = round_digest(prefix, group_id, members, commits)
     return SimpleNamespace(
-        run=run, prefix=prefix, group_id=group_id, codec=get_codec(run.training.compression), keys=keys,
+        run=run, prefix=prefix, group_id=group_id, codec=codec, values=layout_chunk_values(MEMBERS, codec.bytes_per_value), keys=keys,
         tensors=tensors, hash=hash_, members=members, commits=commits, digest=digest,
         honest=[recompute(run, tensors, k.peer_id, STEP, 2, device="cpu") for k in keys],
         entries=signed_entries(keys, prefix, commits, step=STEP, state_hash=hash_, weights=[WEIGHT] * MEMBERS),
@@ -76,15 +80,29 @@ def signed_input(w, sender: int, part: int, data: bytes) -> SignedInput:
     return SignedInput(sender, data, w.keys[sender].sign(message), WEIGHT)
 
 
+def chunk_of(w, part: int) -> tuple[int, int]:
+    """Where the one chunk of ``part`` lies in the run's vector."""
+    return chunk_slice(w.numel, MEMBERS, part, 0, w.values)
+
+
 def reducer_after_round(w, index: int, sent: list[torch.Tensor], *, heard: set[int] | None = None):
     """Member ``index`` after a complete round in which member ``i`` sent ``sent[i]``, holding every input to
-    its part and its signed aggregate; ``heard``: the members whose reveal reached it (all by default;
-    without all, it holds no shared draw)."""
-    heard = set(range(MEMBERS)) if heard is None else heard
-    lo, hi = chunk_slice(w.numel, MEMBERS, index, 0, layout_chunk_values(MEMBERS, w.codec.bytes_per_value))
+    its part and its signed aggregate (``reducer_holding``)."""
+    lo, hi = chunk_of(w, index)
     inputs = [signed_input(w, i, index, w.codec.encode_contribution(sent[i][lo:hi])) for i in range(MEMBERS)]
+    return reducer_holding(w, index, inputs, [v[lo:hi] for v in sent], heard=heard)
+
+
+def reducer_holding(
+    w, index: int, inputs: list[SignedInput], decoded: list[torch.Tensor], *, heard: set[int] | None = None
+):
+    """Member ``index`` after a complete round, the reducer of part ``index`` holding the signed ``inputs``
+    it aggregated (``decoded``: their values) and its signed aggregate over them; ``heard``: the members
+    whose reveal reached it (all by default; without all, it holds no shared draw)."""
+    heard = set(range(MEMBERS)) if heard is None else heard
+    lo, hi = chunk_of(w, index)
     entries = input_entries([(x.sender_index, x.weight, x.data) for x in inputs])
-    output = w.codec.encode(torch.stack([v[lo:hi] for v in sent]).mean(0))
+    output = w.codec.encode(torch.stack(decoded).mean(0)) if decoded else b""
     signature = w.keys[index].sign(
         aggregate_message(w.digest, index, 0, w.members[index], entries, output, 1)
     )
@@ -95,7 +113,7 @@ def reducer_after_round(w, index: int, sent: list[torch.Tensor], *, heard: set[i
         revealed=None, reveals={i: nonce(i) for i in heard}, codec=w.codec, numel=w.numel,
         part_chunks=[[0, 1]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
         chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
-        reducer=SimpleNamespace(results=[result], evidence=[inputs], undecodable={}),
+        reducer=SimpleNamespace(results=[result], evidence=[list(inputs)], undecodable={}),
     )  # fmt: skip
 
 
@@ -117,6 +135,19 @@ def one_round(w, checks: SenderChecks, runner) -> None:
         await checks.filed()
 
     asyncio.run(scenario())
+
+
+def record_replays(monkeypatch) -> list[str]:
+    """The peers whose contributions ``WrongContributionEvidence.judge`` replays from now on, in order."""
+    replayed = []
+    real = WrongContributionEvidence.judge
+
+    def recording(self, *args, **kwargs):
+        replayed.append(self.accused)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(WrongContributionEvidence, "judge", recording)
+    return replayed
 
 
 def judge(w, lie, accuser: str) -> tuple[str, str | None]:

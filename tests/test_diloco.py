@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import KEYS, ready_for_a_new_loop, start_dhts
+from helpers import KEYS, module_dht_fixtures
 
 from lab.localswarm import tiny_run
 from swarm.byzantine.attacks import make_attack
@@ -28,20 +28,8 @@ def diloco_run(run_id: str = "diloco", **training) -> RunConfig:
     return tiny_run(run_id, **training)
 
 
-@pytest.fixture(scope="module")
-def module_nodes():
-    """Four DHT nodes for the whole module (seconds to start and stop on a loaded machine). Each test
-    trains a run of its own on the first of them, so that none reads another's records."""
-    dhts = start_dhts(4)
-    yield dhts
-    for d in dhts:
-        d.shutdown()
-
-
-@pytest.fixture
-def nodes(module_nodes):
-    ready_for_a_new_loop(module_nodes)
-    return module_nodes
+# Four DHT nodes for the whole module; each test trains a run of its own on the first three or all four.
+module_nodes, nodes = module_dht_fixtures(4)
 
 
 def peers_for(run, dhts, attack_at: int | None = None, attack=None) -> list[Trainer]:

@@ -16,12 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ownpart import LIAR, MEMBERS, make_world, one_round, reducer_after_round, sender_checks
+from ownpart import LIAR, MEMBERS, make_world, one_round, record_replays, reducer_after_round, sender_checks
 
 import swarm.training.sendercheck as sendercheck
 from lab.localswarm import tiny_run
 from swarm.averaging.verification import own_part_evidence
-from swarm.training.contribution import WrongContributionEvidence, flagged_senders
+from swarm.training.contribution import flagged_senders
 from swarm.training.sendercheck import CLEARED_REPLAY_SHARE, CLEARED_ROUNDS, replays_own_part, still_replayed
 
 pytestmark = pytest.mark.timeout(300)
@@ -108,14 +108,7 @@ def test_a_liar_cleared_by_one_honest_round_is_still_replayed_when_the_draw_says
     seeds = [d for d in seeds if h in replays_own_part(d, reducer_after_round(w, h, w.honest), LIAR)]
     skip = [d for d in seeds if not still_replayed(d, LIAR)]
     hit = next(d for d in seeds if still_replayed(d, LIAR))
-    replayed = []
-    judge = WrongContributionEvidence.judge
-
-    def recording_judge(self, *args, **kwargs):
-        replayed.append(self.accused)
-        return judge(self, *args, **kwargs)
-
-    monkeypatch.setattr(WrongContributionEvidence, "judge", recording_judge)
+    replayed = record_replays(monkeypatch)
     # Round 1: the liar is honest; its colluders move the median so that it stands out at H: cleared.
     looks = [(-w.honest[LIAR] if i in colluders else w.honest[i]) for i in range(MEMBERS)]
     accused = []

@@ -23,13 +23,13 @@ from ownpart import (
     make_world,
     nonce,
     one_round,
+    record_replays,
     reducer_after_round,
     sender_checks,
     signed_input,
 )
 
 from lab.localswarm import tiny_run
-from swarm.training.contribution import WrongContributionEvidence
 from swarm.training.sendercheck import CLEARED_ROUNDS, replays_own_part, still_replayed
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,14 +107,7 @@ def test_an_honest_sender_made_to_stand_out_is_replayed_once_then_seldom_for_a_w
         r.shared_seed = seed
         return r
 
-    replayed = []
-    judge = WrongContributionEvidence.judge
-
-    def recording_judge(self, *args, **kwargs):
-        replayed.append(self.accused)
-        return judge(self, *args, **kwargs)
-
-    monkeypatch.setattr(WrongContributionEvidence, "judge", recording_judge)
+    replayed = record_replays(monkeypatch)
     accused = []
     checks = sender_checks(w, accused)
     one_round(w, checks, runner())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import KEYS, VanishingAllReduce, ready_for_a_new_loop, start_dhts
+from helpers import KEYS, VanishingAllReduce, module_dht_fixtures, start_dhts
 
 from lab.localswarm import running_coordinator, tiny_run
 from protocols.certificates import issue_certificate
@@ -36,20 +36,8 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def module_nodes():
-    """Three DHT nodes for the module's tests that need no coordinator (seconds to start and stop on a
-    loaded machine). Each test trains a run of its own, so that none reads another's records."""
-    dhts = start_dhts(3)
-    yield dhts
-    for dht in dhts:
-        dht.shutdown()
-
-
-@pytest.fixture
-def nodes(module_nodes):
-    ready_for_a_new_loop(module_nodes)
-    return module_nodes
+# Three DHT nodes for the module's tests that need no coordinator; each test trains a run of its own.
+module_nodes, nodes = module_dht_fixtures(3)
 
 
 def trainers_for(run, dhts, **kwargs) -> list[Trainer]:

@@ -3,81 +3,52 @@
 ``check_draw``'s early ``True``): two ways in, each shown by a test here on 7c6f2e8 (asserting the bad
 outcome) and now checking its fix. In process, with the real
 model, dataset, fp16 codec, signatures, ``SenderChecks`` and the coordinator's ``judge_contribution``; the
-world is a tiny run in a group of four, each member the reducer of its own part's one chunk, as in
-``tests/test_own_part_scores.py``. A reducer that refused a sender's input never reads that sender's nonce
+world is a tiny run in a group of four, each member the reducer of its own part's one chunk
+(``tests/ownpart.py``). A reducer that refused a sender's input never reads that sender's nonce
 reveal (``PartReducer.consume`` returns before ``check_reveal``), so it holds no shared draw: the worlds
 below are the ones the change itself creates, with ``shared_seed`` None and that sender's reveal missing.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 from types import SimpleNamespace
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers import ServedStates, signed_entries
+from ownpart import (
+    MEMBERS,
+    STEP,
+    WEIGHT,
+    chunk_of,
+    judge,
+    make_world,
+    one_round,
+    reducer_holding,
+    sender_checks,
+    signed_input,
+)
 
 import swarm.training.contribution as contribution
-from coordinator.accusations import run_layouts
-from coordinator.contributions import judge_contribution
 from lab.localswarm import tiny_run
-from protocols import averaging_pb2 as apb
 from protocols.errors import ProtocolError
-from protocols.keys import SigningKey
 from swarm.averaging.compression import get_codec
-from swarm.averaging.evidence import (
-    SignedInput,
-    aggregate_message,
-    contribution_message,
-    input_entries,
-    layout_chunk_values,
-    round_digest,
-)
 from swarm.averaging.verification import round_of
 from swarm.config import sender_tolerance
 from swarm.models import build_model
 from swarm.training.contribution import WrongContributionEvidence
 from swarm.training.peer import TrainingPeer
-from swarm.training.sendercheck import SenderChecks, chunk_slice, compare, recompute
-from swarm.training.state import DecodedState, build_optimizer, state_hash, state_tensors
+from swarm.training.sendercheck import compare, recompute
+from swarm.training.state import build_optimizer, state_tensors
 
 pytestmark = pytest.mark.timeout(120)
 
-MEMBERS, STEP, WEIGHT = 4, 2, 8.0  # 8 samples: two micro-batches of the tiny run
 RUN = tiny_run("undecodable-redteam", verify_probability=1e-9, sender_check_probability=1e-9)
-PREFIX = RUN.run_id.replace(".", "_")
 CODEC = get_codec(RUN.training.compression)  # fp16, the default
-GROUP_ID = b"undecodable-round"
 # What another device gives for the same gradient (summation order, fused or TF32 kernels): a relative
 # difference of 2^-12, far inside the run's tolerance (``sender_tolerance``: 0.01 relative L2 in fp32).
 DEVICE_ROUNDING = 2.0**-12
 # The NaN a CUDA kernel writes (its canonical NaN, sign bit clear); x86 CPUs write 0xFFC00000 (sign set).
 CUDA_NAN = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)[0]
-
-
-def _nonce(i: int) -> bytes:
-    return hashlib.sha256(b"undecodable-nonce" + bytes([i])).digest()
-
-
-def _world(tensors):
-    keys = [
-        SigningKey(
-            Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"undecodable-member-%d" % i).digest())
-        )
-        for i in range(MEMBERS)
-    ]
-    hash_ = state_hash(STEP, tensors)
-    members = tuple(k.peer_id for k in keys)
-    commits = tuple(hashlib.sha256(_nonce(i)).digest() for i in range(MEMBERS))
-    entries = signed_entries(keys, PREFIX, commits, step=STEP, state_hash=hash_, weights=[WEIGHT] * MEMBERS)
-    return SimpleNamespace(
-        keys=keys, tensors=tensors, hash=hash_, members=members, commits=commits, entries=entries,
-        digest=round_digest(PREFIX, GROUP_ID, members, commits), numel=run_layouts(RUN)[PREFIX],
-        values=layout_chunk_values(MEMBERS, CODEC.bytes_per_value),
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -86,63 +57,11 @@ def base_tensors():
     return state_tensors(model, build_optimizer(model, RUN.optimizer))
 
 
-def _signed(w, sender: int, part: int, data: bytes) -> SignedInput:
-    message = contribution_message(w.digest, part, 0, w.members[sender], WEIGHT, data)
-    return SignedInput(sender, data, w.keys[sender].sign(message), WEIGHT)
-
-
-def _runner(w, index: int, inputs: list[SignedInput], decoded: list[torch.Tensor], *, missing: int):
-    """Member ``index`` after a complete round, the reducer of part ``index`` (one chunk) holding ``inputs``
-    (the ones it aggregated) and its own signed aggregate over them; member ``missing``'s reveal never came
-    (it was dropped from this part), so the round's draw is not known here."""
-    lo, hi = chunk_slice(w.numel, MEMBERS, index, 0, w.values)
-    entries = input_entries([(x.sender_index, x.weight, x.data) for x in inputs])
-    output = CODEC.encode(torch.stack(decoded).mean(0)) if decoded else b""
-    signature = w.keys[index].sign(
-        aggregate_message(w.digest, index, 0, w.members[index], entries, output, 1)
-    )
-    result = apb.PartChunk(data=output, signature=signature, included=entries, signed_at_ms=1)
-    return SimpleNamespace(
-        prefix=PREFIX, group_id=GROUP_ID, members=list(w.members), peer_ids=list(w.members), index=index,
-        commitments=list(w.commits), shared_seed=None, revealed=None,
-        reveals={i: _nonce(i) for i in range(MEMBERS) if i != missing}, codec=CODEC, numel=w.numel,
-        part_chunks=[[0, hi - lo]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
-        chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
-        reducer=SimpleNamespace(results=[result], evidence=[list(inputs)], undecodable={}),
-    )  # fmt: skip
-
-
 def _check_round(w, runner) -> list:
     """One round's sender checks at ``runner`` (it validated no part); what it filed: (peer, lie, verdict)."""
     accused = []
-
-    async def accuse(peer, lie, verdict):
-        accused.append((peer, lie, verdict))
-
-    checks = SenderChecks(RUN, device="cpu", state=lambda: (STEP, w.hash, w.tensors), accuse=accuse)
-
-    async def scenario():
-        await checks.keep(runner, w.entries)
-        await checks.check(runner, [])
-        await checks.filed()
-
-    asyncio.run(scenario())
+    one_round(w, sender_checks(w, accused), runner)
     return accused
-
-
-def _judge(w, lie, accuser: str) -> tuple[str, str | None]:
-    return asyncio.run(
-        judge_contribution(
-            RUN,
-            lambda: run_layouts(RUN),
-            lie.to_bytes(),
-            lie.accused,
-            accuser,
-            states=ServedStates(DecodedState(STEP, w.tensors, {}, w.hash)),
-            judging=asyncio.Lock(),
-            timeout_s=60,
-        )  # fmt: skip
-    )
 
 
 # --- 1. an honest sender (or its honest validator) banned for a gradient that is not finite ---------------
@@ -157,12 +76,12 @@ def unstable(base_tensors):
     finite values of ordinary size, which fp16 does not saturate."""
     tensors = {k: v.clone() for k, v in base_tensors.items()}
     tensors["model/head.ln.weight"] = tensors["model/head.ln.weight"] * 1.2e37
-    w = _world(tensors)
-    replays = [recompute(RUN, tensors, w.members[i], STEP, 2, device="cpu") for i in range(MEMBERS)]
+    w = make_world(RUN, tensors)
+    replays = w.honest  # each member's CPU replay on this state
     assert any(torch.isfinite(r).all() for r in replays), "every member's gradient blew up on this state"
     for h, replay in enumerate(replays):
         for p in range(MEMBERS):
-            lo, hi = chunk_slice(w.numel, MEMBERS, p, 0, w.values)
+            lo, hi = chunk_of(w, p)
             chunk = replay[lo:hi]
             ordinary = torch.isfinite(chunk) & (chunk != 0) & (chunk.abs() < 1.0)
             if p != h and torch.isnan(chunk).any() and int(ordinary.sum()) >= 16:
@@ -227,14 +146,14 @@ def test_an_honest_peer_whose_gradient_is_not_finite_signs_nothing_and_nobody_is
         CODEC.decode_contribution(data, hi - lo, sender="h")
     others = [q for q in range(MEMBERS) if q != h]
     clean = {q: torch.zeros(hi - lo) for q in others}
-    inputs = [_signed(w, q, p, CODEC.encode_contribution(clean[q])) for q in others]
-    runner = _runner(w, p, inputs, [clean[q] for q in others], missing=h)
-    item = _signed(w, h, p, data)
+    inputs = [signed_input(w, q, p, CODEC.encode_contribution(clean[q])) for q in others]
+    runner = reducer_holding(w, p, inputs, [clean[q] for q in others], heard=set(range(MEMBERS)) - {h})
+    item = signed_input(w, h, p, data)
     runner.reducer.undecodable = {h: (0, item)}
     assert _check_round(w, runner) == []  # the reducer files nothing
     monkeypatch.undo()
     lie = WrongContributionEvidence(**round_of(runner, p, 0), item=item, entry=w.entries[h], reveals=())
-    found, guilty = _judge(w, lie, w.members[p])
+    found, guilty = judge(w, lie, w.members[p])
     assert guilty is None and "not finite" in found, (found, guilty)
 
 
@@ -243,9 +162,7 @@ def test_an_honest_peer_whose_gradient_is_not_finite_signs_nothing_and_nobody_is
 
 @pytest.fixture(scope="module")
 def stable(base_tensors):
-    w = _world(base_tensors)
-    w.honest = {i: recompute(RUN, base_tensors, w.members[i], STEP, 2, device="cpu") for i in (0, 1, 2)}
-    return w
+    return make_world(RUN, base_tensors)
 
 
 def test_an_undecodable_decoy_no_longer_shields_a_liar_that_stands_out(stable):
@@ -255,12 +172,12 @@ def test_an_undecodable_decoy_no_longer_shields_a_liar_that_stands_out(stable):
     refused input's replay is one of its own: both are replayed and filed."""
     w = stable
     liar, dcy, reducer = 1, 3, 0
-    lo, hi = chunk_slice(w.numel, MEMBERS, reducer, 0, w.values)
+    lo, hi = chunk_of(w, reducer)
     values = {0: w.honest[0][lo:hi], 1: -w.honest[liar][lo:hi], 2: w.honest[2][lo:hi]}
-    inputs = [_signed(w, q, reducer, CODEC.encode_contribution(v)) for q, v in values.items()]
+    inputs = [signed_input(w, q, reducer, CODEC.encode_contribution(v)) for q, v in values.items()]
     decoded = [CODEC.decode_contribution(x.data, hi - lo, sender="x") for x in inputs]
-    runner = _runner(w, reducer, inputs, decoded, missing=dcy)
+    runner = reducer_holding(w, reducer, inputs, decoded, heard=set(range(MEMBERS)) - {dcy})
     nan = CODEC.encode_contribution(torch.full((hi - lo,), float("nan")))
-    runner.reducer.undecodable = {dcy: (0, _signed(w, dcy, reducer, nan))}
+    runner.reducer.undecodable = {dcy: (0, signed_input(w, dcy, reducer, nan))}
     filed = _check_round(w, runner)
     assert sorted(a[0] for a in filed) == sorted([w.members[dcy], w.members[liar]]), filed
