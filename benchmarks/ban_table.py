@@ -4,7 +4,8 @@ Every cell is one real `swarm-sim` run (a coordinator and N peer processes on lo
 one attacker, at the sim's default validation and sender-check rates. Prints a markdown table with, per mode
 and attack: whether the attacker was banned, the step its ban names (the round of the lie that was proven),
 the samples it put into rounds, the honest peers' replays (drawn and for standing out, with how many caught
-it), the final validation loss and whether the honest peers ended identical. The attack `none` is a clean
+it), the fits to a first micro-batch the honest reducers scored and the share of their training time those
+took, the final validation loss and whether the honest peers ended identical. The attack `none` is a clean
 run: its replays for standing out are what flags cost honest peers. Pass `--replay-outliers off` to
 measure the draw alone (the run's `training.replay_outliers = false`).
 
@@ -59,6 +60,10 @@ def summary(report: dict) -> dict:
         # of an honest peer's compute that checks took.
         "replays_per_peer_step": sum(p.get("senders_checked", 0.0) for p in honest)
         / max(1, len(honest) * int(report.get("steps") or 1)),
+        # Fit scores cost a micro-batch's gradient each: their time over the honest peers' training time.
+        "fits_scored": sum(p.get("senders_fit_scored", 0.0) for p in honest),
+        "fit_share": sum(p.get("sender_fit_s", 0.0) for p in honest)
+        / max(1e-9, sum(p.get("compute_s", 0.0) for p in honest)),
         "honest_banned": sum(1 for p in honest if p.get("banned")),
         "final_val_loss": report.get("final_val_loss"),
         "honest_identical": len({p.get("param_hash") for p in honest}) == 1,
@@ -69,13 +74,13 @@ def summary(report: dict) -> dict:
 
 def line(mode: str, attack: str, row: dict) -> str:
     if "error" in row:
-        return f"| {mode} | `{attack}` | {row['replay_outliers']} | error: {row['error']!r} |||||||||"
+        return f"| {mode} | `{attack}` | {row['replay_outliers']} | error: {row['error']!r} ||||||||||"
     step = "n/a" if row["ban_step"] is None else str(row["ban_step"])
     loss = "n/a" if row["final_val_loss"] is None else f"{row['final_val_loss']:.4f}"
     return (
         f"| {mode} | `{attack}` | {row['replay_outliers']} | {'yes' if row['banned'] else 'no'} | {step} | {row['attacker_samples']:.0f} | "
         f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['replays_per_peer_step']:.2f} | {row['caught']:.0f} | {row['honest_banned']} | "
-        f"{loss} | {'yes' if row['honest_identical'] else 'NO'} |"
+        f"{row['fits_scored']:.0f} ({100 * row['fit_share']:.1f}%) | {loss} | {'yes' if row['honest_identical'] else 'NO'} |"
     )
 
 
@@ -101,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| mode | attack | outlier replays | banned | step of the lie | attacker's samples in rounds | honest "
         "replays (of them for standing out) | replays per honest peer and step | caught | honest banned | "
-        "final validation loss | honest identical |"
+        "fits scored (their share of honest compute) | final validation loss | honest identical |"
     )
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
             for attack, setting in itertools.product(args.attacks.split(","), settings):

@@ -11,7 +11,9 @@ on CPU, encodes the chunk with the round's codec and compares, with the run's to
 - beyond the tolerance (or a claim of samples the built-in loop never signs): the accused is banned;
 - within it, or evidence that does not hold (a signature, an entry of another round, a chunk outside
   the run's layout, a chunk, validator or sender other than the round's draw from its reveals, a run
-  that does not check senders): the accuser is banned, as for any false evidence;
+  that does not check senders, an undrawn sender that neither stands out nor, put by the reducer the
+  draw names to score its fit, fits its own first micro-batch worse than the chunk's other inputs): the
+  accuser is banned, as for any false evidence;
 - the state not served in time (the accuser is gone, or it never kept it), or a replay the coordinator
   cannot run within ``REPLAY_TIMEOUT_S``: nobody is banned.
 
@@ -156,11 +158,18 @@ async def judge_contribution(
                 f"{accused} was convicted while this accusation waited ({reason}); nobody banned again",
                 None,
             )
-        if not drawn:  # decoding and scoring every input of the chunk: one judgment at a time, as any
+        # Decoding and scoring every input of the chunk: one judgment at a time, as any. A sender that does
+        # not stand out may still fit its own first micro-batch worse than the others, which takes the state.
+        stands_out = drawn
+        if not drawn:
             try:
                 await asyncio.to_thread(evidence.check_stands_out, run, codec, vector_numel, accuser)
+                stands_out = True
             except SwarmError as e:
-                return f"the evidence does not hold: {e}", accuser
+                try:  # only the reducer the draw names may ask for a fit
+                    evidence.check_fit_scorer(accuser)
+                except SwarmError as e2:
+                    return f"the evidence does not hold: {e}; {e2}", accuser
         try:
             async with asyncio.timeout(timeout_s):
                 state = await states.fetch(accuser, step, state_hash)
@@ -172,6 +181,14 @@ async def judge_contribution(
                 f"{accused}'s contribution on; nobody banned",
                 None,
             )
+        if not stands_out:
+            try:
+                await asyncio.to_thread(
+                    evidence.check_fits_poorly, run, state.tensors, codec, vector_numel, device="cpu",
+                    deadline=time.monotonic() + REPLAY_TIMEOUT_S,
+                )  # fmt: skip
+            except SwarmError as e:
+                return f"the evidence does not hold: {e}", accuser
         try:
             verdict = await asyncio.to_thread(
                 evidence.judge, run, state.tensors, codec, vector_numel=vector_numel, device="cpu",

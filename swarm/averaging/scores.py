@@ -21,9 +21,20 @@ accepts the replay of a flagged sender as it accepts a drawn one. It flags with 
 each threshold by ``LENIENCY`` (relative), so an input that a validator flagged is flagged there too
 despite the last bits of float64 sums on another machine.
 
+A sender can also be picked for a replay because its input does not *fit its own batch* (``fits_poorly``):
+the first micro-batch of a sender's step (or of its diloco window, from the synced state with a fresh inner
+optimizer) is a public fact, and so is its gradient there. An honest contribution holds that gradient (every
+step: as one of its micro-batches; diloco: as the window's first inner step, whose Adam update is its sign,
+and the moments that carry it). So the cosine of what a sender's input adds to the other inputs' median with
+the sign of its own first gradient (``fit``) is above the median of the other inputs' cosines with it. A stale
+input (an older step's or window's, at an older state) or a made-up one holds nothing of that batch, and is
+below that median. It costs one micro-batch's gradient per scored sender, which is why only the reducer the
+round's draw names first scores it (``swarm.training.sendercheck``).
+
 Example::
 
     claims, odd = flagged(decoded, weights, candidates=[0, 2, 3], claim_ok=lambda w: w <= 32)
+    suspect = fits_poorly(decoded, 1, first_gradient_of_sender_1)
 """
 
 from __future__ import annotations
@@ -42,6 +53,10 @@ NORM_RATIO = 4.0
 MIN_SCORED = 3
 #: How much wider the coordinator's thresholds are than a validator's (relative), for float64 rounding.
 LENIENCY = 1e-6
+#: How much lower (in cosine) the coordinator lets a sender's fit be than the other inputs' median and still
+#: accept it as not fitting (``fits_poorly``): a gradient recomputed on another device rounds differently,
+#: and coordinates near 0 may change sign.
+FIT_LENIENCY = 0.02
 
 
 @dataclass(frozen=True)
@@ -114,4 +129,59 @@ def flagged(
     return sorted(bad_claims), sorted(odd)
 
 
-__all__ = ["COSINE_RATIO", "LENIENCY", "MIN_SCORED", "NORM_RATIO", "Score", "flagged", "scores"]
+def fit(values: Sequence[torch.Tensor], reference: torch.Tensor) -> list[float]:
+    """How well each of ``values`` (decoded inputs of one chunk) fits ``reference`` (the same chunk of a
+    sender's first micro-batch gradient): the cosine, in float64, of its residual from the coordinate-wise
+    median of the *other* finite inputs with the sign of ``reference``; NaN for an input that is not finite
+    (and for all with fewer than two finite inputs). The residual leaves out the direction every sender's
+    input shares, so what is left is what each sender's own batches put in; a centre without the input
+    itself scores every input alike (a median over all would put some inputs above it by construction)."""
+    rows = [v.detach().to("cpu").reshape(-1) for v in values]
+    sign = torch.sign(reference.detach().to("cpu", torch.float64).reshape(-1))
+    if any(r.shape != sign.shape for r in rows):
+        raise ValueError(f"inputs of other lengths than the gradient's {sign.numel()} values")
+    finite = [bool(torch.isfinite(r).all()) for r in rows]
+    sign_norm = float(torch.linalg.vector_norm(sign))
+    out = []
+    for k, (row, ok) in enumerate(zip(rows, finite, strict=True)):
+        others = [r for j, (r, good) in enumerate(zip(rows, finite, strict=True)) if good and j != k]
+        if not ok or not others:
+            out.append(math.nan)
+            continue
+        # The median selects one of the values (the lower middle for an even count): nothing is lost to
+        # the decoded dtype; the products are taken in float64.
+        centre = torch.stack(others).median(dim=0).values.to(torch.float64)
+        residual = row.to(torch.float64) - centre
+        norm = float(torch.linalg.vector_norm(residual))
+        out.append(float(residual @ sign) / (norm * sign_norm) if norm > 0 and sign_norm > 0 else 0.0)
+    return out
+
+
+def fits_poorly(
+    values: Sequence[torch.Tensor], accused: int, reference: torch.Tensor, *, lenient: bool = False
+) -> bool:
+    """Whether ``values[accused]`` fits ``reference`` (the accused's own first micro-batch gradient over the
+    chunk) no better than the median of the other finite inputs do (``fit``): below that median, or, with
+    ``lenient`` (the coordinator), below it plus ``FIT_LENIENCY``. False with fewer than ``MIN_SCORED``
+    finite inputs, the accused's included."""
+    fits = fit(values, reference)
+    mine = fits[accused]
+    others = sorted(f for k, f in enumerate(fits) if k != accused and math.isfinite(f))
+    if not math.isfinite(mine) or len(others) + 1 < MIN_SCORED:
+        return False
+    median = others[(len(others) - 1) // 2]
+    return mine < median + (FIT_LENIENCY if lenient else 0.0)
+
+
+__all__ = [
+    "COSINE_RATIO",
+    "FIT_LENIENCY",
+    "LENIENCY",
+    "MIN_SCORED",
+    "NORM_RATIO",
+    "Score",
+    "fit",
+    "fits_poorly",
+    "flagged",
+    "scores",
+]

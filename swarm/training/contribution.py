@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ from swarm.averaging.evidence import (
     split_bounds,
 )
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
-from swarm.averaging.scores import flagged
+from swarm.averaging.scores import fits_poorly, flagged
 from swarm.averaging.verification import Assignment, assignments
 from swarm.config import RunConfig, replayable_windows, sender_tolerance, window_stretch
 from swarm.training.diloco import DilocoReplica, flat_params
@@ -54,6 +54,12 @@ KIND = "wrong_contribution"
 SCORED_KEYS = ("signer", "numel", "inputs", "output", "output_signature", "entries", "signed_at_ms")
 ROUND_KEYS = ("prefix", "group_id", "members", "commitments", "part", "chunk", "reducers")
 MAX_ENTRY_BYTES = 16 << 10
+#: Reducers that replay a sender standing out among the inputs of their own parts (``own_part_replayers``):
+#: more than one, so a colluding reducer the draw names cannot shield a liar from every honest one.
+OWN_PART_REPLAYERS = 2
+#: Of those, the reducers that also score a sender's fit to its own first micro-batch (``fit_scorers``): a
+#: fit costs one micro-batch's gradient, so one a sender a round; a colluder named shields it that round only.
+FIT_SCORERS = 1
 
 
 def drawn_sender(
@@ -151,6 +157,26 @@ def outlier_to_replay(
     return odd[int.from_bytes(pick[:8], "big") % len(odd)]
 
 
+def own_part_replayers(
+    seed: bytes, members: int, reduces: Callable[[int], bool], sender: int, count: int = OWN_PART_REPLAYERS
+) -> tuple[int, ...]:
+    """The reducers that replay ``sender`` when it stands out among a round's inputs to the reducers' own
+    parts, by the round's draw ``seed``: ``count`` of the ``members`` that reduce a part (``reduces``),
+    other than the sender (fewer if fewer do), in the draw's order."""
+    reducers = [i for i in range(members) if i != sender and reduces(i)]
+
+    def rank(member: int) -> bytes:
+        return hashlib.sha256(b"own-part-replay|" + seed + struct.pack(">II", sender, member)).digest()
+
+    return tuple(sorted(reducers, key=rank)[:count])
+
+
+def fit_scorers(seed: bytes, members: int, reduces: Callable[[int], bool], sender: int) -> tuple[int, ...]:
+    """The reducers that score ``sender``'s fit to its own first micro-batch in a round (``FIT_SCORERS`` of
+    ``own_part_replayers``, the first in the draw's order): each costs a micro-batch's gradient."""
+    return own_part_replayers(seed, members, reduces, sender, FIT_SCORERS)
+
+
 def _scored(body: dict) -> BadAggregateEvidence | None:
     """The chunk evidence of a ``wrong_contribution`` body's ``scored`` map (None without one), with the
     round fields of the body itself."""
@@ -162,6 +188,23 @@ def _scored(body: dict) -> BadAggregateEvidence | None:
             f"{KIND} evidence holds a scored chunk that is not a map of {', '.join(SCORED_KEYS)}"
         )
     return BadAggregateEvidence.from_body({**{k: v for k, v in body.items() if k in ROUND_KEYS}, **scored})
+
+
+def _loaded(run: RunConfig, tensors: dict[str, torch.Tensor], device: str) -> tuple[torch.nn.Module, int]:
+    """The run's model on ``device`` holding the state ``tensors`` (diloco: the synced model and outer
+    optimizer's; else the model and optimizer's), and its sequence length."""
+    from swarm.models import build_model, model_config
+    from swarm.training.state import build_optimizer, build_outer_optimizer, load_state_tensors
+
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed).to(device)
+    seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+    if run.training.sync == "diloco":
+        if not replayable_windows(run.training):
+            raise ProtocolError("this run's diloco windows cannot be replayed from public facts")
+        load_state_tensors(model, build_outer_optimizer(model, run.outer_optimizer), tensors)
+    else:
+        load_state_tensors(model, build_optimizer(model, run.optimizer), tensors)
+    return model, seq_len
 
 
 def recompute(
@@ -179,18 +222,12 @@ def recompute(
     gradient every step, the window's pseudo-gradient in diloco (``tensors`` are then the synced model and
     outer optimizer, and the window starts with a fresh inner optimizer). A SwarmError when it cannot be
     (tensors that are not the run's state, a window nobody can replay, ``deadline`` passed)."""
-    from swarm.models import build_model, model_config
-    from swarm.training.state import build_optimizer, build_outer_optimizer, load_state_tensors
+    from swarm.training.state import build_optimizer
 
     training = run.training
-    micro = training.micro_batch_size
-    model = build_model(run.model.name, run.model.config, seed=training.seed).to(device)
-    seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+    model, seq_len = _loaded(run, tensors, device)
     dataset = public_dataset(run.dataset.name, run.dataset.config)
     if training.sync == "diloco":
-        if not replayable_windows(training):
-            raise ProtocolError("this run's diloco windows cannot be replayed from public facts")
-        load_state_tensors(model, build_outer_optimizer(model, run.outer_optimizer), tensors)
         replica = DilocoReplica(model, build_optimizer(model, run.optimizer), run)
         window = replay_window(
             replica, flat_params(replica.synced_params), dataset, run_id=run.run_id, peer_id=peer_id,
@@ -198,7 +235,42 @@ def recompute(
             device=device, deadline=deadline,
         )  # fmt: skip
         return window.detach().to("cpu", torch.float32)
-    load_state_tensors(model, build_optimizer(model, run.optimizer), tensors)
+    return first_gradient(
+        run,
+        tensors,
+        peer_id,
+        step,
+        micro_batches=micro_batches,
+        device=device,
+        deadline=deadline,
+        model=model,
+    )
+
+
+def first_gradient(
+    run: RunConfig,
+    tensors: dict[str, torch.Tensor],
+    peer_id: str,
+    step: int,
+    *,
+    micro_batches: int = 1,
+    device: str,
+    deadline: float | None = None,
+    model: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """The flat mean gradient of ``peer_id``'s first ``micro_batches`` micro-batches at ``step``, from the
+    state ``tensors`` (``model``: that state already loaded): every step, what it sends for that many; in
+    diloco, from the synced model, the gradient of its window's first inner step (its fit, ``swarm.averaging
+    .scores.fits_poorly``, is scored against the first one). A SwarmError as ``recompute``."""
+    training = run.training
+    micro = training.micro_batch_size
+    if model is None:
+        model, seq_len = _loaded(run, tensors, device)
+    else:
+        from swarm.models import model_config
+
+        seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+    dataset = public_dataset(run.dataset.name, run.dataset.config)
     rows = honest_gradients(
         model, dataset, run_id=run.run_id, step=step, micro_batch=micro, seq_len=seq_len,
         peers={peer_id: micro_batches * micro}, precision=training.precision, device=device,
@@ -382,6 +454,61 @@ class WrongContributionEvidence(RoundEvidence):
             raise ProtocolError(
                 f"the input of {self.accused} does not stand out among the chunk's (swarm.averaging.scores)"
             )
+
+    def check_fit_scorer(self, accuser: str) -> None:
+        """That ``accuser`` may put the accused's fit (``check_fits_poorly``) to the coordinator: it reduced
+        the scored chunk's part and signed its aggregate itself, and, with every reveal, the round's draw
+        names it to score the accused (``fit_scorers``). ProtocolError otherwise: a fit costs a gradient, so
+        no other member may ask for one."""
+        index = self.members.index(accuser)
+        if self.scored is None or self.part != index or self.scored.signer is not None:
+            raise ProtocolError("only the reducer of a part scores the fit of that part's inputs")
+        if self.reveals:
+            seed = draw_seed(self.digest, self.reveals)
+            if index not in fit_scorers(seed, len(self.members), self._reduces, self.item.sender_index):
+                raise ProtocolError(
+                    f"the round's draw did not name {accuser} to score the fit of {self.accused}"
+                )
+
+    def _reduces(self, member: int) -> bool:
+        return not self.reducers or bool(self.reducers[member])
+
+    def check_fits_poorly(
+        self, run: RunConfig, tensors: dict[str, torch.Tensor], codec: Codec, vector_numel: int,
+        *, device: str, deadline: float | None = None,
+    ) -> None:  # fmt: skip
+        """That the accused's input fits its own first micro-batch gradient at the evidence's state
+        (``tensors``, verified by its hash) no better than the median of the ``scored`` chunk's other inputs
+        do, with the lenient threshold (``fit_is_poor``); the chunk checked as ``check_stands_out`` checks
+        it. ProtocolError otherwise. It costs one micro-batch's gradient, so the coordinator runs it at its
+        judging turn, once the state is downloaded."""
+        chunk = self.scored
+        if chunk is None:
+            raise ProtocolError(f"{KIND} evidence holds no scored chunk")
+        decoded = chunk.checked_inputs(codec, vector_numel)
+        if self.item not in chunk.inputs:
+            raise ProtocolError(f"the input of {self.accused} is not one the chunk's reducer aggregated")
+        if not self.fit_is_poor(
+            run, tensors, decoded, codec, vector_numel, device=device, deadline=deadline, lenient=True
+        ):
+            raise ProtocolError(
+                f"the input of {self.accused} neither stands out among the chunk's nor fits its own first "
+                "micro-batch worse than the others do (swarm.averaging.scores)"
+            )
+
+    def fit_is_poor(
+        self, run: RunConfig, tensors: dict[str, torch.Tensor], decoded: Sequence[torch.Tensor], codec: Codec,
+        vector_numel: int, *, device: str, deadline: float | None = None, lenient: bool = False,
+    ) -> bool:  # fmt: skip
+        """Whether the accused's input, among the ``scored`` chunk's (``decoded``, in its inputs' order),
+        fits the gradient of its own first micro-batch at the state ``tensors`` no better than the other
+        inputs do (``swarm.averaging.scores.fits_poorly``); False in a run that replays no outliers."""
+        if self.scored is None or not run.training.replay_outliers:
+            return False
+        step, _ = self.facts()
+        lo, hi = self.slice(codec, vector_numel)
+        gradient = first_gradient(run, tensors, self.accused, step, device=device, deadline=deadline)[lo:hi]
+        return fits_poorly(decoded, self.scored.inputs.index(self.item), gradient, lenient=lenient)
 
     def undecodable(self, codec: Codec, vector_numel: int) -> bool:
         """Whether the accused's input does not decode with the run's codec at its chunk's size (non-finite

@@ -81,12 +81,15 @@ from swarm.averaging.verification import draw, own_part_evidence, round_of
 from swarm.config import RunConfig, sender_checks_on
 from swarm.training.contribution import (
     KIND,
+    OWN_PART_REPLAYERS,
     WrongContributionEvidence,
     chunk_slice,
     compare,
     drawn_sender,
+    fit_scorers,
     flagged_senders,
     outlier_to_replay,
+    own_part_replayers,
     recompute,
     whole_micro_batches,
 )
@@ -117,20 +120,22 @@ CLEARED_ROUNDS = 8
 #: The share of rounds in which such a cleared sender that stands out is replayed all the same, by the
 #: round's draw (``still_replayed``): a liar cleared by one honest round cannot lie unreplayed for the rest.
 CLEARED_REPLAY_SHARE = 0.25
-#: Reducers that replay a sender standing out among the inputs of their own parts (``replays_own_part``):
-#: more than one, so a colluding reducer the draw names cannot shield a liar from every honest one.
-OWN_PART_REPLAYERS = 2
 
 # (step, state hash, state tensors) of this peer now, read before the round's update is applied.
 StateNow = Callable[[], tuple[int, str, dict[str, torch.Tensor]]]
 
 
-def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner) -> None:
+def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: _Copy, device: str) -> None:
     """The coordinator's checks of ``lie`` before it recomputes (``coordinator.contributions``), as this
-    member (the accuser) would pass them; a SwarmError if it would not."""
+    member (the accuser) would pass them, on the state ``copy``; a SwarmError if it would not."""
     me = runner.members[runner.index]
-    if not lie.check_draw(run, runner.codec, runner.numel, me):
+    if lie.check_draw(run, runner.codec, runner.numel, me):
+        return
+    try:
         lie.check_stands_out(run, runner.codec, runner.numel, me)
+    except SwarmError:
+        lie.check_fit_scorer(me)
+        lie.check_fits_poorly(run, copy.tensors, runner.codec, runner.numel, device=device)
 
 
 @dataclass
@@ -154,6 +159,8 @@ class SenderChecks:
         self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
         self.checked = self.caught = 0
         self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
+        self.fits = 0  # senders whose fit to their own first micro-batch this member scored (``_poor_fit``)
+        self.fit_s = 0.0  # the time those scores took (a micro-batch's gradient each)
         # Senders that stood out and whose replay found them honest -> the last round (of ``rounds``, the
         # complete rounds seen) in which they are not replayed for standing out again.
         self.rounds = 0
@@ -185,7 +192,12 @@ class SenderChecks:
         # A member the draw gives no part to check still replays a sender that stands out among the inputs
         # of its own part's drawn chunk, which it holds as their reducer (``_own_part``).
         checks_none = seed is not None and not draw(runner, self.run.training.verify_probability)
-        if checks_none and self._refused(runner, seed) is None and await self._own_part(runner, seed) is None:
+        if (
+            checks_none
+            and self._refused(runner, seed) is None
+            and await self._own_part(runner, seed) is None
+            and not self._fit_candidates(runner, seed)
+        ):
             return
         step, state_hash, tensors = await asyncio.to_thread(self.state)
         self.pending[runner.group_id] = _Copy(step, state_hash, tensors, dict(enumerate(signed_entries)))
@@ -237,6 +249,8 @@ class SenderChecks:
                 await self._check_one(runner, lie, copy)
         if not outlier_replayed:  # then one among the inputs this member aggregated as a reducer
             found = await self._own_part(runner, own_draw, shared=seed is not None)
+            if found is None:  # or one whose input does not fit its own first micro-batch
+                found = await self._poor_fit(runner, own_draw, copy, reveals, shared=seed is not None)
             if found is not None:
                 evidence, odd = found
                 self.outliers += 1
@@ -274,6 +288,69 @@ class SenderChecks:
             runner, evidence, seed=seed, drawn=None,
             eligible=lambda sender: not shared or runner.index in replays_own_part(seed, runner, sender),
         )  # fmt: skip
+        return None if odd is None else (evidence, odd)
+
+    def _fit_candidates(self, runner, seed: bytes, *, shared: bool = True) -> list[int]:
+        """The senders whose fit to their own first micro-batch this member scores this round: among the
+        other senders, those the round's draw ``seed`` names it to score (``scores_fit``); without every
+        reveal (``shared`` False, ``seed`` this member's own randomness) one it picks: a member that
+        withholds its reveal must not make every reducer score every sender. None in a run that replays
+        no outliers, or where this member reduces nothing."""
+        if not self.run.training.replay_outliers or not runner.reduces(runner.index):
+            return []
+        others = [i for i in range(len(runner.members)) if i != runner.index]
+        if not shared:
+            pick = hashlib.sha256(b"fit-score|" + seed).digest()
+            return [others[int.from_bytes(pick[:8], "big") % len(others)]] if others else []
+        return [i for i in others if scores_fit(seed, runner, i)]
+
+    async def _poor_fit(
+        self, runner, seed: bytes, copy: _Copy, reveals: tuple[bytes, ...], *, shared: bool = True
+    ) -> tuple[BadAggregateEvidence, SignedInput] | None:
+        """A sender to replay whose input to the drawn chunk of this member's own part fits the gradient of
+        its own first micro-batch (recomputed on ``copy``) no better than the other inputs do
+        (``swarm.averaging.scores.fits_poorly``): among ``_fit_candidates``, except a sender cleared of late
+        in rounds whose draw spares it (``still_replayed``); with the chunk as evidence; None if none.
+        Each sender scored costs a micro-batch's gradient, on a worker thread."""
+        candidates = self._fit_candidates(runner, seed, shared=shared)
+        candidates = [
+            i for i in candidates if runner.members[i] not in self.cleared or still_replayed(seed, i)
+        ]
+        if not candidates:
+            return None
+        part = runner.index
+        chunk = drawn_chunk(seed, part, runner.chunk_count(part))
+        evidence = own_part_evidence(runner, chunk) if chunk is not None else None
+        if evidence is None:
+            return None
+        items = [x for x in evidence.inputs if x.sender_index in candidates]
+
+        def score() -> SignedInput | None:  # decoding and gradients: off the event loop
+            try:
+                decoded = evidence.checked_inputs(runner.codec, runner.numel)
+            except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
+                return None
+            for item in items:
+                lie = self._lie(evidence, item, copy, reveals, scored=evidence)
+                started = time.monotonic()
+                try:
+                    self.fits += 1
+                    if lie.fit_is_poor(
+                        self.run, copy.tensors, decoded, runner.codec, runner.numel, device=self.device
+                    ):
+                        return item
+                except SwarmError as e:
+                    logger.info(f"could not score the fit of {lie.accused}: {e}"[:300])
+                finally:
+                    self.fit_s += time.monotonic() - started
+            return None
+
+        odd = await asyncio.to_thread(score)
+        if odd is not None:
+            logger.info(
+                f"{runner.members[odd.sender_index]}'s input to part {part} chunk {chunk} fits its own first "
+                "micro-batch worse than the others' do"
+            )
         return None if odd is None else (evidence, odd)
 
     def _lie(
@@ -362,7 +439,7 @@ class SenderChecks:
             # the same: that needs no draw.
             return
         try:  # what the coordinator checks first: evidence that does not hold would ban this member
-            await asyncio.to_thread(_would_hold, lie, self.run, runner)
+            await asyncio.to_thread(_would_hold, lie, self.run, runner, copy, self.device)
         except SwarmError as e:
             logger.warning(f"not filing against {accused}: the evidence would not hold ({e})"[:500])
             return
@@ -424,14 +501,14 @@ class SenderChecks:
 
 def replays_own_part(seed: bytes, runner, sender: int) -> tuple[int, ...]:
     """The reducers that replay ``sender`` when it stands out among a round's inputs to the reducers' own
-    parts, by the round's draw ``seed``: ``OWN_PART_REPLAYERS`` of the members that reduce a part, other
-    than the sender (fewer if fewer do)."""
-    reducers = [i for i in range(len(runner.members)) if i != sender and runner.reduces(i)]
+    parts, by the round's draw ``seed`` (``contribution.own_part_replayers``, of ``runner``'s round)."""
+    return own_part_replayers(seed, len(runner.members), runner.reduces, sender)
 
-    def rank(member: int) -> bytes:
-        return hashlib.sha256(b"own-part-replay|" + seed + struct.pack(">II", sender, member)).digest()
 
-    return tuple(sorted(reducers, key=rank)[:OWN_PART_REPLAYERS])
+def scores_fit(seed: bytes, runner, sender: int) -> bool:
+    """Whether the round's draw ``seed`` names ``runner``'s member to score ``sender``'s fit to its own
+    first micro-batch (``contribution.fit_scorers``)."""
+    return runner.index in fit_scorers(seed, len(runner.members), runner.reduces, sender)
 
 
 def still_replayed(seed: bytes, sender: int) -> bool:
@@ -443,12 +520,14 @@ def still_replayed(seed: bytes, sender: int) -> bool:
 
 __all__ = [
     "KIND",
+    "OWN_PART_REPLAYERS",
     "SenderChecks",
     "WrongContributionEvidence",
     "chunk_slice",
     "compare",
     "drawn_sender",
     "replays_own_part",
+    "scores_fit",
     "still_replayed",
     "recompute",
     "whole_micro_batches",

@@ -1,0 +1,146 @@
+"""A sender whose input does not fit its own first micro-batch is replayed by the reducer the round's draw
+names to score its fit, and banned (``SenderChecks._poor_fit``, ``swarm.averaging.scores.fits_poorly``).
+
+A stale contribution (an older step's, the ``delayed_gradient`` attack) points where every sender's does,
+so it does not stand out by cosine or norm, and before, only a validator's draw could reach it. Its fit to
+the gradient of the sender's own first micro-batch at the round's state, a public fact, is what gives it
+away. In process, with the real model, dataset, codec, signatures, ``SenderChecks`` and the coordinator's
+``judge_contribution``; the world of ``tests/ownpart.py`` (a group of four, each member the reducer of its
+own part, validators that practically never draw).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ownpart import (
+    LIAR,
+    MEMBERS,
+    STEP,
+    judge,
+    make_world,
+    nonce,
+    one_round,
+    record_replays,
+    reducer_after_round,
+    sender_checks,
+)
+
+from lab.localswarm import tiny_run
+from swarm.averaging.verification import own_part_evidence
+from swarm.models import build_model
+from swarm.training.contribution import WrongContributionEvidence, fit_scorers, flagged_senders, recompute
+from swarm.training.state import apply_flat_gradient, build_optimizer, state_tensors
+
+pytestmark = pytest.mark.timeout(300)
+
+RUN = tiny_run("fit-scores", verify_probability=1e-9, sender_check_probability=1e-9)
+#: The liar sends the honest contribution it computed this many steps before, at the state of then (the
+#: round is at ``STEP``; the batches of the older step are those of ``STEP - 1``).
+DELAY = 1
+
+
+def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The run's state ``DELAY`` steps before the round's, and the round's, ``DELAY`` steps of training on."""
+    torch.manual_seed(0)
+    model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
+    optimizer = build_optimizer(model, RUN.optimizer)
+    old = state_tensors(model, optimizer)
+    params = list(model.parameters())
+    for step in range(DELAY):
+        tensors = state_tensors(model, optimizer)
+        rows = [recompute(RUN, tensors, f"trainer-{k}", step, 2, device="cpu") for k in range(MEMBERS)]
+        apply_flat_gradient(model, params, optimizer, RUN.optimizer, step, torch.stack(rows).mean(0))
+    return old, state_tensors(model, optimizer)
+
+
+@pytest.fixture(scope="module")
+def world():
+    old, now = _states()
+    w = make_world(RUN, now)
+    w.old = old
+    return w
+
+
+def _stale(w) -> list[torch.Tensor]:
+    sent = list(w.honest)
+    sent[LIAR] = recompute(w.run, w.old, w.members[LIAR], STEP - 1, 2, device="cpu")
+    return sent
+
+
+def _scorer(w, sender: int) -> int:
+    (scorer,) = fit_scorers(w.seed, MEMBERS, lambda member: True, sender)
+    return scorer
+
+
+def _accusation(w, runner, sender: int, *, reveals: bool = True) -> WrongContributionEvidence:
+    """The evidence reducer ``runner`` would file against ``sender`` for its fit."""
+    evidence = own_part_evidence(runner, 0)
+    item = next(x for x in evidence.inputs if x.sender_index == sender)
+    return WrongContributionEvidence(
+        prefix=evidence.prefix, group_id=evidence.group_id, members=evidence.members,
+        commitments=evidence.commitments, part=evidence.part, chunk=evidence.chunk, reducers=evidence.reducers,
+        item=item, entry=w.entries[sender], reveals=tuple(nonce(i) for i in range(MEMBERS)) if reveals else (),
+        scored=evidence,
+    )  # fmt: skip
+
+
+def test_a_stale_sender_that_does_not_stand_out_is_replayed_by_its_fit_scorer_and_banned(world):
+    w = world
+    sent = _stale(w)
+    scorer = _scorer(w, LIAR)
+    runner = reducer_after_round(w, scorer, sent)
+    evidence = own_part_evidence(runner, 0)
+    claims, odd = flagged_senders(
+        RUN, evidence.inputs, evidence.checked_inputs(w.codec, w.numel), validator=scorer
+    )  # fmt: skip
+    assert LIAR not in claims + odd  # its cosine and norm are an honest sender's: no reason to replay it
+
+    accused = []
+    checks = sender_checks(w, accused)
+    one_round(w, checks, runner)
+    assert [a[0] for a in accused] == [w.members[LIAR]], accused
+    lie = accused[0][1]
+    assert lie.scored is not None and lie.scored.part == scorer
+    found, guilty = judge(w, lie, w.members[scorer])
+    assert guilty == w.members[LIAR] and "public batch seeds" in found, (found, guilty)
+
+
+def test_honest_senders_are_never_filed_and_each_fit_is_scored_by_one_reducer_a_round(world, monkeypatch):
+    """Scoring a fit costs a micro-batch's gradient: each sender's fit is scored by the one reducer the draw
+    names. A fit is a pointer, not a verdict: an honest sender whose fit happens to be low costs that
+    reducer a replay, which clears it, and nobody is filed."""
+    w = world
+    replayed = record_replays(monkeypatch)
+    scored = 0
+    for index in range(MEMBERS):
+        accused = []
+        checks = sender_checks(w, accused)
+        one_round(w, checks, reducer_after_round(w, index, w.honest))
+        assert accused == []
+        named = [s for s in range(MEMBERS) if s != index and _scorer(w, s) == index]
+        assert checks.fits == len(named)
+        assert checks.cleared.keys() == {w.members[s] for s in named if w.members[s] in replayed}
+        scored += checks.fits
+    assert scored == MEMBERS and len(replayed) < MEMBERS
+
+
+def test_the_coordinator_bans_whoever_puts_a_fit_it_may_not(world):
+    """A fit the draw did not ask of the accuser, or of an honest sender, is a false accusation: it bans
+    the accuser. Without every reveal any reducer may put a fit, and the recompute still decides."""
+    w = world
+    sent = _stale(w)
+    scorer = _scorer(w, LIAR)
+    other = next(i for i in range(MEMBERS) if i not in (LIAR, scorer))
+    lie = _accusation(w, reducer_after_round(w, other, sent), LIAR)
+    found, guilty = judge(w, lie, w.members[other])
+    assert guilty == w.members[other] and "did not name" in found, found
+
+    honest = next(i for i in range(MEMBERS) if i != LIAR and _scorer(w, i) != i)
+    runner = reducer_after_round(w, _scorer(w, honest), sent)
+    found, guilty = judge(w, _accusation(w, runner, honest), w.members[runner.index])
+    assert guilty == w.members[runner.index] and "fits its own first micro-batch" in found, found
+
+    unrevealed = _accusation(w, reducer_after_round(w, other, sent), LIAR, reveals=False)
+    found, guilty = judge(w, unrevealed, w.members[other])
+    assert guilty == w.members[LIAR], found
