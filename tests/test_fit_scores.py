@@ -11,6 +11,8 @@ own part, validators that practically never draw).
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from ownpart import (
@@ -29,6 +31,7 @@ from ownpart import (
 from lab.localswarm import tiny_run
 from swarm.averaging.verification import own_part_evidence
 from swarm.models import build_model
+from swarm.training import sendercheck
 from swarm.training.contribution import WrongContributionEvidence, fit_scorers, flagged_senders, recompute
 from swarm.training.state import apply_flat_gradient, build_optimizer, state_tensors
 
@@ -52,6 +55,13 @@ def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         rows = [recompute(RUN, tensors, f"trainer-{k}", step, 2, device="cpu") for k in range(MEMBERS)]
         apply_flat_gradient(model, params, optimizer, RUN.optimizer, step, torch.stack(rows).mean(0))
     return old, state_tensors(model, optimizer)
+
+
+@pytest.fixture
+def every_round(monkeypatch):
+    """Reducers afford a fit in every round (each member computes 2 micro-batches here, so at the default
+    ``FIT_SHARE`` they would score in a fifth of the rounds)."""
+    monkeypatch.setattr(sendercheck, "FIT_SHARE", 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +95,7 @@ def _accusation(w, runner, sender: int, *, reveals: bool = True) -> WrongContrib
     )  # fmt: skip
 
 
-def test_a_stale_sender_that_does_not_stand_out_is_replayed_by_its_fit_scorer_and_banned(world):
+def test_a_stale_sender_that_does_not_stand_out_is_replayed_by_its_fit_scorer_and_banned(world, every_round):
     w = world
     sent = _stale(w)
     scorer = _scorer(w, LIAR)
@@ -106,7 +116,9 @@ def test_a_stale_sender_that_does_not_stand_out_is_replayed_by_its_fit_scorer_an
     assert guilty == w.members[LIAR] and "public batch seeds" in found, (found, guilty)
 
 
-def test_honest_senders_are_never_filed_and_each_fit_is_scored_by_one_reducer_a_round(world, monkeypatch):
+def test_honest_senders_are_never_filed_and_each_fit_is_scored_by_one_reducer_a_round(
+    world, every_round, monkeypatch
+):
     """Scoring a fit costs a micro-batch's gradient: each sender's fit is scored by the one reducer the draw
     names. A fit is a pointer, not a verdict: an honest sender whose fit happens to be low costs that
     reducer a replay, which clears it, and nobody is filed."""
@@ -144,3 +156,22 @@ def test_the_coordinator_bans_whoever_puts_a_fit_it_may_not(world):
     unrevealed = _accusation(w, reducer_after_round(w, other, sent), LIAR, reveals=False)
     found, guilty = judge(w, unrevealed, w.members[other])
     assert guilty == w.members[LIAR], found
+
+
+def test_a_reducer_spends_about_a_tenth_of_its_own_micro_batches_on_fits(world, monkeypatch):
+    """A fit costs a micro-batch's gradient. A member that computed 2 micro-batches for the round affords
+    ``FIT_SHARE`` (0.1) of them: it scores its named sender in about a fifth of the rounds, picked by its
+    own randomness (here a fixed stream, so the count is exact)."""
+    w = world
+    stream = iter(range(10**6))
+    monkeypatch.setattr(
+        sendercheck.os, "urandom", lambda n: hashlib.sha256(b"%d" % next(stream)).digest()[:n]
+    )
+    scorer = _scorer(w, LIAR)
+    checks = sender_checks(w, [])
+    rounds = 60
+    for _ in range(rounds):
+        one_round(w, checks, reducer_after_round(w, scorer, w.honest))
+    named = sum(1 for s in range(MEMBERS) if s != scorer and _scorer(w, s) == scorer)
+    assert named >= 1
+    assert 0.1 * rounds * named <= checks.fits <= 0.3 * rounds * named, (checks.fits, named)

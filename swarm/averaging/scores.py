@@ -53,9 +53,8 @@ NORM_RATIO = 4.0
 MIN_SCORED = 3
 #: How much wider the coordinator's thresholds are than a validator's (relative), for float64 rounding.
 LENIENCY = 1e-6
-#: How much lower (in cosine) the coordinator lets a sender's fit be than the other inputs' median and still
-#: accept it as not fitting (``fits_poorly``): a gradient recomputed on another device rounds differently,
-#: and coordinates near 0 may change sign.
+#: How far above the other inputs' median fit the coordinator still accepts a sender's fit as poor: a
+#: gradient recomputed on another device rounds differently, and coordinates near 0 may change sign.
 FIT_LENIENCY = 0.02
 
 
@@ -161,9 +160,11 @@ def fits_poorly(
     values: Sequence[torch.Tensor], accused: int, reference: torch.Tensor, *, lenient: bool = False
 ) -> bool:
     """Whether ``values[accused]`` fits ``reference`` (the accused's own first micro-batch gradient over the
-    chunk) no better than the median of the other finite inputs do (``fit``): below that median, or, with
-    ``lenient`` (the coordinator), below it plus ``FIT_LENIENCY``. False with fewer than ``MIN_SCORED``
-    finite inputs, the accused's included."""
+    chunk) worse than the median of the other finite inputs do (``fit``): below that median (a validator),
+    or, with ``lenient`` (the coordinator, which accepts what any validator finds), less than
+    ``FIT_LENIENCY`` above it. False with fewer than ``MIN_SCORED`` finite inputs, the accused's included.
+    An honest fit falls below the median now and then in small chunks (a replay clears it); a stale one
+    is below it in most."""
     fits = fit(values, reference)
     mine = fits[accused]
     others = sorted(f for k, f in enumerate(fits) if k != accused and math.isfinite(f))

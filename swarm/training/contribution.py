@@ -190,7 +190,7 @@ def _scored(body: dict) -> BadAggregateEvidence | None:
     return BadAggregateEvidence.from_body({**{k: v for k, v in body.items() if k in ROUND_KEYS}, **scored})
 
 
-def _loaded(run: RunConfig, tensors: dict[str, torch.Tensor], device: str) -> tuple[torch.nn.Module, int]:
+def state_model(run: RunConfig, tensors: dict[str, torch.Tensor], device: str) -> tuple[torch.nn.Module, int]:
     """The run's model on ``device`` holding the state ``tensors`` (diloco: the synced model and outer
     optimizer's; else the model and optimizer's), and its sequence length."""
     from swarm.models import build_model, model_config
@@ -225,7 +225,7 @@ def recompute(
     from swarm.training.state import build_optimizer
 
     training = run.training
-    model, seq_len = _loaded(run, tensors, device)
+    model, seq_len = state_model(run, tensors, device)
     dataset = public_dataset(run.dataset.name, run.dataset.config)
     if training.sync == "diloco":
         replica = DilocoReplica(model, build_optimizer(model, run.optimizer), run)
@@ -259,13 +259,14 @@ def first_gradient(
     model: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """The flat mean gradient of ``peer_id``'s first ``micro_batches`` micro-batches at ``step``, from the
-    state ``tensors`` (``model``: that state already loaded): every step, what it sends for that many; in
-    diloco, from the synced model, the gradient of its window's first inner step (its fit, ``swarm.averaging
-    .scores.fits_poorly``, is scored against the first one). A SwarmError as ``recompute``."""
+    state ``tensors`` (``model``: that state already loaded by ``state_model``, whose gradients this
+    overwrites): every step, what it sends for that many; in diloco, from the synced model, the gradient of
+    its window's first inner step (its fit, ``swarm.averaging.scores.fits_poorly``, is scored against the
+    first one). A SwarmError as ``recompute``."""
     training = run.training
     micro = training.micro_batch_size
     if model is None:
-        model, seq_len = _loaded(run, tensors, device)
+        model, seq_len = state_model(run, tensors, device)
     else:
         from swarm.models import model_config
 
@@ -274,7 +275,7 @@ def first_gradient(
     rows = honest_gradients(
         model, dataset, run_id=run.run_id, step=step, micro_batch=micro, seq_len=seq_len,
         peers={peer_id: micro_batches * micro}, precision=training.precision, device=device,
-        deadline=deadline,
+        deadline=deadline, in_place=True,
     )  # fmt: skip
     if rows is None:
         raise ProtocolError(f"no micro-batch of {peer_id} to replay")
@@ -499,15 +500,19 @@ class WrongContributionEvidence(RoundEvidence):
     def fit_is_poor(
         self, run: RunConfig, tensors: dict[str, torch.Tensor], decoded: Sequence[torch.Tensor], codec: Codec,
         vector_numel: int, *, device: str, deadline: float | None = None, lenient: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> bool:  # fmt: skip
         """Whether the accused's input, among the ``scored`` chunk's (``decoded``, in its inputs' order),
-        fits the gradient of its own first micro-batch at the state ``tensors`` no better than the other
-        inputs do (``swarm.averaging.scores.fits_poorly``); False in a run that replays no outliers."""
+        fits the gradient of its own first micro-batch at the state ``tensors`` (``model``: loaded from
+        them) worse than the other inputs do (``swarm.averaging.scores.fits_poorly``); False in a run that
+        replays no outliers."""
         if self.scored is None or not run.training.replay_outliers:
             return False
         step, _ = self.facts()
         lo, hi = self.slice(codec, vector_numel)
-        gradient = first_gradient(run, tensors, self.accused, step, device=device, deadline=deadline)[lo:hi]
+        gradient = first_gradient(
+            run, tensors, self.accused, step, device=device, deadline=deadline, model=model
+        )[lo:hi]
         return fits_poorly(decoded, self.scored.inputs.index(self.item), gradient, lenient=lenient)
 
     def undecodable(self, codec: Codec, vector_numel: int) -> bool:

@@ -48,12 +48,14 @@ def honest_gradients(
     precision: str = "fp32",
     device: str = "cpu",
     deadline: float | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor | None:
     """The flat mean gradient each of ``peers`` (peer ID -> samples it holds at ``step``) computes at
     ``step`` from ``model``'s state, one row per peer that holds a whole micro-batch, in peer-ID order;
-    None if none does. ``model`` itself is left as it is (its gradients included). ``deadline``
-    (``time.monotonic()``): a ``ReplayTooLong`` once it passes, checked between micro-batches."""
-    replica = copy.deepcopy(model)
+    None if none does. ``model`` itself is left as it is (its gradients included), unless ``in_place``
+    (its gradients are then overwritten, and no copy is made). ``deadline`` (``time.monotonic()``): a
+    ``ReplayTooLong`` once it passes, checked between micro-batches."""
+    replica = model if in_place else copy.deepcopy(model)
     runner = MicroBatchRunner(replica, device=device, precision=precision)
     replica.train()
     rows = []

@@ -32,6 +32,15 @@ as the samples it signed for. So a groupmate can recompute it:
    for standing out found it honest is replayed for that again, for ``CLEARED_ROUNDS`` rounds, only in
    the share of rounds the draw picks (``still_replayed``): colluders that make an honest sender stand
    out cannot cost its reducers a replay every round, and a liar cleared once cannot count on it.
+5. A stale input (an older step's or window's) does not stand out: it points where every sender's does.
+   So the reducer the round's draw names first for a sender (``fit_scorers``) also scores the sender's
+   fit to its own first micro-batch (``_poor_fit``, ``swarm.averaging.scores.fits_poorly``): the gradient
+   of that micro-batch at the round's state is a public fact an honest input holds, and an input that
+   fits it worse than the other inputs do is replayed. One micro-batch's gradient a fit, a member spending
+   ``FIT_SHARE`` of its own micro-batches on them (in some rounds only where it computes few: which, by
+   its own randomness); without every reveal a reducer scores one sender it picks. The coordinator scores the same fit on the
+   state it downloads before it recomputes, so only a poor fit (or a drawn or standing-out sender) can be
+   put to it.
 
 What it covers: a sender that scales, flips, replaces, delays or computes on other labels any part of its
 gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
@@ -91,6 +100,7 @@ from swarm.training.contribution import (
     outlier_to_replay,
     own_part_replayers,
     recompute,
+    state_model,
     whole_micro_batches,
 )
 from swarm.training.state import encode_state
@@ -113,6 +123,11 @@ MAX_SCORED_CHUNKS = 4
 ACCUSE_MARGIN = 0.1
 #: Replays running or waiting their turn at once (each holds its round's state copy).
 MAX_REPLAYS_DUE = 2
+#: The share of its own micro-batches a member spends, in expectation, on scoring fits (``_poor_fit``: one
+#: micro-batch's gradient each): in diloco a window of H inner steps affords a fit a round for H >= 10; in
+#: every_step a peer that computes few micro-batches a step scores its named senders in some rounds only,
+#: by its own randomness, so nobody can tell which.
+FIT_SHARE = 0.1
 #: Rounds for which a sender whose replay for standing out found it honest is only sometimes replayed for
 #: standing out again by that member: colluders that move a chunk's median can make an honest sender stand
 #: out, and would otherwise cost its reducers a replay (a step, or a window) in every round.
@@ -145,6 +160,7 @@ class _Copy:
     tensors: dict[str, torch.Tensor]
     entries: dict[int, bytes]  # member index -> its signed group entry
     kept_until: float = 0.0
+    model: torch.nn.Module | None = None  # the state loaded for fits (``_poor_fit``), once a round
 
 
 class SenderChecks:
@@ -323,7 +339,15 @@ class SenderChecks:
         evidence = own_part_evidence(runner, chunk) if chunk is not None else None
         if evidence is None:
             return None
-        items = [x for x in evidence.inputs if x.sender_index in candidates]
+        # What this member affords: ``FIT_SHARE`` of the micro-batches it computed for the round.
+        own = next((x.weight for x in evidence.inputs if x.sender_index == runner.index), 0.0)
+        afford = FIT_SHARE * own / self.run.training.micro_batch_size / len(candidates)
+        items = [
+            x for x in evidence.inputs
+            if x.sender_index in candidates and int.from_bytes(os.urandom(8), "big") < min(1.0, afford) * 2**64
+        ]  # fmt: skip
+        if not items:
+            return None
 
         def score() -> SignedInput | None:  # decoding and gradients: off the event loop
             try:
@@ -335,9 +359,12 @@ class SenderChecks:
                 started = time.monotonic()
                 try:
                     self.fits += 1
+                    if copy.model is None:
+                        copy.model, _ = state_model(self.run, copy.tensors, self.device)
                     if lie.fit_is_poor(
-                        self.run, copy.tensors, decoded, runner.codec, runner.numel, device=self.device
-                    ):
+                        self.run, copy.tensors, decoded, runner.codec, runner.numel, device=self.device,
+                        model=copy.model,
+                    ):  # fmt: skip
                         return item
                 except SwarmError as e:
                     logger.info(f"could not score the fit of {lie.accused}: {e}"[:300])
