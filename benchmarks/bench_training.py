@@ -25,10 +25,14 @@ Usage::
     python benchmarks/bench_training.py --compare-sender-checks 0,1 --verify-probability 1.0 --repeats 2
     python benchmarks/bench_training.py --sync diloco --inner-steps 20 --compression int8 --steps 6 \
         --compare-sender-checks 0,0.5 --repeats 3           # diloco window replays at the run's defaults
+    python benchmarks/bench_training.py --peers 3 --sync diloco --inner-steps 20 --compression int8 \
+        --steps 6 --compare-sender-checks 0,0.25 --repeats 3   # with the reducers' scores and fits (3+ peers)
 
 ``--compare-sender-checks`` prices the sender checks (``swarm.training.sendercheck``) in an honest run:
 the same training once per ``training.sender_check_probability`` given, round by round, each one's
-samples/s over the first's in the same round, and how many senders the validators replayed.
+samples/s over the first's in the same round, how many senders the validators replayed, how many fits
+the reducers scored, and the bytes per sample over the first's. Probability 0 turns every sender check off
+(replays, scores and fits); the reducers' scores and fits need 3 inputs to a chunk, so ``--peers 3``.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class Settings:
     sync: str = "every_step"
     inner_steps: int = 20  # diloco: inner steps per outer step (a step of the run)
     compression: str | None = None  # None: the run's (fp16)
+    peers: int = PEERS  # processes, all in every round
 
     def run_config(self):
         from swarm.config import RunConfig
@@ -85,9 +90,9 @@ class Settings:
                 "max_steps": self.steps,
                 "matchmaking_time_s": self.matchmaking_time_s,
                 "validation_batches": 1,
-                # Both peers take part in every round: neither steps alone, so neither falls behind and
+                # Every peer takes part in every round: none steps alone, so none falls behind and
                 # catches up by download, which would hide its compute from the measured window.
-                "min_group_size": 2,
+                "min_group_size": self.peers,
                 "sync": self.sync,
                 **({"inner_steps": self.inner_steps, "window_stretch": 1.0} if self.sync == "diloco" else {}),
                 **({} if self.compression is None else {"compression": self.compression}),
@@ -225,7 +230,7 @@ def train(settings: Settings) -> list[dict]:
     maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
     processes, conns = [], []
     try:
-        for _ in range(PEERS):
+        for _ in range(settings.peers):
             parent, child = context.Pipe()
             process = context.Process(target=peer_main, args=(child, maddrs, settings))
             process.start()
@@ -269,6 +274,7 @@ def summarize(reports: list[dict], settings: Settings) -> dict:
                 "bytes_sent": sum(r["bytes_sent"] for r in done), "rounds": len(rounds), "rounds_ok": len(done),
                 "trainer_utilization": report["metrics"]["compute_utilization"],
                 "senders_checked": report["metrics"].get("senders_checked", 0.0),
+                "fits_scored": report["metrics"].get("senders_fit_scored", 0.0),
                 "group_sizes": sorted({r.get("group", 0) for r in done}),
             }
         )  # fmt: skip
@@ -303,28 +309,39 @@ def compare_sender_checks(settings: Settings, probabilities: list[float], args) 
                 print(f"training benchmark failed at sender_check_probability {p}: {e}")
                 return 1
             checked = sum(peer["senders_checked"] for peer in result["peers"])
+            fits = sum(peer["fits_scored"] for peer in result["peers"])
             rows[p].append(result)
             print(
                 f"round {round_index + 1}, sender_check_probability {p:g}: {result['samples_per_s']:.2f} "
-                f"samples/s, utilization {result['utilization']:.1%}, {checked:.0f} senders replayed",
+                f"samples/s, utilization {result['utilization']:.1%}, {checked:.0f} senders replayed, "
+                f"{fits:.0f} fits scored, {result['bytes_per_sample']:.0f} bytes per sample",
                 flush=True,
             )
     anchor = probabilities[0]
     print(
         f"\nagainst sender_check_probability {anchor:g} in the same round (min-max over {args.repeats} rounds):"
     )
-    print(f"{'probability':>11} {'samples/s':>10} {'ratio':>15} {'utilization':>12} {'replayed':>9}")
+    print(
+        f"{'probability':>11} {'samples/s':>10} {'ratio':>15} {'utilization':>12} {'replayed':>9} "
+        f"{'fits':>6} {'bytes/sample ratio':>19}"
+    )
     summary = []
     for p in probabilities:
         ratios = [r["samples_per_s"] / a["samples_per_s"] for r, a in zip(rows[p], rows[anchor], strict=True)]
         speed = statistics.mean(r["samples_per_s"] for r in rows[p])
         use = statistics.mean(r["utilization"] for r in rows[p])
         replayed = statistics.mean(sum(x["senders_checked"] for x in r["peers"]) for r in rows[p])
+        fits = statistics.mean(sum(x["fits_scored"] for x in r["peers"]) for r in rows[p])
+        wire = [
+            r["bytes_per_sample"] / a["bytes_per_sample"] for r, a in zip(rows[p], rows[anchor], strict=True)
+        ]
         print(
-            f"{p:>11g} {speed:>10.2f} {min(ratios):>7.3f}-{max(ratios):<7.3f} {use:>11.1%} {replayed:>9.1f}"
+            f"{p:>11g} {speed:>10.2f} {min(ratios):>7.3f}-{max(ratios):<7.3f} {use:>11.1%} {replayed:>9.1f} "
+            f"{fits:>6.1f} {min(wire):>9.3f}-{max(wire):<9.3f}"
         )
         summary.append({"sender_check_probability": p, "samples_per_s": speed, "ratios": ratios,
-                        "utilization": use, "replayed": replayed})  # fmt: skip
+                        "utilization": use, "replayed": replayed, "fits": fits,
+                        "bytes_per_sample_ratios": wire})  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"settings": asdict(settings), "compare": summary}, indent=2))
     return 0
@@ -357,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-bytes", type=int, default=4 << 20, help="stdlib corpus cap (bytes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    parser.add_argument(
+        "--peers", type=int, default=PEERS,
+        help="peer processes, all in every round (3 or more for the reducers' scores: they need 3 inputs)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a tiny model for 3 steps: a smoke test")
     parser.add_argument(
         "--compare-sender-checks",
@@ -389,10 +410,12 @@ def main(argv: list[str] | None = None) -> int:
         args.matchmaking_time_s, args.max_bytes = 1.0, 1 << 20
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the window runs from step 1 to the last)")
+    if not 2 <= args.peers <= 8:
+        parser.error(f"--peers must be 2 to 8, got {args.peers}")
     settings = Settings(
         model_config, args.target_batch_size, args.micro_batch_size, args.steps, args.matchmaking_time_s,
         args.max_bytes, args.threads, verify_probability=args.verify_probability, sync=args.sync,
-        inner_steps=args.inner_steps, compression=args.compression,
+        inner_steps=args.inner_steps, compression=args.compression, peers=args.peers,
     )  # fmt: skip
     if args.compare_sender_checks:
         return compare_sender_checks(
@@ -410,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {info['torch']}, hivemind {info['hivemind']}; load {info['load_1min']}"
     )
     print(
-        f"{PEERS} peers, one process each (torch threads {args.threads}); gpt {model_config or 'default config'}; "
+        f"{args.peers} peers, one process each (torch threads {args.threads}); gpt {model_config or 'default config'}; "
         f"target batch {args.target_batch_size} x micro-batch {args.micro_batch_size}; {args.steps} steps; "
         f"matchmaking {args.matchmaking_time_s:g}s",
         flush=True,
