@@ -11,11 +11,11 @@ on CPU, encodes the chunk with the round's codec and compares, with the run's to
 - beyond the tolerance (or a claim of samples the built-in loop never signs): the accused is banned;
 - within it, or evidence that does not hold (a signature, an entry of another round, a chunk outside
   the run's layout, a chunk, validator or sender other than the round's draw from its reveals, a run
-  that does not check senders, an undrawn sender that neither stands out nor, put by the reducer the
-  draw names to score its fit, fits its own first micro-batch worse than the chunk's other inputs): the
-  accuser is banned, as for any false evidence;
-- the state not served in time (the accuser is gone, or it never kept it), or a replay the coordinator
-  cannot run within ``REPLAY_TIMEOUT_S``: nobody is banned.
+  that does not check senders, an undrawn sender that neither stands out nor, put by the part's reducer
+  the chunk's draw has score its fit, fits its drawn micro-batch worse than the chunk's other inputs):
+  the accuser is banned, as for any false evidence;
+- the state not served in time (the accuser is gone, or it never kept it), or a replay (or a fit) the
+  coordinator cannot run within ``REPLAY_TIMEOUT_S``: nobody is banned.
 
 The recompute costs the coordinator one peer's step on CPU (at most the run's target batch) and one state
 download, once per accusation; the accusation budgets bound how many arrive (``coordinator.limits``).
@@ -166,8 +166,8 @@ async def judge_contribution(
                 await asyncio.to_thread(evidence.check_stands_out, run, codec, vector_numel, accuser)
                 stands_out = True
             except SwarmError as e:
-                try:  # only the reducer the draw names may ask for a fit
-                    evidence.check_fit_scorer(accuser)
+                try:  # only the part's reducer the chunk's draw has score the accused may ask for a fit
+                    await asyncio.to_thread(evidence.check_fit_scorer, run, codec, vector_numel, accuser)
                 except SwarmError as e2:
                     return f"the evidence does not hold: {e}; {e2}", accuser
         try:
@@ -187,8 +187,11 @@ async def judge_contribution(
                     evidence.check_fits_poorly, run, state.tensors, codec, vector_numel, device="cpu",
                     deadline=time.monotonic() + REPLAY_TIMEOUT_S,
                 )  # fmt: skip
-            except SwarmError as e:
+            except ProtocolError as e:
                 return f"the evidence does not hold: {e}", accuser
+            except Exception as e:  # a fit this coordinator cannot compute (in time) bans nobody, as a replay
+                logger.warning(f"could not score the fit of {accused} at step {step}: {e!r}"[:500])
+                return f"the coordinator could not score the fit of {accused}: {e}"[:400], None
         try:
             verdict = await asyncio.to_thread(
                 evidence.judge, run, state.tensors, codec, vector_numel=vector_numel, device="cpu",

@@ -57,9 +57,6 @@ MAX_ENTRY_BYTES = 16 << 10
 #: Reducers that replay a sender standing out among the inputs of their own parts (``own_part_replayers``):
 #: more than one, so a colluding reducer the draw names cannot shield a liar from every honest one.
 OWN_PART_REPLAYERS = 2
-#: Of those, the reducers that also score a sender's fit to its own first micro-batch (``fit_scorers``): a
-#: fit costs one micro-batch's gradient, so one a sender a round; a colluder named shields it that round only.
-FIT_SCORERS = 1
 
 
 def drawn_sender(
@@ -171,10 +168,24 @@ def own_part_replayers(
     return tuple(sorted(reducers, key=rank)[:count])
 
 
-def fit_scorers(seed: bytes, members: int, reduces: Callable[[int], bool], sender: int) -> tuple[int, ...]:
-    """The reducers that score ``sender``'s fit to its own first micro-batch in a round (``FIT_SCORERS`` of
-    ``own_part_replayers``, the first in the draw's order): each costs a micro-batch's gradient."""
-    return own_part_replayers(seed, members, reduces, sender, FIT_SCORERS)
+def fit_draw(scored: BadAggregateEvidence, sender: int, micro_batches: int) -> tuple[bool, int]:
+    """Whether the reducer of ``scored``'s chunk scores the fit of ``sender``'s input to it, and against which
+    of its ``micro_batches`` micro-batches (diloco: inner steps), by a hash of the round, the chunk, the
+    sender and the signatures of the chunk's *other* inputs (the reducer's own among them). The sender
+    signs before it can know those, so it cannot tell which micro-batch will be scored, or by whom; no
+    reveal is needed, so withholding one changes nothing; the coordinator recomputes it from the evidence.
+    Each reducer that may score the sender does so with probability one over their number (the members that
+    reduce a part, less the sender): one fit a sender a round, in expectation."""
+    others = [
+        x.signature for x in sorted(scored.inputs, key=lambda x: x.sender_index) if x.sender_index != sender
+    ]
+    pick = hashlib.sha256(
+        b"fit|" + scored.digest + struct.pack(">III", scored.part, scored.chunk, sender) + b"".join(others)
+    ).digest()
+    reduces = scored.reducers or (True,) * len(scored.members)
+    reducers = sum(1 for i, r in enumerate(reduces) if r and i != sender)
+    scores = int.from_bytes(pick[:8], "big") < 2**64 // max(1, reducers)
+    return scores, int.from_bytes(pick[8:16], "big") % max(1, micro_batches)
 
 
 def _scored(body: dict) -> BadAggregateEvidence | None:
@@ -235,36 +246,30 @@ def recompute(
             device=device, deadline=deadline,
         )  # fmt: skip
         return window.detach().to("cpu", torch.float32)
-    return first_gradient(
-        run,
-        tensors,
-        peer_id,
-        step,
-        micro_batches=micro_batches,
-        device=device,
-        deadline=deadline,
+    return micro_gradient(
+        run, tensors, peer_id, step, 0, micro_batches=micro_batches, device=device, deadline=deadline,
         model=model,
-    )
+    )  # fmt: skip
 
 
-def first_gradient(
+def micro_gradient(
     run: RunConfig,
     tensors: dict[str, torch.Tensor],
     peer_id: str,
     step: int,
+    micro: int,
     *,
     micro_batches: int = 1,
     device: str,
     deadline: float | None = None,
     model: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """The flat mean gradient of ``peer_id``'s first ``micro_batches`` micro-batches at ``step``, from the
-    state ``tensors`` (``model``: that state already loaded by ``state_model``, whose gradients this
-    overwrites): every step, what it sends for that many; in diloco, from the synced model, the gradient of
-    its window's first inner step (its fit, ``swarm.averaging.scores.fits_poorly``, is scored against the
-    first one). A SwarmError as ``recompute``."""
+    """The flat mean gradient of ``peer_id``'s ``micro_batches`` micro-batches from number ``micro`` on, at
+    ``step``, from the state ``tensors`` (``model``: that state already loaded by ``state_model``, whose
+    gradients this overwrites): every step, what it sends for its first that many; in diloco, from the
+    synced model, the gradient of inner step ``micro``'s batch at the window's start (what its fit,
+    ``swarm.averaging.scores.fits_poorly``, is scored against). A SwarmError as ``recompute``."""
     training = run.training
-    micro = training.micro_batch_size
     if model is None:
         model, seq_len = state_model(run, tensors, device)
     else:
@@ -273,9 +278,9 @@ def first_gradient(
         seq_len = int(model_config(run.model.name, run.model.config).seq_len)
     dataset = public_dataset(run.dataset.name, run.dataset.config)
     rows = honest_gradients(
-        model, dataset, run_id=run.run_id, step=step, micro_batch=micro, seq_len=seq_len,
-        peers={peer_id: micro_batches * micro}, precision=training.precision, device=device,
-        deadline=deadline, in_place=True,
+        model, dataset, run_id=run.run_id, step=step, micro_batch=training.micro_batch_size, seq_len=seq_len,
+        peers={peer_id: micro_batches * training.micro_batch_size}, precision=training.precision,
+        device=device, deadline=deadline, in_place=True, first_micro=micro,
     )  # fmt: skip
     if rows is None:
         raise ProtocolError(f"no micro-batch of {peer_id} to replay")
@@ -456,44 +461,44 @@ class WrongContributionEvidence(RoundEvidence):
                 f"the input of {self.accused} does not stand out among the chunk's (swarm.averaging.scores)"
             )
 
-    def check_fit_scorer(self, accuser: str) -> None:
-        """That ``accuser`` may put the accused's fit (``check_fits_poorly``) to the coordinator: it reduced
-        the scored chunk's part and signed its aggregate itself, and, with every reveal, the round's draw
-        names it to score the accused (``fit_scorers``). ProtocolError otherwise: a fit costs a gradient, so
-        no other member may ask for one."""
+    def check_fit_scorer(self, run: RunConfig, codec: Codec, vector_numel: int, accuser: str) -> None:
+        """That ``accuser`` may put the accused's fit (``check_fits_poorly``) to the coordinator: the scored
+        chunk holds, with the accused's input in it (``check_scored``), the accuser reduced the chunk's part
+        and signed its aggregate itself, and the chunk's draw has it score the accused (``fit_draw``).
+        ProtocolError otherwise: a fit costs a gradient and its state a download, so nobody else may ask."""
+        self.check_scored(codec, vector_numel)
         index = self.members.index(accuser)
-        if self.scored is None or self.part != index or self.scored.signer is not None:
+        if self.part != index or self.scored.signer is not None:
             raise ProtocolError("only the reducer of a part scores the fit of that part's inputs")
-        if self.reveals:
-            seed = draw_seed(self.digest, self.reveals)
-            if index not in fit_scorers(seed, len(self.members), self._reduces, self.item.sender_index):
-                raise ProtocolError(
-                    f"the round's draw did not name {accuser} to score the fit of {self.accused}"
-                )
+        if not fit_draw(self.scored, self.item.sender_index, whole_micro_batches(run, self.item.weight))[0]:
+            raise ProtocolError(f"the chunk's draw did not have {accuser} score the fit of {self.accused}")
 
-    def _reduces(self, member: int) -> bool:
-        return not self.reducers or bool(self.reducers[member])
-
-    def check_fits_poorly(
-        self, run: RunConfig, tensors: dict[str, torch.Tensor], codec: Codec, vector_numel: int,
-        *, device: str, deadline: float | None = None,
-    ) -> None:  # fmt: skip
-        """That the accused's input fits its own first micro-batch gradient at the evidence's state
-        (``tensors``, verified by its hash) no better than the median of the ``scored`` chunk's other inputs
-        do, with the lenient threshold (``fit_is_poor``); the chunk checked as ``check_stands_out`` checks
-        it. ProtocolError otherwise. It costs one micro-batch's gradient, so the coordinator runs it at its
-        judging turn, once the state is downloaded."""
+    def check_scored(self, codec: Codec, vector_numel: int) -> list[torch.Tensor]:
+        """The decoded inputs of the ``scored`` chunk, once it holds (``BadAggregateEvidence.checked_inputs``)
+        and the accused's input is one of them; ProtocolError otherwise."""
         chunk = self.scored
         if chunk is None:
             raise ProtocolError(f"{KIND} evidence holds no scored chunk")
         decoded = chunk.checked_inputs(codec, vector_numel)
         if self.item not in chunk.inputs:
             raise ProtocolError(f"the input of {self.accused} is not one the chunk's reducer aggregated")
+        return decoded
+
+    def check_fits_poorly(
+        self, run: RunConfig, tensors: dict[str, torch.Tensor], codec: Codec, vector_numel: int,
+        *, device: str, deadline: float | None = None,
+    ) -> None:  # fmt: skip
+        """That the accused's input fits its drawn micro-batch's gradient at the evidence's state
+        (``tensors``, verified by its hash) no better than the median of the ``scored`` chunk's other inputs
+        do, with the lenient threshold (``fit_is_poor``); the chunk checked as ``check_stands_out`` checks
+        it. ProtocolError otherwise. It costs one micro-batch's gradient, so the coordinator runs it at its
+        judging turn, once the state is downloaded."""
+        decoded = self.check_scored(codec, vector_numel)
         if not self.fit_is_poor(
             run, tensors, decoded, codec, vector_numel, device=device, deadline=deadline, lenient=True
         ):
             raise ProtocolError(
-                f"the input of {self.accused} neither stands out among the chunk's nor fits its own first "
+                f"the input of {self.accused} neither stands out among the chunk's nor fits its own drawn "
                 "micro-batch worse than the others do (swarm.averaging.scores)"
             )
 
@@ -503,15 +508,16 @@ class WrongContributionEvidence(RoundEvidence):
         model: torch.nn.Module | None = None,
     ) -> bool:  # fmt: skip
         """Whether the accused's input, among the ``scored`` chunk's (``decoded``, in its inputs' order),
-        fits the gradient of its own first micro-batch at the state ``tensors`` (``model``: loaded from
-        them) worse than the other inputs do (``swarm.averaging.scores.fits_poorly``); False in a run that
-        replays no outliers."""
+        fits the gradient of its own micro-batch the chunk's draw picks (``fit_draw``) at the state
+        ``tensors`` (``model``: loaded from them) worse than the other inputs do
+        (``swarm.averaging.scores.fits_poorly``); False in a run that replays no outliers."""
         if self.scored is None or not run.training.replay_outliers:
             return False
         step, _ = self.facts()
         lo, hi = self.slice(codec, vector_numel)
-        gradient = first_gradient(
-            run, tensors, self.accused, step, device=device, deadline=deadline, model=model
+        micro = fit_draw(self.scored, self.item.sender_index, whole_micro_batches(run, self.item.weight))[1]
+        gradient = micro_gradient(
+            run, tensors, self.accused, step, micro, device=device, deadline=deadline, model=model
         )[lo:hi]
         return fits_poorly(decoded, self.scored.inputs.index(self.item), gradient, lenient=lenient)
 

@@ -49,11 +49,13 @@ def honest_gradients(
     device: str = "cpu",
     deadline: float | None = None,
     in_place: bool = False,
+    first_micro: int = 0,
 ) -> torch.Tensor | None:
     """The flat mean gradient each of ``peers`` (peer ID -> samples it holds at ``step``) computes at
     ``step`` from ``model``'s state, one row per peer that holds a whole micro-batch, in peer-ID order;
     None if none does. ``model`` itself is left as it is (its gradients included), unless ``in_place``
-    (its gradients are then overwritten, and no copy is made). ``deadline`` (``time.monotonic()``): a
+    (its gradients are then overwritten, and no copy is made). ``first_micro``: the micro-batches from that
+    number on (0: from the first, as a peer computes them). ``deadline`` (``time.monotonic()``): a
     ``ReplayTooLong`` once it passes, checked between micro-batches."""
     replica = model if in_place else copy.deepcopy(model)
     runner = MicroBatchRunner(replica, device=device, precision=precision)
@@ -65,7 +67,7 @@ def honest_gradients(
             continue
         for p in runner.params:
             p.grad = None
-        for micro in range(micro_batches):
+        for micro in range(first_micro, first_micro + micro_batches):
             if deadline is not None and time.monotonic() > deadline:
                 raise ReplayTooLong(f"the replay of {peer_id} at step {step} ran past its deadline")
             seed = derive_seed(run_id, peer_id, step, micro)

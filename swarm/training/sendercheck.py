@@ -33,14 +33,15 @@ as the samples it signed for. So a groupmate can recompute it:
    the share of rounds the draw picks (``still_replayed``): colluders that make an honest sender stand
    out cannot cost its reducers a replay every round, and a liar cleared once cannot count on it.
 5. A stale input (an older step's or window's) does not stand out: it points where every sender's does.
-   So the reducer the round's draw names first for a sender (``fit_scorers``) also scores the sender's
-   fit to its own first micro-batch (``_poor_fit``, ``swarm.averaging.scores.fits_poorly``): the gradient
-   of that micro-batch at the round's state is a public fact an honest input holds, and an input that
-   fits it worse than the other inputs do is replayed. One micro-batch's gradient a fit, a member spending
-   ``FIT_SHARE`` of its own micro-batches on them (in some rounds only where it computes few: which, by
-   its own randomness); without every reveal a reducer scores one sender it picks. The coordinator scores the same fit on the
-   state it downloads before it recomputes, so only a poor fit (or a drawn or standing-out sender) can be
-   put to it.
+   So a reducer also scores the fit of a sender's input to one of the sender's own micro-batches
+   (``_poor_fit``, ``swarm.averaging.scores.fits_poorly``): that micro-batch's gradient at the round's state
+   is a public fact an honest input holds, and an input that fits it worse than the other inputs do is
+   replayed. Which reducer scores a sender, and against which micro-batch, a hash of the chunk's other
+   signed inputs says (``fit_draw``), unknown to the sender when it signs; about one fit a sender a round.
+   One micro-batch's gradient a fit, a member spending ``FIT_SHARE`` of its own micro-batches on them (in
+   some rounds only where it computes few: which, by its own randomness). The coordinator scores the same
+   fit on the state it downloads before it recomputes, so only a poor fit (or a drawn or standing-out
+   sender) can be put to it.
 
 What it covers: a sender that scales, flips, replaces, delays or computes on other labels any part of its
 gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
@@ -95,7 +96,7 @@ from swarm.training.contribution import (
     chunk_slice,
     compare,
     drawn_sender,
-    fit_scorers,
+    fit_draw,
     flagged_senders,
     outlier_to_replay,
     own_part_replayers,
@@ -149,7 +150,7 @@ def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: _C
     try:
         lie.check_stands_out(run, runner.codec, runner.numel, me)
     except SwarmError:
-        lie.check_fit_scorer(me)
+        lie.check_fit_scorer(run, runner.codec, runner.numel, me)
         lie.check_fits_poorly(run, copy.tensors, runner.codec, runner.numel, device=device)
 
 
@@ -212,7 +213,7 @@ class SenderChecks:
             checks_none
             and self._refused(runner, seed) is None
             and await self._own_part(runner, seed) is None
-            and not self._fit_candidates(runner, seed)
+            and not self._fit_candidates(runner, self._own_chunk(runner, seed))
         ):
             return
         step, state_hash, tensors = await asyncio.to_thread(self.state)
@@ -266,7 +267,7 @@ class SenderChecks:
         if not outlier_replayed:  # then one among the inputs this member aggregated as a reducer
             found = await self._own_part(runner, own_draw, shared=seed is not None)
             if found is None:  # or one whose input does not fit its own first micro-batch
-                found = await self._poor_fit(runner, own_draw, copy, reveals, shared=seed is not None)
+                found = await self._poor_fit(runner, own_draw, copy, reveals)
             if found is not None:
                 evidence, odd = found
                 self.outliers += 1
@@ -293,11 +294,9 @@ class SenderChecks:
         round are enough. Without the round's draw (``shared`` False: ``seed`` is this member's own
         randomness, since a member withheld its reveal) any sender that stands out may be replayed: a liar
         that withholds its reveal from the reducers the draw names must not escape them all."""
-        if not self.run.training.replay_outliers or not runner.reduces(runner.index):
+        if not self.run.training.replay_outliers:
             return None
-        part = runner.index
-        chunk = drawn_chunk(seed, part, runner.chunk_count(part))
-        evidence = own_part_evidence(runner, chunk) if chunk is not None else None
+        evidence = self._own_chunk(runner, seed)
         if evidence is None:
             return None
         odd = await self._outlier(
@@ -306,46 +305,52 @@ class SenderChecks:
         )  # fmt: skip
         return None if odd is None else (evidence, odd)
 
-    def _fit_candidates(self, runner, seed: bytes, *, shared: bool = True) -> list[int]:
-        """The senders whose fit to their own first micro-batch this member scores this round: among the
-        other senders, those the round's draw ``seed`` names it to score (``scores_fit``); without every
-        reveal (``shared`` False, ``seed`` this member's own randomness) one it picks: a member that
-        withholds its reveal must not make every reducer score every sender. None in a run that replays
-        no outliers, or where this member reduces nothing."""
-        if not self.run.training.replay_outliers or not runner.reduces(runner.index):
-            return []
-        others = [i for i in range(len(runner.members)) if i != runner.index]
-        if not shared:
-            pick = hashlib.sha256(b"fit-score|" + seed).digest()
-            return [others[int.from_bytes(pick[:8], "big") % len(others)]] if others else []
-        return [i for i in others if scores_fit(seed, runner, i)]
-
-    async def _poor_fit(
-        self, runner, seed: bytes, copy: _Copy, reveals: tuple[bytes, ...], *, shared: bool = True
-    ) -> tuple[BadAggregateEvidence, SignedInput] | None:
-        """A sender to replay whose input to the drawn chunk of this member's own part fits the gradient of
-        its own first micro-batch (recomputed on ``copy``) no better than the other inputs do
-        (``swarm.averaging.scores.fits_poorly``): among ``_fit_candidates``, except a sender cleared of late
-        in rounds whose draw spares it (``still_replayed``); with the chunk as evidence; None if none.
-        Each sender scored costs a micro-batch's gradient, on a worker thread."""
-        candidates = self._fit_candidates(runner, seed, shared=shared)
-        candidates = [
-            i for i in candidates if runner.members[i] not in self.cleared or still_replayed(seed, i)
-        ]
-        if not candidates:
+    def _own_chunk(self, runner, seed: bytes) -> BadAggregateEvidence | None:
+        """The drawn chunk of this member's own part (by ``seed``), with every input it aggregated and its
+        own signed aggregate; None if it reduces no part or holds no such chunk."""
+        if not runner.reduces(runner.index):
             return None
         part = runner.index
         chunk = drawn_chunk(seed, part, runner.chunk_count(part))
-        evidence = own_part_evidence(runner, chunk) if chunk is not None else None
-        if evidence is None:
-            return None
-        # What this member affords: ``FIT_SHARE`` of the micro-batches it computed for the round.
-        own = next((x.weight for x in evidence.inputs if x.sender_index == runner.index), 0.0)
-        afford = FIT_SHARE * own / self.run.training.micro_batch_size / len(candidates)
-        items = [
-            x for x in evidence.inputs
-            if x.sender_index in candidates and int.from_bytes(os.urandom(8), "big") < min(1.0, afford) * 2**64
+        return own_part_evidence(runner, chunk) if chunk is not None else None
+
+    def _fit_candidates(self, runner, evidence: BadAggregateEvidence | None) -> list[SignedInput]:
+        """The inputs of ``evidence`` (this member's own chunk) whose fit the chunk's draw has this member
+        score (``fit_draw``), other than its own and those whose weight is no sample count the loop signs
+        (a lie judged without a replay, ``_outlier``'s)."""
+        if evidence is None or not self.run.training.replay_outliers:
+            return []
+        found = []
+        for item in evidence.inputs:
+            if item.sender_index == runner.index:
+                continue
+            try:
+                micro_batches = whole_micro_batches(self.run, item.weight)
+            except SwarmError:
+                continue
+            if fit_draw(evidence, item.sender_index, micro_batches)[0]:
+                found.append(item)
+        return found
+
+    async def _poor_fit(
+        self, runner, seed: bytes, copy: _Copy, reveals: tuple[bytes, ...]
+    ) -> tuple[BadAggregateEvidence, SignedInput] | None:
+        """A sender to replay whose input to the drawn chunk of this member's own part fits the gradient of
+        its micro-batch that the chunk's draw picks (recomputed on ``copy``) worse than the other inputs do
+        (``swarm.averaging.scores.fits_poorly``): among ``_fit_candidates``, except a sender cleared of late
+        in rounds whose draw spares it (``still_replayed``); with the chunk as evidence; None if none.
+        Each sender scored costs a micro-batch's gradient, on a worker thread, and a member spends
+        ``FIT_SHARE`` of its own micro-batches on them, in expectation, by its own randomness."""
+        evidence = self._own_chunk(runner, seed)
+        candidates = [
+            item for item in self._fit_candidates(runner, evidence)
+            if runner.members[item.sender_index] not in self.cleared or still_replayed(seed, item.sender_index)
         ]  # fmt: skip
+        if not candidates:
+            return None
+        own = next((x.weight for x in evidence.inputs if x.sender_index == runner.index), 0.0)
+        afford = min(1.0, FIT_SHARE * own / self.run.training.micro_batch_size / len(candidates))
+        items = [x for x in candidates if int.from_bytes(os.urandom(8), "big") < afford * 2**64]
         if not items:
             return None
 
@@ -375,8 +380,8 @@ class SenderChecks:
         odd = await asyncio.to_thread(score)
         if odd is not None:
             logger.info(
-                f"{runner.members[odd.sender_index]}'s input to part {part} chunk {chunk} fits its own first "
-                "micro-batch worse than the others' do"
+                f"{runner.members[odd.sender_index]}'s input to part {evidence.part} chunk {evidence.chunk} fits "
+                "its own micro-batch worse than the others' do"
             )
         return None if odd is None else (evidence, odd)
 
@@ -532,12 +537,6 @@ def replays_own_part(seed: bytes, runner, sender: int) -> tuple[int, ...]:
     return own_part_replayers(seed, len(runner.members), runner.reduces, sender)
 
 
-def scores_fit(seed: bytes, runner, sender: int) -> bool:
-    """Whether the round's draw ``seed`` names ``runner``'s member to score ``sender``'s fit to its own
-    first micro-batch (``contribution.fit_scorers``)."""
-    return runner.index in fit_scorers(seed, len(runner.members), runner.reduces, sender)
-
-
 def still_replayed(seed: bytes, sender: int) -> bool:
     """Whether the round's draw ``seed`` replays ``sender`` for standing out although a replay cleared it
     of late (``CLEARED_REPLAY_SHARE`` of rounds; the draw is fixed only after every input is signed)."""
@@ -554,7 +553,6 @@ __all__ = [
     "compare",
     "drawn_sender",
     "replays_own_part",
-    "scores_fit",
     "still_replayed",
     "recompute",
     "whole_micro_batches",
