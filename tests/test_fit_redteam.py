@@ -42,6 +42,7 @@ from swarm.models import build_model
 from swarm.training.contribution import (
     WrongContributionEvidence,
     fit_draw,
+    fit_micro_batches,
     micro_gradient,
     recompute,
 )
@@ -151,7 +152,7 @@ def test_a_stale_sender_that_recomputes_only_its_first_micro_batch_fails_the_fit
 def test_the_micro_batch_a_fit_is_scored_against_and_its_scorers_follow_the_other_signed_inputs():
     """The sender cannot know which micro-batch, or which reducers: across rounds (other signatures of the
     other inputs) each micro-batch of 4 is drawn about as often, and each of 3 reducers scores a sender in
-    about a third of the rounds."""
+    about a third of the rounds (fixed signatures here, so the counts are exact)."""
     w = make_world(RUN)
     picks, scorers = [0] * 4, [0] * MEMBERS
     for n in range(240):
@@ -166,6 +167,9 @@ def test_the_micro_batch_a_fit_is_scored_against_and_its_scorers_follow_the_othe
         scorers[0] += scores
     assert all(40 <= c <= 80 for c in picks), picks
     assert 50 <= scorers[0] <= 110, scorers
+    # In diloco only the window's first inner step is scored (another's batch is taken some steps in).
+    diloco = tiny_run("fit-redteam-diloco", sync="diloco", inner_steps=4)
+    assert fit_micro_batches(diloco, 16.0) == 1 and fit_micro_batches(RUN, 16.0) == 4
 
 
 def test_a_stale_sender_that_withholds_its_reveal_from_its_scorer_is_scored_all_the_same(world, afforded):

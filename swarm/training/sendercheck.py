@@ -97,6 +97,7 @@ from swarm.training.contribution import (
     compare,
     drawn_sender,
     fit_draw,
+    fit_micro_batches,
     flagged_senders,
     outlier_to_replay,
     own_part_replayers,
@@ -325,7 +326,7 @@ class SenderChecks:
             if item.sender_index == runner.index:
                 continue
             try:
-                micro_batches = whole_micro_batches(self.run, item.weight)
+                micro_batches = fit_micro_batches(self.run, item.weight)
             except SwarmError:
                 continue
             if fit_draw(evidence, item.sender_index, micro_batches)[0]:
