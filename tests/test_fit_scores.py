@@ -37,7 +37,7 @@ from swarm.training.state import apply_flat_gradient, build_optimizer, state_ten
 
 pytestmark = pytest.mark.timeout(300)
 
-RUN = tiny_run("fit-scores", verify_probability=1e-9, sender_check_probability=1e-9)
+RUN = tiny_run("fit-scores-1", verify_probability=1e-9, sender_check_probability=1e-9)
 #: The liar sends the honest contribution it computed this many steps before, at the state of then (the
 #: round is at ``STEP``; the batches of the older step are those of ``STEP - 1``).
 DELAY = 1

@@ -130,16 +130,25 @@ def flagged(
 
 def fit(values: Sequence[torch.Tensor], reference: torch.Tensor) -> list[float]:
     """How well each of ``values`` (decoded inputs of one chunk) fits ``reference`` (the same chunk of a
-    sender's first micro-batch gradient): the cosine, in float64, of its residual from the coordinate-wise
-    median of the *other* finite inputs with the sign of ``reference``; NaN for an input that is not finite
-    (and for all with fewer than two finite inputs). The residual leaves out the direction every sender's
-    input shares, so what is left is what each sender's own batches put in; a centre without the input
+    sender's micro-batch gradient): the cosine, in float64, of its residual from the coordinate-wise
+    median of the *other* finite inputs with the sign of what the batch adds, ``reference`` less its
+    least-squares share of the median of all finite inputs; NaN for an input that is not finite (and for
+    all with fewer than two finite inputs). Both sides leave out the direction every sender's input
+    shares, so what is compared is what each sender's own batches put in: a stale input with a public
+    direction added (the last round's average, its sign) gains nothing from it. A centre without the input
     itself scores every input alike (a median over all would put some inputs above it by construction)."""
     rows = [v.detach().to("cpu").reshape(-1) for v in values]
-    sign = torch.sign(reference.detach().to("cpu", torch.float64).reshape(-1))
-    if any(r.shape != sign.shape for r in rows):
-        raise ValueError(f"inputs of other lengths than the gradient's {sign.numel()} values")
+    gradient = reference.detach().to("cpu", torch.float64).reshape(-1)
+    if any(r.shape != gradient.shape for r in rows):
+        raise ValueError(f"inputs of other lengths than the gradient's {gradient.numel()} values")
     finite = [bool(torch.isfinite(r).all()) for r in rows]
+    kept = [r for r, ok in zip(rows, finite, strict=True) if ok]
+    if kept:  # what the batch adds: the gradient less its least-squares share of the inputs' common centre
+        common = torch.stack(kept).median(dim=0).values.to(torch.float64)
+        scale = float(common @ common)
+        if scale > 0 and math.isfinite(scale):
+            gradient = gradient - (float(gradient @ common) / scale) * common
+    sign = torch.sign(gradient)
     sign_norm = float(torch.linalg.vector_norm(sign))
     out = []
     for k, (row, ok) in enumerate(zip(rows, finite, strict=True)):

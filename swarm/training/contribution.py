@@ -35,6 +35,7 @@ from swarm.averaging.evidence import (
     bytes_field,
     chunk_bounds,
     draw_seed,
+    drawn_chunk,
     layout_chunk_values,
     round_fields,
     signed_input,
@@ -181,14 +182,18 @@ def fit_micro_batches(run: RunConfig, weight: float) -> int:
 def fit_draw(scored: BadAggregateEvidence, sender: int, micro_batches: int) -> tuple[bool, int]:
     """Whether the reducer of ``scored``'s chunk scores the fit of ``sender``'s input to it, and against which
     of its ``micro_batches`` micro-batches (``fit_micro_batches``), by a hash of the round, the chunk, the
-    sender and the signatures of the chunk's *other* inputs (the reducer's own among them). The sender
-    signs before it can know those, so it cannot tell which micro-batch will be scored, or by whom; no
-    reveal is needed, so withholding one changes nothing; the coordinator recomputes it from the evidence.
+    sender and the signatures of the chunk's inputs from *other senders than it and the reducer*. The sender
+    signs before it can know those (an Ed25519 signature needs its signer's key), so it cannot tell which
+    micro-batch will be scored, or by whom, unless every other sender colludes with it; the reducer signs
+    none of them, so it cannot re-sign its own input until the draw names a groupmate it wants put to the
+    coordinator. No reveal is needed, so withholding one changes nothing; the coordinator recomputes it
+    from the evidence.
     Each reducer that may score the sender does so with probability one over their number (the members that
     reduce a part, less the sender): one fit a sender a round, in expectation."""
     others = [
-        x.signature for x in sorted(scored.inputs, key=lambda x: x.sender_index) if x.sender_index != sender
-    ]
+        x.signature for x in sorted(scored.inputs, key=lambda x: x.sender_index)
+        if x.sender_index not in (sender, scored.part)
+    ]  # fmt: skip
     pick = hashlib.sha256(
         b"fit|" + scored.digest + struct.pack(">III", scored.part, scored.chunk, sender) + b"".join(others)
     ).digest()
@@ -480,6 +485,13 @@ class WrongContributionEvidence(RoundEvidence):
         index = self.members.index(accuser)
         if self.part != index or self.scored.signer is not None:
             raise ProtocolError("only the reducer of a part scores the fit of that part's inputs")
+        if self.reveals:  # then the round's drawn chunk of the part, the one its reducer scores
+            members = len(self.members)
+            bounds = split_bounds(vector_numel, members, self.reducers)
+            values = layout_chunk_values(members, codec.bytes_per_value)
+            chunks = len(chunk_bounds(bounds[self.part + 1] - bounds[self.part], values)) - 1
+            if drawn_chunk(draw_seed(self.digest, self.reveals), self.part, chunks) != self.chunk:
+                raise ProtocolError(f"chunk {self.chunk} is not the round's drawn chunk of part {self.part}")
         if not fit_draw(self.scored, self.item.sender_index, fit_micro_batches(run, self.item.weight))[0]:
             raise ProtocolError(f"the chunk's draw did not have {accuser} score the fit of {self.accused}")
 
