@@ -38,7 +38,7 @@ from swarm.config import RunConfig
 from swarm.models import build_model
 from swarm.training.contribution import WrongContributionEvidence
 from swarm.training.sendercheck import SenderChecks, chunk_slice, recompute
-from swarm.training.state import DecodedState, build_optimizer, state_hash, state_tensors
+from swarm.training.state import DecodedState, apply_flat_gradient, build_optimizer, state_hash, state_tensors
 
 MEMBERS, STEP, LIAR = 4, 2, 1
 WEIGHT = 8.0  # two micro-batches of the tiny run
@@ -73,6 +73,25 @@ def make_world(run: RunConfig, tensors: dict[str, torch.Tensor] | None = None) -
         entries=signed_entries(keys, prefix, commits, step=STEP, state_hash=hash_, weights=[WEIGHT] * MEMBERS),
         numel=run_layouts(run)[prefix], seed=draw_seed(digest, [nonce(i) for i in range(MEMBERS)]),
     )  # fmt: skip
+
+
+def trained(run: RunConfig, depths: list[int]) -> dict[int, tuple[dict, dict, torch.Tensor]]:
+    """depth -> (the state before the last step, the state after it, that step's averaged gradient): the
+    run's model trained ``depth`` steps by four honest trainers, for each of ``depths`` (a stale sender
+    computed at the first what it sends at the second)."""
+    torch.manual_seed(0)
+    model = build_model(run.model.name, run.model.config, seed=run.training.seed)
+    optimizer = build_optimizer(model, run.optimizer)
+    params, found = list(model.parameters()), {}
+    for step in range(max(depths)):
+        old = state_tensors(model, optimizer)
+        averaged = torch.stack(
+            [recompute(run, old, f"trainer-{k}", step, 2, device="cpu") for k in range(MEMBERS)]
+        ).mean(0)
+        apply_flat_gradient(model, params, optimizer, run.optimizer, step, averaged)
+        if step + 1 in depths:
+            found[step + 1] = (old, state_tensors(model, optimizer), averaged)
+    return found
 
 
 def signed_input(w, sender: int, part: int, data: bytes) -> SignedInput:

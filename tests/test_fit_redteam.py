@@ -28,6 +28,7 @@ from ownpart import (
     one_round,
     reducer_after_round,
     sender_checks,
+    trained,
 )
 
 import coordinator.contributions as contributions
@@ -38,7 +39,6 @@ from coordinator.contributions import judge_contribution
 from lab.localswarm import tiny_run
 from swarm.averaging.scores import fits_poorly
 from swarm.averaging.verification import own_part_evidence
-from swarm.models import build_model
 from swarm.training.contribution import (
     WrongContributionEvidence,
     fit_draw,
@@ -46,7 +46,6 @@ from swarm.training.contribution import (
     micro_gradient,
     recompute,
 )
-from swarm.training.state import apply_flat_gradient, build_optimizer, state_tensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,15 +65,8 @@ def afforded(monkeypatch):
 def world():
     """The world at ``STEP`` (one step of training on from the run's model), and ``old``, the state of the
     step before it, at which a stale sender computed what it sends again."""
-    torch.manual_seed(0)
-    model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
-    optimizer = build_optimizer(model, RUN.optimizer)
-    old = state_tensors(model, optimizer)
-    rows = [recompute(RUN, old, f"trainer-{k}", 0, 2, device="cpu") for k in range(MEMBERS)]
-    apply_flat_gradient(
-        model, list(model.parameters()), optimizer, RUN.optimizer, 0, torch.stack(rows).mean(0)
-    )
-    w = make_world(RUN, state_tensors(model, optimizer))
+    old, now, _ = trained(RUN, [1])[1]
+    w = make_world(RUN, now)
     w.old = old
     return w
 

@@ -8,8 +8,6 @@ the state one step before it).
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from ownpart import (
@@ -19,12 +17,12 @@ from ownpart import (
     WEIGHT,
     make_world,
     reducer_after_round,
+    trained,
 )
 
 from lab.localswarm import tiny_run
 from swarm.averaging.scores import fits_poorly
 from swarm.averaging.verification import own_part_evidence
-from swarm.models import build_model
 from swarm.training.contribution import (
     fit_draw,
     fit_micro_batches,
@@ -32,7 +30,6 @@ from swarm.training.contribution import (
     micro_gradient,
     recompute,
 )
-from swarm.training.state import apply_flat_gradient, build_optimizer, state_tensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,27 +38,9 @@ RUN = tiny_run("fit-redteam", verify_probability=1e-9, sender_check_probability=
 SHADE = 0.15
 
 
-def _train(depths: list[int]) -> dict[int, tuple[dict, dict, torch.Tensor]]:
-    """depth -> (state before the last step, state after it, that last step's averaged gradient): the run's
-    model trained ``depth`` steps by four honest trainers, for each of ``depths``."""
-    torch.manual_seed(0)
-    model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
-    optimizer = build_optimizer(model, RUN.optimizer)
-    params, found = list(model.parameters()), {}
-    for step in range(max(depths)):
-        old = state_tensors(model, optimizer)
-        averaged = torch.stack(
-            [recompute(RUN, old, f"trainer-{k}", step, 2, device="cpu") for k in range(MEMBERS)]
-        ).mean(0)
-        apply_flat_gradient(model, params, optimizer, RUN.optimizer, step, averaged)
-        if step + 1 in depths:
-            found[step + 1] = (old, state_tensors(model, optimizer), averaged)
-    return found
-
-
 @pytest.fixture(scope="module")
 def world():
-    old, now, averaged = _train([1])[1]
+    old, now, averaged = trained(RUN, [1])[1]
     w = make_world(RUN, now)
     w.old, w.averaged = old, averaged
     return w
@@ -117,23 +96,12 @@ def test_a_stale_sender_that_adds_the_sign_of_the_last_averaged_gradient_still_f
     stale = _stale(w)
     assert _poor_and_flagged(w, _sending(w, _shaded(stale, w.averaged)))[0] >= 1
     plain = shaded = 0
-    for old, now, averaged in _train([2, 8, 16]).values():
+    for old, now, averaged in trained(RUN, [2, 8, 16]).values():
         d = make_world(RUN, now)
         stale = recompute(RUN, old, d.members[LIAR], STEP - 1, 2, device="cpu")
         plain += _poor_and_flagged(d, _sending(d, stale))[0]
         shaded += _poor_and_flagged(d, _sending(d, _shaded(stale, averaged)))[0]
     assert shaded >= plain >= 6, (plain, shaded)  # measured: 9 and 11 of 18
-
-
-class _Withheld:
-    """An accuser that never serves the state; records whether it was asked for it."""
-
-    def __init__(self):
-        self.asked = False
-
-    async def fetch(self, holder, step, state_hash):
-        self.asked = True
-        await asyncio.sleep(3600)
 
 
 def test_a_reducer_cannot_steer_the_fit_draw_by_re_signing_its_own_input(world):

@@ -26,14 +26,13 @@ from ownpart import (
     record_replays,
     reducer_after_round,
     sender_checks,
+    trained,
 )
 
 from lab.localswarm import tiny_run
 from swarm.averaging.verification import own_part_evidence
-from swarm.models import build_model
 from swarm.training import sendercheck
 from swarm.training.contribution import WrongContributionEvidence, fit_draw, flagged_senders, recompute
-from swarm.training.state import apply_flat_gradient, build_optimizer, state_tensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,20 +40,6 @@ RUN = tiny_run("fit-scores-1", verify_probability=1e-9, sender_check_probability
 #: The liar sends the honest contribution it computed this many steps before, at the state of then (the
 #: round is at ``STEP``; the batches of the older step are those of ``STEP - 1``).
 DELAY = 1
-
-
-def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The run's state ``DELAY`` steps before the round's, and the round's, ``DELAY`` steps of training on."""
-    torch.manual_seed(0)
-    model = build_model(RUN.model.name, RUN.model.config, seed=RUN.training.seed)
-    optimizer = build_optimizer(model, RUN.optimizer)
-    old = state_tensors(model, optimizer)
-    params = list(model.parameters())
-    for step in range(DELAY):
-        tensors = state_tensors(model, optimizer)
-        rows = [recompute(RUN, tensors, f"trainer-{k}", step, 2, device="cpu") for k in range(MEMBERS)]
-        apply_flat_gradient(model, params, optimizer, RUN.optimizer, step, torch.stack(rows).mean(0))
-    return old, state_tensors(model, optimizer)
 
 
 @pytest.fixture
@@ -66,7 +51,7 @@ def every_round(monkeypatch):
 
 @pytest.fixture(scope="module")
 def world():
-    old, now = _states()
+    old, now, _ = trained(RUN, [DELAY])[DELAY]
     w = make_world(RUN, now)
     w.old = old
     return w

@@ -22,7 +22,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from helpers import ServedStates, signed_entries
 
-import swarm.training.contribution as contribution
+import swarm.training.picks as picks
 import swarm.training.sendercheck as sendercheck
 from coordinator.accusations import run_layouts
 from coordinator.contributions import ContributionStates, judge_contribution
@@ -324,13 +324,13 @@ def test_a_validator_scores_at_most_a_few_chunks_a_round_and_never_on_its_event_
     scoring runs on the worker thread too, in at most ``MAX_SCORED_CHUNKS`` chunks a round."""
     w = world
     loop_thread, calls = [], []
-    real = contribution.flagged
+    real = picks.flagged
 
     def spy(*args, **kwargs):
         calls.append(threading.get_ident())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(contribution, "flagged", spy)
+    monkeypatch.setattr(picks, "flagged", spy)
     parts = [p for p in range(1, MEMBERS)] * 2  # more checked chunks than a round scores
     evidences = [_evidence(w, p, _honest(w, p, m2=(w.full[DECOY], FULL))) for p in parts]
     accused = []
@@ -367,7 +367,7 @@ def test_the_coordinator_scores_one_chunk_at_a_time_at_its_judging_turn_and_only
     )  # fmt: skip
     judging = asyncio.Lock()
     events, running = [], [0]
-    real = contribution.flagged
+    real = picks.flagged
 
     def spy(*args, **kwargs):
         running[0] += 1
@@ -377,7 +377,7 @@ def test_the_coordinator_scores_one_chunk_at_a_time_at_its_judging_turn_and_only
         finally:
             running[0] -= 1
 
-    monkeypatch.setattr(contribution, "flagged", spy)
+    monkeypatch.setattr(picks, "flagged", spy)
 
     async def scenario():
         await judging.acquire()  # another judgment holds the lock for a while

@@ -16,9 +16,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import math
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +40,17 @@ from swarm.averaging.evidence import (
     split_bounds,
 )
 from swarm.averaging.groups import GROUP_ENTRY, GroupEntryBody
-from swarm.averaging.scores import fits_poorly, flagged
+from swarm.averaging.scores import fits_poorly
 from swarm.averaging.verification import Assignment, assignments
-from swarm.config import RunConfig, replayable_windows, sender_tolerance, window_stretch
+from swarm.config import RunConfig, replayable_windows, sender_tolerance
 from swarm.training.diloco import DilocoReplica, flat_params
+from swarm.training.picks import (
+    drawn_sender,
+    fit_draw,
+    fit_micro_batches,
+    flagged_senders,
+    whole_micro_batches,
+)
 from swarm.training.replay import honest_gradients, public_dataset, replay_window
 from swarm.training.sync import is_state_hash
 
@@ -55,23 +60,6 @@ KIND = "wrong_contribution"
 SCORED_KEYS = ("signer", "numel", "inputs", "output", "output_signature", "entries", "signed_at_ms")
 ROUND_KEYS = ("prefix", "group_id", "members", "commitments", "part", "chunk", "reducers")
 MAX_ENTRY_BYTES = 16 << 10
-#: Reducers that replay a sender standing out among the inputs of their own parts (``own_part_replayers``):
-#: more than one, so a colluding reducer the draw names cannot shield a liar from every honest one.
-OWN_PART_REPLAYERS = 2
-
-
-def drawn_sender(
-    seed: bytes, part: int, chunk: int, senders: Sequence[int], probability: float
-) -> int | None:
-    """The sender whose contribution to ``chunk`` of ``part`` the round's draw ``seed`` names for a
-    recompute, among ``senders`` (member indices); None when the draw names nobody."""
-    if not senders or probability <= 0:
-        return None
-    draw = hashlib.sha256(b"sender-check|" + seed + struct.pack(">II", part, chunk)).digest()
-    if int.from_bytes(draw[:8], "big") / 2**64 >= probability:
-        return None
-    ordered = sorted(senders)
-    return ordered[int.from_bytes(draw[8:16], "big") % len(ordered)]
 
 
 def chunk_slice(
@@ -83,124 +71,6 @@ def chunk_slice(
     if not 0 <= chunk < len(chunks) - 1:
         return 0, 0
     return bounds[part] + chunks[chunk], bounds[part] + chunks[chunk + 1]
-
-
-def whole_micro_batches(run: RunConfig, samples: float) -> int:
-    """The micro-batches behind a claim of ``samples``; ProtocolError for a claim the built-in loop never
-    signs: not a whole number of micro-batches, or more than it holds before a round is due (every step:
-    the target batch, less one sample; diloco: ``inner_steps`` inner steps, the whole window of a run
-    whose windows are replayed, ``swarm.config.window_stretch``)."""
-    training = run.training
-    micro, target = training.micro_batch_size, training.target_batch_size
-    if not (math.isfinite(samples) and samples == int(samples) and samples > 0 and int(samples) % micro == 0):
-        raise ProtocolError(
-            f"signed for {samples:g} samples, not a whole number of {micro}-sample micro-batches"
-        )
-    if training.sync == "diloco":
-        most = math.ceil(window_stretch(training) * training.inner_steps)
-        if samples > most * micro:
-            raise ProtocolError(
-                f"signed for {samples:g} samples; a window ends after {most} inner steps of {micro} samples"
-            )
-    elif samples >= target + micro:
-        raise ProtocolError(
-            f"signed for {samples:g} samples; a peer stops computing at the target batch {target}"
-        )
-    return int(samples) // micro
-
-
-def flagged_senders(
-    run: RunConfig,
-    inputs: Sequence[SignedInput],
-    decoded: Sequence[torch.Tensor],
-    *,
-    validator: int,
-    lenient: bool = False,
-) -> tuple[list[int], list[int]]:
-    """The member indices of the senders among ``inputs`` (one chunk's, ``decoded`` their values) that
-    stand out enough to be replayed (``swarm.averaging.scores.flagged``): those that signed a weight the
-    loop never signs, and those whose values stand out; never the ``validator`` itself, and nobody when
-    the run does not replay outliers."""
-    if not run.training.replay_outliers:
-        return [], []
-
-    def claim_ok(weight: float) -> bool:
-        try:
-            whole_micro_batches(run, weight)
-        except ProtocolError:
-            return False
-        return True
-
-    claims, odd = flagged(
-        decoded, [item.weight for item in inputs],
-        candidates=[k for k, item in enumerate(inputs) if item.sender_index != validator],
-        claim_ok=claim_ok, lenient=lenient,
-    )  # fmt: skip
-    return [inputs[k].sender_index for k in claims], [inputs[k].sender_index for k in odd]
-
-
-def outlier_to_replay(
-    claims: Sequence[int], odd: Sequence[int], *, seed: bytes, part: int, chunk: int, drawn: int | None
-) -> int | None:
-    """Which flagged sender (``flagged_senders``) a validator replays, other than the ``drawn`` one: a false
-    weight first (judged without a replay), else one of those whose values stand out, by the round's draw
-    ``seed``, so that an honest decoy that stands out more cannot shield a liar; None if none."""
-    claims = [i for i in claims if i != drawn]
-    if claims:
-        return claims[0]
-    odd = sorted(i for i in odd if i != drawn)
-    if not odd:
-        return None
-    pick = hashlib.sha256(b"outlier-replay|" + seed + struct.pack(">II", part, chunk)).digest()
-    return odd[int.from_bytes(pick[:8], "big") % len(odd)]
-
-
-def own_part_replayers(
-    seed: bytes, members: int, reduces: Callable[[int], bool], sender: int, count: int = OWN_PART_REPLAYERS
-) -> tuple[int, ...]:
-    """The reducers that replay ``sender`` when it stands out among a round's inputs to the reducers' own
-    parts, by the round's draw ``seed``: ``count`` of the ``members`` that reduce a part (``reduces``),
-    other than the sender (fewer if fewer do), in the draw's order."""
-    reducers = [i for i in range(members) if i != sender and reduces(i)]
-
-    def rank(member: int) -> bytes:
-        return hashlib.sha256(b"own-part-replay|" + seed + struct.pack(">II", sender, member)).digest()
-
-    return tuple(sorted(reducers, key=rank)[:count])
-
-
-def fit_micro_batches(run: RunConfig, weight: float) -> int:
-    """Among how many of a sender's micro-batches (signed ``weight``) its fit may be scored: every step,
-    each of them (all at the round's state); in diloco, only the window's first inner step. Another inner
-    step's batch was taken some steps in, and its gradient at the window's start fits an honest window
-    too loosely (measured: honest fits below the others' median in about one chunk in five against the
-    sixth or tenth inner step, none against the first). ProtocolError for a weight the loop never signs."""
-    micro_batches = whole_micro_batches(run, weight)
-    return 1 if run.training.sync == "diloco" else micro_batches
-
-
-def fit_draw(scored: BadAggregateEvidence, sender: int, micro_batches: int) -> tuple[bool, int]:
-    """Whether the reducer of ``scored``'s chunk scores the fit of ``sender``'s input to it, and against which
-    of its ``micro_batches`` micro-batches (``fit_micro_batches``), by a hash of the round, the chunk, the
-    sender and the signatures of the chunk's inputs from *other senders than it and the reducer*. The sender
-    signs before it can know those (an Ed25519 signature needs its signer's key), so it cannot tell which
-    micro-batch will be scored, or by whom, unless every other sender colludes with it; the reducer signs
-    none of them, so it cannot re-sign its own input until the draw names a groupmate it wants put to the
-    coordinator. No reveal is needed, so withholding one changes nothing; the coordinator recomputes it
-    from the evidence.
-    Each reducer that may score the sender does so with probability one over their number (the members that
-    reduce a part, less the sender): one fit a sender a round, in expectation."""
-    others = [
-        x.signature for x in sorted(scored.inputs, key=lambda x: x.sender_index)
-        if x.sender_index not in (sender, scored.part)
-    ]  # fmt: skip
-    pick = hashlib.sha256(
-        b"fit|" + scored.digest + struct.pack(">III", scored.part, scored.chunk, sender) + b"".join(others)
-    ).digest()
-    reduces = scored.reducers or (True,) * len(scored.members)
-    reducers = sum(1 for i, r in enumerate(reduces) if r and i != sender)
-    scores = int.from_bytes(pick[:8], "big") < 2**64 // max(1, reducers)
-    return scores, int.from_bytes(pick[8:16], "big") % max(1, micro_batches)
 
 
 def _scored(body: dict) -> BadAggregateEvidence | None:
@@ -440,9 +310,7 @@ class WrongContributionEvidence(RoundEvidence):
             return False
         if not self.reveals:
             raise ProtocolError(f"{KIND} evidence needs every member's reveal, or the chunk's scores")
-        values = layout_chunk_values(members, codec.bytes_per_value)
-        bounds = split_bounds(vector_numel, members, self.reducers)
-        chunks = [len(chunk_bounds(bounds[p + 1] - bounds[p], values)) - 1 for p in range(members)]
+        chunks = self._chunk_counts(codec, vector_numel)
         seed = draw_seed(self.digest, self.reveals)
         validator = self.members.index(accuser)
         drawn = assignments(
@@ -463,14 +331,9 @@ class WrongContributionEvidence(RoundEvidence):
         lenient thresholds): the chunk's reducer signed exactly these inputs, each sender signed its own,
         and the accused's ``item`` is one of them. ProtocolError otherwise. It decodes every input of the
         chunk (one group's at most: ``check_draw``), so the coordinator runs it at its judging turn."""
-        chunk = self.scored
-        if chunk is None:
-            raise ProtocolError(f"{KIND} evidence holds no scored chunk")
-        decoded = chunk.checked_inputs(codec, vector_numel)
-        if self.item not in chunk.inputs:
-            raise ProtocolError(f"the input of {self.accused} is not one the chunk's reducer aggregated")
+        decoded = self.check_scored(codec, vector_numel)
         validator = self.members.index(accuser)
-        claims, odd = flagged_senders(run, chunk.inputs, decoded, validator=validator, lenient=True)
+        claims, odd = flagged_senders(run, self.scored.inputs, decoded, validator=validator, lenient=True)
         if self.item.sender_index not in claims + odd:
             raise ProtocolError(
                 f"the input of {self.accused} does not stand out among the chunk's (swarm.averaging.scores)"
@@ -486,14 +349,18 @@ class WrongContributionEvidence(RoundEvidence):
         if self.part != index or self.scored.signer is not None:
             raise ProtocolError("only the reducer of a part scores the fit of that part's inputs")
         if self.reveals:  # then the round's drawn chunk of the part, the one its reducer scores
-            members = len(self.members)
-            bounds = split_bounds(vector_numel, members, self.reducers)
-            values = layout_chunk_values(members, codec.bytes_per_value)
-            chunks = len(chunk_bounds(bounds[self.part + 1] - bounds[self.part], values)) - 1
+            chunks = self._chunk_counts(codec, vector_numel)[self.part]
             if drawn_chunk(draw_seed(self.digest, self.reveals), self.part, chunks) != self.chunk:
                 raise ProtocolError(f"chunk {self.chunk} is not the round's drawn chunk of part {self.part}")
         if not fit_draw(self.scored, self.item.sender_index, fit_micro_batches(run, self.item.weight))[0]:
             raise ProtocolError(f"the chunk's draw did not have {accuser} score the fit of {self.accused}")
+
+    def _chunk_counts(self, codec: Codec, vector_numel: int) -> list[int]:
+        """How many chunks each part of the round's layout holds."""
+        members = len(self.members)
+        values = layout_chunk_values(members, codec.bytes_per_value)
+        bounds = split_bounds(vector_numel, members, self.reducers)
+        return [len(chunk_bounds(bounds[p + 1] - bounds[p], values)) - 1 for p in range(members)]
 
     def check_scored(self, codec: Codec, vector_numel: int) -> list[torch.Tensor]:
         """The decoded inputs of the ``scored`` chunk, once it holds (``BadAggregateEvidence.checked_inputs``)

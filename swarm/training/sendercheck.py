@@ -91,18 +91,20 @@ from swarm.averaging.verification import draw, own_part_evidence, round_of
 from swarm.config import RunConfig, sender_checks_on
 from swarm.training.contribution import (
     KIND,
-    OWN_PART_REPLAYERS,
     WrongContributionEvidence,
     chunk_slice,
     compare,
+    recompute,
+    state_model,
+)
+from swarm.training.picks import (
+    OWN_PART_REPLAYERS,
     drawn_sender,
     fit_draw,
     fit_micro_batches,
     flagged_senders,
     outlier_to_replay,
     own_part_replayers,
-    recompute,
-    state_model,
     whole_micro_batches,
 )
 from swarm.training.state import encode_state
@@ -534,7 +536,7 @@ class SenderChecks:
 
 def replays_own_part(seed: bytes, runner, sender: int) -> tuple[int, ...]:
     """The reducers that replay ``sender`` when it stands out among a round's inputs to the reducers' own
-    parts, by the round's draw ``seed`` (``contribution.own_part_replayers``, of ``runner``'s round)."""
+    parts, by the round's draw ``seed`` (``picks.own_part_replayers``, of ``runner``'s round)."""
     return own_part_replayers(seed, len(runner.members), runner.reduces, sender)
 
 
