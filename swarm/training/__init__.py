@@ -29,8 +29,10 @@
   outer optimizer
 - hooks.py: ``TrainingHooks``, what the peer trains on, sends and claims (honest; rehearsed attacks override)
 - replay.py: a peer's gradient replayed from public facts (the state at a step, the dataset, its batch seeds)
-- contribution.py: a sender's contribution recomputed and compared, who the round replays, and the
-  ``wrong_contribution`` evidence of a lie
+- contribution.py: a sender's contribution recomputed and compared, and the ``wrong_contribution``
+  evidence of a lie
+- picks.py: whom a round replays (drawn, standing out, fitting its own batch poorly) and which signed
+  sample counts the built-in loop never signs
 - sendercheck.py: ``SenderChecks``: a drawn validator (or one that saw a sender stand out) replays a
   groupmate's contribution and files the lie
 
