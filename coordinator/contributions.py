@@ -159,7 +159,7 @@ async def judge_contribution(
                 None,
             )
         # Decoding and scoring every input of the chunk: one judgment at a time, as any. A sender that does
-        # not stand out may still fit its own first micro-batch worse than the others, which takes the state.
+        # not stand out may still fit its own drawn micro-batch worse than the others, which takes the state.
         stands_out = drawn
         if not drawn:
             try:

@@ -22,14 +22,15 @@ each threshold by ``LENIENCY`` (relative), so an input that a validator flagged 
 despite the last bits of float64 sums on another machine.
 
 A sender can also be picked for a replay because its input does not *fit its own batch* (``fits_poorly``):
-the first micro-batch of a sender's step (or of its diloco window, from the synced state with a fresh inner
-optimizer) is a public fact, and so is its gradient there. An honest contribution holds that gradient (every
-step: as one of its micro-batches; diloco: as the window's first inner step, whose Adam update is its sign,
-and the moments that carry it). So the cosine of what a sender's input adds to the other inputs' median with
-the sign of its own first gradient (``fit``) is above the median of the other inputs' cosines with it. A stale
-input (an older step's or window's, at an older state) or a made-up one holds nothing of that batch, and is
-below that median. It costs one micro-batch's gradient per scored sender, which is why only the reducer the
-round's draw names first scores it (``swarm.training.sendercheck``).
+a micro-batch of a sender's step (or its diloco window's first inner step, from the synced state with a
+fresh inner optimizer) is a public fact, and so is its gradient there. An honest contribution holds that
+gradient (every step: as one of its micro-batches; diloco: as the window's first inner step, whose Adam
+update is its sign, and the moments that carry it). So the cosine of what a sender's input adds to the other
+inputs' median with the sign of what that batch adds to the inputs' common centre (``fit``) is above the
+median of the other inputs' cosines with it. A stale input (an older step's or window's, at an older state)
+or a made-up one holds nothing of that batch, and is below that median. It costs one micro-batch's gradient
+per scored sender, which is why a reducer scores only the senders its chunk's draw names
+(``swarm.training.picks.fit_draw``, ``swarm.training.sendercheck``).
 
 Example::
 
@@ -168,7 +169,7 @@ def fit(values: Sequence[torch.Tensor], reference: torch.Tensor) -> list[float]:
 def fits_poorly(
     values: Sequence[torch.Tensor], accused: int, reference: torch.Tensor, *, lenient: bool = False
 ) -> bool:
-    """Whether ``values[accused]`` fits ``reference`` (the accused's own first micro-batch gradient over the
+    """Whether ``values[accused]`` fits ``reference`` (the gradient of a micro-batch of the accused over the
     chunk) worse than the median of the other finite inputs do (``fit``): below that median (a validator),
     or, with ``lenient`` (the coordinator, which accepts what any validator finds), less than
     ``FIT_LENIENCY`` above it. False with fewer than ``MIN_SCORED`` finite inputs, the accused's included.

@@ -255,7 +255,7 @@ class TrainingPeer:
             "senders_checked": float(self.sender_checks.checked),  # replayed contributions (sendercheck)
             "senders_caught": float(self.sender_checks.caught),
             "senders_outliers": float(self.sender_checks.outliers),  # of those, replayed for standing out
-            "senders_fit_scored": float(self.sender_checks.fits),  # fits to their first micro-batch scored
+            "senders_fit_scored": float(self.sender_checks.fits),  # fits to a micro-batch of theirs scored
             "sender_fit_s": self.sender_checks.fit_s,  # the time those took
             "last_round_peers": float(self.last_group_size),
             "paused": float(self.paused),

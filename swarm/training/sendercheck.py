@@ -179,7 +179,7 @@ class SenderChecks:
         self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
         self.checked = self.caught = 0
         self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
-        self.fits = 0  # senders whose fit to their own first micro-batch this member scored (``_poor_fit``)
+        self.fits = 0  # senders whose fit to a micro-batch of theirs this member scored (``_poor_fit``)
         self.fit_s = 0.0  # the time those scores took (a micro-batch's gradient each)
         # Senders that stood out and whose replay found them honest -> the last round (of ``rounds``, the
         # complete rounds seen) in which they are not replayed for standing out again.
@@ -269,7 +269,7 @@ class SenderChecks:
                 await self._check_one(runner, lie, copy)
         if not outlier_replayed:  # then one among the inputs this member aggregated as a reducer
             found = await self._own_part(runner, own_draw, shared=seed is not None)
-            if found is None:  # or one whose input does not fit its own first micro-batch
+            if found is None:  # or one whose input does not fit one of its own micro-batches
                 found = await self._poor_fit(runner, own_draw, copy, reveals)
             if found is not None:
                 evidence, odd = found
