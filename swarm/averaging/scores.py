@@ -35,7 +35,7 @@ per scored sender, which is why a reducer scores only the senders its chunk's dr
 Example::
 
     claims, odd = flagged(decoded, weights, candidates=[0, 2, 3], claim_ok=lambda w: w <= 32)
-    suspect = fits_poorly(decoded, 1, first_gradient_of_sender_1)
+    suspect = fits_poorly(decoded, 1, gradient_of_a_micro_batch_of_sender_1)
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 ``recompute`` replays a sender's contribution to a round from its public batch seeds and the state it
 signed it computed at; ``compare`` measures a signed input against it within the run's tolerance;
-``drawn_sender`` is the sender the round's draw names for a replay and ``flagged_senders`` the ones whose
-input stands out among a checked chunk's (``swarm.averaging.scores``); ``WrongContributionEvidence`` is
-what a validator files and the coordinator judges (``coordinator.contributions``). The validator's side,
-which keeps states and replays, is ``swarm.training.sendercheck``.
+``micro_gradient`` is the gradient of one of its micro-batches, which its fit is scored against;
+``WrongContributionEvidence`` is what a validator files and the coordinator judges
+(``coordinator.contributions``), with the checks that say the accuser could put that sender (drawn, standing
+out or fitting poorly: ``swarm.training.picks``). The validator's side, which keeps states and replays, is
+``swarm.training.sendercheck``.
 
 Example::
 
