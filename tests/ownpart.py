@@ -36,6 +36,7 @@ from swarm.averaging.evidence import (
 )
 from swarm.config import RunConfig
 from swarm.models import build_model
+from swarm.training import contribution, sendercheck
 from swarm.training.contribution import WrongContributionEvidence
 from swarm.training.sendercheck import SenderChecks, chunk_slice, recompute
 from swarm.training.state import DecodedState, apply_flat_gradient, build_optimizer, state_hash, state_tensors
@@ -92,6 +93,20 @@ def trained(run: RunConfig, depths: list[int]) -> dict[int, tuple[dict, dict, to
         if step + 1 in depths:
             found[step + 1] = (old, state_tensors(model, optimizer), averaged)
     return found
+
+
+def force_fit_draws(monkeypatch, picks: dict[tuple[int, int], int]) -> None:
+    """Make ``fit_draw`` (at the reducers and the coordinator) have the reducer of part ``p`` score sender
+    ``s`` against micro-batch ``m`` for each ``(p, s): m`` of ``picks``, and nobody else. The real draw is a
+    hash of the chunk's signed inputs, whose bits follow the machine's float sums (thread counts): a test
+    of what a scorer does names its scorer; ``tests/test_fit_redteam.py`` tests the draw itself."""
+
+    def forced(scored, sender: int, micro_batches: int) -> tuple[bool, int]:
+        micro = picks.get((scored.part, sender))
+        return (micro is not None, micro or 0)
+
+    monkeypatch.setattr(sendercheck, "fit_draw", forced)
+    monkeypatch.setattr(contribution, "fit_draw", forced)
 
 
 def signed_input(w, sender: int, part: int, data: bytes) -> SignedInput:

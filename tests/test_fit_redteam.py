@@ -22,6 +22,7 @@ from ownpart import (
     LIAR,
     MEMBERS,
     STEP,
+    force_fit_draws,
     judge,
     make_world,
     nonce,
@@ -164,7 +165,9 @@ def test_the_micro_batch_a_fit_is_scored_against_and_its_scorers_follow_the_othe
     assert fit_micro_batches(diloco, 16.0) == 1 and fit_micro_batches(RUN, 16.0) == 4
 
 
-def test_a_stale_sender_that_withholds_its_reveal_from_its_scorer_is_scored_all_the_same(world, afforded):
+def test_a_stale_sender_that_withholds_its_reveal_from_its_scorer_is_scored_all_the_same(
+    world, afforded, monkeypatch
+):
     """Was MEDIUM. The scorer was named by the round's reveals; a sender sees every reveal before it sends
     its own, so it withheld its reveal from its scorer alone, which then scored one sender it picked (the
     liar in one round of R - 1). Now the scorer follows the chunk's other signed inputs, not the reveals:
@@ -173,7 +176,8 @@ def test_a_stale_sender_that_withholds_its_reveal_from_its_scorer_is_scored_all_
     liar = w.members[LIAR]
     sent = _sending(w, _stale(w))
     filed = 0
-    for scorer in _draws(w, sent, LIAR):
+    for scorer, micro in ((p, m) for p in range(MEMBERS) if p != LIAR for m in range(2)):
+        force_fit_draws(monkeypatch, {(scorer, LIAR): micro})  # a reducer the chunk's draw names
         accused = []
         one_round(w, sender_checks(w, accused), reducer_after_round(w, scorer, sent))
         blind = reducer_after_round(w, scorer, sent, heard=set(range(MEMBERS)) - {LIAR})
@@ -211,7 +215,9 @@ def test_a_fit_the_coordinator_cannot_compute_in_time_bans_nobody(world, afforde
     assert guilty is None and "could not score the fit" in found, (found, guilty)
 
 
-def test_a_fit_put_by_another_reducer_or_with_a_forged_chunk_is_refused_before_any_download(world):
+def test_a_fit_put_by_another_reducer_or_with_a_forged_chunk_is_refused_before_any_download(
+    world, monkeypatch
+):
     """Was LOW. ``check_fit_scorer`` let any reducer of the part through to the state download once it
     stripped the reveals, and the scored chunk's signatures were checked only after it: a member put any
     honest groupmate's fit, never served the state and held the coordinator's one judging turn for the
@@ -219,7 +225,8 @@ def test_a_fit_put_by_another_reducer_or_with_a_forged_chunk_is_refused_before_a
     draw, reveals or none: such an accusation bans its accuser at once, and nothing is downloaded."""
     w = world
     victim = next(i for i in range(MEMBERS) if i != LIAR)
-    accuser = next(i for i in range(MEMBERS) if i != victim and i not in _draws(w, w.honest, victim))
+    scorer, accuser = (i for i in range(MEMBERS) if i != victim and i != LIAR)
+    force_fit_draws(monkeypatch, {(scorer, victim): 0})  # the draw names another reducer than the accuser
     runner = reducer_after_round(w, accuser, w.honest)
     chunk = own_part_evidence(runner, 0)
     forged = dataclasses.replace(chunk, output_signature=bytes(64))

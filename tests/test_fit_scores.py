@@ -19,6 +19,7 @@ from ownpart import (
     LIAR,
     MEMBERS,
     STEP,
+    force_fit_draws,
     judge,
     make_world,
     nonce,
@@ -84,29 +85,43 @@ def _accusation(w, runner, sender: int, *, reveals: bool = True) -> WrongContrib
     )  # fmt: skip
 
 
-def test_a_stale_sender_that_does_not_stand_out_is_replayed_by_its_fit_scorer_and_banned(world, every_round):
-    """Each reducer whose chunk's draw has it score the stale sender finds that its input fits its own
-    micro-batch worse than the other inputs do, replays it and files; the coordinator checks the fit
-    again on the state it downloads, replays and bans the liar."""
+def _filings(w, sent: list[torch.Tensor], monkeypatch) -> list[tuple[int, int, list]]:
+    """(reducer, micro-batch, what it filed) for each reducer of another part than the liar's made to score
+    the liar's fit against each of its two micro-batches."""
+    found = []
+    for part, micro in ((p, m) for p in range(MEMBERS) if p != LIAR for m in range(2)):
+        force_fit_draws(monkeypatch, {(part, LIAR): micro})
+        accused = []
+        one_round(w, sender_checks(w, accused), reducer_after_round(w, part, sent))
+        found.append((part, micro, accused))
+    return found
+
+
+def test_a_stale_sender_that_does_not_stand_out_is_replayed_by_its_fit_scorer_and_banned(
+    world, every_round, monkeypatch
+):
+    """A reducer made to score the stale sender finds, in most (reducer, micro-batch) pairs, that its input
+    fits that micro-batch worse than the other inputs do, replays it and files; the coordinator checks the
+    fit again on the state it downloads, replays and bans the liar. Nothing else points at it: it stands
+    out nowhere."""
     w = world
     sent = _stale(w)
-    scorers = _scorers(w, sent, LIAR)
-    assert scorers  # in this round at least one reducer scores it
-    for scorer in scorers:
-        runner = reducer_after_round(w, scorer, sent)
-        evidence = own_part_evidence(runner, 0)
-        claims, odd = flagged_senders(
-            RUN, evidence.inputs, evidence.checked_inputs(w.codec, w.numel), validator=scorer
-        )  # fmt: skip
-        assert LIAR not in claims + odd  # its cosine and norm are an honest sender's: no reason to replay it
-
-        accused = []
-        checks = sender_checks(w, accused)
-        one_round(w, checks, runner)
-        assert [a[0] for a in accused] == [w.members[LIAR]], (scorer, accused)
+    for part in range(MEMBERS):
+        if part != LIAR:
+            evidence = own_part_evidence(reducer_after_round(w, part, sent), 0)
+            claims, odd = flagged_senders(
+                RUN, evidence.inputs, evidence.checked_inputs(w.codec, w.numel), validator=part
+            )  # fmt: skip
+            assert LIAR not in claims + odd  # its cosine and norm are an honest sender's
+    filings = _filings(w, sent, monkeypatch)
+    filed = [(part, micro, accused) for part, micro, accused in filings if accused]
+    assert len(filed) >= 3, filings  # most of the 6 pairs
+    for part, micro, accused in filed:
+        assert [a[0] for a in accused] == [w.members[LIAR]], (part, accused)
         lie = accused[0][1]
-        assert lie.scored is not None and lie.scored.part == scorer
-        found, guilty = judge(w, lie, w.members[scorer])
+        assert lie.scored is not None and lie.scored.part == part
+        force_fit_draws(monkeypatch, {(part, LIAR): micro})
+        found, guilty = judge(w, lie, w.members[part])
         assert guilty == w.members[LIAR] and "public batch seeds" in found, (found, guilty)
 
 
@@ -133,29 +148,28 @@ def test_honest_senders_are_never_filed_and_a_fit_is_scored_only_where_the_chunk
     assert scored >= 1 and len(replayed) < scored
 
 
-def test_the_coordinator_bans_whoever_puts_a_fit_it_may_not(world):
+def test_the_coordinator_bans_whoever_puts_a_fit_it_may_not(world, every_round, monkeypatch):
     """A fit the chunk's draw did not ask of the accuser, or of an honest sender, is a false accusation: it
     bans the accuser. The draw needs no reveal: the same accusation without them is judged the same."""
     w = world
     sent = _stale(w)
-    scorers = _scorers(w, sent, LIAR)
-    other = next(i for i in range(MEMBERS) if i != LIAR and i not in scorers)
-    lie = _accusation(w, reducer_after_round(w, other, sent), LIAR)
-    found, guilty = judge(w, lie, w.members[other])
-    assert guilty == w.members[other] and "did not have" in found, found
-    found, guilty = judge(
-        w, _accusation(w, reducer_after_round(w, other, sent), LIAR, reveals=False), w.members[other]
-    )
-    assert guilty == w.members[other] and "did not have" in found, found
-
-    honest, part = next((s, p) for s in range(MEMBERS) if s != LIAR for p in _scorers(w, sent, s))
-    found, guilty = judge(w, _accusation(w, reducer_after_round(w, part, sent), honest), w.members[part])
-    assert guilty == w.members[part] and "fits its own drawn micro-batch" in found, found
-
-    for reveals in (True, False):
-        put = _accusation(w, reducer_after_round(w, scorers[0], sent), LIAR, reveals=reveals)
-        found, guilty = judge(w, put, w.members[scorers[0]])
+    part, micro, accused = next(f for f in _filings(w, sent, monkeypatch) if f[2])
+    force_fit_draws(monkeypatch, {(part, LIAR): micro})
+    for reveals in (True, False):  # the scorer the draw names: the liar is banned
+        put = _accusation(w, reducer_after_round(w, part, sent), LIAR, reveals=reveals)
+        found, guilty = judge(w, put, w.members[part])
         assert guilty == w.members[LIAR], found
+
+    other = next(i for i in range(MEMBERS) if i not in (LIAR, part))  # a reducer the draw did not name
+    for reveals in (True, False):
+        lie = _accusation(w, reducer_after_round(w, other, sent), LIAR, reveals=reveals)
+        found, guilty = judge(w, lie, w.members[other])
+        assert guilty == w.members[other] and "did not have" in found, found
+
+    honest = other  # an honest sender, named for its fit: its fit and then its replay clear it
+    force_fit_draws(monkeypatch, {(part, honest): 0})
+    found, guilty = judge(w, _accusation(w, reducer_after_round(w, part, sent), honest), w.members[part])
+    assert guilty == w.members[part], found
 
 
 def test_a_reducer_spends_about_a_tenth_of_its_own_micro_batches_on_fits(world, monkeypatch):
