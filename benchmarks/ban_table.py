@@ -4,8 +4,8 @@ Every cell is one real `swarm-sim` run (a coordinator and N peer processes on lo
 one attacker, at the sim's default validation and sender-check rates. Prints a markdown table with, per mode
 and attack: whether the attacker was banned, the step its ban names (the round of the lie that was proven),
 the samples it put into rounds, the honest peers' replays (drawn and for standing out, with how many caught
-it), the fits to a first micro-batch the honest reducers scored and the share of their training time those
-took, the final validation loss and whether the honest peers ended identical. The attack `none` is a clean
+it), the fits to one of a sender's own micro-batches the honest reducers scored and the share of their
+training time those took, the final validation loss and whether the honest peers ended identical. The attack `none` is a clean
 run: its replays for standing out are what flags cost honest peers. Pass `--replay-outliers off` to
 measure the draw alone (the run's `training.replay_outliers = false`).
 

@@ -33,7 +33,6 @@ from ownpart import (
 )
 
 import coordinator.contributions as contributions
-import swarm.training.contribution as contribution
 import swarm.training.sendercheck as sendercheck
 from coordinator.accusations import run_layouts
 from coordinator.contributions import judge_contribution
@@ -133,8 +132,7 @@ def test_a_stale_sender_that_recomputes_only_its_first_micro_batch_fails_the_fit
 
     # Whichever reducer's draw picks the second micro-batch files against it: here, forced to.
     scorer = next(p for p in range(MEMBERS) if p != LIAR)
-    monkeypatch.setattr(sendercheck, "fit_draw", lambda scored, sender, k: (sender == LIAR, 1))
-    monkeypatch.setattr(contribution, "fit_draw", lambda scored, sender, k: (sender == LIAR, 1))
+    force_fit_draws(monkeypatch, {(scorer, LIAR): 1})
     accused = []
     one_round(w, sender_checks(w, accused), reducer_after_round(w, scorer, sent))
     assert [a[0] for a in accused] == [liar], accused
@@ -202,8 +200,7 @@ def test_a_fit_the_coordinator_cannot_compute_in_time_bans_nobody(world, afforde
     accused = []
     for scorer, micro in ((p, m) for p in range(MEMBERS) if p != LIAR for m in range(2)):
         # A reducer whose draw scores the liar against a micro-batch its stale input fits poorly.
-        monkeypatch.setattr(sendercheck, "fit_draw", lambda scored, sender, k, m=micro: (sender == LIAR, m))
-        monkeypatch.setattr(contribution, "fit_draw", lambda scored, sender, k, m=micro: (sender == LIAR, m))
+        force_fit_draws(monkeypatch, {(scorer, LIAR): micro})
         one_round(w, sender_checks(w, accused), reducer_after_round(w, scorer, sent))
         if accused:
             break

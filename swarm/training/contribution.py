@@ -155,13 +155,12 @@ def micro_gradient(
     gradients this overwrites): every step, what it sends for its first that many; in diloco, from the
     synced model, the gradient of inner step ``micro``'s batch at the window's start (what its fit,
     ``swarm.averaging.scores.fits_poorly``, is scored against). A SwarmError as ``recompute``."""
+    from swarm.models import model_config
+
     training = run.training
     if model is None:
-        model, seq_len = state_model(run, tensors, device)
-    else:
-        from swarm.models import model_config
-
-        seq_len = int(model_config(run.model.name, run.model.config).seq_len)
+        model, _ = state_model(run, tensors, device)
+    seq_len = int(model_config(run.model.name, run.model.config).seq_len)
     dataset = public_dataset(run.dataset.name, run.dataset.config)
     rows = honest_gradients(
         model, dataset, run_id=run.run_id, step=step, micro_batch=training.micro_batch_size, seq_len=seq_len,
