@@ -30,8 +30,10 @@ Usage::
 
 ``--compare-sender-checks`` prices the sender checks (``swarm.training.sendercheck``) in an honest run:
 the same training once per ``training.sender_check_probability`` given, round by round, each one's
-samples/s over the first's in the same round, how many senders the validators replayed, how many fits
-the reducers scored, and the bytes per sample over the first's. Probability 0 turns every sender check off
+samples/s over the first's in the same round, how many senders the validators replayed (and how many of
+those the scores or fits pointed to rather than the draw), how many fits the reducers scored, the seconds
+the replays and fits took over each peer's seconds of training (min-max over rounds), and the bytes per
+sample over the first's. Probability 0 turns every sender check off
 (replays, scores and fits); the reducers' scores and fits need 3 inputs to a chunk, so ``--peers 3``.
 """
 
@@ -274,7 +276,12 @@ def summarize(reports: list[dict], settings: Settings) -> dict:
                 "bytes_sent": sum(r["bytes_sent"] for r in done), "rounds": len(rounds), "rounds_ok": len(done),
                 "trainer_utilization": report["metrics"]["compute_utilization"],
                 "senders_checked": report["metrics"].get("senders_checked", 0.0),
+                "senders_pointed": report["metrics"].get("senders_outliers", 0.0),
                 "fits_scored": report["metrics"].get("senders_fit_scored", 0.0),
+                # Seconds the checks took over the seconds of training, over the whole run (each peer's).
+                "check_share": (
+                    report["metrics"].get("sender_replay_s", 0.0) + report["metrics"].get("sender_fit_s", 0.0)
+                ) / max(1e-9, report["metrics"].get("compute_s", 0.0)),
                 "group_sizes": sorted({r.get("group", 0) for r in done}),
             }
         )  # fmt: skip
@@ -309,12 +316,15 @@ def compare_sender_checks(settings: Settings, probabilities: list[float], args) 
                 print(f"training benchmark failed at sender_check_probability {p}: {e}")
                 return 1
             checked = sum(peer["senders_checked"] for peer in result["peers"])
+            pointed = sum(peer["senders_pointed"] for peer in result["peers"])
             fits = sum(peer["fits_scored"] for peer in result["peers"])
+            share = statistics.mean(peer["check_share"] for peer in result["peers"])
             rows[p].append(result)
             print(
                 f"round {round_index + 1}, sender_check_probability {p:g}: {result['samples_per_s']:.2f} "
-                f"samples/s, utilization {result['utilization']:.1%}, {checked:.0f} senders replayed, "
-                f"{fits:.0f} fits scored, {result['bytes_per_sample']:.0f} bytes per sample",
+                f"samples/s, utilization {result['utilization']:.1%}, {checked:.0f} senders replayed "
+                f"({pointed:.0f} pointed to by scores or fits), {fits:.0f} fits scored, checks {share:.1%} of "
+                f"training time, {result['bytes_per_sample']:.0f} bytes per sample",
                 flush=True,
             )
     anchor = probabilities[0]
@@ -323,7 +333,7 @@ def compare_sender_checks(settings: Settings, probabilities: list[float], args) 
     )
     print(
         f"{'probability':>11} {'samples/s':>10} {'ratio':>15} {'utilization':>12} {'replayed':>9} "
-        f"{'fits':>6} {'bytes/sample ratio':>19}"
+        f"{'pointed':>8} {'fits':>6} {'check time':>15} {'bytes/sample ratio':>19}"
     )
     summary = []
     for p in probabilities:
@@ -331,16 +341,19 @@ def compare_sender_checks(settings: Settings, probabilities: list[float], args) 
         speed = statistics.mean(r["samples_per_s"] for r in rows[p])
         use = statistics.mean(r["utilization"] for r in rows[p])
         replayed = statistics.mean(sum(x["senders_checked"] for x in r["peers"]) for r in rows[p])
+        pointed = statistics.mean(sum(x["senders_pointed"] for x in r["peers"]) for r in rows[p])
         fits = statistics.mean(sum(x["fits_scored"] for x in r["peers"]) for r in rows[p])
+        shares = [statistics.mean(x["check_share"] for x in r["peers"]) for r in rows[p]]
         wire = [
             r["bytes_per_sample"] / a["bytes_per_sample"] for r, a in zip(rows[p], rows[anchor], strict=True)
         ]
         print(
             f"{p:>11g} {speed:>10.2f} {min(ratios):>7.3f}-{max(ratios):<7.3f} {use:>11.1%} {replayed:>9.1f} "
-            f"{fits:>6.1f} {min(wire):>9.3f}-{max(wire):<9.3f}"
+            f"{pointed:>8.1f} {fits:>6.1f} {min(shares):>6.1%}-{max(shares):<7.1%} {min(wire):>9.3f}-{max(wire):<9.3f}"
         )
         summary.append({"sender_check_probability": p, "samples_per_s": speed, "ratios": ratios,
-                        "utilization": use, "replayed": replayed, "fits": fits,
+                        "utilization": use, "replayed": replayed, "pointed": pointed, "fits": fits,
+                        "check_shares": shares,
                         "bytes_per_sample_ratios": wire})  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"settings": asdict(settings), "compare": summary}, indent=2))

@@ -322,6 +322,7 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
          "senders_outliers": p["metrics"].get("senders_outliers", 0.0),
          "senders_fit_scored": p["metrics"].get("senders_fit_scored", 0.0),
          "sender_fit_s": p["metrics"].get("sender_fit_s", 0.0),
+         "sender_replay_s": p["metrics"].get("sender_replay_s", 0.0),
          "compute_s": p["metrics"].get("compute_s", 0.0),
          "averaging_s": p["metrics"].get("averaging_s", 0.0),
          "compute_utilization": p["metrics"].get("compute_utilization", 0.0),

@@ -33,7 +33,14 @@ from ownpart import (
 from lab.localswarm import tiny_run
 from swarm.averaging.verification import own_part_evidence
 from swarm.training import sendercheck
-from swarm.training.contribution import WrongContributionEvidence, fit_draw, flagged_senders, recompute
+from swarm.training.contribution import (
+    WrongContributionEvidence,
+    fit_draw,
+    flagged_senders,
+    micro_gradient,
+    recompute,
+    state_model,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -188,3 +195,20 @@ def test_a_reducer_spends_about_a_tenth_of_its_own_micro_batches_on_fits(world, 
     for _ in range(rounds):
         one_round(w, checks, reducer_after_round(w, scorer, w.honest))
     assert 0.1 * rounds <= checks.fits <= 0.3 * rounds * named, (checks.fits, named, sender)
+
+
+def test_a_fits_gradient_is_taken_for_its_chunk_alone_with_the_same_values(world):
+    """A reducer takes only the gradients of the parameters that hold its chunk (a shorter backward pass):
+    the values are the whole gradient's there, and the model it reuses for the round's other fits is left
+    with every parameter's gradient on."""
+    w = world
+    model, _ = state_model(w.run, w.tensors, "cpu")
+    whole = micro_gradient(w.run, w.tensors, w.members[LIAR], STEP, 1, device="cpu", model=model)
+    n = whole.numel()
+    for lo, hi in ((0, 10), (n // 3, n // 3 + 5000), (n - 7, n)):
+        chunk = micro_gradient(
+            w.run, w.tensors, w.members[LIAR], STEP, 1, device="cpu", model=model, span=(lo, hi)
+        )
+        assert chunk.shape == (hi - lo,)
+        torch.testing.assert_close(chunk, whole[lo:hi], rtol=1e-5, atol=1e-7)
+    assert all(p.requires_grad for p in model.parameters())

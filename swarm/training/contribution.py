@@ -149,12 +149,14 @@ def micro_gradient(
     device: str,
     deadline: float | None = None,
     model: torch.nn.Module | None = None,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The flat mean gradient of ``peer_id``'s ``micro_batches`` micro-batches from number ``micro`` on, at
     ``step``, from the state ``tensors`` (``model``: that state already loaded by ``state_model``, whose
     gradients this overwrites): every step, what it sends for its first that many; in diloco, from the
     synced model, the gradient of inner step ``micro``'s batch at the window's start (what its fit,
-    ``swarm.averaging.scores.fits_poorly``, is scored against). A SwarmError as ``recompute``."""
+    ``swarm.averaging.scores.fits_poorly``, is scored against). ``span`` (lo, hi): only those values, for
+    less than the whole costs (``honest_gradients``). A SwarmError as ``recompute``."""
     from swarm.models import model_config
 
     training = run.training
@@ -165,7 +167,7 @@ def micro_gradient(
     rows = honest_gradients(
         model, dataset, run_id=run.run_id, step=step, micro_batch=training.micro_batch_size, seq_len=seq_len,
         peers={peer_id: micro_batches * training.micro_batch_size}, precision=training.precision,
-        device=device, deadline=deadline, in_place=True, first_micro=micro,
+        device=device, deadline=deadline, in_place=True, first_micro=micro, span=span,
     )  # fmt: skip
     if rows is None:
         raise ProtocolError(f"no micro-batch of {peer_id} to replay")
@@ -406,8 +408,9 @@ class WrongContributionEvidence(RoundEvidence):
         lo, hi = self.slice(codec, vector_numel)
         micro = fit_draw(self.scored, self.item.sender_index, fit_micro_batches(run, self.item.weight))[1]
         gradient = micro_gradient(
-            run, tensors, self.accused, step, micro, device=device, deadline=deadline, model=model
-        )[lo:hi]
+            run, tensors, self.accused, step, micro, device=device, deadline=deadline, model=model,
+            span=(lo, hi),
+        )  # fmt: skip
         return fits_poorly(decoded, self.scored.inputs.index(self.item), gradient, lenient=lenient)
 
     def undecodable(self, codec: Codec, vector_numel: int) -> bool:

@@ -257,6 +257,7 @@ class TrainingPeer:
             "senders_outliers": float(self.sender_checks.outliers),  # of those, replayed for standing out
             "senders_fit_scored": float(self.sender_checks.fits),  # fits to a micro-batch of theirs scored
             "sender_fit_s": self.sender_checks.fit_s,  # the time those took
+            "sender_replay_s": self.sender_checks.replay_s,  # the time the replays took
             "last_round_peers": float(self.last_group_size),
             "paused": float(self.paused),
             "peak_memory_bytes": float(peak_memory_bytes(self.device)),

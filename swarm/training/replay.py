@@ -50,31 +50,61 @@ def honest_gradients(
     deadline: float | None = None,
     in_place: bool = False,
     first_micro: int = 0,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor | None:
     """The flat mean gradient each of ``peers`` (peer ID -> samples it holds at ``step``) computes at
     ``step`` from ``model``'s state, one row per peer that holds a whole micro-batch, in peer-ID order;
     None if none does. ``model`` itself is left as it is (its gradients included), unless ``in_place``
     (its gradients are then overwritten, and no copy is made). ``first_micro``: the micro-batches from that
-    number on (0: from the first, as a peer computes them). ``deadline`` (``time.monotonic()``): a
-    ``ReplayTooLong`` once it passes, checked between micro-batches."""
+    number on (0: from the first, as a peer computes them). ``span`` (lo, hi): only those values of the
+    flat gradient, taking the gradients of the parameters that hold them alone (the backward pass stops
+    below the lowest of them), the same values up to the rounding of a pass that computes fewer of them.
+    ``deadline`` (``time.monotonic()``): a ``ReplayTooLong`` once it passes, checked between micro-batches."""
     replica = model if in_place else copy.deepcopy(model)
-    runner = MicroBatchRunner(replica, device=device, precision=precision)
-    replica.train()
-    rows = []
-    for peer_id, samples in sorted(peers.items()):
-        micro_batches = int(samples) // micro_batch
-        if micro_batches <= 0:
-            continue
-        for p in runner.params:
-            p.grad = None
-        for micro in range(first_micro, first_micro + micro_batches):
-            if deadline is not None and time.monotonic() > deadline:
-                raise ReplayTooLong(f"the replay of {peer_id} at step {step} ran past its deadline")
-            seed = derive_seed(run_id, peer_id, step, micro)
-            inputs, targets = dataset.sample_batch(seed, micro_batch, seq_len)
-            runner.run(inputs, targets)
-        rows.append(flat_mean_gradient(runner.params, micro_batches * micro_batch))
+    frozen, offset = _freeze_outside(replica, span)
+    try:
+        runner = MicroBatchRunner(replica, device=device, precision=precision)
+        replica.train()
+        rows = []
+        for peer_id, samples in sorted(peers.items()):
+            micro_batches = int(samples) // micro_batch
+            if micro_batches <= 0:
+                continue
+            for p in runner.params:
+                p.grad = None
+            for micro in range(first_micro, first_micro + micro_batches):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ReplayTooLong(f"the replay of {peer_id} at step {step} ran past its deadline")
+                seed = derive_seed(run_id, peer_id, step, micro)
+                inputs, targets = dataset.sample_batch(seed, micro_batch, seq_len)
+                runner.run(inputs, targets)
+            row = flat_mean_gradient(runner.params, micro_batches * micro_batch)
+            rows.append(row if span is None else row[span[0] - offset : span[1] - offset])
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
     return torch.stack(rows) if rows else None
+
+
+def _freeze_outside(model: torch.nn.Module, span: tuple[int, int] | None) -> tuple[list, int]:
+    """Stop the gradients of ``model``'s parameters that hold none of the flat values ``span`` (lo, hi);
+    (the parameters stopped, for the caller to restore; the flat offset of the first one kept)."""
+    if span is None:
+        return [], 0
+    lo, hi = span
+    frozen, offset, first = [], 0, None
+    for p in [p for p in model.parameters() if p.requires_grad]:
+        start, offset = offset, offset + p.numel()
+        if start < hi and offset > lo:
+            first = start if first is None else first
+        else:
+            frozen.append(p)
+            p.requires_grad_(False)
+    if first is None:
+        for p in frozen:
+            p.requires_grad_(True)
+        raise ValueError(f"no parameter holds the values {lo}..{hi} of the flat gradient")
+    return frozen, first
 
 
 def replay_window(

@@ -181,6 +181,7 @@ class SenderChecks:
         self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
         self.fits = 0  # senders whose fit to a micro-batch of theirs this member scored (``_poor_fit``)
         self.fit_s = 0.0  # the time those scores took (a micro-batch's gradient each)
+        self.replay_s = 0.0  # the time replays took (a sender's step, or its window, each)
         # Senders that stood out and whose replay found them honest -> the last round (of ``rounds``, the
         # complete rounds seen) in which they are not replayed for standing out again.
         self.rounds = 0
@@ -450,10 +451,14 @@ class SenderChecks:
                     self.checked += 1
                     # A replay is as long as the sender's signed claim (at most a whole step or window);
                     # one past the coordinator's own budget could not be judged, so it stops there.
-                    verdict = await asyncio.to_thread(
-                        lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel,
-                        device=self.device, deadline=time.monotonic() + JUDGING_BUDGET_S, margin=ACCUSE_MARGIN,
-                    )  # fmt: skip
+                    started = time.monotonic()
+                    try:
+                        verdict = await asyncio.to_thread(
+                            lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel,
+                            device=self.device, deadline=started + JUDGING_BUDGET_S, margin=ACCUSE_MARGIN,
+                        )  # fmt: skip
+                    finally:
+                        self.replay_s += time.monotonic() - started
             finally:
                 self.replays_due -= 1
         except Exception as e:  # a replay this peer cannot run: nobody is accused
