@@ -489,25 +489,49 @@ def test_in_a_checked_run_a_fast_peer_waits_for_the_others_at_H():
 @pytest.mark.timeout(240)
 def test_in_a_checked_run_a_slightly_slower_honest_peer_still_contributes():
     """Now: the slower peer's windows make the rounds (it contributes samples), checked or not. Was: the consequence of the test above among real peers (3 trainers, libp2p DHTs and rounds on
-    loopback, ``tests/test_diloco.py``'s harness): one peer computes its micro-batches about 1.4 times
-    slower (2 ms more each), so its 200-step window ends about 0.4 s after the others', more than the
-    0.3 s matchmaking window. In the checked run (``window_stretch`` forced to 1) the two fast peers
-    average without it at every outer step and it adopts their result: 0 samples contributed in 4 outer
-    steps. The same run without sender checks (``window_stretch`` 2) holds every peer's window in every
-    round. (On real windows of minutes, and the default 2 s matchmaking window, a peer a few percent
-    slower than the fastest two is left out the same way.)"""
+    loopback, ``tests/test_diloco.py``'s harness): one peer computes its micro-batches 1.4 times slower,
+    so its 150-step window ends 1.2 s after the others', twice the 0.6 s matchmaking window. In the
+    checked run (``window_stretch`` forced to 1) the two fast peers average without it at every outer
+    step and it adopts their result: 0 samples contributed in 4 outer steps. The same run without sender
+    checks (``window_stretch`` 2) holds every peer's window in every round. (On real windows of minutes,
+    and the default 2 s matchmaking window, a peer a few percent slower than the fastest two is left out
+    the same way.)
+
+    The test sets the speeds, not the machine: each micro-batch is padded to 20 ms (28 ms for the slower
+    peer), so the ratio holds whatever the load. The peers that go to their round on reading the last
+    one's record are up to two progress exchanges apart (its publish, then their read), so records come
+    every 0.1 s, well inside the matchmaking window. Before (0.3 s records, a 0.3 s window) a fast peer
+    often read the slower one's record after the group the slower one led had formed, lost that round
+    and, starting its next window late, the next one; missing two such groups, it contributed 0 samples
+    in 4 outer steps (1 run in 7)."""
     import torch
     from helpers import KEYS, start_dhts
     from test_diloco import train
 
     from swarm.training.trainer import Trainer
 
+    pace_ms, slower_pace_ms = 20, 28  # a micro-batch computes in about 3 ms here
+
+    def paced(micro_step, seconds: float):
+        def step() -> float:
+            started = time.monotonic()
+            loss = micro_step()
+            time.sleep(max(0.0, seconds - (time.monotonic() - started)))
+            return loss
+
+        return step
+
     def contributed(checked: bool) -> list[int]:
         run = tiny_run(
-            "diloco-redteam2-slow", sync="diloco", inner_steps=200, compression="int8", max_steps=4,
-            matchmaking_time_s=0.3, sender_check_probability=0.5 if checked else 0.0,
+            "diloco-redteam2-slow", sync="diloco", inner_steps=150, compression="int8", max_steps=4,
+            matchmaking_time_s=0.6, progress_interval_s=0.1, sender_check_probability=0.5 if checked else 0.0,
         )  # fmt: skip
-        assert sender_checks_on(run) == checked and window_stretch(run.training) == (1.0 if checked else 2.0)
+        training = run.training
+        assert sender_checks_on(run) == checked and window_stretch(training) == (1.0 if checked else 2.0)
+        late_s = training.inner_steps * (slower_pace_ms - pace_ms) / 1000  # its window ends after theirs
+        assert late_s >= 2 * training.matchmaking_time_s  # a group formed without waiting leaves it out
+        assert training.matchmaking_time_s > 5 * training.progress_interval_s  # the others read it in time
+        assert slower_pace_ms / pace_ms < training.window_stretch  # they wait as long as their own window
         torch.set_num_threads(1)
         dhts = start_dhts(3)
         try:
@@ -515,8 +539,8 @@ def test_in_a_checked_run_a_slightly_slower_honest_peer_still_contributes():
                 Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()])
                 for d in dhts
             ]
-            slow, step = trainers[2], trainers[2]._micro_step
-            slow._micro_step = lambda: (time.sleep(0.002), step())[1]
+            for trainer, ms in zip(trainers, (pace_ms, pace_ms, slower_pace_ms), strict=True):
+                trainer._micro_step = paced(trainer._micro_step, ms / 1000)
             asyncio.run(train(trainers, timeout_s=180))
             return [t.peer.contributed_samples for t in trainers]
         finally:
