@@ -1,7 +1,9 @@
-"""Rounds to a ban: how soon sender checks ban a peer whose contribution is provably wrong, at the sim's rates.
+"""Rounds to a ban: how soon sender checks ban a peer whose contribution is provably wrong, at the run's rates.
 
 Every cell is one real `swarm-sim` run (a coordinator and N peer processes on loopback, the tiny model) with
-one attacker, at the sim's default validation and sender-check rates. Prints a markdown table with, per mode
+one attacker, at the run's default validation and sender-check rates (``TrainingConfig``'s
+``verify_probability`` and ``sender_check_probability``; ``--verify-probability`` and
+``--sender-check-probability`` set others, ``--sim-rates`` the sim's higher defaults). Prints a markdown table with, per mode
 and attack: whether the attacker was banned, the step its ban names (the round of the lie that was proven),
 the samples it put into rounds, the honest peers' replays (drawn and for standing out, with how many caught
 it), the fits to one of a sender's own micro-batches the honest reducers scored and the share of their
@@ -28,6 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from byzantine_table import run_sim  # noqa: E402
+
+from swarm.config import TrainingConfig  # noqa: E402
+
+RUN_DEFAULTS = TrainingConfig()
 
 PROVABLE = ("sign_flip", "label_flip", "huge_weight", "random_direction", "delayed_gradient", "nan")
 
@@ -96,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         "--replay-outliers", choices=("on", "off", "both"), default="on",
         help="both: each cell with the outlier replays and then without, interleaved",
     )  # fmt: skip
+    parser.add_argument("--verify-probability", type=float, default=RUN_DEFAULTS.verify_probability)
+    parser.add_argument(
+        "--sender-check-probability", type=float, default=RUN_DEFAULTS.sender_check_probability
+    )
+    parser.add_argument(
+        "--sim-rates", action="store_true", help="the sim's default rates instead of the run's"
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -117,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--peers", str(args.peers), "--model-size", "tiny", *attacker,
                     "--timeout-s", str(int(args.timeout_s)), *mode_flags(mode, args.steps, args.inner_steps),
                     *(["--no-replay-outliers"] if setting == "off" else []),
+                    *([] if args.sim_rates else ["--verify-probability", str(args.verify_probability),
+                                                 "--sender-check-probability", str(args.sender_check_probability)]),
                 ]  # fmt: skip
                 row = {"mode": mode, "attack": attack, "replay_outliers": setting}
                 row.update(summary(run_sim(flags, args.timeout_s + 120)))

@@ -127,7 +127,7 @@ class SimConfig(BaseModel):
         0.25, ge=0, le=1,
         description="chance that a validator also recomputes a drawn sender's contribution from its public "
         "batch seeds (every_step, and diloco windows with a fresh inner optimizer); with the sim's "
-        "verify_probability about one replayed step (or window) in eight, twice the run's defaults",
+        "verify_probability about one replayed step (or window) in eight, five times the run's defaults",
     )  # fmt: skip
     replay_outliers: bool = Field(
         True,

@@ -210,7 +210,7 @@ class TrainingConfig(_Section):
         0.25, ge=0, le=1, description="chance that a part of a round is recomputed by a drawn validator"
     )
     sender_check_probability: float = Field(
-        0.25,
+        0.1,
         ge=0,
         le=1,
         description="chance that a validator also recomputes one drawn sender's contribution to the chunk it "

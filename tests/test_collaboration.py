@@ -99,7 +99,7 @@ def test_a_strategy_other_than_the_runs_is_refused_naming_the_setting() -> None:
     # A diloco run whose validators replay windows from the public batches refuses a loop of its own.
     checked = _run(_net(), sync="diloco", inner_steps=20)
     with pytest.raises(
-        ConfigError, match="sender_check_probability = 0.25.*needs a run with sender_check_probability = 0"
+        ConfigError, match="sender_check_probability = 0.1.*needs a run with sender_check_probability = 0"
     ):
         DiLoCo().check(checked)
 
