@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 from types import SimpleNamespace
 
 import torch
@@ -134,48 +133,21 @@ def reducer_holding(
     """Member ``index`` after a complete round, the reducer of part ``index`` holding the signed ``inputs``
     it aggregated (``decoded``: their values) and its signed aggregate over them; ``heard``: the members
     whose reveal reached it (all by default; without all, it holds no shared draw)."""
-    return _reducer(w, index, [(chunk_of(w, index), inputs, decoded)], heard=heard)
-
-
-def reducer_of_every_chunk(w, index: int, sent: list[torch.Tensor]):
-    """Member ``index`` after a complete round in which member ``i`` sent ``sent[i]``, holding every chunk of
-    its part in the run's layout (a model whose parts are longer than a chunk), each with every member's
-    signed input and its own signed aggregate."""
-    chunks = []
-    for chunk in itertools.count():
-        lo, hi = chunk_slice(w.numel, MEMBERS, index, chunk, w.values)
-        if hi <= lo:
-            break
-        data = [w.codec.encode_contribution(v[lo:hi]) for v in sent]
-        inputs = [
-            SignedInput(i, data[i], w.keys[i].sign(
-                contribution_message(w.digest, index, chunk, w.members[i], WEIGHT, data[i])), WEIGHT)
-            for i in range(MEMBERS)
-        ]  # fmt: skip
-        chunks.append(((lo, hi), inputs, [v[lo:hi] for v in sent]))
-    return _reducer(w, index, chunks)
-
-
-def _reducer(w, index: int, chunks: list, *, heard: set[int] | None = None):
-    """The reducer of part ``index`` holding ``chunks``, each ((lo, hi), signed inputs, their values), in order."""
     heard = set(range(MEMBERS)) if heard is None else heard
-    results, evidence = [], []
-    for chunk, (_, inputs, decoded) in enumerate(chunks):
-        entries = input_entries([(x.sender_index, x.weight, x.data) for x in inputs])
-        output = w.codec.encode(torch.stack(decoded).mean(0)) if decoded else b""
-        signature = w.keys[index].sign(
-            aggregate_message(w.digest, index, chunk, w.members[index], entries, output, 1)
-        )
-        results.append(apb.PartChunk(data=output, signature=signature, included=entries, signed_at_ms=1))
-        evidence.append(list(inputs))
-    count = len(chunks)
+    lo, hi = chunk_of(w, index)
+    entries = input_entries([(x.sender_index, x.weight, x.data) for x in inputs])
+    output = w.codec.encode(torch.stack(decoded).mean(0)) if decoded else b""
+    signature = w.keys[index].sign(
+        aggregate_message(w.digest, index, 0, w.members[index], entries, output, 1)
+    )
+    result = apb.PartChunk(data=output, signature=signature, included=entries, signed_at_ms=1)
     return SimpleNamespace(
         prefix=w.prefix, group_id=w.group_id, members=list(w.members), peer_ids=list(w.members), index=index,
         commitments=list(w.commits), shared_seed=w.seed if heard == set(range(MEMBERS)) else None,
         revealed=None, reveals={i: nonce(i) for i in heard}, codec=w.codec, numel=w.numel,
-        part_chunks=[list(range(count + 1))] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
-        chunk_count=lambda part: count, chunk_range=lambda part, chunk: chunks[chunk][0],
-        reducer=SimpleNamespace(results=results, evidence=evidence, undecodable={}),
+        part_chunks=[[0, 1]] * MEMBERS, reducers=(), signers={}, reduces=lambda part: True,
+        chunk_count=lambda part: 1, chunk_range=lambda part, chunk: (lo, hi),
+        reducer=SimpleNamespace(results=[result], evidence=[list(inputs)], undecodable={}),
     )  # fmt: skip
 
 

@@ -26,7 +26,6 @@ from ownpart import (
     one_round,
     record_replays,
     reducer_after_round,
-    reducer_of_every_chunk,
     sender_checks,
     trained,
 )
@@ -213,72 +212,3 @@ def test_a_fits_gradient_is_taken_for_its_chunk_alone_with_the_same_values(world
         assert chunk.shape == (hi - lo,)
         torch.testing.assert_close(chunk, whole[lo:hi], rtol=1e-5, atol=1e-7)
     assert all(p.requires_grad for p in model.parameters())
-
-
-#: A model whose parts are longer than a chunk (``DEFAULT_CHUNK_VALUES``): 4 parts of about 107,000 values.
-WIDE = tiny_run("fit-scores-2", verify_probability=1e-9, sender_check_probability=1e-9).model_copy(
-    update={"model": RUN.model.model_copy(update={"config": {"d_model": 128, "n_layer": 2, "n_head": 2,
-                                                             "seq_len": 32}})}
-)  # fmt: skip
-
-
-def _poor_in(w, runner, sender: int, chunk: int) -> bool:
-    """Whether ``sender``'s input to ``chunk`` of ``runner``'s part fits its micro-batch 0 poorly."""
-    evidence = own_part_evidence(runner, chunk)
-    item = next(x for x in evidence.inputs if x.sender_index == sender)
-    lie = WrongContributionEvidence(
-        prefix=evidence.prefix, group_id=evidence.group_id, members=evidence.members,
-        commitments=evidence.commitments, part=evidence.part, chunk=evidence.chunk, reducers=evidence.reducers,
-        item=item, entry=w.entries[sender], reveals=tuple(nonce(i) for i in range(MEMBERS)), scored=evidence,
-    )  # fmt: skip
-    decoded = evidence.checked_inputs(w.codec, w.numel)
-    return lie.fit_is_poor(w.run, w.tensors, decoded, w.codec, w.numel, device="cpu")
-
-
-def test_a_fit_poor_in_the_drawn_chunk_alone_costs_no_replay(every_round, monkeypatch):
-    """A replay costs a sender's whole step (in diloco, its window), and an honest fit falls below the
-    others' in a chunk now and then. So before it replays a sender whose fit is poor in the drawn chunk of
-    its part, a reducer scores the fit in a second chunk of the part, drawn by its own randomness: a
-    sender stale in both is replayed and filed (2 fits scored); one stale in the drawn chunk only (as an
-    honest fit that is low by chance there) is not replayed (2 fits scored, nobody filed). A sender that
-    lies in some chunks only is left to the draw (caught with about that share per check)."""
-    old, now, _ = trained(WIDE, [DELAY])[DELAY]
-    w = make_world(WIDE, now)
-    honest = list(w.honest)
-    stale = recompute(w.run, old, w.members[LIAR], STEP - 1, 2, device="cpu")
-    sent = list(honest)
-    sent[LIAR] = stale
-    found = {}  # part -> the chunks of it in which the stale input fits poorly
-    for part in (p for p in range(MEMBERS) if p != LIAR):
-        force_fit_draws(monkeypatch, {(part, LIAR): 0})
-        runner = reducer_of_every_chunk(w, part, sent)
-        found[part] = [c for c in range(runner.chunk_count(part)) if _poor_in(w, runner, LIAR, c)]
-    # Stale, it fits poorly in most chunks: in both chunks of at least one reducer's part.
-    part, poor = next(((p, c) for p, c in found.items() if len(c) >= 2), (None, found))
-    assert part is not None, poor
-    force_fit_draws(monkeypatch, {(part, LIAR): 0})
-    runner = reducer_of_every_chunk(w, part, sent)
-    count = runner.chunk_count(part)
-    first, second = poor[:2]
-    # Where it stands out, the round's draw names two other reducers to replay it for that (this one
-    # scores fits alone).
-    monkeypatch.setattr(sendercheck, "replays_own_part", lambda seed, runner, sender: ())
-    monkeypatch.setattr(sendercheck, "drawn_chunk", lambda seed, p, n: first)
-    pick = [c for c in range(count) if c != first].index(second)  # the second chunk, by "own randomness"
-    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: pick.to_bytes(8, "big").rjust(n, b"\0")[-n:])
-
-    accused = []
-    checks = sender_checks(w, accused)
-    one_round(w, checks, runner)
-    assert checks.fits == 2 and checks.outliers == 1, (checks.fits, checks.outliers)
-    assert [a[0] for a in accused] == [w.members[LIAR]] and accused[0][1].chunk == first
-
-    lo, hi = runner.chunk_range(part, second)
-    sent[LIAR] = stale.clone()
-    sent[LIAR][lo:hi] = honest[LIAR][lo:hi]  # stale in the drawn chunk, its honest values in the second
-    mixed = reducer_of_every_chunk(w, part, sent)
-    assert _poor_in(w, mixed, LIAR, first) and not _poor_in(w, mixed, LIAR, second)
-    accused = []
-    checks = sender_checks(w, accused)
-    one_round(w, checks, mixed)
-    assert checks.fits == 2 and checks.outliers == 0 and accused == []

@@ -35,8 +35,8 @@ as the samples it signed for. So a groupmate can recompute it:
 5. A stale input (an older step's or window's) does not stand out: it points where every sender's does.
    So a reducer also scores the fit of a sender's input to one of the sender's own micro-batches
    (``_poor_fit``, ``swarm.averaging.scores.fits_poorly``): that micro-batch's gradient at the round's state
-   is a public fact an honest input holds, and an input that fits it worse than the other inputs do, in the
-   drawn chunk and in a second one of the reducer's part, is replayed. Which reducer scores a sender, and against which micro-batch, a hash of the chunk's other
+   is a public fact an honest input holds, and an input that fits it worse than the other inputs do is
+   replayed. Which reducer scores a sender, and against which micro-batch, a hash of the chunk's other
    signed inputs says (``fit_draw``), unknown to the sender when it signs; about one fit a sender a round.
    One micro-batch's gradient a fit, a member spending ``FIT_SHARE`` of its own micro-batches on them (in
    some rounds only where it computes few: which, by its own randomness). The coordinator scores the same
@@ -318,18 +318,6 @@ class SenderChecks:
         chunk = drawn_chunk(seed, part, runner.chunk_count(part))
         return own_part_evidence(runner, chunk) if chunk is not None else None
 
-    def _second_chunk(self, runner, evidence: BadAggregateEvidence) -> BadAggregateEvidence | None:
-        """Another chunk of this member's own part than ``evidence``'s, drawn by this member's own
-        randomness, with its inputs: where a sender's fit is poor in the drawn chunk, its fit there must be
-        poor too before its window (or step) is replayed. An honest fit falls below the others' now and
-        then in a chunk (about one fit in twenty, 3 peers of the demo model in diloco); twice, in two
-        chunks, seldom. A stale input fits poorly in most chunks. None if the part has no other chunk."""
-        count = runner.chunk_count(runner.index)
-        others = [c for c in range(count) if c != evidence.chunk]
-        if not others:
-            return None
-        return own_part_evidence(runner, others[int.from_bytes(os.urandom(8), "big") % len(others)])
-
     def _fit_candidates(self, runner, evidence: BadAggregateEvidence | None) -> list[SignedInput]:
         """The inputs of ``evidence`` (this member's own chunk) whose fit the chunk's draw has this member
         score (``fit_draw``), other than its own and those whose weight is no sample count the loop signs
@@ -353,11 +341,10 @@ class SenderChecks:
     ) -> tuple[BadAggregateEvidence, SignedInput] | None:
         """A sender to replay whose input to the drawn chunk of this member's own part fits the gradient of
         its micro-batch that the chunk's draw picks (recomputed on ``copy``) worse than the other inputs do
-        (``swarm.averaging.scores.fits_poorly``), and to a second chunk too (``_second_chunk``): among
-        ``_fit_candidates``, except a sender cleared of late in rounds whose draw spares it
-        (``still_replayed``); with the drawn chunk as evidence; None if none. Each fit costs a micro-batch's
-        gradient for the chunk's parameters, on a worker thread, and a member spends ``FIT_SHARE`` of its
-        own micro-batches on first fits, in expectation, by its own randomness."""
+        (``swarm.averaging.scores.fits_poorly``): among ``_fit_candidates``, except a sender cleared of late
+        in rounds whose draw spares it (``still_replayed``); with the chunk as evidence; None if none.
+        Each sender scored costs a micro-batch's gradient, on a worker thread, and a member spends
+        ``FIT_SHARE`` of its own micro-batches on them, in expectation, by its own randomness."""
         evidence = self._own_chunk(runner, seed)
         candidates = [
             item for item in self._fit_candidates(runner, evidence)
@@ -370,37 +357,6 @@ class SenderChecks:
         items = [x for x in candidates if int.from_bytes(os.urandom(8), "big") < afford * 2**64]
         if not items:
             return None
-        second = self._second_chunk(runner, evidence)
-
-        def poor(chunk: BadAggregateEvidence, item: SignedInput, decoded: Sequence[torch.Tensor]) -> bool:
-            lie = self._lie(chunk, item, copy, reveals, scored=chunk)
-            started = time.monotonic()
-            try:
-                self.fits += 1
-                if copy.model is None:
-                    copy.model, _ = state_model(self.run, copy.tensors, self.device)
-                return lie.fit_is_poor(
-                    self.run, copy.tensors, decoded, runner.codec, runner.numel, device=self.device,
-                    model=copy.model,
-                )  # fmt: skip
-            except SwarmError as e:
-                logger.info(f"could not score the fit of {lie.accused}: {e}"[:300])
-                return False
-            finally:
-                self.fit_s += time.monotonic() - started
-
-        def confirmed(item: SignedInput) -> bool:
-            """Whether the sender's input to ``second`` fits poorly too (True without one to score)."""
-            twin = None if second is None else next(
-                (x for x in second.inputs if x.sender_index == item.sender_index), None
-            )  # fmt: skip
-            if twin is None:
-                return True
-            try:
-                decoded = second.checked_inputs(runner.codec, runner.numel)
-            except SwarmError:
-                return True
-            return poor(second, twin, decoded)
 
         def score() -> SignedInput | None:  # decoding and gradients: off the event loop
             try:
@@ -408,8 +364,21 @@ class SenderChecks:
             except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
                 return None
             for item in items:
-                if poor(evidence, item, decoded) and confirmed(item):
-                    return item
+                lie = self._lie(evidence, item, copy, reveals, scored=evidence)
+                started = time.monotonic()
+                try:
+                    self.fits += 1
+                    if copy.model is None:
+                        copy.model, _ = state_model(self.run, copy.tensors, self.device)
+                    if lie.fit_is_poor(
+                        self.run, copy.tensors, decoded, runner.codec, runner.numel, device=self.device,
+                        model=copy.model,
+                    ):  # fmt: skip
+                        return item
+                except SwarmError as e:
+                    logger.info(f"could not score the fit of {lie.accused}: {e}"[:300])
+                finally:
+                    self.fit_s += time.monotonic() - started
             return None
 
         odd = await asyncio.to_thread(score)
