@@ -160,7 +160,7 @@ def check_refusals(answers: list[Answer]) -> None:
         )
     silent = [(a.rpc, a.code, a.details) for a in answers if a.probe == "a stream that sends nothing"]
     assert len(silent) == 1 and silent[0][:2] == ("Accuse", "INVALID_ARGUMENT"), silent
-    assert "did not arrive within 1s" in silent[0][2], (
+    assert "did not arrive within" in silent[0][2], (
         "the coordinator, not the harness, ended the silent stream"
     )
 
@@ -169,8 +169,10 @@ def test_hostile_calls_at_a_real_coordinator_are_each_refused_by_name_in_time_an
     tmp_path: Path,
 ):
     run_id = "hostile.run"
-    # The coordinator cuts a silent accusation off itself, well before the harness gives up on it.
-    limits = ServiceLimits(evidence_read_timeout_s=1.0)
+    # The coordinator cuts a silent accusation off itself, before the harness gives up on it (``stall_s``
+    # 4 s); 3 s leaves a loaded machine time to read the 64-part streams in full (a read cut off by the
+    # deadline empties the accuser's bucket, and its next accusation was answered "too many").
+    limits = ServiceLimits(evidence_read_timeout_s=3.0)
 
     async def scenario() -> None:
         async with serving_coordinator(tmp_path, run_id, limits, dial_back=True) as (address, store, service):
