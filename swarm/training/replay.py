@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import time
 from collections.abc import Mapping
@@ -92,19 +93,15 @@ def _freeze_outside(model: torch.nn.Module, span: tuple[int, int] | None) -> tup
     if span is None:
         return [], 0
     lo, hi = span
-    frozen, offset, first = [], 0, None
-    for p in [p for p in model.parameters() if p.requires_grad]:
-        start, offset = offset, offset + p.numel()
-        if start < hi and offset > lo:
-            first = start if first is None else first
-        else:
-            frozen.append(p)
-            p.requires_grad_(False)
-    if first is None:
-        for p in frozen:
-            p.requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ends = list(itertools.accumulate(p.numel() for p in params))
+    kept = [i for i, end in enumerate(ends) if end - params[i].numel() < hi and end > lo]
+    if not kept:
         raise ValueError(f"no parameter holds the values {lo}..{hi} of the flat gradient")
-    return frozen, first
+    frozen = params[: kept[0]] + params[kept[-1] + 1 :]  # the kept ones are contiguous
+    for p in frozen:
+        p.requires_grad_(False)
+    return frozen, ends[kept[0]] - params[kept[0]].numel()
 
 
 def replay_window(
