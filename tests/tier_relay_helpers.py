@@ -40,13 +40,15 @@ class Node:
 
 
 async def peers(n: int) -> list[Node]:
-    """``n`` connected peers on 127.0.0.1."""
-    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    maddrs = await first.get_visible_maddrs()
-    rest = [
-        await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(n - 1)
-    ]
-    return [Node(p) for p in (first, *rest)]
+    """``n`` peers on 127.0.0.1, each connected to every other: a peer that knew only the first one's address
+    could fail to reach another at once on a loaded machine (no route found yet), which reads as a refusal."""
+    made: list[P2P] = []
+    maddrs: list = []
+    for _ in range(n):
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(maddrs))
+        maddrs.extend(await p2p.get_visible_maddrs())
+        made.append(p2p)
+    return [Node(p) for p in made]
 
 
 async def serving(n: int) -> tuple[list[Node], list[str]]:
