@@ -3,7 +3,11 @@
 Every cell is one real `swarm-sim` run (a coordinator and N peer processes on loopback, the tiny model) with
 one attacker, at the run's default validation and sender-check rates (``TrainingConfig``'s
 ``verify_probability`` and ``sender_check_probability``; ``--verify-probability`` and
-``--sender-check-probability`` set others, ``--sim-rates`` the sim's higher defaults). Prints a markdown table with, per mode
+``--sender-check-probability`` set others, ``--sim-rates`` the sim's higher defaults), and at the run's
+default batch sizes (``target_batch_size`` 256 in micro-batches of 8, so a peer of 4 computes about 8
+micro-batches a step, as a volunteer of such a group would; ``--sim-batches``: the sim's 32 in
+micro-batches of 4, 2 a peer and step, which leaves a member the budget for a fit in a fifth of the
+rounds). Prints a markdown table with, per mode
 and attack: whether the attacker was banned, the step its ban names (the round of the lie that was proven),
 the samples it put into rounds, the honest peers' replays (drawn and for standing out, with how many caught
 it), the fits to one of a sender's own micro-batches the honest reducers scored and the share of their
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sim-rates", action="store_true", help="the sim's default rates instead of the run's"
     )
+    parser.add_argument(
+        "--sim-batches", action="store_true",
+        help="the sim's target and micro-batch sizes instead of the run's (fits are budgeted by micro-batches)",
+    )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                     *(["--no-replay-outliers"] if setting == "off" else []),
                     *([] if args.sim_rates else ["--verify-probability", str(args.verify_probability),
                                                  "--sender-check-probability", str(args.sender_check_probability)]),
+                    *([] if args.sim_batches else ["--target-batch-size", str(RUN_DEFAULTS.target_batch_size),
+                                                   "--micro-batch-size", str(RUN_DEFAULTS.micro_batch_size)]),
                 ]  # fmt: skip
                 row = {"mode": mode, "attack": attack, "replay_outliers": setting}
                 row.update(summary(run_sim(flags, args.timeout_s + 120)))
