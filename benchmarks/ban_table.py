@@ -7,10 +7,10 @@ one attacker, at the run's default validation and sender-check rates (``Training
 default batch sizes (``target_batch_size`` 256 in micro-batches of 8, so a peer of 4 computes about 8
 micro-batches a step, as a volunteer of such a group would; ``--sim-batches``: the sim's 32 in
 micro-batches of 4, 2 a peer and step, which leaves a member the budget for a fit in a fifth of the
-rounds). Prints a markdown table with, per mode
-and attack: whether the attacker was banned, the step its ban names (the round of the lie that was proven),
-the samples it put into rounds, the honest peers' replays (drawn and for standing out, with how many caught
-it), the fits to one of a sender's own micro-batches the honest reducers scored and the share of their
+rounds). Prints a markdown table with, per mode and attack: whether the attacker was banned, the step its
+ban names (the round of the lie that was proven), the samples of the rounds the attacker itself applied
+(its own count: 0 when it was in rounds whose outcome it never applied, as when it was banned at its
+first), the honest peers' replays (drawn and for standing out, with how many caught it), the fits to one of a sender's own micro-batches the honest reducers scored and the share of their
 training time those took, the final validation loss and whether the honest peers ended identical. The attack `none` is a clean
 run: its replays for standing out are what flags cost honest peers. Pass `--replay-outliers off` to
 measure the draw alone (the run's `training.replay_outliers = false`).
@@ -74,6 +74,9 @@ def summary(report: dict) -> dict:
         "fits_scored": sum(p.get("senders_fit_scored", 0.0) for p in honest),
         "fit_share": sum(p.get("sender_fit_s", 0.0) for p in honest)
         / max(1e-9, sum(p.get("compute_s", 0.0) for p in honest)),
+        # Replays recompute a sender's whole step (or window): their time over the honest peers' training time.
+        "replay_share": sum(p.get("sender_replay_s", 0.0) for p in honest)
+        / max(1e-9, sum(p.get("compute_s", 0.0) for p in honest)),
         "honest_banned": sum(1 for p in honest if p.get("banned")),
         "final_val_loss": report.get("final_val_loss"),
         "honest_identical": len({p.get("param_hash") for p in honest}) == 1,
@@ -89,7 +92,8 @@ def line(mode: str, attack: str, row: dict) -> str:
     loss = "n/a" if row["final_val_loss"] is None else f"{row['final_val_loss']:.4f}"
     return (
         f"| {mode} | `{attack}` | {row['replay_outliers']} | {'yes' if row['banned'] else 'no'} | {step} | {row['attacker_samples']:.0f} | "
-        f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['replays_per_peer_step']:.2f} | {row['caught']:.0f} | {row['honest_banned']} | "
+        f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['replays_per_peer_step']:.2f} "
+        f"({100 * row['replay_share']:.1f}%) | {row['caught']:.0f} | {row['honest_banned']} | "
         f"{row['fits_scored']:.0f} ({100 * row['fit_share']:.1f}%) | {loss} | {'yes' if row['honest_identical'] else 'NO'} |"
     )
 
@@ -125,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     settings = ("on", "off") if args.replay_outliers == "both" else (args.replay_outliers,)
     print(
-        "| mode | attack | outlier replays | banned | step of the lie | attacker's samples in rounds | honest "
-        "replays (of them for standing out) | replays per honest peer and step | caught | honest banned | "
+        "| mode | attack | outlier replays | banned | step of the lie | samples of rounds the attacker applied | honest "
+        "replays (of them for standing out) | replays per honest peer and step (their share of honest compute) | caught | honest banned | "
         "fits scored (their share of honest compute) | final validation loss | honest identical |"
     )
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")

@@ -235,7 +235,7 @@ def test_ban_table_reads_the_step_of_the_proven_lie_and_the_honest_replays_and_r
         sys.path.remove(str(ROOT / "benchmarks"))
     honest = {"byzantine": False, "banned": False, "param_hash": "h", "senders_checked": 3.0,
               "senders_outliers": 1.0, "senders_caught": 1.0, "senders_fit_scored": 2.0, "sender_fit_s": 0.5,
-              "compute_s": 10.0}  # fmt: skip
+              "sender_replay_s": 1.5, "compute_s": 10.0}  # fmt: skip
     attacker = {"byzantine": True, "banned": True, "contributed_samples": 40.0,
                 "ban_reason": "sent a contribution 2 away ... (40 samples at step 3, part 1 chunk 0)"}  # fmt: skip
     report = {"peers": [attacker, honest, honest, honest], "steps": 8, "final_val_loss": 3.1}
@@ -247,7 +247,7 @@ def test_ban_table_reads_the_step_of_the_proven_lie_and_the_honest_replays_and_r
         True,
     )
     assert ban_table.line("diloco", "sign_flip", row) == (
-        "| diloco | `sign_flip` | on | yes | 3 | 40 | 9 (3) | 0.38 | 3 | 0 | 6 (5.0%) | 3.1000 | yes |"
+        "| diloco | `sign_flip` | on | yes | 3 | 40 | 9 (3) | 0.38 (15.0%) | 3 | 0 | 6 (5.0%) | 3.1000 | yes |"
     )
     result = subprocess.run(
         [sys.executable, "benchmarks/ban_table.py", "--peers", "3"],
