@@ -55,13 +55,17 @@ DEFAULTS = TrainingConfig()
 HIGHER = 0.25  # the sim's sender_check_probability (and the run's default before 0.1)
 
 
-@pytest.fixture(scope="module")
-def world():
-    _, now, _ = trained(RUN, [DEPTH])[DEPTH]
+def _world(now: dict):
     w = make_world(RUN, now)
     # The gradient of each of the liar's two micro-batches: every reference its fit can be scored against.
     w.micro = [micro_gradient(RUN, w.tensors, w.members[LIAR], STEP, m, device="cpu") for m in range(2)]
     return w
+
+
+@pytest.fixture(scope="module")
+def world():
+    _, now, _ = trained(RUN, [DEPTH])[DEPTH]
+    return _world(now)
 
 
 def _draw_reaches(verify: float, check: float, *, members: int = 4, colluders: tuple[int, ...] = (LIAR,),
@@ -218,3 +222,23 @@ def test_colluders_who_recompute_every_honest_input_cut_descent_within_every_mar
     ipm = make_attack("omniscient_ipm", group_size=4, attackers=1)
     flagged_ipm = _sending(w, ipm.contribution(w.honest[LIAR], STEP, peers=torch.stack(w.honest)))
     assert sum(_part_view(w, flagged_ipm, p)[0] for p in range(MEMBERS)) >= 3  # the control: it stands out
+
+
+@pytest.fixture(scope="module")
+def shallow_worlds():
+    """The round after 1 and after 2 honest training steps (at 4, one part's fit catches the next lie)."""
+    return [_world(now) for _, (_, now, _) in sorted(trained(RUN, [1, 2]).items())]
+
+
+def test_a_liar_that_scales_its_own_gradient_down_stands_out_nowhere_and_only_the_draw_convicts_it(
+    shallow_worlds, monkeypatch
+):
+    """0.6 times its own honest gradient, no other peer's batch read: its cosine with every chunk's median is
+    an honest sender's, its norm is below the others' (no lower bound is scored: honest norms vary), and
+    what it adds to the others' median still holds its own batches, so no fit is poor. A replay finds it
+    0.4 away (relative L2), 40 times the tolerance. It pulls the aggregate less, never the wrong way, and
+    is credited samples whose weight it did not put in: the draw's 40 rounds at the run defaults."""
+    for w in shallow_worlds:
+        sent = _sending(w, 0.6 * w.honest[LIAR])
+        verdicts = _only_the_draw_reaches(w, sent, monkeypatch)
+        assert all(v is not None and "beyond the tolerance" in v for v in verdicts), verdicts

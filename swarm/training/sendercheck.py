@@ -73,7 +73,7 @@ import math
 import os
 import struct
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -117,6 +117,8 @@ logger = logging.getLogger(__name__)
 KEEP_S = KEEP_INPUTS_S
 #: States a validator holds at once for the coordinator (each one copy of the model and optimizer).
 MAX_KEPT = 2
+#: Accusations a validator holds: the one being filed and the ones waiting their turn.
+MAX_FILINGS = 3
 #: Rounds whose state awaits its check (a new round's copy pushes out the oldest).
 MAX_PENDING = 2
 #: Checked chunks a validator scores in a round, looking for a sender that stands out (``_outlier``).
@@ -157,6 +159,14 @@ def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: _C
         lie.check_fits_poorly(run, copy.tensors, runner.codec, runner.numel, device=device)
 
 
+@dataclass(frozen=True)
+class _Filing:
+    accused: str
+    lie: WrongContributionEvidence
+    verdict: str
+    copy: _Copy
+
+
 @dataclass
 class _Copy:
     step: int
@@ -191,7 +201,10 @@ class SenderChecks:
         self._replay_turn = asyncio.Lock()
         self.replays_due = 0
         self.skipped = 0
-        # The accusation being filed, in a task of its own: one at a time, as the coordinator takes them.
+        # Accusations to file, in the order their lies were found: the first is being filed (by ``_filing``,
+        # a task of its own, one at a time as the coordinator takes them), the others wait their turn
+        # (``MAX_FILINGS`` in all, on at most ``MAX_KEPT`` states, each held until its accusation ends).
+        self._filings: deque[_Filing] = deque()
         self._filing: asyncio.Task | None = None
         self._closed = False
 
@@ -280,12 +293,20 @@ class SenderChecks:
     def _refused(self, runner, seed: bytes, *, shared: bool = True) -> tuple[int, SignedInput] | None:
         """(chunk, input) of a sender whose validly signed input to this member's own part did not decode
         (``PartReducer.undecodable``), for this member to replay: as a reducer the round's draw ``seed``
-        names for that sender (``replays_own_part``), or any without every reveal (``shared`` False); None
-        if none."""
+        names for that sender (``replays_own_part``), or without every reveal (``shared`` False) by this
+        member's own randomness as often as the draw would name it, so that about ``OWN_PART_REPLAYERS``
+        reducers replay it either way (a decoy that withholds its reveal once made every reducer replay
+        the whole batch it claims); None if none."""
         if not runner.reduces(runner.index):
             return None
         for sender, found in sorted(runner.reducer.undecodable.items()):
-            if not shared or runner.index in replays_own_part(seed, runner, sender):
+            if shared:
+                if runner.index in replays_own_part(seed, runner, sender):
+                    return found
+                continue
+            reducers = sum(1 for i in range(len(runner.members)) if i != sender and runner.reduces(i))
+            share = min(1.0, OWN_PART_REPLAYERS / max(1, reducers))
+            if int.from_bytes(os.urandom(8), "big") < share * 2**64:
                 return found
         return None
 
@@ -489,29 +510,42 @@ class SenderChecks:
             return
         if self._closed:  # the peer left: a replay that ended since files nothing and keeps nothing
             return
-        if self._filing is not None and not self._filing.done():
-            # The coordinator takes one accusation of a peer at a time, and each waits with its state:
-            # one lie a round, filed as it came, once held a state copy a round for as long as they waited.
-            logger.info(
-                f"{accused} is avoided, not accused: this validator's last accusation is still judged"
-            )
+        waiting = self._filings
+        states = {f.copy.state_hash for f in waiting} | {copy.state_hash}
+        if (
+            len(waiting) >= MAX_FILINGS
+            or len(states) > MAX_KEPT
+            or any(f.accused == accused for f in waiting)
+        ):
+            # The coordinator takes one accusation of a peer at a time, and each waits with its state: one
+            # lie a round, filed as it came, once held a state copy a round for as long as they waited. A
+            # second lie waits its turn (a decoy's accusation must not spare the liar found beside it).
+            logger.info(f"{accused} is avoided, not accused: this validator's accusations are still judged")
             return
-        # Served while the accusation is in flight, however long the coordinator's recomputes queue (it
-        # downloads the state when this one's turn comes), and ``KEEP_S`` after; at most ``MAX_KEPT``.
+        # Served while the accusation waits and is in flight, however long the coordinator's recomputes
+        # queue (it downloads the state when this one's turn comes), and ``KEEP_S`` after.
         copy.kept_until = math.inf
         self._hold(copy)
-        self._filing = asyncio.create_task(self._file(accused, lie, verdict, copy))
+        waiting.append(_Filing(accused, lie, verdict, copy))
+        if self._filing is None or self._filing.done():
+            self._filing = asyncio.create_task(self._file_in_turn())
 
-    async def _file(self, accused: str, lie: WrongContributionEvidence, verdict: str, copy: _Copy) -> None:
-        try:
-            await self.accuse(accused, lie, verdict)
-        except Exception as e:
-            logger.warning(f"could not file the accusation against {accused}: {e!r}")
-        finally:
-            copy.kept_until = time.monotonic() + KEEP_S
+    async def _file_in_turn(self) -> None:
+        """File the waiting accusations one after the other; each state is kept ``KEEP_S`` after the last
+        accusation that needs it is answered or given up."""
+        while self._filings and not self._closed:
+            filing = self._filings[0]
+            try:
+                await self.accuse(filing.accused, filing.lie, filing.verdict)
+            except Exception as e:
+                logger.warning(f"could not file the accusation against {filing.accused}: {e!r}")
+            finally:
+                self._filings.popleft()
+                if all(f.copy is not filing.copy for f in self._filings):
+                    filing.copy.kept_until = time.monotonic() + KEEP_S
 
     async def filed(self) -> None:
-        """Wait until the accusation being filed, if any, is answered or given up."""
+        """Wait until the accusations being filed, if any, are answered or given up."""
         if self._filing is not None:
             await asyncio.gather(self._filing, return_exceptions=True)
 
@@ -527,8 +561,11 @@ class SenderChecks:
             del self.kept[state_hash]
         self.kept[copy.state_hash] = copy
         self.kept.move_to_end(copy.state_hash)
-        while len(self.kept) > MAX_KEPT:
-            self.kept.popitem(last=False)
+        # The oldest state no accusation waits on goes first (the filings hold at most ``MAX_KEPT``).
+        for state_hash in [h for h, c in self.kept.items() if c.kept_until != math.inf]:
+            if len(self.kept) <= MAX_KEPT:
+                break
+            del self.kept[state_hash]
 
     def find(self, state_hash: str) -> EncodedState | None:
         """A state a lie was found on (for the coordinator to judge it), encoded; None if none is kept."""

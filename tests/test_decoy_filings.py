@@ -1,0 +1,153 @@
+"""Undecodable decoys beside a liar, in process: the real model, dataset, fp16 codec, signatures,
+``SenderChecks`` and the coordinator's ``judge_contribution``, in the world of ``tests/ownpart.py`` (a group of
+four, each member the reducer of its own part's one chunk, validators that practically never draw, so only
+the reducers' own-part checks act).
+
+A colluder's validly signed chunk that does not decode is refused by its reducer, which then never reads the
+colluder's nonce and holds no shared draw. Two things followed from that: a validator filed one accusation at
+a time, so the decoy's accusation (found first) kept the liar caught next in the same round from being filed
+anywhere while the coordinator judged the decoy; and every reducer that refused the decoy replayed the whole
+batch it claimed, so one identity that computed nothing cost each honest member of a group of four four of
+its own steps, and in a group of 64 sixty-three replays. Now a caught liar waits its turn to be filed
+(``SenderChecks._filings``), and a refused input is replayed by about ``OWN_PART_REPLAYERS`` reducers, by
+each one's own randomness, as the shared draw would have named them (``SenderChecks._refused``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ownpart import (
+    LIAR,
+    MEMBERS,
+    STEP,
+    WEIGHT,
+    chunk_of,
+    judge,
+    make_world,
+    one_round,
+    reducer_holding,
+    sender_checks,
+    signed_input,
+)
+
+from lab.localswarm import tiny_run
+from swarm.averaging.evidence import SignedInput, contribution_message
+from swarm.training import sendercheck
+from swarm.training.picks import OWN_PART_REPLAYERS
+from swarm.training.sendercheck import SenderChecks
+
+pytestmark = pytest.mark.timeout(300)
+
+RUN = tiny_run("decoy-filings", verify_probability=1e-9, sender_check_probability=1e-9)
+DECOY = 3
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_world(RUN)
+
+
+def _nan_input(w, part: int, weight: float) -> SignedInput:
+    """The decoy's validly signed chunk of ``part``: NaNs, which no codec decodes, for ``weight`` samples."""
+    lo, hi = chunk_of(w, part)
+    data = w.codec.encode_contribution(torch.full((hi - lo,), float("nan")))
+    message = contribution_message(w.digest, part, 0, w.members[DECOY], weight, data)
+    return SignedInput(DECOY, data, w.keys[DECOY].sign(message), weight)
+
+
+def _refusing_reducer(w, part: int, liar_sends: torch.Tensor | None):
+    """Reducer ``part`` after a round in which the decoy's input did not decode (it refused it, so it never
+    read the decoy's nonce and holds no shared draw) and the liar sent ``liar_sends`` (None: honest)."""
+    lo, hi = chunk_of(w, part)
+    values = {
+        i: (liar_sends if i == LIAR and liar_sends is not None else w.honest[i])[lo:hi]
+        for i in range(MEMBERS) if i != DECOY
+    }  # fmt: skip
+    inputs = [signed_input(w, i, part, w.codec.encode_contribution(v)) for i, v in values.items()]
+    decoded = [w.codec.decode_contribution(x.data, hi - lo, sender="x") for x in inputs]
+    runner = reducer_holding(w, part, inputs, decoded, heard=set(range(MEMBERS)) - {DECOY})
+    runner.reducer.undecodable = {DECOY: (0, _nan_input(w, part, WEIGHT))}
+    return runner
+
+
+def _check_with_a_slow_coordinator(w, runner) -> tuple[list[str], list[str], int]:
+    """One round's sender checks at ``runner`` whose accusations the coordinator answers only after the
+    round's checks are over (it downloads the state and replays first): (filed, suspected, lies caught)."""
+    filed, suspected = [], []
+
+    async def scenario() -> int:
+        answered = asyncio.Event()
+
+        async def accuse(peer, lie, verdict):
+            filed.append(peer)
+            await answered.wait()
+
+        checks = SenderChecks(
+            w.run, device="cpu", state=lambda: (STEP, w.hash, w.tensors), accuse=accuse,
+            suspect=lambda peer, reason: suspected.append(peer),
+        )  # fmt: skip
+        await checks.keep(runner, w.entries)
+        await checks.check(runner, [])
+        caught = checks.caught
+        assert filed == [w.members[DECOY]]  # the first accusation is in flight, the liar's waits its turn
+        answered.set()
+        await checks.filed()
+        assert not checks._filings and all(c.kept_until != float("inf") for c in checks.kept.values())
+        return caught
+
+    return filed, suspected, asyncio.run(scenario())
+
+
+def test_a_liar_caught_beside_an_undecodable_decoy_is_filed_after_it_however_long_the_decoy_is_judged(
+    world, monkeypatch
+):
+    """The liar sends its reversed gradient (it stands out in every chunk); a colluder sends every reducer a
+    validly signed NaN chunk. An honest reducer that replays both (its own randomness picks the refused
+    input here) files the decoy first and the liar once the coordinator has answered the decoy: before,
+    the liar was only avoided while the decoy was judged, and never filed anywhere."""
+    w = world
+    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: bytes(n))  # the refused input is replayed
+    for part in (0, 2):  # the honest reducers (the liar reduces part 1, the decoy part 3)
+        filed, suspected, caught = _check_with_a_slow_coordinator(
+            w, _refusing_reducer(w, part, -w.honest[LIAR])
+        )
+        assert caught == 2, caught
+        assert set(suspected) == {w.members[DECOY], w.members[LIAR]}, suspected
+        assert filed == [w.members[DECOY], w.members[LIAR]], filed
+
+
+def test_the_coordinator_bans_the_decoy_on_a_reducers_evidence_without_a_draw(world, monkeypatch):
+    """The decoy's evidence holds without a draw and the coordinator bans it: each round a decoy is used
+    costs its sender its identity."""
+    w = world
+    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: bytes(n))
+    accused = []
+    one_round(w, sender_checks(w, accused), _refusing_reducer(w, 0, -w.honest[LIAR]))
+    lie = next(lie for peer, lie, _ in accused if peer == w.members[DECOY])
+    found, guilty = judge(w, lie, w.members[0])
+    assert guilty == w.members[DECOY], found
+
+
+@pytest.mark.parametrize("members", [4, 64])
+def test_a_refused_input_is_replayed_by_about_as_many_reducers_as_the_draw_names_whatever_the_group(members):
+    """Without the shared draw each reducer that refused a decoy's input replays it with the share the
+    draw would have named it with (``OWN_PART_REPLAYERS`` of the reducers other than the decoy): about 2
+    replays of the batch the decoy claims, in a group of 4 or of 64, where before every reducer replayed it
+    (3, or 63: a whole batch each, for one identity that computed nothing)."""
+    item = object()
+    runs = 400
+    for index in (0, members - 1):
+        runner = SimpleNamespace(
+            index=index, members=[f"m{i}" for i in range(members)], reduces=lambda i: True,
+            reducer=SimpleNamespace(undecodable={1: (0, item)}),
+        )  # fmt: skip
+        checks = SenderChecks(RUN, device="cpu", state=lambda: (0, "", {}))
+        picked = sum(checks._refused(runner, b"", shared=False) == (0, item) for _ in range(runs))
+        share = min(1.0, OWN_PART_REPLAYERS / (members - 1))
+        assert abs(picked / runs - share) < 0.1, (members, picked)
+    # the expected replays of one refused input in the whole group
+    assert round((members - 1) * min(1.0, OWN_PART_REPLAYERS / (members - 1))) == OWN_PART_REPLAYERS
