@@ -59,18 +59,20 @@ def _nan_input(w, part: int, weight: float) -> SignedInput:
     return SignedInput(DECOY, data, w.keys[DECOY].sign(message), weight)
 
 
-def _refusing_reducer(w, part: int, liar_sends: torch.Tensor | None):
+def _refusing_reducer(w, part: int, liar_sends: torch.Tensor | None, *, reversed_: int | None = None):
     """Reducer ``part`` after a round in which the decoy's input did not decode (it refused it, so it never
-    read the decoy's nonce and holds no shared draw) and the liar sent ``liar_sends`` (None: honest)."""
+    read the decoy's nonce and holds no shared draw) and the liar sent ``liar_sends`` (None: honest); with
+    ``reversed_`` that member sent its gradient reversed and the decoy sent nothing."""
     lo, hi = chunk_of(w, part)
-    values = {
-        i: (liar_sends if i == LIAR and liar_sends is not None else w.honest[i])[lo:hi]
-        for i in range(MEMBERS) if i != DECOY
-    }  # fmt: skip
-    inputs = [signed_input(w, i, part, w.codec.encode_contribution(v)) for i, v in values.items()]
+    sent = {i: w.honest[i] for i in range(MEMBERS) if i != DECOY}
+    if liar_sends is not None:
+        sent[LIAR] = liar_sends
+    if reversed_ is not None:
+        sent[reversed_] = -w.honest[reversed_]
+    inputs = [signed_input(w, i, part, w.codec.encode_contribution(v[lo:hi])) for i, v in sent.items()]
     decoded = [w.codec.decode_contribution(x.data, hi - lo, sender="x") for x in inputs]
     runner = reducer_holding(w, part, inputs, decoded, heard=set(range(MEMBERS)) - {DECOY})
-    runner.reducer.undecodable = {DECOY: (0, _nan_input(w, part, WEIGHT))}
+    runner.reducer.undecodable = {} if reversed_ is not None else {DECOY: (0, _nan_input(w, part, WEIGHT))}
     return runner
 
 
@@ -151,3 +153,65 @@ def test_a_refused_input_is_replayed_by_about_as_many_reducers_as_the_draw_names
         assert abs(picked / runs - share) < 0.1, (members, picked)
     # the expected replays of one refused input in the whole group
     assert round((members - 1) * min(1.0, OWN_PART_REPLAYERS / (members - 1))) == OWN_PART_REPLAYERS
+
+
+def test_a_peer_that_leaves_while_accusations_wait_their_turn_keeps_no_state_and_files_nothing_more(
+    world, monkeypatch
+):
+    """The decoy's accusation is in flight and the liar's waits when the peer leaves (``close``): nothing more
+    is filed and no state stays held or served for the waiting one (before, its copy stayed kept without
+    end, ``find`` serving it after the peer left)."""
+    w = world
+    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: bytes(n))
+    filed = []
+
+    async def scenario():
+        never = asyncio.Event()
+
+        async def accuse(peer, lie, verdict):  # the coordinator still judges
+            filed.append(peer)
+            await never.wait()
+
+        checks = SenderChecks(w.run, device="cpu", state=lambda: (STEP, w.hash, w.tensors), accuse=accuse)
+        runner = _refusing_reducer(w, 0, -w.honest[LIAR])
+        await checks.keep(runner, w.entries)
+        await checks.check(runner, [])
+        assert [f.accused for f in checks._filings] == [w.members[DECOY], w.members[LIAR]]
+        checks.close()
+        await checks.filed()
+        return checks
+
+    checks = asyncio.run(scenario())
+    assert filed == [w.members[DECOY]] and not checks._filings
+    assert checks.find(w.hash) is None and not checks.kept
+
+
+def test_accusations_on_one_state_share_one_copy_of_it(world, monkeypatch):
+    """A round that completes and is not applied is retried at the same step and state, and each try copies
+    the state; a lie filed in each of three tries held three copies of model and optimizer where the bound
+    is two states. Accusations on one state now share the first one's copy."""
+    w = world
+    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: bytes(n))
+
+    def fresh_copy():  # as the trainer's: each read copies the state
+        return STEP, w.hash, {k: v.clone() for k, v in w.tensors.items()}
+
+    async def scenario():
+        never = asyncio.Event()
+
+        async def accuse(peer, lie, verdict):
+            await never.wait()
+
+        checks = SenderChecks(w.run, device="cpu", state=fresh_copy, accuse=accuse)
+        # try 1: the decoy and the liar; try 2, at the same state: member 2 sends its gradient reversed
+        for runner in (_refusing_reducer(w, 0, -w.honest[LIAR]), _refusing_reducer(w, 0, None, reversed_=2)):
+            await checks.keep(runner, w.entries)
+            await checks.check(runner, [])
+        held = {id(f.copy.tensors) for f in checks._filings} | {id(c.tensors) for c in checks.kept.values()}
+        accused = [f.accused for f in checks._filings]
+        checks.close()
+        return held, accused
+
+    held, accused = asyncio.run(scenario())
+    assert accused == [w.members[DECOY], w.members[LIAR], w.members[2]], accused
+    assert len(held) == 1, len(held)

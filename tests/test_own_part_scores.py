@@ -30,6 +30,7 @@ from ownpart import (
 )
 
 from lab.localswarm import tiny_run
+from swarm.training import sendercheck
 from swarm.training.sendercheck import CLEARED_ROUNDS, replays_own_part, still_replayed
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,13 +44,16 @@ def world():
 
 
 def test_two_reducers_a_round_replay_a_liar_that_stands_out_in_their_own_parts_and_the_coordinator_bans_it(
-    world,
+    world, monkeypatch
 ):
     """Before, only a member drawn to validate a part scored its inputs (``verify_probability``, 0.25 by
     default, a part each), so a liar that stands out in every chunk was replayed only in rounds whose draw
     gave some honest member a part holding it. Now every reducer scores its own part's drawn chunk, and
     the round's draw names two reducers (never the liar) to replay it: the liar is filed against at once."""
     w = world
+    # Fits off: a reducer the draw does not name here may still score the liar's fit (by its own randomness,
+    # ``tests/test_fit_scores.py``) and replay it for a poor one.
+    monkeypatch.setattr(sendercheck, "FIT_SHARE", 0.0)
     sent = [-w.honest[i] if i == LIAR else w.honest[i] for i in range(MEMBERS)]
     designated = replays_own_part(w.seed, reducer_after_round(w, 0, sent), LIAR)
     assert len(designated) == 2 and set(designated) <= {0, 2, 3}
@@ -120,14 +124,17 @@ def test_an_honest_sender_made_to_stand_out_is_replayed_once_then_seldom_for_a_w
 
 
 @pytest.mark.parametrize("reveals", ["all", "withheld"])
-def test_a_sender_whose_signed_input_does_not_decode_is_banned_without_a_draw(world, reveals):
+def test_a_sender_whose_signed_input_does_not_decode_is_banned_without_a_draw(world, reveals, monkeypatch):
     """A reducer refuses an input with non-finite values (the ``nan`` attack) and, before, nobody could
     file it: the refused input was in no chunk's evidence, and only a drawn sender's could be filed. The
     reducer now keeps each sender's first validly signed input that does not decode
     (``PartReducer.undecodable``); one the draw names for that sender (any, without every reveal) replays
     the sender and files, with no draw (``WrongContributionEvidence.undecodable``), and the coordinator
-    bans the sender once its own replay shows the input is not what its batch seeds give."""
+    bans the sender once its own replay shows the input is not what its batch seeds give. (Without every
+    reveal a reducer replays it by its own randomness, as often as the draw would name it,
+    ``tests/test_decoy_filings.py``; here that randomness picks it.)"""
     w = world
+    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: bytes(n))
     heard = set(range(MEMBERS)) if reveals == "all" else set(range(MEMBERS)) - {LIAR}
     probe = reducer_after_round(w, 0, w.honest)
     reducer = replays_own_part(w.seed, probe, LIAR)[0] if reveals == "all" else 0

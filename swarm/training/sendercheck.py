@@ -523,7 +523,9 @@ class SenderChecks:
             logger.info(f"{accused} is avoided, not accused: this validator's accusations are still judged")
             return
         # Served while the accusation waits and is in flight, however long the coordinator's recomputes
-        # queue (it downloads the state when this one's turn comes), and ``KEEP_S`` after.
+        # queue (it downloads the state when this one's turn comes), and ``KEEP_S`` after. Accusations on
+        # one state share one copy (rounds retried at a step each copied it).
+        copy = next((f.copy for f in waiting if f.copy.state_hash == copy.state_hash), copy)
         copy.kept_until = math.inf
         self._hold(copy)
         waiting.append(_Filing(accused, lie, verdict, copy))
@@ -540,7 +542,8 @@ class SenderChecks:
             except Exception as e:
                 logger.warning(f"could not file the accusation against {filing.accused}: {e!r}")
             finally:
-                self._filings.popleft()
+                if self._filings and self._filings[0] is filing:  # ``close`` may have cleared them
+                    self._filings.popleft()
                 if all(f.copy is not filing.copy for f in self._filings):
                     filing.copy.kept_until = time.monotonic() + KEEP_S
 
@@ -554,6 +557,9 @@ class SenderChecks:
         self._closed = True
         if self._filing is not None:
             self._filing.cancel()
+        for filing in self._filings:  # nothing waits its turn any more: no state is kept for it
+            self.kept.pop(filing.copy.state_hash, None)
+        self._filings.clear()
 
     def _hold(self, copy: _Copy) -> None:
         now = time.monotonic()
