@@ -10,7 +10,8 @@ micro-batches of 4, 2 a peer and step, which leaves a member the budget for a fi
 rounds). Prints a markdown table with, per mode and attack: whether the attacker was banned, the step its
 ban names (the round of the lie that was proven), the samples of the rounds the attacker itself applied
 (its own count: 0 when it was in rounds whose outcome it never applied, as when it was banned at its
-first), the honest peers' replays (drawn and for standing out, with how many caught it), the fits to one of a sender's own micro-batches the honest reducers scored and the share of their
+first) and the steps at which one group held every peer, the attacker included (from the peers' round
+journals: 0 when the honest peers trained without it), the honest peers' replays (drawn and for standing out, with how many caught it), the fits to one of a sender's own micro-batches the honest reducers scored and the share of their
 training time those took, the final validation loss and whether the honest peers ended identical. The attack `none` is a clean
 run: its replays for standing out are what flags cost honest peers. Pass `--replay-outliers off` to
 measure the draw alone (the run's `training.replay_outliers = false`).
@@ -63,6 +64,9 @@ def summary(report: dict) -> dict:
         "ban_step": int(step.group(1)) if step else None,
         "ban_reason": reason[:200],
         "attacker_samples": sum(p.get("contributed_samples", 0.0) for p in attackers),
+        # Steps whose largest applied group held every peer of the run, the attacker included (the peers'
+        # round journals, ``lab.roundfigures``): 0 in a run the honest peers trained without it.
+        "steps_with_all": sum(1 for r in report.get("per_step", []) if r.get("largest_group") == len(peers)),
         "replays": sum(p.get("senders_checked", 0.0) for p in honest),
         "outlier_replays": sum(p.get("senders_outliers", 0.0) for p in honest),
         "caught": sum(p.get("senders_caught", 0.0) for p in honest),
@@ -87,11 +91,12 @@ def summary(report: dict) -> dict:
 
 def line(mode: str, attack: str, row: dict) -> str:
     if "error" in row:
-        return f"| {mode} | `{attack}` | {row['replay_outliers']} | error: {row['error']!r} ||||||||||"
+        return f"| {mode} | `{attack}` | {row['replay_outliers']} | error: {row['error']!r} |||||||||||"
     step = "n/a" if row["ban_step"] is None else str(row["ban_step"])
     loss = "n/a" if row["final_val_loss"] is None else f"{row['final_val_loss']:.4f}"
     return (
         f"| {mode} | `{attack}` | {row['replay_outliers']} | {'yes' if row['banned'] else 'no'} | {step} | {row['attacker_samples']:.0f} | "
+        f"{row['steps_with_all']} | "
         f"{row['replays']:.0f} ({row['outlier_replays']:.0f}) | {row['replays_per_peer_step']:.2f} "
         f"({100 * row['replay_share']:.1f}%) | {row['caught']:.0f} | {row['honest_banned']} | "
         f"{row['fits_scored']:.0f} ({100 * row['fit_share']:.1f}%) | {loss} | {'yes' if row['honest_identical'] else 'NO'} |"
@@ -129,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     settings = ("on", "off") if args.replay_outliers == "both" else (args.replay_outliers,)
     print(
-        "| mode | attack | outlier replays | banned | step of the lie | samples of rounds the attacker applied | honest "
+        "| mode | attack | outlier replays | banned | step of the lie | samples of rounds the attacker applied | steps with every peer in one group | honest "
         "replays (of them for standing out) | replays per honest peer and step (their share of honest compute) | caught | honest banned | "
         "fits scored (their share of honest compute) | final validation loss | honest identical |"
     )
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
             for attack, setting in itertools.product(args.attacks.split(","), settings):

@@ -238,7 +238,13 @@ def test_ban_table_reads_the_step_of_the_proven_lie_and_the_honest_replays_and_r
               "sender_replay_s": 1.5, "compute_s": 10.0}  # fmt: skip
     attacker = {"byzantine": True, "banned": True, "contributed_samples": 40.0,
                 "ban_reason": "sent a contribution 2 away ... (40 samples at step 3, part 1 chunk 0)"}  # fmt: skip
-    report = {"peers": [attacker, honest, honest, honest], "steps": 8, "final_val_loss": 3.1}
+    per_step = [{"step": s, "largest_group": 4 if s < 2 else 3} for s in range(8)]  # the attacker in 2 steps
+    report = {
+        "peers": [attacker, honest, honest, honest],
+        "steps": 8,
+        "final_val_loss": 3.1,
+        "per_step": per_step,
+    }
     row = {"replay_outliers": "on", **ban_table.summary(report)}
     assert (row["ban_step"], row["replays"], row["outlier_replays"], row["honest_identical"]) == (
         3,
@@ -247,7 +253,7 @@ def test_ban_table_reads_the_step_of_the_proven_lie_and_the_honest_replays_and_r
         True,
     )
     assert ban_table.line("diloco", "sign_flip", row) == (
-        "| diloco | `sign_flip` | on | yes | 3 | 40 | 9 (3) | 0.38 (15.0%) | 3 | 0 | 6 (5.0%) | 3.1000 | yes |"
+        "| diloco | `sign_flip` | on | yes | 3 | 40 | 2 | 9 (3) | 0.38 (15.0%) | 3 | 0 | 6 (5.0%) | 3.1000 | yes |"
     )
     result = subprocess.run(
         [sys.executable, "benchmarks/ban_table.py", "--peers", "3"],
