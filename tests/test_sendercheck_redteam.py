@@ -261,7 +261,8 @@ def test_a_lie_caught_while_the_validators_accusation_waits_is_avoided_and_holds
     holding that round's state copy; the coordinator takes one accusation of a peer at a time, so a liar
     caught every round while the first accusation queued held a state copy a round (a model and its
     optimizer each) for as long as the accusation waited. Now one accusation is filed at a time, in a task
-    of its own; a lie caught meanwhile is avoided, and its copy dropped with its round."""
+    of its own; the same liar's lie caught meanwhile is avoided, and its copy dropped with its round (another
+    liar's waits its turn, on a bounded number of states: ``tests/test_decoy_filings.py``)."""
     run = _run("one-at-a-time")
     tensors, hash_ = _state(run)
     honest = recompute(run, tensors, MEMBERS[1], STEP, 2, device="cpu")
