@@ -38,7 +38,7 @@ from lab.localswarm import tiny_run
 from swarm.averaging.evidence import SignedInput, contribution_message
 from swarm.training import sendercheck
 from swarm.training.picks import OWN_PART_REPLAYERS
-from swarm.training.sendercheck import SenderChecks
+from swarm.training.sendercheck import SenderChecks, replays_own_part
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -215,3 +215,43 @@ def test_accusations_on_one_state_share_one_copy_of_it(world, monkeypatch):
     held, accused = asyncio.run(scenario())
     assert accused == [w.members[DECOY], w.members[LIAR], w.members[2]], accused
     assert len(held) == 1, len(held)
+
+
+def _inputs_with_a_false_claim(w, part: int, sent: dict[int, torch.Tensor]) -> list[SignedInput]:
+    """Every member's signed input to ``part`` of ``sent``, the decoy's signed for a million samples."""
+    lo, hi = chunk_of(w, part)
+    inputs = []
+    for i, v in sent.items():
+        data = w.codec.encode_contribution(v[lo:hi])
+        if i == DECOY:
+            message = contribution_message(w.digest, part, 0, w.members[DECOY], 1e6, data)
+            inputs.append(SignedInput(DECOY, data, w.keys[DECOY].sign(message), 1e6))
+        else:
+            inputs.append(signed_input(w, i, part, data))
+    return inputs
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_decoys_false_weight_claim_takes_no_replay_from_a_liar_that_stands_out(world, shared):
+    """A false weight claim is judged without a replay, and was picked first as the round's one sender to
+    check for standing out: a decoy signing a weight no loop signs, beside a liar that stands out, left the
+    liar unreplayed at the reducers checking both. Now the claim is filed and the round's stand-out replay
+    still goes to the liar: both are filed, with the round's draw (at a reducer it names for both) or
+    without it (the decoy withheld its nonce)."""
+    w = world
+    sent = {i: w.honest[i] for i in range(MEMBERS)}
+    sent[LIAR] = -w.honest[LIAR]
+    heard = set(range(MEMBERS)) if shared else set(range(MEMBERS)) - {DECOY}
+    reducer = 0
+    if shared:  # a reducer the world's fixed draw names to replay both
+        probe = reducer_holding(w, 0, [], [], heard=heard)
+        names = [set(replays_own_part(w.seed, probe, s)) for s in (LIAR, DECOY)]
+        both = sorted((names[0] & names[1]) - {LIAR, DECOY})
+        assert both, names
+        reducer = both[0]
+    lo, hi = chunk_of(w, reducer)
+    inputs = _inputs_with_a_false_claim(w, reducer, sent)
+    runner = reducer_holding(w, reducer, inputs, [v[lo:hi] for v in sent.values()], heard=heard)
+    accused = []
+    one_round(w, sender_checks(w, accused), runner)
+    assert sorted(peer for peer, _, _ in accused) == sorted([w.members[DECOY], w.members[LIAR]]), accused

@@ -276,6 +276,9 @@ class SenderChecks:
                 continue
             scored += 1
             odd = await self._outlier(runner, evidence, seed=own_draw, drawn=sender)
+            if odd is not None and self._false_claim(odd):  # judged without a replay: it takes no slot
+                await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
+                odd = await self._outlier(runner, evidence, seed=own_draw, drawn=sender, claims=False)
             if odd is not None:
                 outlier_replayed = True
                 self.outliers += 1
@@ -283,6 +286,10 @@ class SenderChecks:
                 await self._check_one(runner, lie, copy)
         if not outlier_replayed:  # then one among the inputs this member aggregated as a reducer
             found = await self._own_part(runner, own_draw, shared=seed is not None)
+            if found is not None and self._false_claim(found[1]):  # no replay: a sender that stands out or
+                claim = self._lie(found[0], found[1], copy, reveals, scored=found[0])  # fits poorly still may
+                await self._check_one(runner, claim, copy)
+                found = await self._own_part(runner, own_draw, shared=seed is not None, claims=False)
             if found is None:  # or one whose input does not fit one of its own micro-batches
                 found = await self._poor_fit(runner, own_draw, copy, reveals)
             if found is not None:
@@ -311,7 +318,7 @@ class SenderChecks:
         return None
 
     async def _own_part(
-        self, runner, seed: bytes, *, shared: bool = True
+        self, runner, seed: bytes, *, shared: bool = True, claims: bool = True
     ) -> tuple[BadAggregateEvidence, SignedInput] | None:
         """A sender to replay among the inputs of the drawn chunk of this member's own part, with the chunk
         as evidence; None if none stands out, or the round's draw ``seed`` names other reducers to replay it
@@ -325,7 +332,7 @@ class SenderChecks:
         if evidence is None:
             return None
         odd = await self._outlier(
-            runner, evidence, seed=seed, drawn=None,
+            runner, evidence, seed=seed, drawn=None, claims=claims,
             eligible=lambda sender: not shared or runner.index in replays_own_part(seed, runner, sender),
         )  # fmt: skip
         return None if odd is None else (evidence, odd)
@@ -423,12 +430,13 @@ class SenderChecks:
 
     async def _outlier(
         self, runner, evidence: BadAggregateEvidence, *, seed: bytes, drawn: int | None,
-        eligible: Callable[[int], bool] = lambda sender: True,
+        eligible: Callable[[int], bool] = lambda sender: True, claims: bool = True,
     ) -> SignedInput | None:  # fmt: skip
         """The input of a sender of the chunk that stands out (``flagged_senders``), other than the drawn
         one and this member, picked by the round's draw (``outlier_to_replay``) among those ``eligible``;
         a sender ``cleared`` of late only in the rounds whose draw still replays it (``still_replayed``), and
-        a false weight claim always (it costs no replay); None if none does."""
+        a false weight claim always (it costs no replay; ``claims`` False: none, once one was checked, so
+        that a decoy's claim does not spare a liar that stands out); None if none does."""
 
         def flags() -> tuple[list[int], list[int]]:  # decoding and scoring: off the event loop
             # The run's layout, as the coordinator reads it (``check_stands_out``).
@@ -436,17 +444,27 @@ class SenderChecks:
             return flagged_senders(self.run, evidence.inputs, decoded, validator=runner.index)
 
         try:
-            claims, odd = await asyncio.to_thread(flags)
+            found_claims, odd = await asyncio.to_thread(flags)
         except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
             return None
 
         def fresh(sender: int) -> bool:
             return runner.members[sender] not in self.cleared or still_replayed(seed, sender)
 
-        claims = [i for i in claims if eligible(i)]
-        odd = [i for i in odd if eligible(i) and fresh(i)]
-        odd = outlier_to_replay(claims, odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn)
+        false_claims = [i for i in found_claims if eligible(i)] if claims else []
+        odd = [i for i in odd if eligible(i) and fresh(i) and i not in found_claims]
+        odd = outlier_to_replay(
+            false_claims, odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn
+        )  # fmt: skip
         return None if odd is None else next(i for i in evidence.inputs if i.sender_index == odd)
+
+    def _false_claim(self, item: SignedInput) -> bool:
+        """Whether ``item``'s signed weight is no sample count the loop signs (judged without a replay)."""
+        try:
+            whole_micro_batches(self.run, item.weight)
+        except SwarmError:
+            return True
+        return False
 
     async def _check_one(self, runner, lie: WrongContributionEvidence, copy: _Copy) -> None:
         accused = lie.accused
