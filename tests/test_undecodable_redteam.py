@@ -35,6 +35,7 @@ from swarm.averaging.compression import get_codec
 from swarm.averaging.verification import round_of
 from swarm.config import sender_tolerance
 from swarm.models import build_model
+from swarm.training import sendercheck
 from swarm.training.contribution import WrongContributionEvidence
 from swarm.training.peer import TrainingPeer
 from swarm.training.sendercheck import compare, recompute
@@ -150,6 +151,7 @@ def test_an_honest_peer_whose_gradient_is_not_finite_signs_nothing_and_nobody_is
     runner = reducer_holding(w, p, inputs, [clean[q] for q in others], heard=set(range(MEMBERS)) - {h})
     item = signed_input(w, h, p, data)
     runner.reducer.undecodable = {h: (0, item)}
+    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: bytes(n))  # the reducer replays it
     assert _check_round(w, runner) == []  # the reducer files nothing
     monkeypatch.undo()
     lie = WrongContributionEvidence(**round_of(runner, p, 0), item=item, entry=w.entries[h], reveals=())
@@ -165,12 +167,14 @@ def stable(base_tensors):
     return make_world(RUN, base_tensors)
 
 
-def test_an_undecodable_decoy_no_longer_shields_a_liar_that_stands_out(stable):
+def test_an_undecodable_decoy_no_longer_shields_a_liar_that_stands_out(stable, monkeypatch):
     """Was LOW. A colluder D sent every reducer a validly signed NaN chunk while a liar L sent a reversed
     gradient (it stands out in every chunk). The replay of D's refused input took the round's one stand-out
     replay at every reducer, so L was replayed by nobody in each round it brought a fresh decoy. Now the
-    refused input's replay is one of its own: both are replayed and filed."""
+    refused input's replay is one of its own: both are replayed and filed. (Without the decoy's reveal a
+    reducer replays its refused input by its own randomness, ``tests/test_decoy_filings.py``; here it does.)"""
     w = stable
+    monkeypatch.setattr(sendercheck.os, "urandom", lambda n: bytes(n))
     liar, dcy, reducer = 1, 3, 0
     lo, hi = chunk_of(w, reducer)
     values = {0: w.honest[0][lo:hi], 1: -w.honest[liar][lo:hi], 2: w.honest[2][lo:hi]}

@@ -252,6 +252,7 @@ class SenderChecks:
         reveals = tuple(runner.reveals[i] for i in range(members)) if seed is not None else ()
         own_draw = os.urandom(32) if seed is None else seed
         outlier_replayed, scored = False, 0
+        claim: tuple[BadAggregateEvidence, SignedInput] | None = None  # a false weight claim, filed last
         refused = self._refused(runner, own_draw, shared=seed is not None)
         if refused is not None:  # a signed input to this member's own part that did not decode: a replay
             chunk, item = refused  # of its own (a decoy that sends one must not spare a liar the others)
@@ -275,27 +276,28 @@ class SenderChecks:
             if outlier_replayed or scored >= MAX_SCORED_CHUNKS or type(evidence) is not BadAggregateEvidence:
                 continue
             scored += 1
-            odd = await self._outlier(runner, evidence, seed=own_draw, drawn=sender)
-            if odd is not None and self._false_claim(odd):  # judged without a replay: it takes no slot
-                await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
-                odd = await self._outlier(runner, evidence, seed=own_draw, drawn=sender, claims=False)
+            found_claim, odd = await self._outlier(runner, evidence, seed=own_draw, drawn=sender)
+            if claim is None and found_claim is not None:
+                claim = (evidence, found_claim)
             if odd is not None:
                 outlier_replayed = True
                 self.outliers += 1
-                lie = self._lie(evidence, odd, copy, reveals, scored=evidence)
-                await self._check_one(runner, lie, copy)
+                await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
         if not outlier_replayed:  # then one among the inputs this member aggregated as a reducer
             found = await self._own_part(runner, own_draw, shared=seed is not None)
-            if found is not None and self._false_claim(found[1]):  # no replay: a sender that stands out or
-                claim = self._lie(found[0], found[1], copy, reveals, scored=found[0])  # fits poorly still may
-                await self._check_one(runner, claim, copy)
-                found = await self._own_part(runner, own_draw, shared=seed is not None, claims=False)
-            if found is None:  # or one whose input does not fit one of its own micro-batches
-                found = await self._poor_fit(runner, own_draw, copy, reveals)
-            if found is not None:
-                evidence, odd = found
+            own, own_claim, odd = found if found is not None else (None, None, None)
+            if claim is None and own_claim is not None:
+                claim = (own, own_claim)
+            # or one whose input does not fit one of its own micro-batches
+            picked = (own, odd) if odd is not None else await self._poor_fit(runner, own_draw, copy, reveals)
+            if picked is not None:
+                evidence, odd = picked
                 self.outliers += 1
                 await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
+        # A false weight claim needs no replay, so it takes no replay's place: one a round, filed after the
+        # replays, so that decoys' claims cannot fill the filing queue ahead of a liar a replay caught.
+        if claim is not None:
+            await self._check_one(runner, self._lie(claim[0], claim[1], copy, reveals, scored=claim[0]), copy)
 
     def _refused(self, runner, seed: bytes, *, shared: bool = True) -> tuple[int, SignedInput] | None:
         """(chunk, input) of a sender whose validly signed input to this member's own part did not decode
@@ -318,8 +320,8 @@ class SenderChecks:
         return None
 
     async def _own_part(
-        self, runner, seed: bytes, *, shared: bool = True, claims: bool = True
-    ) -> tuple[BadAggregateEvidence, SignedInput] | None:
+        self, runner, seed: bytes, *, shared: bool = True
+    ) -> tuple[BadAggregateEvidence, SignedInput | None, SignedInput | None] | None:
         """A sender to replay among the inputs of the drawn chunk of this member's own part, with the chunk
         as evidence; None if none stands out, or the round's draw ``seed`` names other reducers to replay it
         (``replays_own_part``): each reducer holds its own part's inputs, and a couple of replays of a liar a
@@ -331,11 +333,11 @@ class SenderChecks:
         evidence = self._own_chunk(runner, seed)
         if evidence is None:
             return None
-        odd = await self._outlier(
-            runner, evidence, seed=seed, drawn=None, claims=claims,
+        claim, odd = await self._outlier(
+            runner, evidence, seed=seed, drawn=None,
             eligible=lambda sender: not shared or runner.index in replays_own_part(seed, runner, sender),
         )  # fmt: skip
-        return None if odd is None else (evidence, odd)
+        return None if claim is None and odd is None else (evidence, claim, odd)
 
     def _own_chunk(self, runner, seed: bytes) -> BadAggregateEvidence | None:
         """The drawn chunk of this member's own part (by ``seed``), with every input it aggregated and its
@@ -430,13 +432,14 @@ class SenderChecks:
 
     async def _outlier(
         self, runner, evidence: BadAggregateEvidence, *, seed: bytes, drawn: int | None,
-        eligible: Callable[[int], bool] = lambda sender: True, claims: bool = True,
-    ) -> SignedInput | None:  # fmt: skip
-        """The input of a sender of the chunk that stands out (``flagged_senders``), other than the drawn
-        one and this member, picked by the round's draw (``outlier_to_replay``) among those ``eligible``;
-        a sender ``cleared`` of late only in the rounds whose draw still replays it (``still_replayed``), and
-        a false weight claim always (it costs no replay; ``claims`` False: none, once one was checked, so
-        that a decoy's claim does not spare a liar that stands out); None if none does."""
+        eligible: Callable[[int], bool] = lambda sender: True,
+    ) -> tuple[SignedInput | None, SignedInput | None]:  # fmt: skip
+        """From one scoring of the chunk (``flagged_senders``), among the senders ``eligible`` other than the
+        drawn one and this member: the input of the first whose signed weight is a false claim (judged
+        without a replay), and the input of one whose values stand out, picked by the round's draw
+        (``outlier_to_replay``), a sender ``cleared`` of late only in the rounds whose draw still replays it
+        (``still_replayed``); None for either where there is none. A claim takes no stand-out replay: a
+        decoy's claim must not spare a liar that stands out beside it."""
 
         def flags() -> tuple[list[int], list[int]]:  # decoding and scoring: off the event loop
             # The run's layout, as the coordinator reads it (``check_stands_out``).
@@ -446,25 +449,18 @@ class SenderChecks:
         try:
             found_claims, odd = await asyncio.to_thread(flags)
         except SwarmError:  # an input that does not decode: the reducer's check is the one that applies
-            return None
+            return None, None
 
         def fresh(sender: int) -> bool:
             return runner.members[sender] not in self.cleared or still_replayed(seed, sender)
 
-        false_claims = [i for i in found_claims if eligible(i)] if claims else []
-        odd = [i for i in odd if eligible(i) and fresh(i) and i not in found_claims]
-        odd = outlier_to_replay(
-            false_claims, odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn
-        )  # fmt: skip
-        return None if odd is None else next(i for i in evidence.inputs if i.sender_index == odd)
+        def item(sender: int | None) -> SignedInput | None:
+            return None if sender is None else next(i for i in evidence.inputs if i.sender_index == sender)
 
-    def _false_claim(self, item: SignedInput) -> bool:
-        """Whether ``item``'s signed weight is no sample count the loop signs (judged without a replay)."""
-        try:
-            whole_micro_batches(self.run, item.weight)
-        except SwarmError:
-            return True
-        return False
+        claims = [i for i in found_claims if eligible(i) and i != drawn]
+        odd = [i for i in odd if eligible(i) and fresh(i)]
+        pick = outlier_to_replay([], odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn)
+        return item(claims[0] if claims else None), item(pick)
 
     async def _check_one(self, runner, lie: WrongContributionEvidence, copy: _Copy) -> None:
         accused = lie.accused
