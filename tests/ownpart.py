@@ -53,11 +53,7 @@ def make_world(run: RunConfig, tensors: dict[str, torch.Tensor] | None = None) -
     """The members' keys, the state at ``STEP`` (``tensors``, or the run's model as built), each member's
     honest gradient there (``honest``), their signed group entries, and the round's digest and draw ``seed``
     (every member's reveal in)."""
-    keys = [
-        SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"own-part-member-%d" % i).digest()))
-        for i in range(MEMBERS)
-    ]
-    prefix, group_id = run.run_id.replace(".", "_"), b"own-part-round"
+    keys, prefix, group_id, commits, digest, seed = round_draw(run)
     if tensors is None:
         torch.manual_seed(0)
         model = build_model(run.model.name, run.model.config, seed=run.training.seed)
@@ -65,15 +61,26 @@ def make_world(run: RunConfig, tensors: dict[str, torch.Tensor] | None = None) -
     codec = get_codec(run.training.compression)
     hash_ = state_hash(STEP, tensors)
     members = tuple(k.peer_id for k in keys)
-    commits = tuple(hashlib.sha256(nonce(i)).digest() for i in range(MEMBERS))
-    digest = round_digest(prefix, group_id, members, commits)
     return SimpleNamespace(
         run=run, prefix=prefix, group_id=group_id, codec=codec, values=layout_chunk_values(MEMBERS, codec.bytes_per_value), keys=keys,
         tensors=tensors, hash=hash_, members=members, commits=commits, digest=digest,
         honest=[recompute(run, tensors, k.peer_id, STEP, 2, device="cpu") for k in keys],
         entries=signed_entries(keys, prefix, commits, step=STEP, state_hash=hash_, weights=[WEIGHT] * MEMBERS),
-        numel=run_layouts(run)[prefix], seed=draw_seed(digest, [nonce(i) for i in range(MEMBERS)]),
+        numel=run_layouts(run)[prefix], seed=seed,
     )  # fmt: skip
+
+
+def round_draw(run: RunConfig) -> tuple[list[SigningKey], str, bytes, tuple[bytes, ...], bytes, bytes]:
+    """The round of ``run`` every world of it holds: (the members' keys, the prefix, the group ID, the
+    members' commitments, the round's digest, its draw seed with every reveal in)."""
+    keys = [
+        SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"own-part-member-%d" % i).digest()))
+        for i in range(MEMBERS)
+    ]
+    prefix, group_id = run.run_id.replace(".", "_"), b"own-part-round"
+    commits = tuple(hashlib.sha256(nonce(i)).digest() for i in range(MEMBERS))
+    digest = round_digest(prefix, group_id, tuple(k.peer_id for k in keys), commits)
+    return keys, prefix, group_id, commits, digest, draw_seed(digest, [nonce(i) for i in range(MEMBERS)])
 
 
 def trained(run: RunConfig, depths: list[int]) -> dict[int, tuple[dict, dict, torch.Tensor]]:
@@ -109,9 +116,9 @@ def force_fit_draws(monkeypatch, picks: dict[tuple[int, int], int]) -> None:
     monkeypatch.setattr(contribution, "fit_draw", forced)
 
 
-def signed_input(w, sender: int, part: int, data: bytes) -> SignedInput:
-    message = contribution_message(w.digest, part, 0, w.members[sender], WEIGHT, data)
-    return SignedInput(sender, data, w.keys[sender].sign(message), WEIGHT)
+def signed_input(w, sender: int, part: int, data: bytes, *, weight: float = WEIGHT) -> SignedInput:
+    message = contribution_message(w.digest, part, 0, w.members[sender], weight, data)
+    return SignedInput(sender, data, w.keys[sender].sign(message), weight)
 
 
 def chunk_of(w, part: int) -> tuple[int, int]:

@@ -15,28 +15,22 @@ replays.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ownpart import MEMBERS, STEP, chunk_of, make_world, nonce, reducer_holding, signed_input
+from ownpart import MEMBERS, STEP, WEIGHT, chunk_of, make_world, reducer_holding, round_draw, signed_input
 
 from coordinator.accusations import run_layouts
 from lab.localswarm import tiny_run
-from protocols.keys import SigningKey
 from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
     SignedInput,
     chunk_bounds,
-    contribution_message,
-    draw_seed,
     layout_chunk_values,
-    round_digest,
     split_bounds,
 )
 from swarm.averaging.verification import Assignment, assignments, own_part_evidence
@@ -57,39 +51,25 @@ def _drawn_run():
     numel = None
     for k in range(200):
         run = tiny_run(f"claim-slot-review-drawn-{k}", verify_probability=1.0, sender_check_probability=1.0)
-        prefix = run.run_id.replace(".", "_")
-        numel = numel or run_layouts(run)[prefix]
+        numel = numel or run_layouts(run)[run.run_id.replace(".", "_")]
         values = layout_chunk_values(MEMBERS, get_codec(run.training.compression).bytes_per_value)
         bounds = split_bounds(numel, MEMBERS)
         chunks = [len(chunk_bounds(bounds[p + 1] - bounds[p], values)) - 1 for p in range(MEMBERS)]
-        commits = [hashlib.sha256(nonce(i)).digest() for i in range(MEMBERS)]
-        members = tuple(
-            SigningKey(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"own-part-member-%d" % i).digest())).peer_id
-            for i in range(MEMBERS)
-        )  # fmt: skip
-        seed = draw_seed(
-            round_digest(prefix, b"own-part-round", members, commits), [nonce(i) for i in range(MEMBERS)]
-        )
+        seed = round_draw(run)[-1]
         if Assignment(3, 0) in assignments(seed, MEMBERS, VALIDATOR, 1.0, chunks):
             return run
     raise AssertionError("no run id found")
 
 
-DRAWN = _drawn_run()
-
-
 def _inputs(w, part: int, sent: dict[int, torch.Tensor], claims: set[int]) -> list[SignedInput]:
     """Every member's signed input to ``part`` of ``sent``; those of ``claims`` signed for a million samples."""
     lo, hi = chunk_of(w, part)
-    inputs = []
-    for i, v in sent.items():
-        data = w.codec.encode_contribution(v[lo:hi])
-        if i in claims:
-            message = contribution_message(w.digest, part, 0, w.members[i], FALSE_WEIGHT, data)
-            inputs.append(SignedInput(i, data, w.keys[i].sign(message), FALSE_WEIGHT))
-        else:
-            inputs.append(signed_input(w, i, part, data))
-    return inputs
+    return [
+        signed_input(
+            w, i, part, w.codec.encode_contribution(v[lo:hi]), weight=FALSE_WEIGHT if i in claims else WEIGHT
+        )
+        for i, v in sent.items()
+    ]
 
 
 def _reducer(w, part, sent, claims, heard):
@@ -115,7 +95,7 @@ def quiet():
 
 @pytest.fixture(scope="module")
 def drawn():
-    return make_world(DRAWN)
+    return make_world(_drawn_run())
 
 
 def test_a_decoy_claiming_in_every_part_is_scored_once_a_chunk_and_filed_once(quiet, monkeypatch):

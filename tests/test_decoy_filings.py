@@ -35,7 +35,7 @@ from ownpart import (
 )
 
 from lab.localswarm import tiny_run
-from swarm.averaging.evidence import SignedInput, contribution_message
+from swarm.averaging.evidence import SignedInput
 from swarm.training import sendercheck
 from swarm.training.picks import OWN_PART_REPLAYERS
 from swarm.training.sendercheck import SenderChecks, replays_own_part
@@ -55,8 +55,7 @@ def _nan_input(w, part: int, weight: float) -> SignedInput:
     """The decoy's validly signed chunk of ``part``: NaNs, which no codec decodes, for ``weight`` samples."""
     lo, hi = chunk_of(w, part)
     data = w.codec.encode_contribution(torch.full((hi - lo,), float("nan")))
-    message = contribution_message(w.digest, part, 0, w.members[DECOY], weight, data)
-    return SignedInput(DECOY, data, w.keys[DECOY].sign(message), weight)
+    return signed_input(w, DECOY, part, data, weight=weight)
 
 
 def _refusing_reducer(w, part: int, liar_sends: torch.Tensor | None, *, reversed_: int | None = None):
@@ -217,20 +216,6 @@ def test_accusations_on_one_state_share_one_copy_of_it(world, monkeypatch):
     assert len(held) == 1, len(held)
 
 
-def _inputs_with_a_false_claim(w, part: int, sent: dict[int, torch.Tensor]) -> list[SignedInput]:
-    """Every member's signed input to ``part`` of ``sent``, the decoy's signed for a million samples."""
-    lo, hi = chunk_of(w, part)
-    inputs = []
-    for i, v in sent.items():
-        data = w.codec.encode_contribution(v[lo:hi])
-        if i == DECOY:
-            message = contribution_message(w.digest, part, 0, w.members[DECOY], 1e6, data)
-            inputs.append(SignedInput(DECOY, data, w.keys[DECOY].sign(message), 1e6))
-        else:
-            inputs.append(signed_input(w, i, part, data))
-    return inputs
-
-
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_decoys_false_weight_claim_takes_no_replay_from_a_liar_that_stands_out(world, shared):
     """A false weight claim is judged without a replay, and was picked first as the round's one sender to
@@ -250,7 +235,12 @@ def test_a_decoys_false_weight_claim_takes_no_replay_from_a_liar_that_stands_out
         assert both, names
         reducer = both[0]
     lo, hi = chunk_of(w, reducer)
-    inputs = _inputs_with_a_false_claim(w, reducer, sent)
+    inputs = [  # the decoy's signed for a million samples, a weight no loop signs
+        signed_input(
+            w, i, reducer, w.codec.encode_contribution(v[lo:hi]), weight=1e6 if i == DECOY else WEIGHT
+        )
+        for i, v in sent.items()
+    ]
     runner = reducer_holding(w, reducer, inputs, [v[lo:hi] for v in sent.values()], heard=heard)
     accused = []
     one_round(w, sender_checks(w, accused), runner)
