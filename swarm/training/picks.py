@@ -123,12 +123,24 @@ def own_part_replayers(
     """The reducers that replay ``sender`` when it stands out among a round's inputs to the reducers' own
     parts, by the round's draw ``seed``: ``count`` of the ``members`` that reduce a part (``reduces``),
     other than the sender (fewer if fewer do), in the draw's order."""
-    reducers = [i for i in range(members) if i != sender and reduces(i)]
+    reducers = _other_reducers(members, reduces, sender)
 
     def rank(member: int) -> bytes:
         return hashlib.sha256(b"own-part-replay|" + seed + struct.pack(">II", sender, member)).digest()
 
     return tuple(sorted(reducers, key=rank)[:count])
+
+
+def own_part_replay_share(
+    members: int, reduces: Callable[[int], bool], sender: int, count: int = OWN_PART_REPLAYERS
+) -> float:
+    """The share of the reducers other than ``sender`` that ``own_part_replayers`` names: the chance with
+    which each replays ``sender`` by its own randomness where the round's draw is not shared."""
+    return min(1.0, count / max(1, len(_other_reducers(members, reduces, sender))))
+
+
+def _other_reducers(members: int, reduces: Callable[[int], bool], sender: int) -> list[int]:
+    return [i for i in range(members) if i != sender and reduces(i)]
 
 
 def fit_micro_batches(run: RunConfig, weight: float) -> int:
@@ -172,6 +184,7 @@ __all__ = [
     "fit_micro_batches",
     "flagged_senders",
     "outlier_to_replay",
+    "own_part_replay_share",
     "own_part_replayers",
     "whole_micro_batches",
 ]

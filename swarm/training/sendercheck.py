@@ -104,6 +104,7 @@ from swarm.training.picks import (
     fit_micro_batches,
     flagged_senders,
     outlier_to_replay,
+    own_part_replay_share,
     own_part_replayers,
     whole_micro_batches,
 )
@@ -313,8 +314,7 @@ class SenderChecks:
                 if runner.index in replays_own_part(seed, runner, sender):
                     return found
                 continue
-            reducers = sum(1 for i in range(len(runner.members)) if i != sender and runner.reduces(i))
-            share = min(1.0, OWN_PART_REPLAYERS / max(1, reducers))
+            share = own_part_replay_share(len(runner.members), runner.reduces, sender)
             if int.from_bytes(os.urandom(8), "big") < share * 2**64:
                 return found
         return None
