@@ -34,7 +34,7 @@ from swarm.averaging.evidence import (
     split_bounds,
 )
 from swarm.averaging.verification import Assignment, assignments, own_part_evidence
-from swarm.training import sendercheck
+from swarm.training import filings, sendercheck
 from swarm.training.picks import drawn_sender
 from swarm.training.sendercheck import MAX_SCORED_CHUNKS, SenderChecks
 
@@ -142,7 +142,7 @@ def test_claims_in_earlier_chunks_do_not_take_the_filing_place_of_a_drawn_liar(d
     for another round (or another member)."""
     w = drawn
     caplog.set_level(logging.INFO, logger=sendercheck.__name__)
-    monkeypatch.setattr(sendercheck, "MAX_FILINGS", sendercheck.MAX_FILINGS - 1)
+    monkeypatch.setattr(filings, "MAX_FILINGS", filings.MAX_FILINGS - 1)
     # the round's draw made member 0 a validator of part 3 (``_drawn_run``); the chunks of parts 1 and 2 it
     # scores are evidence that needs no draw
     candidates = [i for i in range(MEMBERS) if i != VALIDATOR]
@@ -172,7 +172,7 @@ def test_claims_in_earlier_chunks_do_not_take_the_filing_place_of_a_drawn_liar(d
         await checks.keep(runner, w.entries)
         assert runner.group_id in checks.pending
         await checks.check(runner, outcomes)
-        queued = [f.accused for f in checks._filings]
+        queued = [f.accused for f in checks.accusations.waiting]
         checks.close()
         return queued
 

@@ -97,7 +97,9 @@ def _check_with_a_slow_coordinator(w, runner) -> tuple[list[str], list[str], int
         assert filed == [w.members[DECOY]]  # the first accusation is in flight, the liar's waits its turn
         answered.set()
         await checks.filed()
-        assert not checks._filings and all(c.kept_until != float("inf") for c in checks.kept.values())
+        assert not checks.accusations.waiting and all(
+            c.kept_until != float("inf") for c in checks.accusations.kept.values()
+        )
         return caught
 
     return filed, suspected, asyncio.run(scenario())
@@ -175,14 +177,14 @@ def test_a_peer_that_leaves_while_accusations_wait_their_turn_keeps_no_state_and
         runner = _refusing_reducer(w, 0, -w.honest[LIAR])
         await checks.keep(runner, w.entries)
         await checks.check(runner, [])
-        assert [f.accused for f in checks._filings] == [w.members[DECOY], w.members[LIAR]]
+        assert [f.accused for f in checks.accusations.waiting] == [w.members[DECOY], w.members[LIAR]]
         checks.close()
         await checks.filed()
         return checks
 
     checks = asyncio.run(scenario())
-    assert filed == [w.members[DECOY]] and not checks._filings
-    assert checks.find(w.hash) is None and not checks.kept
+    assert filed == [w.members[DECOY]] and not checks.accusations.waiting
+    assert checks.find(w.hash) is None and not checks.accusations.kept
 
 
 def test_accusations_on_one_state_share_one_copy_of_it(world, monkeypatch):
@@ -206,8 +208,10 @@ def test_accusations_on_one_state_share_one_copy_of_it(world, monkeypatch):
         for runner in (_refusing_reducer(w, 0, -w.honest[LIAR]), _refusing_reducer(w, 0, None, reversed_=2)):
             await checks.keep(runner, w.entries)
             await checks.check(runner, [])
-        held = {id(f.copy.tensors) for f in checks._filings} | {id(c.tensors) for c in checks.kept.values()}
-        accused = [f.accused for f in checks._filings]
+        held = {id(f.copy.tensors) for f in checks.accusations.waiting} | {
+            id(c.tensors) for c in checks.accusations.kept.values()
+        }
+        accused = [f.accused for f in checks.accusations.waiting]
         checks.close()
         return held, accused
 

@@ -51,8 +51,8 @@ from swarm.training.microbatch import MicroBatchRunner
 from swarm.training.replay import public_dataset
 from swarm.training.sendercheck import (
     SenderChecks,
+    StateCopy,
     WrongContributionEvidence,
-    _Copy,
     chunk_slice,
     compare,
     drawn_sender,
@@ -283,7 +283,7 @@ def test_a_validator_replays_one_window_at_a_time_and_within_the_judging_budget(
         tasks = []
         for _ in range(3):
             tasks.append(
-                asyncio.create_task(checks._check_one(runner, evidence, _Copy(0, hash_, tensors, {})))
+                asyncio.create_task(checks._check_one(runner, evidence, StateCopy(0, hash_, tensors, {})))
             )
             await asyncio.sleep(0.1)
         await asyncio.gather(*tasks)

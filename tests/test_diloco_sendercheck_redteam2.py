@@ -62,8 +62,8 @@ from swarm.training.diloco import DilocoSync
 from swarm.training.sendercheck import (
     MAX_PENDING,
     SenderChecks,
+    StateCopy,
     WrongContributionEvidence,
-    _Copy,
     chunk_slice,
     drawn_sender,
     whole_micro_batches,
@@ -642,10 +642,10 @@ def test_a_check_due_while_the_validator_replays_waits_its_turn(monkeypatch):
             first = None
             if busy:
                 first = asyncio.create_task(
-                    checks._check_one(runner(round_a), round_a, _Copy(0, hash_, tensors, {}))
+                    checks._check_one(runner(round_a), round_a, StateCopy(0, hash_, tensors, {}))
                 )
                 await asyncio.sleep(0.2)
-            await checks._check_one(runner(round_b), round_b, _Copy(0, hash_, tensors, {}))
+            await checks._check_one(runner(round_b), round_b, StateCopy(0, hash_, tensors, {}))
             if first is not None:
                 await first
             await checks.filed()

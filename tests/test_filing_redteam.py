@@ -72,10 +72,12 @@ def test_a_round_check_that_ends_after_close_files_nothing_and_keeps_nothing(mon
         release.set()  # the replay ends while tiers.shutdown() is awaited
         await check
         await asyncio.sleep(0.05)
-        filing = checks._filing
+        filing = checks.accusations._task
         leaked = filing is not None and not filing.done()
         served = checks.find(hash_)
-        kept_forever = hash_ in checks.kept and math.isinf(checks.kept[hash_].kept_until)
+        kept_forever = hash_ in checks.accusations.kept and math.isinf(
+            checks.accusations.kept[hash_].kept_until
+        )
         if filing is not None:
             filing.cancel()
             await asyncio.gather(filing, return_exceptions=True)
@@ -84,7 +86,9 @@ def test_a_round_check_that_ends_after_close_files_nothing_and_keeps_nothing(mon
     leaked, served, kept_forever = asyncio.run(scenario())
     assert checks.caught == 1 and lie.accused == MEMBERS[1]
     assert not leaked and accused_after_close == [], "nothing is filed after close()"
-    assert served is None and not kept_forever and hash_ not in checks.kept, "and no state is kept"
+    assert served is None and not kept_forever and hash_ not in checks.accusations.kept, (
+        "and no state is kept"
+    )
 
 
 class _Clock:

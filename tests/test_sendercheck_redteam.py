@@ -32,9 +32,9 @@ from swarm.averaging.evidence import (
 from swarm.averaging.groups import GroupEntryBody, make_entry
 from swarm.config import RunConfig
 from swarm.models import build_model
+from swarm.training.filings import KEEP_S
 from swarm.training.progress import step_misfit
 from swarm.training.sendercheck import (
-    KEEP_S,
     SenderChecks,
     WrongContributionEvidence,
     chunk_slice,
@@ -232,7 +232,7 @@ def test_a_validator_serves_the_state_of_its_accusation_while_the_accusation_is_
     honest = recompute(run, tensors, MEMBERS[1], STEP, 2, device="cpu")
     lie = _evidence(run, -honest, hash_=hash_)
     clock = {"now": 1000.0}
-    monkeypatch.setattr("swarm.training.sendercheck.time.monotonic", lambda: clock["now"])
+    monkeypatch.setattr("swarm.training.filings.time.monotonic", lambda: clock["now"])
     served_while_waiting = []
 
     async def accuse(peer, evidence, verdict):  # the coordinator's queue: an hour before its turn
@@ -283,7 +283,7 @@ def test_a_lie_caught_while_the_validators_accusation_waits_is_avoided_and_holds
         for _ in range(3):  # the same liar, caught in three rounds while the first accusation waits
             await checks.keep(runner, [b"", lie.entry, b""])
             await asyncio.wait_for(checks.check(runner, [outcome]), 60)
-        assert accused == [MEMBERS[1]] and len(checks.kept) == 1 and not checks.pending
+        assert accused == [MEMBERS[1]] and len(checks.accusations.kept) == 1 and not checks.pending
         answered.set()
         await checks.filed()
 

@@ -35,6 +35,8 @@
   sample counts the built-in loop never signs
 - sendercheck.py: ``SenderChecks``: a drawn validator (or one that saw a sender stand out) replays a
   groupmate's contribution and files the lie
+- filings.py: ``Accusations``: the lies one validator files, one at a time, with the states they were
+  found on (bounded)
 
 Only the names of state.py and checkpoint.py are re-exported here (they need no hivemind).
 

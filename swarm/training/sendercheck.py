@@ -18,7 +18,7 @@ as the samples it signed for. So a groupmate can recompute it:
    signed group entry (the step and state hash it computed at, bound to the round by its nonce
    commitment), the round and its reveals (which fix the draw). The validator files it and keeps the
    state, served by its hash (``StateServicer``'s ``find``), while the accusation is in flight and for
-   ``KEEP_S`` after (the coordinator downloads it at its recompute's turn). The coordinator checks the
+   ``KEEP_S`` after (the coordinator downloads it at its recompute's turn; ``swarm.training.filings``). The coordinator checks the
    draw named this accuser, chunk and sender, downloads that state from the accuser, checks that it
    hashes to what the accused signed, recomputes the chunk itself and bans whoever the evidence proves
    wrong (``coordinator.contributions``). Without every member's reveal the validator draws from its own
@@ -69,19 +69,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import os
 import struct
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from protocols.errors import SwarmError
 from protocols.messages import JUDGING_BUDGET_S
-from swarm.averaging.archive import KEEP_INPUTS_S
 from swarm.averaging.evidence import (
     BadAggregateEvidence,
     SignedInput,
@@ -97,6 +94,7 @@ from swarm.training.contribution import (
     recompute,
     state_model,
 )
+from swarm.training.filings import Accusations, StateCopy
 from swarm.training.picks import (
     OWN_PART_REPLAYERS,
     drawn_sender,
@@ -108,18 +106,10 @@ from swarm.training.picks import (
     own_part_replayers,
     whole_micro_batches,
 )
-from swarm.training.state import encode_state
 from swarm.training.sync import EncodedState
 
 logger = logging.getLogger(__name__)
 
-#: How long a validator serves the state a lie was recomputed on once its accusation is answered (or given
-#: up): as long as reducers keep their inputs.
-KEEP_S = KEEP_INPUTS_S
-#: States a validator holds at once for the coordinator (each one copy of the model and optimizer).
-MAX_KEPT = 2
-#: Accusations a validator holds: the one being filed and the ones waiting their turn.
-MAX_FILINGS = 3
 #: Rounds whose state awaits its check (a new round's copy pushes out the oldest).
 MAX_PENDING = 2
 #: Checked chunks a validator scores in a round, looking for a sender that stands out (``_outlier``).
@@ -147,7 +137,7 @@ CLEARED_REPLAY_SHARE = 0.25
 StateNow = Callable[[], tuple[int, str, dict[str, torch.Tensor]]]
 
 
-def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: _Copy, device: str) -> None:
+def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: StateCopy, device: str) -> None:
     """The coordinator's checks of ``lie`` before it recomputes (``coordinator.contributions``), as this
     member (the accuser) would pass them, on the state ``copy``; a SwarmError if it would not."""
     me = runner.members[runner.index]
@@ -160,34 +150,15 @@ def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: _C
         lie.check_fits_poorly(run, copy.tensors, runner.codec, runner.numel, device=device)
 
 
-@dataclass(frozen=True)
-class _Filing:
-    accused: str
-    lie: WrongContributionEvidence
-    verdict: str
-    copy: _Copy
-
-
-@dataclass
-class _Copy:
-    step: int
-    state_hash: str
-    tensors: dict[str, torch.Tensor]
-    entries: dict[int, bytes]  # member index -> its signed group entry
-    kept_until: float = 0.0
-    model: torch.nn.Module | None = None  # the state loaded for fits (``_poor_fit``), once a round
-
-
 class SenderChecks:
     """One validator's sender checks (see the module docstring). ``state`` reads this peer's step, state
     hash and a copy of its state tensors; ``accuse`` files evidence (None: only logged); ``suspect``
     (peer, reason) avoids a sender caught lying in matchmaking."""
 
     def __init__(self, run: RunConfig, *, device: str, state: StateNow, accuse=None, suspect=None):
-        self.run, self.device, self.state, self.accuse, self.suspect = run, device, state, accuse, suspect
+        self.run, self.device, self.state, self.suspect = run, device, state, suspect
         self.probability = run.training.sender_check_probability
-        self.pending: OrderedDict[bytes, _Copy] = OrderedDict()  # group ID -> the state at its round
-        self.kept: OrderedDict[str, _Copy] = OrderedDict()  # state hash -> a state a lie was found on
+        self.pending: OrderedDict[bytes, StateCopy] = OrderedDict()  # group ID -> the state at its round
         self.checked = self.caught = 0
         self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
         self.fits = 0  # senders whose fit to a micro-batch of theirs this member scored (``_poor_fit``)
@@ -202,12 +173,8 @@ class SenderChecks:
         self._replay_turn = asyncio.Lock()
         self.replays_due = 0
         self.skipped = 0
-        # Accusations to file, in the order their lies were found: the first is being filed (by ``_filing``,
-        # a task of its own, one at a time as the coordinator takes them), the others wait their turn
-        # (``MAX_FILINGS`` in all, on at most ``MAX_KEPT`` states, each held until its accusation ends).
-        self._filings: deque[_Filing] = deque()
-        self._filing: asyncio.Task | None = None
-        self._closed = False
+        # Accusations to file, one at a time, each with the state its lie was found on (bounded there).
+        self.accusations = Accusations(run, accuse)
 
     @property
     def enabled(self) -> bool:
@@ -235,7 +202,7 @@ class SenderChecks:
         ):
             return
         step, state_hash, tensors = await asyncio.to_thread(self.state)
-        self.pending[runner.group_id] = _Copy(step, state_hash, tensors, dict(enumerate(signed_entries)))
+        self.pending[runner.group_id] = StateCopy(step, state_hash, tensors, dict(enumerate(signed_entries)))
         while len(self.pending) > MAX_PENDING:
             self.pending.popitem(last=False)
 
@@ -367,7 +334,7 @@ class SenderChecks:
         return found
 
     async def _poor_fit(
-        self, runner, seed: bytes, copy: _Copy, reveals: tuple[bytes, ...]
+        self, runner, seed: bytes, copy: StateCopy, reveals: tuple[bytes, ...]
     ) -> tuple[BadAggregateEvidence, SignedInput] | None:
         """A sender to replay whose input to the drawn chunk of this member's own part fits the gradient of
         its micro-batch that the chunk's draw picks (recomputed on ``copy``) worse than the other inputs do
@@ -420,7 +387,7 @@ class SenderChecks:
         return None if odd is None else (evidence, odd)
 
     def _lie(
-        self, evidence: BadAggregateEvidence, item: SignedInput, copy: _Copy, reveals: tuple[bytes, ...],
+        self, evidence: BadAggregateEvidence, item: SignedInput, copy: StateCopy, reveals: tuple[bytes, ...],
         scored: BadAggregateEvidence | None = None,
     ) -> WrongContributionEvidence:  # fmt: skip
         return WrongContributionEvidence(
@@ -462,7 +429,7 @@ class SenderChecks:
         pick = outlier_to_replay([], odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn)
         return item(claims[0] if claims else None), item(pick)
 
-    async def _check_one(self, runner, lie: WrongContributionEvidence, copy: _Copy) -> None:
+    async def _check_one(self, runner, lie: WrongContributionEvidence, copy: StateCopy) -> None:
         accused = lie.accused
         try:
             step, state_hash = lie.facts()
@@ -518,82 +485,22 @@ class SenderChecks:
         except SwarmError as e:
             logger.warning(f"not filing against {accused}: the evidence would not hold ({e})"[:500])
             return
-        if self.accuse is None:
-            copy.kept_until = time.monotonic() + KEEP_S
-            self._hold(copy)
-            return
-        if self._closed:  # the peer left: a replay that ended since files nothing and keeps nothing
-            return
-        waiting = self._filings
-        states = {f.copy.state_hash for f in waiting} | {copy.state_hash}
-        if (
-            len(waiting) >= MAX_FILINGS
-            or len(states) > MAX_KEPT
-            or any(f.accused == accused for f in waiting)
-        ):
-            # The coordinator takes one accusation of a peer at a time, and each waits with its state: one
-            # lie a round, filed as it came, once held a state copy a round for as long as they waited. A
-            # second lie waits its turn (a decoy's accusation must not spare the liar found beside it).
+        if not self.accusations.file(accused, lie, verdict, copy):
+            # The coordinator takes one accusation of a validator at a time, each waiting with its state; a
+            # lie beyond what the queue holds is avoided (a decoy's accusation must not spare the liar).
             logger.info(f"{accused} is avoided, not accused: this validator's accusations are still judged")
-            return
-        # Served while the accusation waits and is in flight, however long the coordinator's recomputes
-        # queue (it downloads the state when this one's turn comes), and ``KEEP_S`` after. Accusations on
-        # one state share one copy (rounds retried at a step each copied it).
-        copy = next((f.copy for f in waiting if f.copy.state_hash == copy.state_hash), copy)
-        copy.kept_until = math.inf
-        self._hold(copy)
-        waiting.append(_Filing(accused, lie, verdict, copy))
-        if self._filing is None or self._filing.done():
-            self._filing = asyncio.create_task(self._file_in_turn())
-
-    async def _file_in_turn(self) -> None:
-        """File the waiting accusations one after the other; each state is kept ``KEEP_S`` after the last
-        accusation that needs it is answered or given up."""
-        while self._filings and not self._closed:
-            filing = self._filings[0]
-            try:
-                await self.accuse(filing.accused, filing.lie, filing.verdict)
-            except Exception as e:
-                logger.warning(f"could not file the accusation against {filing.accused}: {e!r}")
-            finally:
-                if self._filings and self._filings[0] is filing:  # ``close`` may have cleared them
-                    self._filings.popleft()
-                if all(f.copy is not filing.copy for f in self._filings):
-                    filing.copy.kept_until = time.monotonic() + KEEP_S
 
     async def filed(self) -> None:
         """Wait until the accusations being filed, if any, are answered or given up."""
-        if self._filing is not None:
-            await asyncio.gather(self._filing, return_exceptions=True)
+        await self.accusations.filed()
 
     def close(self) -> None:
         """Stop filing, now and for checks that end later (the peer leaves the run)."""
-        self._closed = True
-        if self._filing is not None:
-            self._filing.cancel()
-        for filing in self._filings:  # nothing waits its turn any more: no state is kept for it
-            self.kept.pop(filing.copy.state_hash, None)
-        self._filings.clear()
-
-    def _hold(self, copy: _Copy) -> None:
-        now = time.monotonic()
-        for state_hash in [h for h, c in self.kept.items() if c.kept_until < now]:
-            del self.kept[state_hash]
-        self.kept[copy.state_hash] = copy
-        self.kept.move_to_end(copy.state_hash)
-        # The oldest state no accusation waits on goes first (the filings hold at most ``MAX_KEPT``).
-        for state_hash in [h for h, c in self.kept.items() if c.kept_until != math.inf]:
-            if len(self.kept) <= MAX_KEPT:
-                break
-            del self.kept[state_hash]
+        self.accusations.close()
 
     def find(self, state_hash: str) -> EncodedState | None:
         """A state a lie was found on (for the coordinator to judge it), encoded; None if none is kept."""
-        copy = self.kept.get(state_hash)
-        if copy is None or copy.kept_until < time.monotonic():
-            return None
-        data = encode_state(copy.step, copy.tensors, {"run_id": self.run.run_id})
-        return EncodedState(copy.step, copy.state_hash, data)
+        return self.accusations.find(state_hash)
 
 
 def replays_own_part(seed: bytes, runner, sender: int) -> tuple[int, ...]:
