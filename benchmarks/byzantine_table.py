@@ -3,7 +3,10 @@
 Every cell is one real `swarm-sim` run (a coordinator and N peer processes on loopback), the tiny model
 by default so the whole table fits in well under an hour on 2 cores. Prints a markdown table with, per
 attack and attacker count f, the final validation loss under `mean` and under `centered_clip`, the
-clean run's, centered_clip's gap to the clean run in percent, and whether the attackers ended banned.
+clean run's, centered_clip's gap to the clean run in percent, and how many attackers ended banned, with the
+step each ban names (the round of the lie the sender checks proved; "-": a false weight claim, which names
+none). With fewer than 3f + 1 peers the attacked runs set `--min-group-size` to the honest peers' count, so
+that they go on once the attackers are banned (`--min-group-size` sets another).
 
 Usage::
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         help="diloco: passed to swarm-sim (1: every window exactly --inner-steps, the same samples in every run)",
     )  # fmt: skip
     parser.add_argument("--compression", default="fp16", help="codec on the wire (int8 for the diloco table)")
+    parser.add_argument(
+        "--min-group-size", type=int, default=None,
+        help="training.min_group_size of the attacked runs (default: swarm-sim's, max(2f + 1, peers - f); "
+        "with fewer than 3f + 1 peers, peers - f, so that the honest peers go on once the attackers are banned)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rules = [r for r in args.rules.split(",") if r]
@@ -100,13 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         for f in [int(x) for x in args.f.split(",")]:
             for attack in args.attacks.split(","):
                 row = {"attack": attack, "f": f, "repeat": repeat}
+                floor = attacked_floor(args.peers, f, args.min_group_size)
                 for rule in rules:
-                    report = run_sim([*base, "--byzantine", str(f), "--attack", attack, "--aggregator", rule],
+                    report = run_sim([*base, "--byzantine", str(f), "--attack", attack, "--aggregator", rule,
+                                      *(["--min-group-size", str(floor)] if floor else [])],
                                      args.timeout_s)  # fmt: skip
                     attackers = [p for p in report.get("peers", []) if p.get("byzantine")]
                     row[rule] = {
                         "final_val_loss": report.get("final_val_loss"),
                         "banned": sum(1 for p in attackers if p.get("banned")),
+                        "ban_steps": [
+                            ban_step(p.get("ban_reason", "")) for p in attackers if p.get("banned")
+                        ],
+                        "min_group_size": floor,
                         "honest_agree": report.get("peers_agree"),
                         "honest_banned": sum(
                             1 for p in report.get("peers", []) if p.get("banned") and not p.get("byzantine")
@@ -120,6 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(cells, indent=2))
     return 0
+
+
+def attacked_floor(peers: int, f: int, given: int | None) -> int | None:
+    """The ``--min-group-size`` of a run with ``f`` attackers: ``given``, else ``peers - f`` where swarm-sim's
+    own floor (an honest majority in every group, 2f + 1) is more than the honest peers alone can form once
+    sender checks ban the attackers (fewer than 3f + 1 peers), else None (swarm-sim's)."""
+    if given is not None:
+        return given
+    return peers - f if f and peers < 3 * f + 1 else None
+
+
+def ban_step(reason: str) -> str:
+    """The step a ban's reason names (the round of the proven lie), or "-" for one that names none (a
+    signed weight no loop signs)."""
+    found = re.search(r"at step (\d+)", reason)
+    return found.group(1) if found else "-"
 
 
 def table(cells: dict, rules: list[str]) -> str:
@@ -139,7 +170,10 @@ def table(cells: dict, rules: list[str]) -> str:
         gaps = [
             " / ".join(_gap(row[r]["final_val_loss"], cleans[row["repeat"]]) for row in rows) for r in rules
         ]
-        banned = " / ".join(f"{row[r]['banned']}/{f}" for row in rows for r in rules)
+        banned = " / ".join(
+            f"{row[r]['banned']}/{f}" + (f" at {','.join(row[r]['ban_steps'])}" if row[r].get("ban_steps") else "")
+            for row in rows for r in rules
+        )  # fmt: skip
         agree = "yes" if all(row[r]["honest_agree"] for row in rows for r in rules) else "NO"
         honest_banned = sum(row[r]["honest_banned"] for row in rows for r in rules)
         lines.append(

@@ -214,11 +214,23 @@ def test_byzantine_table_prints_each_repeat_against_its_own_clean_run_and_refuse
         "clean": [{"final_val_loss": 4.0}, {"final_val_loss": 5.0}],
         "runs": [
             {"attack": "ipm", "f": 2, "repeat": 0, "centered_clip": cell(4.2, 0)},
-            {"attack": "ipm", "f": 2, "repeat": 1, "centered_clip": cell(4.5, 2)},
+            {
+                "attack": "ipm",
+                "f": 2,
+                "repeat": 1,
+                "centered_clip": {**cell(4.5, 2), "ban_steps": ["0", "-"]},
+            },
         ],
     }
     row = byzantine_table.table(cells, ["centered_clip"]).splitlines()[-1]
-    assert row == "| `ipm` | 2 | 4.2000 / 4.5000 | +5.0% / -10.0% | 4.0000 / 5.0000 | 0/2 / 2/2 | yes | 0 |"
+    assert (
+        row
+        == "| `ipm` | 2 | 4.2000 / 4.5000 | +5.0% / -10.0% | 4.0000 / 5.0000 | 0/2 / 2/2 at 0,- | yes | 0 |"
+    )
+    # The step a ban names; and 5 peers of which 2 attack go on as 3 honest peers once both are banned.
+    assert byzantine_table.ban_step("... (80 samples at step 3, part 0 chunk 0)") == "3"
+    assert byzantine_table.ban_step("signed a weight no loop signs") == "-"
+    assert [byzantine_table.attacked_floor(n, f, None) for n, f in ((5, 2), (8, 3), (7, 2))] == [3, 5, None]
     result = subprocess.run(
         [sys.executable, "benchmarks/byzantine_table.py", "--rules", "median,mean"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
