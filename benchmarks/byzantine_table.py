@@ -6,7 +6,8 @@ attack and attacker count f, the final validation loss under `mean` and under `c
 clean run's, centered_clip's gap to the clean run in percent, and how many attackers ended banned, with the
 step each ban names (the round of the lie the sender checks proved; "-": a false weight claim, which names
 none). With fewer than 3f + 1 peers the attacked runs set `--min-group-size` to the honest peers' count, so
-that they go on once the attackers are banned (`--min-group-size` sets another).
+that they go on once the attackers are banned (`--min-group-size` sets another), and the clean run forms
+its groups under the same floor.
 
 Usage::
 
@@ -101,8 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     # Repeat by repeat, the clean run first and then every cell: each repeat's cells are compared with its
     # own clean run, and the systems interleave (clean, attacks, clean, attacks) instead of running apart.
     cells: dict = {"clean": [], "runs": []}
+    # The clean run forms its groups under the same floor as the attacked runs (with several f, the lowest):
+    # a floor below every peer lets groups form without a late honest peer, which then catches up instead
+    # of adding its window, and the clean run must pay that as the attacked ones do.
+    floors = [
+        x for x in (attacked_floor(args.peers, int(f), args.min_group_size) for f in args.f.split(",")) if x
+    ]
+    clean_flags = [*base, *(["--min-group-size", str(min(floors))] if floors else [])]
     for repeat in range(args.repeats):
-        clean = run_sim(base, args.timeout_s)
+        clean = run_sim(clean_flags, args.timeout_s)
         cells["clean"].append(clean)
         print(f"repeat {repeat}: clean {_loss(clean.get('final_val_loss'))} "
               f"(initial {_loss(clean.get('initial_val_loss'))})", flush=True)  # fmt: skip
