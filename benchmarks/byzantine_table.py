@@ -5,18 +5,19 @@ by default so the whole table fits in well under an hour on 2 cores. Prints a ma
 attack and attacker count f, the final validation loss under `mean` and under `centered_clip`, the
 clean run's, centered_clip's gap to the clean run in percent, and how many attackers ended banned, with the
 step each ban names (the round of the lie the sender checks proved; "-": a false weight claim, which names
-none). With fewer than 3f + 1 peers the attacked runs set `--min-group-size` to the honest peers' count, so
-that they go on once the attackers are banned (`--min-group-size` sets another), and the clean run forms
-its groups under the same floor.
+none). Every run of a row forms its groups under swarm-sim's floor with f attackers, max(2f + 1, peers - f),
+the clean run included; with fewer than 3f + 1 peers no floor both keeps an honest majority in every group
+and lets the honest peers go on once the attackers are banned, and the table refuses to run unless told
+`--min-group-size`.
 
 Usage::
 
-    python benchmarks/byzantine_table.py                         # 8 peers, f = 2 and 3, every attack
-    python benchmarks/byzantine_table.py --peers 5 --f 2 --attacks sign_flip,bad_reducer --json t.json
+    python benchmarks/byzantine_table.py                         # 8 peers, f = 2, every attack
+    python benchmarks/byzantine_table.py --peers 7 --f 2 --attacks sign_flip,bad_reducer --json t.json
     python benchmarks/byzantine_table.py --sync diloco --inner-steps 10 --compression int8 --steps 4
-    python benchmarks/byzantine_table.py --rules centered_clip --repeats 2 --peers 5 --f 2 --attacks ipm
+    python benchmarks/byzantine_table.py --rules centered_clip --repeats 2 --peers 7 --f 2 --attacks ipm
     python benchmarks/byzantine_table.py --sync diloco --inner-steps 10 --compression int8 --window-stretch 1 \
-        --peers 5 --f 2 --steps 8 --rules centered_clip --repeats 2
+        --peers 7 --f 2 --steps 8 --rules centered_clip --repeats 2
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _gap(value, clean) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peers", type=int, default=8)
-    parser.add_argument("--f", default="2,3", help="attacker counts, comma-separated")
+    parser.add_argument("--f", default="2", help="attacker counts, comma-separated (each needs 3f + 1 peers)")
     parser.add_argument("--attacks", default=",".join(attack_names()))
     parser.add_argument("--rules", default=",".join(RULES), help="robust rules, comma-separated")
     parser.add_argument(
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", default="fp16", help="codec on the wire (int8 for the diloco table)")
     parser.add_argument(
         "--min-group-size", type=int, default=None,
-        help="training.min_group_size of the attacked runs (default: swarm-sim's, max(2f + 1, peers - f); "
-        "with fewer than 3f + 1 peers, peers - f, so that the honest peers go on once the attackers are banned)",
+        help="training.min_group_size of every run (default: swarm-sim's with f attackers, max(2f + 1, peers - f)); "
+        "needed to rehearse fewer than 3f + 1 peers",
     )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -102,25 +103,30 @@ def main(argv: list[str] | None = None) -> int:
     # Repeat by repeat, the clean run first and then every cell: each repeat's cells are compared with its
     # own clean run, and the systems interleave (clean, attacks, clean, attacks) instead of running apart.
     cells: dict = {"clean": [], "runs": []}
-    # The clean run forms its groups under the same floor as the attacked runs (with several f, the lowest):
-    # a floor below every peer lets groups form without a late honest peer, which then catches up instead
-    # of adding its window, and the clean run must pay that as the attacked ones do.
-    floors = [
-        x for x in (attacked_floor(args.peers, int(f), args.min_group_size) for f in args.f.split(",")) if x
+    fs = [int(x) for x in args.f.split(",")]
+    problems = [p for p in (floor_problem(args.peers, f, args.min_group_size) for f in fs) if p]
+    if problems:
+        parser.error(problems[0])
+    # The clean run forms its groups under the attacked runs' floor (with several f, the lowest): a floor
+    # below every peer lets groups form without a late honest peer, which then catches up instead of adding
+    # its window, and the clean run must pay that as the attacked ones do.
+    clean_flags = [
+        *base,
+        "--min-group-size",
+        str(min(group_floor(args.peers, f, args.min_group_size) for f in fs)),
     ]
-    clean_flags = [*base, *(["--min-group-size", str(min(floors))] if floors else [])]
     for repeat in range(args.repeats):
         clean = run_sim(clean_flags, args.timeout_s)
         cells["clean"].append(clean)
         print(f"repeat {repeat}: clean {_loss(clean.get('final_val_loss'))} "
               f"(initial {_loss(clean.get('initial_val_loss'))})", flush=True)  # fmt: skip
-        for f in [int(x) for x in args.f.split(",")]:
+        for f in fs:
             for attack in args.attacks.split(","):
                 row = {"attack": attack, "f": f, "repeat": repeat}
-                floor = attacked_floor(args.peers, f, args.min_group_size)
+                floor = group_floor(args.peers, f, args.min_group_size)
                 for rule in rules:
                     report = run_sim([*base, "--byzantine", str(f), "--attack", attack, "--aggregator", rule,
-                                      *(["--min-group-size", str(floor)] if floor else [])],
+                                      "--min-group-size", str(floor)],
                                      args.timeout_s)  # fmt: skip
                     attackers = [p for p in report.get("peers", []) if p.get("byzantine")]
                     row[rule] = {
@@ -145,13 +151,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def attacked_floor(peers: int, f: int, given: int | None) -> int | None:
-    """The ``--min-group-size`` of a run with ``f`` attackers: ``given``, else ``peers - f`` where swarm-sim's
-    own floor (an honest majority in every group, 2f + 1) is more than the honest peers alone can form once
-    sender checks ban the attackers (fewer than 3f + 1 peers), else None (swarm-sim's)."""
-    if given is not None:
-        return given
-    return peers - f if f and peers < 3 * f + 1 else None
+def group_floor(peers: int, f: int, given: int | None) -> int:
+    """``training.min_group_size`` of the runs of a row with ``f`` attackers: ``given``, else swarm-sim's own
+    floor with attackers, max(2f + 1, peers - f): every group holds an honest majority, and the honest
+    peers alone still form one once sender checks ban the attackers."""
+    return given if given is not None else max(2 * f + 1, peers - f)
+
+
+def floor_problem(peers: int, f: int, given: int | None) -> str | None:
+    """Why ``f`` attackers among ``peers`` cannot be rehearsed under the floor ``given`` (None: swarm-sim's),
+    or None: with fewer than 3f + 1 peers a floor that keeps every group's honest majority (2f + 1) is
+    more than the honest peers can form once the attackers are banned (the run stalls), and a lower one
+    lets a group of attackers and one honest peer apply the attackers' update."""
+    if given is not None or not f or peers >= 3 * f + 1:
+        return None
+    return (
+        f"--peers {peers} with f = {f}: the honest peers ({peers - f}) cannot form a group of 2f + 1 = {2 * f + 1} "
+        f"once sender checks ban the attackers, and a smaller group can hold an attacker majority; rehearse "
+        f"{3 * f + 1} peers or more, or choose with --min-group-size"
+    )
 
 
 def ban_step(reason: str) -> str:

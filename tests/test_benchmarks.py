@@ -227,15 +227,22 @@ def test_byzantine_table_prints_each_repeat_against_its_own_clean_run_and_refuse
         row
         == "| `ipm` | 2 | 4.2000 / 4.5000 | +5.0% / -10.0% | 4.0000 / 5.0000 | 0/2 / 2/2 at 0,- | yes | 0 |"
     )
-    # The step a ban names; and 5 peers of which 2 attack go on as 3 honest peers once both are banned.
+    # The step a ban names; and the floor of a row's runs: an honest majority in every group, which the
+    # honest peers alone still reach once the attackers are banned.
     assert byzantine_table.ban_step("... (80 samples at step 3, part 0 chunk 0)") == "3"
     assert byzantine_table.ban_step("signed a weight no loop signs") == "-"
-    assert [byzantine_table.attacked_floor(n, f, None) for n, f in ((5, 2), (8, 3), (7, 2))] == [3, 5, None]
+    assert [byzantine_table.group_floor(n, f, None) for n, f in ((7, 2), (10, 3), (12, 2))] == [5, 7, 10]
     result = subprocess.run(
         [sys.executable, "benchmarks/byzantine_table.py", "--rules", "median,mean"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and "--rules 'median,mean'" in result.stderr
+    # 5 peers of which 2 attack: no floor keeps both, and the table says so instead of stalling.
+    result = subprocess.run(
+        [sys.executable, "benchmarks/byzantine_table.py", "--peers", "5", "--f", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "rehearse 7 peers or more" in result.stderr
 
 
 def test_ban_table_reads_the_step_of_the_proven_lie_and_the_honest_replays_and_refuses_too_few_peers():
