@@ -38,8 +38,9 @@ as the samples it signed for. So a groupmate can recompute it:
    is a public fact an honest input holds, and an input that fits it worse than the other inputs do is
    replayed. Which reducer scores a sender, and against which micro-batch, a hash of the chunk's other
    signed inputs says (``fit_draw``), unknown to the sender when it signs; about one fit a sender a round.
-   One micro-batch's gradient a fit, a member spending ``FIT_SHARE`` of its own micro-batches on them (in
-   some rounds only where it computes few: which, by its own randomness). The coordinator scores the same
+   One micro-batch's gradient a fit, a member spending ``FIT_SHARE`` of its own micro-batches on them and
+   on the replays of honest senders they point to (``FitBudget``; in some rounds only where it computes
+   few: which, by its own randomness). The coordinator scores the same
    fit on the state it downloads before it recomputes, so only a poor fit (or a drawn or standing-out
    sender) can be put to it.
 
@@ -120,11 +121,18 @@ MAX_SCORED_CHUNKS = 4
 ACCUSE_MARGIN = 0.1
 #: Replays running or waiting their turn at once (each holds its round's state copy).
 MAX_REPLAYS_DUE = 2
-#: The share of its own micro-batches a member spends, in expectation, on scoring fits (``_poor_fit``: one
-#: micro-batch's gradient each): in diloco a window of H inner steps affords a fit a round for H >= 10; in
-#: every_step a peer that computes few micro-batches a step scores its named senders in some rounds only,
-#: by its own randomness, so nobody can tell which.
-FIT_SHARE = 0.1
+#: The share of its own micro-batches a member spends on fits (``_poor_fit``), counted in micro-batches: one
+#: a fit scored (its gradient; 0.56-0.81 of a whole micro-batch's on the demo model) and the whole replay of
+#: each sender a poor fit pointed to that the replay found honest (``FitBudget``). In diloco a window of H
+#: inner steps affords a fit a round for H >= 14; in every_step a peer that computes few micro-batches a
+#: step scores its named senders in some rounds only, by its own randomness, so nobody can tell which. An
+#: honest input's fit falls below the others' more often the more micro-batches it holds (its own batch
+#: is a smaller share of it), and each such replay costs a whole step: the budget holds the cost whatever
+#: that rate, and spends less on fits where it is high.
+FIT_SHARE = 0.075
+#: The most a member saves of its fit budget, in rounds of it: a member named for no fit for a while does
+#: not then spend many rounds' worth at once.
+FIT_CREDIT_ROUNDS = 4
 #: Rounds for which a sender whose replay for standing out found it honest is only sometimes replayed for
 #: standing out again by that member: colluders that move a chunk's median can make an honest sender stand
 #: out, and would otherwise cost its reducers a replay (a step, or a window) in every round.
@@ -150,6 +158,28 @@ def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: St
         lie.check_fits_poorly(run, copy.tensors, runner.codec, runner.numel, device=device)
 
 
+class FitBudget:
+    """What a member may still spend on fits, in micro-batches: it earns ``FIT_SHARE`` of the micro-batches it
+    computed for each round it may score in (saving at most ``FIT_CREDIT_ROUNDS`` rounds' worth) and spends
+    one a fit scored and the whole replay of each sender a poor fit pointed to that the replay cleared. A
+    replay that convicts costs the budget nothing: the budget bounds what fits cost an honest run."""
+
+    def __init__(self, share: float = FIT_SHARE):
+        self.share = share
+        self.credit = 0.0
+
+    def earn(self, own_micro_batches: float) -> None:
+        earned = self.share * max(0.0, own_micro_batches)
+        self.credit = min(self.credit + earned, FIT_CREDIT_ROUNDS * earned)
+
+    def afford(self, candidates: int) -> float:
+        """The probability of scoring each of ``candidates`` named senders: the credit spread over them."""
+        return min(1.0, max(0.0, self.credit) / candidates) if candidates > 0 else 0.0
+
+    def spend(self, micro_batches: float) -> None:
+        self.credit -= micro_batches
+
+
 class SenderChecks:
     """One validator's sender checks (see the module docstring). ``state`` reads this peer's step, state
     hash and a copy of its state tensors; ``accuse`` files evidence (None: only logged); ``suspect``
@@ -163,6 +193,9 @@ class SenderChecks:
         self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
         self.fits = 0  # senders whose fit to a micro-batch of theirs this member scored (``_poor_fit``)
         self.fit_s = 0.0  # the time those scores took (a micro-batch's gradient each)
+        self.fit_budget = FitBudget(
+            FIT_SHARE
+        )  # what fits and the honest replays they point to may still cost
         self.replay_s = 0.0  # the time replays took (a sender's step, or its window, each)
         # Senders that stood out and whose replay found them honest -> the last round (of ``rounds``, the
         # complete rounds seen) in which they are not replayed for standing out again.
@@ -257,11 +290,18 @@ class SenderChecks:
             if claim is None and own_claim is not None:
                 claim = (own, own_claim)
             # or one whose input does not fit one of its own micro-batches
+            from_fit = odd is None
             picked = (own, odd) if odd is not None else await self._poor_fit(runner, own_draw, copy, reveals)
             if picked is not None:
                 evidence, odd = picked
                 self.outliers += 1
-                await self._check_one(runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy)
+                cleared = await self._check_one(
+                    runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy
+                )
+                if (
+                    from_fit and cleared
+                ):  # an honest sender's poor fit: its replay comes out of the fit budget
+                    self.fit_budget.spend(whole_micro_batches(self.run, odd.weight))
         # A false weight claim needs no replay, so it takes no replay's place: one a round, filed after the
         # replays, so that decoys' claims cannot fill the filing queue ahead of a liar a replay caught.
         if claim is not None:
@@ -341,7 +381,8 @@ class SenderChecks:
         (``swarm.averaging.scores.fits_poorly``): among ``_fit_candidates``, except a sender cleared of late
         in rounds whose draw spares it (``still_replayed``); with the chunk as evidence; None if none.
         Each sender scored costs a micro-batch's gradient, on a worker thread, and a member spends
-        ``FIT_SHARE`` of its own micro-batches on them, in expectation, by its own randomness."""
+        ``FIT_SHARE`` of its own micro-batches on them and on the honest replays they point to
+        (``FitBudget``), which senders it scores drawn by its own randomness."""
         evidence = self._own_chunk(runner, seed)
         candidates = [
             item for item in self._fit_candidates(runner, evidence)
@@ -350,7 +391,8 @@ class SenderChecks:
         if not candidates:
             return None
         own = next((x.weight for x in evidence.inputs if x.sender_index == runner.index), 0.0)
-        afford = min(1.0, FIT_SHARE * own / self.run.training.micro_batch_size / len(candidates))
+        self.fit_budget.earn(own / self.run.training.micro_batch_size)
+        afford = self.fit_budget.afford(len(candidates))
         items = [x for x in candidates if int.from_bytes(os.urandom(8), "big") < afford * 2**64]
         if not items:
             return None
@@ -378,7 +420,9 @@ class SenderChecks:
                     self.fit_s += time.monotonic() - started
             return None
 
+        before = self.fits
         odd = await asyncio.to_thread(score)
+        self.fit_budget.spend(self.fits - before)
         if odd is not None:
             logger.info(
                 f"{runner.members[odd.sender_index]}'s input to part {evidence.part} chunk {evidence.chunk} fits "
@@ -429,7 +473,8 @@ class SenderChecks:
         pick = outlier_to_replay([], odd, seed=seed, part=evidence.part, chunk=evidence.chunk, drawn=drawn)
         return item(claims[0] if claims else None), item(pick)
 
-    async def _check_one(self, runner, lie: WrongContributionEvidence, copy: StateCopy) -> None:
+    async def _check_one(self, runner, lie: WrongContributionEvidence, copy: StateCopy) -> bool:
+        """Replay ``lie``'s sender and file what it proves; whether the replay ran and found it honest."""
         accused = lie.accused
         try:
             step, state_hash = lie.facts()
@@ -437,11 +482,11 @@ class SenderChecks:
                 logger.info(
                     f"{accused} joined round {runner.group_id.hex()[:8]} at another state; not checked"
                 )
-                return
+                return False
             if self.replays_due >= MAX_REPLAYS_DUE:  # replays slower than rounds: not piled up
                 self.skipped += 1
                 logger.info(f"skipped the check of {accused}: replays of earlier rounds are still due")
-                return
+                return False
             self.replays_due += 1
             if lie.scored is not None:
                 logger.info(
@@ -465,12 +510,12 @@ class SenderChecks:
                 self.replays_due -= 1
         except Exception as e:  # a replay this peer cannot run: nobody is accused
             logger.warning(f"could not check the contribution of {accused}: {e!r}"[:500])
-            return
+            return False
         if verdict is None:
             logger.debug(f"recomputed the contribution of {accused} to part {lie.part} chunk {lie.chunk}")
             if lie.scored is not None:  # it stood out, honestly: not replayed for that again for a while
                 self.cleared[accused] = self.rounds + CLEARED_ROUNDS
-            return
+            return True
         self.caught += 1
         logger.warning(f"{accused} {verdict} in round {runner.group_id.hex()[:8]}")
         if self.suspect is not None:
@@ -479,16 +524,17 @@ class SenderChecks:
             # Found by this member's own draw (a member withheld its nonce): the coordinator could not
             # tell it was drawn. A sender that stands out, or whose input does not decode, is filed all
             # the same: that needs no draw.
-            return
+            return False
         try:  # what the coordinator checks first: evidence that does not hold would ban this member
             await asyncio.to_thread(_would_hold, lie, self.run, runner, copy, self.device)
         except SwarmError as e:
             logger.warning(f"not filing against {accused}: the evidence would not hold ({e})"[:500])
-            return
+            return False
         if not self.accusations.file(accused, lie, verdict, copy):
             # The coordinator takes one accusation of a validator at a time, each waiting with its state; a
             # lie beyond what the queue holds is avoided (a decoy's accusation must not spare the liar).
             logger.info(f"{accused} is avoided, not accused: this validator's accusations are still judged")
+        return False
 
     async def filed(self) -> None:
         """Wait until the accusations being filed, if any, are answered or given up."""
