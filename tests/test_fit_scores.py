@@ -204,24 +204,40 @@ def test_honest_senders_that_fit_poorly_cost_a_member_no_more_than_its_fit_share
     """The more micro-batches an honest input holds, the more often it fits one of them worse than the
     others' inputs do (2% of chunks at 2 micro-batches, 13-17% at 8 on the tiny model), and each such
     replay costs the whole step. Whatever that rate, fits and those replays together cost a member at most
-    ``FIT_SHARE`` of its own micro-batches (and one replay ahead of it); where the rate is low, it scores
-    a fit in every round the budget allows."""
+    ``FIT_SHARE`` of its own micro-batches (and one replay ahead of it a sender); where the rate is low, it
+    scores a fit in every round the budget allows."""
     for poor_rate, micro_batches in ((0.0, 8), (0.17, 8), (1.0, 8), (0.02, 2)):
         budget = sendercheck.FitBudget()
         rng, fits, spent, rounds = random.Random(7), 0, 0.0, 2000
         for _ in range(rounds):
-            budget.earn(micro_batches)
-            if rng.random() < budget.afford(1):  # one sender named for this member's fit a round
+            budget.earn(micro_batches, ["sender"])  # one sender named for this member's fit a round
+            if rng.random() < budget.afford("sender"):
                 fits += 1
                 cost = 1 + (
                     micro_batches if rng.random() < poor_rate else 0
                 )  # the fit, and a clearing replay
-                budget.spend(cost)
+                budget.spend("sender", cost)
                 spent += cost
         earned = sendercheck.FIT_SHARE * micro_batches * rounds
         assert spent <= earned + 1 + micro_batches, (poor_rate, micro_batches, spent, earned)
         expected = min(1.0, sendercheck.FIT_SHARE * micro_batches) * rounds / (1 + poor_rate * micro_batches)
         assert fits >= 0.8 * min(expected, rounds), (poor_rate, micro_batches, fits, expected)
+
+
+def test_a_sender_whose_honest_fits_are_poor_spends_its_own_fits_and_not_a_liars():
+    """A heavy honest input fits one of its micro-batches more loosely, and a sender that reads the public
+    seeds can tell beforehand where. Its clearing replays are paid out of its own account at the member:
+    it puts its own fits there into debt, and the fits of a liar named beside it go on at their rate."""
+    budget = sendercheck.FitBudget()
+    budget.earn(2, ["heavy", "liar"])
+    budget.spend("heavy", 1 + 32)  # its fit, and the replay of a 32 micro-batch step that cleared it
+    scored_liar = 0
+    for _ in range(40):
+        budget.earn(2, ["heavy", "liar"])
+        assert budget.afford("heavy") == 0.0
+        scored_liar += budget.afford("liar") > 0
+    saved = sendercheck.FIT_CREDIT_ROUNDS * sendercheck.FIT_SHARE * 2 / 2  # its share of 2, saved 4 rounds
+    assert scored_liar == 40 and budget.afford("liar") == pytest.approx(saved)
 
 
 def test_a_fits_gradient_is_taken_for_its_chunk_alone_with_the_same_values(world):

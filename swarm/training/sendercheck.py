@@ -123,16 +123,19 @@ ACCUSE_MARGIN = 0.1
 MAX_REPLAYS_DUE = 2
 #: The share of its own micro-batches a member spends on fits (``_poor_fit``), counted in micro-batches: one
 #: a fit scored (its gradient; 0.56-0.81 of a whole micro-batch's on the demo model) and the whole replay of
-#: each sender a poor fit pointed to that the replay found honest (``FitBudget``). In diloco a window of H
+#: each sender a poor fit pointed to that convicted nobody, each sender's out of its own account
+#: (``FitBudget``). In diloco a window of H
 #: inner steps affords a fit a round for H >= 14; in every_step a peer that computes few micro-batches a
 #: step scores its named senders in some rounds only, by its own randomness, so nobody can tell which. An
 #: honest input's fit falls below the others' more often the more micro-batches it holds (its own batch
 #: is a smaller share of it), and each such replay costs a whole step: the budget holds the cost whatever
 #: that rate, and spends less on fits where it is high.
 FIT_SHARE = 0.075
-#: The most a member saves of its fit budget, in rounds of it: a member named for no fit for a while does
-#: not then spend many rounds' worth at once.
+#: The most a member saves of its fit budget for a sender, in rounds of it: a sender named for no fit for a
+#: while is not then scored many rounds' worth at once.
 FIT_CREDIT_ROUNDS = 4
+#: Senders a member keeps a fit account for (``FitBudget``): a group holds at most ``max_group_size``.
+MAX_FIT_ACCOUNTS = 4096
 #: Rounds for which a sender whose replay for standing out found it honest is only sometimes replayed for
 #: standing out again by that member: colluders that move a chunk's median can make an honest sender stand
 #: out, and would otherwise cost its reducers a replay (a step, or a window) in every round.
@@ -159,25 +162,44 @@ def _would_hold(lie: WrongContributionEvidence, run: RunConfig, runner, copy: St
 
 
 class FitBudget:
-    """What a member may still spend on fits, in micro-batches: it earns ``FIT_SHARE`` of the micro-batches it
-    computed for each round it may score in (saving at most ``FIT_CREDIT_ROUNDS`` rounds' worth) and spends
-    one a fit scored and the whole replay of each sender a poor fit pointed to that the replay cleared. A
-    replay that convicts costs the budget nothing: the budget bounds what fits cost an honest run."""
+    """What a member may still spend on fits, in micro-batches, one account per sender it scores: each round it
+    may score in, it earns ``FIT_SHARE`` of the micro-batches it computed, shared among the senders named for
+    its fit that round (each account saving at most ``FIT_CREDIT_ROUNDS`` rounds' worth), and a sender's
+    account pays one for each fit of it scored and the whole replay of it each time a poor fit pointed to it
+    and the replay convicted nobody (found it honest, or could not finish). A replay that convicts costs
+    nothing. So fits cost an honest run at most ``FIT_SHARE`` of a member's compute (and one replay ahead a
+    sender), and a sender whose honest fits are poor (a heavy input fits one of its micro-batches more
+    loosely) uses up its own fits at this member, not the others': it cannot put a member's fits of a
+    liar into debt. Accounts are kept for ``MAX_FIT_ACCOUNTS`` senders, the longest untouched dropped."""
 
     def __init__(self, share: float = FIT_SHARE):
         self.share = share
-        self.credit = 0.0
+        self.accounts: OrderedDict[str, float] = OrderedDict()
 
-    def earn(self, own_micro_batches: float) -> None:
-        earned = self.share * max(0.0, own_micro_batches)
-        self.credit = min(self.credit + earned, FIT_CREDIT_ROUNDS * earned)
+    @property
+    def credit(self) -> float:
+        """What all the accounts hold together (negative where some are in debt)."""
+        return sum(self.accounts.values())
 
-    def afford(self, candidates: int) -> float:
-        """The probability of scoring each of ``candidates`` named senders: the credit spread over them."""
-        return min(1.0, max(0.0, self.credit) / candidates) if candidates > 0 else 0.0
+    def earn(self, own_micro_batches: float, senders: Sequence[str]) -> None:
+        if not senders:
+            return
+        each = self.share * max(0.0, own_micro_batches) / len(senders)
+        for sender in senders:
+            self._set(sender, min(self.accounts.get(sender, 0.0) + each, FIT_CREDIT_ROUNDS * each))
 
-    def spend(self, micro_batches: float) -> None:
-        self.credit -= micro_batches
+    def afford(self, sender: str) -> float:
+        """The probability of scoring ``sender``'s fit this round: its account's credit, at most 1."""
+        return min(1.0, max(0.0, self.accounts.get(sender, 0.0)))
+
+    def spend(self, sender: str, micro_batches: float) -> None:
+        self._set(sender, self.accounts.get(sender, 0.0) - micro_batches)
+
+    def _set(self, sender: str, credit: float) -> None:
+        self.accounts[sender] = credit
+        self.accounts.move_to_end(sender)
+        while len(self.accounts) > MAX_FIT_ACCOUNTS:
+            self.accounts.popitem(last=False)
 
 
 class SenderChecks:
@@ -295,13 +317,10 @@ class SenderChecks:
             if picked is not None:
                 evidence, odd = picked
                 self.outliers += 1
-                cleared = await self._check_one(
-                    runner, self._lie(evidence, odd, copy, reveals, scored=evidence), copy
-                )
-                if (
-                    from_fit and cleared
-                ):  # an honest sender's poor fit: its replay comes out of the fit budget
-                    self.fit_budget.spend(whole_micro_batches(self.run, odd.weight))
+                lie = self._lie(evidence, odd, copy, reveals, scored=evidence)
+                if await self._check_one(runner, lie, copy) and from_fit:
+                    # A poor fit whose replay convicted nobody: the replay comes out of the sender's account.
+                    self.fit_budget.spend(lie.accused, whole_micro_batches(self.run, odd.weight))
         # A false weight claim needs no replay, so it takes no replay's place: one a round, filed after the
         # replays, so that decoys' claims cannot fill the filing queue ahead of a liar a replay caught.
         if claim is not None:
@@ -391,11 +410,21 @@ class SenderChecks:
         if not candidates:
             return None
         own = next((x.weight for x in evidence.inputs if x.sender_index == runner.index), 0.0)
-        self.fit_budget.earn(own / self.run.training.micro_batch_size)
-        afford = self.fit_budget.afford(len(candidates))
-        items = [x for x in candidates if int.from_bytes(os.urandom(8), "big") < afford * 2**64]
+        budget = self.fit_budget
+        budget.earn(
+            own / self.run.training.micro_batch_size, [runner.members[x.sender_index] for x in candidates]
+        )
+        items = [
+            x for x in candidates
+            if int.from_bytes(os.urandom(8), "big") < budget.afford(runner.members[x.sender_index]) * 2**64
+        ]  # fmt: skip
         if not items:
             return None
+        # Scored in an order of this member's own randomness: a sender that fits poorly first in member
+        # order must not spare a liar scored after it (one replay a round).
+        items.sort(key=lambda _: os.urandom(8))
+
+        scored: list[str] = []  # the senders whose fits this round scored (each pays one to its account)
 
         def score() -> SignedInput | None:  # decoding and gradients: off the event loop
             try:
@@ -407,6 +436,7 @@ class SenderChecks:
                 started = time.monotonic()
                 try:
                     self.fits += 1
+                    scored.append(lie.accused)
                     if copy.model is None:
                         copy.model, _ = state_model(self.run, copy.tensors, self.device)
                     if lie.fit_is_poor(
@@ -420,9 +450,11 @@ class SenderChecks:
                     self.fit_s += time.monotonic() - started
             return None
 
-        before = self.fits
-        odd = await asyncio.to_thread(score)
-        self.fit_budget.spend(self.fits - before)
+        try:
+            odd = await asyncio.to_thread(score)
+        finally:
+            for sender in scored:
+                budget.spend(sender, 1.0)
         if odd is not None:
             logger.info(
                 f"{runner.members[odd.sender_index]}'s input to part {evidence.part} chunk {evidence.chunk} fits "
@@ -474,8 +506,10 @@ class SenderChecks:
         return item(claims[0] if claims else None), item(pick)
 
     async def _check_one(self, runner, lie: WrongContributionEvidence, copy: StateCopy) -> bool:
-        """Replay ``lie``'s sender and file what it proves; whether the replay ran and found it honest."""
+        """Replay ``lie``'s sender and file what it proves; whether a replay ran and convicted nobody (it found
+        the sender honest, or could not finish: past its time, or not finite)."""
         accused = lie.accused
+        ran = False
         try:
             step, state_hash = lie.facts()
             if (step, state_hash) != (copy.step, copy.state_hash):  # excluded from rounds (step_misfit)
@@ -499,6 +533,7 @@ class SenderChecks:
                     # A replay is as long as the sender's signed claim (at most a whole step or window);
                     # one past the coordinator's own budget could not be judged, so it stops there.
                     started = time.monotonic()
+                    ran = True
                     try:
                         verdict = await asyncio.to_thread(
                             lie.judge, self.run, copy.tensors, runner.codec, vector_numel=runner.numel,
@@ -510,7 +545,7 @@ class SenderChecks:
                 self.replays_due -= 1
         except Exception as e:  # a replay this peer cannot run: nobody is accused
             logger.warning(f"could not check the contribution of {accused}: {e!r}"[:500])
-            return False
+            return ran
         if verdict is None:
             logger.debug(f"recomputed the contribution of {accused} to part {lie.part} chunk {lie.chunk}")
             if lie.scored is not None:  # it stood out, honestly: not replayed for that again for a while
