@@ -44,7 +44,7 @@ from swarm.standing import Standing
 from swarm.training.catchup import Groupmates
 from swarm.training.hooks import TrainingHooks
 from swarm.training.memory import peak_memory_bytes
-from swarm.training.progress import ClaimBounds, PeerProgress, ProgressView, step_misfit
+from swarm.training.progress import PeerProgress, ProgressView, step_misfit
 from swarm.training.resync import CatchUp
 from swarm.training.sendercheck import SenderChecks
 from swarm.training.state import build_optimizer, ensure_optimizer_state, state_tensors
@@ -178,7 +178,6 @@ class TrainingPeer:
         self.contributed_samples = 0
         # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
         self.groupmates = Groupmates()
-        self.claim_bounds = ClaimBounds()  # what of other peers' progress claims counts (verified shares)
         self._searches = FailedSearches()  # matchmaking at this step that formed no group (widens the window)
         # Serving the synced state, and moving to the state the run holds (swarm.training.resync).
         self.catchup = CatchUp(
@@ -370,13 +369,8 @@ class TrainingPeer:
         await self.policy.refresh_bans()
 
     def _others_at_step(self) -> list[int]:
-        """The samples the other peers at this step claim, by their signed progress records, each counted at
-        most as far as its verified share of past rounds bears out (``ClaimBounds``)."""
-        return [
-            self.claim_bounds.counted(p.peer_id, p.samples, self.samples)
-            for p in self.view.values()
-            if p.step == self.step and p.peer_id != self.peer_id
-        ]
+        """The samples the other peers at this step claim, by their signed progress records."""
+        return [p.samples for p in self.view.values() if p.step == self.step and p.peer_id != self.peer_id]
 
     def ready_for_round(self) -> bool:
         """Whether this peer's round is due, by the strategy (with every_step: the peers at this step hold
@@ -492,7 +486,6 @@ class TrainingPeer:
         self._journal("applied", group, step=self.step - 1, state_hash=self.state_hash)
         self.contributed_samples += contributed
         self.groupmates.record([str(p) for p in group.peer_ids if str(p) != self.peer_id], self.step)
-        self.claim_bounds.record([str(p) for p in group.peer_ids], group.weights, self.peer_id)
         self.witness.record(group)
         self.last_group_size = len(group.peer_ids)
         self._step_view = self.progress_view.count

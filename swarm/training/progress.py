@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 import hivemind
@@ -25,11 +23,6 @@ from swarm.records import RecordSigner, RecordTrust, record_key
 from swarm.training.catchup import Position, PositionHistory
 
 logger = logging.getLogger(__name__)
-#: How many times its share of the last applied round (relative to this peer's, see ``ClaimBounds``) another
-#: peer's progress claim may count: speeds vary from step to step.
-CLAIM_SLACK = 2.0
-#: Peers whose share of their last round with this peer is kept (``ClaimBounds``), the longest unseen dropped.
-MAX_CLAIM_RATES = 4096
 # The least time one progress exchange (publish, read, ban list) may take before it is given up and retried.
 PROGRESS_EXCHANGE_MIN_TIMEOUT_S = 10.0
 
@@ -169,35 +162,3 @@ def step_misfit(
     # entries beside its own at this peer's step must not make it avoid them once it has caught up.
     backed = type(step) is int and (step < mine["step"] or step in held)
     return Misfit(f"claims step {str(step)[:32]}, not this round's {mine['step']}", blamed=not backed)
-
-
-class ClaimBounds:
-    """How many of another peer's claimed samples (``ProgressRecordBody.samples``, which nobody checks) this
-    peer counts toward its step's batch: at most ``CLAIM_SLACK`` times its own samples at the step, times
-    that peer's samples over this peer's in the last round they both applied (a signed round weight, which
-    replays check), or times 1 for a peer it never shared a round with. One record claiming the whole
-    target batch once made every peer at the step start its round after one micro-batch of its own; now a
-    liar counts for at most twice the share its verified work earned it. A peer much faster than this one
-    is counted at its speed from its second round with it on; a peer that reaches a step late (after a
-    catch-up) counts the others at twice its own samples until it has computed its share."""
-
-    def __init__(self) -> None:
-        self.rates: OrderedDict[str, float] = OrderedDict()  # peer ID -> its weight over this peer's
-
-    def record(self, peer_ids: Sequence[str], weights: Sequence[float], me: str) -> None:
-        """The signed weights of a round this peer applied (``me`` among ``peer_ids``)."""
-        own = next((w for p, w in zip(peer_ids, weights, strict=True) if p == me), 0.0)
-        if not own > 0 or not math.isfinite(own):
-            return
-        for peer, weight in zip(peer_ids, weights, strict=True):
-            if peer == me or not math.isfinite(weight) or weight < 0:
-                continue
-            self.rates[peer] = weight / own
-            self.rates.move_to_end(peer)
-        while len(self.rates) > MAX_CLAIM_RATES:
-            self.rates.popitem(last=False)
-
-    def counted(self, peer_id: str, claimed: int, own_samples: int) -> int:
-        """What of ``peer_id``'s claim of ``claimed`` samples counts, this peer holding ``own_samples``."""
-        rate = max(1.0, self.rates.get(peer_id, 1.0))
-        return min(claimed, math.ceil(CLAIM_SLACK * rate * max(0, own_samples)))
