@@ -119,6 +119,7 @@ def test_one_honest_heavy_sender_whose_fit_is_poor_spends_its_own_fits_and_not_t
     earned = sendercheck.FIT_SHARE * 2  # the reducer computed 2 micro-batches
     assert accused == [] and replayed == [w.members[HEAVY]] and checks.fits == 1
     assert w.members[HEAVY] in checks.cleared  # the replay found it honest
+    # Its fit and its replay (1 + 4) are charged to its own account.
     assert checks.fit_budget.accounts[w.members[HEAVY]] == pytest.approx(earned - 1 - HEAVY_MICRO)
 
     # The next round the draw names the stale liar for this reducer: it is scored and filed.

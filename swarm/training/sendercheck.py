@@ -134,6 +134,12 @@ FIT_SHARE = 0.075
 #: The most a member saves of its fit budget for a sender, in rounds of it: a sender named for no fit for a
 #: while is not then scored many rounds' worth at once.
 FIT_CREDIT_ROUNDS = 4
+#: Rounds that name a sender in debt at a member (``FitBudget``) before the rest of its debt is forgiven: a
+#: replay of an honest sender as heavy as the member is paid back sooner (8 micro-batches plus the fit,
+#: against 16 rounds of 0.6 at 8 micro-batches), so the cost holds to ``FIT_SHARE``; a much heavier
+#: sender's is forgiven in part, so a liar that buys a replay with one honest heavy round goes without
+#: fits at that member for at most 16 rounds that name it.
+FIT_DEBT_ROUNDS = 16
 #: Senders a member keeps a fit account for (``FitBudget``): a group holds at most ``max_group_size``.
 MAX_FIT_ACCOUNTS = 4096
 #: Rounds for which a sender whose replay for standing out found it honest is only sometimes replayed for
@@ -165,16 +171,23 @@ class FitBudget:
     """What a member may still spend on fits, in micro-batches, one account per sender it scores: each round it
     may score in, it earns ``FIT_SHARE`` of the micro-batches it computed, shared among the senders named for
     its fit that round (each account saving at most ``FIT_CREDIT_ROUNDS`` rounds' worth), and a sender's
-    account pays one for each fit of it scored and the whole replay of it each time a poor fit pointed to it
-    and the replay convicted nobody (found it honest, or could not finish). A replay that convicts costs
-    nothing. So fits cost an honest run at most ``FIT_SHARE`` of a member's compute (and one replay ahead a
-    sender), and a sender whose honest fits are poor (a heavy input fits one of its micro-batches more
-    loosely) uses up its own fits at this member, not the others': it cannot put a member's fits of a
-    liar into debt. Accounts are kept for ``MAX_FIT_ACCOUNTS`` senders, the longest untouched dropped."""
+    account pays one for each fit of it scored (when it is picked) and the whole replay of it each time a
+    poor fit pointed to it and the replay convicted nobody (found it honest, or could not finish); a replay
+    that convicts costs nothing. A sender whose honest fit was replayed is not scored again at this member
+    until its account is back above 0, or until ``FIT_DEBT_ROUNDS`` rounds that name it have passed since
+    it went into debt, when the rest is forgiven (a liar that buys a replay with an honest heavy round buys
+    at most that many rounds without fits there, and the stand-out scores and the draw still reach it). So
+    fits and their replays cost a member at most ``FIT_SHARE`` of its compute, but what is forgiven
+    (replays of senders much heavier than the member); and a sender whose honest fits are poor (a heavy input fits one of its micro-batches more loosely) uses
+    up its own fits at this member, not the others'. Accounts are kept for ``MAX_FIT_ACCOUNTS`` senders,
+    the longest untouched dropped."""
 
     def __init__(self, share: float = FIT_SHARE):
         self.share = share
         self.accounts: OrderedDict[str, float] = OrderedDict()
+        self._debt_rounds: dict[
+            str, int
+        ] = {}  # sender in debt -> rounds naming it before the rest is forgiven
 
     @property
     def credit(self) -> float:
@@ -186,20 +199,30 @@ class FitBudget:
             return
         each = self.share * max(0.0, own_micro_batches) / len(senders)
         for sender in senders:
-            self._set(sender, min(self.accounts.get(sender, 0.0) + each, FIT_CREDIT_ROUNDS * each))
+            credit = min(self.accounts.get(sender, 0.0) + each, FIT_CREDIT_ROUNDS * each)
+            left = self._debt_rounds.pop(sender, FIT_DEBT_ROUNDS) - 1
+            if credit < 0 and left > 0:
+                self._debt_rounds[sender] = left
+            elif credit < 0:  # in debt for FIT_DEBT_ROUNDS rounds that named it: the rest is forgiven
+                credit = 0.0
+            self._set(sender, credit)
 
     def afford(self, sender: str) -> float:
         """The probability of scoring ``sender``'s fit this round: its account's credit, at most 1."""
         return min(1.0, max(0.0, self.accounts.get(sender, 0.0)))
 
     def spend(self, sender: str, micro_batches: float) -> None:
-        self._set(sender, self.accounts.get(sender, 0.0) - micro_batches)
+        credit = self.accounts.get(sender, 0.0) - micro_batches
+        if credit < 0:  # counted from its first round in debt: more debt does not lengthen it
+            self._debt_rounds.setdefault(sender, FIT_DEBT_ROUNDS)
+        self._set(sender, credit)
 
     def _set(self, sender: str, credit: float) -> None:
         self.accounts[sender] = credit
         self.accounts.move_to_end(sender)
         while len(self.accounts) > MAX_FIT_ACCOUNTS:
-            self.accounts.popitem(last=False)
+            dropped, _ = self.accounts.popitem(last=False)
+            self._debt_rounds.pop(dropped, None)
 
 
 class SenderChecks:
@@ -215,9 +238,9 @@ class SenderChecks:
         self.outliers = 0  # senders replayed because their input stood out (``_outlier``), not drawn
         self.fits = 0  # senders whose fit to a micro-batch of theirs this member scored (``_poor_fit``)
         self.fit_s = 0.0  # the time those scores took (a micro-batch's gradient each)
-        self.fit_budget = FitBudget(
-            FIT_SHARE
-        )  # what fits and the honest replays they point to may still cost
+        # What fits, and the replays of honest senders they point to, may still cost (one account a sender).
+        self.fit_budget = FitBudget(FIT_SHARE)
+        self._fit_replays: set[str] = set()  # senders a poor fit pointed to whose replay is due
         self.replay_s = 0.0  # the time replays took (a sender's step, or its window, each)
         # Senders that stood out and whose replay found them honest -> the last round (of ``rounds``, the
         # complete rounds seen) in which they are not replayed for standing out again.
@@ -318,9 +341,15 @@ class SenderChecks:
                 evidence, odd = picked
                 self.outliers += 1
                 lie = self._lie(evidence, odd, copy, reveals, scored=evidence)
-                if await self._check_one(runner, lie, copy) and from_fit:
-                    # A poor fit whose replay convicted nobody: the replay comes out of the sender's account.
-                    self.fit_budget.spend(lie.accused, whole_micro_batches(self.run, odd.weight))
+                if from_fit:  # not scored again by this member while its replay is due
+                    self._fit_replays.add(lie.accused)
+                try:
+                    if await self._check_one(runner, lie, copy) and from_fit:
+                        # A poor fit whose replay convicted nobody: the replay comes out of its account.
+                        self.fit_budget.spend(lie.accused, whole_micro_batches(self.run, odd.weight))
+                finally:
+                    if from_fit:
+                        self._fit_replays.discard(lie.accused)
         # A false weight claim needs no replay, so it takes no replay's place: one a round, filed after the
         # replays, so that decoys' claims cannot fill the filing queue ahead of a liar a replay caught.
         if claim is not None:
@@ -403,28 +432,29 @@ class SenderChecks:
         ``FIT_SHARE`` of its own micro-batches on them and on the honest replays they point to
         (``FitBudget``), which senders it scores drawn by its own randomness."""
         evidence = self._own_chunk(runner, seed)
-        candidates = [
-            item for item in self._fit_candidates(runner, evidence)
-            if runner.members[item.sender_index] not in self.cleared or still_replayed(seed, item.sender_index)
-        ]  # fmt: skip
-        if not candidates:
+        named = self._fit_candidates(runner, evidence)
+        if not named:
             return None
+        # Every sender named earns its share, a cleared one too (its debt and its clearance run together).
         own = next((x.weight for x in evidence.inputs if x.sender_index == runner.index), 0.0)
         budget = self.fit_budget
-        budget.earn(
-            own / self.run.training.micro_batch_size, [runner.members[x.sender_index] for x in candidates]
-        )
+        budget.earn(own / self.run.training.micro_batch_size, [runner.members[x.sender_index] for x in named])
+        candidates = [
+            item for item in named
+            if runner.members[item.sender_index] not in self.cleared or still_replayed(seed, item.sender_index)
+        ]  # fmt: skip
         items = [
             x for x in candidates
-            if int.from_bytes(os.urandom(8), "big") < budget.afford(runner.members[x.sender_index]) * 2**64
+            if runner.members[x.sender_index] not in self._fit_replays
+            and int.from_bytes(os.urandom(8), "big") < budget.afford(runner.members[x.sender_index]) * 2**64
         ]  # fmt: skip
         if not items:
             return None
+        for item in items:  # paid when picked: two rounds checked at once see each other's fits
+            budget.spend(runner.members[item.sender_index], 1.0)
         # Scored in an order of this member's own randomness: a sender that fits poorly first in member
         # order must not spare a liar scored after it (one replay a round).
         items.sort(key=lambda _: os.urandom(8))
-
-        scored: list[str] = []  # the senders whose fits this round scored (each pays one to its account)
 
         def score() -> SignedInput | None:  # decoding and gradients: off the event loop
             try:
@@ -436,7 +466,6 @@ class SenderChecks:
                 started = time.monotonic()
                 try:
                     self.fits += 1
-                    scored.append(lie.accused)
                     if copy.model is None:
                         copy.model, _ = state_model(self.run, copy.tensors, self.device)
                     if lie.fit_is_poor(
@@ -450,11 +479,7 @@ class SenderChecks:
                     self.fit_s += time.monotonic() - started
             return None
 
-        try:
-            odd = await asyncio.to_thread(score)
-        finally:
-            for sender in scored:
-                budget.spend(sender, 1.0)
+        odd = await asyncio.to_thread(score)
         if odd is not None:
             logger.info(
                 f"{runner.members[odd.sender_index]}'s input to part {evidence.part} chunk {evidence.chunk} fits "
