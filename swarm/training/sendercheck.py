@@ -18,10 +18,10 @@ as the samples it signed for. So a groupmate can recompute it:
    signed group entry (the step and state hash it computed at, bound to the round by its nonce
    commitment), the round and its reveals (which fix the draw). The validator files it and keeps the
    state, served by its hash (``StateServicer``'s ``find``), while the accusation is in flight and for
-   ``KEEP_S`` after (the coordinator downloads it at its recompute's turn; ``swarm.training.filings``). The coordinator checks the
-   draw named this accuser, chunk and sender, downloads that state from the accuser, checks that it
-   hashes to what the accused signed, recomputes the chunk itself and bans whoever the evidence proves
-   wrong (``coordinator.contributions``). Without every member's reveal the validator draws from its own
+   ``KEEP_S`` after (the coordinator downloads it at its recompute's turn; ``swarm.training.filings``).
+   The coordinator checks the draw named this accuser, chunk and sender, downloads that state from the
+   accuser, checks that it hashes to what the accused signed, recomputes the chunk itself and bans
+   whoever the evidence proves wrong (``coordinator.contributions``). Without every member's reveal the validator draws from its own
    randomness and only avoids a liar it finds (``suspect``): the coordinator could not tell it was drawn.
 4. Beside the drawn sender, the validator scores every input of a chunk it checked
    (``swarm.averaging.scores``) and replays one sender that stands out, at most once a round; that
@@ -40,9 +40,8 @@ as the samples it signed for. So a groupmate can recompute it:
    signed inputs says (``fit_draw``), unknown to the sender when it signs; about one fit a sender a round.
    One micro-batch's gradient a fit, a member spending ``FIT_SHARE`` of its own micro-batches on them and
    on the replays of honest senders they point to (``FitBudget``; in some rounds only where it computes
-   few: which, by its own randomness). The coordinator scores the same
-   fit on the state it downloads before it recomputes, so only a poor fit (or a drawn or standing-out
-   sender) can be put to it.
+   few: which, by its own randomness). The coordinator scores the same fit on the state it downloads
+   before it recomputes, so only a poor fit (or a drawn or standing-out sender) can be put to it.
 
 What it covers: a sender that scales, flips, replaces, delays or computes on other labels any part of its
 gradient is caught when the drawn chunk is one it changed; one that changes a fraction q of its chunks
@@ -124,12 +123,11 @@ MAX_REPLAYS_DUE = 2
 #: The share of its own micro-batches a member spends on fits (``_poor_fit``), counted in micro-batches: one
 #: a fit scored (its gradient; 0.56-0.81 of a whole micro-batch's on the demo model) and the whole replay of
 #: each sender a poor fit pointed to that convicted nobody, each sender's out of its own account
-#: (``FitBudget``). In diloco a window of H
-#: inner steps affords a fit a round for H >= 14; in every_step a peer that computes few micro-batches a
-#: step scores its named senders in some rounds only, by its own randomness, so nobody can tell which. An
-#: honest input's fit falls below the others' more often the more micro-batches it holds (its own batch
-#: is a smaller share of it), and each such replay costs a whole step: the budget holds the cost whatever
-#: that rate, and spends less on fits where it is high.
+#: (``FitBudget``). In diloco a window of H inner steps affords a fit a round for H >= 14; in every_step a
+#: peer that computes few micro-batches a step scores its named senders in some rounds only, by its own
+#: randomness, so nobody can tell which. An honest input's fit falls below the others' more often the
+#: more micro-batches it holds (its own batch is a smaller share of it), and each such replay costs a
+#: whole step: the budget holds the cost whatever that rate, and spends less on fits where it is high.
 FIT_SHARE = 0.075
 #: The most a member saves of its fit budget for a sender, in rounds of it: a sender named for no fit for a
 #: while is not then scored many rounds' worth at once.
@@ -178,16 +176,15 @@ class FitBudget:
     it went into debt, when the rest is forgiven (a liar that buys a replay with an honest heavy round buys
     at most that many rounds without fits there, and the stand-out scores and the draw still reach it). So
     fits and their replays cost a member at most ``FIT_SHARE`` of its compute, but what is forgiven
-    (replays of senders much heavier than the member); and a sender whose honest fits are poor (a heavy input fits one of its micro-batches more loosely) uses
-    up its own fits at this member, not the others'. Accounts are kept for ``MAX_FIT_ACCOUNTS`` senders,
-    the longest untouched dropped."""
+    (replays of senders much heavier than the member); and a sender whose honest fits are poor (a heavy
+    input fits one of its micro-batches more loosely) uses up its own fits at this member, not the
+    others'. Accounts are kept for ``MAX_FIT_ACCOUNTS`` senders, the longest untouched dropped."""
 
     def __init__(self, share: float = FIT_SHARE):
         self.share = share
         self.accounts: OrderedDict[str, float] = OrderedDict()
-        self._debt_rounds: dict[
-            str, int
-        ] = {}  # sender in debt -> rounds naming it before the rest is forgiven
+        # Senders in debt -> the rounds naming them left before the rest of their debt is forgiven.
+        self._debt_rounds: dict[str, int] = {}
 
     @property
     def credit(self) -> float:
