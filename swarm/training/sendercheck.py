@@ -21,8 +21,9 @@ as the samples it signed for. So a groupmate can recompute it:
    ``KEEP_S`` after (the coordinator downloads it at its recompute's turn; ``swarm.training.filings``).
    The coordinator checks the draw named this accuser, chunk and sender, downloads that state from the
    accuser, checks that it hashes to what the accused signed, recomputes the chunk itself and bans
-   whoever the evidence proves wrong (``coordinator.contributions``). Without every member's reveal the validator draws from its own
-   randomness and only avoids a liar it finds (``suspect``): the coordinator could not tell it was drawn.
+   whoever the evidence proves wrong (``coordinator.contributions``). Without every member's reveal the
+   validator draws from its own randomness and only avoids a liar it finds (``suspect``): the coordinator
+   could not tell it was drawn.
 4. Beside the drawn sender, the validator scores every input of a chunk it checked
    (``swarm.averaging.scores``) and replays one sender that stands out, at most once a round; that
    evidence carries the chunk's scores and needs no draw, so it is filed with or without the reveals.
