@@ -170,6 +170,10 @@ class PeerPolicy:
         self.refresh_s, self.also_certified = refresh_s, also_certified
         self.open = coordinator_key is None and allowed is None
         self._members: frozenset[str] = frozenset(allowed or ())
+        # Members whose certificate this peer verified in a read of the member records -> when it expires:
+        # a later read that misses a record (a partial DHT answer under load, a record being re-announced)
+        # does not make a certified groupmate a stranger before its certificate ends (bans still apply).
+        self._certified_until: dict[str, float] = {}
         self._banned: frozenset[str] = frozenset()
         self._banned_since: dict[str, float] = {}  # when this peer first saw each ban it holds
         self._bans_at = -float("inf")  # when the coordinator signed the list we hold
@@ -223,6 +227,8 @@ class PeerPolicy:
     def certified(self, peer_id: str) -> bool:
         if self.open or peer_id in self._members:
             return True
+        if self._certified_until.get(peer_id, -math.inf) > time.time():
+            return True
         return self.also_certified is not None and peer_id in self.also_certified()
 
     def member_count(self) -> int:
@@ -244,6 +250,12 @@ class PeerPolicy:
                 logger.debug(f"could not refresh the members of {self.run_id}: {e!r}")
                 return
             self._members = frozenset(members)
+            now = time.time()
+            self._certified_until = {p: t for p, t in self._certified_until.items() if t > now}
+            for peer_id, certificate in members.items():
+                expires_at = getattr(certificate, "expires_at", None)
+                if isinstance(expires_at, int | float) and expires_at > now:
+                    self._certified_until[peer_id] = float(expires_at)
 
     # --- suspects ------------------------------------------------------------------------------------
 
