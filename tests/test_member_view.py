@@ -1,9 +1,9 @@
-"""A peer's view of the run's certified members (``PeerPolicy.refresh_members``): a read of the member
-records that misses some (a partial DHT answer under load, a record being announced again) does not make a
-certified groupmate a stranger before its certificate expires. In a rehearsal of 10 peers, a representative
-whose read missed its 6 honest groupmates refused their requests for the step's second-tier result as "not
-a certified member of run", so they applied nothing while it moved a step ahead, and the 7 honest peers,
-which the run's floor needed together, never formed a group again."""
+"""A peer's view of the run's certified members (``PeerPolicy.certified``): a certificate it verified, in a
+read of the member records or in a groupmate's signed group entry, holds until it expires, whatever later
+reads miss (a partial DHT answer under load, a refresh that timed out). In a rehearsal of 10 peers, a
+representative whose view lacked its 6 honest groupmates refused their requests for the step's second-tier
+result as "not a certified member of run", so they applied nothing while it moved a step ahead, and the 7
+honest peers, which the run's floor needed together, never formed a group again."""
 
 from __future__ import annotations
 
@@ -67,3 +67,30 @@ def test_a_banned_member_is_refused_whatever_its_certificate(monkeypatch):
     asyncio.run(policy.refresh_members())
     policy.set_bans([peer], issued_at=time.time())
     assert asyncio.run(policy.admission(peer, timeout_s=1.0)) == "banned by the coordinator"
+
+
+def test_a_groupmate_whose_entry_carried_a_valid_certificate_is_certified_without_a_read(monkeypatch):
+    """A peer whose reads of the member records never showed a groupmate (they timed out under load, or
+    came back partial) still verified the groupmate's coordinator certificate in its signed group entry:
+    the groupmate's requests after the round (the second tier's result, the inputs behind a part) are a
+    member's. A forged certificate certifies nobody."""
+    from protocols.certificates import issue_certificate
+
+    coordinator = SigningKey.generate()
+    mate = SigningKey.generate()
+
+    async def fetch_members(_dht, _run_id, _key):
+        return {}  # every read misses it
+
+    monkeypatch.setattr(policy_module, "fetch_members", fetch_members)
+    policy = PeerPolicy(object(), RUN, coordinator_key=coordinator.public_key, refresh_s=0.0)
+
+    def certificate(issuer: SigningKey) -> bytes:
+        return issue_certificate(
+            issuer, public_key=mate.public_key, run_id=RUN, role="data", name="m", serial=1, ttl_s=600
+        ).encoded
+
+    assert policy.certificate_refusal(mate.peer_id, certificate(SigningKey.generate())) is not None  # forged
+    assert asyncio.run(policy.admission(mate.peer_id, timeout_s=1.0)) is not None
+    assert policy.certificate_refusal(mate.peer_id, certificate(coordinator)) is None  # in its group entry
+    assert asyncio.run(policy.admission(mate.peer_id, timeout_s=1.0)) is None

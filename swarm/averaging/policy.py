@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import hivemind
 
+from protocols.certificates import verify_certificate
 from protocols.errors import SwarmError
 from protocols.keys import PublicKey
 from swarm.averaging.missed import MissedRounds
@@ -59,6 +60,8 @@ MAX_SUSPECT_S = 960.0
 REPEAT_WINDOW_S = 600.0
 #: How many suspects a peer remembers at most.
 MAX_SUSPECTS = 4096
+#: How many members' verified certificates a peer keeps beside its last read of the member records.
+MAX_CERTIFIED_KEPT = 65536
 
 
 @dataclass(frozen=True)
@@ -170,9 +173,10 @@ class PeerPolicy:
         self.refresh_s, self.also_certified = refresh_s, also_certified
         self.open = coordinator_key is None and allowed is None
         self._members: frozenset[str] = frozenset(allowed or ())
-        # Members whose certificate this peer verified in a read of the member records -> when it expires:
-        # a later read that misses a record (a partial DHT answer under load, a record being re-announced)
-        # does not make a certified groupmate a stranger before its certificate ends (bans still apply).
+        # Members whose certificate this peer verified (in a read of the member records, or in a groupmate's
+        # signed entry) -> when it expires: a later read that misses a record (a partial DHT answer under
+        # load, a refresh that timed out) does not make a certified groupmate a stranger before its
+        # certificate ends (bans still apply). At most ``MAX_CERTIFIED_KEPT``, the expired pruned at reads.
         self._certified_until: dict[str, float] = {}
         self._banned: frozenset[str] = frozenset()
         self._banned_since: dict[str, float] = {}  # when this peer first saw each ban it holds
@@ -255,7 +259,7 @@ class PeerPolicy:
             for peer_id, certificate in members.items():
                 expires_at = getattr(certificate, "expires_at", None)
                 if isinstance(expires_at, int | float) and expires_at > now:
-                    self._certified_until[peer_id] = float(expires_at)
+                    self._certify(peer_id, float(expires_at))
 
     # --- suspects ------------------------------------------------------------------------------------
 
@@ -345,9 +349,17 @@ class PeerPolicy:
             check_record_certificate(
                 certificate, self.coordinator_key, self.run_id, peer_id=peer_id, expires_at=now, now=now
             )
+            verified = verify_certificate(
+                certificate, issuer=self.coordinator_key, run_id=self.run_id, now=now
+            )
         except SwarmError as e:
             return str(e)
+        self._certify(peer_id, verified.expires_at)  # a groupmate's requests after the round are a member's
         return None
+
+    def _certify(self, peer_id: str, expires_at: float) -> None:
+        if peer_id in self._certified_until or len(self._certified_until) < MAX_CERTIFIED_KEPT:
+            self._certified_until[peer_id] = max(expires_at, self._certified_until.get(peer_id, 0.0))
 
     async def admission(self, peer_id: str, timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> str | None:
         """Why ``peer_id`` may send this peer nothing at all (banned, or no certificate after a refresh of at
