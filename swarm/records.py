@@ -185,9 +185,9 @@ def check_record_certificate(
     peer_id: str,
     expires_at: float,
     now: float,
-) -> None:
+) -> PeerCertificate:
     """A record signed by ``peer_id`` to live until ``expires_at`` carries its signer's valid coordinator
-    certificate for ``run_id``; raises a SwarmError saying what is wrong with it."""
+    certificate for ``run_id``: returns it, verified; raises a SwarmError saying what is wrong with it."""
     if not certificate:
         raise CertificateError(f"carries no certificate of run {run_id!r}")
     verified = _verified_certificate(certificate, coordinator_key.raw, run_id)
@@ -199,6 +199,7 @@ def check_record_certificate(
     # hivemind drop the whole dictionary a node returns.
     if expires_at > verified.expires_at + EXPIRY_SLACK_S:
         raise ProtocolError("was signed to outlive its certificate")
+    return verified
 
 
 def open_run_record(

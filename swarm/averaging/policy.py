@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 import hivemind
 
-from protocols.certificates import verify_certificate
 from protocols.errors import SwarmError
 from protocols.keys import PublicKey
 from swarm.averaging.missed import MissedRounds
@@ -176,8 +175,8 @@ class PeerPolicy:
         # Members whose certificate this peer verified (in a read of the member records, or in a groupmate's
         # signed entry) -> when it expires: a later read that misses a record (a partial DHT answer under
         # load, a refresh that timed out) does not make a certified groupmate a stranger before its
-        # certificate ends (bans still apply). At most ``MAX_CERTIFIED_KEPT``, the expired pruned at reads.
-        self._certified_until: dict[str, float] = {}
+        # certificate ends (bans still apply). At most ``MAX_CERTIFIED_KEPT``, the expired pruned at reads, then the least recently verified.
+        self._certified_until: OrderedDict[str, float] = OrderedDict()
         self._banned: frozenset[str] = frozenset()
         self._banned_since: dict[str, float] = {}  # when this peer first saw each ban it holds
         self._bans_at = -float("inf")  # when the coordinator signed the list we hold
@@ -255,7 +254,8 @@ class PeerPolicy:
                 return
             self._members = frozenset(members)
             now = time.time()
-            self._certified_until = {p: t for p, t in self._certified_until.items() if t > now}
+            for expired in [p for p, t in self._certified_until.items() if t <= now]:
+                del self._certified_until[expired]
             for peer_id, certificate in members.items():
                 expires_at = getattr(certificate, "expires_at", None)
                 if isinstance(expires_at, int | float) and expires_at > now:
@@ -346,11 +346,8 @@ class PeerPolicy:
             return None
         now = time.time()
         try:
-            check_record_certificate(
+            verified = check_record_certificate(
                 certificate, self.coordinator_key, self.run_id, peer_id=peer_id, expires_at=now, now=now
-            )
-            verified = verify_certificate(
-                certificate, issuer=self.coordinator_key, run_id=self.run_id, now=now
             )
         except SwarmError as e:
             return str(e)
@@ -358,8 +355,18 @@ class PeerPolicy:
         return None
 
     def _certify(self, peer_id: str, expires_at: float) -> None:
-        if peer_id in self._certified_until or len(self._certified_until) < MAX_CERTIFIED_KEPT:
-            self._certified_until[peer_id] = max(expires_at, self._certified_until.get(peer_id, 0.0))
+        """Keep ``peer_id`` certified until ``expires_at``, as the most recently verified: past
+        ``MAX_CERTIFIED_KEPT`` the expired go, then the least recently verified (a groupmate checked in
+        this round is always kept)."""
+        kept = self._certified_until
+        kept[peer_id] = max(expires_at, kept.get(peer_id, 0.0))
+        kept.move_to_end(peer_id)
+        if len(kept) > MAX_CERTIFIED_KEPT:
+            now = time.time()
+            for expired in [p for p, t in kept.items() if t <= now]:
+                del kept[expired]
+            while len(kept) > MAX_CERTIFIED_KEPT:
+                kept.popitem(last=False)
 
     async def admission(self, peer_id: str, timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> str | None:
         """Why ``peer_id`` may send this peer nothing at all (banned, or no certificate after a refresh of at
