@@ -167,11 +167,38 @@ def sender_checks(w, accused: list) -> SenderChecks:
     return SenderChecks(w.run, device="cpu", state=lambda: (STEP, w.hash, w.tensors), accuse=accuse)
 
 
-def one_round(w, checks: SenderChecks, runner) -> None:
-    """One complete round's sender checks at ``runner`` (it validated no part)."""
+def weighted_round(w, index: int, sent: list[torch.Tensor], weights: list[float]):
+    """(runner, signed entries) of a round in which member ``i`` sent ``sent[i]`` signed for ``weights[i]``
+    samples (its group entry too), as member ``index``, the reducer of part ``index``, holds it."""
+    lo, hi = chunk_of(w, index)
+    inputs = [
+        signed_input(w, i, index, w.codec.encode_contribution(sent[i][lo:hi]), weight=weights[i])
+        for i in range(len(sent))
+    ]
+    entries = signed_entries(w.keys, w.prefix, w.commits, step=STEP, state_hash=w.hash, weights=weights)
+    return reducer_holding(w, index, inputs, [v[lo:hi] for v in sent]), entries
+
+
+def honest_but(w, sender: int, vector: torch.Tensor, weight: float = WEIGHT) -> tuple[list, list[float]]:
+    """(what each member sends, the weights it signs) of a round of honest inputs but ``sender``'s, which
+    sends ``vector`` signed for ``weight`` samples."""
+    sent, weights = list(w.honest), [WEIGHT] * len(w.honest)
+    sent[sender], weights[sender] = vector, weight
+    return sent, weights
+
+
+def pick_every_affordable(monkeypatch) -> None:
+    """A member's own randomness picks every sender it can afford at all (``FitBudget.afford`` > 0): what
+    it then scores is the budget's doing alone."""
+    monkeypatch.setattr(sendercheck, "os", SimpleNamespace(urandom=lambda n: bytes(n)))
+
+
+def one_round(w, checks: SenderChecks, runner, entries: list[bytes] | None = None) -> None:
+    """One complete round's sender checks at ``runner`` (it validated no part); ``entries``: the members'
+    signed group entries (``w.entries`` if None)."""
 
     async def scenario():
-        await checks.keep(runner, w.entries)
+        await checks.keep(runner, w.entries if entries is None else entries)
         await checks.check(runner, [])
         await checks.filed()
 

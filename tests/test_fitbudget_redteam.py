@@ -12,24 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import pytest
-import torch
-from helpers import signed_entries
 from ownpart import (
     LIAR,
     MEMBERS,
     STEP,
-    WEIGHT,
     chunk_of,
     force_fit_draws,
+    honest_but,
     make_world,
+    one_round,
+    pick_every_affordable,
     record_replays,
     reducer_holding,
     sender_checks,
     signed_input,
     trained,
+    weighted_round,
 )
 
 import swarm.training.sendercheck as sendercheck
@@ -60,40 +60,15 @@ def world():
 
 @pytest.fixture
 def always_picks(monkeypatch):
-    """The reducer's own randomness picks every sender it can afford at all (``afford`` > 0): what it then
-    scores is the budget's doing alone."""
-    monkeypatch.setattr(sendercheck, "os", SimpleNamespace(urandom=lambda n: bytes(n)))
+    pick_every_affordable(monkeypatch)
 
 
-def _round(w, checks, index: int, sent: list[torch.Tensor], weights: list[float]) -> None:
-    """One complete round's sender checks at member ``index``, the reducer of part ``index``, in which member
-    ``i`` sent ``sent[i]`` signed for ``weights[i]`` samples (its group entry too)."""
-    lo, hi = chunk_of(w, index)
-    inputs = [
-        signed_input(w, i, index, w.codec.encode_contribution(sent[i][lo:hi]), weight=weights[i])
-        for i in range(MEMBERS)
-    ]
-    runner = reducer_holding(w, index, inputs, [v[lo:hi] for v in sent])
-    entries = signed_entries(w.keys, w.prefix, w.commits, step=STEP, state_hash=w.hash, weights=weights)
-
-    async def scenario():
-        await checks.keep(runner, entries)
-        await checks.check(runner, [])
-        await checks.filed()
-
-    asyncio.run(scenario())
+def _heavy_round(w) -> tuple[list, list[float]]:
+    return honest_but(w, HEAVY, w.heavy, HEAVY_MICRO * RUN.training.micro_batch_size)
 
 
-def _heavy_round(w) -> tuple[list[torch.Tensor], list[float]]:
-    sent, weights = list(w.honest), [WEIGHT] * MEMBERS
-    sent[HEAVY], weights[HEAVY] = w.heavy, HEAVY_MICRO * RUN.training.micro_batch_size
-    return sent, weights
-
-
-def _stale_round(w) -> tuple[list[torch.Tensor], list[float]]:
-    sent = list(w.honest)
-    sent[LIAR] = w.stale
-    return sent, [WEIGHT] * MEMBERS
+def _stale_round(w) -> tuple[list, list[float]]:
+    return honest_but(w, LIAR, w.stale)
 
 
 def test_one_honest_heavy_sender_whose_fit_is_poor_spends_its_own_fits_and_not_the_liars(
@@ -115,7 +90,7 @@ def test_one_honest_heavy_sender_whose_fit_is_poor_spends_its_own_fits_and_not_t
     force_fit_draws(monkeypatch, {(SCORER, HEAVY): POOR_MICRO})
     accused = []
     checks = sender_checks(w, accused)
-    _round(w, checks, SCORER, *_heavy_round(w))
+    one_round(w, checks, *weighted_round(w, SCORER, *_heavy_round(w)))
     earned = sendercheck.FIT_SHARE * 2  # the reducer computed 2 micro-batches
     assert accused == [] and replayed == [w.members[HEAVY]] and checks.fits == 1
     assert w.members[HEAVY] in checks.cleared  # the replay found it honest
@@ -124,7 +99,7 @@ def test_one_honest_heavy_sender_whose_fit_is_poor_spends_its_own_fits_and_not_t
 
     # The next round the draw names the stale liar for this reducer: it is scored and filed.
     force_fit_draws(monkeypatch, {(SCORER, LIAR): STALE_MICRO})
-    _round(w, checks, SCORER, *_stale_round(w))
+    one_round(w, checks, *weighted_round(w, SCORER, *_stale_round(w)))
     assert [a[0] for a in accused] == [liar] and checks.fits == 2, (accused, checks.fits)
 
 
@@ -184,7 +159,7 @@ def test_a_replay_a_poor_fit_points_to_that_runs_out_of_time_is_paid_for_and_not
     accused = []
     checks = sender_checks(w, accused)
     for _ in range(3):
-        _round(w, checks, SCORER, *_heavy_round(w))
+        one_round(w, checks, *weighted_round(w, SCORER, *_heavy_round(w)))
     assert replayed == [w.members[HEAVY]] and accused == [] and checks.fits == 1
     earned = sendercheck.FIT_SHARE * 2 * 3
     assert checks.fit_budget.accounts[w.members[HEAVY]] == pytest.approx(earned - 1 - HEAVY_MICRO)

@@ -19,20 +19,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers import signed_entries
 from ownpart import (
     MEMBERS,
     STEP,
     WEIGHT,
     chunk_of,
     force_fit_draws,
+    honest_but,
     make_world,
     nonce,
+    one_round,
+    pick_every_affordable,
     record_replays,
-    reducer_holding,
     sender_checks,
-    signed_input,
     trained,
+    weighted_round,
 )
 
 import swarm.training.sendercheck as sendercheck
@@ -64,44 +65,15 @@ def world():
 
 @pytest.fixture
 def always_picks(monkeypatch):
-    """The reducer's own randomness picks every sender it can afford at all (``afford`` > 0): what it then
-    scores is the budget's doing alone."""
-    monkeypatch.setattr(sendercheck, "os", SimpleNamespace(urandom=lambda n: bytes(n)))
+    pick_every_affordable(monkeypatch)
 
 
-def _runner(w, index: int, sent: list[torch.Tensor], weights: list[float]):
-    lo, hi = chunk_of(w, index)
-    inputs = [
-        signed_input(w, i, index, w.codec.encode_contribution(sent[i][lo:hi]), weight=weights[i])
-        for i in range(MEMBERS)
-    ]
-    entries = signed_entries(w.keys, w.prefix, w.commits, step=STEP, state_hash=w.hash, weights=weights)
-    return reducer_holding(w, index, inputs, [v[lo:hi] for v in sent]), entries
+def _heavy_round(w) -> tuple[list, list[float]]:
+    return honest_but(w, SELF, w.heavy, HEAVY_MICRO * RUN.training.micro_batch_size)
 
 
-def _round(w, checks, index: int, sent: list[torch.Tensor], weights: list[float]) -> None:
-    """One complete round's sender checks at member ``index``, the reducer of part ``index``, in which member
-    ``i`` sent ``sent[i]`` signed for ``weights[i]`` samples (its group entry too)."""
-    runner, entries = _runner(w, index, sent, weights)
-
-    async def scenario():
-        await checks.keep(runner, entries)
-        await checks.check(runner, [])
-        await checks.filed()
-
-    asyncio.run(scenario())
-
-
-def _heavy_round(w) -> tuple[list[torch.Tensor], list[float]]:
-    sent, weights = list(w.honest), [WEIGHT] * MEMBERS
-    sent[SELF], weights[SELF] = w.heavy, HEAVY_MICRO * RUN.training.micro_batch_size
-    return sent, weights
-
-
-def _stale_round(w) -> tuple[list[torch.Tensor], list[float]]:
-    sent = list(w.honest)
-    sent[SELF] = w.stale
-    return sent, [WEIGHT] * MEMBERS
+def _stale_round(w) -> tuple[list, list[float]]:
+    return honest_but(w, SELF, w.stale)
 
 
 @pytest.mark.parametrize("beside", [(), (3,)], ids=["named-alone", "named-beside-another"])
@@ -138,7 +110,7 @@ def test_a_liar_whose_honest_heavy_fit_was_replayed_once_lies_unscored_by_that_r
 
     # The honest heavy round: the poor fit is scored, the replay clears the liar, and its account pays.
     force_fit_draws(monkeypatch, {(SCORER, SELF): POOR_MICRO})
-    _round(w, checks, SCORER, *_heavy_round(w))
+    one_round(w, checks, *weighted_round(w, SCORER, *_heavy_round(w)))
     earn = sendercheck.FIT_SHARE * WEIGHT / RUN.training.micro_batch_size  # the reducer's 2 micro-batches
     assert replayed == [liar] and accused == [] and checks.fits == 1
     debt = -checks.fit_budget.accounts[liar]
@@ -151,7 +123,7 @@ def test_a_liar_whose_honest_heavy_fit_was_replayed_once_lies_unscored_by_that_r
     unscored = 0
     while liar not in {a[0] for a in accused} and unscored < 200:
         before = checks.fits
-        _round(w, checks, SCORER, *_stale_round(w))
+        one_round(w, checks, *weighted_round(w, SCORER, *_stale_round(w)))
         if liar not in {a[0] for a in accused}:
             unscored += 1
             assert replayed == [liar], replayed  # no fit of it, so no replay of it
@@ -161,7 +133,7 @@ def test_a_liar_whose_honest_heavy_fit_was_replayed_once_lies_unscored_by_that_r
     assert [a[0] for a in accused] == [liar], accused
 
     fresh = sender_checks(w, caught := [])
-    _round(w, fresh, SCORER, *_stale_round(w))
+    one_round(w, fresh, *weighted_round(w, SCORER, *_stale_round(w)))
     assert fresh.fits == 1 and [a[0] for a in caught] == [liar], caught
 
 
@@ -179,7 +151,7 @@ def test_two_rounds_checked_at_once_score_a_sender_once_and_replay_it_once(world
     replayed = record_replays(monkeypatch)
     accused = []
     checks = sender_checks(w, accused)
-    runner, entries = _runner(w, SCORER, *_heavy_round(w))
+    runner, entries = weighted_round(w, SCORER, *_heavy_round(w))
 
     async def scenario():
         await checks.keep(runner, entries)
@@ -274,9 +246,8 @@ def test_each_fresh_identity_costs_a_member_one_replay_of_its_own_honest_step_an
         poor = [m for m, b in enumerate(below) if b < 0]
         assert len(poor) >= 2 and min(below) < -0.02, below  # poor at several of its micro-batches
         force_fit_draws(monkeypatch, {(SCORER, SELF): below.index(min(below))})
-        sent, weights = list(w.honest), [WEIGHT] * MEMBERS
-        sent[SELF], weights[SELF] = sent_self, micro * RUN_LOOSE.training.micro_batch_size
-        _round(s, checks, SCORER, sent, weights)
+        weight = micro * RUN_LOOSE.training.micro_batch_size
+        one_round(s, checks, *weighted_round(s, SCORER, *honest_but(w, SELF, sent_self, weight)))
         sybils.append(s.members[SELF])
     assert replayed == sybils and accused == [] and checks.fits == SYBILS
     assert all(checks.fit_budget.afford(sybil) == 0.0 for sybil in sybils)
