@@ -332,22 +332,16 @@ class SenderChecks:
             own, own_claim, odd = found if found is not None else (None, None, None)
             if claim is None and own_claim is not None:
                 claim = (own, own_claim)
-            # or one whose input does not fit one of its own micro-batches
-            from_fit = odd is None
-            picked = (own, odd) if odd is not None else await self._poor_fit(runner, own_draw, copy, reveals)
-            if picked is not None:
-                evidence, odd = picked
+            if odd is not None:
                 self.outliers += 1
-                lie = self._lie(evidence, odd, copy, reveals, scored=evidence)
-                if from_fit:  # not scored again by this member while its replay is due
-                    self._fit_replays.add(lie.accused)
-                try:
-                    if await self._check_one(runner, lie, copy) and from_fit:
-                        # A poor fit whose replay convicted nobody: the replay comes out of its account.
-                        self.fit_budget.spend(lie.accused, whole_micro_batches(self.run, odd.weight))
-                finally:
-                    if from_fit:
-                        self._fit_replays.discard(lie.accused)
+                await self._check_one(runner, self._lie(own, odd, copy, reveals, scored=own), copy)
+            else:  # or one whose input does not fit one of its own micro-batches
+                picked = await self._poor_fit(runner, own_draw, copy, reveals)
+                if picked is not None:
+                    self.outliers += 1
+                    await self._replay_poor_fit(
+                        runner, self._lie(*picked, copy, reveals, scored=picked[0]), copy
+                    )
         # A false weight claim needs no replay, so it takes no replay's place: one a round, filed after the
         # replays, so that decoys' claims cannot fill the filing queue ahead of a liar a replay caught.
         if claim is not None:
@@ -484,6 +478,16 @@ class SenderChecks:
                 "its own micro-batch worse than the others' do"
             )
         return None if odd is None else (evidence, odd)
+
+    async def _replay_poor_fit(self, runner, lie: WrongContributionEvidence, copy: StateCopy) -> None:
+        """Replay a sender a poor fit pointed to; not scored again by this member while that replay is due,
+        and a replay that convicts nobody comes out of its fit account (``FitBudget``)."""
+        self._fit_replays.add(lie.accused)
+        try:
+            if await self._check_one(runner, lie, copy):
+                self.fit_budget.spend(lie.accused, whole_micro_batches(self.run, lie.item.weight))
+        finally:
+            self._fit_replays.discard(lie.accused)
 
     def _lie(
         self, evidence: BadAggregateEvidence, item: SignedInput, copy: StateCopy, reveals: tuple[bytes, ...],
