@@ -337,7 +337,7 @@ def test_a_member_gone_from_a_followers_view_neither_breaks_an_honest_leaders_gr
     announced = {p.peer_id for p in (leader, follower, m)}
 
     async def fetch_members(_dht, _run_id, _key):
-        return {p: object() for p in announced}
+        return {p: SimpleNamespace(expires_at=time.time() + 600) for p in announced}
 
     monkeypatch.setattr(policy_module, "fetch_members", fetch_members)
 

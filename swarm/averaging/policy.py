@@ -175,7 +175,7 @@ class PeerPolicy:
         # Members whose certificate this peer verified (in a read of the member records, or in a groupmate's
         # signed entry) -> when it expires: a later read that misses a record (a partial DHT answer under
         # load, a refresh that timed out) does not make a certified groupmate a stranger before its
-        # certificate ends (bans still apply). At most ``MAX_CERTIFIED_KEPT``, the expired pruned at reads, then the least recently verified.
+        # certificate ends (bans still apply). At most ``MAX_CERTIFIED_KEPT`` (``_certify``).
         self._certified_until: OrderedDict[str, float] = OrderedDict()
         self._banned: frozenset[str] = frozenset()
         self._banned_since: dict[str, float] = {}  # when this peer first saw each ban it holds
@@ -253,13 +253,9 @@ class PeerPolicy:
                 logger.debug(f"could not refresh the members of {self.run_id}: {e!r}")
                 return
             self._members = frozenset(members)
-            now = time.time()
-            for expired in [p for p, t in self._certified_until.items() if t <= now]:
-                del self._certified_until[expired]
-            for peer_id, certificate in members.items():
-                expires_at = getattr(certificate, "expires_at", None)
-                if isinstance(expires_at, int | float) and expires_at > now:
-                    self._certify(peer_id, float(expires_at))
+            self._forget_expired()
+            for peer_id, certificate in members.items():  # each verified unexpired by ``fetch_members``
+                self._certify(peer_id, certificate.expires_at)
 
     # --- suspects ------------------------------------------------------------------------------------
 
@@ -362,11 +358,14 @@ class PeerPolicy:
         kept[peer_id] = max(expires_at, kept.get(peer_id, 0.0))
         kept.move_to_end(peer_id)
         if len(kept) > MAX_CERTIFIED_KEPT:
-            now = time.time()
-            for expired in [p for p, t in kept.items() if t <= now]:
-                del kept[expired]
+            self._forget_expired()
             while len(kept) > MAX_CERTIFIED_KEPT:
                 kept.popitem(last=False)
+
+    def _forget_expired(self) -> None:
+        now = time.time()
+        for expired in [p for p, t in self._certified_until.items() if t <= now]:
+            del self._certified_until[expired]
 
     async def admission(self, peer_id: str, timeout_s: float = MEMBERS_REFRESH_TIMEOUT_S) -> str | None:
         """Why ``peer_id`` may send this peer nothing at all (banned, or no certificate after a refresh of at
