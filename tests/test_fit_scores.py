@@ -33,7 +33,7 @@ from ownpart import (
 
 from lab.localswarm import tiny_run
 from swarm.averaging.verification import own_part_evidence
-from swarm.training import sendercheck
+from swarm.training import fitbudget, sendercheck
 from swarm.training.contribution import (
     WrongContributionEvidence,
     fit_draw,
@@ -207,7 +207,7 @@ def test_honest_senders_that_fit_poorly_cost_a_member_no_more_than_its_fit_share
     ``FIT_SHARE`` of its own micro-batches (and one replay ahead of it a sender); where the rate is low, it
     scores a fit in every round the budget allows."""
     for poor_rate, micro_batches in ((0.0, 8), (0.17, 8), (1.0, 8), (0.02, 2)):
-        budget = sendercheck.FitBudget()
+        budget = fitbudget.FitBudget(sendercheck.FIT_SHARE)
         rng, fits, spent, rounds = random.Random(7), 0, 0.0, 2000
         for _ in range(rounds):
             budget.earn(micro_batches, ["sender"])  # one sender named for this member's fit a round
@@ -230,7 +230,7 @@ def test_a_sender_whose_honest_fits_are_poor_spends_its_own_fits_and_not_a_liars
     it puts its own fits there into debt, for at most ``FIT_DEBT_ROUNDS`` rounds that name it (a liar that
     buys the debt with one honest heavy round buys no more), and the fits of a liar named beside it go on
     at their rate."""
-    budget = sendercheck.FitBudget()
+    budget = fitbudget.FitBudget(sendercheck.FIT_SHARE)
     budget.earn(2, ["heavy", "liar"])
     budget.spend("heavy", 1 + 32)  # its fit, and the replay of a 32 micro-batch step that cleared it
     silent = 0
@@ -239,8 +239,8 @@ def test_a_sender_whose_honest_fits_are_poor_spends_its_own_fits_and_not_a_liars
         assert budget.afford("liar") > 0
         silent += 1
         assert silent <= 40
-    assert sendercheck.FIT_DEBT_ROUNDS <= silent <= sendercheck.FIT_DEBT_ROUNDS + 1, silent
-    saved = sendercheck.FIT_CREDIT_ROUNDS * sendercheck.FIT_SHARE * 2 / 2  # its share of 2, saved 4 rounds
+    assert fitbudget.FIT_DEBT_ROUNDS <= silent <= fitbudget.FIT_DEBT_ROUNDS + 1, silent
+    saved = fitbudget.FIT_CREDIT_ROUNDS * sendercheck.FIT_SHARE * 2 / 2  # its share of 2, saved 4 rounds
     assert budget.afford("liar") == pytest.approx(saved)
 
 

@@ -1,4 +1,4 @@
-"""What an attacker that reads the code could get from the fit budget (``sendercheck.FitBudget``), and what it
+"""What an attacker that reads the code could get from the fit budget (``swarm.training.fitbudget.FitBudget``), and what it
 gets now: a reducer's fits (``SenderChecks._poor_fit``) and the replays they point to that convict nobody
 draw on ``FIT_SHARE`` of its own micro-batches, one account per sender. Each test says what the attacker
 does, what it gained when the budget was one account for all senders, and what it gets now. In process, with the real model, dataset, codec, signatures and

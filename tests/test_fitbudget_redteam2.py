@@ -1,4 +1,4 @@
-"""What an attacker that reads the code gets from the fit budget's accounts (``sendercheck.FitBudget``): a
+"""What an attacker that reads the code gets from the fit budget's accounts (``swarm.training.fitbudget.FitBudget``): a
 reducer's fits (``SenderChecks._poor_fit``) and the replays they point to that convict nobody are paid out of
 one account per sender, a sender whose account is in debt is not scored (``afford`` 0) until the rounds that
 name it for that reducer's fit have paid the debt back, for at most ``FIT_DEBT_ROUNDS`` of them (the rest is
@@ -41,6 +41,7 @@ from lab.localswarm import tiny_run
 from protocols.keys import SigningKey
 from swarm.averaging.evidence import draw_seed, round_digest
 from swarm.averaging.scores import fit
+from swarm.training import fitbudget
 from swarm.training.contribution import micro_gradient, recompute
 
 pytestmark = pytest.mark.timeout(300)
@@ -129,7 +130,7 @@ def test_a_liar_whose_honest_heavy_fit_was_replayed_once_lies_unscored_by_that_r
             assert replayed == [liar], replayed  # no fit of it, so no replay of it
         else:  # the first fit of it once the debt is paid back finds the lie, as one in any round would have
             assert checks.fits > before and replayed == [liar, liar]
-    assert unscored <= sendercheck.FIT_DEBT_ROUNDS + 1, (unscored, debt, each)
+    assert unscored <= fitbudget.FIT_DEBT_ROUNDS + 1, (unscored, debt, each)
     assert [a[0] for a in accused] == [liar], accused
 
     fresh = sender_checks(w, caught := [])

@@ -35,6 +35,7 @@
   sample counts the built-in loop never signs
 - sendercheck.py: ``SenderChecks``: a drawn validator (or one that saw a sender stand out) replays a
   groupmate's contribution and files the lie
+- fitbudget.py: ``FitBudget``: what fits of a sender, and the replays they point to, may cost a member
 - filings.py: ``Accusations``: the lies one validator files, one at a time, with the states they were
   found on (bounded)
 
