@@ -3,8 +3,10 @@
 For each step ``s`` (the round that moves the run from ``s`` to ``s + 1``): how many groups applied a
 round there and how large the largest was, how many peers applied one (those that adopted the step's
 combined result from a peer ahead, ``adopted``, included) and whether they all moved to the same state, how many full-state downloads loaded a state of step ``s + 1`` instead (and how many of those
-were by a joiner or a restarted peer that had applied no round since it started), the averaging bytes each
-applying peer sent for it (its failed tries at that step included), and how long matchmaking took.
+were by a joiner or a restarted peer that had applied no round since it started), how many peers' lives
+ended there (a process killed while at that step, its round possibly done by its groupmates and never
+written down by it), the averaging bytes each applying peer sent for it (its failed tries at that step
+included), and how long matchmaking took.
 
 A peer's journal is cut into lives at each ``joined`` line (a restart appends to the same file). A
 download in a life before that life's first applied round is a joiner's; any other is a peer that fell
@@ -32,22 +34,27 @@ def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dic
     downloads: dict[int, int] = defaultdict(int)
     joiner_downloads: dict[int, int] = defaultdict(int)
     adopted: dict[int, int] = defaultdict(int)
+    lives_ended: dict[int, int] = defaultdict(int)
     for name, rows in journals.items():
         sent_before = 0.0  # averaging bytes this life had sent when its last applied round ended
         in_line = False  # this life applied a round since it (re)started
+        at: int | None = None  # the step this life is at: None before its first line
         for row in rows:
             event, step = row.get("event"), row.get("step")
             if event == "joined":
-                sent_before, in_line = 0.0, False
+                if at is not None:  # the previous life ended (killed or stopped) while at step ``at``
+                    lives_ended[at] += 1
+                sent_before, in_line, at = 0.0, False, step if isinstance(step, int) else 0
             elif event == "download" and isinstance(step, int):  # it loaded the state after step - 1
                 downloads[step - 1] += 1
                 joiner_downloads[step - 1] += not in_line
+                at = step
             elif event == "round" and isinstance(step, int):
                 outcome = row.get("outcome")
                 tries[step] += outcome != "adopted"
                 if outcome not in ("applied", "adopted"):
                     continue
-                in_line = True
+                in_line, at = True, step + 1
                 if outcome == "adopted":  # the step's combined result, taken from a peer ahead
                     adopted[step] += 1
                 else:
@@ -71,6 +78,7 @@ def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dic
             "adopted": adopted[step],
             "state_downloads": downloads[step],
             "joiner_downloads": joiner_downloads[step],
+            "lives_ended": lives_ended[step],
             "bytes_sent_per_peer": statistics.fmean(sent[step]) if sent[step] else 0.0,
             "form_s_median": statistics.median(form_s[step]) if form_s[step] else 0.0,
             "form_s_max": max(form_s[step], default=0.0),

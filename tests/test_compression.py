@@ -365,7 +365,7 @@ def test_a_bad_reducer_is_proven_wrong_under_compression(keyed_dhts, compression
                 *[a.average(v, 1.0, expected_size=3) for a, v in zip(group, vectors, strict=True)]
             )
             for averager in group:
-                await asyncio.wait_for(asyncio.gather(*averager._verifications), 60)
+                await averager.checks_done(60)
             if accusations:
                 break
         for averager in group:

@@ -128,7 +128,7 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                     *[a.average(v, 1.0, expected_size=3) for a, v in zip(averagers, vectors, strict=True)]
                 )
                 for averager in averagers:
-                    await asyncio.wait_for(asyncio.gather(*averager._verifications), 60)
+                    await averager.checks_done(60)
                 if not all(o is not None and len(o[0].peer_ids) == 3 for o in outcomes):
                     continue  # on a loaded machine a leader may assemble before the third peer asks
                 full += 1

@@ -71,6 +71,22 @@ def test_a_restart_starts_a_new_life_whose_first_download_is_a_joiners():
     figures = step_figures(journals, steps=3)
     assert figures[2]["state_downloads"] == 1 and figures[2]["joiner_downloads"] == 1
     assert steady_downloads(figures) == 0
+    assert [f["lives_ended"] for f in figures] == [0, 0, 1], (
+        "its first life ended at step 2, after applying 1"
+    )
+
+
+def test_a_peer_killed_mid_round_is_counted_where_its_groupmate_applied_alone():
+    joined = {"event": "joined", "step": 0}
+    journals = {
+        # a and b apply step 0 together; at step 1 b is killed after the round, before writing it down, and
+        # restarts. c never ends a life: only the lives a later ``joined`` line ends are counted.
+        "a": [joined, _round(0, "g", 2, "s1", 5), _round(1, "h", 2, "s2", 9)],
+        "b": [joined, _round(0, "g", 2, "s1", 5), joined, {"event": "download", "step": 2, "state_hash": "s2"}],
+        "c": [joined, _round(0, "-", 0, "", 1, outcome="no_group")],
+    }  # fmt: skip
+    figures = step_figures(journals, steps=2)
+    assert [(f["peers_applied"], f["lives_ended"]) for f in figures] == [(2, 0), (1, 1)]
 
 
 def test_the_sim_keeps_the_runs_group_semantics_when_groups_are_capped():

@@ -374,6 +374,13 @@ class Averager:
         self.data_plane = plane
         logger.info(f"averaging data address {address}")
 
+    async def checks_done(self, timeout_s: float) -> None:
+        """Wait until the checks of every round so far have ended, the accusations they filed included
+        (a filing starts while its round's checks end); raises TimeoutError after ``timeout_s``."""
+        async with asyncio.timeout(timeout_s):
+            while self._verifications:
+                await asyncio.gather(*list(self._verifications))
+
     async def shutdown(self) -> None:
         for task in list(self._verifications):
             task.cancel()
