@@ -436,11 +436,17 @@ def _record_validation(snapshot: dict, byzantine: set[str], history: list[float]
 def _start_together(
     control: str, peers: dict, rehearsal: Rehearsal, before_resume: Callable[[], None] = lambda: None
 ) -> None:
-    """Every peer joins paused; once all are online and say so in their heartbeats, ``before_resume`` runs
-    and all are resumed at once. A peer that took longer to start (seconds on a loaded machine) used to
-    meet the others' rounds at another step, and the run's outcome depended on when it came."""
+    """Every peer joins paused; once all are online, paused and through their start (a heartbeat with the
+    validation loss of the state they start from), ``before_resume`` runs and all are resumed at once. A
+    peer that took longer to start (seconds on a loaded machine) used to meet the others' rounds at another
+    step, and so did one resumed before its start's validation: the other two of three formed every group
+    of the run without it."""
     while True:
-        waiting = {p.name for p in _status(control, rehearsal).peers if is_paused(p)}
+        waiting = {
+            p.name
+            for p in _status(control, rehearsal).peers
+            if is_paused(p) and p.metrics.get("val_step", -1.0) >= 0  # validated: at the loop's pause point
+        }
         missing = sorted(set(peers) - waiting)
         if not missing:
             break

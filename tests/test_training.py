@@ -18,6 +18,7 @@ from swarm.averaging.allreduce import RoundResult
 from swarm.coordinator_client import CoordinatorClient
 from swarm.identity import load_identity
 from swarm.records import RecordSigner, TrustValidator
+from swarm.training.catchup import Position
 from swarm.training.checkpoint import load_latest_checkpoint
 from swarm.training.progress import PeerProgress
 from swarm.training.state import encode_state, state_tensors
@@ -36,8 +37,8 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
-# Three DHT nodes for the module's tests that need no coordinator; each test trains a run of its own.
-module_nodes, nodes = module_dht_fixtures(3)
+# Four DHT nodes for the module's tests that need no coordinator; each test trains a run of its own.
+module_nodes, nodes = module_dht_fixtures(4)
 
 
 def trainers_for(run, dhts, **kwargs) -> list[Trainer]:
@@ -269,3 +270,69 @@ def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not
     for p in honest:
         trainer.peer.view[p.peer_id] = PeerProgress(p.peer_id, 1, 8, 1.0, "d" * 64, now)
     assert trainer.peer.catchup.ahead_or_apart() == (1, "d" * 64, ["honest0", "honest1"])
+
+
+def test_a_leader_waits_for_its_last_groupmates_whose_records_still_show_the_step_before(nodes):
+    """The members of the round that brought a peer to its step come to that step too, though its view may
+    still show them a step behind: its search expects them, so that its group waits for them. Before, it
+    expected only the peers its view showed at its step, and in a fast run the two of three whose records
+    arrived first formed every group without the third. A peer a step behind that was not in that round
+    is not expected (it may be stuck there)."""
+    run = tiny_run("arriving")
+    (trainer,) = trainers_for(run, nodes[:1])
+    peer, now = trainer.peer, time.time()
+    peer.synced.step = 3
+    peer.groupmates.record(["mate"], 3)
+    rows = [("mate", 2), ("stranger", 2), ("level", 3), ("far", 1)]
+    peer.progress_view.peers = {n: PeerProgress(n, s, 8, 1.0, trainer.state_hash, now) for n, s in rows}
+    expected: list[int] = []
+
+    async def average(*_args, expected_size, **_kwargs):
+        expected.append(expected_size)
+        return None
+
+    peer.averager.average = average
+    trainer._micro_step()
+    asyncio.run(peer._round())
+    assert expected == [3], "itself, the peer at its step and the groupmate whose record lags"
+    peer.groupmates.record(["mate"], 2)  # that round brought it to step 2: mate may be stuck at 2
+    asyncio.run(peer._round())
+    assert expected == [3, 2]
+
+
+def test_a_peer_alone_one_step_ahead_goes_back_and_a_run_of_every_peer_trains_on(nodes, caplog):
+    """Four peers in a run whose minimum group size is all four: one applied a round at step 1 that the
+    other three did not (their part of it failed), so it is alone at step 2 and they cannot form a round at
+    step 1 without it. Before, the run never moved again: one peer ahead is no majority to follow (and with
+    more peers at their step than ahead, not even for the stalled), and nothing moved a peer back. Now the
+    one ahead, once long stalled, goes back to the state it held before that round, which the three hold,
+    and the four train on to the end with identical parameters."""
+    run = tiny_run("step-back", max_steps=3, min_group_size=4, averaging_timeout_s=4.0)
+    trainers = trainers_for(run, nodes[:4])
+    names = [t.peer.peer_id for t in trainers]
+    first, lone = (
+        torch.randn(trainers[0].peer.numel, generator=torch.Generator().manual_seed(3)),
+        trainers[3].peer,
+    )
+    stop = asyncio.Event()
+
+    async def scenario() -> None:
+        for trainer in trainers:  # step 0 -> 1 together, as one round of the four
+            peer = trainer.peer
+            await asyncio.to_thread(peer._apply_round, RoundResult(first, True))
+            await peer._commit(1)
+            peer.groupmates.record([n for n in names if n != peer.peer_id], 1)
+        at_1 = Position(1, lone.state_hash)
+        await asyncio.to_thread(lone._apply_round, RoundResult(-first, True))  # the round only it applied
+        await lone._commit(2)
+        lone.groupmates.record(names[:3], 2, moved=(at_1, Position(2, lone.state_hash)))
+        tasks = [asyncio.create_task(t.run(stop)) for t in trainers]
+        await wait_for(lambda: lone.catchup.resyncs >= 1, 90, "the peer ahead to go back")
+        await wait_for(lambda: all(t.finished for t in trainers), 120, "the four peers to reach step 3")
+        assert len({t.state_hash for t in trainers}) == 1, "one state, held by all four"
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with caplog.at_level("INFO", logger="swarm.training.resync"):
+        asyncio.run(scenario())
+    assert "loaded the state of step 1 from" in caplog.text and "this peer step 2" in caplog.text

@@ -39,8 +39,8 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    groupmates only. A stalled caller with no such groupmate in view is not treated as
    stalled. Before, one record one step ahead, of any certified key, was a majority of one for a peer
    whose rounds an attacker kept failing.
-3. Never backwards, never past ``max_step`` (the run's ``max_steps``, or ``MAX_STEP``): a record of step
-   2**63-1 cannot freeze a run or its checkpoints.
+3. Never backwards (but rule 6's one step to where the caller was), never past ``max_step`` (the run's
+   ``max_steps``, or ``MAX_STEP``): a record of step 2**63-1 cannot freeze a run or its checkpoints.
 4. At the caller's own step the majority position must also beat the caller's own side (itself plus
    the peers that agree with it); equal sides go to the smaller hash, so two apart peers never swap.
 5. The state is downloaded only from the peers that hold the chosen position (certified holders), and
@@ -48,6 +48,16 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    that step before the download began offers its newer state; it is taken only when a strict majority
    of the peers in view were seen at that step with that hash (``PositionHistory``), otherwise the
    caller looks again.
+6. One step back, and only to where it was (``step_back_target``): a data-parallel peer that applied a
+   round its groupmates did not (their part of it failed) is alone at the next step, and when the peers
+   behind are too few for the run's minimum group size without it, nobody can ever form a round again.
+   Rules 2 and 4 cannot end that: one peer ahead is no majority. So a caller long stalled (its rounds
+   failed twice as long as a round takes) with nobody in view at or ahead of its step moves back to the
+   position it held before its last applied round, when that round brought it to its current step, and a
+   strict majority of every other peer in view (of their credit and credited heads once credit decides)
+   holds exactly that position. It can only return to a state it held and verified itself, one step
+   back, and only where most of the run is: the worst a majority of liars makes of this is one step of
+   one peer's work redone, which that majority could cost anyway.
 """
 
 from __future__ import annotations
@@ -288,6 +298,36 @@ def catch_up_target(
     return Target(best.step, best.state_hash, holders, support)
 
 
+def step_back_target(
+    mine: Position,
+    others: Mapping[str, Position],
+    before: Position | None,
+    *,
+    credit: Mapping[str, float] | None = None,
+    me: str | None = None,
+) -> Target | None:
+    """Rule 6: ``before``, the position the caller held before the round that brought it to ``mine``
+    (None: no such round, as after a download), when it is one step back, nobody in ``others`` is at or
+    ahead of ``mine.step``, and a strict majority of ``others`` holds ``before``: of their count, or once
+    ``CREDIT_QUORUM`` of them have credit, of their credit and credited heads (``carried``; the caller's
+    own credit counts in the cap, not as a vote: it is alone where it is). The caller must be long
+    stalled; ``catch_up_move`` checks that."""
+    if before is None or before.step != mine.step - 1 or not others:
+        return None
+    if any(p.step >= mine.step for p in others.values()):
+        return None  # someone to form a round with, or to follow: rules 2 and 4 decide
+    holders = sorted(peer for peer, p in others.items() if Position(p.step, p.state_hash) == before)
+    if credit is not None and len(credited(others, credit)) >= CREDIT_QUORUM:
+        weights = credit_weights([*others, *([me] if me is not None else [])], credit)
+        if not carried(holders, list(others), weights):
+            return None
+        floor = HOLDER_SHARE * max(credit_weights(others, credit).values(), default=0.0)
+        holders = [peer for peer in holders if credit.get(peer, 0.0) >= max(floor, 1e-9)]
+    elif len(holders) < quorum(len(others)):
+        return None
+    return Target(before.step, before.state_hash, holders, len(holders)) if holders else None
+
+
 def catch_up_move(
     mine: Position,
     others: Mapping[str, Position],
@@ -298,19 +338,24 @@ def catch_up_move(
     long_stall_rule: bool = True,
     credit: Mapping[str, float] | None = None,
     me: str | None = None,
+    before: Position | None = None,
 ) -> tuple[int, str, list[str]] | None:
     """(step, state hash, holders) to move to under the run's ``training`` settings, or None: the caller
     counts as stalled once its rounds at this step have failed (``stuck_s``, since its first attempt)
     for longer than a matchmaking window plus a round timeout (``trusted``: see ``catch_up_target``),
     and as long stalled twice as long, unless ``long_stall_rule`` is off (a stage replica sitting out
-    the step it joined at). ``credit``, ``me``: see ``catch_up_target``. The data-parallel trainer and
-    every stage replica call this."""
+    the step it joined at). ``credit``, ``me``: see ``catch_up_target``. ``before``: the position the
+    caller held before the round that brought it to ``mine`` (a data-parallel peer's, for rule 6:
+    ``step_back_target``; None: never back). The data-parallel trainer and every stage replica call
+    this."""
     stalled = stuck_s > training.round_s
     long_stalled = long_stall_rule and stuck_s > 2 * training.round_s
     target = catch_up_target(
         mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted,
         long_stalled=long_stalled, credit=credit, me=me,
     )  # fmt: skip
+    if target is None and long_stalled:
+        target = step_back_target(mine, others, before, credit=credit, me=me)
     return None if target is None else (target.step, target.state_hash, target.holders)
 
 
@@ -326,10 +371,24 @@ class Groupmates:
         self.window = window
         self.members: frozenset[str] = frozenset()
         self.step = -1
+        self._moved: tuple[Position, Position] | None = None  # (before, after) the last round
 
-    def record(self, peers: Collection[str], step: int) -> None:
-        """``peers`` were the other kept members of the round that brought this peer to ``step``."""
-        self.members, self.step = frozenset(peers), step
+    def record(
+        self, peers: Collection[str], step: int, moved: tuple[Position, Position] | None = None
+    ) -> None:
+        """``peers`` were the other kept members of the round that brought this peer to ``step``;
+        ``moved``: its position when that round began and the one it ended at."""
+        self.members, self.step, self._moved = frozenset(peers), step, moved
+
+    def before(self, mine: Position) -> Position | None:
+        """Where this peer was before the round that brought it to ``mine`` (rule 6); None when its last
+        applied round did not (it downloaded or adopted a state since)."""
+        return self._moved[0] if self._moved is not None and self._moved[1] == mine else None
+
+    def arriving(self, step: int) -> frozenset[str]:
+        """The last round's members when that round brought this peer to ``step``: they come to ``step`` too
+        (unless the round failed for them), whatever their records show yet."""
+        return self.members if self.step == step else frozenset()
 
     def recent(self, step: int) -> set[str]:
         """The last round's members, if that round brought this peer to ``step - window`` or later."""

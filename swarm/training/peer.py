@@ -41,7 +41,7 @@ from swarm.models import model_config
 from swarm.ratelimit import RateLimiter
 from swarm.records import RecordSigner, RecordTrust
 from swarm.standing import Standing
-from swarm.training.catchup import Groupmates
+from swarm.training.catchup import Groupmates, Position
 from swarm.training.hooks import TrainingHooks
 from swarm.training.memory import peak_memory_bytes
 from swarm.training.progress import PeerProgress, ProgressView, step_misfit
@@ -397,7 +397,16 @@ class TrainingPeer:
         # Everyone training at this step is about to look for a group too: assemble once all have joined
         # (never fewer than the run needs; a peer that left only makes the leader wait out its window).
         # A suspect is refused in matchmaking: waiting for it only holds the group until the window ends.
-        at_step = [p for p in others if p.step == self.step and self.policy.refusal(p.peer_id) is None]
+        # So is every member of the round that brought this peer here, though the view may still show it a
+        # step behind (its record of this step not read yet): assembling without it left one peer of three
+        # out of every round of a fast run.
+        arriving = self.groupmates.arriving(self.step)
+        at_step = [
+            p
+            for p in others
+            if (p.step == self.step or (p.step == self.step - 1 and p.peer_id in arriving))
+            and self.policy.refusal(p.peer_id) is None
+        ]
         held_steps = {p.step for p in others}  # a groupmate claiming one of these is ahead, not lying
         expected = max(needed, 1 + len(at_step))
         started = time.monotonic()
@@ -479,13 +488,15 @@ class TrainingPeer:
                 f"step {self.step}: {len(strangers)} groupmates held another state; the majority check follows"
             )
         contributed = int(self.strategy.weight(self.samples))
+        before = Position(self.step, self.state_hash)
         async with self.synced.lock:
             with self.computing():
                 await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
         self._journal("applied", group, step=self.step - 1, state_hash=self.state_hash)
         self.contributed_samples += contributed
-        self.groupmates.record([str(p) for p in group.peer_ids if str(p) != self.peer_id], self.step)
+        mates = [str(p) for p in group.peer_ids if str(p) != self.peer_id]
+        self.groupmates.record(mates, self.step, moved=(before, Position(self.step, self.state_hash)))
         self.witness.record(group)
         self.last_group_size = len(group.peer_ids)
         self._step_view = self.progress_view.count

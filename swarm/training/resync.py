@@ -179,7 +179,7 @@ class CatchUp:
         trusted = self.groupmates.recent(self.synced.step)
         return catch_up_move(
             mine, others, self.config.training, stuck_s=stuck_s, trusted=trusted, credit=self._credit(),
-            me=self.peer_id,
+            me=self.peer_id, before=self.groupmates.before(mine),
         )  # fmt: skip
 
     def _credit(self) -> dict[str, float] | None:
