@@ -51,13 +51,17 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
 6. One step back, and only to where it was (``step_back_target``): a data-parallel peer that applied a
    round its groupmates did not (their part of it failed) is alone at the next step, and when the peers
    behind are too few for the run's minimum group size without it, nobody can ever form a round again.
-   Rules 2 and 4 cannot end that: one peer ahead is no majority. So a caller long stalled (its rounds
-   failed twice as long as a round takes) with nobody in view at or ahead of its step moves back to the
-   position it held before its last applied round, when that round brought it to its current step, and a
-   strict majority of every other peer in view (of their credit and credited heads once credit decides)
-   holds exactly that position. It can only return to a state it held and verified itself, one step
-   back, and only where most of the run is: the worst a majority of liars makes of this is one step of
-   one peer's work redone, which that majority could cost anyway.
+   Rules 2 and 4 cannot end that: one peer ahead is no majority. So a caller whose rounds have failed
+   three times as long as a round takes (longer than the peers behind wait before rule 2 lets them
+   follow it, where it can) moves back to the position it held before its last applied round, when that
+   round brought it to its current step, and a strict majority of every other peer in view (of their
+   credit and credited heads once credit decides) holds exactly that position. Records at or past its
+   step do not stop it: one key placed there, credited or not, would otherwise keep the run stuck, and
+   peers that applied the round with it and are as stuck go back too. It can only return to a state it
+   held and verified itself, one step back, and only where most of the run is: the worst a majority of
+   liars makes of this is one step of one peer's work redone, which that majority could cost anyway. A
+   peer of the built-in loop that reached ``max_steps`` alone starts its stall clock when it does, so
+   it too goes back.
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ CREDIT_QUORUM = 3
 # in view): keys with a sliver of farmed credit that copy the position are no holders, each of which the
 # downloader would try in turn.
 HOLDER_SHARE = 0.1
+# Round times a caller's rounds have failed before rule 6 moves it back: more than the two after which the
+# peers behind it may follow it forward (rule 2), so that both sides do not move at once.
+STEP_BACK_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -276,7 +283,7 @@ def catch_up_target(
         if anchors and long_stalled:
             # The groupmates ahead decide only what most peers in view ahead of the caller hold too: one
             # attacker groupmate ahead is no majority of the honest peers that moved on.
-            ahead_of_me = [p for p in others.values() if p.step > mine.step]
+            ahead_of_me = [p for p in others.values() if mine.step < p.step <= limit]
             held = sum(1 for p in ahead_of_me if Position(p.step, p.state_hash) == best)
             if held < quorum(len(ahead_of_me)):
                 return None
@@ -307,15 +314,12 @@ def step_back_target(
     me: str | None = None,
 ) -> Target | None:
     """Rule 6: ``before``, the position the caller held before the round that brought it to ``mine``
-    (None: no such round, as after a download), when it is one step back, nobody in ``others`` is at or
-    ahead of ``mine.step``, and a strict majority of ``others`` holds ``before``: of their count, or once
-    ``CREDIT_QUORUM`` of them have credit, of their credit and credited heads (``carried``; the caller's
-    own credit counts in the cap, not as a vote: it is alone where it is). The caller must be long
-    stalled; ``catch_up_move`` checks that."""
+    (None: no such round, as after a download), when it is one step back and a strict majority of
+    ``others`` holds it: of their count, or once ``CREDIT_QUORUM`` of them have credit, of their credit
+    and credited heads (``carried``; the caller's own credit counts in the cap, not as a vote). The
+    caller must have been stalled three round times; ``catch_up_move`` checks that."""
     if before is None or before.step != mine.step - 1 or not others:
         return None
-    if any(p.step >= mine.step for p in others.values()):
-        return None  # someone to form a round with, or to follow: rules 2 and 4 decide
     holders = sorted(peer for peer, p in others.items() if Position(p.step, p.state_hash) == before)
     if credit is not None and len(credited(others, credit)) >= CREDIT_QUORUM:
         weights = credit_weights([*others, *([me] if me is not None else [])], credit)
@@ -346,7 +350,7 @@ def catch_up_move(
     and as long stalled twice as long, unless ``long_stall_rule`` is off (a stage replica sitting out
     the step it joined at). ``credit``, ``me``: see ``catch_up_target``. ``before``: the position the
     caller held before the round that brought it to ``mine`` (a data-parallel peer's, for rule 6:
-    ``step_back_target``; None: never back). The data-parallel trainer and every stage replica call
+    ``step_back_target``, once stalled ``STEP_BACK_ROUNDS`` round times; None: never back). The data-parallel trainer and every stage replica call
     this."""
     stalled = stuck_s > training.round_s
     long_stalled = long_stall_rule and stuck_s > 2 * training.round_s
@@ -354,7 +358,7 @@ def catch_up_move(
         mine, others, max_step=training.max_steps, stalled=stalled, trusted=trusted,
         long_stalled=long_stalled, credit=credit, me=me,
     )  # fmt: skip
-    if target is None and long_stalled:
+    if target is None and stuck_s > STEP_BACK_ROUNDS * training.round_s:
         target = step_back_target(mine, others, before, credit=credit, me=me)
     return None if target is None else (target.step, target.state_hash, target.holders)
 

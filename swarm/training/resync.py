@@ -137,8 +137,8 @@ class CatchUp:
             async with synced.lock:
                 await synced.load(decoded)
                 self.after_load()
-                if await synced.commit(decoded.step):
-                    self.step_changed()
+                await synced.commit(decoded.step)
+                self.step_changed()  # a new state, at another step or not: its rounds start afresh
             mib = sum(t.numel() * t.element_size() for t in decoded.tensors.values()) / 2**20
             return holder, fetched_s, mib
 
