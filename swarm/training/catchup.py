@@ -59,9 +59,9 @@ and by the coordinator's checkpoint keeper, so all three follow exactly the same
    step do not stop it: one key placed there, credited or not, would otherwise keep the run stuck, and
    peers that applied the round with it and are as stuck go back too. It can only return to a state it
    held and verified itself, one step back, and only where most of the run is: the worst a majority of
-   liars makes of this is one step of one peer's work redone, which that majority could cost anyway. A
-   peer of the built-in loop that reached ``max_steps`` alone starts its stall clock when it does, so
-   it too goes back.
+   liars makes of this is one step of one peer's work redone, which that majority could cost anyway.
+   Not at ``max_steps``: no round is tried there, so the stall clock does not run, and a peer waiting
+   there for slower peers (still computing, or stuck) looks the same from its records.
 """
 
 from __future__ import annotations

@@ -152,9 +152,6 @@ class Trainer:
     async def _settle(self, stop: asyncio.Event) -> None:
         """After ``max_steps``: serve state, and still move to the state most peers hold. A last step that
         came out apart (another kind of device rounds differently) must not leave this peer apart."""
-        # No round comes at the end, so the stall clock starts here: a peer that applied the last round
-        # alone goes back to the others once they are stuck a step short of it (catch-up's rule 6).
-        self.peer.catchup.round_tried()
         while not stop.is_set() and self.peer.reached_max():
             await self.peer.catchup.catch_up()
             with contextlib.suppress(asyncio.TimeoutError):
