@@ -350,8 +350,8 @@ def catch_up_move(
     and as long stalled twice as long, unless ``long_stall_rule`` is off (a stage replica sitting out
     the step it joined at). ``credit``, ``me``: see ``catch_up_target``. ``before``: the position the
     caller held before the round that brought it to ``mine`` (a data-parallel peer's, for rule 6:
-    ``step_back_target``, once stalled ``STEP_BACK_ROUNDS`` round times; None: never back). The data-parallel trainer and every stage replica call
-    this."""
+    ``step_back_target``, once stalled ``STEP_BACK_ROUNDS`` round times; None: never back). The
+    data-parallel trainer and every stage replica call this."""
     stalled = stuck_s > training.round_s
     long_stalled = long_stall_rule and stuck_s > 2 * training.round_s
     target = catch_up_target(
