@@ -244,6 +244,29 @@ def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim
     assert trainer.peer.ready_for_round() and not trainer.peer.wants_compute()
 
 
+def test_a_resumed_peer_rounds_only_on_a_view_read_after_the_others_published_again(nodes):
+    """Paused peers publish no progress record. Peers resumed together used to take their first round on
+    the first view read after the resume, which could lack the others' records (not published again yet):
+    a leader then expected too few peers and assembled without them (in a rehearsal whose floor was 2 of
+    3, two peers formed every group of the run without the third)."""
+    run = tiny_run("resume-view")
+    (trainer,) = trainers_for(run, nodes[:1])
+    peer, now = trainer.peer, time.time()
+    target = run.training.target_batch_size
+    others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
+    peer.progress_view.peers = {p.peer_id: p for p in others}
+    peer.progress_view.count = peer._step_view + 1
+    trainer._micro_step()
+    assert peer.ready_for_round()
+    peer.pause()
+    peer.resume()
+    assert not peer.ready_for_round(), "the view read before the resume"
+    peer.progress_view.count += 1
+    assert not peer.ready_for_round(), "the first view after it: the others may not have published yet"
+    peer.progress_view.count += 1
+    assert peer.ready_for_round()
+
+
 def test_a_peer_computing_a_long_batch_is_not_stalled_and_one_key_ahead_does_not_move_it(nodes):
     """The catch-up rule's stall clock starts at a peer's first round attempt at its step, not at the
     step's start. Before, a peer still computing a batch that took longer than a matchmaking window plus a

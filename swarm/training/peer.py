@@ -650,6 +650,9 @@ class TrainingPeer:
 
     def resume(self) -> None:
         self.paused = False  # the next micro-batch and round go ahead
+        # A paused peer publishes no record, nor do the peers resumed with it: its first round waits for a
+        # view read after theirs are back (two exchanges on), or it would count too few peers at its step.
+        self._step_view = self.progress_view.count + 1
 
 
 __all__ = ["TrainingPeer", "Validate"]
