@@ -30,6 +30,7 @@ from swarm.averaging.matchmaking import FailedSearches
 from swarm.averaging.tiers import TierCheck, covered_peers
 from swarm.averaging.tierserve import TierBoard
 from swarm.training import tiered
+from swarm.training.catchup import Groupmates
 from swarm.training.peer import TrainingPeer
 
 pytestmark = pytest.mark.timeout(30)
@@ -204,7 +205,7 @@ def test_3_in_outer_overlap_a_late_group_searches_as_before():
             _searches=FailedSearches(), _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0},
             _journal=lambda *a, **k: None, _adopt=lambda extra: asyncio.sleep(0, False), _group_usable=lambda g: True,
             tiers=SimpleNamespace(combine=combine), _ahead=lambda: ["ahead"], _showing=set,
-            sender_checks=SimpleNamespace(enabled=False),
+            sender_checks=SimpleNamespace(enabled=False), groupmates=Groupmates(),
         )  # fmt: skip
 
     asyncio.run(TrainingPeer._round(peer(overlap=True)))

@@ -41,6 +41,7 @@ from swarm.averaging.missed import MissedRounds
 from swarm.averaging.tiercert import certificate, result_digest, sign_attestation
 from swarm.averaging.tiers import TIER_COMPRESSION, TierCheck, representative, tier_prefix
 from swarm.averaging.tierserve import TierBoard, TierServicer
+from swarm.training.catchup import Groupmates
 from swarm.training.peer import TrainingPeer
 from swarm.training.tiered import SecondTier
 
@@ -328,7 +329,7 @@ def test_7a_progress_records_far_behind_the_step_or_of_suspects_are_not_counted(
         _journal=lambda *a, **k: None,
         _adopt=lambda extra: asyncio.sleep(0, False),  # nobody a step ahead to adopt from
         _group_usable=lambda group: True, tiers=SimpleNamespace(combine=combine), _ahead=lambda: [], _showing=set,
-        sender_checks=SimpleNamespace(enabled=False),
+        sender_checks=SimpleNamespace(enabled=False), groupmates=Groupmates(),
     )  # fmt: skip
     asyncio.run(TrainingPeer._round(peer))
     assert seen == {"peers_at_step": 5}, "itself, three at step 7 and one at step 6; not 10"

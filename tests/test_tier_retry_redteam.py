@@ -28,6 +28,7 @@ from swarm.averaging.allreduce import RoundResult, SignedOutput
 from swarm.averaging.matchmaking import FailedSearches
 from swarm.averaging.tiers import TierCheck, signed_peers
 from swarm.training import tiered
+from swarm.training.catchup import Groupmates
 from swarm.training.peer import TrainingPeer
 from swarm.training.tiered import ALONE_AFTER_TRIES
 
@@ -140,7 +141,7 @@ def test_a2_the_peer_adopts_from_peers_ahead_before_its_group_could_apply_its_ow
         _showing=set,
         sender_checks=SimpleNamespace(enabled=False), synced=SimpleNamespace(lock=asyncio.Lock()),
         computing=contextlib.nullcontext, _apply_round=applied.append, _commit=commit, contributed_samples=0,
-        groupmates=SimpleNamespace(record=lambda *a: None), witness=SimpleNamespace(record=lambda g: None),
+        groupmates=Groupmates(), witness=SimpleNamespace(record=lambda g: None),
         progress_view=SimpleNamespace(count=0), reached_max=lambda: False, state_hash=MINE["state_hash"],
         evaluate=lambda: asyncio.sleep(0),
     )  # fmt: skip

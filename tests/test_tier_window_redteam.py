@@ -370,6 +370,7 @@ def test_f4_the_peers_to_wait_for_are_read_from_the_records_again_at_each_join(m
     this peer's first tier; a group whose members' records still showed the step before at that moment was
     never waited for, and nothing refreshed it during a window of up to a minute. Now ``here`` is read again
     at each join: records that reach the step meanwhile are waited for."""
+    from swarm.training.catchup import Groupmates
     from swarm.training.peer import TrainingPeer
 
     others = [SimpleNamespace(peer_id=p, step=7) for p in ("m1", "m2", "g1", "g2", "g3")]
@@ -397,7 +398,7 @@ def test_f4_the_peers_to_wait_for_are_read_from_the_records_again_at_each_join(m
         _searches=FailedSearches(), _stats={"last_round_s": 0.0, "averaging_s": 0.0, "rounds_failed": 0},
         _journal=lambda *a, **k: None, _adopt=lambda extra: asyncio.sleep(0, False),
         _group_usable=lambda group: True, tiers=SimpleNamespace(combine=combine), _ahead=lambda: [], _showing=set,
-        sender_checks=SimpleNamespace(enabled=False),
+        sender_checks=SimpleNamespace(enabled=False), groupmates=Groupmates(),
     )  # fmt: skip
     asyncio.run(TrainingPeer._round(peer))
     assert seen["peers_at_step"] == 9, "the lagging group is counted as coming"
