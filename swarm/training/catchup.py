@@ -149,6 +149,14 @@ def carried(holders: Collection[str], electorate: Collection[str], weights: Mapp
     return sum(1 for peer in counted if peer in held) >= quorum(len(counted))
 
 
+def holding_credit(others: Collection[str], credit: Mapping[str, float]) -> set[str]:
+    """The peers of ``others`` (those in view) that may serve a download once credit decides: those with at
+    least ``HOLDER_SHARE`` of the vote cap in credit (keys without credit, or with a sliver of it, that copy
+    a position would otherwise be most of its holders, each tried first in turn)."""
+    floor = HOLDER_SHARE * max(credit_weights(others, credit).values(), default=0.0)
+    return {peer for peer in others if credit.get(peer, 0.0) >= max(floor, 1e-9)}
+
+
 def credited(peers: Collection[str], credit: Mapping[str, float]) -> list[str]:
     """The peers of ``peers`` the coordinator credited with witnessed work."""
     return [peer for peer in peers if credit.get(peer, 0.0) > 0]
@@ -294,13 +302,11 @@ def catch_up_target(
     # Downloads come from the peers that decided: groupmates, or when credit decides, peers with a share of
     # the credit cap (keys without credit, or with a sliver of it, that copy the position would be most of
     # the holders, each tried first in turn).
-    floor = HOLDER_SHARE * max(credit_weights(others, credit).values(), default=0.0) if weighed else 0.0
+    servers = holding_credit(others, credit) if weighed else others
     holders = sorted(
         peer
         for peer, p in others.items()
-        if Position(p.step, p.state_hash) == best
-        and (not anchors or peer in trusted)
-        and (not weighed or credit.get(peer, 0.0) >= max(floor, 1e-9))
+        if Position(p.step, p.state_hash) == best and (not anchors or peer in trusted) and peer in servers
     )
     return Target(best.step, best.state_hash, holders, support)
 
@@ -325,8 +331,8 @@ def step_back_target(
         weights = credit_weights([*others, *([me] if me is not None else [])], credit)
         if not carried(holders, list(others), weights):
             return None
-        floor = HOLDER_SHARE * max(credit_weights(others, credit).values(), default=0.0)
-        holders = [peer for peer in holders if credit.get(peer, 0.0) >= max(floor, 1e-9)]
+        servers = holding_credit(others, credit)
+        holders = [peer for peer in holders if peer in servers]
     elif len(holders) < quorum(len(others)):
         return None
     return Target(before.step, before.state_hash, holders, len(holders)) if holders else None
