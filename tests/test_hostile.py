@@ -133,7 +133,12 @@ def check_refusals(answers: list[Answer]) -> None:
     wrong = [(a.rpc, a.probe, a.code, a.details) for a in answers if a.code not in REFUSALS]
     assert not wrong, f"answered other than by a refusal: {wrong}"
     assert all(a.details for a in answers), "a refusal that does not say what is wrong"
-    slow = [(a.rpc, a.probe, round(a.elapsed_s, 1)) for a in answers if a.elapsed_s >= CALL_TIMEOUT_S]
+    # The silent stream waits for the coordinator's own deadline (checked below: the coordinator ended it).
+    slow = [
+        (a.rpc, a.probe, round(a.elapsed_s, 1))
+        for a in answers
+        if a.elapsed_s >= CALL_TIMEOUT_S and a.probe != "a stream that sends nothing"
+    ]
     assert not slow, f"calls that took their whole timeout: {slow}"
     said = {(a.rpc, a.probe): (a.code, a.details) for a in answers}
     for rpc in coordinator_rpcs():
@@ -170,17 +175,18 @@ def test_hostile_calls_at_a_real_coordinator_are_each_refused_by_name_in_time_an
 ):
     run_id = "hostile.run"
     # The coordinator cuts a silent accusation off itself, before the harness gives up on it (``stall_s``
-    # 4 s); 3 s leaves a loaded machine time to read the 64-part streams in full (a read cut off by the
-    # deadline empties the accuser's bucket, and its next accusation was answered "too many").
-    limits = ServiceLimits(evidence_read_timeout_s=3.0)
+    # 12 s); 8 s leaves a loaded machine time to read the 64-part streams in full (a read cut off by the
+    # deadline empties the accuser's bucket, and its next accusation was answered "too many": seen with
+    # 3 s while a CI run shared the machine).
+    limits = ServiceLimits(evidence_read_timeout_s=8.0)
 
     async def scenario() -> None:
         async with serving_coordinator(tmp_path, run_id, limits, dial_back=True) as (address, store, service):
-            attack = make_protocol_attack("hostile", {"stall_s": 4.0})
+            attack = make_protocol_attack("hostile", {"stall_s": 12.0})
             target = ProtocolTarget(None, run_id, coordinator=address)
             try:
                 for _ in range(2):  # its second mount rejoins under the same key
-                    sent = await asyncio.wait_for(attack.mount(target), 20)
+                    sent = await asyncio.wait_for(attack.mount(target), 60)
                     assert sent >= len(attack.answers) > 50
                     check_refusals(attack.answers)
                     # The bound: one peer row, its own identity (joined honestly, then left); no ban; no
