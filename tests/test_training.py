@@ -21,6 +21,7 @@ from swarm.records import RecordSigner, TrustValidator
 from swarm.training.catchup import Position
 from swarm.training.checkpoint import load_latest_checkpoint
 from swarm.training.progress import PeerProgress
+from swarm.training.readiness import ShownWork
 from swarm.training.state import encode_state, state_tensors
 from swarm.training.sync import EncodedState
 from swarm.training.synced import SyncedState
@@ -47,6 +48,14 @@ def trainers_for(run, dhts, **kwargs) -> list[Trainer]:
         Trainer(run, d, peer_id=d.peer_id.to_base58(), signing_key=KEYS[d.peer_id.to_base58()], **kwargs)
         for d in dhts
     ]
+
+
+def shown_round(peer, others: list[PeerProgress], weight: float) -> ShownWork:
+    """What a round of ``peer`` with ``others`` that brought it to its step showed, each at ``weight``."""
+    members = [peer.peer_id, *(p.peer_id for p in others)]
+    return ShownWork.of_round(
+        step=peer.step, members=members, weights=[weight] * len(members), me=peer.peer_id
+    )
 
 
 def test_late_joiner_and_a_peer_dying_mid_round(nodes):
@@ -237,6 +246,8 @@ def test_a_peer_joins_a_round_only_with_samples_of_its_own_whatever_others_claim
     others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
     trainer.peer.progress_view.peers = {p.peer_id: p for p in others}
     trainer.peer.progress_view.count = trainer.peer._step_view + 1  # a view fetched after this step began
+    # Its last round showed both doing as much work (so their claims count in full, ``readiness``).
+    trainer.peer.shown = shown_round(trainer.peer, others, target)
     assert trainer.peer.samples == 0
     assert trainer.peer.wants_compute() and not trainer.peer.ready_for_round()
     trainer._micro_step()
@@ -256,6 +267,7 @@ def test_a_resumed_peer_rounds_only_on_a_view_read_after_the_others_published_ag
     others = [PeerProgress(f"other{i}", 0, target, 1.0, trainer.state_hash, now) for i in range(2)]
     peer.progress_view.peers = {p.peer_id: p for p in others}
     peer.progress_view.count = peer._step_view + 1
+    peer.shown = shown_round(peer, others, target)
     trainer._micro_step()
     assert peer.ready_for_round()
     peer.pause()

@@ -115,6 +115,9 @@ class RoundResult:
     sent: torch.Tensor | None = None
     # With ``keep_signed``: each part's signer and its aggregate chunks as signed, for a complete round.
     signed: SignedOutput | None = None
+    # A step's combined result (``swarm.training.tiered``): the checked certificates of its second tier's
+    # groups, each naming its members and their signed total weight. Empty for a group's own result.
+    tier_groups: list[dict] = field(default_factory=list)
 
 
 @dataclass

@@ -195,7 +195,7 @@ def covered_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[
     A peer is in one group of a step, so Sybils that list honest peers they do not speak for can make a
     leader believe fewer honest peers missing than they hold admitted identities, however they split them
     between certificates."""
-    return {member for group, _ in _counted(groups, counts) for member in group["members"]}
+    return {member for group, _ in counted_groups(groups, counts) for member in group["members"]}
 
 
 def signed_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[str]:
@@ -203,10 +203,10 @@ def signed_peers(groups: Iterable[dict], counts: Callable[[str], bool]) -> set[s
     identities ``counts`` admits, each once, in certificates that such signers are a strict majority of:
     what a round shows of the peers in it, unlike ``covered_peers`` without the listed members that signed
     nothing (a certificate signed by a majority of Sybils may list honest peers)."""
-    return {signer for _, signers in _counted(groups, counts) for signer in signers}
+    return {signer for _, signers in counted_groups(groups, counts) for signer in signers}
 
 
-def _counted(groups: Iterable[dict], counts: Callable[[str], bool]) -> Iterator[tuple[dict, list[str]]]:
+def counted_groups(groups: Iterable[dict], counts: Callable[[str], bool]) -> Iterator[tuple[dict, list[str]]]:
     """Each certificate of ``groups`` that counts, with its counted signers: those ``counts`` admits that
     signed no certificate counted before it, when they are a strict majority of its listed members."""
     used: set[str] = set()
@@ -493,6 +493,7 @@ __all__ = [
     "TIER_COMPRESSION",
     "TierCheck",
     "TierOutcome",
+    "counted_groups",
     "covered_peers",
     "covers",
     "holds_the_step",

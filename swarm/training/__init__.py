@@ -5,6 +5,8 @@
 - checkpoint.py: atomic on-disk checkpoints with the run config, newest-first loading that skips damaged files
 - progress.py: who is at which step with how many samples, shared through the DHT, and whether a
   groupmate's signed step fits this peer's round (``step_misfit``)
+- readiness.py: how much of the samples others claim at its step an every_step peer counts toward the
+  target batch: as far as its last round showed their work (``counted_claims``)
 - catchup.py: the one catch-up rule: when a holder of state must move to another state, and from whom
 - sync.py: downloading the full state from another peer, verified against the agreed hash
 - optimizers.py: LAMB and LARS, the layer-wise adaptive optimizers for large global batches

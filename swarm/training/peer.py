@@ -45,6 +45,7 @@ from swarm.training.catchup import Groupmates, Position
 from swarm.training.hooks import TrainingHooks
 from swarm.training.memory import peak_memory_bytes
 from swarm.training.progress import PeerProgress, ProgressView, step_misfit
+from swarm.training.readiness import ShownWork, counted_claims
 from swarm.training.resync import CatchUp
 from swarm.training.sendercheck import SenderChecks
 from swarm.training.state import build_optimizer, ensure_optimizer_state, state_tensors
@@ -178,6 +179,8 @@ class TrainingPeer:
         self.contributed_samples = 0
         # Whom this peer completed and applied rounds with lately: the anchors of its catch-up when stalled.
         self.groupmates = Groupmates()
+        # What that round showed of the others' work: how far their claimed samples count (``readiness``).
+        self.shown: ShownWork | None = None
         self._searches = FailedSearches()  # matchmaking at this step that formed no group (widens the window)
         # Serving the synced state, and moving to the state the run holds (swarm.training.resync).
         self.catchup = CatchUp(
@@ -369,8 +372,16 @@ class TrainingPeer:
         await self.policy.refresh_bans()
 
     def _others_at_step(self) -> list[int]:
-        """The samples the other peers at this step claim, by their signed progress records."""
-        return [p.samples for p in self.view.values() if p.step == self.step and p.peer_id != self.peer_id]
+        """The samples the other peers at this step claim, by their signed progress records; in
+        ``every_step``, only as far as this peer's last round showed their work (``readiness``)."""
+        claims = {
+            p.peer_id: p.samples
+            for p in self.view.values()
+            if p.step == self.step and p.peer_id != self.peer_id
+        }
+        if self.config.training.sync != "every_step":
+            return list(claims.values())
+        return counted_claims(claims, own=self.samples, shown=self.shown, step=self.step)
 
     def ready_for_round(self) -> bool:
         """Whether this peer's round is due, by the strategy (with every_step: the peers at this step hold
@@ -497,6 +508,10 @@ class TrainingPeer:
         self.contributed_samples += contributed
         mates = [str(p) for p in group.peer_ids if str(p) != self.peer_id]
         self.groupmates.record(mates, self.step, moved=(before, Position(self.step, self.state_hash)))
+        self.shown = ShownWork.of_round(
+            step=self.step, members=[str(p) for p in group.peer_ids], weights=group.weights, me=self.peer_id,
+            dropped=result.dropped, groups=result.tier_groups, group_id=group.group_id,
+        )  # fmt: skip
         self.witness.record(group)
         self.last_group_size = len(group.peer_ids)
         self._step_view = self.progress_view.count

@@ -354,7 +354,10 @@ class SecondTier:
                 led = self.averager.led_last_group
                 if led and not closing.closed and self.averager.last_form_s >= 0.9 * window_s:
                     self._observe(here, [e["group"] for e in tier_group.extras], set(members))
-                applied = dataclasses.replace(result, vector=tier_result.vector, signed=None)
+                applied = dataclasses.replace(
+                    result, vector=tier_result.vector, signed=None,
+                    tier_groups=[e["group"] for e in tier_group.extras],
+                )  # fmt: skip
                 logger.info(
                     f"group {short}: second tier with {len(tier_group.peer_ids)} groups, "
                     f"{math.fsum(tier_group.weights):.0f} samples"
@@ -422,7 +425,7 @@ class SecondTier:
             if checked is None:
                 return result
             self.board.keep(facts.step, outcome)
-            return dataclasses.replace(result, vector=checked.output, signed=None)
+            return dataclasses.replace(result, vector=checked.output, signed=None, tier_groups=checked.groups)
         finally:
             self.board.post(group.group_id, outcome)  # to the members below this one: None sends them upward
 
