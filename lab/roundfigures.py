@@ -1,7 +1,8 @@
 """Per-step figures of a rehearsal, from its peers' round journals (``swarm.journal``).
 
 For each step ``s`` (the round that moves the run from ``s`` to ``s + 1``): how many groups applied a
-round there and how large the largest was, how many peers applied one (those that adopted the step's
+round there, how large the largest was and how many samples they signed for together (the step's
+batch), how many peers applied one (those that adopted the step's
 combined result from a peer ahead, ``adopted``, included) and whether they all moved to the same state, how many full-state downloads loaded a state of step ``s + 1`` instead (and how many of those
 were by a joiner or a restarted peer that had applied no round since it started), how many peers' lives
 ended there (a process killed while at that step, its round possibly done by its groupmates and never
@@ -26,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dict]:
     """One dict per step ``0 .. steps - 1`` (see the module docstring for what each holds)."""
-    groups: dict[int, dict[str, int]] = defaultdict(dict)  # step -> group ID -> size
+    groups: dict[int, dict[str, tuple[int, float]]] = defaultdict(dict)  # step -> group ID -> (size, samples)
     applied: dict[int, dict[str, str]] = defaultdict(dict)  # step -> peer -> state hash it moved to
     sent: dict[int, list[float]] = defaultdict(list)
     form_s: dict[int, list[float]] = defaultdict(list)
@@ -58,7 +59,10 @@ def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dic
                 if outcome == "adopted":  # the step's combined result, taken from a peer ahead
                     adopted[step] += 1
                 else:
-                    groups[step][str(row.get("group", ""))] = int(row.get("size", 0))
+                    groups[step][str(row.get("group", ""))] = (
+                        int(row.get("size", 0)),
+                        float(row.get("samples", 0.0)),
+                    )
                 applied[step][name] = str(row.get("state_hash", ""))
                 now_sent = float(row.get("sent", 0.0))
                 sent[step].append(max(0.0, now_sent - sent_before))
@@ -70,7 +74,8 @@ def step_figures(journals: Mapping[str, Sequence[dict]], steps: int) -> list[dic
         figures.append({
             "step": step,
             "groups": len(groups[step]),
-            "largest_group": max(groups[step].values(), default=0),
+            "largest_group": max((size for size, _ in groups[step].values()), default=0),
+            "samples": sum(samples for _, samples in groups[step].values()),
             "peers_applied": len(applied[step]),
             "round_tries": tries[step],
             "distinct_results": len(results),

@@ -11,6 +11,7 @@ unless the attack says otherwise. On top of the library's hooks an attack has it
   it computed (``sign_flip``, ``random_direction``, ``delayed_gradient``, ``alie``, ``ipm``, ``nan``),
   which ``contribute`` (the training hook) calls;
 - ``weight(claimed) -> float``: the weight (sample count) it claims (``huge_weight``);
+- ``claim(samples) -> int``: the samples its signed progress record claims at its step (``batch_claim``);
 - ``reduce(aggregate) -> Tensor``: what it returns as the reducer of a part (``bad_reducer``, which sets
   ``rewrites_aggregates``), which ``aggregate`` (the round hook) calls;
 - ``announce(record) -> record``: the pipeline record it publishes (``swarm.byzantine.pipeline_attacks``);
@@ -441,6 +442,25 @@ class HugeWeight(Attack):
 
     def weight(self, claimed: float) -> float:
         return self.options.weight
+
+
+class BatchClaimOptions(AttackOptions):
+    """Options of ``batch_claim``: ``samples``, what its progress record claims to hold at every step."""
+
+    samples: int = Field(
+        1 << 40, ge=0, lt=1 << 63, description="the samples its record claims, whatever it holds"
+    )
+
+
+@register_attack("batch_claim", BatchClaimOptions)
+class BatchClaim(Attack):
+    """Trains and sends honestly, but its signed progress record claims ``samples`` at its step, to make the
+    every_step peers at that step start their rounds after one micro-batch (``swarm.training.readiness``
+    counts such a claim only as far as the claimant's last rounds showed its work). Nothing it signs
+    contradicts the claim: nobody can be convicted for it."""
+
+    def claim(self, samples: int) -> int:
+        return self.options.samples
 
 
 class BadReducerOptions(AttackOptions):

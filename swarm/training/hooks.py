@@ -7,6 +7,7 @@ returns what it is given, so the loop calls it unconditionally:
 - ``contribute(trainer, honest) -> Tensor``: the vector it sends to the round, given the honest one
   (run in a worker thread; ``trainer`` is the live ``TrainingPeer``, for hooks that read its state);
 - ``weight(claimed) -> float``: the weight (samples) it signs for that vector;
+- ``claim(samples) -> int``: the samples its signed progress record says it holds at its step;
 - ``entry(extra) -> dict``: what it signs into its group entry besides (its step and state hash);
 - ``round_hooks``: the ``swarm.averaging.hooks.RoundHooks`` its averager runs rounds with.
 
@@ -56,6 +57,9 @@ class TrainingHooks:
 
     def weight(self, claimed: float) -> float:
         return claimed
+
+    def claim(self, samples: int) -> int:
+        return samples
 
     def entry(self, extra: dict) -> dict:
         return extra

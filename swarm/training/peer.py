@@ -355,7 +355,8 @@ class TrainingPeer:
     # --- progress and rounds -------------------------------------------------------------------------
 
     def _progress(self) -> PeerProgress:
-        return PeerProgress(self.peer_id, self.step, self.samples, self._sps, self.state_hash, time.time())
+        claimed = self.hooks.claim(self.samples)
+        return PeerProgress(self.peer_id, self.step, claimed, self._sps, self.state_hash, time.time())
 
     async def exchange_progress(self) -> None:
         """Publish this peer's signed progress record and read the verified records of the others."""
@@ -504,7 +505,9 @@ class TrainingPeer:
             with self.computing():
                 await asyncio.to_thread(self._apply_round, result)
             await self._commit(self.step + 1)
-        self._journal("applied", group, step=self.step - 1, state_hash=self.state_hash)
+        self._journal(
+            "applied", group, step=self.step - 1, state_hash=self.state_hash, samples=math.fsum(group.weights)
+        )
         self.contributed_samples += contributed
         mates = [str(p) for p in group.peer_ids if str(p) != self.peer_id]
         self.groupmates.record(mates, self.step, moved=(before, Position(self.step, self.state_hash)))
