@@ -14,7 +14,7 @@ from helpers import KEYS, module_dht_fixtures
 from lab.localswarm import tiny_run
 from swarm.averaging.tiercert import certificate
 from swarm.training.progress import PeerProgress
-from swarm.training.readiness import CLAIM_GROWTH, SHOWN_FOR_STEPS, ShownWork, counted_claims
+from swarm.training.readiness import CLAIM_GROWTH, ShownWork, counted_claims
 from swarm.training.trainer import Trainer
 
 module_nodes, nodes = module_dht_fixtures(1)
@@ -24,25 +24,32 @@ def test_claims_beside_a_round_count_as_far_as_it_showed_and_sybil_records_share
     # A peer with no round behind it counts claims as made (its own round only is brought forward).
     assert sum(counted_claims({"a": 8, "b": 100}, own=8, shown=None, step=0)) == 108
     # A peer whose last round held "a" and "b" counts them up to twice what they signed there...
-    shown = ShownWork.of_round(step=3, members=["me", "a", "b"], weights=[16, 16, 16], me="me")
+    shown = ShownWork.of_round(step=3, members=["me", "a", "b"], weights=[16, 16, 16], me="me", target=48)
     assert sorted(counted_claims({"a": 10, "b": 10**9}, own=8, shown=shown, step=3)) == [0, 10, 32]
     # ...and any number of records with no round behind them share one allowance: its own samples.
     claims = {"a": 16, "b": 16, **{f"sybil{i}": 256 for i in range(100)}}
     assert sum(counted_claims(claims, own=8, shown=shown, step=3)) == 16 + 16 + 8
     assert sum(counted_claims({"sybil": 10**18}, own=8, shown=shown, step=3)) == 8
+    # Only at the step that round brought it to: after a download (or an adoption) claims count as made.
+    assert sum(counted_claims({"a": 16, "sybil": 100}, own=4, shown=shown, step=4)) == 116
 
 
-def test_a_member_counts_at_most_twice_the_median_member_and_nothing_once_its_input_was_dropped():
+def test_a_member_counts_at_most_twice_the_median_member_or_the_floor_and_nothing_once_its_input_was_dropped():
     # A liar that signed the whole batch in the last round is counted as the rule weighs it: the lower
     # median of the members' weights.
-    shown = ShownWork.of_round(step=1, members=["me", "a", "liar"], weights=[16, 16, 256], me="me")
-    assert shown.weights["liar"] == 16 and shown.group == 48
+    shown = ShownWork.of_round(step=1, members=["me", "a", "liar"], weights=[16, 16, 256], me="me", target=48)
+    assert shown.weights["liar"] == 16 and shown.own == 16 and shown.floor == 16
     assert counted_claims({"liar": 256}, own=4, shown=shown, step=1)[0] == int(CLAIM_GROWTH * 16)
     # One whose input this peer's part left out showed no work.
-    dropped = ShownWork.of_round(step=1, members=["me", "a", "b"], weights=[16] * 3, me="me", dropped={"b"})
+    dropped = ShownWork.of_round(
+        step=1, members=["me", "a", "b"], weights=[16] * 3, me="me", target=48, dropped={"b"}
+    )
     assert counted_claims({"b": 16}, own=4, shown=dropped, step=1)[:1] == [0]
-    # A round long past is not believed: claims count as made.
-    assert sum(counted_claims({"a": 16}, own=4, shown=shown, step=1 + SHOWN_FOR_STEPS + 1)) == 16
+    # A member that signed one micro-batch (a step cut short) still counts up to twice the floor: the
+    # target over the round's peers.
+    short = ShownWork.of_round(step=1, members=["me", "a", "b", "c"], weights=[4] * 4, me="me", target=256)
+    assert short.floor == 64
+    assert counted_claims({"a": 64, "b": 200}, own=64, shown=short, step=1)[:2] == [64, 128]
 
 
 def group(gid: bytes, members: list[str], weight: float) -> dict:
@@ -60,15 +67,19 @@ def test_the_other_groups_count_at_their_pace_and_at_most_their_signers_as_media
         group(b"mine", ["x", "y"], 10**300),  # another certificate under this peer's group ID
     ]
     shown = ShownWork.of_round(
-        step=2, members=["me", "a"], weights=[32, 32], me="me", groups=groups, group_id=b"mine"
+        step=2, members=["me", "a"], weights=[32, 32], me="me", target=192, groups=groups, group_id=b"mine"
     )
     assert shown.rest == 64.0 + 2 * 32.0, "each group at most its signers as median members, each signer once"
-    # At the group's pace of its last round (it signed 64, and now counts 64), the other groups' claims
-    # count up to their 128, whatever identities claim beside them.
+    assert shown.floor == 192 / 6
+    # At the pace of its last round (its members signed 32 each and now count 32), the other groups'
+    # claims count up to their 128, whatever identities claim beside them.
     claims = {"a": 32, **{f"p{i}": 32 for i in range(4)}, **{f"sybil{i}": 256 for i in range(50)}}
     assert sum(counted_claims(claims, own=32, shown=shown, step=2)) == 32 + 128
-    # Halfway through the step (its group holds half what it signed), half of that.
+    # Halfway through the step (they hold half what they signed), half of that.
     assert sum(counted_claims(claims | {"a": 16}, own=16, shown=shown, step=2)) == 16 + 64
+    # A member claiming more than its pace moves no median: with "a" at twice its weight, the pace is
+    # still this peer's own (the lower median of two).
+    assert sum(counted_claims(claims | {"a": 10**9}, own=16, shown=shown, step=2)) == 64 + 64
 
 
 @pytest.fixture
@@ -94,6 +105,7 @@ def test_one_record_claiming_the_whole_batch_no_longer_starts_a_peers_round_afte
         members=[peer.peer_id, *(m.peer_id for m in mates)],
         weights=[share] * 3,
         me=peer.peer_id,
+        target=target,
     )
     sybil = PeerProgress("sybil", 0, target, 1.0, peer.state_hash, now)
     peer.progress_view.peers = {p.peer_id: p for p in [*mates, sybil]}

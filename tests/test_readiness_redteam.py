@@ -23,7 +23,7 @@ from swarm.averaging.tiercert import (
     sign_attestation,
 )
 from swarm.training.progress import PeerProgress
-from swarm.training.readiness import SHOWN_FOR_STEPS, ShownWork, counted_claims
+from swarm.training.readiness import ShownWork, counted_claims
 from swarm.training.trainer import Trainer
 
 module_nodes, nodes = module_dht_fixtures(1)
@@ -73,7 +73,7 @@ def mates_of(peer, count: int, weight: float, *, groups=(), group_id=b"mine") ->
     mates = [f"mate{i}" for i in range(count)]
     peer.shown = ShownWork.of_round(
         step=peer.step, members=[peer.peer_id, *mates], weights=[weight] * (count + 1), me=peer.peer_id,
-        groups=list(groups), group_id=group_id,
+        target=TARGET, groups=list(groups), group_id=group_id,
     )  # fmt: skip
     return mates
 
@@ -124,7 +124,7 @@ def test_in_a_multi_group_swarm_a_sybil_record_at_every_step_leaves_every_steps_
             ]  # fmt: skip
             shown = ShownWork.of_round(
                 step=s, members=[f"g0p{i}" for i in range(size)], weights=[prev] * size, me="g0p0",
-                groups=certs, group_id=b"g0",
+                target=TARGET, groups=certs, group_id=b"g0",
             )  # fmt: skip
             own = 0
             while True:
@@ -202,10 +202,16 @@ def test_made_up_groups_sharing_their_members_count_each_signer_once():
     honest = [signed_group(b"mine", keys(4), 64.0), signed_group(b"other", keys(4), 64.0)]
     made_up = [signed_group(b"s1", [a, c], 1e6), signed_group(b"s2", [b, c], 1e6)]
     without = ShownWork.of_round(
-        step=0, members=["me", "x"], weights=[32, 32], me="me", groups=honest, group_id=b"mine"
+        step=0, members=["me", "x"], weights=[32, 32], me="me", target=TARGET, groups=honest, group_id=b"mine"
     )
     with_them = ShownWork.of_round(
-        step=0, members=["me", "x"], weights=[32, 32], me="me", groups=honest + made_up, group_id=b"mine"
+        step=0,
+        members=["me", "x"],
+        weights=[32, 32],
+        me="me",
+        target=TARGET,
+        groups=honest + made_up,
+        group_id=b"mine",
     )
     assert without.rest == 64 and with_them.rest == 64 + 2 * 32
 
@@ -224,7 +230,7 @@ def test_huge_certified_weights_are_bounded_when_the_round_is_recorded():
     for g in groups:
         assert certificate_shape_misfit({"group": g}, signer=g["members"][0]) is None
     shown = ShownWork.of_round(
-        step=0, members=["me", "x"], weights=[32, 32], me="me", groups=groups, group_id=b"mine"
+        step=0, members=["me", "x"], weights=[32, 32], me="me", target=TARGET, groups=groups, group_id=b"mine"
     )
     assert shown.rest == 2 * 2 * 32
 
@@ -250,14 +256,16 @@ def test_a_made_up_group_certified_under_the_peers_own_group_id_counts_for_nothi
 
 def test_a_peer_with_no_round_behind_it_is_ready_with_the_peers_at_its_step(trainer):
     """Four peers that averaged together last step hold a steady share; a peer that joined (or caught up
-    by a download: ``shown`` is set by applied rounds only, and expires after ``SHOWN_FOR_STEPS``) counted
+    by a download: ``shown`` is set by applied rounds only) counted
     their claims together as at most its own samples and computed on to half the target, missing their
     round. It now counts claims as made, and is ready with them."""
     peer = trainer.peer
     assert peer.shown is None
     share = -(-TARGET // 5)  # 52: where the four start (own + 3 groupmates + the newcomer's claim)
     four = [f"veteran{i}" for i in range(4)]
-    seen = ShownWork.of_round(step=peer.step, members=four, weights=[TARGET // 4] * 4, me=four[0])
+    seen = ShownWork.of_round(
+        step=peer.step, members=four, weights=[TARGET // 4] * 4, me=four[0], target=TARGET
+    )
     veteran_counts = counted_claims(
         {**{v: share for v in four[1:]}, peer.peer_id: share}, own=share, shown=seen, step=peer.step
     )
@@ -266,9 +274,6 @@ def test_a_peer_with_no_round_behind_it_is_ready_with_the_peers_at_its_step(trai
         trainer._micro_step()
     at_step(peer, {v: share for v in four})
     assert peer.ready_for_round() and not peer.wants_compute(), "the newcomer, with as much, is too"
-    # A round more than SHOWN_FOR_STEPS behind (a download past it) is not believed either.
-    old = ShownWork.of_round(step=0, members=["me", *four], weights=[TARGET // 5] * 5, me="me")
-    assert (
-        sum(counted_claims({v: share for v in four}, own=share, shown=old, step=SHOWN_FOR_STEPS + 1))
-        == 4 * share
-    )
+    # A round of an earlier step (a download past it) is not believed either.
+    old = ShownWork.of_round(step=0, members=["me", *four], weights=[TARGET // 5] * 5, me="me", target=TARGET)
+    assert sum(counted_claims({v: share for v in four}, own=share, shown=old, step=1)) == 4 * share

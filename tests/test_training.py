@@ -54,8 +54,9 @@ def shown_round(peer, others: list[PeerProgress], weight: float) -> ShownWork:
     """What a round of ``peer`` with ``others`` that brought it to its step showed, each at ``weight``."""
     members = [peer.peer_id, *(p.peer_id for p in others)]
     return ShownWork.of_round(
-        step=peer.step, members=members, weights=[weight] * len(members), me=peer.peer_id
-    )
+        step=peer.step, members=members, weights=[weight] * len(members), me=peer.peer_id,
+        target=peer.config.training.target_batch_size,
+    )  # fmt: skip
 
 
 def test_late_joiner_and_a_peer_dying_mid_round(nodes):

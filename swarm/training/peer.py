@@ -513,7 +513,8 @@ class TrainingPeer:
         self.groupmates.record(mates, self.step, moved=(before, Position(self.step, self.state_hash)))
         self.shown = ShownWork.of_round(
             step=self.step, members=[str(p) for p in group.peer_ids], weights=group.weights, me=self.peer_id,
-            dropped=result.dropped, groups=result.tier_groups, group_id=group.group_id,
+            target=self.config.training.target_batch_size, dropped=result.dropped, groups=result.tier_groups,
+            group_id=group.group_id,
         )  # fmt: skip
         self.witness.record(group)
         self.last_group_size = len(group.peer_ids)
@@ -569,6 +570,7 @@ class TrainingPeer:
                 await asyncio.to_thread(self._apply_round, adopted)
             self._reset_accumulation()
             await self._commit(self.step + 1)
+        self.shown = None  # it was in none of the round's groups: claims count as made (``readiness``)
         self._journal("adopted", step=self.step - 1, state_hash=self.state_hash)
         self._step_view = self.progress_view.count
         logger.info(f"step {self.step}: adopted the combined result the peers ahead applied")
