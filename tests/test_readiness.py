@@ -23,9 +23,9 @@ module_nodes, nodes = module_dht_fixtures(1)
 def test_claims_beside_a_round_count_as_far_as_it_showed_and_sybil_records_share_the_peers_own_samples():
     # A peer with no round behind it counts claims as made (its own round only is brought forward).
     assert sum(counted_claims({"a": 8, "b": 100}, own=8, shown=None, step=0)) == 108
-    # A peer whose last round held "a" and "b" counts them up to twice what they signed there...
+    # A peer whose last round held "a" and "b" counts them up to what they signed there...
     shown = ShownWork.of_round(step=3, members=["me", "a", "b"], weights=[16, 16, 16], me="me", target=48)
-    assert sorted(counted_claims({"a": 10, "b": 10**9}, own=8, shown=shown, step=3)) == [0, 10, 32]
+    assert sorted(counted_claims({"a": 10, "b": 10**9}, own=8, shown=shown, step=3)) == [0, 10, 16]
     # ...and any number of records with no round behind them share one allowance: its own samples.
     claims = {"a": 16, "b": 16, **{f"sybil{i}": 256 for i in range(100)}}
     assert sum(counted_claims(claims, own=8, shown=shown, step=3)) == 16 + 16 + 8
@@ -34,7 +34,7 @@ def test_claims_beside_a_round_count_as_far_as_it_showed_and_sybil_records_share
     assert sum(counted_claims({"a": 16, "sybil": 100}, own=4, shown=shown, step=4)) == 116
 
 
-def test_a_member_counts_at_most_twice_the_median_member_or_the_floor_and_nothing_once_its_input_was_dropped():
+def test_a_member_counts_at_most_the_median_member_or_the_floor_and_nothing_once_its_input_was_dropped():
     # A liar that signed the whole batch in the last round is counted as the rule weighs it: the lower
     # median of the members' weights.
     shown = ShownWork.of_round(step=1, members=["me", "a", "liar"], weights=[16, 16, 256], me="me", target=48)
@@ -45,11 +45,11 @@ def test_a_member_counts_at_most_twice_the_median_member_or_the_floor_and_nothin
         step=1, members=["me", "a", "b"], weights=[16] * 3, me="me", target=48, dropped={"b"}
     )
     assert counted_claims({"b": 16}, own=4, shown=dropped, step=1)[:1] == [0]
-    # A member that signed one micro-batch (a step cut short) still counts up to twice the floor: the
-    # target over the round's peers.
+    # A member that signed one micro-batch (a step cut short) still counts up to the floor: the target over
+    # the round's peers.
     short = ShownWork.of_round(step=1, members=["me", "a", "b", "c"], weights=[4] * 4, me="me", target=256)
     assert short.floor == 64
-    assert counted_claims({"a": 64, "b": 200}, own=64, shown=short, step=1)[:2] == [64, 128]
+    assert counted_claims({"a": 64, "b": 200}, own=64, shown=short, step=1)[:2] == [64, 64]
 
 
 def group(gid: bytes, members: list[str], weight: float) -> dict:
@@ -77,9 +77,9 @@ def test_the_other_groups_count_at_their_pace_and_at_most_their_signers_as_media
     assert sum(counted_claims(claims, own=32, shown=shown, step=2)) == 32 + 128
     # Halfway through the step (they hold half what they signed), half of that.
     assert sum(counted_claims(claims | {"a": 16}, own=16, shown=shown, step=2)) == 16 + 64
-    # A member claiming more than its pace moves no median: with "a" at twice its weight, the pace is
-    # still this peer's own (the lower median of two).
-    assert sum(counted_claims(claims | {"a": 10**9}, own=16, shown=shown, step=2)) == 64 + 64
+    # A member claiming more counts as its weight and moves no pace: with "a" past its weight, the pace is
+    # still this peer's own (held between the two members' ratios).
+    assert sum(counted_claims(claims | {"a": 10**9}, own=16, shown=shown, step=2)) == 32 + 64
 
 
 @pytest.fixture

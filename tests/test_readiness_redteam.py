@@ -162,7 +162,7 @@ def test_a_liar_in_most_groups_weighs_its_group_no_more_than_its_signers_as_medi
         signed_group(b"g3", keys(4), lying),
     ]
     mates = mates_of(peer, 3, prev, groups=groups)
-    assert peer.shown.rest == 2 * 4 * prev
+    assert peer.shown.rest == 2 * 4 * peer.shown.floor, "each as its four signers at the round's floor"
     trainer._micro_step()
     others = {f"g{g}p{i}": MICRO for g in (2, 3) for i in range(4)}
     at_step(peer, {**{m: MICRO for m in mates}, **others, "g2p3": TARGET})  # the liar's own record
@@ -213,7 +213,8 @@ def test_made_up_groups_sharing_their_members_count_each_signer_once():
         groups=honest + made_up,
         group_id=b"mine",
     )
-    assert without.rest == 64 and with_them.rest == 64 + 2 * 32
+    # Each counted signer weighs one member (here the floor: the target over the peers shown), "c" once.
+    assert without.rest == 4 * without.floor and with_them.rest == (4 + 2) * with_them.floor
 
 
 # --- 4. certified weights that overflowed crashed the peer ------------------------------------------------
@@ -232,7 +233,7 @@ def test_huge_certified_weights_are_bounded_when_the_round_is_recorded():
     shown = ShownWork.of_round(
         step=0, members=["me", "x"], weights=[32, 32], me="me", target=TARGET, groups=groups, group_id=b"mine"
     )
-    assert shown.rest == 2 * 2 * 32
+    assert shown.rest == 2 * 2 * shown.floor
 
 
 def test_a_made_up_group_certified_under_the_peers_own_group_id_counts_for_nothing(trainer):
@@ -245,7 +246,7 @@ def test_a_made_up_group_certified_under_the_peers_own_group_id_counts_for_nothi
         signed_group(b"mine", keys(2), 1e308),  # another group's certificate under the same ID
     ]
     mates_of(peer, 1, 32, groups=groups)
-    assert peer.shown.rest == 2 * 32
+    assert peer.shown.rest == 2 * peer.shown.floor
     trainer._micro_step()
     at_step(peer, {"mate0": MICRO, "sybil": 10**18})
     assert peer.wants_compute() and not peer.ready_for_round()

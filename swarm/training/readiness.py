@@ -6,34 +6,36 @@ then starts its round. Nobody can check a record's count while the step runs, so
 round brought it to this step (``ShownWork``) believes a count only as far as that round showed the
 claimant's work:
 
-- A member of that round counts up to ``CLAIM_GROWTH`` times the weight it signed there, each weight first
-  capped at the round's lower median as the robust rules cap it (``validation.fair_weights``), and taken as
-  at least the round's ``floor`` (the target over the peers it showed: a step cut short, or members that
-  joined with one micro-batch, do not make the next step's members count for nothing). A member whose
-  input this peer's part dropped showed no work and counts nothing.
+- A member of that round counts up to the weight it signed there (``CLAIM_GROWTH`` times it), each weight
+  first capped at the round's lower median as the robust rules cap it (``validation.fair_weights``), and
+  taken as at least the round's ``floor``: the target over the peers the round showed, so a step cut short,
+  or members that joined with one micro-batch, do not make the next step's members count for nothing. A
+  member whose input this peer's part dropped showed no work and counts nothing.
 - Everyone else (the step's other groups, newcomers, identities that were never in a round) shares one
   allowance: the weight the step's other groups brought to the last second-tier round, scaled by the pace
-  of the round's members now (the lower median, this peer included, of each one's count over its weight,
-  so a minority that claims more moves it no further than an honest member's), and never less than this
-  peer's own samples. Each other group weighs at most its counted signers (``tiers.counted_groups``: a
-  strict majority of its members, each signer in one group) times the median member of this peer's round,
-  so a liar's raw weight in a certificate, or a group certified twice, adds nothing. Claims past the
-  allowance, however many identities make them, count for nothing.
+  of the round's members now, and never less than this peer's own samples. The pace is this peer's own
+  count over its weight, held between the lower and the upper median of every member's (this peer's
+  included): a minority claiming more, or nothing, cannot move it past an honest member's, and the
+  groupmate of a group of two cannot move it at all. Each other group weighs its counted signers
+  (``tiers.counted_groups``: a strict majority of its members, each signer in one group) at no less than
+  the floor and no more than the median member of this peer's round (or the floor) each, so a liar's raw
+  weight in a certificate, a group certified twice, or a sliver of weight signed in this round changes
+  nothing. Claims past the allowance, however many identities make them, count for nothing.
 
 So, against a peer with its last round behind it: records with no round behind them, or any number of
 Sybil records, bring its round forward by at most its own samples beyond the pace the other groups kept
-last step (in a swarm of one group the step's batch at worst shrinks by one peer's share); a member of
-its last round counts as at most twice the median member (or twice the floor), and a minority of members
-cannot raise the pace at which the other groups count; admitted identities that certify a group of their
-own and enter the second tier count as that many median members. A peer with no round behind it (a
-newcomer, a peer that downloaded or adopted its step, every peer at the swarm's first step) counts claims
-as made: a record can bring its round forward to its first micro-batch, and its contribution is then
-small; the others' steps are set by what they count. What honest peers pay: a peer faster than the median
-is counted by the others at twice the median peer at most, so they compute on past the target; and a peer
-whose last round showed fewer peers than the step now holds (a swarm that grew, a group that applied its
-own result after its second tier failed) counts the newcomers together as at most its own samples for
-that one step. ``diloco`` windows close by inner steps, not by these counts (``DilocoSync.window_closed``);
-this rule is ``every_step``'s alone.
+last step (in a swarm of one group the step's batch at worst shrinks by one peer's share); a member of its
+last round that claims more counts as the share it brought there (the median member's, or the floor); a
+member that claims nothing costs what its silence would; admitted identities that certify a group of
+their own and enter the second tier count as that many members. A peer with no round behind it at its
+step (a newcomer, a peer that downloaded or adopted its step, every peer at the swarm's first step)
+counts claims as made: a record can bring its round forward to its first micro-batch, and its
+contribution is then small; the others' steps are set by what they count. What honest peers pay: a peer
+faster than the median, or faster than at its last round, is counted by the others at its last share,
+so they compute on past the target; and a peer whose last round showed fewer peers than the step now
+holds (a swarm that grew, a group that applied its own result after its second tier failed) counts the
+newcomers together as at most its own samples for that one step. ``diloco`` windows close by inner steps,
+not by these counts (``DilocoSync.window_closed``); this rule is ``every_step``'s alone.
 
 Example::
 
@@ -50,8 +52,9 @@ from dataclasses import dataclass, field
 from swarm.averaging.tiers import counted_groups
 from swarm.averaging.validation import fair_weights
 
-#: How far past the weight a member signed in this peer's last round its count at a later step is believed.
-CLAIM_GROWTH = 2.0
+#: How far past the weight a member signed in this peer's last round (or the round's floor) its count at a
+#: later step is believed: no further, so a member that lies counts as the share it brought there.
+CLAIM_GROWTH = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,14 @@ class ShownWork:
         own = next((w for m, w in zip(members, fair, strict=True) if m == me), 0.0)
         median = max(fair, default=0.0)  # every weight is capped at the lower median
         others = [
-            (g, signers) for g, signers in counted_groups(groups, lambda _: True) if g["id"] != group_id
+            (g, len(signers)) for g, signers in counted_groups(groups, lambda _: True) if g["id"] != group_id
         ]
-        rest = math.fsum(min(float(g["weight"]), len(signers) * median) for g, signers in others)
-        peers = len(set(members)) + sum(len(signers) for _, signers in others)
-        return cls(step, shown, own, rest, target / max(1, peers))
+        floor = target / max(1, len(set(members)) + sum(n for _, n in others))
+        # Each other group as its signers' work, in the units of the members' (at least the floor each, at
+        # most the median member or the floor each): a sliver of weight signed in this round, or a step cut
+        # short, does not empty the other groups' allowance, and a liar's weight in theirs does not swell it.
+        rest = math.fsum(min(max(float(g["weight"]), n * floor), n * max(median, floor)) for g, n in others)
+        return cls(step, shown, own, rest, floor)
 
     def believed(self, step: int) -> bool:
         """Only at the step the round brought this peer to: after a download or an adoption claims count as
@@ -103,14 +109,16 @@ class ShownWork:
         return step == self.step
 
     def pace(self, own: int, counted: Mapping[str, int]) -> float:
-        """How far through its share of the last round's work the round's members are now: the lower
-        median, this peer included, of each one's count over its weight (at least ``floor``). A minority of
-        them claiming more moves it no further than an honest member's."""
+        """How far through its share of the last round's work the round's members are now: this peer's own
+        count over its weight (each weight taken as at least ``floor``), held between the lower and the upper
+        median of every member's, this peer's included. A minority claiming more, or nothing, cannot move it
+        past an honest member's; a groupmate of a group of two moves it not at all."""
+        mine = own / max(self.own, self.floor, 1.0)
         ratios = sorted(
-            [own / max(self.own, self.floor, 1.0)]
+            [mine]
             + [n / max(self.weights[p], self.floor, 1.0) for p, n in counted.items() if self.weights[p] > 0]
         )
-        return ratios[(len(ratios) - 1) // 2]
+        return max(ratios[(len(ratios) - 1) // 2], min(mine, ratios[len(ratios) // 2]))
 
 
 def counted_claims(claims: Mapping[str, int], *, own: int, shown: ShownWork | None, step: int) -> list[int]:
