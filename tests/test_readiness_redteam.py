@@ -7,65 +7,31 @@ weight, groups weighed at the median group's, and no round counted as the peer's
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
-import torch
-from helpers import KEYS, module_dht_fixtures
+from helpers import module_dht_fixtures
+from readiness_helpers import (
+    DIGEST,
+    MICRO,
+    TARGET,
+    at_step,
+    keys,
+    readiness_trainer,
+    signed_group,
+)
 
-from lab.localswarm import tiny_run
-from protocols.keys import SigningKey
 from swarm.averaging.tiercert import (
     certificate,
-    certificate_misfit,
     certificate_shape_misfit,
-    result_digest,
-    sign_attestation,
 )
-from swarm.training.progress import PeerProgress
 from swarm.training.readiness import ShownWork, counted_claims
-from swarm.training.trainer import Trainer
 
 module_nodes, nodes = module_dht_fixtures(1)
-
-TARGET, MICRO = 256, 4
-STATE = "ab" * 32
-DIGEST = result_digest(torch.zeros(4))
-
-
-def signed_group(group_id: bytes, keys: list[SigningKey], weight: float, *, step: int = 0) -> dict:
-    """A group certificate that every listed member signed for the first (its representative)."""
-    members = [k.peer_id for k in keys]
-    rep = members[0]
-    signed = {
-        i: sign_attestation(k, group_id, step, STATE, rep, weight, DIGEST, members)
-        for i, k in enumerate(keys)
-    }
-    group = certificate(group_id, members, weight, DIGEST, signed)
-    assert certificate_misfit({"group": group}, signer=rep, step=step, state_hash=STATE, refusal=None) is None
-    return group
-
-
-def keys(count: int) -> list[SigningKey]:
-    return [SigningKey.generate() for _ in range(count)]
 
 
 @pytest.fixture
 def trainer(nodes):
-    torch.set_num_threads(1)
-    run = tiny_run("readiness-redteam", target_batch_size=TARGET, micro_batch_size=MICRO)
-    dht = nodes[0]
-    me = dht.peer_id.to_base58()
-    return Trainer(run, dht, peer_id=me, signing_key=KEYS[me])
-
-
-def at_step(peer, claims: dict[str, int]) -> None:
-    """Signed records of ``claims`` (peer -> samples) at the peer's step, in a view read after it began."""
-    now = time.time()
-    peer.progress_view.peers = {
-        p: PeerProgress(p, peer.step, n, 1.0, peer.state_hash, now) for p, n in claims.items()
-    }
-    peer.progress_view.count = peer._step_view + 1
+    return readiness_trainer(nodes, "readiness-redteam")
 
 
 def mates_of(peer, count: int, weight: float, *, groups=(), group_id=b"mine") -> list[str]:

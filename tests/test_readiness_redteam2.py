@@ -8,76 +8,30 @@ version; it now asserts the bound the module docstring and docs/protocol.md stat
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import torch
-from helpers import KEYS, module_dht_fixtures
+from helpers import module_dht_fixtures
+from readiness_helpers import (
+    MICRO,
+    TARGET,
+    at_step,
+    first_ready,
+    keys,
+    plain_group,
+    readiness_trainer,
+    signed_group,
+)
 
-from lab.localswarm import tiny_run
-from protocols.keys import SigningKey
-from swarm.averaging.tiercert import certificate, certificate_misfit, result_digest, sign_attestation
-from swarm.training.progress import PeerProgress
 from swarm.training.readiness import ShownWork, counted_claims
-from swarm.training.trainer import Trainer
 
 module_nodes, nodes = module_dht_fixtures(1)
-
-TARGET, MICRO = 256, 4
-STATE = "cd" * 32
-DIGEST = result_digest(torch.zeros(4))
-HUGE = 10**12
-
-
-def signed_group(group_id: bytes, keys: list[SigningKey], weight: float, *, step: int = 0) -> dict:
-    """A second-tier group certificate every listed member signed, checked as a second tier checks it."""
-    members = [k.peer_id for k in keys]
-    rep = members[0]
-    signed = {
-        i: sign_attestation(k, group_id, step, STATE, rep, weight, DIGEST, members)
-        for i, k in enumerate(keys)
-    }
-    group = certificate(group_id, members, weight, DIGEST, signed)
-    assert certificate_misfit({"group": group}, signer=rep, step=step, state_hash=STATE, refusal=None) is None
-    return group
-
-
-def plain_group(group_id: bytes, members: list[str], weight: float) -> dict:
-    """A certificate every member signed (its signatures checked before it reaches a ``ShownWork``)."""
-    return certificate(group_id, members, float(weight), b"\0" * 32, dict.fromkeys(range(len(members)), b"s"))
-
-
-def keys(count: int) -> list[SigningKey]:
-    return [SigningKey.generate() for _ in range(count)]
 
 
 @pytest.fixture
 def trainer(nodes):
-    torch.set_num_threads(1)
-    run = tiny_run("readiness-redteam2", target_batch_size=TARGET, micro_batch_size=MICRO)
-    dht = nodes[0]
-    me = dht.peer_id.to_base58()
-    return Trainer(run, dht, peer_id=me, signing_key=KEYS[me])
+    return readiness_trainer(nodes, "readiness-redteam2")
 
 
-def at_step(peer, claims: dict[str, int]) -> None:
-    """Signed records of ``claims`` (peer -> samples) at the peer's step, in a view read after it began."""
-    now = time.time()
-    peer.progress_view.peers = {
-        p: PeerProgress(p, peer.step, n, 1.0, peer.state_hash, now) for p, n in claims.items()
-    }
-    peer.progress_view.count = peer._step_view + 1
-
-
-def first_ready(shown: ShownWork, claims_at, *, target: int, micro: int = 1, most: int = 100_000) -> int:
-    """The fewest own samples (in ``micro`` steps) at which a peer with ``shown`` behind it counts the
-    target, the others' claims at each point being ``claims_at(own)``."""
-    own = 0
-    while own < most:
-        own += micro
-        if own + sum(counted_claims(claims_at(own), own=own, shown=shown, step=shown.step)) >= target:
-            return own
-    raise AssertionError("never ready")
+HUGE = 10**12
 
 
 # --- 1. a member of the last round raised the pace that scales the other groups' whole weight ----------
@@ -136,8 +90,8 @@ def test_one_liar_adds_at_most_a_median_member_whatever_the_number_of_groups():
             def lying(own: int, honest=honest) -> dict[str, int]:
                 return {**honest(own), "g0p1": HUGE, "sybil": HUGE}
 
-            assert first_ready(shown, honest, target=target) == share
-            cut = first_ready(shown, lying, target=target)
+            assert first_ready(shown, honest, target=target, micro=1) == share
+            cut = first_ready(shown, lying, target=target, micro=1)
             added = sum(counted_claims(lying(cut), own=cut, shown=shown, step=3)) - sum(
                 counted_claims({**honest(cut), "sybil": HUGE}, own=cut, shown=shown, step=3)
             )

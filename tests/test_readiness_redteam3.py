@@ -9,55 +9,25 @@ version and now asserts the peer is ready at its share, or within one micro-batc
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import torch
-from helpers import KEYS, module_dht_fixtures
+from helpers import module_dht_fixtures
+from readiness_helpers import (
+    MICRO,
+    TARGET,
+    at_step,
+    first_ready,
+    plain_group,
+    readiness_trainer,
+)
 
-from lab.localswarm import tiny_run
-from swarm.averaging.tiercert import certificate
-from swarm.training.progress import PeerProgress
-from swarm.training.readiness import ShownWork, counted_claims
-from swarm.training.trainer import Trainer
+from swarm.training.readiness import ShownWork
 
 module_nodes, nodes = module_dht_fixtures(1)
-
-TARGET, MICRO = 256, 4
-
-
-def plain_group(group_id: bytes, members: list[str], weight: float) -> dict:
-    """A certificate every member signed (its signatures checked before it reaches a ``ShownWork``)."""
-    return certificate(group_id, members, float(weight), b"\0" * 32, dict.fromkeys(range(len(members)), b"s"))
 
 
 @pytest.fixture
 def trainer(nodes):
-    torch.set_num_threads(1)
-    run = tiny_run("readiness-redteam3", target_batch_size=TARGET, micro_batch_size=MICRO)
-    dht = nodes[0]
-    me = dht.peer_id.to_base58()
-    return Trainer(run, dht, peer_id=me, signing_key=KEYS[me])
-
-
-def at_step(peer, claims: dict[str, int]) -> None:
-    """Signed records of ``claims`` (peer -> samples) at the peer's step, in a view read after it began."""
-    now = time.time()
-    peer.progress_view.peers = {
-        p: PeerProgress(p, peer.step, n, 1.0, peer.state_hash, now) for p, n in claims.items()
-    }
-    peer.progress_view.count = peer._step_view + 1
-
-
-def first_ready(shown: ShownWork, claims_at, *, target: int, micro: int = MICRO, most: int = 100_000) -> int:
-    """The fewest own samples (in ``micro`` steps) at which a peer with ``shown`` behind it counts the
-    target, the others' claims at each point being ``claims_at(own)``."""
-    own = 0
-    while own < most:
-        own += micro
-        if own + sum(counted_claims(claims_at(own), own=own, shown=shown, step=shown.step)) >= target:
-            return own
-    raise AssertionError("never ready")
+    return readiness_trainer(nodes, "readiness-redteam3")
 
 
 def swarm_of(groups: int, size: int, weight: float, *, target: int, member_weights=None) -> ShownWork:
@@ -106,8 +76,8 @@ def test_a_groupmate_of_a_group_of_two_claiming_nothing_costs_no_more_than_publi
         at_step(peer, {**others(peer.samples), liar: 0})
         if not peer.wants_compute():
             break
-    truthful = first_ready(peer.shown, lambda own: {**others(own), liar: own}, target=TARGET)
-    silent = first_ready(peer.shown, others, target=TARGET)
+    truthful = first_ready(peer.shown, lambda own: {**others(own), liar: own}, target=TARGET, micro=MICRO)
+    silent = first_ready(peer.shown, others, target=TARGET, micro=MICRO)
     assert (truthful, silent) == (share, 40)
     assert peer.ready_for_round() and peer.samples == silent
 
@@ -121,11 +91,12 @@ def test_in_groups_of_two_a_groupmate_claiming_nothing_costs_the_peer_one_share_
         share = target // (2 * groups)
         shown = swarm_of(groups, 2, share, target=target)
         honest = everyone(groups, 2)
-        assert first_ready(shown, honest, target=target) == share
-        denied = first_ready(shown, lambda own, h=honest: {**h(own), "g0p1": 0}, target=target)
+        assert first_ready(shown, honest, target=target, micro=MICRO) == share
+        denied = first_ready(shown, lambda own, h=honest: {**h(own), "g0p1": 0}, target=target, micro=MICRO)
         silent = first_ready(
-            shown, lambda own, h=honest: {k: v for k, v in h(own).items() if k != "g0p1"}, target=target
-        )
+            shown, lambda own, h=honest: {k: v for k, v in h(own).items() if k != "g0p1"}, target=target,
+            micro=MICRO,
+        )  # fmt: skip
         assert denied == silent < 2 * share, (groups, denied, silent)
 
 
@@ -141,7 +112,7 @@ def test_a_groupmate_of_a_group_of_two_signing_a_sliver_of_weight_leaves_the_oth
         share = target // (2 * groups)
         shown = swarm_of(groups, 2, share, target=target, member_weights=[share, 1e-9])
         assert shown.rest == (groups - 1) * 2 * shown.floor and shown.weights["g0p1"] > 0
-        assert first_ready(shown, everyone(groups, 2), target=target) == share
+        assert first_ready(shown, everyone(groups, 2), target=target, micro=MICRO) == share
 
 
 def test_after_a_step_cut_to_one_micro_batch_a_swarm_of_several_groups_holds_the_target_at_the_next():
@@ -154,5 +125,5 @@ def test_after_a_step_cut_to_one_micro_batch_a_swarm_of_several_groups_holds_the
     for groups, size, target in ((4, 4, 256), (8, 4, 1024)):
         shown = swarm_of(groups, size, MICRO, target=target)
         assert shown.floor == target // (groups * size) and shown.rest == (groups - 1) * size * shown.floor
-        own = first_ready(shown, everyone(groups, size), target=target)
+        own = first_ready(shown, everyone(groups, size), target=target, micro=MICRO)
         assert own == target // (groups * size) and groups * size * own == target
