@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 from helpers import KEYS, module_dht_fixtures
+from readiness_helpers import plain_group
 
 from lab.localswarm import tiny_run
-from swarm.averaging.tiercert import certificate
 from swarm.training.progress import PeerProgress
 from swarm.training.readiness import CLAIM_GROWTH, ShownWork, counted_claims
 from swarm.training.trainer import Trainer
@@ -52,19 +52,14 @@ def test_a_member_counts_at_most_the_median_member_or_the_floor_and_nothing_once
     assert counted_claims({"a": 64, "b": 200}, own=64, shown=short, step=1)[:2] == [64, 64]
 
 
-def group(gid: bytes, members: list[str], weight: float) -> dict:
-    """A second-tier group certificate every member signed (checked before it reaches a ``ShownWork``)."""
-    return certificate(gid, members, weight, b"\0" * 32, dict.fromkeys(range(len(members)), b"signed"))
-
-
 def test_the_other_groups_count_at_their_pace_and_at_most_their_signers_as_median_members():
-    mine = group(b"mine", ["me", "a"], 64.0)
+    mine = plain_group(b"mine", ["me", "a"], 64.0)
     groups = [
         mine,
-        group(b"g2", ["c", "d"], 64.0),
-        group(b"liar", ["e", "f"], 10_000.0),  # one liar's raw weight in its group's certificate
-        group(b"again", ["c", "d"], 64.0),  # the same signers certifying a second group
-        group(b"mine", ["x", "y"], 10**300),  # another certificate under this peer's group ID
+        plain_group(b"g2", ["c", "d"], 64.0),
+        plain_group(b"liar", ["e", "f"], 10_000.0),  # one liar's raw weight in its group's certificate
+        plain_group(b"again", ["c", "d"], 64.0),  # the same signers certifying a second group
+        plain_group(b"mine", ["x", "y"], 10**300),  # another certificate under this peer's group ID
     ]
     shown = ShownWork.of_round(
         step=2, members=["me", "a"], weights=[32, 32], me="me", target=192, groups=groups, group_id=b"mine"

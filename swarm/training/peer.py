@@ -509,10 +509,11 @@ class TrainingPeer:
             "applied", group, step=self.step - 1, state_hash=self.state_hash, samples=math.fsum(group.weights)
         )
         self.contributed_samples += contributed
-        mates = [str(p) for p in group.peer_ids if str(p) != self.peer_id]
+        members = [str(p) for p in group.peer_ids]
+        mates = [p for p in members if p != self.peer_id]
         self.groupmates.record(mates, self.step, moved=(before, Position(self.step, self.state_hash)))
         self.shown = ShownWork.of_round(
-            step=self.step, members=[str(p) for p in group.peer_ids], weights=group.weights, me=self.peer_id,
+            step=self.step, members=members, weights=group.weights, me=self.peer_id,
             target=self.config.training.target_batch_size, dropped=result.dropped, groups=result.tier_groups,
             group_id=group.group_id,
         )  # fmt: skip

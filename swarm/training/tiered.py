@@ -352,12 +352,12 @@ class SecondTier:
                 self.board.keep(facts.step, outcome)  # for a peer that fell behind (``adopt``)
                 # Only a leader that waited its window out itself (neither closed early nor full) saw who never came.
                 led = self.averager.led_last_group
+                certificates = [e["group"] for e in tier_group.extras]
                 if led and not closing.closed and self.averager.last_form_s >= 0.9 * window_s:
-                    self._observe(here, [e["group"] for e in tier_group.extras], set(members))
+                    self._observe(here, certificates, set(members))
                 applied = dataclasses.replace(
-                    result, vector=tier_result.vector, signed=None,
-                    tier_groups=[e["group"] for e in tier_group.extras],
-                )  # fmt: skip
+                    result, vector=tier_result.vector, signed=None, tier_groups=certificates
+                )
                 logger.info(
                     f"group {short}: second tier with {len(tier_group.peer_ids)} groups, "
                     f"{math.fsum(tier_group.weights):.0f} samples"
