@@ -201,7 +201,7 @@ def test_one_certified_peer_that_accepts_and_never_begins_is_avoided_as_a_leader
     again at each fresh declaration and suspected by nobody: no group formed at any window (widening
     cannot escape holds that scale with it). Now a leader that accepted and let the follower's wait run
     out is avoided as a leader, and the honest peers form their group in the same search."""
-    m, timeout = 0.5, 6.0
+    m, timeout = 1.0, 6.0
     keys = [SigningKey.generate() for _ in range(4)]
     allowed = [k.peer_id for k in keys]
 
