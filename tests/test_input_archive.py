@@ -7,12 +7,15 @@ import asyncio
 import os
 from dataclasses import dataclass
 
+import torch
 from hivemind.p2p import PeerID
 
 from protocols import averaging_pb2 as apb
 from protocols.keys import SigningKey
 from swarm.averaging.archive import InputArchive
+from swarm.averaging.compression import get_codec
 from swarm.averaging.evidence import SignedInput
+from swarm.averaging.sender import PartSender
 from swarm.averaging.verification import serve_inputs
 
 
@@ -78,3 +81,35 @@ def test_the_archive_is_bounded_in_time_and_bytes():
     huge = finished(members, nbytes=20_000)
     archive.keep(huge)
     assert archive.lookup(huge.group_id, 0, 3, 0) is None and archive.nbytes <= 10_000
+
+
+class TrimmedWhileRead:
+    """What ``PartSender.own_input`` reads of a round that ``ButterflyAllReduce._trim`` trims between the
+    check of its vector and the read (``serve_inputs`` runs ``own_input`` on a worker thread, the trim runs
+    on the event loop): the vector is there at the first look and gone at the next, the drawn chunk kept."""
+
+    def __init__(self, key: SigningKey, kept: SignedInput):
+        self.peer_ids, self.members, self.index = [PeerID.from_base58(key.peer_id)], [key.peer_id], 0
+        self.group_id, self.digest, self.weight, self.key = b"g" * 8, b"d" * 32, 8.0, key
+        self.codec, self.kept_inputs, self.looks = get_codec("fp16"), {(0, 1): kept}, 0
+
+    @property
+    def local(self):
+        self.looks += 1
+        return torch.ones(8) if self.looks == 1 else None
+
+    def chunk_range(self, part: int, chunk: int) -> tuple[int, int]:
+        return 4 * chunk, 4 * chunk + 4
+
+    def sign(self, message: bytes) -> bytes:
+        return self.key.sign(message)
+
+
+def test_an_own_input_asked_for_while_its_round_is_trimmed_is_the_kept_one():
+    """A validator asking a reducer for its own input as the reducer's round trimmed itself got an error
+    (the vector read as None halfway), and the reducer looked as if it would not show what it signed for."""
+    key = SigningKey.generate()
+    kept = SignedInput(0, b"kept", b"signature", 8.0)
+    round = TrimmedWhileRead(key, kept)
+    assert PartSender(round).own_input(0, 1) == kept
+    assert round.looks >= 2, "the vector was there at the check and gone at the read"

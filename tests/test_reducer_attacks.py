@@ -32,10 +32,12 @@ from lab.localswarm import FAST_MEMBERSHIP, running_coordinator
 from protocols.errors import SwarmError
 from protocols.keys import PublicKey
 from swarm.averaging.averager import Averager
+from swarm.averaging.policy import PeerPolicy
 from swarm.byzantine.attacks import make_attack
 from swarm.config import RunConfig
 from swarm.coordinator_client import CoordinatorClient
 from swarm.models import build_model
+from swarm.records import RecordSigner
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -94,17 +96,24 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 return accuse
 
             averagers = []
+            judge = PublicKey.from_peer_id(node.coordinator_peer_id)
             for i, (dht, key) in enumerate(peers):
-                await client.join(key, run.run_id, name=f"peer{i}", device="cpu")
+                admission = await client.join(key, run.run_id, name=f"peer{i}", device="cpu")
                 # Volunteers bootstrap from the coordinator's DHT; these peers share their own, so the
                 # coordinator's node dials them to ask for inputs.
                 own = Multiaddr(f"/p2p/{key.peer_id}")
                 addresses = [m.decapsulate(own) for m in dht.get_visible_maddrs()]
                 await node.keeper.p2p._client.connect(PeerID.from_base58(key.peer_id), addresses)
+                # As a volunteer's: entries carry the certificate, and the coordinator is the judge whom a
+                # reducer shows the inputs it aggregated (before, it was refused like a stranger, so one
+                # input a loaded machine failed to show a validator banned the reducer).
+                policy = PeerPolicy(None, run.run_id, judge, allowed=ids(peers))
+                signer = RecordSigner(key, admission.certificate.encoded)
                 averager = Averager(
                     dht, prefix=run.run_id, numel=numel, aggregator="centered_clip", signing_key=key,
                     matchmaking_time_s=1.0, sender_timeout_s=2.0, data_plane=False, verify_probability=1.0,
-                    accuse=accuser(key), hooks=attack if i == 2 else None,
+                    accuse=accuser(key), hooks=attack if i == 2 else None, policy=policy,
+                    record_signer=signer,
                 )  # fmt: skip
                 await averager.start()
                 averagers.append(averager)
@@ -113,9 +122,7 @@ def rehearse(tmp_path, run, numel, peers, attack_name, options=None, *, until) -
                 while True:
                     for _, key in peers:
                         with contextlib.suppress(SwarmError):
-                            await client.heartbeat(
-                                key, run.run_id, PublicKey.from_peer_id(node.coordinator_peer_id)
-                            )
+                            await client.heartbeat(key, run.run_id, judge)
                     await asyncio.sleep(FAST_MEMBERSHIP.heartbeat_interval_s)
 
             beating = asyncio.create_task(heartbeats())

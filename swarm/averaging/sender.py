@@ -140,10 +140,17 @@ class PartSender:
     def own_input(self, part: int, chunk: int) -> SignedInput | None:
         """This peer's signed contribution to one chunk of a part (Ed25519 signs the same bytes the same);
         None for a chunk that no validator drew once the round is trimmed."""
-        if self.round.local is None:
-            return self.round.kept_inputs.get((part, chunk))
-        message = self.contribution(part, chunk)
-        return SignedInput(self.round.index, message.data, message.signature, message.weight)
+        if self.round.local is not None:
+            try:
+                message = self.contribution(part, chunk)
+            except TypeError:
+                if self.round.local is not None:
+                    raise
+            else:
+                return SignedInput(self.round.index, message.data, message.signature, message.weight)
+        # Trimmed, perhaps while the lines above ran (``serve_inputs`` calls this on a worker thread, and
+        # ``_trim`` keeps the drawn chunks before it lets the vector go): what the round kept.
+        return self.round.kept_inputs.get((part, chunk))
 
     async def _pace(self, part: int, chunk: int, lead: int = 2) -> None:
         """Hold the stream to reducer ``part`` until every other reducer's stream has been handed all but
