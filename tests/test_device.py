@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -176,6 +177,10 @@ def test_swarm_sim_with_gpu_peers_and_no_gpu_fails_fast_naming_the_cause(tmp_pat
     assert result.returncode == 1
     assert "peer0 exited with code 2" in result.stderr
     assert "--gpu was given but no CUDA device is usable" in result.stderr
+    kept = re.search(r"logs kept in (\S+)", result.stderr)
+    assert kept is not None, "a failed run keeps its logs and says where"
+    assert "no CUDA device is usable" in (Path(kept.group(1)) / "peer0.log").read_text()
+    shutil.rmtree(kept.group(1))
 
 
 # --- a swarm of mixed device kinds -------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def test_swarm_sim_killed_outright_takes_its_whole_swarm_with_it(tmp_path: Path)
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     survivors: set[int] = set()
+    logs: Path | None = None
     try:
         assert sim.stdout is not None
         header = sim.stdout.readline()
@@ -100,6 +102,8 @@ def test_swarm_sim_killed_outright_takes_its_whole_swarm_with_it(tmp_path: Path)
         if sim.poll() is None:
             sim.kill()
             sim.wait(timeout=10)
+        if logs is not None:  # killed outright, swarm-sim could not remove its run's directory
+            shutil.rmtree(logs, ignore_errors=True)
 
 
 @pytest.mark.timeout(60)
