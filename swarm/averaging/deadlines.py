@@ -11,13 +11,7 @@ the time the bytes take at the rate the round can count on, capped at ``MAX_DEAD
   half for a reducer, so deadlines err long) and declares it in its signed group entry;
 - a round runs at the pace of its slowest member: it counts on the lowest declared rate, and on
   ``ASSUMED_MBIT`` for a member that has measured nothing yet. No claim lowers it below ``MIN_MBIT``,
-  nor below the members' lower median rate over ``MAX_SPREAD``: a member that claims a crawling link
-  (and then stalls) holds its groupmates at most ``MAX_SPREAD`` times as long as the group's typical
-  link needs, not up to ``MAX_DEADLINE_S``. An honest member that much slower than the median misses
-  the round's deadlines (``SLACK`` times the time at the rate counted on: 48 times slower) and is left
-  out of it, instead of holding everyone; it takes part in groups nearer its pace. Only a strict
-  majority of a group moves its lower median, so members that claim fast links cannot make an honest
-  one miss its deadlines unless they hold the group; in a group of two the slower one sets the pace;
+  so a member that claims a crawling link stretches a round's deadlines by a bounded amount only;
 - between two messages of one stream, silence may last the floor plus the time one chunk takes on an
   uplink shared by the member's parallel streams (its contributions and its aggregates): a peer that
   died is dropped within seconds, however large the vector (a killed process resets its connections
@@ -39,7 +33,6 @@ from dataclasses import dataclass
 
 ASSUMED_MBIT = 10.0  # a member that has measured nothing yet: a modest home uplink
 MIN_MBIT = 1.0  # no claim lowers the rate a round counts on below this
-MAX_SPREAD = 16.0  # nor below the members' lower median rate over this
 SLACK = 3.0  # a transfer may take this many times its duration at the rate counted on
 MAX_DEADLINE_S = 3600.0
 MIN_SAMPLE_BYTES = 256 * 1024  # smaller transfers measure latency and framing, not the link
@@ -60,10 +53,9 @@ class Throughput:
 
 
 def round_mbit(declared: Sequence[float | None]) -> float:
-    """The rate a round counts on: its slowest member's declared rate, but at least ``MIN_MBIT`` and
-    the members' lower median rate over ``MAX_SPREAD``."""
-    rates = sorted(ASSUMED_MBIT if r is None or not r > 0 else r for r in declared) or [ASSUMED_MBIT]
-    return max(MIN_MBIT, rates[0], rates[(len(rates) - 1) // 2] / MAX_SPREAD)
+    """The rate a round counts on: its slowest member's declared rate, within [MIN_MBIT, ...]."""
+    rates = [ASSUMED_MBIT if r is None or not r > 0 else r for r in declared] or [ASSUMED_MBIT]
+    return max(MIN_MBIT, min(rates))
 
 
 def transfer_deadline_s(nbytes: float, mbit: float | None, *, floor_s: float) -> float:
