@@ -149,13 +149,19 @@ async def relay_from(source_host: str, target: tuple[str, int]) -> asyncio.Serve
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
+def kept_logs(stderr: str) -> Path | None:
+    """The directory a failed ``swarm-sim`` run kept its logs in, as its stderr names it; None if none."""
+    kept = re.search(r"logs kept in (\S+)", stderr)
+    return None if kept is None else Path(kept.group(1))
+
+
 def sim_failure(result: subprocess.CompletedProcess) -> str:
     """What a failed ``swarm-sim`` said, with the last lines of each log it kept: a run that stalled on a
     loaded machine is explained by its peers' logs, which are gone with the machine."""
     text = result.stdout[-3000:] + result.stderr[-3000:]
-    kept = re.search(r"logs kept in (\S+)", result.stderr)
+    kept = kept_logs(result.stderr)
     if kept is not None:
-        for log in sorted(Path(kept.group(1)).glob("*.log")):
+        for log in sorted(kept.glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()[-SIM_LOG_LINES:]
             text += f"\n--- {log.name} (last {len(lines)} lines)\n" + "\n".join(lines)
     return text

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import KEYS, run_then_shut_down, start_dhts
+from helpers import KEYS, kept_logs, run_then_shut_down, start_dhts
 
 from lab.localswarm import tiny_run
 from peer.device import describe_device, resolve_device
@@ -177,10 +177,10 @@ def test_swarm_sim_with_gpu_peers_and_no_gpu_fails_fast_naming_the_cause(tmp_pat
     assert result.returncode == 1
     assert "peer0 exited with code 2" in result.stderr
     assert "--gpu was given but no CUDA device is usable" in result.stderr
-    kept = re.search(r"logs kept in (\S+)", result.stderr)
+    kept = kept_logs(result.stderr)
     assert kept is not None, "a failed run keeps its logs and says where"
-    assert "no CUDA device is usable" in (Path(kept.group(1)) / "peer0.log").read_text()
-    shutil.rmtree(kept.group(1))
+    assert "no CUDA device is usable" in (kept / "peer0.log").read_text()
+    shutil.rmtree(kept)
 
 
 # --- a swarm of mixed device kinds -------------------------------------------------------------------
