@@ -143,6 +143,14 @@ class RunMatchmaking(Matchmaking):
         return group
 
     async def follower_assemble_group(self, leader: PeerID, msg):
+        if self.assembled_group.done():
+            # This search has ended: its step's wait ran out (and cancelled the group) in the same turn of
+            # the event loop as the leader's BEGIN_ALLREDUCE arrived, and Python 3.11's ``asyncio.wait_for``
+            # then hands the message to the cancelled request instead of raising. hivemind asserts here,
+            # and the search failed with an AssertionError: end it as the cancellation it is. The leader's
+            # part streams to this peer are answered that it knows no such round, and repaired.
+            logger.debug(f"leader {leader} began its round after this search ended; not joining it")
+            raise asyncio.CancelledError
         self.leader = leader
         return await super().follower_assemble_group(leader, msg)
 
