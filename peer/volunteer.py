@@ -229,7 +229,9 @@ class Volunteer:
         session.device = await asyncio.to_thread(describe_device, compute_device)
         await asyncio.to_thread(apply_gpu_memory_limit, config, compute_device)
         logger.info(f"peer {self.key.peer_id} ({config.name!r}, {self.device}) joining {config.coordinator}")
-        async with CoordinatorClient(config.coordinator, timeout_s=config.rpc_timeout_s) as client:
+        async with CoordinatorClient(
+            config.coordinator, timeout_s=config.rpc_timeout_s, reconnect_s=config.max_retry_interval_s
+        ) as client:
             training: asyncio.Task | None = None
             try:
                 if not await session.start(client, stop):

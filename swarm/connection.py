@@ -75,7 +75,9 @@ class Connection:
 
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         session, config = self.session, self.session.config
-        async with CoordinatorClient(config.coordinator, timeout_s=config.rpc_timeout_s) as client:
+        async with CoordinatorClient(
+            config.coordinator, timeout_s=config.rpc_timeout_s, reconnect_s=config.max_retry_interval_s
+        ) as client:
             try:
                 if not await session.start(client, self._stop):
                     raise SwarmError("the session was closed before the coordinator admitted it")

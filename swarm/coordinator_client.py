@@ -110,15 +110,27 @@ class CoordinatorClient:
     Args:
         address: the coordinator, HOST:PORT or ``unix:/path``.
         timeout_s: the deadline of every call.
+        reconnect_s: the longest the channel waits between two attempts to reconnect to a coordinator it
+            lost. gRPC's own backoff grows to 120 s, and a call made meanwhile fails at once without
+            trying: peers that lost a restarting coordinator for a minute noticed it was back only up to
+            two minutes later, whatever their own retry interval.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0):
+    def __init__(self, address: str, *, timeout_s: float = 10.0, reconnect_s: float = 5.0):
         """``address`` is HOST:PORT, or ``unix:/path`` for a coordinator's socket on this machine."""
         if not address.startswith("unix:/"):
             parse_address(address)
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        backoff_ms = max(100, int(reconnect_s * 1000))
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                *CHANNEL_OPTIONS,
+                ("grpc.initial_reconnect_backoff_ms", min(1000, backoff_ms)),
+                ("grpc.max_reconnect_backoff_ms", backoff_ms),
+            ],
+        )
         self._last_seq = 0
 
     async def close(self) -> None:

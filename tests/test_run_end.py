@@ -34,11 +34,11 @@ def _training(address: str) -> set[str]:
 @pytest.mark.timeout(300)
 def test_a_run_extended_by_a_restart_finishes_and_its_peers_exit_0(swarm: LocalSwarm):
     port = free_port()
-    # The organizer stops the coordinator once both peers train (step 1 in its status), long before they
-    # can reach max_steps: the first run can finish only through this coordinator (its checkpoint at
-    # max_steps), so the peers cannot leave before the restart. Waiting for a first checkpoint instead
-    # raced the peers: CI rehearsals saw it land only after the peers had reached max_steps.
-    first = tiny_run(checkpoint_every_steps=2, max_steps=30)
+    # The organizer stops the coordinator once both peers train (step 1 in its status). The first run can
+    # finish only through this coordinator (its checkpoint at max_steps), so peers that reach max_steps
+    # while it is down wait for it instead of leaving. Waiting for a first checkpoint instead raced the
+    # peers: CI rehearsals saw it land only after the peers had reached max_steps.
+    first = tiny_run(checkpoint_every_steps=2, max_steps=8)
     coordinator = swarm.start_coordinator(first, port=port)
     address, data_dir = coordinator.extra["address"], coordinator.extra["data_dir"]
     peers = [
@@ -51,24 +51,24 @@ def test_a_run_extended_by_a_restart_finishes_and_its_peers_exit_0(swarm: LocalS
 
     # The organizer raises max_steps; the running peers take the new limit from the restarted coordinator.
     longer = first.model_copy(deep=True)
-    longer.training.max_steps = 34
+    longer.training.max_steps = 12
     coordinator = swarm.start_coordinator(
         longer, port=port, data_dir=data_dir, extra_args=["--dashboard-port", "0"]
     )
     for peer in peers:
         assert peer.wait(timeout_s=180) == 0, peer.output()[-3000:]
         out = peer.output()
-        assert "the run's max_steps is now 34" in out
-        assert "finished at step 34" in out and "leaving" in out
+        assert "the run's max_steps is now 12" in out
+        assert "finished at step 12" in out and "leaving" in out
 
-    assert _newest_checkpoint(data_dir) == 34, "the final checkpoint is at the new max_steps"
+    assert _newest_checkpoint(data_dir) == 12, "the final checkpoint is at the new max_steps"
     snapshot = status(address)
-    assert snapshot.finished_step == 34 and snapshot.max_steps == 34
+    assert snapshot.finished_step == 12 and snapshot.max_steps == 12
     assert {p.name: p.state for p in snapshot.peers} == {"a": "left", "b": "left"}
     dashboard = coordinator.extra["dashboard_url"].rstrip("/")
     with urllib.request.urlopen(dashboard + "/api/status", timeout=10) as page:
         served = json.load(page)
-    assert served["finished"] is True and served["finished_step"] == 34
+    assert served["finished"] is True and served["finished_step"] == 12
     with urllib.request.urlopen(dashboard + "/metrics", timeout=10) as page:
         assert "swarm_run_finished 1.0" in page.read().decode()
 
