@@ -15,14 +15,16 @@ import pytest
 from lab.localswarm import LocalSwarm, status, tiny_run, wait_until
 from protocols.errors import SwarmError
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 BUSY_LOOPS_PER_CORE = 2
 PEERS = 4
 # On a 2-core machine with 4 busy loops the coordinator served within 10-17 s and every peer had trained
-# a round 24-36 s after the four started (the whole test: 40-53 s); the bounds leave 4-7 times that.
+# a round 24-36 s after the four started (the whole test: 40-53 s alone). Inside the full suite the whole
+# test took 122 s (a CI run) and 134 s (this machine, 2026-12-01), close to the 150 s this bound was: it
+# leaves about 2 times the slowest of those.
 COORDINATOR_TIMEOUT_S = 120.0
-TRAINING_TIMEOUT_S = 150.0
+TRAINING_TIMEOUT_S = 240.0
 # What must never reach a volunteer's terminal: gRPC's fork warning (swarm/procenv.py turns it off), a
 # traceback, or a DHT start given up on (swarm/session.py retries it while the machine is busy).
 NOISE = ("fork_posix", "skipping fork() handlers", "Traceback", "could not start the DHT")
