@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -230,20 +231,38 @@ class Session:
             return False
         self.dialable = await learn_dialable(client, self.config.host, self.config.dialable)
         run = self.run_config
-        self.dht = await self._start_dht(
-            stop, lambda: start_dht(
-                self.key, self.config.identity_path, host=self.config.host, port=self.config.port,
-                initial_peers=self.admission.dht_initial_peers, upnp=self.config.upnp,
-                validators=[RunValidator(run.run_id, self.coordinator_key, stages=run.pipeline.stages)],
-                client_mode=not self.dialable,
-            ),
-        )  # fmt: skip
+        beating = asyncio.create_task(self._heartbeats_while_starting(stop))
+        try:
+            self.dht = await self._start_dht(
+                stop, lambda: start_dht(
+                    self.key, self.config.identity_path, host=self.config.host, port=self.config.port,
+                    initial_peers=self.admission.dht_initial_peers, upnp=self.config.upnp,
+                    validators=[RunValidator(run.run_id, self.coordinator_key, stages=run.pipeline.stages)],
+                    client_mode=not self.dialable,
+                ),
+            )  # fmt: skip
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
         if self.dht is None:  # stopped while the node was still starting: the coordinator admitted us
             await self.leave()
             return False
         self._coordinator_maddrs = list(self.admission.dht_initial_peers)
         self.records = RecordSigner(self.key, self.certificate.encoded)
         return True
+
+    async def _heartbeats_while_starting(self, stop: asyncio.Event) -> None:
+        """Heartbeat while the DHT node starts (seconds; a minute or more on a busy machine), so that the
+        coordinator does not show a peer it has just admitted as offline meanwhile. They report step 0 and
+        no parameters, as a peer whose trainer has not started does; what the coordinator answers (a
+        renewed certificate, a changed run) waits for the heartbeat loop, which starts after the node."""
+        interval_s = self.run_config.membership.heartbeat_interval_s
+        while not await wait_or_stop(stop, interval_s):
+            try:
+                await self._heartbeat()
+            except SwarmError as e:
+                logger.debug(f"heartbeat while the DHT starts: {e}")
 
     async def _start_dht(self, stop: asyncio.Event, start: Callable[[], Any]) -> Any:
         """``start()`` in a thread, tried again with backoff while the node does not come up in time (a

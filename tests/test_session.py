@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import swarm as swarm_api
-from lab.localswarm import LocalSwarm, peer_states, status, wait_until
+from lab.localswarm import LocalSwarm, peer_states, running_coordinator, status, tiny_run, wait_until
 from protocols.errors import ConfigError, CoordinatorKeyMismatch, DHTStartFailed, NetworkError
 from protocols.keys import SigningKey
 
@@ -204,3 +204,50 @@ def test_the_dht_process_drops_the_noise_of_a_dropped_request_but_keeps_real_err
     assert noise.filter(
         record("asyncio", "Task was destroyed but it is pending!\ntask: <Task coro=<serve()>>")
     )
+
+
+@pytest.mark.timeout(120)
+def test_an_admitted_peer_whose_dht_starts_slowly_stays_online_at_the_coordinator(
+    tmp_path: Path, monkeypatch
+):
+    """A peer sent its first heartbeat only once its DHT node was up (a minute or more on a busy machine),
+    so the coordinator showed a volunteer it had just admitted as offline meanwhile, and every test swarm
+    logged "is offline: no heartbeat". Now it heartbeats while the node starts."""
+    import swarm.dht as dht_module
+    from swarm.coordinator_client import CoordinatorClient
+
+    run = tiny_run("slow-start")  # offline after 3 s without a heartbeat
+    starting_s = 3 * run.membership.offline_after_s
+
+    def slow_start(*args, **kwargs):  # runs in the session's worker thread, as start_dht does
+        time.sleep(starting_s)
+        return "the node"
+
+    async def scenario() -> tuple[bool, list[str]]:
+        async with running_coordinator(run, tmp_path / "coordinator") as node:
+            monkeypatch.setattr(dht_module, "start_dht", slow_start)  # the coordinator's own node is up
+            session = swarm_api.Session(
+                swarm_api.SessionConfig(coordinator=node.address, **_options(tmp_path, "slow"))
+            )
+            seen: list[str] = []
+
+            async def watch(reader: CoordinatorClient) -> None:
+                while True:
+                    states = {p.name: p.state for p in (await reader.full_status(run.run_id)).peers}
+                    if "slow" in states:
+                        seen.append(states["slow"])
+                    await asyncio.sleep(0.25)
+
+            async with CoordinatorClient(node.address) as client, CoordinatorClient(node.address) as reader:
+                watching = asyncio.create_task(watch(reader))
+                try:
+                    started = await session.start(client, asyncio.Event())
+                finally:
+                    watching.cancel()
+                await session.leave()
+            return started, seen
+
+    started, seen = asyncio.run(scenario())
+    assert started
+    assert len(seen) >= 2 * starting_s, f"the coordinator was read throughout the start: {seen}"
+    assert set(seen) == {"online"}, f"the peer's state while its DHT started: {seen}"
