@@ -201,6 +201,7 @@ class Session:
         self.standing = Standing()  # the credit the coordinator last signed; catch-up weighs votes by it
         self._coordinator_maddrs: list[str] = []
         self._reaching: asyncio.Task | None = None
+        self._early_beats: asyncio.Task | None = None  # heartbeats from the admission until the loop's
         self._members = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None  # the session's own: set when it ends
@@ -231,7 +232,7 @@ class Session:
             return False
         self.dialable = await learn_dialable(client, self.config.host, self.config.dialable)
         run = self.run_config
-        beating = asyncio.create_task(self._heartbeats_while_starting(stop))
+        self._early_beats = asyncio.create_task(self._heartbeats_before_the_loop(stop))
         try:
             self.dht = await self._start_dht(
                 stop, lambda: start_dht(
@@ -241,10 +242,9 @@ class Session:
                     client_mode=not self.dialable,
                 ),
             )  # fmt: skip
-        finally:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+        except BaseException:
+            await self._end_early_beats()
+            raise
         if self.dht is None:  # stopped while the node was still starting: the coordinator admitted us
             await self.leave()
             return False
@@ -252,17 +252,26 @@ class Session:
         self.records = RecordSigner(self.key, self.certificate.encoded)
         return True
 
-    async def _heartbeats_while_starting(self, stop: asyncio.Event) -> None:
-        """Heartbeat while the DHT node starts (seconds; a minute or more on a busy machine), so that the
-        coordinator does not show a peer it has just admitted as offline meanwhile. They report step 0 and
-        no parameters, as a peer whose trainer has not started does; what the coordinator answers (a
-        renewed certificate, a changed run) waits for the heartbeat loop, which starts after the node."""
+    async def _heartbeats_before_the_loop(self, stop: asyncio.Event) -> None:
+        """Heartbeat from the admission until ``heartbeats`` takes over: while the DHT node starts and the
+        caller builds its trainer (each seconds, a minute or more on a busy machine), so that the
+        coordinator does not show a peer it has just admitted as offline meanwhile. They report step 0,
+        no parameters and no process metrics (so no uptime: the coordinator flags a peer that has been up
+        a minute outside its DHT as diverged), and keep what the answers carry (``_take_answer``); the
+        run's end is for the loop to act on."""
         interval_s = self.run_config.membership.heartbeat_interval_s
         while not await wait_or_stop(stop, interval_s):
             try:
-                await self._heartbeat()
+                self._take_answer(await self._heartbeat(metrics={"dht_members": 0.0}))
             except SwarmError as e:
-                logger.debug(f"heartbeat while the DHT starts: {e}")
+                logger.debug(f"heartbeat before the heartbeat loop: {e}")
+
+    async def _end_early_beats(self) -> None:
+        if self._early_beats is not None:
+            self._early_beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._early_beats
+            self._early_beats = None
 
     async def _start_dht(self, stop: asyncio.Event, start: Callable[[], Any]) -> Any:
         """``start()`` in a thread, tried again with backoff while the node does not come up in time (a
@@ -385,13 +394,24 @@ class Session:
             logger.info(f"re-entered the coordinator's DHT at {' '.join(fresh)}")
             self._coordinator_maddrs = fresh
 
+    def _take_answer(self, answer: HeartbeatAnswer) -> None:
+        """Keep what a heartbeat's answer carries: a renewed certificate, and from the coordinator's
+        signed run state its standing (sent once per version) and the run's ``max_steps`` (raised by a
+        restart with a higher one)."""
+        if answer.certificate is not None:
+            self.certificate = answer.certificate
+            if self.records is not None:  # else made with this certificate once the DHT node is up
+                self.records.certificate = answer.certificate.encoded
+            logger.info(f"certificate renewed (serial {answer.certificate.serial})")
+        if answer.signed_run_state:
+            self.standing.take(answer.standing_at, answer.standing)
+            self._apply_max_steps(answer.max_steps)
+
     def _follow_run_state(self, answer: HeartbeatAnswer) -> bool:
-        """Apply the run's ``max_steps`` as the coordinator now signs it (raised by a restart with a
-        higher one); True once the run has finished and this peer should leave."""
+        """True once the coordinator's signed run state says the run has finished and this peer should
+        leave."""
         if not answer.signed_run_state:
             return False
-        self.standing.take(answer.standing_at, answer.standing)
-        self._apply_max_steps(answer.max_steps)
         if answer.finished_step is None or self.finished_step == answer.finished_step:
             return False
         self.finished_step = answer.finished_step
@@ -423,6 +443,7 @@ class Session:
     async def heartbeats(self, stop: asyncio.Event) -> bool:
         """Heartbeat until ``stop`` is set (False) or the run has finished and this peer leaves (True);
         ``Banned`` ends it with that error."""
+        await self._end_early_beats()
         interval_s = self.run_config.membership.heartbeat_interval_s
         failures = 0
         while True:
@@ -437,10 +458,7 @@ class Session:
                     self._reaching = asyncio.create_task(self._reach_coordinator_dht())
                 failures = 0
                 self.set_state("paused" if self.paused else "online")
-                if answer.certificate is not None:
-                    self.certificate = answer.certificate
-                    self.records.certificate = answer.certificate.encoded
-                    logger.info(f"certificate renewed (serial {answer.certificate.serial})")
+                self._take_answer(answer)
                 if self._follow_run_state(answer):
                     stop.set()
                     return True
@@ -458,11 +476,11 @@ class Session:
             if await wait_or_stop(stop, delay):
                 return False
 
-    async def _heartbeat(self) -> HeartbeatAnswer:
+    async def _heartbeat(self, metrics: dict[str, float] | None = None) -> HeartbeatAnswer:
         progress = self.progress
         return await self.client.heartbeat(
             self.key, self.run_config.run_id, self.coordinator_key,
-            state="paused" if self.paused else "online", metrics=self.metrics(),
+            state="paused" if self.paused else "online", metrics=self.metrics() if metrics is None else metrics,
             step=progress.step if progress else 0, param_hash=progress.param_hash if progress else "",
             suspects=progress.suspected(MAX_SUSPECT_REPORTS) if progress else [],
             rounds=progress.witnessed() if progress else [], standing_at=self.standing.at,
@@ -473,6 +491,7 @@ class Session:
     async def leave(self) -> None:
         """Tell the coordinator this peer left (it shows offline shortly if it cannot be told), after one
         last heartbeat, so that its record keeps the step and parameter hash this peer ended on."""
+        await self._end_early_beats()
         if self.progress is not None:
             try:
                 await self._heartbeat()
@@ -533,6 +552,7 @@ class Session:
 
     async def close(self) -> None:
         """Stop the background work and the DHT node (after ``leave``, or instead of it on a ban)."""
+        await self._end_early_beats()
         for collab in self._collaborations:
             await collab.close()
         if self._reaching is not None:

@@ -207,28 +207,29 @@ def test_the_dht_process_drops_the_noise_of_a_dropped_request_but_keeps_real_err
 
 
 @pytest.mark.timeout(120)
-def test_an_admitted_peer_whose_dht_starts_slowly_stays_online_at_the_coordinator(
+def test_an_admitted_peer_stays_online_while_its_dht_and_trainer_start_and_keeps_what_the_answers_carry(
     tmp_path: Path, monkeypatch
 ):
-    """A peer sent its first heartbeat only once its DHT node was up (a minute or more on a busy machine),
-    so the coordinator showed a volunteer it had just admitted as offline meanwhile, and every test swarm
-    logged "is offline: no heartbeat". Now it heartbeats while the node starts."""
+    """A peer sent its first heartbeat only from its heartbeat loop, after its DHT node was up and its
+    trainer built (each a minute or more on a busy machine), so the coordinator showed a volunteer it had
+    just admitted as offline meanwhile. Now it heartbeats from its admission until the loop takes over,
+    and keeps what their answers carry: the coordinator's standing is sent once per version, and catch-up
+    weighs votes by it."""
     import swarm.dht as dht_module
     from swarm.coordinator_client import CoordinatorClient
 
     run = tiny_run("slow-start")  # offline after 3 s without a heartbeat
-    starting_s = 3 * run.membership.offline_after_s
+    starting_s = 2 * run.membership.offline_after_s  # the DHT node's start; the trainer's as long again
 
     def slow_start(*args, **kwargs):  # runs in the session's worker thread, as start_dht does
         time.sleep(starting_s)
         return "the node"
 
-    async def scenario() -> tuple[bool, list[str]]:
+    async def scenario() -> tuple[bool, list[str], float]:
         async with running_coordinator(run, tmp_path / "coordinator") as node:
             monkeypatch.setattr(dht_module, "start_dht", slow_start)  # the coordinator's own node is up
-            session = swarm_api.Session(
-                swarm_api.SessionConfig(coordinator=node.address, **_options(tmp_path, "slow"))
-            )
+            options = _options(tmp_path, "slow")
+            session = swarm_api.Session(swarm_api.SessionConfig(coordinator=node.address, **options))
             seen: list[str] = []
 
             async def watch(reader: CoordinatorClient) -> None:
@@ -242,12 +243,15 @@ def test_an_admitted_peer_whose_dht_starts_slowly_stays_online_at_the_coordinato
                 watching = asyncio.create_task(watch(reader))
                 try:
                     started = await session.start(client, asyncio.Event())
+                    await asyncio.sleep(starting_s)  # the caller builds its trainer
                 finally:
                     watching.cancel()
+                standing_at = session.standing.at
                 await session.leave()
-            return started, seen
+            return started, seen, standing_at
 
-    started, seen = asyncio.run(scenario())
+    started, seen, standing_at = asyncio.run(scenario())
     assert started
-    assert len(seen) >= 2 * starting_s, f"the coordinator was read throughout the start: {seen}"
-    assert set(seen) == {"online"}, f"the peer's state while its DHT started: {seen}"
+    assert len(seen) >= 3 * starting_s, f"the coordinator was read throughout the start: {seen}"
+    assert set(seen) == {"online"}, f"the peer's state while its DHT and trainer started: {seen}"
+    assert standing_at > 0, "the standing an early heartbeat's answer carried was kept"

@@ -144,10 +144,11 @@ class RunMatchmaking(Matchmaking):
 
     async def follower_assemble_group(self, leader: PeerID, msg):
         if self.assembled_group.done():
-            # This search has ended: its step's wait ran out (and cancelled the group) in the same turn of
-            # the event loop as the leader's BEGIN_ALLREDUCE arrived, and Python 3.11's ``asyncio.wait_for``
-            # then hands the message to the cancelled request instead of raising. hivemind asserts here,
-            # and the search failed with an AssertionError: end it as the cancellation it is. The leader's
+            # This search has ended: its step's wait ran out (and cancelled the group) while the leader's
+            # BEGIN_ALLREDUCE was arriving, and the request that reads it was not stopped in time (Python
+            # 3.11's ``asyncio.wait_for`` hands a message that arrives in the same turn as a cancellation
+            # to the cancelled caller). hivemind asserts here; the request failed with an AssertionError
+            # that the search's cleanup logged at ERROR. End it as the cancellation it is: the leader's
             # part streams to this peer are answered that it knows no such round, and repaired.
             logger.debug(f"leader {leader} began its round after this search ended; not joining it")
             raise asyncio.CancelledError
