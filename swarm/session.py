@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -202,6 +201,7 @@ class Session:
         self._coordinator_maddrs: list[str] = []
         self._reaching: asyncio.Task | None = None
         self._early_beats: asyncio.Task | None = None  # heartbeats from the admission until the loop's
+        self._early_done = asyncio.Event()
         self._members = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None  # the session's own: set when it ends
@@ -230,10 +230,11 @@ class Session:
             self.key = await asyncio.to_thread(load_or_create_identity, self.config.identity_path)
         if await self.join(stop) is None:
             return False
-        self.dialable = await learn_dialable(client, self.config.host, self.config.dialable)
+        self._early_done = asyncio.Event()
+        self._early_beats = asyncio.create_task(self._heartbeats_before_the_loop(stop, self._early_done))
         run = self.run_config
-        self._early_beats = asyncio.create_task(self._heartbeats_before_the_loop(stop))
         try:
+            self.dialable = await learn_dialable(client, self.config.host, self.config.dialable)
             self.dht = await self._start_dht(
                 stop, lambda: start_dht(
                     self.key, self.config.identity_path, host=self.config.host, port=self.config.port,
@@ -252,26 +253,30 @@ class Session:
         self.records = RecordSigner(self.key, self.certificate.encoded)
         return True
 
-    async def _heartbeats_before_the_loop(self, stop: asyncio.Event) -> None:
-        """Heartbeat from the admission until ``heartbeats`` takes over: while the DHT node starts and the
-        caller builds its trainer (each seconds, a minute or more on a busy machine), so that the
-        coordinator does not show a peer it has just admitted as offline meanwhile. They report step 0,
-        no parameters and no process metrics (so no uptime: the coordinator flags a peer that has been up
-        a minute outside its DHT as diverged), and keep what the answers carry (``_take_answer``); the
-        run's end is for the loop to act on."""
+    async def _heartbeats_before_the_loop(self, stop: asyncio.Event, done: asyncio.Event) -> None:
+        """Heartbeat from the admission until ``done`` is set (``heartbeats`` takes over): while the peer
+        checks its reachability, its DHT node starts and the caller builds its trainer (each seconds, a
+        minute or more on a busy machine), so that the coordinator does not show a peer it has just
+        admitted as offline meanwhile. They report no process metrics (so no uptime: the coordinator
+        flags a peer that has been up a minute outside its DHT as diverged), and keep what the answers
+        carry (``_take_answer``); the run's end is for the loop to act on. A beat in flight when ``done``
+        is set completes: the coordinator sends each version of its standing once."""
         interval_s = self.run_config.membership.heartbeat_interval_s
-        while not await wait_or_stop(stop, interval_s):
+        while not await wait_or_stop(done, interval_s) and not stop.is_set():
             try:
                 self._take_answer(await self._heartbeat(metrics={"dht_members": 0.0}))
-            except SwarmError as e:
+            except NetworkError as e:
                 logger.debug(f"heartbeat before the heartbeat loop: {e}")
+            except SwarmError as e:  # a ban, or a coordinator that forgot this peer: the loop acts on it
+                logger.info(f"heartbeat before the heartbeat loop refused: {e}")
 
     async def _end_early_beats(self) -> None:
-        if self._early_beats is not None:
-            self._early_beats.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._early_beats
-            self._early_beats = None
+        """End the heartbeats before the loop, after the beat in flight if any (bounded by the call's
+        timeout); the caller's own cancellation is not passed on to it, nor swallowed."""
+        task, self._early_beats = self._early_beats, None
+        if task is not None:
+            self._early_done.set()
+            await asyncio.shield(task)
 
     async def _start_dht(self, stop: asyncio.Event, start: Callable[[], Any]) -> Any:
         """``start()`` in a thread, tried again with backoff while the node does not come up in time (a
