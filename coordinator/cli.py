@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "start":
             config = config_from_args(CoordinatorConfig, args)
             runtime.setup_logging(config.log_level)
-            runtime.run(_start(config))
+            runtime.run(_start(config), fork_server=True)
         elif args.command == "status":
             config = config_from_args(StatusConfig, args)
             status = asyncio.run(_fetch_status(config))

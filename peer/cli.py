@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             return _control(args.command, config_from_args(ControlConfig, args))
         config = config_from_args(PeerConfig, args)
         runtime.setup_logging(config.log_level)
-        return runtime.run(_join(config))
+        return runtime.run(_join(config), fork_server=True)
     except SwarmError as e:
         print(f"swarm-peer: error: {e}", file=sys.stderr)
         if isinstance(e, ConfigError):

@@ -37,7 +37,8 @@
 - ``inbound``: ``BoundedServicer``, the size, stream and admission bounds of every libp2p handler
 - ``ratelimit``: ``RateLimiter``, the token bucket behind a peer's ``--max-upload-mbps``
 - ``cliargs``: CLI flags derived from typed configs
-- ``runtime``: process entry helpers (uvloop, logging, signals); only CLIs call them
+- ``runtime``: process entry helpers (uvloop, logging, signals, the fork server); only CLIs call them
+- ``forkserver``: child processes (the DHT node's) forked from a copy of the process made before any thread
 - ``procenv``: environment settings for gRPC that must precede its loading; only CLIs import it
 
 Everything in ``protocols.errors`` is re-exported here. Names not listed in ``__all__`` are internal and

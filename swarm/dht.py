@@ -32,6 +32,7 @@ from hivemind.dht.validation import RecordValidatorBase
 
 from protocols.errors import ConfigError, DHTStartFailed, NetworkError
 from protocols.keys import SigningKey
+from swarm import forkserver
 from swarm.dhtstorage import BoundedStorage, StorageLimits
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ class SpawnedDHT(hivemind.DHT):
     storage_limits = StorageLimits()
 
     @staticmethod
-    def _Popen(process_obj: hivemind.DHT) -> SpawnPopen:
+    def _Popen(process_obj: hivemind.DHT) -> SpawnPopen | forkserver.ForkServerPopen:
+        if forkserver.running():
+            return forkserver.ForkServerPopen(process_obj)
         return SpawnPopen(process_obj)
 
     def run(self) -> None:
@@ -174,6 +177,7 @@ def _spawn_dht(
         start=False,
         **hivemind_options,
     )
+    dht.name = "swarm-dht"
     if storage_limits is not None:
         dht.storage_limits = storage_limits
     try:

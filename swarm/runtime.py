@@ -1,4 +1,4 @@
-"""Process entry helpers: uvloop, logging, and a stop event set by SIGINT/SIGTERM.
+"""Process entry helpers: uvloop, logging, the fork server, and a stop event set by SIGINT/SIGTERM.
 
 Only CLI entry points call these; importing the library changes no global state.
 """
@@ -13,6 +13,8 @@ import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from swarm import forkserver
 
 T = TypeVar("T")
 
@@ -29,8 +31,14 @@ def setup_logging(level: str = "INFO") -> None:
     logging.getLogger("hivemind").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` on uvloop where available (not on Windows), else on asyncio's default loop."""
+def run(main: Coroutine[Any, Any, T], *, fork_server: bool = False) -> T:
+    """Run ``main`` on uvloop where available (not on Windows), else on asyncio's default loop.
+
+    ``fork_server``: first fork the copy of this process that its DHT node's process is then forked
+    from (``swarm.forkserver``), with the DHT's modules imported; a command that starts a DHT node
+    passes True, before anything starts a thread."""
+    if fork_server:
+        forkserver.start(preload=("swarm.dht",))
     try:
         import uvloop
     except ImportError:

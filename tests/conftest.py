@@ -1,6 +1,8 @@
 """Fixtures for tests that run real coordinator and peer processes on loopback (see lab/localswarm.py).
 
 Every child process is started in its own session and reaped after each test, whatever the outcome.
+The tests' own DHT nodes are forked from a fork server started here, before pytest runs any thread, as
+the peer's and coordinator's commands fork theirs (``swarm.forkserver``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from helpers import ready_for_a_new_loop, run_tiny_sim
 
 from lab.localswarm import LocalSwarm
 from protocols.keys import SigningKey
+from swarm import forkserver
 from swarm.dht import start_local_dhts
+
+forkserver.start(preload=("swarm.dht",))
 
 
 @pytest.fixture

@@ -1,0 +1,127 @@
+"""Children forked from the fork server (``swarm.forkserver``): what reaches them, what comes back, and what
+a DHT node forked this way costs. conftest.py starts this process's server, as the commands do."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm import dht as dht_module
+from swarm import forkserver
+
+
+class Reporter(mp.Process):
+    """Sends what it finds in its process, then exits with ``code`` (or sleeps until it is stopped)."""
+
+    _Popen = staticmethod(forkserver.ForkServerPopen)
+
+    def __init__(self, conn, code: int | None) -> None:
+        super().__init__(name="swarm-reporter", daemon=True)
+        self.conn, self.code = conn, code
+
+    def run(self) -> None:
+        self.conn.send(
+            {
+                "mark": os.environ.get("SWARM_FORKSERVER_TEST_MARK"),
+                "cwd": os.getcwd(),
+                "parent": os.getppid(),
+                "name": Path("/proc/self/comm").read_text().strip(),
+                "torch_imported": "torch" in sys.modules,
+            }
+        )
+        if self.code is None:
+            time.sleep(60)
+        sys.exit(self.code)
+
+
+def _private_mib(pid: int) -> float:
+    fields = dict(line.split()[:2] for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return (int(fields["Private_Clean:"]) + int(fields["Private_Dirty:"])) / 1024
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_gets_the_parents_current_environment_and_directory_and_its_exit_code_comes_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert forkserver.running()
+    # Set after the server was forked: a child must see the parent as it is now, as a spawned one does.
+    monkeypatch.setenv("SWARM_FORKSERVER_TEST_MARK", "now")
+    monkeypatch.chdir(tmp_path)
+    receive, send = mp.Pipe(duplex=False)
+    child = Reporter(send, code=3)
+    child.start()
+    assert receive.poll(20), "the forked child sent nothing"
+    seen = receive.recv()
+    child.join(20)
+    assert child.exitcode == 3
+    assert seen["mark"] == "now" and seen["cwd"] == str(tmp_path)
+    assert seen["parent"] == forkserver._server.pid != os.getpid()
+    assert seen["name"] == "swarm-reporter" and seen["torch_imported"]
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_that_is_terminated_reports_the_signal() -> None:
+    receive, send = mp.Pipe(duplex=False)
+    child = Reporter(send, code=None)
+    child.start()
+    assert receive.poll(20)
+    assert child.is_alive()
+    child.terminate()
+    child.join(20)
+    assert child.exitcode == -signal.SIGTERM and not child.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_a_dht_node_forked_from_the_server_serves_records_and_shares_the_servers_pages(
+    tmp_path: Path,
+) -> None:
+    from hivemind.utils import get_dht_time
+
+    nodes = dht_module.start_local_dhts(2, tmp_path)
+    try:
+        (first, _), (second, _) = nodes
+        assert first.store("forked", b"yes", get_dht_time() + 60)
+        found = second.get("forked", latest=True)
+        assert found is not None and found.value == b"yes"
+        for node, _ in nodes:
+            assert Path(f"/proc/{node.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(
+                forkserver._server.pid
+            )
+            # A spawned DHT process holds about 180 MiB of its own (its own torch and hivemind); a
+            # forked one shares those pages with the server.
+            assert _private_mib(node.pid) < 80, (
+                f"the DHT process holds {_private_mib(node.pid):.0f} MiB of its own"
+            )
+    finally:
+        for node, _ in nodes:
+            node.shutdown()
+    for node, _ in nodes:
+        node.join(20)
+        assert node.exitcode == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_process_already_running_threads_spawns_its_dht_node_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forkserver, "_server", None)
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)
+    worker.start()
+    try:
+        assert not forkserver.start() and not forkserver.running()
+        [(node, _)] = dht_module.start_local_dhts(1, tmp_path)
+    finally:
+        stop.set()
+    try:
+        assert node.is_alive() and node._popen.method == "spawn"
+        assert Path(f"/proc/{node.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+    finally:
+        node.shutdown()
