@@ -1,7 +1,9 @@
 """Rehearse a swarm on one machine: a coordinator and peers as separate processes on loopback.
 
 Used by the demo script and the tests. Every child runs in its own session so that ``kill_all`` also
-reaps its DHT process and p2p daemon; every wait is bounded.
+reaps its DHT process and p2p daemon; every wait is bounded. A process that started its fork server
+with the commands' modules (``COMMAND_MODULES``) forks its coordinators and peers from it
+(``lab.forked``) instead of starting an interpreter for each.
 
 Example::
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from lab.forked import ForkedCommand, forkable
 from protocols.errors import SwarmError
 from swarm.config import MembershipConfig, RunConfig
 from swarm.coordinator_client import CoordinatorClient
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # The checkout or install that holds the packages, so children import the same code.
 ROOT = Path(__file__).resolve().parents[1]
+
+# What a rehearsal preloads in its fork server (``swarm.forkserver.start``) to fork its commands from it.
+COMMAND_MODULES = ("peer.cli", "coordinator.cli", "swarm.dht")
 
 # Fast liveness so a rehearsal sees offline peers within seconds; real runs use the defaults.
 FAST_MEMBERSHIP = MembershipConfig(heartbeat_interval_s=0.5, offline_after_s=3.0, certificate_ttl_s=600.0)
@@ -92,7 +98,7 @@ class Child:
     """A child process with its combined output in a log file."""
 
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedCommand
     log_path: Path
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -203,12 +209,16 @@ class LocalSwarm:
     def spawn(self, name: str, args: list[str], *, prefix: Sequence[str] = ()) -> Child:
         """Start ``python ARGS`` (after ``prefix``, such as a WAN lab host's ``ip netns exec NS``)."""
         log_path = self.root / f"{name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child until it exits
-        process = subprocess.Popen(
-            [*prefix, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
-            start_new_session=True,
-        )  # fmt: skip
-        log.close()
+        process: subprocess.Popen | ForkedCommand
+        if not prefix and forkable(args):
+            process = ForkedCommand(args, log_path=log_path, env=self.env, cwd=ROOT)
+        else:
+            log = open(log_path, "ab")  # noqa: SIM115 - owned by the child until it exits
+            process = subprocess.Popen(
+                [*prefix, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                start_new_session=True,
+            )  # fmt: skip
+            log.close()
         self.reaper.watch(process.pid)
         child = Child(name, process, log_path)
         self.children.append(child)

@@ -25,14 +25,14 @@ from pathlib import Path
 
 from coordinator.cli import status_to_dict
 from coordinator.metrics import is_paused
-from lab.localswarm import status, wait_until
+from lab.localswarm import COMMAND_MODULES, status, wait_until
 from lab.rehearsal import Rehearsal
 from lab.roundfigures import steady_downloads, step_figures
 from lab.simconfig import SimConfig, build_run, samples_per_step
 from lab.wanlab import LinkSpec, WanLab, peak_mbit
 from peer.control import RESUME_SIGNAL
 from protocols.errors import NetworkError, SwarmError
-from swarm import runtime
+from swarm import forkserver, runtime
 from swarm.cliargs import add_config_arguments, config_from_args
 from swarm.config import RunConfig
 from swarm.journal import read_journal
@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm-sim: error: {e}", file=sys.stderr)
         return 2
     runtime.setup_logging("WARNING")
+    forkserver.start(preload=COMMAND_MODULES)
     return simulate(config)
 
 

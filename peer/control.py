@@ -118,9 +118,13 @@ def _is_peer(pid: int) -> bool:
         return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
     except OSError:
         return True
-    return pid == os.getpid() or any(
-        marker in cmdline for marker in (b"swarm-peer", b"peer.cli", b"peer/cli")
-    )
+    if pid == os.getpid() or any(marker in cmdline for marker in (b"swarm-peer", b"peer.cli", b"peer/cli")):
+        return True
+    # A peer forked by a rehearsal (lab/forked.py) carries the rehearsal's command line and this name.
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "swarm-peer"
+    except OSError:
+        return True
 
 
 def _running_pid(path: Path) -> int | None:

@@ -234,6 +234,9 @@ def _run_child(payload: bytes, fds: list[int]) -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     gc.unfreeze()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # a fresh interpreter seeds it from the OS (``random`` reseeds itself at a fork)
+        numpy.random.seed()
     os.close(fds[0])  # the exit status is the server's to write
     _inherited_fds[:] = fds[1:]
     for fd in _inherited_fds:
