@@ -3,6 +3,7 @@ processes, so it sits above ``peer`` and ``coordinator`` and neither of them imp
 
 - ``localswarm``: ``LocalSwarm``, a coordinator and peers as processes on loopback (sims, tests, demo)
 - ``forked``: ``ForkedCommand``, a coordinator or peer command forked from the rehearsal's fork server
+- ``testsession``: the test suite's process set up as a command's (``-p lab.testsession``): its fork server
 - ``wanlab``: ``WanLab``, hosts in network namespaces behind kernel-capped links and NAT (``--wan``, ``--nat``)
 - ``simconfig``: ``SimConfig``, the settings of ``swarm-sim`` (its flags), and the run it trains
 - ``rehearsal``: ``Rehearsal``, the skeleton both sims share: log directory, processes, bounds, report

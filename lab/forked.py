@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing import util
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from swarm import forkserver
 # The commands a rehearsal forks, and the name each forked process shows (``ps -e``, ``top``): a fork's
 # command line is the rehearsal's, so the name is how ``swarm-peer pause`` knows a forked peer.
 COMMANDS = {"peer.cli": "swarm-peer", "coordinator.cli": "swarm-coord"}
+SESSION_TIMEOUT_S = 30.0  # for a forked child to lead its own session (its first step)
 
 
 def forkable(args: list[str]) -> bool:
@@ -48,6 +50,17 @@ class ForkedCommand:
         self.returncode: int | None = None
         self._popen = forkserver.ForkServerPopen(_Command(args[1], args[2:], str(log_path), env, str(cwd)))
         self.pid = self._popen.pid
+        self._await_session()
+
+    def _await_session(self) -> None:
+        """Return once the child leads its own session, as ``Popen(start_new_session=True)`` does: a
+        group kill (the reaper's, ``LocalSwarm.kill_all``) must reach it and what it starts."""
+        deadline = time.monotonic() + SESSION_TIMEOUT_S
+        while self.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                if os.getsid(self.pid) == self.pid:
+                    return
+            time.sleep(0.002)
 
     def poll(self) -> int | None:
         if self.returncode is None:

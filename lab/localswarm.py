@@ -34,6 +34,7 @@ from lab.forked import ForkedCommand, forkable
 from protocols.errors import SwarmError
 from swarm.config import MembershipConfig, RunConfig
 from swarm.coordinator_client import CoordinatorClient
+from swarm.forkserver import ForkServerError
 
 if TYPE_CHECKING:
     from coordinator.node import CoordinatorNode
@@ -209,10 +210,13 @@ class LocalSwarm:
     def spawn(self, name: str, args: list[str], *, prefix: Sequence[str] = ()) -> Child:
         """Start ``python ARGS`` (after ``prefix``, such as a WAN lab host's ``ip netns exec NS``)."""
         log_path = self.root / f"{name}.log"
-        process: subprocess.Popen | ForkedCommand
+        process: subprocess.Popen | ForkedCommand | None = None
         if not prefix and forkable(args):
-            process = ForkedCommand(args, log_path=log_path, env=self.env, cwd=ROOT)
-        else:
+            try:
+                process = ForkedCommand(args, log_path=log_path, env=self.env, cwd=ROOT)
+            except ForkServerError as e:
+                print(f"starting {name} anew: {e}", file=sys.stderr)
+        if process is None:
             log = open(log_path, "ab")  # noqa: SIM115 - owned by the child until it exits
             process = subprocess.Popen(
                 [*prefix, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,

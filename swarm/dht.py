@@ -89,7 +89,10 @@ class SpawnedDHT(hivemind.DHT):
     @staticmethod
     def _Popen(process_obj: hivemind.DHT) -> SpawnPopen | forkserver.ForkServerPopen:
         if forkserver.running():
-            return forkserver.ForkServerPopen(process_obj)
+            try:
+                return forkserver.ForkServerPopen(process_obj)
+            except forkserver.ForkServerError as e:
+                logger.warning(f"spawning the DHT's process instead: {e}")
         return SpawnPopen(process_obj)
 
     def run(self) -> None:

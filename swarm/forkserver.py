@@ -11,7 +11,7 @@ one copy of the process as it is then: modules imported, no thread but the main 
 (``ForkServerPopen``, a ``multiprocessing`` start method) are forked from that copy: they start at
 once with everything imported, and share its memory pages until they write them. What the parent holds
 by then reaches the child as ``spawn`` would send it: the process object pickled, its file descriptors
-passed over a Unix socket, the parent's current environment and working directory.
+passed over a Unix socket, the parent's current environment, working directory and import path.
 
 The copy exits when the parent does (its socket closes), and a child whose parent is gone ends itself
 (``swarm.dht.SpawnedDHT``), so nothing outlives the command. A process that never called ``start()``,
@@ -33,6 +33,7 @@ import socket
 import struct
 import sys
 import threading
+import traceback
 from multiprocessing import context, process, reduction, util
 from multiprocessing.connection import wait
 from typing import Any
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_FDS = 64  # descriptors one child may inherit (a DHT process takes a handful)
 MAX_REQUEST_BYTES = 64 << 20  # a pickled process object (a DHT's is a few KiB)
+REPLY_TIMEOUT_S = 60.0  # for the server's answer to one request: a fork, even on a loaded machine
 _HEADER = struct.Struct("!Q")
 _PID = struct.Struct("!i")
 _STATUS = struct.Struct("!i")
@@ -104,8 +106,9 @@ class ForkServer:
             finally:
                 os._exit(code)
         child_end.close()
+        parent_end.settimeout(REPLY_TIMEOUT_S)
         self.pid = pid
-        self._socket = parent_end
+        self._socket: socket.socket | None = parent_end
         self._lock = threading.Lock()
 
     def alive(self) -> bool:
@@ -127,8 +130,13 @@ class ForkServer:
             except OSError as e:
                 self._close_locked()
                 raise ForkServerError(f"the fork server did not start the child: {e!r}") from None
+            except BaseException:
+                # Interrupted between a request and its answer (Ctrl-C, a test's timeout): the next
+                # request would read this one's answer, so the server is given up.
+                self._close_locked()
+                raise
         if pid <= 0:
-            raise ForkServerError("the fork server could not fork the child")
+            raise ForkServerError(f"the fork server could not fork the child: {os.strerror(-pid)}")
         return pid
 
     def close(self) -> None:
@@ -141,6 +149,26 @@ class ForkServer:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(self.pid, os.WNOHANG)
+
+    def forget(self) -> None:
+        """In a plain fork of this process: drop this end without touching the parent's server."""
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+def _forget_server_in_a_fork() -> None:
+    # A child made by a plain os.fork (a DataLoader worker, multiprocessing's fork context) must not share
+    # the request stream with its parent, nor keep the server alive after the parent is gone.
+    global _server
+    if _server is not None:
+        _server.forget()
+        _server = None
+
+
+os.register_at_fork(after_in_child=_forget_server_in_a_fork)
 
 
 def _receive(sock: socket.socket, size: int) -> bytes:
@@ -194,7 +222,12 @@ def _serve(sock: socket.socket) -> None:
                 for fd in fds:
                     os.close(fd)
                 return
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as e:  # EAGAIN, ENOMEM: this request fails, the server goes on
+                pid = -(e.errno or 1)
+                for fd in fds:
+                    os.close(fd)
             if pid == 0:
                 selector.close()
                 sock.close()
@@ -203,9 +236,10 @@ def _serve(sock: socket.socket) -> None:
                 for fd in status_fds.values():
                     os.close(fd)
                 os._exit(_run_child(payload, fds))
-            status_fds[pid] = fds[0]
-            for fd in fds[1:]:
-                os.close(fd)
+            if pid > 0:
+                status_fds[pid] = fds[0]
+                for fd in fds[1:]:
+                    os.close(fd)
             try:
                 sock.sendall(_PID.pack(pid))
             except OSError:
@@ -229,11 +263,10 @@ def _reap(status_fds: dict[int, int]) -> None:
 
 
 def _run_child(payload: bytes, fds: list[int]) -> int:
-    """In a forked child: take the parent's environment and working directory, then run the process."""
+    """In a forked child: take the parent's environment, working directory and import path, then run the process."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    gc.unfreeze()
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # a fresh interpreter seeds it from the OS (``random`` reseeds itself at a fork)
         numpy.random.seed()
@@ -242,15 +275,24 @@ def _run_child(payload: bytes, fds: list[int]) -> int:
     for fd in _inherited_fds:
         os.set_inheritable(fd, False)
     try:
-        environ, cwd, process_obj = _load(payload)
+        # Where the parent is now, as spawn's preparation sends it; then the process, which may be of a
+        # module the parent imported after the server copy was made.
+        stream = io.BytesIO(payload)
+        environ, cwd, path = pickle.load(stream)  # noqa: S301 - see _load
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
+        sys.path[:] = path
+        process_obj = _load(stream)
     except BaseException as e:  # noqa: BLE001 - report it and end this child only
         print(f"swarm fork server: could not load the child's process: {e!r}", file=sys.stderr)
         return 1
     _name_this_process(process_obj.name)
-    return process_obj._bootstrap()
+    try:
+        return process_obj._bootstrap()
+    except BaseException:  # noqa: BLE001 - a failure before the process's own handling began
+        traceback.print_exc()
+        return 1
 
 
 def _name_this_process(name: str) -> None:
@@ -259,12 +301,12 @@ def _name_this_process(name: str) -> None:
         comm.write(name[:15])
 
 
-def _load(payload: bytes) -> tuple[dict[str, str], str, Any]:
+def _load(stream: io.BytesIO) -> Any:
     current = process.current_process()
     current._inheriting = True
     try:
         # The payload is this process's parent's own pickle, received over a socketpair only it holds.
-        return pickle.loads(payload)  # noqa: S301
+        return pickle.load(stream)  # noqa: S301
     finally:
         current._inheriting = False
 
@@ -295,7 +337,8 @@ class ForkServerPopen:
         buffer = io.BytesIO()
         context.set_spawning_popen(self)
         try:
-            reduction.dump((dict(os.environ), os.getcwd(), process_obj), buffer)
+            reduction.dump((dict(os.environ), os.getcwd(), list(sys.path)), buffer)
+            reduction.dump(process_obj, buffer)
         finally:
             context.set_spawning_popen(None)
         status_r, status_w = os.pipe()
@@ -331,7 +374,7 @@ class ForkServerPopen:
         return self.poll(0)
 
     def _send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # an exited child's pid may already be another process's
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.pid, sig)
 

@@ -1,14 +1,11 @@
 """Fixtures for tests that run real coordinator and peer processes on loopback (see lab/localswarm.py).
 
 Every child process is started in its own session and reaped after each test, whatever the outcome.
-The tests' own DHT nodes, coordinators and peers are forked from a fork server started here, before
-pytest runs any thread, as a rehearsal forks its commands and the commands their DHT nodes
-(``swarm.forkserver``, ``lab.forked``).
+The tests' own DHT nodes, coordinators and peers are forked from the fork server that
+``lab.testsession`` (a ``-p`` plugin in pyproject's ``addopts``) starts before pytest runs anything.
 """
 
 from __future__ import annotations
-
-import swarm.procenv  # noqa: F401  # isort: skip  (before grpc loads: the forked peers inherit its settings)
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +14,9 @@ import hivemind
 import pytest
 from helpers import ready_for_a_new_loop, run_tiny_sim
 
-from lab.localswarm import COMMAND_MODULES, LocalSwarm
+from lab.localswarm import LocalSwarm
 from protocols.keys import SigningKey
-from swarm import forkserver
 from swarm.dht import start_local_dhts
-
-forkserver.start(preload=COMMAND_MODULES)
 
 
 @pytest.fixture

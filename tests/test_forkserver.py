@@ -1,5 +1,5 @@
 """Children forked from the fork server (``swarm.forkserver``): what reaches them, what comes back, and what
-a DHT node forked this way costs. conftest.py starts this process's server, as the commands do."""
+a DHT node forked this way costs. ``lab.testsession`` starts this process's server, as the commands do."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.forked import ForkedCommand
 from swarm import dht as dht_module
 from swarm import forkserver
 
@@ -125,3 +126,39 @@ def test_a_process_already_running_threads_spawns_its_dht_node_instead(
         assert Path(f"/proc/{node.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
     finally:
         node.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_command_leads_its_own_session_writes_its_log_and_exits_as_its_command_line_would(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "pause.log"
+    command = ForkedCommand(
+        ["-m", "peer.cli", "pause", "--identity", str(tmp_path / "nobody.key")],
+        log_path=log, env={**os.environ, "HOME": str(tmp_path)}, cwd=tmp_path,
+    )  # fmt: skip
+    # Already the leader of its own session, so that a group kill reaches it and what it starts.
+    assert command.poll() is not None or os.getsid(command.pid) == command.pid
+    assert command.wait(30) == 2  # what `swarm-peer pause` exits with when no peer runs
+    text = log.read_text()
+    assert "no running peer uses identity" in text and "nobody.key" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_fork_of_a_process_with_a_fork_server_does_not_share_it() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker or multiprocessing's fork context would be such a child
+        os.write(write, b"1" if forkserver.running() else b"0")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"0"
+    os.close(read)
+    os.waitpid(pid, 0)
+    # The parent's own server is untouched by the child's exit.
+    receive, send = mp.Pipe(duplex=False)
+    child = Reporter(send, code=0)
+    child.start()
+    assert receive.poll(20)
+    child.join(20)
+    assert child.exitcode == 0
