@@ -485,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm-sim: error: {e}", file=sys.stderr)
         return 2
     runtime.setup_logging("WARNING")
-    forkserver.start(preload=COMMAND_MODULES)
+    if not config.fresh_interpreters:
+        forkserver.start(preload=COMMAND_MODULES)
     return simulate(config)
 
 

@@ -39,6 +39,12 @@ class SimConfig(BaseModel):
     )
     steps: int = Field(20, ge=1, le=100_000, description="global training steps to run")
     churn: bool = Field(False, description="kill a peer outright and restart it during the run")
+    fresh_interpreters: bool = Field(
+        False,
+        description="start the coordinator and each peer as a fresh interpreter, as on volunteers' machines "
+        "(each with its own hash seed), instead of forking them from the sim's fork server (faster, "
+        "less memory)",
+    )
     join_over: float = Field(
         0.0, ge=0, le=3600,
         description="start the peers one after another, evenly over this many seconds (0: all join paused "

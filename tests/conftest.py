@@ -51,5 +51,7 @@ def keyed_dhts(session_keyed_dhts) -> list[tuple[hivemind.DHT, SigningKey]]:
 @pytest.fixture(scope="session")
 def clean_tiny_sim(tmp_path_factory) -> dict:
     """One clean ``swarm-sim`` run (3 peers, 6 steps, tiny model, every part checked), shared by the
-    tests that compare a variant with it: about 25 s of processes, started once."""
-    return run_tiny_sim(tmp_path_factory.mktemp("clean-sim"))
+    tests that compare a variant with it: about 25 s of processes, started once. Its peers are fresh
+    interpreters, each with its own hash seed as on volunteers' machines, so that the runs that check
+    bit-identical peers include one where nothing is inherited from a common fork."""
+    return run_tiny_sim(tmp_path_factory.mktemp("clean-sim"), "--fresh-interpreters")
