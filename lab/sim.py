@@ -284,7 +284,9 @@ def _simulate(config: SimConfig, run: RunConfig, rehearsal: Rehearsal, progress:
             peers[victim].wait(timeout_s=30)
             churn_events.append({"killed": victim, "at_step": max(steps.values())})
             wait_until(
-                lambda v=victim: _state(control, v) == "offline", timeout_s=30, what=f"{victim} offline"
+                lambda v=victim: _state(control, rehearsal, v) == "offline",
+                timeout_s=30,
+                what=f"{victim} offline",
             )
             peers[victim] = launch(victim, paused=False, attacker=False)
             churn_events[-1]["restarted"] = True
@@ -471,8 +473,8 @@ def _status(control: str, rehearsal: Rehearsal):
             time.sleep(1.0)
 
 
-def _state(address: str, name: str) -> str:
-    return next((p.state for p in status(address).peers if p.name == name), "")
+def _state(control: str, rehearsal: Rehearsal, name: str) -> str:
+    return next((p.state for p in _status(control, rehearsal).peers if p.name == name), "")
 
 
 def main(argv: list[str] | None = None) -> int:
