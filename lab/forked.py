@@ -26,6 +26,7 @@ from multiprocessing import util
 from pathlib import Path
 
 from swarm import forkserver
+from swarm.forkserver import ForkServerError
 
 # The commands a rehearsal forks, and the name each forked process shows (``ps -e``, ``top``): a fork's
 # command line is the rehearsal's, so the name is how ``swarm-peer pause`` knows a forked peer.
@@ -56,10 +57,15 @@ class ForkedCommand:
         """Return once the child leads its own session, as ``Popen(start_new_session=True)`` does: a
         group kill (the reaper's, ``LocalSwarm.kill_all``) must reach it and what it starts."""
         deadline = time.monotonic() + SESSION_TIMEOUT_S
-        while self.poll() is None and time.monotonic() < deadline:
+        while self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 if os.getsid(self.pid) == self.pid:
                     return
+            if time.monotonic() >= deadline:
+                self.kill()
+                raise ForkServerError(
+                    f"the forked child did not lead a session within {SESSION_TIMEOUT_S:.0f}s"
+                )
             time.sleep(0.002)
 
     def poll(self) -> int | None:

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 MAX_FDS = 64  # descriptors one child may inherit (a DHT process takes a handful)
 MAX_REQUEST_BYTES = 64 << 20  # a pickled process object (a DHT's is a few KiB)
 REPLY_TIMEOUT_S = 60.0  # for the server's answer to one request: a fork, even on a loaded machine
+_DEFERRED_SIGNALS = {
+    signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1,
+    signal.SIGUSR2, signal.SIGCHLD,
+}  # fmt: skip
 _HEADER = struct.Struct("!Q")
 _PID = struct.Struct("!i")
 _STATUS = struct.Struct("!i")
@@ -72,7 +76,11 @@ def start(preload: tuple[str, ...] = ()) -> bool:
     if threading.active_count() != 1:
         logger.debug("children are spawned: this process already runs other threads")
         return False
-    _server = ForkServer()
+    try:
+        _server = ForkServer()
+    except OSError as e:  # EAGAIN, ENOMEM: spawning may still work
+        logger.warning(f"children are spawned: could not fork the fork server: {e}")
+        return False
     return True
 
 
@@ -95,7 +103,12 @@ class ForkServer:
     def __init__(self) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         util._flush_std_streams()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            parent_end.close()
+            child_end.close()
+            raise
         if pid == 0:  # the server copy
             parent_end.close()
             code = 0
@@ -123,6 +136,10 @@ class ForkServer:
         with self._lock:
             if self._socket is None:
                 raise ForkServerError("the fork server has ended")
+            # A signal handler that raised between a request and its answer (Ctrl-C, a test's
+            # timeout) would leave the answer for the next request to read: the signals wait until the
+            # exchange (a fork, milliseconds) is over, and are handled then.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
             try:
                 socket.send_fds(self._socket, [_HEADER.pack(len(payload))], fds)
                 self._socket.sendall(payload)
@@ -131,10 +148,10 @@ class ForkServer:
                 self._close_locked()
                 raise ForkServerError(f"the fork server did not start the child: {e!r}") from None
             except BaseException:
-                # Interrupted between a request and its answer (Ctrl-C, a test's timeout): the next
-                # request would read this one's answer, so the server is given up.
                 self._close_locked()
                 raise
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if pid <= 0:
             raise ForkServerError(f"the fork server could not fork the child: {os.strerror(-pid)}")
         return pid
@@ -215,7 +232,7 @@ def _serve(sock: socket.socket) -> None:
             try:
                 header += _receive(sock, _HEADER.size - len(header))
                 (size,) = _HEADER.unpack(header)
-                if size > MAX_REQUEST_BYTES or not fds:
+                if size > MAX_REQUEST_BYTES or len(fds) < 3:  # the status pipe, stdout, stderr
                     raise ValueError(f"a request of {size} bytes with {len(fds)} descriptors")
                 payload = _receive(sock, size)
             except (OSError, ValueError):
@@ -271,7 +288,10 @@ def _run_child(payload: bytes, fds: list[int]) -> int:
     if numpy is not None:  # a fresh interpreter seeds it from the OS (``random`` reseeds itself at a fork)
         numpy.random.seed()
     os.close(fds[0])  # the exit status is the server's to write
-    _inherited_fds[:] = fds[1:]
+    for target, source in ((1, fds[1]), (2, fds[2])):
+        os.dup2(source, target)
+        os.close(source)
+    _inherited_fds[:] = fds[3:]
     for fd in _inherited_fds:
         os.set_inheritable(fd, False)
     try:
@@ -337,13 +357,16 @@ class ForkServerPopen:
         buffer = io.BytesIO()
         context.set_spawning_popen(self)
         try:
-            reduction.dump((dict(os.environ), os.getcwd(), list(sys.path)), buffer)
+            # As spawn's preparation: the import path with '' as the directory the process started in.
+            path = [process.ORIGINAL_DIR if entry == "" else entry for entry in sys.path]
+            reduction.dump((dict(os.environ), os.getcwd(), path), buffer)
             reduction.dump(process_obj, buffer)
         finally:
             context.set_spawning_popen(None)
         status_r, status_w = os.pipe()
         try:
-            self.pid = _server.fork_child(buffer.getvalue(), [status_w, *self._fds])
+            # A spawned child's output goes where the parent's goes now (a test's capture, a log).
+            self.pid = _server.fork_child(buffer.getvalue(), [status_w, 1, 2, *self._fds])
         except BaseException:
             os.close(status_r)
             raise

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ class Reporter(mp.Process):
         )
         if self.code is None:
             time.sleep(60)
+        warnings.warn("a warning from the forked child", UserWarning, stacklevel=1)
+        sys.stderr.flush()
         sys.exit(self.code)
 
 
@@ -65,6 +68,20 @@ def test_a_forked_child_gets_the_parents_current_environment_and_directory_and_i
     assert seen["mark"] == "now" and seen["cwd"] == str(tmp_path)
     assert seen["parent"] == forkserver._server.pid != os.getpid()
     assert seen["name"] == "swarm-reporter" and seen["torch_imported"]
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_writes_where_its_parent_writes_now_and_shows_its_warnings(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # The server copy was made before this test's capture began; a spawned child would write into it,
+    # and would show a warning as a fresh interpreter does, not into a recorder of pytest's.
+    receive, send = mp.Pipe(duplex=False)
+    child = Reporter(send, code=0)
+    child.start()
+    child.join(20)
+    assert child.exitcode == 0
+    assert "UserWarning: a warning from the forked child" in capfd.readouterr().err
 
 
 @pytest.mark.timeout(60)
