@@ -1,9 +1,10 @@
 """Starting hivemind's DHT under a swarm identity, so the DHT peer ID is the ID of the signing key.
 
-hivemind runs its DHT in a child process. We start that child with ``spawn`` rather than ``fork``:
-our processes already run grpc and executor threads when the DHT starts, and a child forked from a
-threaded process can hang on a lock some other thread held at the moment of the fork. The child keeps
-no more for others than its ``StorageLimits`` (``swarm.dhtstorage``).
+hivemind runs its DHT in a child process. We never fork the running process for it: our processes
+already run grpc and executor threads when the DHT starts, and a child forked from a threaded process
+can hang on a lock some other thread held at the moment of the fork. A command forks the child from
+the copy of itself it made before any thread (``swarm.forkserver``); any other process spawns it. The
+child keeps no more for others than its ``StorageLimits`` (``swarm.dhtstorage``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class DroppedCoroutineNoise(logging.Filter):
 
 
 class SpawnedDHT(hivemind.DHT):
-    """hivemind's DHT in a spawned (not forked) child that exits when its parent dies, even by SIGKILL,
+    """hivemind's DHT in a child spawned, or forked from the fork server (never a fork of the running
+    process), that exits when its parent dies, even by SIGKILL,
     keeps no more for others than its ``storage_limits`` (``swarm.dhtstorage``) and refuses empty
     dictionaries (``CheckedProtocol``)."""
 

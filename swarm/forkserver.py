@@ -43,15 +43,12 @@ logger = logging.getLogger(__name__)
 MAX_FDS = 64  # descriptors one child may inherit (a DHT process takes a handful)
 MAX_REQUEST_BYTES = 64 << 20  # a pickled process object (a DHT's is a few KiB)
 REPLY_TIMEOUT_S = 60.0  # for the server's answer to one request: a fork, even on a loaded machine
-_DEFERRED_SIGNALS = {
-    signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1,
-    signal.SIGUSR2, signal.SIGCHLD,
-}  # fmt: skip
 _HEADER = struct.Struct("!Q")
 _PID = struct.Struct("!i")
 _STATUS = struct.Struct("!i")
 
 _server: ForkServer | None = None
+_fork_hook = False  # whether plain forks of this process forget its server (registered at the first start)
 _inherited_fds: list[int] = []  # in a forked child: the descriptors its parent passed, by index
 
 
@@ -76,6 +73,10 @@ def start(preload: tuple[str, ...] = ()) -> bool:
     if threading.active_count() != 1:
         logger.debug("children are spawned: this process already runs other threads")
         return False
+    global _fork_hook
+    if not _fork_hook:
+        os.register_at_fork(after_in_child=_forget_server_in_a_fork)
+        _fork_hook = True
     try:
         _server = ForkServer()
     except OSError as e:  # EAGAIN, ENOMEM: spawning may still work
@@ -136,25 +137,37 @@ class ForkServer:
         with self._lock:
             if self._socket is None:
                 raise ForkServerError("the fork server has ended")
-            # A signal handler that raised between a request and its answer (Ctrl-C, a test's
-            # timeout) would leave the answer for the next request to read: the signals wait until the
-            # exchange (a fork, milliseconds) is over, and are handled then.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+            sent = False
             try:
                 socket.send_fds(self._socket, [_HEADER.pack(len(payload))], fds)
                 self._socket.sendall(payload)
+                sent = True
                 (pid,) = _PID.unpack(_receive(self._socket, _PID.size))
             except OSError as e:
                 self._close_locked()
                 raise ForkServerError(f"the fork server did not start the child: {e!r}") from None
             except BaseException:
-                self._close_locked()
+                # A signal handler raised (Ctrl-C, a test's timeout). A request cut short leaves the
+                # stream out of step, so the server is given up; a whole one is answered: the answer is
+                # read, so that the next request gets its own, and the child nobody will track ended.
+                if not sent:
+                    self._close_locked()
+                    raise
+                self._abandon_answer_locked()
                 raise
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if pid <= 0:
             raise ForkServerError(f"the fork server could not fork the child: {os.strerror(-pid)}")
         return pid
+
+    def _abandon_answer_locked(self) -> None:
+        try:
+            (pid,) = _PID.unpack(_receive(self._socket, _PID.size))
+        except BaseException:
+            self._close_locked()
+            raise
+        if pid > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
         with self._lock:
@@ -183,9 +196,6 @@ def _forget_server_in_a_fork() -> None:
     if _server is not None:
         _server.forget()
         _server = None
-
-
-os.register_at_fork(after_in_child=_forget_server_in_a_fork)
 
 
 def _receive(sock: socket.socket, size: int) -> bytes:
@@ -289,8 +299,9 @@ def _run_child(payload: bytes, fds: list[int]) -> int:
         numpy.random.seed()
     os.close(fds[0])  # the exit status is the server's to write
     for target, source in ((1, fds[1]), (2, fds[2])):
-        os.dup2(source, target)
-        os.close(source)
+        if source != target:
+            os.dup2(source, target)
+            os.close(source)
     _inherited_fds[:] = fds[3:]
     for fd in _inherited_fds:
         os.set_inheritable(fd, False)
@@ -341,6 +352,20 @@ class _DupFd:
         return _inherited_fds[self.index]
 
 
+def _standard_outputs() -> tuple[list[int], list[int]]:
+    """This process's stdout and stderr, /dev/null for one it has closed; and the descriptors opened
+    for that, to close once sent."""
+    outputs, opened = [], []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            fd = os.open(os.devnull, os.O_WRONLY)
+            opened.append(fd)
+        outputs.append(fd)
+    return outputs, opened
+
+
 class ForkServerPopen:
     """``multiprocessing``'s Popen interface for a child forked by this process's server copy."""
 
@@ -364,14 +389,17 @@ class ForkServerPopen:
         finally:
             context.set_spawning_popen(None)
         status_r, status_w = os.pipe()
+        # A spawned child's output goes where the parent's goes now (a test's capture, a log).
+        outputs, opened = _standard_outputs()
         try:
-            # A spawned child's output goes where the parent's goes now (a test's capture, a log).
-            self.pid = _server.fork_child(buffer.getvalue(), [status_w, 1, 2, *self._fds])
+            self.pid = _server.fork_child(buffer.getvalue(), [status_w, *outputs, *self._fds])
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)
+            for fd in opened:
+                os.close(fd)
         self.sentinel = status_r
         self.finalizer = util.Finalize(self, util.close_fds, (status_r,))
 

@@ -2,7 +2,7 @@
 
 Every child process is started in its own session and reaped after each test, whatever the outcome.
 The tests' own DHT nodes, coordinators and peers are forked from the fork server that
-``lab.testsession`` (a ``-p`` plugin in pyproject's ``addopts``) starts before pytest runs anything.
+``lab.testsession`` (a ``-p`` plugin in pyproject's ``addopts``) starts when pytest's command begins.
 """
 
 from __future__ import annotations

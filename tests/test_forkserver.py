@@ -179,3 +179,50 @@ def test_a_plain_fork_of_a_process_with_a_fork_server_does_not_share_it() -> Non
     assert receive.poll(20)
     child.join(20)
     assert child.exitcode == 0
+
+
+def _children_named(parent: int, name: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            comm, fields = stat.split("(", 1)[1].rsplit(")", 1)
+            if comm == name and int(fields.split()[1]) == parent and fields.split()[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_request_interrupted_before_its_answer_leaves_the_server_in_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = forkserver._server
+    real_receive = forkserver._receive
+    interrupted: list[bool] = []
+
+    def receive(sock, size):  # Ctrl-C (or a test's timeout) lands once the request is sent
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_receive(sock, size)
+
+    monkeypatch.setattr(forkserver, "_receive", receive)
+    with pytest.raises(KeyboardInterrupt):
+        Reporter(mp.Pipe(duplex=False)[1], code=None).start()
+    monkeypatch.setattr(forkserver, "_receive", real_receive)
+    # The same server goes on, and the next child gets its own answer, not the interrupted one's.
+    assert forkserver.running() and forkserver._server is server
+    receive_report, send = mp.Pipe(duplex=False)
+    child = Reporter(send, code=5)
+    child.start()
+    child.join(20)
+    assert child.exitcode == 5 and receive_report.poll(5)
+    assert receive_report.recv()["parent"] == server.pid
+    # The interrupted request's child, which nobody tracks, was ended (it would have slept 60 s).
+    deadline = time.monotonic() + 10
+    while _children_named(server.pid, "swarm-reporter") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _children_named(server.pid, "swarm-reporter")
