@@ -17,7 +17,6 @@ import contextlib
 import importlib
 import io
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -81,15 +80,13 @@ class ForkedCommand:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+        self._popen.send_signal(signum)
 
     def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
+        self._popen.terminate()
 
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        self._popen.kill()
 
 
 class _Command:

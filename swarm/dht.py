@@ -3,8 +3,10 @@
 hivemind runs its DHT in a child process. We never fork the running process for it: our processes
 already run grpc and executor threads when the DHT starts, and a child forked from a threaded process
 can hang on a lock some other thread held at the moment of the fork. A command forks the child from
-the copy of itself it made before any thread (``swarm.forkserver``); any other process spawns it. The
-child keeps no more for others than its ``StorageLimits`` (``swarm.dhtstorage``).
+the copy of itself it made before any thread (``swarm.forkserver``); any other process spawns it. Every
+fork of a process that imported this module gets hivemind's process-wide locks of its own
+(``_fresh_hivemind_locks``). The child keeps no more for others than its ``StorageLimits``
+(``swarm.dhtstorage``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -46,6 +49,22 @@ def listen_maddr(host: str, port: int) -> str:
     except ValueError:
         raise ConfigError(f"host {host!r} is not an IPv4 or IPv6 address") from None
     return f"/ip{address.version}/{address}/tcp/{port}"
+
+
+def _fresh_hivemind_locks() -> None:
+    """hivemind creates process-wide multiprocessing locks when it is imported (``MPFuture``'s, and its
+    executor's). A process forked after that import shares each of them with every other fork of the
+    same process, so one killed while it held one (a DHT process, a peer killed outright) would stall all
+    the others at their next future update. A spawned child imports hivemind and has locks of its own;
+    a forked one is given its own here (hivemind's own reset)."""
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_hivemind_locks)
 
 
 class CheckedProtocol(DHTProtocol):

@@ -424,16 +424,16 @@ class ForkServerPopen:
             return None
         return self.poll(0)
 
-    def _send_signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # an exited child's pid may already be another process's
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        self._send_signal(signal.SIGTERM)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._send_signal(signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
 
     def close(self) -> None:
         if self.finalizer is not None:

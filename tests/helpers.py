@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,8 @@ def start_dhts(count: int, initial_peers: list[str] | None = None, validators=()
     """``count`` DHT nodes on loopback, each under a fresh identity recorded in ``KEYS``; the first
     bootstraps the others unless ``initial_peers`` is given."""
     home = Path(tempfile.mkdtemp(prefix="swarm-test-keys-"))
+    # The p2p daemons read their keys when they start; the test session removes the directory at its end.
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
     nodes = start_local_dhts(count, home, initial_peers=initial_peers, validators=validators)
     KEYS.update((key.peer_id, key) for _, key in nodes)
     return [dht for dht, _ in nodes]

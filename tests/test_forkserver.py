@@ -226,3 +226,37 @@ def test_a_request_interrupted_before_its_answer_leaves_the_server_in_step(
     while _children_named(server.pid, "swarm-reporter") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _children_named(server.pid, "swarm-reporter")
+
+
+class LockHolder(mp.Process):
+    """Takes hivemind's process-wide future-update lock, says so, and waits to be killed holding it."""
+
+    _Popen = staticmethod(forkserver.ForkServerPopen)
+
+    def __init__(self, conn) -> None:
+        super().__init__(name="swarm-lockhold", daemon=True)
+        self.conn = conn
+
+    def run(self) -> None:
+        from hivemind.utils.mpfuture import MPFuture
+
+        MPFuture._update_lock.acquire()
+        self.conn.send("holding")
+        time.sleep(60)
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_killed_holding_hiveminds_lock_does_not_stall_the_next_dht_node(
+    tmp_path: Path,
+) -> None:
+    # hivemind makes its locks at import; forks of one process shared them, so a DHT process killed
+    # while it sent a future's update (a test's kill, a churned peer) stalled every later one.
+    receive, send = mp.Pipe(duplex=False)
+    holder = LockHolder(send)
+    holder.start()
+    assert receive.poll(20) and receive.recv() == "holding"
+    holder.kill()
+    holder.join(20)
+    nodes = dht_module.start_local_dhts(1, tmp_path)  # ready means its process sent the ready future
+    for node, _ in nodes:
+        node.shutdown()
