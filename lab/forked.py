@@ -47,7 +47,6 @@ class ForkedCommand:
         if not forkable(args):
             raise ValueError(f"cannot fork python {' '.join(args[:2])}: not a command of {sorted(COMMANDS)}")
         self.args = [sys.executable, *args]
-        self.returncode: int | None = None
         self._popen = forkserver.ForkServerPopen(_Command(args[1], args[2:], str(log_path), env, str(cwd)))
         self.pid = self._popen.pid
         self._await_session()
@@ -67,17 +66,18 @@ class ForkedCommand:
                 )
             time.sleep(0.002)
 
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._popen.poll()
-        return self.returncode
+        return self._popen.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = self._popen.wait(timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
+        code = self._popen.wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
 
     def send_signal(self, signum: int) -> None:
         self._popen.send_signal(signum)

@@ -6,8 +6,8 @@ private memory again as the parent's own imports. Forking the running peer inste
 and executor threads may hold a lock at the moment of the fork, and the child would wait on it forever.
 
 ``start()``, called at a command's entry before any thread starts (``swarm.runtime.run(...,
-fork_server=True)`` does), forks
-one copy of the process as it is then: modules imported, no thread but the main one. Later children
+fork_server=True)`` does), forks one copy of the process as it is then: modules imported, no thread
+but the main one. Later children
 (``ForkServerPopen``, a ``multiprocessing`` start method) are forked from that copy: they start at
 once with everything imported, and share its memory pages until they write them. What the parent holds
 by then reaches the child as ``spawn`` would send it: the process object pickled, its file descriptors
@@ -46,6 +46,9 @@ REPLY_TIMEOUT_S = 60.0  # for the server's answer to one request: a fork, even o
 _HEADER = struct.Struct("!Q")
 _PID = struct.Struct("!i")
 _STATUS = struct.Struct("!i")
+# Every request passes these first: where the server writes the child's exit status, and the parent's
+# stdout and stderr; the process object's own descriptors follow.
+_STATUS_FD, _STDOUT_FD, _STDERR_FD, _FIRST_INHERITED = 0, 1, 2, 3
 
 _server: ForkServer | None = None
 _fork_hook = False  # whether plain forks of this process forget its server (registered at the first start)
@@ -64,7 +67,7 @@ def start(preload: tuple[str, ...] = ()) -> bool:
     timer): ``preload`` what its children unpickle and run (``swarm.dht`` for a DHT node). Calling it
     again is harmless."""
     global _server
-    if _server is not None and _server.alive():
+    if running():
         return True
     if sys.platform == "win32":
         return False
@@ -88,14 +91,6 @@ def start(preload: tuple[str, ...] = ()) -> bool:
 def running() -> bool:
     """Whether children of this process are forked from its server copy (``start()`` succeeded)."""
     return _server is not None and _server.alive()
-
-
-def stop() -> None:
-    """End the server copy (children it forked go on until they end); later children are spawned."""
-    global _server
-    if _server is not None:
-        _server.close()
-        _server = None
 
 
 class ForkServer:
@@ -169,12 +164,6 @@ class ForkServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def close(self) -> None:
-        with self._lock:
-            self._close_locked()
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(self.pid, 0)
-
     def _close_locked(self) -> None:
         if self._socket is not None:
             self._socket.close()
@@ -242,7 +231,7 @@ def _serve(sock: socket.socket) -> None:
             try:
                 header += _receive(sock, _HEADER.size - len(header))
                 (size,) = _HEADER.unpack(header)
-                if size > MAX_REQUEST_BYTES or len(fds) < 3:  # the status pipe, stdout, stderr
+                if size > MAX_REQUEST_BYTES or len(fds) < _FIRST_INHERITED:
                     raise ValueError(f"a request of {size} bytes with {len(fds)} descriptors")
                 payload = _receive(sock, size)
             except (OSError, ValueError):
@@ -264,14 +253,13 @@ def _serve(sock: socket.socket) -> None:
                     os.close(fd)
                 os._exit(_run_child(payload, fds))
             if pid > 0:
-                status_fds[pid] = fds[0]
-                for fd in fds[1:]:
+                status_fds[pid] = fds[_STATUS_FD]
+                for fd in fds[_STATUS_FD + 1 :]:
                     os.close(fd)
             try:
                 sock.sendall(_PID.pack(pid))
             except OSError:
                 return
-        _reap(status_fds)
 
 
 def _reap(status_fds: dict[int, int]) -> None:
@@ -297,12 +285,12 @@ def _run_child(payload: bytes, fds: list[int]) -> int:
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # a fresh interpreter seeds it from the OS (``random`` reseeds itself at a fork)
         numpy.random.seed()
-    os.close(fds[0])  # the exit status is the server's to write
-    for target, source in ((1, fds[1]), (2, fds[2])):
+    os.close(fds[_STATUS_FD])  # the exit status is the server's to write
+    for target, source in ((1, fds[_STDOUT_FD]), (2, fds[_STDERR_FD])):
         if source != target:
             os.dup2(source, target)
             os.close(source)
-    _inherited_fds[:] = fds[3:]
+    _inherited_fds[:] = fds[_FIRST_INHERITED:]
     for fd in _inherited_fds:
         os.set_inheritable(fd, False)
     try:
